@@ -1,0 +1,136 @@
+"""Frozen, validated configuration: EngineConfig, SpecConfig, SamplingParams.
+
+Validation errors are ValueError and name the offending field, so that the server can map
+them to INVALID_ARGUMENT without parsing messages.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+DEFAULT = "default"  # sentinel: "use the bundled demo model / draft"
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules (the same defaults as the gRPC API documents)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0        # 0 means greedy
+    top_k: int = 0                  # 0 (or -1) means no top-k filter
+    top_p: float = 1.0              # in (0, 1]
+    min_p: float = 0.0              # in [0, 1)
+    repetition_penalty: float = 1.0  # > 0; 1 means off (HF semantics)
+    seed: Optional[int] = None      # same seed -> same output, whatever the batch
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False          # return the log-probability of each chosen token
+
+    def __post_init__(self):
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+                 "max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        _require(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+                 "min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        _require(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+                 f"must not exceed max_new_tokens ({self.min_new_tokens} > {self.max_new_tokens})")
+        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+                 f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(0.0 <= self.min_p < 1.0, "min_p", f"must be in [0, 1), got {self.min_p}")
+        _require(self.repetition_penalty > 0.0, "repetition_penalty",
+                 f"must be > 0, got {self.repetition_penalty}")
+        _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                 "seed", f"must be a non-negative 63-bit integer, got {self.seed!r}")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """EAGLE speculative decoding. Chain drafting is topk == 1 (num_draft_tokens = num_steps + 1)."""
+
+    algorithm: str = "eagle3"       # "eagle3" | "eagle"
+    draft_model: Optional[str] = None  # None: the bundled demo draft (only with the demo target)
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+    # Bench-only: accept exactly this many draft tokens per verify (random weights). Refused by
+    # the server; see bench/one_batch.py.
+    bench_force_accept_len: Optional[int] = None
+
+    def __post_init__(self):
+        _require(self.algorithm in ("eagle", "eagle3"), "spec.algorithm",
+                 f"must be 'eagle' or 'eagle3', got {self.algorithm!r}")
+        _require(isinstance(self.num_steps, int) and self.num_steps >= 1, "spec.num_steps",
+                 f"must be >= 1, got {self.num_steps!r}")
+        _require(isinstance(self.topk, int) and self.topk >= 1, "spec.topk",
+                 f"must be >= 1, got {self.topk!r}")
+        if self.topk == 1:
+            _require(self.num_draft_tokens == self.num_steps + 1, "spec.num_draft_tokens",
+                     f"chain drafting (topk=1) needs num_draft_tokens == num_steps + 1 = "
+                     f"{self.num_steps + 1}, got {self.num_draft_tokens}")
+        else:
+            max_nodes = self.topk + (self.num_steps - 1) * self.topk ** 2
+            _require(2 <= self.num_draft_tokens <= max_nodes + 1, "spec.num_draft_tokens",
+                     f"must be in [2, {max_nodes + 1}] for topk={self.topk}, "
+                     f"num_steps={self.num_steps}; got {self.num_draft_tokens}")
+
+    @property
+    def accept_stride(self) -> int:
+        """Most tokens one verify can emit (accepted drafts + bonus): num_steps + 1."""
+        return self.num_steps + 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. `model=None` selects the bundled demo model."""
+
+    model: Optional[str] = None
+    device: str = "auto"            # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"             # "auto" (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    max_running_requests: int = 64
+    max_total_tokens: Optional[int] = None  # KV pool slots; None: mem_fraction of free memory
+    mem_fraction: float = 0.85
+    chunked_prefill_size: int = 2048  # token budget of one prefill batch; 0 or less disables
+    max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
+    enable_overlap: bool = True
+    spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off
+    attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+    cuda_graph: Optional[bool] = None  # None: on with CUDA
+    needs_cpu_seq_lens: Optional[bool] = None  # None: decided by the backends; True forces host lengths
+    seed: int = 0
+    page_size: int = 1
+    tp_size: int = 1
+
+    def __post_init__(self):
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _require(self.max_total_tokens is None or self.max_total_tokens >= 16,
+                 "max_total_tokens", "must be >= 16")
+        _require(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "must be in (0, 1]")
+        _require(self.max_context_len is None or self.max_context_len >= 2,
+                 "max_context_len", "must be >= 2")
+        _require(self.attention_backend in ("auto", "torch", "triton", "flashinfer"),
+                 "attention_backend", f"unknown backend {self.attention_backend!r}")
+        _require(self.page_size == 1, "page_size", "only page_size=1 is supported")
+        _require(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet")
+        _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
+                 "spec", "must be a SpecConfig, None or 'default'")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

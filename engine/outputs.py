@@ -1,0 +1,52 @@
+"""What the engine hands back: incremental step outputs and finished generations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request from one scheduler step (a speculative step may emit several).
+
+    `finished` is True on the request's last StepOutput; `finish_reason` is then
+    "stop" (EOS or a stop token; `matched_stop` says which), "length" or "abort".
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[float]] = None
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[int] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_verify_steps: int = 0
+    num_accepted_drafts: int = 0
+
+
+@dataclass
+class GenerateOutput:
+    """One finished request of `Engine.generate`."""
+
+    token_ids: list[int]
+    finish_reason: str
+    text: Optional[str] = None
+    logprobs: Optional[list[float]] = None
+    matched_stop: Optional[int] = None
+    prompt_tokens: int = 0
+    num_verify_steps: int = 0
+    num_accepted_drafts: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Generated tokens per verify step (1.0 without speculation)."""
+        return len(self.token_ids) / self.num_verify_steps if self.num_verify_steps else 1.0
+
+
+class EngineLoad(NamedTuple):
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    mean_accept_length: float
