@@ -1,0 +1,243 @@
+"""Engine: the in-process API over the scheduler (used by tests, the CLI and the engine process)."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from specserve.engine.attention.base import decide_needs_cpu_seq_lens
+from specserve.engine.config import DEFAULT, EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.kvcache.pools import ReqToTokenPool, TokenSlotAllocator, TokenToKVPool
+from specserve.engine.models.llama import LlamaForCausalLM
+from specserve.engine.models.loader import load_llama
+from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.outputs import EngineLoad, GenerateOutput, StepOutput
+from specserve.engine.runtime.device import DeviceContext
+from specserve.engine.runtime.model_runner import ModelRunner, create_attention_backend, resolve_dtype
+from specserve.engine.runtime.worker import NormalWorker, PresenceTable
+from specserve.engine.scheduler.future_map import FutureMap
+from specserve.engine.scheduler.schedule_batch import Req
+from specserve.engine.scheduler.scheduler import Scheduler
+from specserve.engine.tokenizer import Tokenizer
+
+
+def demo_models_dir() -> Path:
+    return Path(os.environ.get("SPECSERVE_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA was requested but is not available")
+    return device
+
+
+def _eos_ids(path: str, cfg: ModelConfig) -> list[int]:
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [eos]
+    return list(cfg.eos_token_ids)
+
+
+class Engine:
+    """Offline engine. `Engine(EngineConfig(model=DIR))`; also a context manager."""
+
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        model_path = config.model or str(demo_models_dir() / "demo-target")
+        self.model_path = model_path
+        self.device = _resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = cfg = ModelConfig.from_dir(model_path)
+        self.eos_token_ids = _eos_ids(model_path, cfg)
+        self.tokenizer = Tokenizer(model_path, self.eos_token_ids) \
+            if os.path.exists(os.path.join(model_path, "tokenizer.json")) else None
+        self.max_context_len = min(config.max_context_len or cfg.max_position_embeddings,
+                                   cfg.max_position_embeddings)
+        self.spec_config = self._resolve_spec(config)
+
+        with torch.device(self.device):
+            model = LlamaForCausalLM(cfg, self.max_context_len + 64).to(self.dtype)
+        load_llama(model, model_path)
+        model.eval()
+
+        self.ctx = DeviceContext.for_device(self.device)
+        num_rows = config.max_running_requests
+        num_slots = self._num_kv_slots(cfg, num_rows)
+        extra = 0  # room past max_context_len for speculative over-allocation (later)
+        self.req_to_token = ReqToTokenPool(num_rows, self.max_context_len + extra, self.device)
+        self.kv_pool = TokenToKVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                     self.dtype, self.device)
+        self.allocator = TokenSlotAllocator(num_slots, self.device)
+        attn = create_attention_backend(
+            config.attention_backend, self.device, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_context_len=self.max_context_len, needs_cpu_seq_lens=config.needs_cpu_seq_lens)
+        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens([attn], force=config.needs_cpu_seq_lens)
+        self.runner = ModelRunner(model, self.kv_pool, attn)
+        self.future_map = FutureMap(num_rows, self.ctx, self.needs_cpu_seq_lens)
+        presence = PresenceTable(num_rows, cfg.vocab_size, self.device)
+        worker = NormalWorker(self.runner, self.ctx, self.future_map, self.req_to_token, presence)
+        self.scheduler = Scheduler(
+            worker=worker, ctx=self.ctx, req_to_token=self.req_to_token, allocator=self.allocator,
+            future_map=self.future_map, vocab_size=cfg.vocab_size,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size, max_context_len=self.max_context_len,
+            enable_overlap=config.enable_overlap, eos_ids=self.eos_token_ids,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens)
+        self._seed_rng = random.Random(config.seed)
+        self._rid_counter = itertools.count()
+        self._schedule_ctx = self.ctx.schedule_context()
+        self._schedule_ctx.__enter__()
+
+    def _resolve_spec(self, config: EngineConfig) -> Optional[SpecConfig]:
+        if config.spec == DEFAULT or config.spec is None:
+            return None
+        return config.spec
+
+    def _num_kv_slots(self, cfg: ModelConfig, num_rows: int) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.mem_fraction) // per_slot
+        # CPU: enough for every row at full context, capped by a fraction of physical memory.
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(16, min(num_rows * self.max_context_len, int(physical * 0.25) // per_slot))
+
+    # --- public API ------------------------------------------------------------------------
+    @property
+    def model_info(self) -> dict:
+        spec = self.spec_config
+        return {
+            "model": self.model_path, "architecture": self.model_config.architecture,
+            "vocab_size": self.model_config.vocab_size, "max_context_len": self.max_context_len,
+            "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+            "spec": None if spec is None else {
+                "algorithm": spec.algorithm, "num_steps": spec.num_steps, "topk": spec.topk,
+                "num_draft_tokens": spec.num_draft_tokens},
+        }
+
+    def add_request(self, rid: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Queue one request; ValueError naming the field if it cannot be served."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_context_len:
+            raise ValueError(f"prompt_token_ids: prompt of {len(ids)} tokens leaves no room to generate "
+                             f"within max_context_len={self.max_context_len}")
+        if len(ids) + 1 > self.allocator.num_slots:
+            raise ValueError(f"prompt_token_ids: prompt of {len(ids)} tokens does not fit the KV pool "
+                             f"({self.allocator.num_slots} slots)")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError("sampling: must be a SamplingParams")
+        bad_stop = next((t for t in sampling.stop_token_ids if t >= vocab), None)
+        if bad_stop is not None:
+            raise ValueError(f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {vocab})")
+        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        self.scheduler.add(Req(rid=rid, prompt_ids=ids, sampling=sampling, seed=seed,
+                               stop_ids=frozenset(stop_ids)))
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def step(self) -> list[StepOutput]:
+        return self.scheduler.step()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(num_running=s.num_running, num_waiting=len(s.waiting),
+                          kv_used_tokens=self.allocator.num_slots - self.allocator.num_free,
+                          kv_total_tokens=self.allocator.num_slots,
+                          mean_accept_length=s.metrics.mean_accept_length)
+
+    @property
+    def metrics(self):
+        return self.scheduler.metrics
+
+    def generate(self, prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
+                 prompts: Optional[Sequence[str]] = None,
+                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> list[GenerateOutput]:
+        if (prompt_token_ids is None) == (prompts is None):
+            raise ValueError("prompts: give exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            if self.tokenizer is None:
+                raise ValueError("prompts: this model folder has no tokenizer.json")
+            prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
+        n = len(prompt_token_ids)
+        sampling = sampling or SamplingParams()
+        params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != n:
+            raise ValueError(f"sampling: {len(params)} SamplingParams for {n} prompts")
+        rids = [f"generate-{next(self._rid_counter)}" for _ in range(n)]
+        for i, (rid, ids, p) in enumerate(zip(rids, prompt_token_ids, params)):
+            try:
+                self.add_request(rid, ids, p)
+            except ValueError:
+                for queued in rids[:i]:
+                    self.abort(queued)
+                self._run_until_idle()
+                raise
+        finished: dict[str, StepOutput] = {}
+        collected: dict[str, list[int]] = {rid: [] for rid in rids}
+        logprobs: dict[str, list[float]] = {rid: [] for rid in rids}
+        while len(finished) < n:
+            for out in self.step():
+                if out.rid not in collected:
+                    continue
+                collected[out.rid] += out.new_token_ids
+                logprobs[out.rid] += out.new_logprobs or []
+                if out.finished:
+                    finished[out.rid] = out
+        self._run_until_idle()
+        results = []
+        for rid, p in zip(rids, params):
+            out = finished[rid]
+            ids = collected[rid]
+            results.append(GenerateOutput(
+                token_ids=ids, finish_reason=out.finish_reason,
+                text=self.tokenizer.decode(ids) if self.tokenizer is not None else None,
+                logprobs=logprobs[rid] if p.logprobs else None, matched_stop=out.matched_stop,
+                prompt_tokens=out.prompt_tokens, num_verify_steps=out.num_verify_steps,
+                num_accepted_drafts=out.num_accepted_drafts))
+        return results
+
+    def _run_until_idle(self) -> None:
+        """Let launched batches finish so every slot of finished requests is free again."""
+        while self.scheduler.has_unfinished():
+            self.step()
+
+    def shutdown(self) -> None:
+        if getattr(self, "ctx", None) is not None:
+            self.scheduler.drain()
+            self.ctx.close()
+            self._schedule_ctx.__exit__(None, None, None)
+            self.ctx = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

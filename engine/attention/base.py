@@ -1,0 +1,54 @@
+"""The attention backend seam.
+
+Every forward is described the same way: request b of the batch has `prefix_lens[b]` tokens
+already in the KV pool and adds `extend_lens_cpu[b]` new tokens (1 for decode, the draft
+width for verify and draft-extend, the chunk for prefill). New token j of request b sees
+every prefix token and the new tokens k <= j, or, when `custom_mask` is given (tree
+verify), the new tokens k with `custom_mask[b, j, k]`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.engine.runtime.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the KV pool (page size 1).
+
+    `needs_cpu_seq_lens` says whether `init_forward_metadata` reads host sequence lengths
+    (`ForwardBatch.seq_lens_cpu`). A backend that sets it False builds its metadata on the
+    device from upper bounds, so the scheduler can skip the host sync that produces them.
+    """
+
+    needs_cpu_seq_lens: bool = True
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        """Prepare per-forward metadata. This is the forward's only read of `req_to_token`;
+        the scheduler may rewrite the table once it returns (write-after-read barrier)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: "ForwardBatch", scale: float) -> torch.Tensor:
+        """Store k, v at `fb.out_cache_loc` in layer `layer_id`'s pool, then attend.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads * head_dim].
+        """
+
+
+def decide_needs_cpu_seq_lens(backends, force: Optional[bool] = None) -> bool:
+    """OR of `needs_cpu_seq_lens` over every backend a forward touches.
+
+    `None` entries (e.g. no draft model) are skipped; a backend without the attribute is
+    assumed to need host lengths; `force=True` (a mode that reads host lengths, or the
+    user's override) wins.
+    """
+    if force:
+        return True
+    return any(getattr(b, "needs_cpu_seq_lens", True) for b in backends if b is not None)

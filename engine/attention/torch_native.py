@@ -1,0 +1,76 @@
+"""Torch-native attention: runs anywhere (the CPU reference and fallback on CUDA).
+
+Each request's keys are gathered from the pool through its `req_to_token` row into a padded
+[bs, width, ...] tensor and attended with one masked SDPA call. The width is
+`fb.max_seq_len`: exact when host lengths are known, otherwise the scheduler's host-known
+upper bound, which is why this backend can run with `needs_cpu_seq_lens = False` too.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from specserve.engine.attention.base import AttentionBackend
+from specserve.engine.runtime.forward_batch import ForwardBatch
+
+
+class _Metadata(NamedTuple):
+    kv_indices: torch.Tensor   # [bs, width] KV slots
+    mask: torch.Tensor         # [bs, 1, max_q, width] bool: query may see key
+    token_rows: torch.Tensor   # [num_tokens] flat index into the padded [bs * max_q] queries
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, needs_cpu_seq_lens: bool = True):
+        self.needs_cpu_seq_lens = needs_cpu_seq_lens
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        device = fb.input_ids.device
+        bs, max_q = fb.batch_size, fb.max_extend_len
+        if fb.kv_indices_override is not None:
+            kv_indices = fb.kv_indices_override
+            width = kv_indices.shape[1]
+        else:
+            width = fb.max_seq_len
+            kv_indices = fb.req_to_token.table[fb.req_pool_indices, :width]
+        # Host-known token layout: request b owns rows b*max_q + [0, extend_len_b).
+        extend = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64)
+        batch_of_token = torch.repeat_interleave(torch.arange(bs), extend)
+        starts = torch.cumsum(extend, 0) - extend
+        local = torch.arange(int(extend.sum())) - starts[batch_of_token]
+        token_rows = (batch_of_token * max_q + local).to(device, non_blocking=True)
+
+        prefix = fb.prefix_lens.view(bs, 1, 1)
+        q_idx = torch.arange(max_q, device=device).view(1, max_q, 1)
+        key = torch.arange(width, device=device).view(1, 1, width)
+        new_k = key - prefix  # index of the key among this forward's new tokens
+        if fb.custom_mask is not None:
+            in_new = (new_k >= 0) & (new_k < max_q)
+            gathered = torch.gather(fb.custom_mask, 2, new_k.clamp(0, max_q - 1).expand(bs, max_q, width))
+            sees_new = in_new & gathered
+        else:
+            sees_new = (new_k >= 0) & (new_k <= q_idx)
+        extend_dev = torch.tensor(fb.extend_lens_cpu, device=device).view(bs, 1, 1)
+        mask = ((new_k < 0) | sees_new) & (new_k < extend_dev)
+        # Padding queries (q >= extend_len) see key 0 only, so softmax stays finite.
+        mask = mask | ((q_idx >= extend_dev) & (key == 0))
+        fb.attn_metadata = _Metadata(kv_indices, mask.unsqueeze(1), token_rows)
+
+    def forward(self, q, k, v, layer_id, fb, scale):
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        md: _Metadata = fb.attn_metadata
+        bs, max_q = fb.batch_size, fb.max_extend_len
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        keys = fb.kv_pool.k_buffer[layer_id][md.kv_indices]     # [bs, W, Hk, D]
+        values = fb.kv_pool.v_buffer[layer_id][md.kv_indices]
+        group = num_heads // keys.shape[2]
+        keys = keys.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [bs, H, W, D]
+        values = values.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+        padded_q = q.new_zeros(bs * max_q, num_heads, head_dim)
+        padded_q[md.token_rows] = q
+        padded_q = padded_q.view(bs, max_q, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=md.mask, scale=scale)
+        out = out.transpose(1, 2).reshape(bs * max_q, num_heads * head_dim)
+        return out[md.token_rows]

@@ -1,0 +1,1 @@
+"""Triton attention: kernels (kernels.py) and the AttentionBackend built on them (backend.py)."""

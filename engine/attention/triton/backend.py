@@ -1,0 +1,143 @@
+"""TritonAttnBackend: paged attention with metadata built on the device from upper bounds."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import torch
+
+from specserve.engine.attention.base import AttentionBackend
+from specserve.engine.attention.triton.kernels import (
+    DecodeConfig, ExtendConfig, decode_attention, default_decode_config, default_extend_config,
+    extend_attention, fill_kv_indices)
+
+if TYPE_CHECKING:
+    from specserve.engine.runtime.forward_batch import ForwardBatch
+
+
+class TritonAttnMetadata(NamedTuple):
+    """What `forward` needs, built once per ForwardBatch and shared by every layer."""
+
+    is_decode: bool                     # one new token per request and no custom mask
+    kv_indptr: torch.Tensor             # [bs+1] offsets into kv_indices
+    kv_indices: torch.Tensor            # decode: prefix + new slot; extend: prefix only
+    qo_indptr: Optional[torch.Tensor]   # [bs+1] offsets of each request's new tokens (extend)
+    max_extend_len: int
+    custom_mask: Optional[torch.Tensor]  # [bs, max_extend, max_extend] (tree verify)
+    partial_out: Optional[torch.Tensor]  # decode split-KV scratch
+    partial_lse: Optional[torch.Tensor]
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Decode (split-KV) and extend (prefix + causal/custom-masked new tokens) Triton kernels.
+
+    `init_forward_metadata` reads no device value on the host: `kv_indptr` is a device cumsum
+    of `prefix_lens`, `kv_indices` is sized by `batch_size * max_seq_len`, and the only host
+    inputs are `extend_lens_cpu` and `max_seq_len`. The index and split-KV scratch buffers are
+    preallocated for up to `max_batch_size` requests of up to `max_context_len` tokens, so
+    those forwards always reuse the same addresses (what CUDA-graph replay will need); larger
+    forwards allocate their own.
+    """
+
+    needs_cpu_seq_lens = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                 device: torch.device, *, max_batch_size: int = 128, max_kv_splits: int = 16,
+                 decode_config: Optional[DecodeConfig] = None,
+                 extend_config: Optional[ExtendConfig] = None):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.max_kv_splits = max_kv_splits
+        self.decode_config = decode_config or default_decode_config(head_dim, self.device)
+        self.extend_config = extend_config or default_extend_config(head_dim, self.device)
+
+        self._kv_indptr_buf = torch.zeros(max_batch_size + 1, dtype=torch.int64,
+                                          device=self.device)
+        self._qo_indptr_buf = torch.zeros(max_batch_size + 1, dtype=torch.int64,
+                                          device=self.device)
+        # int32 halves the index traffic of the attention loops; slot ids stay far below 2**31.
+        self._kv_indices_buf = torch.empty(max_batch_size * max_context_len, dtype=torch.int32,
+                                           device=self.device)
+        self._partial_out_buf, self._partial_lse_buf = self._alloc_split_kv_scratch(
+            max_batch_size)
+
+    def _alloc_split_kv_scratch(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_tokens, self.num_heads, self.max_kv_splits)
+        return (torch.empty(*shape, self.head_dim, dtype=torch.float32, device=self.device),
+                torch.empty(shape, dtype=torch.float32, device=self.device))
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        if fb.kv_indices_override is not None:
+            raise NotImplementedError("TritonAttnBackend: kv_indices_override (tree drafting)")
+        bs = fb.batch_size
+        extend_lens = fb.extend_lens_cpu
+        max_extend_len = fb.max_extend_len
+        if fb.num_tokens != sum(extend_lens):
+            raise ValueError(f"{fb.num_tokens} tokens but extend_lens_cpu sums to "
+                             f"{sum(extend_lens)}")
+        if fb.max_seq_len < max_extend_len:
+            raise ValueError(f"max_seq_len {fb.max_seq_len} is not a bound on prefix + extend "
+                             f"(max_extend_len {max_extend_len}); was it set?")
+        is_decode = fb.custom_mask is None and all(n == 1 for n in extend_lens)
+        fits_buffers = bs <= self.max_batch_size and fb.max_seq_len <= self.max_context_len
+
+        # Every request's list (prefix, plus the new token for decode) is at most max_seq_len.
+        kv_indices_bound = bs * fb.max_seq_len
+        if fits_buffers:
+            kv_indptr = self._kv_indptr_buf[:bs + 1]
+            kv_indices = self._kv_indices_buf[:kv_indices_bound]
+        else:
+            kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=self.device)
+            kv_indices = torch.empty(kv_indices_bound, dtype=torch.int32, device=self.device)
+        fill_kv_indices(fb.req_to_token.table, fb.req_pool_indices, fb.prefix_lens, kv_indptr,
+                        kv_indices, decode_token_slots=fb.out_cache_loc if is_decode else None)
+
+        qo_indptr = partial_out = partial_lse = None
+        if is_decode:
+            if bs <= self.max_batch_size:
+                partial_out = self._partial_out_buf[:bs]
+                partial_lse = self._partial_lse_buf[:bs]
+            else:
+                partial_out, partial_lse = self._alloc_split_kv_scratch(bs)
+        else:
+            qo_indptr = (self._qo_indptr_buf[:bs + 1] if bs <= self.max_batch_size
+                         else torch.empty(bs + 1, dtype=torch.int64, device=self.device))
+            self._copy_offsets_to_device(extend_lens, qo_indptr)
+
+        fb.attn_metadata = TritonAttnMetadata(
+            is_decode=is_decode, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            qo_indptr=qo_indptr, max_extend_len=max_extend_len, custom_mask=fb.custom_mask,
+            partial_out=partial_out, partial_lse=partial_lse)
+
+    def _copy_offsets_to_device(self, lengths: list[int], out: torch.Tensor) -> None:
+        """out = [0, cumsum(lengths)...]: one H2D copy. From pinned memory it is asynchronous;
+        a pageable source would make the copy wait for the stream."""
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=out.dtype,
+                               pin_memory=self.device.type == "cuda")
+        out.copy_(offsets, non_blocking=True)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: "ForwardBatch", scale: float) -> torch.Tensor:
+        metadata: TritonAttnMetadata = fb.attn_metadata
+        num_tokens = q.shape[0]
+        assert q.shape[1:] == (self.num_heads, self.head_dim), q.shape
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        k_buffer = fb.kv_pool.k_buffer[layer_id]
+        v_buffer = fb.kv_pool.v_buffer[layer_id]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if metadata.is_decode:
+            decode_attention(q, k_buffer, v_buffer, out, metadata.kv_indptr, metadata.kv_indices,
+                             metadata.partial_out, metadata.partial_lse, scale,
+                             self.decode_config)
+        else:
+            extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr, metadata.kv_indptr,
+                             metadata.kv_indices, fb.out_cache_loc, metadata.max_extend_len,
+                             scale, custom_mask=metadata.custom_mask, config=self.extend_config)
+        return out.view(num_tokens, self.num_heads * self.head_dim)

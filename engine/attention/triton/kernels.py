@@ -1,0 +1,436 @@
+"""Triton kernels for paged attention over the KV pool (page size 1).
+
+Three launchers, each a thin host wrapper around one or two `@triton.jit` kernels:
+
+- `fill_kv_indices`: gathers every request's prefix slots out of `req_to_token` into one flat
+  `kv_indices` list with offsets `kv_indptr` (CSR). Lengths stay on the device: the host only
+  supplies an upper bound for the size of `kv_indices`.
+- `decode_attention`: one query token per request; split-KV (each program covers one slice of
+  the sequence and writes a partial output and its log-sum-exp), then a reduce over the slices.
+- `extend_attention`: several new tokens per request (prefill, verify, draft-extend). The
+  cached prefix is gathered through `kv_indices`; the new tokens come from their own slots
+  (`new_token_slots`, i.e. `out_cache_loc`) under a causal or a custom (tree) mask.
+
+Conventions shared by all kernels:
+- No launcher reads device data on the host; grids are sized from host-known bounds and the
+  kernels mask what lies past the real lengths.
+- Both attention kernels are GQA-grouped: one program handles every query head that shares a
+  KV head, so each K/V tile is loaded once per group instead of once per query head.
+- Scores live in base 2 (`sm_scale * log2(e)` folded into the scale) so softmax uses `exp2`.
+- The last dimension of q, out and the K/V buffers must be contiguous.
+
+The Triton interpreter (TRITON_INTERPRET=1) runs these kernels on the CPU, but its `tl.dot`
+is wrong for bfloat16 operands (it multiplies the raw uint16 storage); test them there in fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = math.log2(math.e)
+
+
+class DecodeConfig(NamedTuple):
+    """Launch parameters of the split-KV decode kernels."""
+
+    block_n: int            # KV tokens per loop iteration
+    min_kv_split_len: int   # a sequence gets one more split per this many tokens, up to the max
+    num_warps: int
+    num_stages: int
+
+
+class ExtendConfig(NamedTuple):
+    """Launch parameters of the extend kernel."""
+
+    block_m: int            # query rows (token, head-of-group pairs) per program
+    block_n: int            # KV tokens per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+    if torch.device(device).type != "cuda":
+        # Interpreter: fewer, larger numpy ops are faster; the values only need to be legal.
+        return DecodeConfig(block_n=32, min_kv_split_len=64, num_warps=4, num_stages=1)
+    # H100/H200: a 64 x 128 bf16 K (or V) tile is 16 KiB, two stages of K and V fit easily in
+    # shared memory. 256 tokens per split keeps the reduce cheap while a 4k-token sequence
+    # still spreads over 16 programs per KV head at batch size 1.
+    block_n = 64 if head_dim <= 128 else 32
+    return DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=4, num_stages=2)
+
+
+def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
+    if torch.device(device).type != "cuda":
+        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    # H100/H200: 128 query rows against 64-token K/V tiles; 8 warps for head_dim 128 keep the
+    # 128 x 128 fp32 accumulator in registers. Larger heads halve both tiles.
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=1)
+
+
+def _dot_input_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would silently run as TF32 on tensor cores; keep them exact so an fp32
+    # engine matches the torch reference. The setting does not affect 16-bit operands.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_indptr / kv_indices
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fill_kv_indices_kernel(
+    req_to_token, req_pool_indices, prefix_lens, kv_indptr, kv_indices, new_token_slots,
+    stride_table_row,
+    APPEND_NEW_TOKEN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    req = tl.program_id(0)
+    row = tl.load(req_pool_indices + req).to(tl.int64)
+    num_prefix = tl.load(prefix_lens + req)
+    out_start = tl.load(kv_indptr + req)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, num_prefix, BLOCK):
+        pos = start + offs
+        mask = pos < num_prefix
+        slots = tl.load(req_to_token + row * stride_table_row + pos, mask=mask)
+        tl.store(kv_indices + out_start + pos, slots, mask=mask)
+    if APPEND_NEW_TOKEN:
+        tl.store(kv_indices + out_start + num_prefix, tl.load(new_token_slots + req))
+
+
+def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    prefix_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    decode_token_slots: Optional[torch.Tensor] = None, block: int = 512) -> None:
+    """Write request b's KV slot list at `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`.
+
+    The list is `req_to_token[req_pool_indices[b], :prefix_lens[b]]`, followed by
+    `decode_token_slots[b]` when given (decode attends to its own new token too).
+    `kv_indptr` ([bs+1]) is overwritten; `kv_indices` must hold the sum of the list lengths,
+    which the caller bounds from host values (e.g. `bs * max_seq_len`).
+    """
+    bs = req_pool_indices.shape[0]
+    assert kv_indptr.shape[0] >= bs + 1 and req_to_token.stride(1) == 1
+    kv_lens = prefix_lens if decode_token_slots is None else prefix_lens + 1
+    kv_indptr[0] = 0
+    torch.cumsum(kv_lens, 0, dtype=kv_indptr.dtype, out=kv_indptr[1:bs + 1])
+    if bs == 0:
+        return
+    _fill_kv_indices_kernel[(bs,)](
+        req_to_token, req_pool_indices, prefix_lens, kv_indptr, kv_indices,
+        decode_token_slots if decode_token_slots is not None else kv_indices,  # unused then
+        req_to_token.stride(0),
+        APPEND_NEW_TOKEN=decode_token_slots is not None, BLOCK=block,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the attention kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores [rows, cols] and its values [cols, dim] into the running
+    max `m_i`, denominator `l_i` and unnormalised output `acc`. Masked scores are -inf."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row that has only seen masked columns keeps m = -inf; shifting by 0 instead makes
+    # exp2 return 0 for it rather than NaN (-inf - -inf).
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot, stride_buf_head,
+                  offs_d, tile_mask, compute_dtype: tl.constexpr):
+    """K and V rows of `slots` for one KV head, as [cols, dim] tiles in the dot's dtype."""
+    offsets = (slots.to(tl.int64)[:, None] * stride_buf_slot + kv_head * stride_buf_head
+               + offs_d[None, :])
+    k = tl.load(k_buffer + offsets, mask=tile_mask, other=0.0).to(compute_dtype)
+    v = tl.load(v_buffer + offsets, mask=tile_mask, other=0.0).to(compute_dtype)
+    return k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: split-KV, two stages
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Tokens per split of a sequence (a multiple of BLOCK_N). Depends only on the sequence's
+    own length, so a request's result does not change with the batch it runs in."""
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_KV_SPLIT_LEN), MAX_KV_SPLITS), 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, sm_scale_log2,
+    stride_q_tok, stride_q_head, stride_buf_slot, stride_buf_head,
+    stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
+    GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
+    MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr + req)
+    seq_len = tl.load(kv_indptr + req + 1) - kv_start
+    split_len = _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN, BLOCK_N)
+    split_begin = split * split_len
+    split_end = tl.minimum(split_begin + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP_SIZE + offs_h
+    head_mask = offs_h < GROUP_SIZE
+    dim_mask = offs_d < HEAD_DIM
+    q_tile = tl.load(q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(split_begin, split_end, BLOCK_N):
+        pos = start + offs_n
+        col_mask = pos < split_end
+        slots = tl.load(kv_indices + kv_start + pos, mask=col_mask, other=0)
+        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
+                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
+                             q_tile.dtype)
+        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+
+    # Splits past the end of a short sequence write nothing; the reduce never reads them.
+    has_work = split_begin < split_end
+    out_offsets = (req * stride_po_tok + heads[:, None] * stride_po_head
+                   + split * stride_po_split + offs_d[None, :])
+    tl.store(partial_out + out_offsets, acc / l_i[:, None],
+             mask=has_work & head_mask[:, None] & dim_mask[None, :])
+    tl.store(partial_lse + req * stride_pl_tok + heads * stride_pl_head + split,
+             m_i + tl.log2(l_i), mask=has_work & head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out, partial_lse, kv_indptr, out,
+    stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
+    stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)
+    num_splits = tl.cdiv(seq_len, _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN,
+                                                 BLOCK_N))
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_mask = offs_d < HEAD_DIM
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(0, num_splits):
+        lse = tl.load(partial_lse + req * stride_pl_tok + head * stride_pl_head + split)
+        part = tl.load(partial_out + req * stride_po_tok + head * stride_po_head
+                       + split * stride_po_split + offs_d, mask=dim_mask, other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha + weight * part
+        l_i = l_i * alpha + weight
+        m_i = m_new
+    tl.store(out + req * stride_o_tok + head * stride_o_head + offs_d,
+             (acc / l_i).to(out.dtype.element_ty), mask=dim_mask)
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     partial_out: torch.Tensor, partial_lse: torch.Tensor, sm_scale: float,
+                     config: Optional[DecodeConfig] = None) -> None:
+    """out[b] = attention of q[b] over the slots `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`.
+
+    q, out: [bs, num_heads, head_dim]; k_buffer, v_buffer: [slots, num_kv_heads, head_dim].
+    partial_out: [>= bs, num_heads, max_kv_splits, head_dim] fp32 and partial_lse:
+    [>= bs, num_heads, max_kv_splits] fp32 are scratch; `max_kv_splits` is their third dim.
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+    assert partial_out.dtype == partial_lse.dtype == torch.float32
+    assert partial_out.shape[0] >= bs and partial_out.shape[1:3] == partial_lse.shape[1:]
+    if bs == 0:
+        return
+    config = config or default_decode_config(head_dim, q.device)
+    group_size = num_heads // num_kv_heads
+    max_kv_splits = partial_out.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
+        sm_scale * LOG2_E,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP_SIZE=group_size,
+        # tl.dot needs at least 16 rows on tensor cores; padded head rows are masked out.
+        BLOCK_H=max(16, triton.next_power_of_2(group_size)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
+        MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
+        DOT_PRECISION=_dot_input_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    _decode_reduce_kernel[(bs, num_heads)](
+        partial_out, partial_lse, kv_indptr, out,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
+        MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
+        num_warps=4 if head_dim >= 128 else 2, num_stages=1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Extend: cached prefix, then the new tokens under a causal or custom mask
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _extend_attention_kernel(
+    q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
+    custom_mask, sm_scale_log2,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_buf_slot, stride_buf_head,
+    stride_mask_req, stride_mask_row,
+    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Row r of the program's tile is (new token r // GROUP_PAD, query head r % GROUP_PAD of
+    # this KV head's group): all heads of a group share every K/V tile the program loads.
+    TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP_PAD
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    first_token = tl.program_id(2) * TOKENS_PER_BLOCK
+
+    qo_start = tl.load(qo_indptr + req)
+    extend_len = tl.load(qo_indptr + req + 1) - qo_start
+    kv_start = tl.load(kv_indptr + req)
+    prefix_len = tl.load(kv_indptr + req + 1) - kv_start
+    # The grid covers the longest request; programs past this request's tokens run no loop.
+    is_live = first_token < extend_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tokens = first_token + offs_m // GROUP_PAD
+    head_in_group = offs_m % GROUP_PAD
+    heads = kv_head * GROUP_SIZE + head_in_group
+    row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
+    dim_mask = offs_d < HEAD_DIM
+    q_tile = tl.load(q + (qo_start + tokens)[:, None] * stride_q_tok
+                     + heads[:, None] * stride_q_head + offs_d[None, :],
+                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Stage 1: the cached prefix, visible to every new token.
+    for start in range(0, tl.where(is_live, prefix_len, 0), BLOCK_N):
+        cols = start + offs_n
+        col_mask = cols < prefix_len
+        slots = tl.load(kv_indices + kv_start + cols, mask=col_mask, other=0)
+        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
+                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
+                             q_tile.dtype)
+        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+
+    # Stage 2: the new tokens themselves, read back from the slots this forward just wrote,
+    # so they are exactly what later forwards will see in the pool.
+    if USE_CUSTOM_MASK:
+        new_end = extend_len
+    else:
+        new_end = tl.minimum(extend_len, first_token + TOKENS_PER_BLOCK)  # causal: no later key
+    for start in range(0, tl.where(is_live, new_end, 0), BLOCK_N):
+        cols = start + offs_n
+        col_mask = cols < extend_len
+        slots = tl.load(new_token_slots + qo_start + cols, mask=col_mask, other=0)
+        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
+                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
+                             q_tile.dtype)
+        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        if USE_CUSTOM_MASK:
+            visible = tl.load(custom_mask + req * stride_mask_req
+                              + tokens[:, None] * stride_mask_row + cols[None, :],
+                              mask=row_mask[:, None] & col_mask[None, :], other=0) != 0
+        else:
+            visible = (cols[None, :] <= tokens[:, None]) & col_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+
+    # Padded rows saw nothing (l = 0); they are not stored, the guard only avoids 0/0.
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(out + (qo_start + tokens)[:, None] * stride_o_tok + heads[:, None] * stride_o_head
+             + offs_d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+             mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, new_token_slots: torch.Tensor,
+                     max_extend_len: int, sm_scale: float,
+                     custom_mask: Optional[torch.Tensor] = None,
+                     config: Optional[ExtendConfig] = None) -> None:
+    """Attention of the new tokens of each request over its prefix and its new tokens.
+
+    Request b's new tokens are rows `qo_indptr[b]:qo_indptr[b+1]` of q/out and their K/V sit
+    at `new_token_slots` (same rows) in the buffers; its prefix is the slot list
+    `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. New token j sees the whole prefix and new
+    token k when k <= j, or when `custom_mask[b, j, k]` if a mask is given
+    ([bs, >= max_extend_len, >= max_extend_len], bool or uint8). `max_extend_len` (host)
+    must bound every request's number of new tokens.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    bs = qo_indptr.shape[0] - 1
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+    if num_tokens == 0 or bs == 0:
+        return
+    config = config or default_extend_config(head_dim, q.device)
+    group_size = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group_size)
+    block_m = max(config.block_m, group_pad)
+    if custom_mask is not None:
+        assert custom_mask.stride(-1) == 1
+        if custom_mask.dtype == torch.bool:
+            custom_mask = custom_mask.view(torch.uint8)  # same bytes; loads as 0/1
+    grid = (bs, num_kv_heads, triton.cdiv(max_extend_len, block_m // group_pad))
+    _extend_attention_kernel[grid](
+        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
+        custom_mask if custom_mask is not None else qo_indptr,  # unused without a mask
+        sm_scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        custom_mask.stride(0) if custom_mask is not None else 0,
+        custom_mask.stride(1) if custom_mask is not None else 0,
+        GROUP_SIZE=group_size, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=config.block_n,
+        USE_CUSTOM_MASK=custom_mask is not None, DOT_PRECISION=_dot_input_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

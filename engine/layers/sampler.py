@@ -1,0 +1,141 @@
+"""Sampling on the device with no host synchronisation.
+
+Randomness is counter-based: the uniform for (request seed, sequence position, vocab id) is a
+hash, not a draw from a stateful generator. So a seeded request samples the same tokens
+whatever else is in its batch, after a retraction, and under speculative decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from specserve.engine.config import SamplingParams
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)   # splitmix64 constants as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (logical shifts emulated with masks)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _M1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _M2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int, salt: int = 0):
+    """U(0,1) float32 of shape [N, width], a pure function of (seed, position, column, salt)."""
+    base = _mix64(seeds * _GOLDEN + positions * 0x2545F491 + salt)
+    cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
+    bits = _mix64(base.unsqueeze(1) + cols * _GOLDEN)
+    return (((bits >> 40) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingInfo:
+    """Per-request sampling tensors of a batch, on the device, built once per batch change."""
+
+    temperatures: torch.Tensor     # [bs] float32 (1.0 for greedy rows, unused there)
+    top_ks: torch.Tensor           # [bs] int64, vocab size when off
+    top_ps: torch.Tensor           # [bs] float32
+    min_ps: torch.Tensor           # [bs] float32
+    rep_penalties: torch.Tensor    # [bs] float32
+    seeds: torch.Tensor            # [bs] int64
+    is_greedy: torch.Tensor        # [bs] bool
+    stop_ids: torch.Tensor         # [bs, S] int64, -1 padded: EOS (unless ignore_eos) + stop ids
+    min_output_pos: torch.Tensor   # [bs] int64: stop ids banned at positions below this
+    all_greedy: bool
+    any_filter: bool               # top-k / top-p / min-p somewhere
+    any_penalty: bool
+    any_min_new: bool
+    any_logprobs: bool
+
+    @staticmethod
+    def build(params: Sequence[SamplingParams], seeds: Sequence[int], prompt_lens: Sequence[int],
+              eos_ids: Sequence[int], vocab_size: int, device) -> "SamplingInfo":
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids)) for p in params]
+        width = max((len(s) for s in stops), default=0) or 1
+        greedy = [p.is_greedy for p in params]
+        return SamplingInfo(
+            temperatures=t([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            top_ks=t([vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params], torch.int64),
+            top_ps=t([p.top_p for p in params], torch.float32),
+            min_ps=t([p.min_p for p in params], torch.float32),
+            rep_penalties=t([p.repetition_penalty for p in params], torch.float32),
+            seeds=t(list(seeds), torch.int64),
+            is_greedy=t(greedy, torch.bool),
+            stop_ids=t([s + [-1] * (width - len(s)) for s in stops], torch.int64),
+            min_output_pos=t([n + p.min_new_tokens for p, n in zip(params, prompt_lens)], torch.int64),
+            all_greedy=all(greedy),
+            any_filter=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+                           for p, g in zip(params, greedy)),
+            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_min_new=any(p.min_new_tokens > 0 for p in params),
+            any_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def adjust_logits(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor,
+                  positions: torch.Tensor, presence: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rules that change which tokens may come next: repetition penalty and min_new_tokens.
+
+    rows: [N] request index of each logits row; positions: [N] sequence index of the token
+    being chosen; presence: [N, V] bool, tokens already in the sequence (penalty only).
+    """
+    if info.any_penalty and presence is not None:
+        penalty = info.rep_penalties[rows].unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(presence, penalised, logits)
+    if info.any_min_new:
+        banned = (positions < info.min_output_pos[rows]).unsqueeze(1)
+        stop = info.stop_ids[rows]
+        ban_mask = torch.zeros_like(logits, dtype=torch.bool)
+        ban_mask.scatter_(1, stop.clamp(min=0), (stop >= 0) & banned)
+        logits = logits.masked_fill(ban_mask, float("-inf"))
+    return logits
+
+
+def target_probs(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, then top-k/top-p/min-p."""
+    probs = torch.softmax(logits / info.temperatures[rows].unsqueeze(1), dim=-1)
+    if not info.any_filter:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+    drop = rank >= info.top_ks[rows].unsqueeze(1)
+    drop |= (sorted_p.cumsum(-1) - sorted_p) > info.top_ps[rows].unsqueeze(1)
+    drop |= sorted_p < info.min_ps[rows].unsqueeze(1) * sorted_p[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                      salt: int = 0) -> torch.Tensor:
+    """Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) from the hash noise."""
+    noise = -torch.log(uniform_noise(seeds, positions, probs.shape[1], salt))
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positions: torch.Tensor,
+           presence: Optional[torch.Tensor] = None):
+    """Choose one token per logits row. Returns (token ids [N] int64, logprobs [N] or None)."""
+    raw = logits
+    logits = adjust_logits(logits, info, rows, positions, presence)
+    tokens = torch.argmax(logits, dim=-1)
+    if not info.all_greedy:
+        probs = target_probs(logits, info, rows)
+        sampled = sample_from_probs(probs, info.seeds[rows], positions)
+        tokens = torch.where(info.is_greedy[rows], tokens, sampled)
+    logprobs = None
+    if info.any_logprobs:
+        logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logprobs

@@ -1,0 +1,93 @@
+"""Loads Hugging Face safetensors checkpoints (single file or sharded) into our modules.
+
+Our modules fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; each fused
+parameter is assembled from its checkpoint parts, so nothing is materialised twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# our fused name part -> checkpoint parts, concatenated along dim 0 in this order
+FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class CheckpointReader:
+    """Lazy tensor access over every safetensors file of a checkpoint folder."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model: no *.safetensors files in {path}")
+        self._where: dict[str, str] = {}
+        self._handles = {}
+        for name in files:
+            handle = safe_open(os.path.join(path, name), framework="pt")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+
+    def keys(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._handles[self._where[key]].get_tensor(key)
+
+
+def load_module_weights(module: nn.Module, reader: CheckpointReader,
+                        to_checkpoint_name: Callable[[str], str],
+                        optional: Callable[[str], bool] = lambda name: False) -> None:
+    """Fill every parameter of `module` from the checkpoint.
+
+    `to_checkpoint_name` maps our (unfused) parameter name to the checkpoint key; parameters
+    for which `optional(name)` is True may be absent (e.g. a tied lm_head). A missing
+    tensor or a shape mismatch is an error that names it.
+    """
+    for name, param in module.named_parameters(remove_duplicate=True):
+        parts = _checkpoint_parts(name)
+        keys = [to_checkpoint_name(p) for p in parts]
+        missing = [k for k in keys if k not in reader]
+        if missing:
+            if optional(name):
+                continue
+            raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r} (for {name})")
+        tensor = torch.cat([reader.get(k) for k in keys], dim=0) if len(keys) > 1 else reader.get(keys[0])
+        if tensor.shape != param.shape:
+            raise ValueError(f"model: tensor {keys[0]!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)} for {name}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+
+
+def _checkpoint_parts(name: str) -> list[str]:
+    for fused, parts in FUSED_PARTS.items():
+        if f".{fused}." in name:
+            return [name.replace(f".{fused}.", f".{p}.") for p in parts]
+    return [name]
+
+
+def load_llama(model: nn.Module, path: str) -> None:
+    """Our LlamaForCausalLM names are HF's without the `model.` prefix on the trunk."""
+    reader = CheckpointReader(path)
+
+    def to_hf(name: str) -> str:
+        return name if name.startswith("lm_head.") else "model." + name
+
+    # A tied lm_head shares embed_tokens' parameter, so named_parameters() never yields it.
+    load_module_weights(model, reader, to_hf)

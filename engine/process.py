@@ -1,0 +1,179 @@
+"""Engine process entry: IPC in, scheduler loop, IPC out.
+
+The gRPC server (specserve.server.engine_client) starts `run_engine_process` in a spawned child.
+Two ZeroMQ sockets connect it to the server: it PULLs ServerToEngine messages (add, abort, load
+query, shutdown) and PUSHes EngineToServer messages (ready, one BatchOutput per scheduler step,
+rejections, load reports). The loop drains incoming messages without blocking while there is
+work, runs one `engine.step()`, and blocks on the socket only when nothing is left to run.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+
+import zmq
+
+from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.outputs import StepOutput
+from specserve.server.proto import engine_ipc_pb2 as ipc
+
+logger = logging.getLogger("specserve.engine.process")
+
+# How often an idle engine wakes up to check that the server process is still there.
+IDLE_POLL_MS = 500
+
+
+def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
+    """Child-process entry: start the engine, report ready, serve IPC until told to stop.
+
+    Exits with status 1 (after sending EngineFailed) if the engine cannot start or a step fails.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    context = zmq.Context()
+    requests = context.socket(zmq.PULL)
+    requests.connect(requests_addr)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    outputs.setsockopt(zmq.LINGER, 2000)  # let the last messages (e.g. EngineFailed) go out
+    outputs.connect(outputs_addr)
+    server_pid = os.getppid()
+    engine = None
+    try:
+        engine = _start_engine(config)
+        outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
+        _EngineLoop(engine, requests, outputs, server_pid).run()
+    except Exception:
+        logger.exception("engine process failed")
+        failed = ipc.EngineFailed(message=traceback.format_exc())
+        outputs.send(ipc.EngineToServer(failed=failed).SerializeToString())
+        raise SystemExit(1)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        requests.close(linger=0)
+        outputs.close()
+        context.term()
+
+
+def _start_engine(config: EngineConfig):
+    # Imported here so that importing this module (e.g. by the server) does not load torch.
+    from specserve.engine import Engine
+
+    engine = Engine(config)
+    # One short generation before reporting ready: the first real request then finds every
+    # lazily built piece (kernels, graphs, allocator) in place.
+    warmup_prompt = engine.tokenizer.encode("warm up") or [0]
+    engine.generate(prompt_token_ids=[warmup_prompt],
+                    sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
+    return engine
+
+
+def _ready_message(engine) -> ipc.EngineReady:
+    info = engine.model_info
+    ready = ipc.EngineReady(
+        model=str(info.get("model") or ""), architecture=str(info.get("architecture") or ""),
+        vocab_size=int(info["vocab_size"]), max_context_len=int(info["max_context_len"]),
+        dtype=str(info.get("dtype") or ""), device=str(info.get("device") or ""),
+        eos_token_ids=list(engine.tokenizer.eos_token_ids),
+        tokenizer_pickle=pickle.dumps(engine.tokenizer))
+    spec = info.get("spec")
+    if spec:
+        ready.spec.CopyFrom(ipc.EngineSpecConfig(
+            algorithm=str(spec.get("algorithm") or ""), draft_model=str(spec.get("draft_model") or ""),
+            num_steps=int(spec.get("num_steps") or 0), topk=int(spec.get("topk") or 0),
+            num_draft_tokens=int(spec.get("num_draft_tokens") or 0)))
+    return ready
+
+
+def sampling_from_proto(p: ipc.EngineSamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens,
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+
+
+def _output_to_proto(out: StepOutput) -> ipc.RequestOutput:
+    msg = ipc.RequestOutput(
+        rid=out.rid, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
+        finished=out.finished, finish_reason=out.finish_reason or "",
+        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+        spec=ipc.SpecInfo(num_verify_steps=out.num_verify_steps,
+                          num_accepted_drafts=out.num_accepted_drafts))
+    if out.matched_stop is not None:
+        msg.matched_stop_token_id = out.matched_stop
+    return msg
+
+
+class _EngineLoop:
+    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket, server_pid: int):
+        self.engine = engine
+        self.requests = requests
+        self.outputs = outputs
+        self.server_pid = server_pid
+        # Requests added and not yet finished: aborts for anything else are dropped, since the
+        # server may abort a request that finished while the abort was in flight.
+        self.live_rids: set[str] = set()
+
+    def run(self) -> None:
+        while os.getppid() == self.server_pid:
+            for message in self._receive(block=not self.engine.has_unfinished()):
+                if message.WhichOneof("kind") == "shutdown":
+                    return
+                self._handle(message)
+            if self.engine.has_unfinished():
+                self._step()
+        logger.warning("server process %d is gone; engine exiting", self.server_pid)
+
+    def _receive(self, block: bool) -> list[ipc.ServerToEngine]:
+        if block and not self.requests.poll(IDLE_POLL_MS):
+            return []
+        messages = []
+        while True:
+            try:
+                data = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            messages.append(ipc.ServerToEngine.FromString(data))
+
+    def _handle(self, message: ipc.ServerToEngine) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "add":
+            self._add(message.add)
+        elif kind == "abort":
+            if message.abort.rid in self.live_rids:
+                self.engine.abort(message.abort.rid)
+        elif kind == "load_query":
+            self._send(ipc.EngineToServer(load=self._load_report(message.load_query.query_id)))
+
+    def _add(self, add: ipc.AddRequest) -> None:
+        try:
+            self.engine.add_request(add.rid, list(add.prompt_token_ids),
+                                    sampling_from_proto(add.sampling))
+        except ValueError as e:  # the engine names the field; the server maps it to INVALID_ARGUMENT
+            self._send(ipc.EngineToServer(rejected=ipc.RequestRejected(rid=add.rid, message=str(e))))
+            return
+        self.live_rids.add(add.rid)
+
+    def _step(self) -> None:
+        step_outputs = self.engine.step()
+        if not step_outputs:
+            return
+        for out in step_outputs:
+            if out.finished:
+                self.live_rids.discard(out.rid)
+        batch = ipc.BatchOutput(outputs=[_output_to_proto(out) for out in step_outputs])
+        self._send(ipc.EngineToServer(batch=batch))
+
+    def _load_report(self, query_id: int) -> ipc.LoadReport:
+        load = self.engine.load()
+        return ipc.LoadReport(
+            query_id=query_id, num_running=load.num_running, num_waiting=load.num_waiting,
+            kv_used_tokens=load.kv_used_tokens, kv_total_tokens=load.kv_total_tokens,
+            mean_accept_length=load.mean_accept_length)
+
+    def _send(self, message: ipc.EngineToServer) -> None:
+        self.outputs.send(message.SerializeToString())

@@ -1,0 +1,99 @@
+"""The plain (non-speculative) worker: one target forward, sample, hand results back.
+
+Everything inside `launch_*`'s closure runs on the forward stream; the scheduler only sees
+the returned BatchResult, whose host tensors are valid after `copy_done`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specserve.engine.layers.sampler import SamplingInfo, sample
+from specserve.engine.runtime.device import DeviceContext
+from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.scheduler.future_map import FutureMap
+from specserve.engine.scheduler.schedule_batch import BatchResult
+
+
+@dataclass
+class ForwardInputs:
+    """Device tensors the scheduler prepared for one forward (allocation already done)."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor        # [T]; negative entries are FutureMap sentinels
+    positions: torch.Tensor        # [T]
+    req_pool_indices: torch.Tensor  # [bs]
+    prefix_lens: torch.Tensor      # [bs]
+    extend_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor    # [T]
+    seq_lens_cpu: Optional[list[int]]
+    max_seq_len: int
+    sample_rows: torch.Tensor      # [bs] index (into T) of each request's last token
+    sampling_info: SamplingInfo
+    stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
+    # Prefill: (rows to clear, then row and token id of every prompt token) for the penalty table
+    presence_init: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+
+class PresenceTable:
+    """Tokens already in each request's sequence (for the repetition penalty), per pool row."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device):
+        self.table = torch.zeros((num_rows + 1, vocab_size), dtype=torch.bool, device=device)
+
+    def reset_and_mark(self, rows: torch.Tensor, tokens_rows: torch.Tensor, tokens: torch.Tensor):
+        self.table[rows] = False
+        self.table[tokens_rows, tokens] = True
+
+    def mark(self, rows: torch.Tensor, tokens: torch.Tensor):
+        self.table[rows, tokens] = True
+
+
+class NormalWorker:
+    def __init__(self, runner: ModelRunner, ctx: DeviceContext, future_map: FutureMap,
+                 req_to_token, presence: PresenceTable):
+        self.runner = runner
+        self.ctx = ctx
+        self.future_map = future_map
+        self.req_to_token = req_to_token
+        self.presence = presence
+
+    def slots_per_decode(self, reqs) -> int:
+        return len(reqs)
+
+    def launch(self, inputs: ForwardInputs) -> tuple[BatchResult, object]:
+        """Returns (result, read_done event)."""
+        read_done = self.ctx.new_event()
+        copy_done = self.ctx.new_event()
+        result = BatchResult(copy_done=copy_done, token_ids=None)
+
+        def run():
+            info = inputs.sampling_info
+            input_ids = self.future_map.resolve_input_ids(inputs.input_ids)
+            fb = ForwardBatch(
+                mode=inputs.mode, input_ids=input_ids, positions=inputs.positions,
+                req_pool_indices=inputs.req_pool_indices, prefix_lens=inputs.prefix_lens,
+                extend_lens_cpu=inputs.extend_lens_cpu, out_cache_loc=inputs.out_cache_loc,
+                req_to_token=self.req_to_token, kv_pool=None, attn_backend=None,
+                seq_lens_cpu=inputs.seq_lens_cpu, max_seq_len=inputs.max_seq_len)
+            hidden, _ = self.runner.forward(fb, read_done)
+            logits = self.runner.model.compute_logits(hidden[inputs.sample_rows])
+            rows = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
+            presence = None
+            if info.any_penalty:
+                if inputs.presence_init is not None:
+                    self.presence.reset_and_mark(*inputs.presence_init)
+                presence = self.presence.table[inputs.req_pool_indices]
+            tokens, logprobs = sample(logits, info, rows, inputs.positions[inputs.sample_rows] + 1, presence)
+            if info.any_penalty:
+                self.presence.mark(inputs.req_pool_indices, tokens)
+            self.future_map.stash_tokens(inputs.stash_rows, tokens)
+            result.token_ids = self.ctx.to_host(tokens)
+            result.logprobs = None if logprobs is None else self.ctx.to_host(logprobs)
+            copy_done.record()
+
+        self.ctx.launch(run)
+        return result, read_done

@@ -1,0 +1,89 @@
+"""FutureMap: values the next iteration needs before the host has them.
+
+Buffers are indexed by `req_pool_idx`. The forward that produces a value `stash`es it (only
+the next forward reads it: stream order is enough) or `publish`es it (the schedule side
+reads it: the `publish_ready` event fences it). A decode's input ids are the sentinels
+`-req_pool_idx`, replaced on the forward stream by `resolve_input_ids`.
+
+With SPECSERVE_DEBUG_FUTURE_MAP=1 (on in CI) every consumed slot is poisoned with -1 and
+every gather asserts it reads a fresh value, which catches "read without a new stash".
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from specserve.engine.runtime.device import DeviceContext
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("SPECSERVE_DEBUG_FUTURE_MAP", "0") not in ("", "0")
+
+
+class FutureMap:
+    def __init__(self, num_rows: int, ctx: DeviceContext, needs_cpu_seq_lens: bool):
+        device = ctx.device
+        self.ctx = ctx
+        self.needs_cpu_seq_lens = needs_cpu_seq_lens
+        self.debug = debug_enabled()
+        fill = -1 if self.debug else 0
+        self.output_tokens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
+        self.new_seq_lens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
+        self.spec_bufs: dict[str, torch.Tensor] = {}  # EAGLE draft state, created on first stash
+        self.publish_ready = None
+
+    # --- forward side ------------------------------------------------------------------
+    def resolve_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replace negative sentinels `-req_pool_idx` with the stashed tokens."""
+        is_future = input_ids < 0
+        rows = torch.where(is_future, -input_ids, 0)
+        resolved = torch.where(is_future, self._consume(self.output_tokens_buf, rows, is_future), input_ids)
+        return resolved
+
+    def stash_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.output_tokens_buf[rows] = tokens
+
+    def stash(self, rows: torch.Tensor, **payload: torch.Tensor) -> None:
+        """Forward-only values (EAGLE: topk_p, topk_index, hidden_states)."""
+        for name, value in payload.items():
+            buf = self.spec_bufs.get(name)
+            if buf is None:
+                buf = torch.zeros((self.output_tokens_buf.shape[0], *value.shape[1:]),
+                                  dtype=value.dtype, device=value.device)
+                self.spec_bufs[name] = buf
+            buf[rows] = value
+
+    def gather(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        return self.spec_bufs[name][rows]
+
+    def publish(self, rows: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
+        """Values the schedule side needs; recorded on the forward stream right after verify."""
+        self.new_seq_lens_buf[rows] = new_seq_lens
+        self.publish_ready = self.ctx.new_event()
+        self.publish_ready.record()
+
+    # --- schedule side -----------------------------------------------------------------
+    def resolve_seq_lens(self, rows: torch.Tensor, rows_cpu: list[int]):
+        """The lengths the last forward published: (device tensor, host list or None).
+
+        The schedule side waits for `publish_ready` (on CUDA a stream wait, not a host block)
+        and gathers on the device. Only when some backend needs host lengths does the host
+        block for them.
+        """
+        if self.publish_ready is not None:
+            self.ctx.schedule_wait(self.publish_ready)
+        seq_lens = self._consume(self.new_seq_lens_buf, rows, None)
+        if not self.needs_cpu_seq_lens:
+            return seq_lens, None
+        return seq_lens, seq_lens.cpu().tolist()
+
+    def _consume(self, buf: torch.Tensor, rows: torch.Tensor, where: Optional[torch.Tensor]):
+        values = buf[rows]
+        if self.debug:
+            fresh = values >= 0 if where is None else (values >= 0) | ~where
+            torch._assert_async(fresh.all(), "FutureMap: read a slot that was not stashed since its last read")
+            poison_rows = rows if where is None else rows[where]
+            buf[poison_rows] = -1
+        return values

@@ -1,0 +1,35 @@
+"""Tokenizer: a thin wrapper over Hugging Face `tokenizers` reading a model folder."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: str, eos_token_ids: list[int]):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"model: no tokenizer.json in {path}")
+        self._tok = HFTokenizer.from_file(file)
+        self.eos_token_ids = list(eos_token_ids)
+        self.chat_template: Optional[str] = None
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(config_file):
+            with open(config_file) as f:
+                self.chat_template = json.load(f).get("chat_template")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
