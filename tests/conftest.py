@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny checkpoints (built once per session) and engines checked for KV leaks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers import assert_no_leaks, make_tiny_checkpoint
+
+os.environ.setdefault("SPECSERVE_DEBUG_FUTURE_MAP", "1")
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random Llama with a tokenizer."""
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama")
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines; after the test each must have every KV slot and row free again."""
+    from specserve.engine import Engine, EngineConfig
+
+    engines = []
+
+    def build(model: str, **overrides):
+        kwargs = dict(model=model, device="cpu", dtype="float32", spec=None)
+        kwargs.update(overrides)
+        engine = Engine(EngineConfig(**kwargs))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        try:
+            assert_no_leaks(engine)
+        finally:
+            engine.shutdown()

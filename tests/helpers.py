@@ -1,0 +1,99 @@
+"""Test helpers: tiny random Hugging Face checkpoints built on the fly, and engine checks."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+VOCAB = 320
+
+
+def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_layers: int = 2,
+                         tie: bool = False, sharded: bool = False, vocab_size: int = VOCAB,
+                         max_position: int = 512, with_tokenizer: bool = True) -> str:
+    """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=max_position, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=tie)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common)
+        model_cls = tf.LlamaForCausalLM
+    elif arch == "llama3":
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+        model_cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+        model_cls = tf.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        model_cls = tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32)
+        model_cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    # Spread the logits so greedy argmax has clear margins (no fp32 near-ties).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    kwargs = {"max_shard_size": "100KB"} if sharded else {}
+    model.save_pretrained(path, **kwargs)
+    if with_tokenizer:
+        save_byte_tokenizer(path, vocab_size)
+    return path
+
+
+def save_byte_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, with <bos>=1 and <eos>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["def add(a, b):\n    return a + b\n", "class Stack:\n    pass\n",
+              "import os\nprint('hello world')\n", "héllo wörld ✓ 日本語"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding effects), fp32."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def random_prompts(n: int, *, seed: int, min_len: int = 1, max_len: int = 40,
+                   vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def assert_no_leaks(engine) -> None:
+    """Every KV slot and request row is free again, and the free slots are exactly 1..N."""
+    engine.scheduler.drain()
+    alloc = engine.allocator
+    assert alloc.num_free == alloc.num_slots, f"KV leak: {alloc.num_slots - alloc.num_free} slots held"
+    assert engine.req_to_token.num_free == engine.req_to_token.num_rows, "request-row leak"
+    alloc._merge_pending()
+    free = torch.sort(alloc._free.cpu()).values
+    assert torch.equal(free, torch.arange(1, alloc.num_slots + 1)), "free list holds duplicates"
+    assert not engine.scheduler.reqs and not engine.scheduler.running and not engine.scheduler.waiting
