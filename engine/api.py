@@ -18,6 +18,7 @@ from specserve.engine.models.loader import load_llama
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineLoad, GenerateOutput, StepOutput
 from specserve.engine.runtime.device import DeviceContext
+from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from specserve.engine.runtime.model_runner import ModelRunner, create_attention_backend, resolve_dtype
 from specserve.engine.runtime.worker import NormalWorker, PresenceTable
 from specserve.engine.scheduler.future_map import FutureMap
@@ -223,6 +224,35 @@ class Engine:
                 prompt_tokens=out.prompt_tokens, num_verify_steps=out.num_verify_steps,
                 num_accepted_drafts=out.num_accepted_drafts))
         return results
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Float32 logits [len, vocab] of one sequence (scoring; e.g. perplexity). Idle engine only."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        n = len(token_ids)
+        row = self.req_to_token.alloc()
+        slots = self.allocator.alloc(n)
+        self.req_to_token.table[row, :n] = slots
+        holder = {}
+        done = self.ctx.new_event()
+
+        def run():
+            fb = ForwardBatch(
+                mode=ForwardMode.EXTEND, input_ids=torch.tensor(token_ids, device=self.device),
+                positions=torch.arange(n, device=self.device),
+                req_pool_indices=torch.tensor([row], device=self.device),
+                prefix_lens=torch.zeros(1, dtype=torch.int64, device=self.device),
+                extend_lens_cpu=[n], out_cache_loc=slots, req_to_token=self.req_to_token,
+                kv_pool=None, attn_backend=None, seq_lens_cpu=[n], max_seq_len=n)
+            hidden, _ = self.runner.forward(fb)
+            holder["logits"] = self.runner.model.compute_logits(hidden).cpu()
+            done.record()
+
+        self.ctx.launch(run)
+        done.synchronize()
+        self.allocator.free(slots)
+        self.req_to_token.free(row)
+        return holder["logits"]
 
     def _run_until_idle(self) -> None:
         """Let launched batches finish so every slot of finished requests is free again."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import traceback
 
 import zmq
@@ -31,6 +32,9 @@ def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: s
     Exits with status 1 (after sending EngineFailed) if the engine cannot start or a step fails.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; the server decides when the engine stops (after
+    # draining), so the engine must not die on it first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
     requests.connect(requests_addr)

@@ -28,6 +28,7 @@ class SchedulerMetrics:
         self.start_time = time.perf_counter()
         self.num_verify_steps = 0
         self.num_spec_tokens = 0
+        self.num_retractions = 0
 
     @property
     def mean_accept_length(self) -> float:
@@ -117,16 +118,18 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Optional[ScheduleBatch]:
         budget = self.chunk_budget
+        free = self.allocator.num_free  # slots are taken when the batch's inputs are built
         reqs, chunks = [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
-                n = min(budget, len(req.fill_ids) - req.num_prefilled, self.allocator.num_free)
+                n = min(budget, len(req.fill_ids) - req.num_prefilled, free)
                 if n == 0:
                     break
                 reqs.append(req)
                 chunks.append(self._alloc_chunk(req, n))
                 budget -= n
+                free -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running \
                 and self.req_to_token.num_free > 0:
             req = self.waiting[0]
@@ -135,7 +138,7 @@ class Scheduler:
             req.fill_ids = req.prompt_ids + req.output_ids
             n = min(budget, len(req.fill_ids))
             # Leave one slot per decoding request so admission does not force a retraction.
-            if n + len(self.running) + 1 > self.allocator.num_free:
+            if n + len(self.running) + 1 > free:
                 break
             self.waiting.popleft()
             req.row = self.req_to_token.alloc()
@@ -147,6 +150,7 @@ class Scheduler:
             reqs.append(req)
             chunks.append(self._alloc_chunk(req, n))
             budget -= n
+            free -= n
         if not reqs:
             return None
         samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]
@@ -185,6 +189,7 @@ class Scheduler:
                 self._finish(victim, "abort")  # cannot fit even alone: the pool is too small
             return False
         victim = max(self.running, key=lambda r: r.admit_order)
+        self.metrics.num_retractions += 1
         self._release_kv(victim)
         victim.status = ReqStatus.WAITING
         self.waiting.appendleft(victim)

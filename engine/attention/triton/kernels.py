@@ -215,14 +215,16 @@ def _decode_partial_kernel(
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
 
-    # Splits past the end of a short sequence write nothing; the reduce never reads them.
-    has_work = split_begin < split_end
+    # Splits past the end of a short sequence store nothing; the reduce never reads them.
+    # Their l = 0 is replaced only to keep the discarded lanes free of 0/0 and log(0).
+    store_mask = offs_h < tl.where(split_begin < split_end, GROUP_SIZE, 0)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out_offsets = (req * stride_po_tok + heads[:, None] * stride_po_head
                    + split * stride_po_split + offs_d[None, :])
     tl.store(partial_out + out_offsets, acc / l_i[:, None],
-             mask=has_work & head_mask[:, None] & dim_mask[None, :])
+             mask=store_mask[:, None] & dim_mask[None, :])
     tl.store(partial_lse + req * stride_pl_tok + heads * stride_pl_head + split,
-             m_i + tl.log2(l_i), mask=has_work & head_mask)
+             m_i + tl.log2(l_i), mask=store_mask)
 
 
 @triton.jit
@@ -379,7 +381,7 @@ def _extend_attention_kernel(
                               + tokens[:, None] * stride_mask_row + cols[None, :],
                               mask=row_mask[:, None] & col_mask[None, :], other=0) != 0
         else:
-            visible = (cols[None, :] <= tokens[:, None]) & col_mask[None, :]
+            visible = (cols[None, :] < tokens[:, None] + 2) & col_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
 
