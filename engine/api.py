@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import random
+import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -175,7 +176,19 @@ class Engine:
 
     @property
     def metrics(self):
+        """Steps run, host time blocked on results, accept lengths (SchedulerMetrics)."""
         return self.scheduler.metrics
+
+    def occupancy(self, since_busy: float, since_wall: float) -> float:
+        """Fraction of wall time the forward stream was busy since (busy, wall) readings
+        taken with `busy_and_wall()`; measure across a window of steady-state steps."""
+        busy, wall = self.busy_and_wall()
+        return (busy - since_busy) / max(wall - since_wall, 1e-9)
+
+    def busy_and_wall(self) -> tuple[float, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.ctx.busy_seconds(), time.perf_counter()
 
     def generate(self, prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
                  prompts: Optional[Sequence[str]] = None,

@@ -253,7 +253,7 @@ def _decode_reduce_kernel(
         m_new = tl.maximum(m_i, lse)
         alpha = tl.exp2(m_i - m_new)
         weight = tl.exp2(lse - m_new)
-        acc = acc * alpha + weight * part
+        acc = acc + weight * part
         l_i = l_i * alpha + weight
         m_i = m_new
     tl.store(out + req * stride_o_tok + head * stride_o_head + offs_d,
@@ -381,7 +381,7 @@ def _extend_attention_kernel(
                               + tokens[:, None] * stride_mask_row + cols[None, :],
                               mask=row_mask[:, None] & col_mask[None, :], other=0) != 0
         else:
-            visible = (cols[None, :] < tokens[:, None] + 2) & col_mask[None, :]
+            visible = (cols[None, :] <= tokens[:, None]) & col_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
 
