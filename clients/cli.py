@@ -1,0 +1,184 @@
+"""The `specserve` command: `specserve serve ...` and `specserve generate ...`.
+
+    specserve serve --model DIR --port 50051          # the gRPC server
+    specserve generate --server 127.0.0.1:50051 --prompt "def add(a, b):"
+    specserve generate --model DIR --prompt "..."     # offline, in this process
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Optional
+
+from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face-format model folder (default: the bundled demo model)")
+    g.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-running-requests", type=int, default=None)
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV-cache slots")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "triton", "flashinfer"])
+    g.add_argument("--disable-overlap", action="store_true",
+                   help="run the normal scheduler loop instead of the overlap loop")
+    s = parser.add_argument_group("speculative decoding (default: on with the demo model pair)")
+    s.add_argument("--no-speculative", action="store_true", help="plain decoding")
+    s.add_argument("--draft-model", default=None, help="EAGLE draft model folder")
+    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3"])
+    s.add_argument("--speculative-num-steps", type=int, default=None)
+    s.add_argument("--speculative-eagle-topk", type=int, default=None)
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="default: num_steps + 1 with topk 1 (chain drafting)")
+
+
+def _spec_config_from_args(args: argparse.Namespace):
+    if args.no_speculative:
+        return None
+    given = {name: value for name, value in (
+        ("algorithm", args.speculative_algorithm), ("draft_model", args.draft_model),
+        ("num_steps", args.speculative_num_steps), ("topk", args.speculative_eagle_topk),
+        ("num_draft_tokens", args.speculative_num_draft_tokens)) if value is not None}
+    if not given:
+        return DEFAULT
+    if "num_draft_tokens" not in given and given.get("topk", 1) == 1:
+        given["num_draft_tokens"] = given.get("num_steps", SpecConfig.num_steps) + 1
+    return SpecConfig(**given)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that the engine flags describe (shared by serve and generate)."""
+    optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens")
+                if getattr(args, name) is not None}
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        attention_backend=args.attention_backend,
+                        enable_overlap=not args.disable_overlap,
+                        spec=_spec_config_from_args(args), **optional)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gRPC server")
+    _add_engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=50051, help="0 picks a free port (it is logged)")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    g.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help="calls admitted beyond --max-running-requests before RESOURCE_EXHAUSTED")
+    g.add_argument("--max-prompt-tokens", type=int, default=None)
+    g.add_argument("--max-new-tokens-cap", type=int, default=None)
+    g.add_argument("--max-message-bytes", type=int, default=None)
+    g.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds in-flight calls get to finish on SIGTERM")
+    g.add_argument("--log-level", default="INFO")
+
+    generate = commands.add_parser("generate", help="generate once, offline or through a server")
+    _add_engine_args(generate)
+    g = generate.add_argument_group("generation")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="send the request to a running server instead of loading the model")
+    g.add_argument("--tls-root-cert", default=None, help="with --server: trust this PEM for TLS")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable; with --server only)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser
+
+
+def _server_config_from_args(args: argparse.Namespace):
+    from specserve.server.config import ServerConfig
+
+    optional = {field: getattr(args, flag) for field, flag in (
+        ("metrics_port", "metrics_port"), ("tls_cert", "tls_cert"), ("tls_key", "tls_key"),
+        ("max_queue", "max_queue"), ("max_prompt_tokens", "max_prompt_tokens"),
+        ("max_new_tokens_cap", "max_new_tokens_cap"), ("max_message_bytes", "max_message_bytes"),
+        ("drain_timeout_s", "drain_timeout")) if getattr(args, flag) is not None}
+    return ServerConfig(host=args.host, port=args.port, **optional)
+
+
+def _serve(engine_config: EngineConfig, server_config, log_level: str) -> int:
+    from specserve.server.app import run_server
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_server(engine_config, server_config)
+
+
+def _sampling_from_args(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in
+            ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+            if getattr(args, name) is not None}
+
+
+def _print_result(result, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        print(result.text)
+
+
+def _generate_via_server(args: argparse.Namespace) -> int:
+    from specserve.clients import Client
+
+    with Client(args.server, tls_root_cert=args.tls_root_cert) as client:
+        result = client.generate(args.prompt, stop=args.stop, **_sampling_from_args(args))
+    _print_result(result, args.json)
+    return 0
+
+
+def _generate_offline(args: argparse.Namespace) -> int:
+    """Load the model in this process and generate (no server involved)."""
+    from specserve.engine import Engine, SamplingParams
+
+    if args.stop:
+        raise ValueError("stop: stop strings need --server (the offline engine matches token ids)")
+    engine = Engine(engine_config_from_args(args))
+    try:
+        [output] = engine.generate(prompts=[args.prompt],
+                                   sampling=SamplingParams(**_sampling_from_args(args)))
+    finally:
+        engine.shutdown()
+    _print_result(output, args.json)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from specserve.clients.errors import SpecserveError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            # Configuration errors (ValueError naming the field) are usage errors.
+            configs = engine_config_from_args(args), _server_config_from_args(args)
+        elif args.server is None:
+            return _generate_offline(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.command == "serve":
+        return _serve(*configs, args.log_level)
+    try:
+        return _generate_via_server(args)
+    except SpecserveError as e:
+        print(f"specserve: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

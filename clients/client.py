@@ -1,0 +1,122 @@
+"""Client: the blocking Python SDK.
+
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("def add(a, b):", max_new_tokens=32, temperature=0)
+        with client.generate_stream(prompt="hello", stop=["\\n"]) as stream:
+            for chunk in stream:
+                print(chunk.text, end="")
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specserve.clients.errors import Unavailable, error_from_rpc
+from specserve.clients.messages import (build_request, channel_credentials, channel_options,
+                                        chunk_from_proto, result_from_chunks)
+from specserve.clients.types import Chunk, GenerateResult
+from specserve.server.proto import generate_pb2 as pb
+from specserve.server.proto import generate_pb2_grpc as pb_grpc
+
+
+class Stream:
+    """The chunks of one Generate call. Iterate it; `cancel()` (or leaving the `with` block
+    early) cancels the call, and the server then stops the request and frees its KV."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for msg in self._call:
+                yield chunk_from_proto(msg)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    close = cancel
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()  # a no-op once the call has ended
+
+
+class Client:
+    """Blocking client. `target` is "host:port". Pass `tls=True` (system roots) or
+    `tls_root_cert` (PEM bytes or path) for a TLS server."""
+
+    def __init__(self, target: str, *, tls: bool = False,
+                 tls_root_cert: Union[str, Path, bytes, None] = None):
+        credentials = channel_credentials(tls, tls_root_cert)
+        self._channel = (grpc.insecure_channel(target, options=channel_options())
+                         if credentials is None else
+                         grpc.secure_channel(target, credentials, options=channel_options()))
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate_stream(self, prompt: Optional[str] = None, *,
+                        prompt_token_ids: Optional[Sequence[int]] = None,
+                        timeout: Optional[float] = None, **sampling) -> Stream:
+        """Start a generation and return its Stream. Sampling options (all optional):
+        max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+        seed, stop, stop_token_ids, ignore_eos, logprobs. `timeout` (seconds) is the deadline."""
+        request = build_request(prompt, prompt_token_ids, sampling)
+        return Stream(self._stub.Generate(request, timeout=timeout))
+
+    def generate(self, prompt: Optional[str] = None, *,
+                 prompt_token_ids: Optional[Sequence[int]] = None,
+                 timeout: Optional[float] = None, **sampling) -> GenerateResult:
+        """Generate to the end; same arguments as generate_stream."""
+        with self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, timeout=timeout,
+                                  **sampling) as stream:
+            return result_from_chunks(stream)
+
+    def model_info(self, timeout: Optional[float] = 10.0) -> pb.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def server_load(self, timeout: Optional[float] = 10.0) -> pb.ServerLoad:
+        return self._unary(self._stub.GetServerLoad, pb.GetServerLoadRequest(), timeout)
+
+    def health(self, service: str = "", timeout: float = 5.0) -> str:
+        """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
+        reply = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                            timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def wait_until_serving(self, timeout: float = 600.0, poll_interval: float = 0.2) -> None:
+        """Block until health reports SERVING; Unavailable if it does not within `timeout`."""
+        deadline = time.monotonic() + timeout
+        status = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                status = self.health(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+                if status == "SERVING":
+                    return
+            except Unavailable as e:
+                status = e.details
+            time.sleep(poll_interval)
+        raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                          f"not SERVING after {timeout:.0f} s (last: {status})")
+
+    def _unary(self, method, request, timeout):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,141 @@
+"""The gRPC server process: grpc.aio on uvloop, the engine in a child process.
+
+Lifecycle: listen at once (health NOT_SERVING) -> spawn the engine -> SERVING once it is warm.
+SIGTERM/SIGINT: NOT_SERVING, refuse new calls, let in-flight calls finish (drain_timeout_s),
+stop the engine, exit 0. If the engine dies, health goes NOT_SERVING and every call fails with
+UNAVAILABLE; the server stays up so that probes see it (the orchestrator restarts it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specserve.engine.config import EngineConfig
+from specserve.server.config import ServerConfig
+from specserve.server.engine_client import EngineClient, EngineUnavailable
+from specserve.server.health import GENERATION_SERVICE, HealthStatus
+from specserve.server.metrics import ServerMetrics
+from specserve.server.proto import generate_pb2_grpc as pb_grpc
+from specserve.server.servicer import GenerationServicer
+
+logger = logging.getLogger("specserve.server")
+
+METRICS_POLL_INTERVAL_S = 2.0
+
+
+def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Keep idle streaming connections alive through proxies and NATs.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert is None:
+        return server.add_insecure_port(address)
+    with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+        credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+    return server.add_secure_port(address, credentials)
+
+
+class SpecserveServer:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
+        self.server_config = server_config
+        self.engine = EngineClient(engine_config)
+        self.health = HealthStatus()
+        self.metrics = ServerMetrics()
+        self.servicer = GenerationServicer(self.engine, engine_config, server_config, self.metrics)
+        self.grpc_server = grpc.aio.server(options=_server_options(server_config))
+        self.stopping = asyncio.Event()
+        self.port: Optional[int] = None
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit status 0) or an engine that fails to start (1)."""
+        pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.grpc_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc_server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+        await self.health.set_serving(False)
+        self.port = _bind(self.grpc_server, self.server_config)
+        await self.grpc_server.start()
+        scheme = "grpcs" if self.server_config.tls_cert else "grpc"
+        logger.info("serving on %s:%d (%s)", self.server_config.host, self.port, scheme)
+        if self.server_config.metrics_port is not None:
+            self.metrics.serve_http(self.server_config.host, self.server_config.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics", self.server_config.host,
+                        self.server_config.metrics_port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self.engine.on_death(lambda reason: loop.create_task(self.health.set_serving(False)))
+        self.engine.start()
+        logger.info("engine process started (pid %d)", self.engine.process.pid)
+        exit_code = await self._until_stopped()
+        await self._drain()
+        return exit_code
+
+    async def _until_stopped(self) -> int:
+        ready = asyncio.ensure_future(self.engine.wait_ready())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            return 0
+        try:
+            info = ready.result()
+        except EngineUnavailable as e:
+            logger.error("the engine failed to start: %s", e)
+            stop.cancel()
+            return 1
+        self.servicer.on_engine_ready(info)
+        await self.health.set_serving(True)
+        logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,
+                    info.device, info.dtype)
+        poller = (asyncio.ensure_future(self._poll_load())
+                  if self.server_config.metrics_port is not None else None)
+        await stop
+        if poller is not None:
+            poller.cancel()
+        return 0
+
+    async def _poll_load(self) -> None:
+        """Keep the load gauges fresh between scrapes (the engine reports load on request)."""
+        while True:
+            try:
+                self.metrics.observe_load(await self.engine.load())
+            except EngineUnavailable:
+                pass
+            await asyncio.sleep(METRICS_POLL_INTERVAL_S)
+
+    async def _drain(self) -> None:
+        logger.info("stopping: draining in-flight calls (up to %.0f s)",
+                    self.server_config.drain_timeout_s)
+        await self.health.set_serving(False)
+        # New calls are refused from here on; running ones get drain_timeout_s to finish.
+        await self.grpc_server.stop(self.server_config.drain_timeout_s)
+        await self.engine.shutdown()
+        logger.info("stopped")
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Run the server on uvloop when it is installed; returns the process exit status."""
+    async def main() -> int:
+        return await SpecserveServer(engine_config, server_config).run()
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    return uvloop.run(main())

@@ -1,0 +1,253 @@
+"""EngineClient: the server's handle on the engine process.
+
+Starts `specserve.engine.process.run_engine_process` in a spawned child, talks to it over two
+ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one queue
+per request. If the child dies, every waiting caller gets EngineUnavailable at once (the child's
+process sentinel is watched on the event loop, so nothing waits for a timeout).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.process import run_engine_process
+from specserve.server.proto import engine_ipc_pb2 as ipc
+
+logger = logging.getLogger("specserve.server.engine")
+
+LOAD_QUERY_TIMEOUT_S = 10.0  # the engine answers between steps; a step is far shorter
+SHUTDOWN_TIMEOUT_S = 10.0    # after that the child is terminated, then killed
+
+
+class EngineUnavailable(Exception):
+    """The engine is not ready yet, has died, or is shutting down."""
+
+
+class RequestRejected(Exception):
+    """The engine refused a request; the message names the field (engine ValueError)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine reported once it was loaded and warm."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    max_context_len: int
+    dtype: str
+    device: str
+    eos_token_ids: tuple[int, ...]
+    spec: Optional[ipc.EngineSpecConfig]
+    tokenizer: Any  # the engine's tokenizer (encode/decode), or None if the model has none
+
+
+# What a request's queue carries: engine outputs, then possibly an error that ends the stream.
+RequestEvent = Union[ipc.RequestOutput, Exception]
+
+
+def sampling_to_proto(sampling: SamplingParams) -> ipc.EngineSamplingParams:
+    msg = ipc.EngineSamplingParams(
+        max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+        stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs)
+    if sampling.seed is not None:
+        msg.seed = sampling.seed
+    return msg
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.info: Optional[EngineInfo] = None
+        self.process: Optional[multiprocessing.process.BaseProcess] = None
+        self._dead_reason: Optional[str] = None
+        self._closing = False
+        self._ipc_dir = tempfile.mkdtemp(prefix="specserve-ipc-")
+        self._zmq = zmq.asyncio.Context()
+        self._to_engine = self._zmq.socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)  # sends never block the event loop
+        self._to_engine.setsockopt(zmq.LINGER, 0)
+        self._from_engine = self._zmq.socket(zmq.PULL)
+        self._from_engine.setsockopt(zmq.LINGER, 0)
+        self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self._load_queries: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count(1)
+        self._ready: Optional[asyncio.Future[EngineInfo]] = None
+        self._reader: Optional[asyncio.Task] = None
+        self._death_callbacks: list[Callable[[str], None]] = []
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the sockets and spawn the engine process (returns at once; see wait_ready)."""
+        loop = asyncio.get_running_loop()
+        requests_addr = f"ipc://{os.path.join(self._ipc_dir, 'requests')}"
+        outputs_addr = f"ipc://{os.path.join(self._ipc_dir, 'outputs')}"
+        self._to_engine.bind(requests_addr)
+        self._from_engine.bind(outputs_addr)
+        self._ready = loop.create_future()
+        # spawn, not fork: the server process runs gRPC threads and an event loop.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(self.config, requests_addr, outputs_addr),
+            name="specserve-engine")
+        self.process.start()
+        loop.add_reader(self.process.sentinel, self._on_process_exit)
+        self._reader = loop.create_task(self._read_outputs())
+
+    async def wait_ready(self) -> EngineInfo:
+        """The engine's info once it is loaded and warm; EngineUnavailable if it died first."""
+        return await asyncio.shield(self._ready)
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call callback(reason) if the engine process exits unexpectedly."""
+        self._death_callbacks.append(callback)
+
+    async def shutdown(self) -> None:
+        """Ask the engine to stop, wait for it (then terminate/kill), and release the sockets."""
+        self._closing = True
+        if self.process is not None and self.process.is_alive():
+            self._send(ipc.ServerToEngine(shutdown=ipc.Shutdown()), quiet=True)
+            await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
+            if self.process.is_alive():
+                logger.warning("engine process did not exit; terminating it")
+                self.process.terminate()
+                await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join)
+        self._fail_all(EngineUnavailable("the server is shutting down"))
+        if self._reader is not None:
+            self._reader.cancel()
+        self._to_engine.close()
+        self._from_engine.close()
+        self._zmq.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # --- requests ------------------------------------------------------------------------
+    def submit(self, rid: str, prompt_token_ids: list[int],
+               sampling: SamplingParams) -> asyncio.Queue[RequestEvent]:
+        """Send a request to the engine; its outputs (and a final error, if any) arrive on the
+        returned queue. The queue is dropped after the finished output or an error."""
+        self.check_available()
+        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._send(ipc.ServerToEngine(add=ipc.AddRequest(
+            rid=rid, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))))
+        return queue
+
+    def abort(self, rid: str) -> None:
+        """Stop a request and free its KV; a no-op once it finished or the engine is gone."""
+        if self._streams.pop(rid, None) is not None and self._dead_reason is None:
+            self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid)), quiet=True)
+
+    async def load(self) -> ipc.LoadReport:
+        self.check_available()
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._load_queries[query_id] = future
+        try:
+            self._send(ipc.ServerToEngine(load_query=ipc.LoadQuery(query_id=query_id)))
+            return await asyncio.wait_for(future, LOAD_QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine did not report its load within "
+                                    f"{LOAD_QUERY_TIMEOUT_S:.0f} s") from None
+        finally:
+            self._load_queries.pop(query_id, None)
+
+    def check_available(self) -> None:
+        """Raise EngineUnavailable (saying why) unless the engine takes requests now."""
+        if self._dead_reason is not None:
+            raise EngineUnavailable(f"the engine process is gone: {self._dead_reason}")
+        if self._closing:
+            raise EngineUnavailable("the server is shutting down")
+        if self.info is None:
+            raise EngineUnavailable("the engine is still starting (loading and warming up)")
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _send(self, message: ipc.ServerToEngine, quiet: bool = False) -> None:
+        try:
+            self._to_engine.send(message.SerializeToString(), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if not quiet:
+                raise EngineUnavailable(f"cannot reach the engine process: {e}") from e
+
+    async def _read_outputs(self) -> None:
+        while True:
+            message = ipc.EngineToServer.FromString(await self._from_engine.recv())
+            kind = message.WhichOneof("kind")
+            if kind == "batch":
+                for out in message.batch.outputs:
+                    self._deliver(out)
+            elif kind == "rejected":
+                queue = self._streams.pop(message.rejected.rid, None)
+                if queue is not None:
+                    queue.put_nowait(RequestRejected(message.rejected.message))
+            elif kind == "load":
+                future = self._load_queries.get(message.load.query_id)
+                if future is not None and not future.done():
+                    future.set_result(message.load)
+            elif kind == "ready":
+                self._on_ready(message.ready)
+            elif kind == "failed":
+                logger.error("engine failed:\n%s", message.failed.message)
+                last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]
+                self._mark_dead(f"engine failed: {last_line[0]}")
+
+    def _deliver(self, out: ipc.RequestOutput) -> None:
+        queue = self._streams.get(out.rid)
+        if queue is None:  # aborted by the server meanwhile
+            return
+        if out.finished:
+            del self._streams[out.rid]
+        queue.put_nowait(out)
+
+    def _on_ready(self, ready: ipc.EngineReady) -> None:
+        tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle else None
+        self.info = EngineInfo(
+            model=ready.model, architecture=ready.architecture, vocab_size=ready.vocab_size,
+            max_context_len=ready.max_context_len, dtype=ready.dtype, device=ready.device,
+            eos_token_ids=tuple(ready.eos_token_ids),
+            spec=ready.spec if ready.HasField("spec") else None, tokenizer=tokenizer)
+        if not self._ready.done():
+            self._ready.set_result(self.info)
+
+    def _on_process_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        if self._closing:
+            return
+        self.process.join(0)
+        self._mark_dead(f"engine process exited with code {self.process.exitcode}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead_reason is not None or self._closing:
+            return
+        self._dead_reason = reason
+        logger.error("%s", reason)
+        self._fail_all(EngineUnavailable(f"the engine process is gone: {reason}"))
+        for callback in self._death_callbacks:
+            callback(reason)
+
+    def _fail_all(self, error: EngineUnavailable) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._streams.clear()
+        for future in self._load_queries.values():
+            if not future.done():
+                future.set_exception(error)

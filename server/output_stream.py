@@ -1,0 +1,85 @@
+"""One request's engine outputs -> GenerateChunks: text deltas, stop strings, usage, spec stats."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from specserve.server.detokenizer import IncrementalDetokenizer
+from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.server.proto import generate_pb2 as pb
+from specserve.server.stop_strings import StopStringMatcher
+from specserve.server.validation import ValidatedRequest
+
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                   "abort": pb.FINISH_REASON_ABORT}
+
+
+class OutputStream:
+    """Tokens are handled one at a time so that a stop string completed by the first of several
+    tokens of a speculative step ends the stream right there: later tokens are not streamed."""
+
+    def __init__(self, tokenizer: Any, request: ValidatedRequest, report_spec: bool):
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopStringMatcher(request.stop_strings)
+        self.min_new_tokens = request.sampling.min_new_tokens
+        self.prompt_tokens = len(request.prompt_token_ids)
+        self.report_spec = report_spec
+        self.num_tokens = 0
+        self.finished = False
+        # The engine's running totals, from its latest output for this request.
+        self._engine_completion_tokens = 0
+        self._verify_steps = 0
+        self._accepted_drafts = 0
+
+    def on_output(self, out: ipc.RequestOutput) -> Optional[pb.GenerateChunk]:
+        """The chunk to stream for one engine output (None if there is nothing to say).
+
+        Sets `finished` when this chunk ends the stream; if that happened through a stop string,
+        the engine has not finished the request and the caller must abort it.
+        """
+        self._engine_completion_tokens = out.completion_tokens
+        self._verify_steps = out.spec.num_verify_steps
+        self._accepted_drafts = out.spec.num_accepted_drafts
+        chunk = pb.GenerateChunk()
+        for i, token_id in enumerate(out.new_token_ids):
+            chunk.token_ids.append(token_id)
+            if out.new_logprobs:
+                chunk.logprobs.append(out.new_logprobs[i])
+            self.num_tokens += 1
+            text, matched = self._text(self.detokenizer.add([token_id]) if self.detokenizer else "")
+            chunk.text += text
+            if matched is not None:
+                self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
+                return chunk
+        if out.finished:
+            text, matched = self._text(self.detokenizer.flush() if self.detokenizer else "")
+            chunk.text += text
+            if matched is not None:
+                self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
+                return chunk
+            chunk.text += self.stops.flush()
+            finish = self._finish(chunk, _FINISH_REASONS.get(out.finish_reason,
+                                                             pb.FINISH_REASON_UNSPECIFIED))
+            if out.HasField("matched_stop_token_id"):
+                finish.matched_token_id = out.matched_stop_token_id
+        if not (chunk.token_ids or chunk.text or chunk.HasField("finish")):
+            return None
+        return chunk
+
+    def _text(self, delta: str) -> tuple[str, Optional[str]]:
+        # Stop strings count only once min_new_tokens tokens exist, like EOS and stop ids.
+        if self.num_tokens < self.min_new_tokens:
+            return delta, None
+        return self.stops.feed(delta)
+
+    def _finish(self, chunk: pb.GenerateChunk, reason: int) -> pb.Finish:
+        self.finished = True
+        finish = chunk.finish
+        finish.reason = reason
+        finish.usage.prompt_tokens = self.prompt_tokens
+        finish.usage.completion_tokens = self.num_tokens
+        if self.report_spec:
+            finish.spec.verify_steps = self._verify_steps
+            finish.spec.accepted_drafts = self._accepted_drafts
+            finish.spec.accept_length = (self._engine_completion_tokens / self._verify_steps
+                                         if self._verify_steps else 1.0)
+        return finish

@@ -1,0 +1,186 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServerToEngine(_message.Message):
+    __slots__ = ("add", "abort", "load_query", "shutdown")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_QUERY_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    add: AddRequest
+    abort: AbortRequest
+    load_query: LoadQuery
+    shutdown: Shutdown
+    def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., load_query: _Optional[_Union[LoadQuery, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class AddRequest(_message.Message):
+    __slots__ = ("rid", "prompt_token_ids", "sampling")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: EngineSamplingParams
+    def __init__(self, rid: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ...) -> None: ...
+
+class EngineSamplingParams(_message.Message):
+    __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: bool = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("rid",)
+    RID_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    def __init__(self, rid: _Optional[str] = ...) -> None: ...
+
+class LoadQuery(_message.Message):
+    __slots__ = ("query_id",)
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    def __init__(self, query_id: _Optional[int] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineToServer(_message.Message):
+    __slots__ = ("ready", "batch", "rejected", "load", "failed")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ready: EngineReady
+    batch: BatchOutput
+    rejected: RequestRejected
+    load: LoadReport
+    failed: EngineFailed
+    def __init__(self, ready: _Optional[_Union[EngineReady, _Mapping]] = ..., batch: _Optional[_Union[BatchOutput, _Mapping]] = ..., rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., failed: _Optional[_Union[EngineFailed, _Mapping]] = ...) -> None: ...
+
+class EngineReady(_message.Message):
+    __slots__ = ("model", "architecture", "vocab_size", "max_context_len", "dtype", "device", "eos_token_ids", "spec", "tokenizer_pickle")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_PICKLE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    vocab_size: int
+    max_context_len: int
+    dtype: str
+    device: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    spec: EngineSpecConfig
+    tokenizer_pickle: bytes
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[EngineSpecConfig, _Mapping]] = ..., tokenizer_pickle: _Optional[bytes] = ...) -> None: ...
+
+class EngineSpecConfig(_message.Message):
+    __slots__ = ("algorithm", "draft_model", "num_steps", "topk", "num_draft_tokens")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    draft_model: str
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class BatchOutput(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("rid", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finished: bool
+    finish_reason: str
+    matched_stop_token_id: int
+    prompt_tokens: int
+    completion_tokens: int
+    spec: SpecInfo
+    def __init__(self, rid: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ...) -> None: ...
+
+class SpecInfo(_message.Message):
+    __slots__ = ("num_verify_steps", "num_accepted_drafts")
+    NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    num_verify_steps: int
+    num_accepted_drafts: int
+    def __init__(self, num_verify_steps: _Optional[int] = ..., num_accepted_drafts: _Optional[int] = ...) -> None: ...
+
+class RequestRejected(_message.Message):
+    __slots__ = ("rid", "message")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    message: str
+    def __init__(self, rid: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("query_id", "num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    mean_accept_length: float
+    def __init__(self, query_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ...) -> None: ...
+
+class EngineFailed(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

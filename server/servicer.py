@@ -1,0 +1,150 @@
+"""GenerationService: admission, validation, streaming and cleanup of Generate calls."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+import grpc
+
+from specserve.engine.config import EngineConfig
+from specserve.server.config import ServerConfig
+from specserve.server.engine_client import EngineClient, EngineInfo, EngineUnavailable, RequestRejected
+from specserve.server.metrics import ServerMetrics
+from specserve.server.output_stream import OutputStream
+from specserve.server.proto import generate_pb2 as pb
+from specserve.server.proto import generate_pb2_grpc as pb_grpc
+from specserve.server.validation import InvalidRequest, RequestLimits, RequestValidator
+
+logger = logging.getLogger("specserve.server")
+
+
+class _Refusal(Exception):
+    """Ends a call with a status code; raised inside the servicer, turned into context.abort."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, engine: EngineClient, engine_config: EngineConfig,
+                 server_config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.server_config = server_config
+        self.metrics = metrics
+        self.max_active_streams = engine_config.max_running_requests + server_config.max_queue
+        self.num_active_streams = 0
+        self.info: Optional[EngineInfo] = None
+        self.limits: Optional[RequestLimits] = None
+        self.validator: Optional[RequestValidator] = None
+
+    def on_engine_ready(self, info: EngineInfo) -> None:
+        room = info.max_context_len - 1  # the engine needs at least one free position
+        self.limits = RequestLimits(
+            vocab_size=info.vocab_size,
+            max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
+            max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
+        self.validator = RequestValidator(info.tokenizer, self.limits)
+        self.info = info
+
+    # --- Generate --------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        arrived = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            async for chunk in self._generate(request, arrived):
+                yield chunk
+        except _Refusal as refusal:
+            code = refusal.code
+            await context.abort(refusal.code, refusal.details)
+        except asyncio.CancelledError:
+            # gRPC cancels the handler both when the client cancels and when the deadline passes.
+            remaining = context.time_remaining()
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
+                    else grpc.StatusCode.CANCELLED)
+            raise
+        finally:
+            self.metrics.requests.labels(code.name).inc()
+            self.metrics.request_duration.observe(time.perf_counter() - arrived)
+
+    async def _generate(self, request: pb.GenerateRequest,
+                        arrived: float) -> AsyncIterator[pb.GenerateChunk]:
+        try:
+            self.engine.check_available()
+        except EngineUnavailable as e:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        try:
+            validated = self.validator.validate(request)
+        except InvalidRequest as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if self.num_active_streams >= self.max_active_streams:
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the server is full: {self.num_active_streams} calls in flight, the "
+                           f"limit is max_running_requests + max_queue = {self.max_active_streams}; "
+                           f"retry later")
+        rid = uuid.uuid4().hex
+        stream = OutputStream(self.info.tokenizer, validated, report_spec=self.info.spec is not None)
+        self.num_active_streams += 1
+        self.metrics.active_streams.inc()
+        try:
+            try:
+                events = self.engine.submit(rid, validated.prompt_token_ids, validated.sampling)
+            except EngineUnavailable as e:
+                raise _Refusal(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            first_token = True
+            while not stream.finished:
+                event = await events.get()
+                if isinstance(event, RequestRejected):
+                    raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(event))
+                if isinstance(event, EngineUnavailable):
+                    raise _Refusal(grpc.StatusCode.UNAVAILABLE, str(event))
+                chunk = stream.on_output(event)
+                if chunk is None:
+                    continue
+                if first_token and chunk.token_ids:
+                    first_token = False
+                    self.metrics.time_to_first_token.observe(time.perf_counter() - arrived)
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                yield chunk
+        finally:
+            # Cancelled, past its deadline, stopped by a stop string or failed: the engine must
+            # stop and free the KV. A no-op when the engine already finished the request.
+            self.engine.abort(rid)
+            self.num_active_streams -= 1
+            self.metrics.active_streams.dec()
+
+    # --- info and load ---------------------------------------------------------------------
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        info = self.info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
+        reply = pb.ModelInfo(
+            model=info.model, architecture=info.architecture, vocab_size=info.vocab_size,
+            max_context_len=info.max_context_len, dtype=info.dtype, device=info.device,
+            eos_token_ids=info.eos_token_ids, max_prompt_tokens=self.limits.max_prompt_tokens,
+            max_new_tokens_cap=self.limits.max_new_tokens_cap)
+        if info.spec is not None:
+            reply.spec.CopyFrom(pb.SpecConfig(
+                algorithm=info.spec.algorithm, draft_model=info.spec.draft_model,
+                num_steps=info.spec.num_steps, topk=info.spec.topk,
+                num_draft_tokens=info.spec.num_draft_tokens))
+        return reply
+
+    async def GetServerLoad(self, request: pb.GetServerLoadRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ServerLoad:
+        try:
+            load = await self.engine.load()
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.metrics.observe_load(load)
+        return pb.ServerLoad(
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            kv_used_tokens=load.kv_used_tokens, kv_total_tokens=load.kv_total_tokens,
+            mean_accept_length=load.mean_accept_length,
+            num_active_streams=self.num_active_streams, max_active_streams=self.max_active_streams)

@@ -1,0 +1,49 @@
+"""Stop strings over streamed text: find the first match, hold back what may start one."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+class StopStringMatcher:
+    """Feeds text deltas; releases only text that cannot be part of a stop string.
+
+    Text whose tail is a proper prefix of some stop string is held back: if the next delta
+    completes the stop string, nothing of it has been streamed; if not, it is released then.
+    Because held text is always the longest such tail, a match can only start inside it, so
+    searching the held text plus the new delta finds every match.
+    """
+
+    def __init__(self, stop_strings: Sequence[str]):
+        self.stop_strings = tuple(stop_strings)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, Optional[str]]:
+        """Return (text safe to stream, the stop string that matched or None).
+
+        After a match the returned text ends right before the stop string; the rest is dropped.
+        """
+        self.held += text
+        match_at, matched = len(self.held), None
+        for stop in self.stop_strings:
+            i = self.held.find(stop)
+            if i != -1 and i < match_at:
+                match_at, matched = i, stop
+        if matched is not None:
+            released, self.held = self.held[:match_at], ""
+            return released, matched
+        keep = self._longest_tail_starting_a_stop()
+        released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return released, None
+
+    def flush(self) -> str:
+        """Release the held text (the stream ended without completing a stop string)."""
+        released, self.held = self.held, ""
+        return released
+
+    def _longest_tail_starting_a_stop(self) -> int:
+        longest_stop = max(map(len, self.stop_strings), default=0)
+        for n in range(min(len(self.held), longest_stop - 1), 0, -1):
+            tail = self.held[-n:]
+            if any(stop.startswith(tail) for stop in self.stop_strings):
+                return n
+        return 0
