@@ -1,6 +1,7 @@
 """Engine: the in-process API over the scheduler (used by tests, the CLI and the engine process)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -15,6 +16,7 @@ from specserve.engine.attention.base import decide_needs_cpu_seq_lens
 from specserve.engine.config import DEFAULT, EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenSlotAllocator, TokenToKVPool
 from specserve.engine.models.llama import LlamaForCausalLM
+from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.loader import load_llama
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineLoad, GenerateOutput, StepOutput
@@ -25,6 +27,7 @@ from specserve.engine.runtime.worker import NormalWorker, PresenceTable
 from specserve.engine.scheduler.future_map import FutureMap
 from specserve.engine.scheduler.schedule_batch import Req
 from specserve.engine.scheduler.scheduler import Scheduler
+from specserve.engine.spec.eagle_worker import EagleWorker
 from specserve.engine.tokenizer import Tokenizer
 
 
@@ -68,49 +71,81 @@ class Engine:
                                    cfg.max_position_embeddings)
         self.spec_config = self._resolve_spec(config)
 
+        spec = self.spec_config
+        # Past max_context_len a row also holds the speculative over-reservation.
+        reserve = 0 if spec is None else 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens)
+        max_position = self.max_context_len + reserve + 1
         with torch.device(self.device):
-            model = LlamaForCausalLM(cfg, self.max_context_len + 64).to(self.dtype)
+            model = LlamaForCausalLM(cfg, max_position).to(self.dtype)
         load_llama(model, model_path)
         model.eval()
 
         self.ctx = DeviceContext.for_device(self.device)
         num_rows = config.max_running_requests
-        num_slots = self._num_kv_slots(cfg, num_rows)
-        extra = 0  # room past max_context_len for speculative over-allocation (later)
-        self.req_to_token = ReqToTokenPool(num_rows, self.max_context_len + extra, self.device)
+        num_slots = self._num_kv_slots(cfg, num_rows, spec)
+        self.req_to_token = ReqToTokenPool(num_rows, max_position, self.device)
         self.kv_pool = TokenToKVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                      self.dtype, self.device)
         self.allocator = TokenSlotAllocator(num_slots, self.device)
-        attn = create_attention_backend(
-            config.attention_backend, self.device, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            max_context_len=self.max_context_len, needs_cpu_seq_lens=config.needs_cpu_seq_lens)
-        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens([attn], force=config.needs_cpu_seq_lens)
+        attn = self._attention_backend(cfg)
         self.runner = ModelRunner(model, self.kv_pool, attn)
+        self.draft_runner = None
+        if spec is not None:
+            head = load_draft_head(spec.draft_model, spec.algorithm, model, max_position, self.dtype, self.device)
+            if head.uses_aux_hidden:
+                model.aux_hidden_layers = head.aux_layers
+            dcfg = head.config
+            draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, self.dtype, self.device)
+            self.draft_runner = ModelRunner(head, draft_pool, self._attention_backend(dcfg))
+        backends = [attn, None if self.draft_runner is None else self.draft_runner.attn_backend]
+        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
         self.future_map = FutureMap(num_rows, self.ctx, self.needs_cpu_seq_lens)
         presence = PresenceTable(num_rows, cfg.vocab_size, self.device)
-        worker = NormalWorker(self.runner, self.ctx, self.future_map, self.req_to_token, presence)
+        common = dict(ctx=self.ctx, future_map=self.future_map, req_to_token=self.req_to_token,
+                      presence=presence)
+        worker = NormalWorker(self.runner, **common) if spec is None else \
+            EagleWorker(self.runner, self.draft_runner, spec, **common)
         self.scheduler = Scheduler(
             worker=worker, ctx=self.ctx, req_to_token=self.req_to_token, allocator=self.allocator,
             future_map=self.future_map, vocab_size=cfg.vocab_size,
             max_running_requests=config.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_context_len=self.max_context_len,
             enable_overlap=config.enable_overlap, eos_ids=self.eos_token_ids,
-            needs_cpu_seq_lens=self.needs_cpu_seq_lens)
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens, spec=spec)
         self._seed_rng = random.Random(config.seed)
         self._rid_counter = itertools.count()
         self._schedule_ctx = self.ctx.schedule_context()
         self._schedule_ctx.__enter__()
 
     def _resolve_spec(self, config: EngineConfig) -> Optional[SpecConfig]:
-        if config.spec == DEFAULT or config.spec is None:
+        """DEFAULT: speculate with the demo draft when serving the demo target, else not."""
+        demo_draft = str(demo_models_dir() / "demo-draft")
+        if config.spec is None:
             return None
-        return config.spec
+        if config.spec == DEFAULT:
+            if config.model is None and os.path.exists(demo_draft):
+                return SpecConfig(draft_model=demo_draft)
+            return None
+        spec = config.spec
+        if spec.draft_model is None:
+            if config.model is not None:
+                raise ValueError("spec.draft_model: required unless the target is the bundled demo model")
+            spec = dataclasses.replace(spec, draft_model=demo_draft)
+        if not os.path.exists(os.path.join(spec.draft_model, "config.json")):
+            raise ValueError(f"spec.draft_model: no config.json in {spec.draft_model}")
+        return spec
 
-    def _num_kv_slots(self, cfg: ModelConfig, num_rows: int) -> int:
+    def _attention_backend(self, cfg: ModelConfig):
+        return create_attention_backend(
+            self.config.attention_backend, self.device, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_context_len=self.max_context_len, needs_cpu_seq_lens=self.config.needs_cpu_seq_lens)
+
+    def _num_kv_slots(self, cfg: ModelConfig, num_rows: int, spec) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None), cfg.num_kv_heads,
+                                                cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * self.config.mem_fraction) // per_slot

@@ -97,3 +97,116 @@ def assert_no_leaks(engine) -> None:
     free = torch.sort(alloc._free.cpu()).values
     assert torch.equal(free, torch.arange(1, alloc.num_slots + 1)), "free list holds duplicates"
     assert not engine.scheduler.reqs and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def make_eagle3_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCAB, draft_vocab: int = 200,
+                     target_layers: int = 2, seed: int = 0, with_embed: bool = False) -> str:
+    """A random EAGLE-3 head in the public layout (midlayer.*, fc, norm, lm_head, d2t, t2d)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h, inter, heads, kv_heads = hidden_size, 128, 4, 2
+    hd = h // heads
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    hot = torch.sort(torch.randperm(vocab_size, generator=g)[:draft_vocab]).values
+    tensors = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": w(draft_vocab, h) * 20,
+        "d2t": hot - torch.arange(draft_vocab),
+        "t2d": torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, hot, True),
+    }
+    if with_embed:
+        tensors["embed_tokens.weight"] = w(vocab_size, h)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": vocab_size,
+              "draft_vocab_size": draft_vocab, "max_position_embeddings": 512, "tie_word_embeddings": False,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, target_layers - 1, 0]}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCAB, seed: int = 0) -> str:
+    """A random EAGLE-1 head: fc over cat(embed, feature), layers.0 without input norm."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h, inter, heads, kv_heads = hidden_size, 128, 4, 2
+    hd = h // heads
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    tensors = {
+        "embed_tokens.weight": w(vocab_size, h), "fc.weight": w(h, 2 * h), "fc.bias": w(h),
+        "layers.0.self_attn.q_proj.weight": w(heads * hd, h),
+        "layers.0.self_attn.k_proj.weight": w(kv_heads * hd, h),
+        "layers.0.self_attn.v_proj.weight": w(kv_heads * hd, h),
+        "layers.0.self_attn.o_proj.weight": w(h, heads * hd),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h),
+        "layers.0.mlp.gate_proj.weight": w(inter, h), "layers.0.mlp.up_proj.weight": w(inter, h),
+        "layers.0.mlp.down_proj.weight": w(h, inter),
+    }
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": vocab_size,
+              "max_position_embeddings": 512, "bias": True}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, num_layers: int = 2,
+                          vocab_size: int = VOCAB) -> tuple[str, str]:
+    """A target whose next token mostly depends on the current one, and an EAGLE-1 head that
+    knows that dependency: real, partial acceptance on random weights.
+
+    The target's attention and MLP outputs are scaled down by `attn_scale`, so its logits are
+    close to lm_head(norm(embed(token))). The head passes embed(token) straight through
+    (fc = [I | 0], zero attention and MLP outputs), and EAGLE-1 reads logits through the
+    target's lm_head; the final norm only rescales a row, so the argmax is the same.
+    """
+    from safetensors.torch import load_file, save_file
+
+    target = make_tiny_checkpoint(os.path.join(root, "target"), "llama", seed=seed, num_layers=num_layers,
+                                  vocab_size=vocab_size)
+    file = os.path.join(target, "model.safetensors")
+    weights = load_file(file)
+    for name in list(weights):
+        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            weights[name] = weights[name] * attn_scale
+    save_file(weights, file, metadata={"format": "pt"})
+    head = make_eagle1_head(os.path.join(root, "head"), vocab_size=vocab_size, seed=seed + 1)
+    head_file = os.path.join(head, "model.safetensors")
+    h = load_file(head_file)
+    dim = h["fc.bias"].shape[0]
+    h["embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    h["fc.weight"] = torch.cat([torch.eye(dim), torch.zeros(dim, dim)], dim=1)
+    h["fc.bias"] = torch.zeros(dim)
+    h["layers.0.self_attn.o_proj.weight"] = torch.zeros_like(h["layers.0.self_attn.o_proj.weight"])
+    h["layers.0.mlp.down_proj.weight"] = torch.zeros_like(h["layers.0.mlp.down_proj.weight"])
+    save_file(h, head_file, metadata={"format": "pt"})
+    return target, head

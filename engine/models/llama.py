@@ -72,7 +72,7 @@ class LlamaForCausalLM(nn.Module):
     """Returns final hidden states; logits are computed by the runner on the rows it needs.
 
     `aux_hidden_layers` lists layers whose output residual stream (before the final norm) is
-    also returned, concatenated in that order: the features an EAGLE-3 head consumes.
+    also returned, concatenated in the listed order: the features an EAGLE-3 head consumes.
     """
 
     def __init__(self, cfg: ModelConfig, max_position: int):
@@ -89,13 +89,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, residual = self.embed_tokens(fb.input_ids), None
-        aux = []
+        captured = {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, fb.positions, fb)
             if fb.capture_aux_hidden and i in self.aux_hidden_layers:
-                aux.append(x + residual)
+                captured[i] = x + residual
         x, _ = self.norm(x, residual)
-        return x, (torch.cat(aux, dim=-1) if aux else None)
+        if not captured:
+            return x, None
+        return x, torch.cat([captured[i] for i in self.aux_hidden_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -49,11 +49,11 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
 
-    def forward(self, fb: ForwardBatch, read_done=None):
+    def forward(self, fb: ForwardBatch, *model_args, read_done=None):
         """Run the model; records `read_done` once nothing more reads `req_to_token`."""
         fb.attn_backend = self.attn_backend
         fb.kv_pool = self.kv_pool
         self.attn_backend.init_forward_metadata(fb)
         if read_done is not None:
             read_done.record()
-        return self.model(fb)
+        return self.model(fb, *model_args)

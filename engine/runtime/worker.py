@@ -5,7 +5,7 @@ the returned BatchResult, whose host tensors are valid after `copy_done`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,6 +36,7 @@ class ForwardInputs:
     stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
     # Prefill: (rows to clear, then row and token id of every prompt token) for the penalty table
     presence_init: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    extras: dict = field(default_factory=dict)  # worker-specific inputs (EAGLE: shifted ids)
 
 
 class PresenceTable:
@@ -61,39 +62,52 @@ class NormalWorker:
         self.req_to_token = req_to_token
         self.presence = presence
 
-    def slots_per_decode(self, reqs) -> int:
-        return len(reqs)
+    def slots_per_request(self) -> int:
+        """KV slots a decode step needs past the committed length."""
+        return 1
 
     def launch(self, inputs: ForwardInputs) -> tuple[BatchResult, object]:
         """Returns (result, read_done event)."""
         read_done = self.ctx.new_event()
-        copy_done = self.ctx.new_event()
-        result = BatchResult(copy_done=copy_done, token_ids=None)
+        result = BatchResult(copy_done=self.ctx.new_event(), token_ids=None)
 
         def run():
-            info = inputs.sampling_info
-            input_ids = self.future_map.resolve_input_ids(inputs.input_ids)
-            fb = ForwardBatch(
-                mode=inputs.mode, input_ids=input_ids, positions=inputs.positions,
-                req_pool_indices=inputs.req_pool_indices, prefix_lens=inputs.prefix_lens,
-                extend_lens_cpu=inputs.extend_lens_cpu, out_cache_loc=inputs.out_cache_loc,
-                req_to_token=self.req_to_token, kv_pool=None, attn_backend=None,
-                seq_lens_cpu=inputs.seq_lens_cpu, max_seq_len=inputs.max_seq_len)
-            hidden, _ = self.runner.forward(fb, read_done)
-            logits = self.runner.model.compute_logits(hidden[inputs.sample_rows])
-            rows = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
-            presence = None
-            if info.any_penalty:
-                if inputs.presence_init is not None:
-                    self.presence.reset_and_mark(*inputs.presence_init)
-                presence = self.presence.table[inputs.req_pool_indices]
-            tokens, logprobs = sample(logits, info, rows, inputs.positions[inputs.sample_rows] + 1, presence)
-            if info.any_penalty:
-                self.presence.mark(inputs.req_pool_indices, tokens)
-            self.future_map.stash_tokens(inputs.stash_rows, tokens)
-            result.token_ids = self.ctx.to_host(tokens)
-            result.logprobs = None if logprobs is None else self.ctx.to_host(logprobs)
-            copy_done.record()
+            tokens, logprobs, _, _ = self.forward_and_sample(inputs, read_done)
+            self.finish(result, tokens, logprobs)
 
         self.ctx.launch(run)
         return result, read_done
+
+    def forward_and_sample(self, inputs: ForwardInputs, read_done, capture_aux: bool = False):
+        """Target forward over `inputs`, one token sampled per request (forward stream).
+
+        Returns (tokens [bs], logprobs [bs] or None, hidden [T, H], aux hidden or None)."""
+        info = inputs.sampling_info
+        input_ids = self.future_map.resolve_input_ids(inputs.input_ids)
+        fb = ForwardBatch(
+            mode=inputs.mode, input_ids=input_ids, positions=inputs.positions,
+            req_pool_indices=inputs.req_pool_indices, prefix_lens=inputs.prefix_lens,
+            extend_lens_cpu=inputs.extend_lens_cpu, out_cache_loc=inputs.out_cache_loc,
+            req_to_token=self.req_to_token, kv_pool=None, attn_backend=None,
+            seq_lens_cpu=inputs.seq_lens_cpu, max_seq_len=inputs.max_seq_len,
+            capture_aux_hidden=capture_aux)
+        hidden, aux = self.runner.forward(fb, read_done=read_done)
+        logits = self.runner.model.compute_logits(hidden[inputs.sample_rows])
+        rows = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
+        presence = None
+        if info.any_penalty:
+            if inputs.presence_init is not None:
+                self.presence.reset_and_mark(*inputs.presence_init)
+            presence = self.presence.table[inputs.req_pool_indices]
+        tokens, logprobs = sample(logits, info, rows, inputs.positions[inputs.sample_rows] + 1, presence)
+        if info.any_penalty:
+            self.presence.mark(inputs.req_pool_indices, tokens)
+        self.future_map.stash_tokens(inputs.stash_rows, tokens)
+        return tokens, logprobs, hidden, aux
+
+    def finish(self, result: BatchResult, tokens, logprobs, accept_lens=None) -> None:
+        """Start the result copies to the host and mark them (forward stream)."""
+        result.token_ids = self.ctx.to_host(tokens)
+        result.logprobs = None if logprobs is None else self.ctx.to_host(logprobs)
+        result.accept_lens = None if accept_lens is None else self.ctx.to_host(accept_lens)
+        result.copy_done.record()

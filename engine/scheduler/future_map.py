@@ -58,11 +58,17 @@ class FutureMap:
     def gather(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         return self.spec_bufs[name][rows]
 
-    def publish(self, rows: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
-        """Values the schedule side needs; recorded on the forward stream right after verify."""
-        self.new_seq_lens_buf[rows] = new_seq_lens
+    def new_publish_event(self):
+        """Called on the schedule side when launching a forward that will `publish`: the
+        next schedule step must wait for this forward's values, not an older one's."""
         self.publish_ready = self.ctx.new_event()
-        self.publish_ready.record()
+        return self.publish_ready
+
+    def publish(self, rows: torch.Tensor, new_seq_lens: torch.Tensor, ready) -> None:
+        """Values the schedule side needs; `ready` is recorded on the forward stream right
+        after verify, so the host's next schedule overlaps the draft-extend."""
+        self.new_seq_lens_buf[rows] = new_seq_lens
+        ready.record()
 
     # --- schedule side -----------------------------------------------------------------
     def resolve_seq_lens(self, rows: torch.Tensor, rows_cpu: list[int]):

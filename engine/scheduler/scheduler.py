@@ -19,6 +19,7 @@ from specserve.engine.outputs import StepOutput
 from specserve.engine.runtime.forward_batch import ForwardMode
 from specserve.engine.runtime.worker import ForwardInputs
 from specserve.engine.scheduler.schedule_batch import Req, ReqStatus, ScheduleBatch
+from specserve.engine.spec.eagle_worker import SpecDecodeInputs
 
 
 class SchedulerMetrics:
@@ -41,7 +42,7 @@ class SchedulerMetrics:
 class Scheduler:
     def __init__(self, *, worker, ctx, req_to_token, allocator, future_map, vocab_size: int,
                  max_running_requests: int, chunked_prefill_size: int, max_context_len: int,
-                 enable_overlap: bool, eos_ids, needs_cpu_seq_lens: bool):
+                 enable_overlap: bool, eos_ids, needs_cpu_seq_lens: bool, spec=None):
         self.worker = worker
         self.ctx = ctx
         self.device = ctx.device
@@ -55,6 +56,7 @@ class Scheduler:
         self.enable_overlap = enable_overlap
         self.eos_ids = list(eos_ids)
         self.needs_cpu_seq_lens = needs_cpu_seq_lens
+        self.spec = spec
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []          # hold a row (prefilling or decoding)
         self.reqs: dict[str, Req] = {}
@@ -173,15 +175,31 @@ class Scheduler:
             if any(r.is_prefilling for r in self.running) and not self.inflight:
                 self._retract_one()  # every holder is stuck mid-prefill on a full pool
             return None
-        while self.allocator.num_free < self.worker.slots_per_decode(reqs):
+        while self.allocator.num_free < sum(self._slots_to_reserve(r) for r in reqs):
             if not self._retract_one():
                 break
             reqs = self._decode_ready()
             if not reqs:
                 return None
         for r in reqs:
-            r.num_inflight_tokens += 1
+            r.num_inflight_tokens += 1  # at least one token per step, speculative or not
         return ScheduleBatch(ForwardMode.DECODE, reqs)
+
+    def _slots_to_reserve(self, req: Req) -> int:
+        """Slots a decode step must add so that the row covers committed + the worker's need."""
+        want = min(req.kv_committed_len + self.worker.slots_per_request(), self.req_to_token.row_width)
+        return max(0, want - req.kv_allocated_len)
+
+    def _reserve_decode_slots(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        width = self.req_to_token.row_width
+        flat = []
+        for r in reqs:
+            n = self._slots_to_reserve(r)
+            flat += range(r.row * width + r.kv_allocated_len, r.row * width + r.kv_allocated_len + n)
+            r.kv_allocated_len += n
+        slots = self.allocator.alloc(len(flat))
+        self._write_req_to_token(flat, slots)
+        return slots
 
     def _retract_one(self) -> bool:
         """Free the most recently admitted request's KV and queue it again (outputs stay exact:
@@ -222,8 +240,10 @@ class Scheduler:
     def _extend_inputs(self, batch: ScheduleBatch) -> ForwardInputs:
         width = self.req_to_token.row_width
         ids, positions, flat, sample_rows, prompt_rows, prompt_tokens = [], [], [], [], [], []
+        shifted = []  # EAGLE draft rows read token p + 1; the sampled token fills the last slot
         for i, (req, (start, end)) in enumerate(zip(batch.reqs, batch.chunks)):
             ids += req.fill_ids[start:end]
+            shifted += req.fill_ids[start + 1:end + 1] + [0] * batch.samples[i]
             positions += range(start, end)
             flat += range(req.row * width + start, req.row * width + end)
             sample_rows.append(len(ids) - 1)
@@ -245,21 +265,23 @@ class Scheduler:
             sample_rows=self._to_device(sample_rows), sampling_info=batch.sampling_info,
             stash_rows=self._to_device(sampled_rows),
             presence_init=(rows, self._to_device(prompt_rows), self._to_device(prompt_tokens))
-            if batch.sampling_info.any_penalty else None)
+            if batch.sampling_info.any_penalty else None,
+            extras={} if self.spec is None else {
+                "shifted_ids": self._to_device(shifted),
+                "samples": self._to_device(batch.samples, torch.bool)})
 
-    def _decode_inputs(self, batch: ScheduleBatch) -> ForwardInputs:
-        width = self.req_to_token.row_width
+    def _decode_inputs(self, batch: ScheduleBatch):
         reqs = batch.reqs
-        # The token being fed sits at index kv_allocated_len (its KV is written now).
-        positions = [r.kv_allocated_len for r in reqs]
-        slots = self.allocator.alloc(len(reqs))
-        self._write_req_to_token([r.row * width + p for r, p in zip(reqs, positions)], slots)
+        batch.sampling_info = self._sampling_info(reqs)
+        if self.spec is not None:
+            return self._spec_decode_inputs(batch)
+        # The token being fed sits at index kv_committed_len; its KV is written now.
+        positions = [r.kv_committed_len for r in reqs]
+        slots = self._reserve_decode_slots(reqs)
         for r in reqs:
-            r.kv_allocated_len += 1
             r.kv_committed_len += 1
         seq_lens = [p + 1 for p in positions]
         rows = self._to_device([r.row for r in reqs])
-        batch.sampling_info = self._sampling_info(reqs)
         return ForwardInputs(
             mode=ForwardMode.DECODE, input_ids=-rows, positions=self._to_device(positions),
             req_pool_indices=rows, prefix_lens=self._to_device(positions),
@@ -267,6 +289,18 @@ class Scheduler:
             seq_lens_cpu=seq_lens if self.needs_cpu_seq_lens else None,
             max_seq_len=max(seq_lens), sample_rows=torch.arange(len(reqs), device=self.device),
             sampling_info=batch.sampling_info, stash_rows=rows)
+
+    def _spec_decode_inputs(self, batch: ScheduleBatch) -> SpecDecodeInputs:
+        """The host does not know the lengths after the in-flight verify: the FutureMap has
+        them on the device, and the over-reserved slots cover whatever they turn out to be."""
+        reqs = batch.reqs
+        self._reserve_decode_slots(reqs)
+        rows_cpu = [r.row for r in reqs]
+        rows = self._to_device(rows_cpu)
+        seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows, rows_cpu)
+        return SpecDecodeInputs(req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu,
+                                max_seq_len=max(r.kv_allocated_len for r in reqs),
+                                sampling_info=batch.sampling_info)
 
     # --- results -------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch) -> None:
@@ -276,13 +310,24 @@ class Scheduler:
         self.metrics.host_blocked_seconds += time.perf_counter() - t0
         tokens = result.token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        lengths = result.accept_lens.tolist() if result.accept_lens is not None else None
         for i, req in enumerate(batch.reqs):
             if batch.mode is ForwardMode.EXTEND and not batch.samples[i]:
                 continue
             req.num_inflight_tokens -= 1
             if req.status is ReqStatus.FINISHED:
                 continue
-            self._append_tokens(req, [tokens[i]], None if logprobs is None else [logprobs[i]])
+            if lengths is None:
+                self._append_tokens(req, [tokens[i]], None if logprobs is None else [logprobs[i]])
+                continue
+            n = lengths[i]
+            if req.status is ReqStatus.RUNNING:
+                req.kv_committed_len += n
+            req.num_verify_steps += 1
+            req.num_accepted_drafts += n - 1
+            self.metrics.num_verify_steps += 1
+            self.metrics.num_spec_tokens += n
+            self._append_tokens(req, tokens[i][:n], None if logprobs is None else logprobs[i][:n])
 
     def _append_tokens(self, req: Req, tokens: list[int], logprobs: Optional[list[float]]) -> None:
         """Add tokens to a request, cutting exactly where plain decoding would have stopped."""

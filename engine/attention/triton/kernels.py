@@ -22,8 +22,6 @@ Conventions shared by all kernels:
 The Triton interpreter (TRITON_INTERPRET=1) runs these kernels on the CPU, but its `tl.dot`
 is wrong for bfloat16 operands (it multiplies the raw uint16 storage); test them there in fp32.
 """
-from __future__ import annotations
-
 import math
 from typing import NamedTuple, Optional
 
@@ -253,7 +251,7 @@ def _decode_reduce_kernel(
         m_new = tl.maximum(m_i, lse)
         alpha = tl.exp2(m_i - m_new)
         weight = tl.exp2(lse - m_new)
-        acc = acc + weight * part
+        acc = acc * alpha + weight * part
         l_i = l_i * alpha + weight
         m_i = m_new
     tl.store(out + req * stride_o_tok + head * stride_o_head + offs_d,
@@ -417,7 +415,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     config = config or default_extend_config(head_dim, q.device)
     group_size = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group_size)
-    block_m = max(config.block_m, group_pad)
+    # Short extends (verify, draft-extend) would leave most rows of a full tile empty; shrink
+    # it to what the longest request needs. A row's keys and their order do not depend on the
+    # tile height (a shorter causal loop only skips tiles the row cannot see).
+    block_m = max(min(config.block_m, triton.next_power_of_2(max_extend_len * group_pad)),
+                  16, group_pad)
     if custom_mask is not None:
         assert custom_mask.stride(-1) == 1
         if custom_mask.dtype == torch.bool:

@@ -1,0 +1,201 @@
+"""Draft trees: growing them (EAGLE-2 style), their verify layout, acceptance and compaction.
+
+A chain (topk = 1) is the tree whose nodes are in a line, so one code path serves both.
+Node 0 of every request's block is the root (the bonus token at position S); node i > 0 is
+a draft token at position S + depth(i) whose parent has a smaller index. Verify writes node
+i's target KV at row position S + i; after acceptance the accepted path is moved to row
+positions S .. S + len - 1 (the chain layout the rest of the engine assumes).
+
+Draft KV during tree drafting has the exact ancestry: the frontier node f of draft step s
+writes its draft KV to row position S + (s - 1) * topk + f, and attends to the prefix plus
+the slots of its own ancestors only (not those of whichever branch happened to share its
+frontier position, as SGLang's approximation does).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class TreeShape(NamedTuple):
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+
+class DraftNodes(NamedTuple):
+    tokens: torch.Tensor    # [bs, D - 1] draft tokens of nodes 1..D-1
+    parents: torch.Tensor   # [bs, D - 1] parent node index (0 = root)
+
+
+class DraftTreeBuilder:
+    """Accumulates candidates level by level; `finish` keeps the D - 1 best by path probability."""
+
+    def __init__(self, shape: TreeShape, topk_p, topk_index, hidden):
+        self.shape = shape
+        bs, k = topk_index.shape
+        self.bs = bs
+        # Candidates: token, parent candidate (-1: the root), cumulative path probability.
+        self.tokens = [topk_index]
+        self.parents = [torch.full_like(topk_index, -1)]
+        self.scores = [topk_p]
+        # The frontier: the nodes the next draft forward reads.
+        self.frontier_ids = torch.arange(k, device=topk_index.device).expand(bs, k)  # candidate ids
+        self.frontier_tokens = topk_index
+        self.frontier_scores = topk_p
+        self.frontier_hidden = hidden.repeat_interleave(k, dim=0)      # [bs * k, H]
+        self.path_slots = topk_index.new_zeros((bs, k, 0))              # draft KV of the ancestry
+        self.num_candidates = k
+
+    def frontier(self):
+        return self.frontier_tokens.reshape(-1), self.frontier_hidden
+
+    def record_slots(self, own_slots: torch.Tensor) -> torch.Tensor:
+        """The frontier's draft KV slots for this step; returns their full ancestry [bs, k, s]."""
+        self.path_slots = torch.cat([self.path_slots, own_slots.unsqueeze(2)], dim=2)
+        return self.path_slots
+
+    def expand(self, probs: torch.Tensor, ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
+        """Children of the frontier from the draft forward's top-k; the best k become the next frontier."""
+        bs, k = self.bs, self.shape.topk
+        child_scores = (self.frontier_scores.unsqueeze(2) * probs.view(bs, k, k)).view(bs, k * k)
+        child_tokens = ids.view(bs, k * k)
+        child_parents = self.frontier_ids.repeat_interleave(k, dim=1)
+        base = self.num_candidates
+        self.tokens.append(child_tokens)
+        self.parents.append(child_parents)
+        self.scores.append(child_scores)
+        self.num_candidates += k * k
+        best_scores, best = child_scores.topk(k, dim=1) if k > 1 else (child_scores, torch.zeros_like(child_tokens))
+        parent_pos = best // k                         # frontier position of each new node's parent
+        self.frontier_ids = base + best
+        self.frontier_tokens = child_tokens.gather(1, best)
+        self.frontier_scores = best_scores
+        rows = (torch.arange(bs, device=ids.device).unsqueeze(1) * k + parent_pos).reshape(-1)
+        self.frontier_hidden = out_hidden[rows]
+        self.path_slots = self.path_slots.gather(1, parent_pos.unsqueeze(2).expand(-1, -1, self.path_slots.shape[2]))
+
+    def finish(self) -> DraftNodes:
+        tokens = torch.cat(self.tokens, dim=1)
+        parents = torch.cat(self.parents, dim=1)
+        keep = self.shape.num_draft_tokens - 1
+        if self.shape.topk == 1:  # a chain: every candidate is kept, already in order
+            return DraftNodes(tokens, torch.arange(keep, device=tokens.device).expand(self.bs, keep))
+        scores = torch.cat(self.scores, dim=1)
+        # Stable sort: on equal scores the earlier candidate (a parent before its child) wins.
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
+        chosen = torch.sort(order, dim=1).values                        # parents before children
+        # Candidate id -> node index (1-based; the root is node 0).
+        node_of = torch.zeros_like(scores, dtype=torch.int64)
+        node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=chosen.device).expand(self.bs, keep))
+        cand_parent = parents.gather(1, chosen)
+        node_parent = torch.where(cand_parent < 0, 0, node_of.gather(1, cand_parent.clamp(min=0)))
+        return DraftNodes(tokens.gather(1, chosen), node_parent)
+
+
+class Tree(NamedTuple):
+    tokens: torch.Tensor          # [bs, D] node tokens, node 0 = bonus
+    parents: torch.Tensor         # [bs, D] parent node (-1 for the root)
+    positions: torch.Tensor       # [bs, D] S + depth
+    slot_positions: torch.Tensor  # [bs, D] row position whose slot holds node i's KV: S + i
+    mask: Optional[torch.Tensor]  # [bs, D, D] node i sees node j (ancestor or self); None: causal
+
+
+def build_tree(nodes: DraftNodes, bonus: torch.Tensor, S: torch.Tensor, shape: TreeShape) -> Tree:
+    bs = bonus.shape[0]
+    D = shape.num_draft_tokens
+    device = bonus.device
+    tokens = torch.cat([bonus.unsqueeze(1), nodes.tokens], dim=1)
+    parents = torch.cat([torch.full((bs, 1), -1, device=device, dtype=torch.int64), nodes.parents], dim=1)
+    chain_pos = S.unsqueeze(1) + torch.arange(D, device=device)
+    if not shape.is_tree:
+        return Tree(tokens, parents, chain_pos, chain_pos, None)
+    eye = torch.eye(D, dtype=torch.bool, device=device)
+    anc = eye.expand(bs, D, D).clone()
+    depth = torch.zeros((bs, D), dtype=torch.int64, device=device)
+    for i in range(1, D):  # parents come first, so their rows are complete
+        p = parents[:, i]
+        anc[:, i] |= anc[torch.arange(bs, device=device), p]
+        depth[:, i] = depth.gather(1, p.unsqueeze(1)).squeeze(1) + 1
+    return Tree(tokens, parents, S.unsqueeze(1) + depth, chain_pos, anc)
+
+
+class Accept(NamedTuple):
+    path: torch.Tensor     # [bs, D] accepted node indices (root first), padded with the last one
+    lengths: torch.Tensor  # [bs] tokens emitted: accepted drafts + 1
+    tokens: torch.Tensor   # [bs, D] the target's token at each path node: what is emitted
+
+    def gather_path(self, per_node: torch.Tensor) -> torch.Tensor:
+        return per_node.gather(1, self.path)
+
+
+def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = None) -> Accept:
+    """Walk from the root, at each node taking the child whose token is the target's own
+    choice there. `force_len` (benchmarks on random weights only) takes the first child
+    regardless, so exactly `force_len` tokens are emitted where the tree is deep enough."""
+    bs, D = tree.tokens.shape
+    device = tree.tokens.device
+    ar = torch.arange(bs, device=device)
+    cur = torch.zeros(bs, dtype=torch.int64, device=device)
+    alive = torch.ones(bs, dtype=torch.bool, device=device)
+    path = [cur]
+    lengths = torch.ones(bs, dtype=torch.int64, device=device)
+    node_ids = torch.arange(D, device=device)
+    max_depth = min(tree.positions.shape[1] - 1, int(D - 1))
+    for depth in range(1, max_depth + 1):
+        is_child = tree.parents == cur.unsqueeze(1)
+        if force_len is not None:
+            ok = is_child & (depth < force_len)
+        else:
+            ok = is_child & (tree.tokens == target_tokens[ar, cur].unsqueeze(1))
+        found = ok.any(dim=1) & alive
+        child = torch.where(ok, node_ids, D).min(dim=1).values  # first matching child
+        cur = torch.where(found, child, cur)
+        alive = found
+        lengths = lengths + found
+        path.append(cur)
+    path = torch.stack(path, dim=1)
+    if path.shape[1] < D:
+        path = torch.cat([path, path[:, -1:].expand(bs, D - path.shape[1])], dim=1)
+    return Accept(path, lengths, target_tokens.gather(1, path))
+
+
+def compact_rows(per_node: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """[bs, D, F] rows reordered so the accepted path comes first (a copy)."""
+    return per_node.gather(1, path.unsqueeze(2).expand(-1, -1, per_node.shape[2]))
+
+
+def compaction_moves(loc: torch.Tensor, acc: Accept) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target slots, source slots) that move path node j's KV to row position S + j."""
+    return loc.reshape(-1), loc.gather(1, acc.path).reshape(-1)
+
+
+def draft_step_kv(table: torch.Tensor, S: torch.Tensor, step: int, shape: TreeShape, builder: DraftTreeBuilder):
+    """KV indices of draft step `step` (1-based): every branch sees the prefix and its ancestry.
+
+    Returns (kv [bs * k, W], kv_lens [bs * k], own slots [bs * k])."""
+    k = shape.topk
+    own_pos = S.unsqueeze(1) + (step - 1) * k + torch.arange(k, device=S.device)
+    own = table.gather(1, own_pos)                                   # [bs, k]
+    path = builder.record_slots(own)                                 # [bs, k, step]
+    kv = table.repeat_interleave(k, dim=0)                           # [bs * k, W]
+    cols = (S.unsqueeze(1) + torch.arange(step, device=S.device)).repeat_interleave(k, dim=0)
+    kv.scatter_(1, cols, path.reshape(-1, step))
+    return kv, (S + step).repeat_interleave(k), own.reshape(-1)
+
+
+def node_presence(presence_rows: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """[bs * D, V] tokens in each node's sequence: the request's, plus its draft ancestors."""
+    bs, D = tree.tokens.shape
+    out = presence_rows.unsqueeze(1).repeat(1, D, 1)
+    sees = tree.mask if tree.mask is not None else \
+        torch.ones(D, D, dtype=torch.bool, device=out.device).tril().expand(bs, D, D)
+    for j in range(1, D):
+        idx = tree.tokens[:, j].view(bs, 1, 1).expand(bs, D, 1)
+        out.scatter_(2, idx, out.gather(2, idx) | sees[:, :, j:j + 1])
+    return out.view(bs * D, -1)
