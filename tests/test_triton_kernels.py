@@ -1,0 +1,422 @@
+"""Triton attention kernels and TritonAttnBackend against a torch reference.
+
+Without a GPU the kernels run in the Triton interpreter on the CPU (tiny shapes, fp32: the
+interpreter's bf16 `tl.dot` is wrong). With a GPU the same tests run compiled, and the
+`gpu`-marked tests add real model shapes in bf16.
+"""
+import os
+
+import torch  # importing torch does not import triton
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported anywhere: kernels are bound to the interpreter
+    # when their module is decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import itertools  # noqa: E402
+from typing import NamedTuple, Optional  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
+from specserve.engine.attention.triton.kernels import (  # noqa: E402
+    DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices)
+from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Small tiles so that the tiny test sequences still span several loop iterations, KV splits
+# and query blocks (16 is the smallest tile tl.dot accepts on a GPU). A query block covers
+# 32 // group tokens, more than one key tile when the group is small.
+SMALL_DECODE = DecodeConfig(block_n=16, min_kv_split_len=16, num_warps=4, num_stages=1)
+SMALL_EXTEND = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and test scenes
+# ---------------------------------------------------------------------------------------------
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked softmax attention in fp32. q: [E, H, D]; keys, values: [L, KVH, D];
+    visible: [E, L] bool. Returns [E, H, D] fp32."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def random_tree_mask(bs: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """[bs, width, width] random visibility where every token sees at least itself."""
+    mask = torch.rand(bs, width, width, generator=generator) < 0.5
+    return mask | torch.eye(width, dtype=torch.bool)
+
+
+class Scene(NamedTuple):
+    """Requests laid out in a KV pool the way the scheduler does it: request b owns table row
+    `rows[b]`, whose first prefix + extend entries are its (scattered) slots."""
+
+    table: torch.Tensor          # [num_rows + 1, width] int64
+    rows: torch.Tensor           # [bs] int64
+    prefix_lens: torch.Tensor    # [bs] int64
+    extend_lens: list[int]
+    new_slots: torch.Tensor      # [num_new_tokens] int64, the rows' entries after the prefix
+    k_buffer: torch.Tensor       # [num_slots + 1, num_kv_heads, head_dim]
+    v_buffer: torch.Tensor
+
+
+def make_scene(prefix_lens: list[int], extend_lens: list[int], num_kv_heads: int,
+               head_dim: int, generator: torch.Generator, dtype=torch.float32,
+               device=DEVICE) -> Scene:
+    bs = len(prefix_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = sum(seq_lens) + 16
+    width = max(seq_lens) + 8
+    # Entries past a request's length hold other valid slots: reading too far gives wrong K/V.
+    table = torch.randint(1, num_slots + 1, (2 * bs + 1, width), generator=generator)
+    rows = torch.randperm(2 * bs, generator=generator)[:bs] + 1
+    slots = torch.randperm(num_slots, generator=generator) + 1  # slot 0 is the dummy
+    offsets = [0, *itertools.accumulate(seq_lens)]
+    for b in range(bs):
+        table[rows[b], :seq_lens[b]] = slots[offsets[b]:offsets[b + 1]]
+    new_slots = torch.cat([table[rows[b], prefix_lens[b]:seq_lens[b]] for b in range(bs)])
+    shape = (num_slots + 1, num_kv_heads, head_dim)
+    return Scene(
+        table=table.to(device), rows=rows.to(device),
+        prefix_lens=torch.tensor(prefix_lens, device=device), extend_lens=list(extend_lens),
+        new_slots=new_slots.to(device),
+        k_buffer=torch.randn(shape, generator=generator).to(device, dtype),
+        v_buffer=torch.randn(shape, generator=generator).to(device, dtype))
+
+
+def scene_reference(scene: Scene, q: torch.Tensor, scale: float,
+                    custom_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Expected output of every new token, K/V gathered through the table rows."""
+    outputs, start = [], 0
+    for b, extend_len in enumerate(scene.extend_lens):
+        prefix_len = int(scene.prefix_lens[b])
+        slots = scene.table[scene.rows[b], :prefix_len + extend_len]
+        new_visible = (custom_mask[b, :extend_len, :extend_len].to(q.device)
+                       if custom_mask is not None else
+                       torch.ones(extend_len, extend_len, dtype=torch.bool,
+                                  device=q.device).tril())
+        visible = torch.cat([torch.ones(extend_len, prefix_len, dtype=torch.bool,
+                                        device=q.device), new_visible], dim=1)
+        outputs.append(reference_attention(q[start:start + extend_len], scene.k_buffer[slots],
+                                           scene.v_buffer[slots], visible, scale))
+        start += extend_len
+    return torch.cat(outputs)
+
+
+def scene_kv_indices(scene: Scene, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    bs = len(scene.extend_lens)
+    bound = bs * int(scene.table.shape[1])
+    kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=scene.table.device)
+    kv_indices = torch.empty(bound, dtype=torch.int32, device=scene.table.device)
+    fill_kv_indices(scene.table, scene.rows, scene.prefix_lens, kv_indptr, kv_indices,
+                    decode_token_slots=scene.new_slots if decode else None)
+    return kv_indptr, kv_indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_decode_token", [False, True])
+def test_fill_kv_indices(with_decode_token):
+    gen = torch.Generator().manual_seed(0)
+    prefix_lens = [0, 37, 5, 16]
+    scene = make_scene(prefix_lens, [1] * 4, num_kv_heads=1, head_dim=16, generator=gen)
+    kv_indptr = torch.empty(5, dtype=torch.int64, device=DEVICE)
+    kv_indices = torch.full((200,), -1, dtype=torch.int32, device=DEVICE)
+    fill_kv_indices(scene.table, scene.rows, scene.prefix_lens, kv_indptr, kv_indices,
+                    decode_token_slots=scene.new_slots if with_decode_token else None,
+                    block=16)  # 37 entries: three loop iterations, the last one partial
+
+    kv_lens = [p + with_decode_token for p in prefix_lens]
+    expected_indptr = [0, *itertools.accumulate(kv_lens)]
+    assert kv_indptr.tolist() == expected_indptr
+    for b, row in enumerate(scene.rows.tolist()):
+        segment = kv_indices[expected_indptr[b]:expected_indptr[b + 1]]
+        # With the decode token the table row holds it right after the prefix.
+        assert segment.tolist() == scene.table[row, :kv_lens[b]].tolist()
+    assert (kv_indices[expected_indptr[-1]:] == -1).all()
+
+
+@pytest.mark.parametrize("num_kv_heads,group_size,head_dim", [(2, 1, 32), (2, 2, 16),
+                                                               (1, 4, 32), (2, 3, 24)])
+@pytest.mark.parametrize("max_kv_splits", [1, 4])
+def test_decode_attention(num_kv_heads, group_size, head_dim, max_kv_splits):
+    gen = torch.Generator().manual_seed(1)
+    num_heads = num_kv_heads * group_size
+    prefix_lens = [0, 63, 17, 40]  # 1 to 64 keys: 1 to 4 splits of 16
+    scene = make_scene(prefix_lens, [1] * 4, num_kv_heads, head_dim, gen)
+    q = torch.randn(4, num_heads, head_dim, generator=gen).to(DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+    out = torch.empty_like(q)
+    partial_out = torch.empty(4, num_heads, max_kv_splits, head_dim, device=DEVICE)
+    partial_lse = torch.empty(4, num_heads, max_kv_splits, device=DEVICE)
+    scale = head_dim ** -0.5
+    decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                     partial_out, partial_lse, scale, SMALL_DECODE)
+    torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_attention_is_batch_invariant():
+    """A request's split layout depends on its own length only, so its output is bitwise the
+    same alone or in a batch (what greedy parity between batch sizes relies on)."""
+    gen = torch.Generator().manual_seed(9)
+    scene = make_scene([50, 7, 33], [1] * 3, num_kv_heads=2, head_dim=16, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
+    partial_out = torch.empty(3, 4, 4, 16, device=DEVICE)
+    partial_lse = torch.empty(3, 4, 4, device=DEVICE)
+
+    def run_first(bs: int) -> torch.Tensor:
+        kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=DEVICE)
+        kv_indices = torch.empty(bs * 64, dtype=torch.int32, device=DEVICE)
+        fill_kv_indices(scene.table, scene.rows[:bs], scene.prefix_lens[:bs], kv_indptr,
+                        kv_indices, decode_token_slots=scene.new_slots[:bs])
+        out = torch.empty_like(q[:bs])
+        decode_attention(q[:bs], scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                         partial_out, partial_lse, 0.25, SMALL_DECODE)
+        return out
+
+    assert torch.equal(run_first(3)[0], run_first(1)[0])
+
+
+@pytest.mark.parametrize("num_kv_heads,group_size,head_dim", [(2, 1, 32), (2, 2, 16),
+                                                               (1, 4, 32), (2, 3, 24)])
+@pytest.mark.parametrize("use_custom_mask", [False, True])
+def test_extend_attention(num_kv_heads, group_size, head_dim, use_custom_mask):
+    gen = torch.Generator().manual_seed(2)
+    num_heads = num_kv_heads * group_size
+    prefix_lens = [0, 30, 9]
+    extend_lens = [21, 1, 6]  # ragged; the first request spans several key tiles
+    scene = make_scene(prefix_lens, extend_lens, num_kv_heads, head_dim, gen)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE)
+    custom_mask = random_tree_mask(3, 21, gen).to(DEVICE) if use_custom_mask else None
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=False)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim ** -0.5
+    extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr, kv_indices,
+                     scene.new_slots, max(extend_lens), scale, custom_mask=custom_mask,
+                     config=SMALL_EXTEND)
+    expected = scene_reference(scene, q, scale, custom_mask)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_extend_attention_custom_mask_is_applied():
+    """A custom mask that hides a key must change the output relative to causal (guards
+    against the mask being ignored where causal and custom happen to agree)."""
+    gen = torch.Generator().manual_seed(3)
+    scene = make_scene([4], [3], num_kv_heads=1, head_dim=16, generator=gen)
+    q = torch.randn(3, 2, 16, generator=gen).to(DEVICE)
+    # Chain 0 <- 2 (token 2 skips token 1): a tree, not a prefix of the causal pattern.
+    custom_mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool,
+                               device=DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=False)
+    qo_indptr = torch.tensor([0, 3], device=DEVICE)
+    outputs = []
+    for mask in (None, custom_mask):
+        out = torch.empty_like(q)
+        extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
+                         kv_indices, scene.new_slots, 3, 0.25, custom_mask=mask,
+                         config=SMALL_EXTEND)
+        outputs.append(out)
+    torch.testing.assert_close(outputs[1], scene_reference(scene, q, 0.25, custom_mask),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outputs[0][:2], outputs[1][:2])
+    assert not torch.allclose(outputs[0][2], outputs[1][2], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+# ---------------------------------------------------------------------------------------------
+
+NUM_LAYERS, LAYER_ID = 2, 1
+
+
+class BackendCase(NamedTuple):
+    mode: ForwardMode
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    tree_mask: bool
+    exact_max_seq_len: bool  # False: the GPU-only path passes an upper bound
+
+
+BACKEND_CASES = {
+    "extend": BackendCase(ForwardMode.EXTEND, [0, 21, 7], [9, 1, 14], False, True),
+    "decode": BackendCase(ForwardMode.DECODE, [0, 44, 19], [1, 1, 1], False, False),
+    "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [3, 30, 12], [4, 4, 4], True, False),
+    "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [5, 40, 17], [3, 3, 3], False, False),
+}
+
+
+def build_forward_batch(case: BackendCase, backend: TritonAttnBackend, num_kv_heads: int,
+                        head_dim: int, max_context_len: int, gen: torch.Generator,
+                        dtype=torch.float32, device=DEVICE) -> tuple[ForwardBatch, Scene]:
+    """A ForwardBatch over pools that hold the scene's prefix K/V (new slots still empty)."""
+    scene = make_scene(case.prefix_lens, case.extend_lens, num_kv_heads, head_dim, gen, dtype,
+                       device)
+    num_rows, width = scene.table.shape[0] - 1, scene.table.shape[1]
+    req_to_token = ReqToTokenPool(num_rows, width, device)
+    req_to_token.table.copy_(scene.table)
+    kv_pool = TokenToKVPool(scene.k_buffer.shape[0] - 1, NUM_LAYERS, num_kv_heads, head_dim,
+                            dtype, device)
+    prefix_slots = torch.cat([scene.table[scene.rows[b], :p]
+                              for b, p in enumerate(case.prefix_lens)])
+    for layer in range(NUM_LAYERS):
+        kv_pool.set_kv(layer, prefix_slots, scene.k_buffer[prefix_slots],
+                       scene.v_buffer[prefix_slots])
+    bs, num_tokens = len(case.extend_lens), sum(case.extend_lens)
+    seq_lens = [p + e for p, e in zip(case.prefix_lens, case.extend_lens)]
+    fb = ForwardBatch(
+        mode=case.mode,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.cat([torch.arange(p, s) for p, s in zip(case.prefix_lens, seq_lens)]
+                            ).to(device),
+        req_pool_indices=scene.rows, prefix_lens=scene.prefix_lens,
+        extend_lens_cpu=list(case.extend_lens), out_cache_loc=scene.new_slots,
+        req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=backend,
+        seq_lens_cpu=seq_lens if case.exact_max_seq_len else None,
+        max_seq_len=max(seq_lens) if case.exact_max_seq_len else max_context_len,
+        custom_mask=(random_tree_mask(bs, max(case.extend_lens), gen).to(device)
+                     if case.tree_mask else None))
+    return fb, scene
+
+
+def run_backend_case(case: BackendCase, num_heads: int, num_kv_heads: int, head_dim: int,
+                     max_context_len: int, max_batch_size: int, gen: torch.Generator,
+                     dtype=torch.float32, device=DEVICE, decode_config=None, extend_config=None):
+    """One layer through the backend. Returns (output, expected fp32, fb, k, v)."""
+    backend = TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
+                                max_batch_size=max_batch_size, decode_config=decode_config,
+                                extend_config=extend_config)
+    fb, scene = build_forward_batch(case, backend, num_kv_heads, head_dim, max_context_len, gen,
+                                    dtype, device)
+    num_tokens = fb.num_tokens
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    scale = head_dim ** -0.5
+    # The reference sees the new tokens' K/V where the scene's table rows point.
+    scene.k_buffer[scene.new_slots] = k
+    scene.v_buffer[scene.new_slots] = v
+    expected = scene_reference(scene, q, scale, fb.custom_mask)
+
+    backend.init_forward_metadata(fb)
+    # Past init_forward_metadata the scheduler may rewrite req_to_token (base.py): the
+    # forward must not read it again.
+    fb.req_to_token.table.random_(1, scene.k_buffer.shape[0])
+    out = backend.forward(q, k, v, LAYER_ID, fb, scale)
+    return out, expected.reshape(num_tokens, -1), fb, k, v
+
+
+@pytest.mark.parametrize("case_name", list(BACKEND_CASES))
+@pytest.mark.parametrize("max_batch_size", [8, 2])  # 2 < bs: buffers allocated per forward
+def test_backend_matches_reference(case_name, max_batch_size):
+    case = BACKEND_CASES[case_name]
+    gen = torch.Generator().manual_seed(4)
+    out, expected, fb, k, v = run_backend_case(
+        case, num_heads=4, num_kv_heads=2, head_dim=16, max_context_len=64,
+        max_batch_size=max_batch_size, gen=gen, decode_config=SMALL_DECODE,
+        extend_config=SMALL_EXTEND)
+    assert fb.attn_metadata.is_decode == (case.mode == ForwardMode.DECODE)
+    assert out.shape == (fb.num_tokens, 4 * 16)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # The new tokens' K/V were stored in the forward's layer only.
+    torch.testing.assert_close(fb.kv_pool.k_buffer[LAYER_ID][fb.out_cache_loc], k)
+    torch.testing.assert_close(fb.kv_pool.v_buffer[LAYER_ID][fb.out_cache_loc], v)
+    assert not fb.kv_pool.k_buffer[0][fb.out_cache_loc].any()
+
+
+def test_backend_width_one_draft_extend_uses_decode_kernels():
+    case = BackendCase(ForwardMode.DRAFT_EXTEND, [6, 0], [1, 1], False, False)
+    out, expected, fb, _, _ = run_backend_case(
+        case, num_heads=2, num_kv_heads=1, head_dim=16, max_context_len=32, max_batch_size=4,
+        gen=torch.Generator().manual_seed(5), decode_config=SMALL_DECODE,
+        extend_config=SMALL_EXTEND)
+    assert fb.attn_metadata.is_decode
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_backend_rejects_unset_max_seq_len():
+    case = BACKEND_CASES["extend"]
+    backend = TritonAttnBackend(4, 2, 16, 64, DEVICE)
+    fb, _ = build_forward_batch(case, backend, 2, 16, 64, torch.Generator().manual_seed(6))
+    fb.max_seq_len = 0  # the dataclass default
+    with pytest.raises(ValueError, match="max_seq_len"):
+        backend.init_forward_metadata(fb)
+
+
+def test_backend_idle_batch():
+    backend = TritonAttnBackend(4, 2, 16, 64, DEVICE)
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    fb = ForwardBatch(mode=ForwardMode.IDLE, input_ids=empty, positions=empty,
+                      req_pool_indices=empty, prefix_lens=empty, extend_lens_cpu=[],
+                      out_cache_loc=empty, req_to_token=ReqToTokenPool(2, 8, DEVICE),
+                      kv_pool=TokenToKVPool(8, 1, 2, 16, torch.float32, DEVICE),
+                      attn_backend=backend)
+    backend.init_forward_metadata(fb)
+    q = torch.zeros(0, 4, 16, device=DEVICE)
+    kv = torch.zeros(0, 2, 16, device=DEVICE)
+    assert backend.forward(q, kv, kv, 0, fb, 0.25).shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real shapes on a GPU (bf16, compiled kernels, default launch configs)
+# ---------------------------------------------------------------------------------------------
+
+GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_MAX_CONTEXT = 32, 8, 128, 4096
+GPU_CASES = {
+    "decode": BackendCase(ForwardMode.DECODE, [4095, 1000, 0, 2999, 4000, 17], [1] * 6,
+                          False, False),
+    "extend": BackendCase(ForwardMode.EXTEND, [3584, 0, 1000], [512, 300, 77], False, True),
+    "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [4088, 100, 2048, 0], [8] * 4,
+                                 True, False),
+    "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [4092, 1, 3000], [4] * 3,
+                                False, False),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case_name", list(GPU_CASES))
+def test_backend_real_shapes_bf16_gpu(case_name):
+    gen = torch.Generator().manual_seed(7)
+    out, expected, _, _, _ = run_backend_case(
+        GPU_CASES[case_name], GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_MAX_CONTEXT,
+        max_batch_size=8, gen=gen, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case_name", ["decode", "target_verify"])
+def test_backend_has_no_host_sync_gpu(case_name):
+    """Metadata and attention for a steady-state step must not wait on the device."""
+    case = GPU_CASES[case_name]
+    backend = TritonAttnBackend(GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_MAX_CONTEXT, DEVICE,
+                                max_batch_size=8)
+    fb, _ = build_forward_batch(case, backend, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_MAX_CONTEXT,
+                                torch.Generator().manual_seed(8), torch.bfloat16)
+    qkv = [torch.randn(fb.num_tokens, heads, GPU_HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+           for heads in (GPU_HEADS, GPU_KV_HEADS, GPU_KV_HEADS)]
+    backend.init_forward_metadata(fb)
+    backend.forward(*qkv, LAYER_ID, fb, 0.1)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.init_forward_metadata(fb)
+        backend.forward(*qkv, LAYER_ID, fb, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
