@@ -1,0 +1,94 @@
+"""A real `specserve serve` process on 127.0.0.1 for tests: start, read its log, stop."""
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+from specserve.clients import Client
+
+START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`specserve serve --port 0` on the tiny CPU model; the bound port and the engine's pid
+    are read from the server's log."""
+
+    def __init__(self, model: str, *extra_args: str, wait_serving: bool = True):
+        self.command = [sys.executable, "-m", "specserve.clients.cli", "serve", "--model", model,
+                        "--device", "cpu", "--dtype", "float32", "--no-speculative",
+                        "--host", "127.0.0.1", "--port", "0", "--max-total-tokens", "8192",
+                        *extra_args]
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self._log_changed = threading.Condition()
+        threading.Thread(target=self._read_log, daemon=True).start()
+        self.port = int(self.wait_for_log(r"serving on [\d.]+:(\d+)").group(1))
+        self.engine_pid = int(self.wait_for_log(r"engine process started \(pid (\d+)\)").group(1))
+        self.address = f"127.0.0.1:{self.port}"
+        if wait_serving:
+            self.wait_for_log(r"SERVING")
+
+    def _read_log(self) -> None:
+        for line in self.process.stdout:
+            with self._log_changed:
+                self.log.append(line.rstrip("\n"))
+                self._log_changed.notify_all()
+        with self._log_changed:
+            self._log_changed.notify_all()
+
+    def wait_for_log(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._log_changed:
+            while True:
+                for line in self.log:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.process.poll() is not None and self.process.stdout.closed):
+                    raise AssertionError(f"no log line matching {pattern!r}; log:\n" +
+                                         "\n".join(self.log))
+                self._log_changed.wait(min(remaining, 0.5))
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.address, **kwargs)
+
+    def stop(self, timeout: float = 60.0) -> Optional[int]:
+        """SIGTERM, wait for a clean exit (killing it past timeout); returns the exit status.
+        A killed server's engine exits by itself once it sees its parent gone."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def engine_is_idle(client: Client) -> bool:
+    load = client.server_load()
+    return load.num_running == 0 and load.num_waiting == 0 and load.kv_used_tokens == 0
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

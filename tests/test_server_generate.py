@@ -1,0 +1,152 @@
+"""Streaming generation through a real server: parity with the offline engine, text, stops,
+concurrency, and KV freed after cancel and deadline."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from helpers import random_prompts
+from server_harness import ServerProcess, engine_is_idle, wait_until
+from specserve.clients import Cancelled, DeadlineExceeded
+from specserve.engine import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    server = ServerProcess(tiny_model, "--max-running-requests", "64")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    from specserve.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=tiny_model, device="cpu", dtype="float32", spec=None))
+    yield engine
+    engine.shutdown()
+
+
+def _greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def test_streamed_tokens_equal_offline_engine(client, offline):
+    prompts = ["def add(a, b):", "héllo wörld ✓", "class Stack"]
+    expected = offline.generate(prompts=prompts, sampling=_greedy(24))
+    for prompt, want in zip(prompts, expected):
+        chunks = list(client.generate_stream(prompt, max_new_tokens=24, temperature=0))
+        got_ids = [t for c in chunks for t in c.token_ids]
+        assert got_ids == want.token_ids
+        assert chunks[-1].finish_reason == want.finish_reason
+        assert chunks[-1].usage.prompt_tokens == want.prompt_tokens
+        assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+        assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_token_id_prompt_equals_offline_engine(client, offline):
+    [prompt] = random_prompts(1, seed=3, min_len=5, max_len=12)
+    [want] = offline.generate(prompt_token_ids=[prompt], sampling=_greedy(16))
+    result = client.generate(prompt_token_ids=prompt, max_new_tokens=16, temperature=0)
+    assert result.token_ids == want.token_ids
+
+
+def test_text_is_the_detokenized_ids(client, offline):
+    for prompt in ["héllo", "日本語", "print('hello world')", "✓✓"]:
+        chunks = list(client.generate_stream(prompt, max_new_tokens=40, temperature=0,
+                                             ignore_eos=True))
+        ids = [t for c in chunks for t in c.token_ids]
+        assert "".join(c.text for c in chunks) == offline.tokenizer.decode(ids)
+        # Held-back partial characters are never streamed as a trailing replacement character.
+        assert not any(c.text.endswith("\ufffd") for c in chunks[:-1] if c.text)
+
+
+def test_stop_string_cuts_text_and_stops_generation(client, offline):
+    full = client.generate("def add(a, b):", max_new_tokens=40, temperature=0, ignore_eos=True)
+    clean = full.text.replace("\ufffd", "")
+    stop = clean[len(clean) // 2:len(clean) // 2 + 2]
+    cut_at = full.text.index(stop)
+    result = client.generate("def add(a, b):", max_new_tokens=40, temperature=0, ignore_eos=True,
+                             stop=[stop, "never-produced-xyz"])
+    assert result.finish_reason == "stop"
+    assert result.matched_stop == stop
+    assert result.text == full.text[:cut_at]
+    assert full.token_ids[:len(result.token_ids)] == result.token_ids
+    assert len(result.token_ids) < len(full.token_ids)
+    assert result.usage.completion_tokens == len(result.token_ids)
+    assert wait_until(lambda: engine_is_idle(client)), "a stop string must abort the engine request"
+
+
+def test_stop_token_id_and_logprobs(client):
+    full = client.generate("class Stack", max_new_tokens=12, temperature=0, ignore_eos=True,
+                           logprobs=True)
+    assert len(full.logprobs) == len(full.token_ids)
+    assert all(lp <= 0.0 for lp in full.logprobs)
+    stop_id = full.token_ids[5]
+    result = client.generate("class Stack", max_new_tokens=12, temperature=0, ignore_eos=True,
+                             stop_token_ids=[stop_id])
+    assert result.finish_reason == "stop"
+    assert result.matched_stop == stop_id
+    assert result.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
+
+
+def test_model_info(client, tiny_model):
+    info = client.model_info()
+    assert info.model == tiny_model
+    assert info.vocab_size == 320
+    assert info.max_prompt_tokens == info.max_context_len - 1
+    assert not info.HasField("spec")
+
+
+def test_64_concurrent_sync_streams(client, offline):
+    prompts = random_prompts(64, seed=11, min_len=2, max_len=20)
+    expected = offline.generate(prompt_token_ids=prompts, sampling=_greedy(12))
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = client.generate(prompt_token_ids=prompts[i], max_new_tokens=12,
+                                     temperature=0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert wait_until(lambda: engine_is_idle(client))
+
+
+def test_cancel_mid_stream_frees_kv(client):
+    stream = client.generate_stream("def add(a, b):", max_new_tokens=500, ignore_eos=True)
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    load = client.server_load()
+    assert load.num_running == 1 and load.kv_used_tokens > 0 and load.num_active_streams == 1
+    stream.cancel()
+    with pytest.raises(Cancelled):
+        next(chunks)
+    assert wait_until(lambda: engine_is_idle(client)), client.server_load()
+    assert wait_until(lambda: client.server_load().num_active_streams == 0)
+
+
+def test_leaving_the_stream_context_early_cancels(client):
+    with client.generate_stream("hello", max_new_tokens=500, ignore_eos=True) as stream:
+        for _ in stream:
+            break
+    assert wait_until(lambda: engine_is_idle(client)), client.server_load()
+
+
+def test_deadline_exceeded_frees_kv(client):
+    with pytest.raises(DeadlineExceeded):
+        client.generate("def add(a, b):", max_new_tokens=500, ignore_eos=True, timeout=0.3)
+    assert wait_until(lambda: engine_is_idle(client)), client.server_load()
+    # The server still serves afterwards.
+    assert client.generate("hi", max_new_tokens=3).usage.completion_tokens == 3

@@ -1,0 +1,158 @@
+"""Server lifecycle: health during warm-up, reflection, engine death, SIGTERM drain, TLS, metrics."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
+
+from server_harness import ServerProcess, free_port, wait_until
+from specserve.clients import Client, Unavailable
+from specserve.server.health import GENERATION_SERVICE
+
+
+def test_health_is_serving_only_after_warm_up(tiny_model):
+    server = ServerProcess(tiny_model, wait_serving=False)
+    try:
+        with server.client() as client:
+            # The server listens before the engine has even imported torch.
+            with pytest.raises(Unavailable, match="starting"):
+                client.generate("hi", max_new_tokens=2)
+            statuses = [client.health(), client.health(GENERATION_SERVICE)]
+            assert statuses == ["NOT_SERVING", "NOT_SERVING"]
+            assert wait_until(lambda: client.health(GENERATION_SERVICE) == "SERVING", 120)
+            assert client.health() == "SERVING"
+            # SERVING means warm: the first request is served at once.
+            assert client.generate("hi", max_new_tokens=2).usage.completion_tokens == 2
+            assert client.model_info().vocab_size == 320
+
+            with pytest.raises(grpc.RpcError) as info:
+                client._health.Check(_health_request("no.such.Service"), timeout=5)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+            with grpc.insecure_channel(server.address) as channel:
+                services = ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert GENERATION_SERVICE in services and "grpc.health.v1.Health" in services
+    finally:
+        assert server.stop() == 0
+
+
+def _health_request(service: str):
+    from grpc_health.v1 import health_pb2
+
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def test_engine_death_fails_calls_fast_and_goes_not_serving(tiny_model):
+    server = ServerProcess(tiny_model)
+    try:
+        with server.client() as client:
+            stream = iter(client.generate_stream("def add", max_new_tokens=500, ignore_eos=True))
+            next(stream)
+            os.kill(server.engine_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(Unavailable, match="engine process"):
+                for _ in stream:
+                    pass
+            assert time.monotonic() - killed_at < 5.0
+            assert client.health() == "NOT_SERVING"
+            assert client.health(GENERATION_SERVICE) == "NOT_SERVING"
+            with pytest.raises(Unavailable):
+                client.generate("hi", max_new_tokens=2)
+            with pytest.raises(Unavailable):
+                client.server_load()
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_in_flight_calls_then_exits(tiny_model):
+    server = ServerProcess(tiny_model)
+    with server.client() as client:
+        stream = iter(client.generate_stream("def add", max_new_tokens=200, ignore_eos=True,
+                                             temperature=0))
+        first = next(stream)
+        server.process.send_signal(signal.SIGTERM)
+        server.wait_for_log("draining")
+        with pytest.raises(Unavailable):
+            client.generate("hi", max_new_tokens=2, timeout=10)
+        rest = list(stream)
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200
+    assert server.process.wait(60) == 0
+    assert wait_until(lambda: not os.path.exists(f"/proc/{server.engine_pid}"), 10)
+
+
+def _self_signed_cert(directory) -> tuple[str, str]:
+    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
+    try:
+        from cryptography import x509  # noqa: F401
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("neither the cryptography package nor the openssl CLI is available")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", key, "-out", cert, "-subj", "/CN=localhost",
+                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        return cert, key
+    return _cryptography_cert(cert, key)
+
+
+def _cryptography_cert(cert_path: str, key_path: str) -> tuple[str, str]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .sign(key, hashes.SHA256()))
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_round_trip_and_metrics(tiny_model, tmp_path):
+    cert, key = _self_signed_cert(tmp_path)
+    metrics_port = free_port()
+    server = ServerProcess(tiny_model, "--tls-cert", cert, "--tls-key", key,
+                           "--metrics-port", str(metrics_port))
+    try:
+        with Client(server.address, tls_root_cert=cert) as client:
+            result = client.generate("hello", max_new_tokens=5, temperature=0)
+            assert result.usage.completion_tokens == 5
+        with Client(server.address) as plaintext:
+            with pytest.raises(Unavailable):
+                plaintext.generate("hello", max_new_tokens=2, timeout=5)
+        def scrape() -> str:
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.read().decode()
+
+        metrics = scrape()
+        assert 'specserve_requests_total{code="OK"} 1.0' in metrics
+        assert "specserve_generated_tokens_total 5.0" in metrics
+        # Engine load gauges are refreshed in the background.
+        assert wait_until(lambda: "specserve_kv_total_tokens 8192.0" in scrape(), 10)
+    finally:
+        assert server.stop() == 0
