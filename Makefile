@@ -27,3 +27,38 @@ test-gpu: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- gRPC server ------------------------------------------------------------------------------
+HOST ?= 127.0.0.1
+PORT ?= 50051
+SERVE_ARGS ?=
+DEMO_PORT ?= 50061
+DEMO_LOG ?= build/demo-server.log
+# server/proto/ is generated with this grpcio-tools, whose code runs on every protobuf runtime
+# from 5.27.2 on (tests/test_server_proto.py checks the guard). It is installed apart from the
+# venv (which keeps the newest grpcio-tools for the staleness test), without dependencies: only
+# its bundled protoc and code generators run.
+PROTO_GRPC_TOOLS ?= grpcio-tools==1.66.2
+PROTO_TOOLS_DIR := build/$(subst ==,-,$(PROTO_GRPC_TOOLS))
+
+serve: venv
+	$(PY) -m specserve.clients.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# The server on the bundled demo model in the background; wait for SERVING, stream one
+# generation through the SDK, stop the server.
+demo: venv
+	@mkdir -p $(dir $(DEMO_LOG)); \
+	$(PY) -m specserve.clients.cli serve --host 127.0.0.1 --port $(DEMO_PORT) > $(DEMO_LOG) 2>&1 & \
+	server=$$!; \
+	trap 'kill -TERM $$server 2>/dev/null; wait $$server' EXIT; \
+	echo "starting the server on the demo model (log: $(DEMO_LOG))"; \
+	until $(PY) -m specserve.clients.healthcheck --addr 127.0.0.1:$(DEMO_PORT) \
+			--service specserve.v1.GenerationService > /dev/null; do \
+		kill -0 $$server 2>/dev/null || { echo "the server exited:"; cat $(DEMO_LOG); exit 1; }; \
+		sleep 1; \
+	done; \
+	$(PY) -m specserve.clients.demo --server 127.0.0.1:$(DEMO_PORT)
+
+proto: venv
+	test -d $(PROTO_TOOLS_DIR) || $(PIP) install -q --no-deps --target $(PROTO_TOOLS_DIR) $(PROTO_GRPC_TOOLS)
+	PYTHONPATH=$(PROTO_TOOLS_DIR) $(PY) tools/gen_protos.py

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 
 from server_harness import ServerProcess, free_port, wait_until
-from specserve.clients import Client, Unavailable
+from specserve.clients import Client, Unavailable, healthcheck
 from specserve.server.health import GENERATION_SERVICE
 
 
@@ -27,8 +27,11 @@ def test_health_is_serving_only_after_warm_up(tiny_model):
                 client.generate("hi", max_new_tokens=2)
             statuses = [client.health(), client.health(GENERATION_SERVICE)]
             assert statuses == ["NOT_SERVING", "NOT_SERVING"]
+            probe = ["--addr", server.address, "--service", GENERATION_SERVICE]
+            assert healthcheck.main(probe) == 1  # the Docker HEALTHCHECK: unhealthy while warming
             assert wait_until(lambda: client.health(GENERATION_SERVICE) == "SERVING", 120)
             assert client.health() == "SERVING"
+            assert healthcheck.main(probe) == 0
             # SERVING means warm: the first request is served at once.
             assert client.generate("hi", max_new_tokens=2).usage.completion_tokens == 2
             assert client.model_info().vocab_size == 320
