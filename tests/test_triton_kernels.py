@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from specserve.engine.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
     DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices)
@@ -72,11 +73,11 @@ class Scene(NamedTuple):
 
 def make_scene(prefix_lens: list[int], extend_lens: list[int], num_kv_heads: int,
                head_dim: int, generator: torch.Generator, dtype=torch.float32,
-               device=DEVICE) -> Scene:
+               device=DEVICE, table_width: Optional[int] = None) -> Scene:
     bs = len(prefix_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     num_slots = sum(seq_lens) + 16
-    width = max(seq_lens) + 8
+    width = table_width or max(seq_lens) + 8
     # Entries past a request's length hold other valid slots: reading too far gives wrong K/V.
     table = torch.randint(1, num_slots + 1, (2 * bs + 1, width), generator=generator)
     rows = torch.randperm(2 * bs, generator=generator)[:bs] + 1
@@ -249,6 +250,7 @@ class BackendCase(NamedTuple):
     extend_lens: list[int]
     tree_mask: bool
     exact_max_seq_len: bool  # False: the GPU-only path passes an upper bound
+    kv_override: bool = False  # tree drafting: per-request slot lists instead of req_to_token
 
 
 BACKEND_CASES = {
@@ -256,6 +258,8 @@ BACKEND_CASES = {
     "decode": BackendCase(ForwardMode.DECODE, [0, 44, 19], [1, 1, 1], False, False),
     "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [3, 30, 12], [4, 4, 4], True, False),
     "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [5, 40, 17], [3, 3, 3], False, False),
+    "tree_draft_decode": BackendCase(ForwardMode.DECODE, [9, 0, 33, 20], [1] * 4, False, False,
+                                     kv_override=True),
 }
 
 
@@ -264,7 +268,7 @@ def build_forward_batch(case: BackendCase, backend: TritonAttnBackend, num_kv_he
                         dtype=torch.float32, device=DEVICE) -> tuple[ForwardBatch, Scene]:
     """A ForwardBatch over pools that hold the scene's prefix K/V (new slots still empty)."""
     scene = make_scene(case.prefix_lens, case.extend_lens, num_kv_heads, head_dim, gen, dtype,
-                       device)
+                       device, table_width=max_context_len + 8)
     num_rows, width = scene.table.shape[0] - 1, scene.table.shape[1]
     req_to_token = ReqToTokenPool(num_rows, width, device)
     req_to_token.table.copy_(scene.table)
@@ -289,7 +293,22 @@ def build_forward_batch(case: BackendCase, backend: TritonAttnBackend, num_kv_he
         max_seq_len=max(seq_lens) if case.exact_max_seq_len else max_context_len,
         custom_mask=(random_tree_mask(bs, max(case.extend_lens), gen).to(device)
                      if case.tree_mask else None))
+    if case.kv_override:
+        # As the tree drafter builds it: row b is branch b's own slot list, no pool rows.
+        fb.kv_indices_override = scene.table[scene.rows].clone()
+        fb.req_pool_indices = torch.arange(bs, device=device)
+        fb.req_to_token = None
     return fb, scene
+
+
+def slot_lists_read_at_init(fb: ForwardBatch) -> torch.Tensor:
+    return fb.kv_indices_override if fb.kv_indices_override is not None else fb.req_to_token.table
+
+
+def random_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               gen: torch.Generator, dtype=torch.float32, device=DEVICE):
+    return [torch.randn(num_tokens, heads, head_dim, generator=gen).to(device, dtype)
+            for heads in (num_heads, num_kv_heads, num_kv_heads)]
 
 
 def run_backend_case(case: BackendCase, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -302,9 +321,7 @@ def run_backend_case(case: BackendCase, num_heads: int, num_kv_heads: int, head_
     fb, scene = build_forward_batch(case, backend, num_kv_heads, head_dim, max_context_len, gen,
                                     dtype, device)
     num_tokens = fb.num_tokens
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    q, k, v = random_qkv(num_tokens, num_heads, num_kv_heads, head_dim, gen, dtype, device)
     scale = head_dim ** -0.5
     # The reference sees the new tokens' K/V where the scene's table rows point.
     scene.k_buffer[scene.new_slots] = k
@@ -314,7 +331,7 @@ def run_backend_case(case: BackendCase, num_heads: int, num_kv_heads: int, head_
     backend.init_forward_metadata(fb)
     # Past init_forward_metadata the scheduler may rewrite req_to_token (base.py): the
     # forward must not read it again.
-    fb.req_to_token.table.random_(1, scene.k_buffer.shape[0])
+    slot_lists_read_at_init(fb).random_(1, scene.k_buffer.shape[0])
     out = backend.forward(q, k, v, LAYER_ID, fb, scale)
     return out, expected.reshape(num_tokens, -1), fb, k, v
 
@@ -335,6 +352,22 @@ def test_backend_matches_reference(case_name, max_batch_size):
     torch.testing.assert_close(fb.kv_pool.k_buffer[LAYER_ID][fb.out_cache_loc], k)
     torch.testing.assert_close(fb.kv_pool.v_buffer[LAYER_ID][fb.out_cache_loc], v)
     assert not fb.kv_pool.k_buffer[0][fb.out_cache_loc].any()
+
+
+@pytest.mark.parametrize("case_name", list(BACKEND_CASES))
+def test_backend_matches_torch_native(case_name):
+    case = BACKEND_CASES[case_name]
+    gen = torch.Generator().manual_seed(10)
+    backend = TritonAttnBackend(4, 2, 16, 64, DEVICE, decode_config=SMALL_DECODE,
+                                extend_config=SMALL_EXTEND)
+    fb, _ = build_forward_batch(case, backend, 2, 16, 64, gen)
+    q, k, v = random_qkv(fb.num_tokens, 4, 2, 16, gen)
+    native = TorchNativeAttnBackend(needs_cpu_seq_lens=False)
+    native.init_forward_metadata(fb)
+    expected = native.forward(q, k, v, LAYER_ID, fb, 0.25)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(q, k, v, LAYER_ID, fb, 0.25), expected,
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_backend_width_one_draft_extend_uses_decode_kernels():
@@ -408,8 +441,8 @@ def test_backend_has_no_host_sync_gpu(case_name):
                                 max_batch_size=8)
     fb, _ = build_forward_batch(case, backend, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_MAX_CONTEXT,
                                 torch.Generator().manual_seed(8), torch.bfloat16)
-    qkv = [torch.randn(fb.num_tokens, heads, GPU_HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-           for heads in (GPU_HEADS, GPU_KV_HEADS, GPU_KV_HEADS)]
+    qkv = random_qkv(fb.num_tokens, GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM,
+                     torch.Generator().manual_seed(9), torch.bfloat16)
     backend.init_forward_metadata(fb)
     backend.forward(*qkv, LAYER_ID, fb, 0.1)  # compile outside the checked region
     torch.cuda.synchronize()

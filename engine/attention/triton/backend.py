@@ -33,7 +33,9 @@ class TritonAttnBackend(AttentionBackend):
 
     `init_forward_metadata` reads no device value on the host: `kv_indptr` is a device cumsum
     of `prefix_lens`, `kv_indices` is sized by `batch_size * max_seq_len`, and the only host
-    inputs are `extend_lens_cpu` and `max_seq_len`. The index and split-KV scratch buffers are
+    inputs are `extend_lens_cpu` and `max_seq_len`. Prefix slots come from the requests'
+    `req_to_token` rows (or `kv_indices_override` rows in tree drafting); the new tokens' slots
+    always come from `out_cache_loc`. The index and split-KV scratch buffers are
     preallocated for up to `max_batch_size` requests of up to `max_context_len` tokens, so
     those forwards always reuse the same addresses (what CUDA-graph replay will need); larger
     forwards allocate their own.
@@ -74,8 +76,6 @@ class TritonAttnBackend(AttentionBackend):
                 torch.empty(shape, dtype=torch.float32, device=self.device))
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        if fb.kv_indices_override is not None:
-            raise NotImplementedError("TritonAttnBackend: kv_indices_override (tree drafting)")
         bs = fb.batch_size
         extend_lens = fb.extend_lens_cpu
         max_extend_len = fb.max_extend_len
@@ -96,8 +96,15 @@ class TritonAttnBackend(AttentionBackend):
         else:
             kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=self.device)
             kv_indices = torch.empty(kv_indices_bound, dtype=torch.int32, device=self.device)
-        fill_kv_indices(fb.req_to_token.table, fb.req_pool_indices, fb.prefix_lens, kv_indptr,
-                        kv_indices, decode_token_slots=fb.out_cache_loc if is_decode else None)
+        if fb.kv_indices_override is None:
+            slot_table, table_rows = fb.req_to_token.table, fb.req_pool_indices
+        else:
+            # Tree drafting: row b of the override replaces request b's req_to_token row; its
+            # first prefix_lens[b] entries are the prefix, the new tokens' are out_cache_loc.
+            slot_table = fb.kv_indices_override
+            table_rows = torch.arange(bs, device=slot_table.device)
+        fill_kv_indices(slot_table, table_rows, fb.prefix_lens, kv_indptr, kv_indices,
+                        decode_token_slots=fb.out_cache_loc if is_decode else None)
 
         qo_indptr = partial_out = partial_lse = None
         if is_decode:
