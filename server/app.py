@@ -27,6 +27,7 @@ from specserve.server.servicer import GenerationServicer
 logger = logging.getLogger("specserve.server")
 
 METRICS_POLL_INTERVAL_S = 2.0
+STOP_GRACE_S = 1.0  # after draining: time for unary calls (health, load) in flight to end
 
 
 def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -120,11 +121,17 @@ class SpecserveServer:
             await asyncio.sleep(METRICS_POLL_INTERVAL_S)
 
     async def _drain(self) -> None:
-        logger.info("stopping: draining in-flight calls (up to %.0f s)",
-                    self.server_config.drain_timeout_s)
+        # New calls get UNAVAILABLE (retry elsewhere) while running ones finish; the gRPC server
+        # keeps listening meanwhile so that clients and probes get answers, not resets.
+        self.servicer.draining = True
         await self.health.set_serving(False)
-        # New calls are refused from here on; running ones get drain_timeout_s to finish.
-        await self.grpc_server.stop(self.server_config.drain_timeout_s)
+        timeout = self.server_config.drain_timeout_s
+        logger.info("stopping: draining %d in-flight calls (up to %.0f s)",
+                    self.servicer.num_active_streams, timeout)
+        if not await self.servicer.wait_idle(timeout):
+            logger.warning("%d calls still running after %.0f s; cancelling them",
+                           self.servicer.num_active_streams, timeout)
+        await self.grpc_server.stop(STOP_GRACE_S)
         await self.engine.shutdown()
         logger.info("stopped")
 

@@ -34,7 +34,7 @@ class ServerMetrics:
         self.kv_total_tokens = Gauge("specserve_kv_total_tokens", "KV-cache slots in all",
                                      registry=r)
         self.mean_accept_length = Gauge("specserve_mean_accept_length",
-                                        "Mean tokens accepted per verify step", registry=r)
+                                        "Mean tokens emitted per verify step since the engine started", registry=r)
 
     def serve_http(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

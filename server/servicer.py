@@ -38,6 +38,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.metrics = metrics
         self.max_active_streams = engine_config.max_running_requests + server_config.max_queue
         self.num_active_streams = 0
+        self.draining = False  # set on SIGTERM: new calls are refused, running ones finish
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.info: Optional[EngineInfo] = None
         self.limits: Optional[RequestLimits] = None
         self.validator: Optional[RequestValidator] = None
@@ -74,6 +77,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _generate(self, request: pb.GenerateRequest,
                         arrived: float) -> AsyncIterator[pb.GenerateChunk]:
+        if self.draining:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         try:
             self.engine.check_available()
         except EngineUnavailable as e:
@@ -90,6 +95,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         rid = uuid.uuid4().hex
         stream = OutputStream(self.info.tokenizer, validated, report_spec=self.info.spec is not None)
         self.num_active_streams += 1
+        self._idle.clear()
         self.metrics.active_streams.inc()
         try:
             try:
@@ -116,7 +122,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # stop and free the KV. A no-op when the engine already finished the request.
             self.engine.abort(rid)
             self.num_active_streams -= 1
+            if self.num_active_streams == 0:
+                self._idle.set()
             self.metrics.active_streams.dec()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Generate call is running; False if some still are after timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     # --- info and load ---------------------------------------------------------------------
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

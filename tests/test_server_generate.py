@@ -6,15 +6,27 @@ import threading
 
 import pytest
 
-from helpers import random_prompts
+from helpers import make_tiny_checkpoint, random_prompts
 from server_harness import ServerProcess, engine_is_idle, wait_until
 from specserve.clients import Cancelled, DeadlineExceeded
 from specserve.engine import SamplingParams
 
 
+# A context long enough that an unstopped request runs for many seconds: the cancel and
+# deadline tests then see the KV freed long before the request could have ended by itself.
+LONG_GENERATION = 16000
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    server = ServerProcess(tiny_model, "--max-running-requests", "64")
+def model(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("long-llama")), "llama",
+                                max_position=LONG_GENERATION + 64)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    server = ServerProcess(model, "--max-running-requests", "64",
+                           "--max-total-tokens", str(2 * LONG_GENERATION))
     yield server
     assert server.stop() == 0
 
@@ -26,10 +38,11 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_model):
+def offline(model):
     from specserve.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=tiny_model, device="cpu", dtype="float32", spec=None))
+    engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", spec=None,
+                                 max_total_tokens=8192))
     yield engine
     engine.shutdown()
 
@@ -97,10 +110,10 @@ def test_stop_token_id_and_logprobs(client):
     assert result.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
 
 
-def test_model_info(client, tiny_model):
+def test_model_info(client, model):
     info = client.model_info()
-    assert info.model == tiny_model
-    assert info.vocab_size == 320
+    assert info.model == model
+    assert info.vocab_size == 320 and info.max_context_len == LONG_GENERATION + 64
     assert info.max_prompt_tokens == info.max_context_len - 1
     assert not info.HasField("spec")
 
@@ -124,7 +137,8 @@ def test_64_concurrent_sync_streams(client, offline):
 
 
 def test_cancel_mid_stream_frees_kv(client):
-    stream = client.generate_stream("def add(a, b):", max_new_tokens=500, ignore_eos=True)
+    stream = client.generate_stream("def add(a, b):", max_new_tokens=LONG_GENERATION,
+                                    ignore_eos=True)
     chunks = iter(stream)
     next(chunks)
     next(chunks)
@@ -133,20 +147,21 @@ def test_cancel_mid_stream_frees_kv(client):
     stream.cancel()
     with pytest.raises(Cancelled):
         next(chunks)
-    assert wait_until(lambda: engine_is_idle(client)), client.server_load()
+    assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
     assert wait_until(lambda: client.server_load().num_active_streams == 0)
 
 
 def test_leaving_the_stream_context_early_cancels(client):
-    with client.generate_stream("hello", max_new_tokens=500, ignore_eos=True) as stream:
+    with client.generate_stream("hello", max_new_tokens=LONG_GENERATION, ignore_eos=True) as stream:
         for _ in stream:
             break
-    assert wait_until(lambda: engine_is_idle(client)), client.server_load()
+    assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
 
 
 def test_deadline_exceeded_frees_kv(client):
     with pytest.raises(DeadlineExceeded):
-        client.generate("def add(a, b):", max_new_tokens=500, ignore_eos=True, timeout=0.3)
-    assert wait_until(lambda: engine_is_idle(client)), client.server_load()
+        client.generate("def add(a, b):", max_new_tokens=LONG_GENERATION, ignore_eos=True,
+                        timeout=0.3)
+    assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
     # The server still serves afterwards.
     assert client.generate("hi", max_new_tokens=3).usage.completion_tokens == 3
