@@ -17,7 +17,7 @@ from specserve.engine.config import DEFAULT, EngineConfig, SamplingParams, SpecC
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenSlotAllocator, TokenToKVPool
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.eagle import load_draft_head
-from specserve.engine.models.loader import load_llama
+from specserve.engine.models.loader import init_dummy_weights, load_llama
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineLoad, GenerateOutput, StepOutput
 from specserve.engine.runtime.device import DeviceContext
@@ -77,7 +77,10 @@ class Engine:
         max_position = self.max_context_len + reserve + 1
         with torch.device(self.device):
             model = LlamaForCausalLM(cfg, max_position).to(self.dtype)
-        load_llama(model, model_path)
+        if config.load_format == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_llama(model, model_path)
         model.eval()
 
         self.ctx = DeviceContext.for_device(self.device)
@@ -87,11 +90,13 @@ class Engine:
         self.kv_pool = TokenToKVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                      self.dtype, self.device)
         self.allocator = TokenSlotAllocator(num_slots, self.device)
+        self.row_width = max_position
         attn = self._attention_backend(cfg)
         self.runner = ModelRunner(model, self.kv_pool, attn)
         self.draft_runner = None
         if spec is not None:
-            head = load_draft_head(spec.draft_model, spec.algorithm, model, max_position, self.dtype, self.device)
+            head = load_draft_head(spec.draft_model, spec.algorithm, model, max_position, self.dtype,
+                                   self.device, dummy=config.load_format == "dummy")
             if head.uses_aux_hidden:
                 model.aux_hidden_layers = head.aux_layers
             dcfg = head.config
@@ -112,6 +117,9 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size, max_context_len=self.max_context_len,
             enable_overlap=config.enable_overlap, eos_ids=self.eos_token_ids,
             needs_cpu_seq_lens=self.needs_cpu_seq_lens, spec=spec)
+        self.uses_cuda_graphs = self._wants_cuda_graphs(attn)
+        if self.uses_cuda_graphs:
+            worker.enable_cuda_graphs(config.max_running_requests, self.row_width)
         self._seed_rng = random.Random(config.seed)
         self._rid_counter = itertools.count()
         self._schedule_ctx = self.ctx.schedule_context()
@@ -136,10 +144,27 @@ class Engine:
         return spec
 
     def _attention_backend(self, cfg: ModelConfig):
+        # Forwards see at most a whole row; tree drafting runs topk sequences per request.
+        topk = 1 if self.spec_config is None else self.spec_config.topk
         return create_attention_backend(
             self.config.attention_backend, self.device, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            max_context_len=self.max_context_len, needs_cpu_seq_lens=self.config.needs_cpu_seq_lens)
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_context_len=self.row_width,
+            max_batch_size=self.config.max_running_requests * topk,
+            needs_cpu_seq_lens=self.config.needs_cpu_seq_lens)
+
+    def _wants_cuda_graphs(self, attn) -> bool:
+        """On by default on CUDA with the Triton backend (torch-native metadata is host-built)."""
+        from specserve.engine.attention.torch_native import TorchNativeAttnBackend
+
+        if self.config.cuda_graph is False or self.device.type != "cuda":
+            if self.config.cuda_graph and self.device.type != "cuda":
+                raise ValueError("cuda_graph: needs a CUDA device")
+            return False
+        if isinstance(attn, TorchNativeAttnBackend):
+            if self.config.cuda_graph:
+                raise ValueError("cuda_graph: needs attention_backend='triton'")
+            return False
+        return True
 
     def _num_kv_slots(self, cfg: ModelConfig, num_rows: int, spec) -> int:
         if self.config.max_total_tokens is not None:

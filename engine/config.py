@@ -113,6 +113,7 @@ class EngineConfig:
     cuda_graph: Optional[bool] = None  # None: on with CUDA
     needs_cpu_seq_lens: Optional[bool] = None  # None: decided by the backends; True forces host lengths
     seed: int = 0
+    load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     page_size: int = 1
     tp_size: int = 1
 
@@ -127,7 +128,11 @@ class EngineConfig:
                  "max_context_len", "must be >= 2")
         _require(self.attention_backend in ("auto", "torch", "triton", "flashinfer"),
                  "attention_backend", f"unknown backend {self.attention_backend!r}")
-        _require(self.page_size == 1, "page_size", "only page_size=1 is supported")
+        _require(self.load_format in ("auto", "dummy"), "load_format",
+                 f"must be 'auto' or 'dummy', got {self.load_format!r}")
+        topk = self.spec.topk if isinstance(self.spec, SpecConfig) else 1
+        _require(self.page_size == 1, "page_size",
+                 "only page_size=1 is supported" + (" (tree drafting, topk > 1, needs it)" if topk > 1 else ""))
         _require(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")

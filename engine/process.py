@@ -68,7 +68,7 @@ def _start_engine(config: EngineConfig):
     engine = Engine(config)
     # One short generation before reporting ready: the first real request then finds every
     # lazily built piece (kernels, graphs, allocator) in place.
-    warmup_prompt = engine.tokenizer.encode("warm up") or [0]
+    warmup_prompt = list(range(min(4, engine.model_info["vocab_size"])))
     engine.generate(prompt_token_ids=[warmup_prompt],
                     sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
     return engine
@@ -76,12 +76,13 @@ def _start_engine(config: EngineConfig):
 
 def _ready_message(engine) -> ipc.EngineReady:
     info = engine.model_info
+    tokenizer = engine.tokenizer  # None when the model folder has no tokenizer.json
     ready = ipc.EngineReady(
         model=str(info.get("model") or ""), architecture=str(info.get("architecture") or ""),
         vocab_size=int(info["vocab_size"]), max_context_len=int(info["max_context_len"]),
         dtype=str(info.get("dtype") or ""), device=str(info.get("device") or ""),
-        eos_token_ids=list(engine.tokenizer.eos_token_ids),
-        tokenizer_pickle=pickle.dumps(engine.tokenizer))
+        eos_token_ids=list(tokenizer.eos_token_ids) if tokenizer is not None else [],
+        tokenizer_pickle=pickle.dumps(tokenizer) if tokenizer is not None else b"")
     spec = info.get("spec")
     if spec:
         ready.spec.CopyFrom(ipc.EngineSpecConfig(

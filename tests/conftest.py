@@ -9,6 +9,9 @@ import torch
 from helpers import assert_no_leaks, make_tiny_checkpoint
 
 os.environ.setdefault("SPECSERVE_DEBUG_FUTURE_MAP", "1")
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on the CPU (before anything imports triton).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 

@@ -125,10 +125,12 @@ def test_future_map_debug_detects_a_second_read(monkeypatch):
 
 def test_future_map_publish_and_resolve_seq_lens(monkeypatch):
     fm = _future_map(True, monkeypatch)
-    fm.publish(torch.tensor([1, 4]), torch.tensor([10, 20]), fm.new_publish_event())
+    fm.publish(torch.tensor([1, 4]), torch.tensor([10, 20]))
+    fm.new_publish_event().record()
     dev, host = fm.resolve_seq_lens(torch.tensor([4, 1]), [4, 1])
     assert dev.tolist() == [20, 10] and host == [20, 10]
     fm.needs_cpu_seq_lens = False
-    fm.publish(torch.tensor([1]), torch.tensor([11]), fm.new_publish_event())
+    fm.publish(torch.tensor([1]), torch.tensor([11]))
+    fm.new_publish_event().record()
     dev, host = fm.resolve_seq_lens(torch.tensor([1]), [1])
     assert dev.tolist() == [11] and host is None

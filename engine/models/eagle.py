@@ -22,7 +22,7 @@ from torch import nn
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.models.llama import MLP, Attention
-from specserve.engine.models.loader import CheckpointReader, load_module_weights
+from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_module_weights
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.runtime.forward_batch import ForwardBatch
 
@@ -132,7 +132,7 @@ class Eagle1Head(nn.Module):
 
 
 def load_draft_head(path: str, algorithm: str, target_model: nn.Module, max_position: int,
-                    dtype: torch.dtype, device: torch.device) -> nn.Module:
+                    dtype: torch.dtype, device: torch.device, dummy: bool = False) -> nn.Module:
     """Build and load an EAGLE head; the target's embedding is shared when the file has none."""
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -149,6 +149,10 @@ def load_draft_head(path: str, algorithm: str, target_model: nn.Module, max_posi
         else:
             head = Eagle1Head(raw, target, max_position, target_model.lm_head)
     head.to(dtype)
+    if dummy:  # benchmarks: random weights, the target's embedding
+        init_dummy_weights(head, seed=1)
+        head.embed_tokens.weight = target_model.embed_tokens.weight
+        return head.eval()
     reader = CheckpointReader(path)
     has_embed = "embed_tokens.weight" in reader
     if not has_embed:

@@ -91,3 +91,12 @@ def load_llama(model: nn.Module, path: str) -> None:
 
     # A tied lm_head shares embed_tokens' parameter, so named_parameters() never yields it.
     load_module_weights(model, reader, to_hf)
+
+
+def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks on model shapes that are not on disk (norms stay 1)."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.02, generator=gen)

@@ -18,7 +18,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def create_attention_backend(name: str, device: torch.device, *, num_heads: int, num_kv_heads: int,
-                             head_dim: int, max_context_len: int,
+                             head_dim: int, max_context_len: int, max_batch_size: int,
                              needs_cpu_seq_lens: Optional[bool]) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -31,7 +31,8 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
         except ImportError as e:
             raise ValueError(f"attention_backend: triton is not available ({e}); "
                              "install specserve[triton] or use 'torch'") from e
-        backend = TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device)
+        backend = TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
+                                    max_batch_size=max_batch_size)
         if needs_cpu_seq_lens:
             backend.needs_cpu_seq_lens = True
         return backend

@@ -61,6 +61,7 @@ class NormalWorker:
         self.future_map = future_map
         self.req_to_token = req_to_token
         self.presence = presence
+        self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
@@ -70,13 +71,54 @@ class NormalWorker:
         """Returns (result, read_done event)."""
         read_done = self.ctx.new_event()
         result = BatchResult(copy_done=self.ctx.new_event(), token_ids=None)
+        bs = len(inputs.extend_lens_cpu)
+        use_graph = (self.graphs is not None and inputs.mode is ForwardMode.DECODE
+                     and self.graphable(inputs.sampling_info, bs))
 
         def run():
+            if use_graph:
+                captured = self.graphs.load(dict(
+                    ids=inputs.input_ids, positions=inputs.positions, rows=inputs.req_pool_indices,
+                    loc=inputs.out_cache_loc))
+                out = self.graphs.replay(captured, 0)
+                read_done.record()
+                self.finish(result, out["tokens"][:bs], None)
+                return
             tokens, logprobs, _, _ = self.forward_and_sample(inputs, read_done)
             self.finish(result, tokens, logprobs)
 
         self.ctx.launch(run)
         return result, read_done
+
+    def graphable(self, info: SamplingInfo, bs: int) -> bool:
+        """Graphs cover greedy steps without per-token rules; the rest runs eagerly."""
+        return (info.all_greedy and not (info.any_penalty or info.any_min_new or info.any_logprobs)
+                and self.graphs.bucket_for(bs) is not None)
+
+    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
+        from specserve.engine.runtime.cuda_graph import GraphedStep
+
+        device = self.req_to_token.table.device
+
+        def make_inputs(bs):
+            zeros = lambda: torch.zeros(bs, dtype=torch.int64, device=device)  # noqa: E731
+            return dict(ids=zeros(), positions=zeros(), rows=zeros(), loc=zeros())
+
+        def decode_step(s):
+            bs = s["rows"].shape[0]
+            fb = ForwardBatch(
+                mode=ForwardMode.DECODE, input_ids=self.future_map.resolve_input_ids(s["ids"]),
+                positions=s["positions"], req_pool_indices=s["rows"], prefix_lens=s["positions"],
+                extend_lens_cpu=[1] * bs, out_cache_loc=s["loc"], req_to_token=self.req_to_token,
+                kv_pool=None, attn_backend=None, max_seq_len=width)
+            hidden, _ = self.runner.forward(fb)
+            tokens = self.runner.model.compute_logits(hidden).argmax(-1)
+            self.future_map.stash_tokens(s["rows"], tokens)
+            return {"tokens": tokens}
+
+        self.graphs = GraphedStep([decode_step], make_inputs, pad={}, max_batch_size=max_batch_size,
+                                  device=device)
+        self.graphs.capture_all()
 
     def forward_and_sample(self, inputs: ForwardInputs, read_done, capture_aux: bool = False):
         """Target forward over `inputs`, one token sampled per request (forward stream).
@@ -111,3 +153,10 @@ class NormalWorker:
         result.logprobs = None if logprobs is None else self.ctx.to_host(logprobs)
         result.accept_lens = None if accept_lens is None else self.ctx.to_host(accept_lens)
         result.copy_done.record()
+
+
+def greedy_sampling_info(bs: int, vocab_size: int, device) -> SamplingInfo:
+    """The sampling info of an all-greedy batch (what CUDA graphs are captured with)."""
+    from specserve.engine.config import SamplingParams
+
+    return SamplingInfo.build([SamplingParams(temperature=0.0)] * bs, [0] * bs, [0] * bs, [], vocab_size, device)

@@ -64,11 +64,10 @@ class FutureMap:
         self.publish_ready = self.ctx.new_event()
         return self.publish_ready
 
-    def publish(self, rows: torch.Tensor, new_seq_lens: torch.Tensor, ready) -> None:
-        """Values the schedule side needs; `ready` is recorded on the forward stream right
-        after verify, so the host's next schedule overlaps the draft-extend."""
+    def publish(self, rows: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
+        """Values the schedule side needs. The caller records the `new_publish_event` event
+        right after (verify's end), so the host's next schedule overlaps the draft-extend."""
         self.new_seq_lens_buf[rows] = new_seq_lens
-        ready.record()
 
     # --- schedule side -----------------------------------------------------------------
     def resolve_seq_lens(self, rows: torch.Tensor, rows_cpu: list[int]):
@@ -87,9 +86,9 @@ class FutureMap:
 
     def _consume(self, buf: torch.Tensor, rows: torch.Tensor, where: Optional[torch.Tensor]):
         values = buf[rows]
-        if self.debug:
-            fresh = values >= 0 if where is None else (values >= 0) | ~where
-            torch._assert_async(fresh.all(), "FutureMap: read a slot that was not stashed since its last read")
-            poison_rows = rows if where is None else rows[where]
-            buf[poison_rows] = -1
+        if self.debug:  # sync-free: an async assert, and a poison written through torch.where
+            consumed = torch.ones_like(rows, dtype=torch.bool) if where is None else where
+            torch._assert_async((values >= 0).logical_or(~consumed).all(),
+                                "FutureMap: read a slot that was not stashed since its last read")
+            buf[rows] = torch.where(consumed, -1, values)
         return values

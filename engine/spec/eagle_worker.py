@@ -29,7 +29,7 @@ from specserve.engine.config import SpecConfig
 from specserve.engine.layers.sampler import SamplingInfo, adjust_logits, sample_from_probs, target_probs
 from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from specserve.engine.runtime.model_runner import ModelRunner
-from specserve.engine.runtime.worker import ForwardInputs, NormalWorker
+from specserve.engine.runtime.worker import ForwardInputs, NormalWorker, greedy_sampling_info
 from specserve.engine.scheduler.schedule_batch import BatchResult
 from specserve.engine.spec import tree as tree_ops
 
@@ -83,7 +83,8 @@ class EagleWorker(NormalWorker):
             shifted[inputs.sample_rows] = torch.where(inputs.extras["samples"], tokens,
                                                       shifted[inputs.sample_rows])
             seq_lens = inputs.prefix_lens + torch.tensor(inputs.extend_lens_cpu, device=tokens.device)
-            self.future_map.publish(inputs.stash_rows, seq_lens, publish_ready)
+            self.future_map.publish(inputs.stash_rows, seq_lens)
+            publish_ready.record()
             fb = self._fb(ForwardMode.DRAFT_EXTEND, shifted, inputs.positions, inputs.req_pool_indices,
                           self.req_to_token, inputs.prefix_lens, inputs.extend_lens_cpu,
                           inputs.out_cache_loc, inputs.seq_lens_cpu, inputs.max_seq_len)
@@ -99,55 +100,98 @@ class EagleWorker(NormalWorker):
         read_done = self.ctx.new_event()
         result = BatchResult(copy_done=self.ctx.new_event(), token_ids=None)
         publish_ready = self.future_map.new_publish_event()
+        bs = inputs.req_pool_indices.shape[0]
+        use_graph = self.graphs is not None and self.graphable(inputs.sampling_info, bs)
 
         def run():
-            rows, S = inputs.req_pool_indices, inputs.seq_lens
-            bs, D = rows.shape[0], self.num_draft_tokens
-            # The whole iteration reads the table through this snapshot, so the schedule side
-            # may rewrite it as soon as the snapshot is taken.
-            snapshot = _TableView(self.req_to_token.table[rows, :inputs.max_seq_len])
-            read_done.record()
-            bonus = self.future_map.resolve_input_ids(-rows)
-            topk_p = self.future_map.gather("topk_p", rows)
-            topk_index = self.future_map.gather("topk_index", rows)
-            draft_hidden = self.future_map.gather("hidden", rows)
-
-            nodes = self._draft(snapshot, S, topk_p, topk_index, draft_hidden, inputs)
-            tree = tree_ops.build_tree(nodes, bonus, S, self.tree)
-            loc = snapshot.table.gather(1, tree.slot_positions)  # [bs, D] verify slots
-            fb = self._fb(ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), tree.positions.reshape(-1),
-                          torch.arange(bs, device=rows.device), snapshot, S, [D] * bs, loc.reshape(-1),
-                          self._plus(inputs.seq_lens_cpu, D), inputs.max_seq_len, tree.mask)
-            fb.capture_aux_hidden = self.capture_aux
-            hidden, aux = self.runner.forward(fb)
-            logits = self.runner.model.compute_logits(hidden)
-            target_tokens, logprobs = self._target_tokens(logits, tree, rows, inputs.sampling_info)
-            accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len)
-            self.future_map.publish(rows, S + accept.lengths, publish_ready)
-
-            feats = aux if self.capture_aux else hidden
-            if self.tree.is_tree:  # move the accepted path to the front of each request's block
-                feats = tree_ops.compact_rows(feats.view(bs, D, -1), accept.path).reshape(bs * D, -1)
-                self.runner.kv_pool.move_kv_cache(*tree_ops.compaction_moves(loc, accept))
-            path_tokens = accept.tokens  # [bs, D]: tokens emitted along the path, then padding
-            chain_pos = S[:, None] + torch.arange(D, device=rows.device)
-            fb = self._fb(ForwardMode.DRAFT_EXTEND, path_tokens.reshape(-1), chain_pos.reshape(-1),
-                          torch.arange(bs, device=rows.device), snapshot, S, [D] * bs,
-                          snapshot.table.gather(1, chain_pos).reshape(-1),
-                          self._plus(inputs.seq_lens_cpu, D), inputs.max_seq_len)
-            ext_hidden = self.draft.forward(fb, feats).view(bs, D, -1)
-            last = (accept.lengths - 1)
-            self._stash_draft_state(rows, ext_hidden[torch.arange(bs, device=rows.device), last])
-            self.future_map.stash_tokens(rows, path_tokens.gather(1, last[:, None]).squeeze(1))
-            if inputs.sampling_info.any_penalty:
-                self._mark_presence(rows, path_tokens, accept.lengths)
-            self.finish(result, path_tokens, None if logprobs is None else accept.gather_path(logprobs),
-                        accept.lengths)
+            if use_graph:
+                captured = self.graphs.load({"rows": inputs.req_pool_indices, "S": inputs.seq_lens})
+                self.graphs.replay(captured, 0)
+                read_done.record()
+                publish_ready.record()
+                out = self.graphs.replay(captured, 1)
+                self.finish(result, out["tokens"][:bs], None, out["lengths"][:bs])
+                return
+            st = self._verify_part(dict(rows=inputs.req_pool_indices, S=inputs.seq_lens,
+                                        seq_lens_cpu=inputs.seq_lens_cpu, width=inputs.max_seq_len,
+                                        info=inputs.sampling_info), read_done)
+            publish_ready.record()
+            out = self._extend_part(st)
+            self.finish(result, out["tokens"], out["logprobs"], out["lengths"])
 
         self.ctx.launch(run)
         return result, read_done
 
-    def _draft(self, snapshot, S, topk_p, topk_index, hidden, inputs):
+    def _verify_part(self, st: dict, read_done=None) -> dict:
+        """Snapshot the rows, draft, verify, accept, and write the new lengths for `publish`."""
+        rows, S, width = st["rows"], st["S"], st["width"]
+        bs, D = rows.shape[0], self.num_draft_tokens
+        # The whole iteration reads the table through this snapshot, so the schedule side may
+        # rewrite it as soon as the snapshot is taken.
+        snapshot = _TableView(self.req_to_token.table[rows, :width])
+        if read_done is not None:
+            read_done.record()
+        bonus = self.future_map.resolve_input_ids(-rows)
+        topk_p = self.future_map.gather("topk_p", rows)
+        topk_index = self.future_map.gather("topk_index", rows)
+        draft_hidden = self.future_map.gather("hidden", rows)
+
+        nodes = self._draft(snapshot, S, topk_p, topk_index, draft_hidden)
+        tree = tree_ops.build_tree(nodes, bonus, S, self.tree)
+        loc = snapshot.table.gather(1, tree.slot_positions)  # [bs, D] verify slots
+        batch_rows = torch.arange(bs, device=rows.device)
+        fb = self._fb(ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), tree.positions.reshape(-1),
+                      batch_rows, snapshot, S, [D] * bs, loc.reshape(-1),
+                      self._plus(st.get("seq_lens_cpu"), D), width, tree.mask)
+        fb.capture_aux_hidden = self.capture_aux
+        hidden, aux = self.runner.forward(fb)
+        logits = self.runner.model.compute_logits(hidden)
+        target_tokens, logprobs = self._target_tokens(logits, tree, rows, st["info"])
+        accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len)
+        self.future_map.publish(rows, S + accept.lengths)
+        return dict(st, snapshot=snapshot, loc=loc, accept=accept, logprobs=logprobs,
+                    feats=aux if self.capture_aux else hidden)
+
+    def _extend_part(self, st: dict) -> dict:
+        """Compact the accepted path (tree), draft-extend over it, stash the next draft input."""
+        rows, S, accept, loc = st["rows"], st["S"], st["accept"], st["loc"]
+        bs, D = rows.shape[0], self.num_draft_tokens
+        feats = st["feats"]
+        if self.tree.is_tree:  # move the accepted path to the front of each request's block
+            feats = tree_ops.compact_rows(feats.view(bs, D, -1), accept.path).reshape(bs * D, -1)
+            self.runner.kv_pool.move_kv_cache(*tree_ops.compaction_moves(loc, accept))
+        path_tokens = accept.tokens  # [bs, D]: tokens emitted along the path, then padding
+        chain_pos = S[:, None] + torch.arange(D, device=rows.device)
+        snapshot = st["snapshot"]
+        fb = self._fb(ForwardMode.DRAFT_EXTEND, path_tokens.reshape(-1), chain_pos.reshape(-1),
+                      torch.arange(bs, device=rows.device), snapshot, S, [D] * bs,
+                      snapshot.table.gather(1, chain_pos).reshape(-1),
+                      self._plus(st.get("seq_lens_cpu"), D), st["width"])
+        ext_hidden = self.draft.forward(fb, feats).view(bs, D, -1)
+        last = accept.lengths - 1
+        self._stash_draft_state(rows, ext_hidden[torch.arange(bs, device=rows.device), last])
+        self.future_map.stash_tokens(rows, path_tokens.gather(1, last[:, None]).squeeze(1))
+        if st["info"].any_penalty:
+            self._mark_presence(rows, path_tokens, accept.lengths)
+        logprobs = None if st["logprobs"] is None else accept.gather_path(st["logprobs"])
+        return {"tokens": path_tokens, "lengths": accept.lengths, "logprobs": logprobs}
+
+    # --- CUDA graphs -------------------------------------------------------------------------
+    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
+        from specserve.engine.runtime.cuda_graph import GraphedStep
+
+        device = self.req_to_token.table.device
+
+        def make_inputs(bs):
+            return dict(rows=torch.zeros(bs, dtype=torch.int64, device=device),
+                        S=torch.ones(bs, dtype=torch.int64, device=device), width=width,
+                        info=greedy_sampling_info(bs, self.runner.model.config.vocab_size, device))
+
+        self.graphs = GraphedStep([self._verify_part, self._extend_part], make_inputs,
+                                  pad={"rows": 0, "S": 1}, max_batch_size=max_batch_size, device=device)
+        self.graphs.capture_all()
+
+    def _draft(self, snapshot, S, topk_p, topk_index, hidden):
         """num_steps - 1 draft forwards growing the first level (from the stash) into a tree."""
         builder = tree_ops.DraftTreeBuilder(self.tree, topk_p, topk_index, hidden)
         bs = S.shape[0]

@@ -124,8 +124,12 @@ class TritonAttnBackend(AttentionBackend):
             partial_out=partial_out, partial_lse=partial_lse)
 
     def _copy_offsets_to_device(self, lengths: list[int], out: torch.Tensor) -> None:
-        """out = [0, cumsum(lengths)...]: one H2D copy. From pinned memory it is asynchronous;
-        a pageable source would make the copy wait for the stream."""
+        """out = [0, cumsum(lengths)...]. Uniform widths (verify, draft-extend) are an arange
+        on the device, which a CUDA graph can capture; ragged ones (prefill) are one H2D copy,
+        asynchronous from pinned memory."""
+        if len(set(lengths)) == 1:
+            torch.arange(0, (len(lengths) + 1) * lengths[0], lengths[0], out=out)
+            return
         offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=out.dtype,
                                pin_memory=self.device.type == "cuda")
         out.copy_(offsets, non_blocking=True)

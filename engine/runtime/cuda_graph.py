@@ -1,0 +1,80 @@
+"""CUDA graphs of decode steps, one per batch-size bucket.
+
+A step is a chain of functions, each captured as one graph: the first reads the static
+input buffers, each later one reads the previous one's outputs (all in one memory pool).
+Between two parts the caller may run host glue such as recording an event, which is why a
+speculative iteration is two graphs: verify (then `publish_ready` is recorded) and
+draft-extend. Replay copies the live inputs into the static buffers; padded rows get
+`pad` values (pool row 0, KV slot 0), which write nowhere that matters.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class _Captured:
+    def __init__(self, graphs, inputs, outputs):
+        self.graphs = graphs      # one torch.cuda.CUDAGraph per part
+        self.inputs = inputs      # static input buffers
+        self.outputs = outputs    # every part's outputs (the last part's are the step's)
+
+
+class GraphedStep:
+    """`parts[0](inputs)` -> out0, `parts[1](out0)` -> out1, ... captured per bucket."""
+
+    def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[int], dict],
+                 pad: dict, max_batch_size: int, device: torch.device):
+        self.parts = parts
+        self.make_inputs = make_inputs
+        self.pad = pad
+        self.device = device
+        self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch_size] + [max_batch_size]
+        self.pool = None
+        self.captured: dict[int, _Captured] = {}
+
+    def bucket_for(self, bs: int):
+        return next((b for b in self.buckets if b >= bs), None)
+
+    def capture_all(self) -> None:
+        for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+            self._capture(bs)
+
+    def _capture(self, bs: int) -> None:
+        inputs = self.make_inputs(bs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up (Triton compiles, allocator settles)
+            x = inputs
+            for part in self.parts:
+                x = part(x)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graphs, outputs, x = [], [], inputs
+        for part in self.parts:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                x = part(x)
+            if self.pool is None:
+                self.pool = graph.pool()
+            graphs.append(graph)
+            outputs.append(x)
+        self.captured[bs] = _Captured(graphs, inputs, outputs)
+
+    def load(self, live: dict) -> _Captured:
+        """Copy the live inputs (batch size = their length) into a bucket's static buffers."""
+        bs = next(iter(live.values())).shape[0]
+        captured = self.captured[self.bucket_for(bs)]
+        for name, value in live.items():
+            static = captured.inputs[name]
+            static[:bs].copy_(value, non_blocking=True)
+            static[bs:].fill_(self.pad.get(name, 0))
+        return captured
+
+    @staticmethod
+    def replay(captured: _Captured, part: int):
+        captured.graphs[part].replay()
+        return captured.outputs[part]
