@@ -165,3 +165,18 @@ def test_deadline_exceeded_frees_kv(client):
     assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
     # The server still serves afterwards.
     assert client.generate("hi", max_new_tokens=3).usage.completion_tokens == 3
+
+
+def test_cli_generate_through_the_server_and_offline_agree(server, model, capsys):
+    import json
+
+    from specserve.clients.cli import main
+
+    flags = ["--prompt", "def add", "--max-new-tokens", "6", "--temperature", "0", "--json"]
+    assert main(["generate", "--server", server.address, *flags]) == 0
+    via_server = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--model", model, "--device", "cpu", "--dtype", "float32",
+                 "--no-speculative", *flags]) == 0
+    offline = json.loads(capsys.readouterr().out)
+    assert via_server["token_ids"] == offline["token_ids"] and len(offline["token_ids"]) == 6
+    assert via_server["text"] == offline["text"]
