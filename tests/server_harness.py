@@ -25,9 +25,11 @@ class ServerProcess:
     """`specserve serve --port 0` on the tiny CPU model; the bound port and the engine's pid
     are read from the server's log."""
 
-    def __init__(self, model: str, *extra_args: str, wait_serving: bool = True):
+    def __init__(self, model: str, *extra_args: str, wait_serving: bool = True,
+                 speculative: bool = False):
         self.command = [sys.executable, "-m", "specserve.clients.cli", "serve", "--model", model,
-                        "--device", "cpu", "--dtype", "float32", "--no-speculative",
+                        "--device", "cpu", "--dtype", "float32",
+                        *([] if speculative else ["--no-speculative"]),
                         "--host", "127.0.0.1", "--port", "0", "--max-total-tokens", "8192",
                         *extra_args]
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
