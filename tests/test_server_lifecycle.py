@@ -159,3 +159,10 @@ def test_tls_round_trip_and_metrics(tiny_model, tmp_path):
         assert wait_until(lambda: "specserve_kv_total_tokens 8192.0" in scrape(), 10)
     finally:
         assert server.stop() == 0
+
+
+def test_engine_that_fails_to_start_stops_the_server(tmp_path):
+    server = ServerProcess(str(tmp_path / "no-such-model"), wait_serving=False)
+    assert server.process.wait(120) == 1
+    server.wait_for_log("the engine failed to start")
+    assert wait_until(lambda: not os.path.exists(f"/proc/{server.engine_pid}"), 10)
