@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -17,8 +17,6 @@ from specserve.server.output_stream import OutputStream
 from specserve.server.proto import generate_pb2 as pb
 from specserve.server.proto import generate_pb2_grpc as pb_grpc
 from specserve.server.validation import InvalidRequest, RequestLimits, RequestValidator
-
-logger = logging.getLogger("specserve.server")
 
 
 class _Refusal(Exception):
@@ -60,13 +58,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         arrived = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            async for chunk in self._generate(request, arrived):
-                yield chunk
+            # aclosing: if gRPC closes this generator (client gone), the inner one's cleanup
+            # (the engine abort) runs now rather than whenever it is garbage collected.
+            async with contextlib.aclosing(self._generate(request, arrived)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except _Refusal as refusal:
             code = refusal.code
             await context.abort(refusal.code, refusal.details)
-        except asyncio.CancelledError:
-            # gRPC cancels the handler both when the client cancels and when the deadline passes.
+        except (asyncio.CancelledError, GeneratorExit):
+            # gRPC ends the handler both when the client cancels and when the deadline passes.
             remaining = context.time_remaining()
             code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
                     else grpc.StatusCode.CANCELLED)

@@ -1,6 +1,7 @@
 """Server lifecycle: health during warm-up, reflection, engine death, SIGTERM drain, TLS, metrics."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -94,9 +95,7 @@ def test_sigterm_drains_in_flight_calls_then_exits(tiny_model):
 
 def _self_signed_cert(directory) -> tuple[str, str]:
     cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
-    try:
-        from cryptography import x509  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("cryptography") is None:
         if shutil.which("openssl") is None:
             pytest.skip("neither the cryptography package nor the openssl CLI is available")
         subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
