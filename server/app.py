@@ -61,6 +61,7 @@ class SpecserveServer:
         self.grpc_server = grpc.aio.server(options=_server_options(server_config))
         self.stopping = asyncio.Event()
         self.port: Optional[int] = None
+        self._health_update: Optional[asyncio.Task] = None  # held so it is not collected early
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit status 0) or an engine that fails to start (1)."""
@@ -80,12 +81,16 @@ class SpecserveServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        self.engine.on_death(lambda reason: loop.create_task(self.health.set_serving(False)))
+        self.engine.on_death(self._on_engine_death)
         self.engine.start()
         logger.info("engine process started (pid %d)", self.engine.process.pid)
         exit_code = await self._until_stopped()
         await self._drain()
         return exit_code
+
+    def _on_engine_death(self, reason: str) -> None:
+        self._health_update = asyncio.get_running_loop().create_task(
+            self.health.set_serving(False))
 
     async def _until_stopped(self) -> int:
         ready = asyncio.ensure_future(self.engine.wait_ready())
