@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from specserve.engine.config import SpecConfig
-from specserve.engine.layers.sampler import SamplingInfo, adjust_logits, sample_from_probs, target_probs
+from specserve.engine.layers.sampler import SamplingInfo, sample
 from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.worker import ForwardInputs, NormalWorker, greedy_sampling_info
@@ -212,20 +212,9 @@ class EagleWorker(NormalWorker):
         """The token the target itself picks at every node (greedy or seeded sample)."""
         bs, D = tree.tokens.shape
         node_req = torch.arange(bs, device=logits.device).repeat_interleave(D)
-        next_pos = tree.positions.reshape(-1) + 1
-        presence = None
-        if info.any_penalty:
-            presence = tree_ops.node_presence(self.presence.table[rows], tree)
-        adjusted = adjust_logits(logits, info, node_req, next_pos, presence)
-        tokens = adjusted.argmax(-1)
-        if not info.all_greedy:
-            probs = target_probs(adjusted, info, node_req)
-            sampled = sample_from_probs(probs, info.seeds[node_req], next_pos)
-            tokens = torch.where(info.is_greedy[node_req], tokens, sampled)
-        logprobs = None
-        if info.any_logprobs:
-            logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).view(bs, D)
-        return tokens.view(bs, D), logprobs
+        presence = tree_ops.node_presence(self.presence.table[rows], tree) if info.any_penalty else None
+        tokens, logprobs = sample(logits, info, node_req, tree.positions.reshape(-1) + 1, presence)
+        return tokens.view(bs, D), None if logprobs is None else logprobs.view(bs, D)
 
     def _mark_presence(self, rows, path_tokens, lengths):
         table = self.presence.table

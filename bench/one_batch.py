@@ -1,0 +1,175 @@
+"""Static-batch decode benchmark: specserve vs the bandwidth limit (and peers), on one GPU.
+
+    python bench/one_batch.py --models llama-8b --batch-sizes 1 --modes plain,chain --out out.json
+
+Models are Llama shapes with random bf16 weights built in memory (`load_format="dummy"`), or
+the bundled demo pair. Speculative rows on random weights force the accept length with the
+bench-only `SpecConfig.bench_force_accept_len` (real acceptance needs real weights).
+
+The bs=1 limit: bytes of every weight a decode step reads (all but the embedding table) /
+device-to-device copy bandwidth measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+
+from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.api import demo_models_dir
+
+SHAPES = {
+    # Llama-3.1-8B and Llama-3.2-1B shapes (random weights).
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+}
+ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
+              "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
+
+
+def write_shape(root: str, name: str) -> tuple[str, str]:
+    """config.json folders for the target shape and an EAGLE-3 head of the same width."""
+    shape = SHAPES[name]
+    target = os.path.join(root, name)
+    os.makedirs(target, exist_ok=True)
+    cfg = dict(shape, architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
+               rope_theta=500000.0, rope_scaling=ROPE, bos_token_id=1, eos_token_id=2)
+    json.dump(cfg, open(os.path.join(target, "config.json"), "w"))
+    draft = os.path.join(root, name + "-eagle3")
+    os.makedirs(draft, exist_ok=True)
+    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=32000,
+                tie_word_embeddings=False)
+    json.dump(dcfg, open(os.path.join(draft, "config.json"), "w"))
+    return target, draft
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes one decode step reads: every parameter but the embedding (a tied lm_head counts)."""
+    model = engine.runner.model
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    if model.config.tie_word_embeddings:
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), best of several 1 GiB copies."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * (1 << 30) / best
+
+
+def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(bs)]
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    engine.generate(prompt_token_ids=prompts, sampling=params)  # warm-up
+    # Prefill plus one token, then the same with `steps` tokens: the difference is decode.
+    t0 = time.perf_counter()
+    engine.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+    t_prefill = time.perf_counter() - t0
+    m = engine.metrics
+    steps0, blocked0 = m.num_steps, m.host_blocked_seconds
+    busy0, wall0 = engine.busy_and_wall()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        t0 = time.perf_counter()
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        torch.cuda.set_sync_debug_mode("default")
+    occupancy = engine.occupancy(busy0, wall0)
+    n_steps = m.num_steps - steps0
+    decode_time = max(elapsed - t_prefill, 1e-9)
+    tokens = sum(len(o.token_ids) for o in outs)
+    verify = sum(o.num_verify_steps for o in outs)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {
+        "decode_tokens_per_s": (tokens - bs) / decode_time,
+        "step_ms": 1000 * decode_time / max(n_steps - 1, 1),
+        "accept_length": tokens / verify if verify else 1.0,
+        "occupancy": occupancy,
+        "syncs_per_step": syncs / max(n_steps, 1),
+        "host_blocked_ms_per_step": 1000 * (m.host_blocked_seconds - blocked0) / max(n_steps, 1),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama-8b,llama-1b")
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--modes", default="plain,chain,tree")
+    ap.add_argument("--variants", default="default",
+                    help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph")
+    ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--max-context-len", type=int, default=4096)
+    ap.add_argument("--out", default="bench_one_batch.json")
+    args = ap.parse_args()
+
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    root = tempfile.mkdtemp()
+    for model_name in args.models.split(","):
+        if model_name == "demo":
+            target, draft, load_format = None, str(demo_models_dir() / "demo-draft"), "auto"
+        else:
+            (target, draft), load_format = write_shape(root, model_name), "dummy"
+        for mode in args.modes.split(","):
+            for variant in args.variants.split(","):
+                spec = None
+                if mode != "plain":
+                    force = None if model_name == "demo" else args.accept_len
+                    spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=force,
+                                      **SPEC_MODES[mode])
+                max_bs = max(int(b) for b in args.batch_sizes.split(","))
+                cfg = EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format=load_format,
+                                   spec=spec, max_running_requests=max_bs, max_context_len=args.max_context_len,
+                                   enable_overlap=variant != "no-overlap",
+                                   needs_cpu_seq_lens=True if variant == "sync" else None,
+                                   cuda_graph=variant != "no-graph", mem_fraction=0.5)
+                engine = Engine(cfg)
+                limit = bandwidth / weight_bytes(engine)
+                for bs in (int(b) for b in args.batch_sizes.split(",")):
+                    r = run_one(engine, bs, args.prompt_len, args.steps)
+                    r.update(model=model_name, mode=mode, variant=variant, batch_size=bs,
+                             bs1_limit_tokens_per_s=limit,
+                             fraction_of_limit=r["decode_tokens_per_s"] / limit)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                engine.shutdown()
+                del engine
+                torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
+    json.dump(result, open(args.out, "w"), indent=1)
+    print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'model':9} {'mode':6} {'variant':10} {'bs':>3} {'tok/s':>9} {'step ms':>8} {'acc':>5} "
+          f"{'limit%':>7} {'occ%':>6} {'sync/st':>7}")
+    for r in rows:
+        print(f"{r['model']:9} {r['mode']:6} {r['variant']:10} {r['batch_size']:>3} {r['decode_tokens_per_s']:9.1f} "
+              f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
+              f"{100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

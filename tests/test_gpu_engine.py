@@ -1,0 +1,78 @@
+"""GPU checks (run on an H100/H200 with `pytest -m gpu`): parity across backends, graphs and
+loops, and no blocking host sync inside steady-state speculative steps on the GPU-only path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import hf_greedy, make_predictable_pair, random_prompts
+
+from specserve.engine import SamplingParams, SpecConfig
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+TREE = dict(num_steps=4, topk=4, num_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(12, seed=21, max_len=50)
+
+
+@pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_greedy_matches_transformers(tiny_model, make_engine, prompts, backend, graphs, overlap):
+    expected = hf_greedy(tiny_model, prompts, GREEDY.max_new_tokens)
+    engine = make_engine(tiny_model, device="cuda", attention_backend=backend, cuda_graph=graphs,
+                         enable_overlap=overlap)
+    assert engine.uses_cuda_graphs == graphs
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize("needs_cpu", [False, True])
+def test_gpu_spec_matches_plain(pair, make_engine, prompts, shape, backend, graphs, needs_cpu):
+    target, head = pair
+    plain = make_engine(target, device="cuda", attention_backend="torch", cuda_graph=False)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling=GREEDY)]
+    engine = make_engine(target, device="cuda", attention_backend=backend, cuda_graph=graphs,
+                         needs_cpu_seq_lens=needs_cpu,
+                         spec=SpecConfig(algorithm="eagle", draft_model=head, **shape))
+    outs = engine.generate(prompt_token_ids=prompts, sampling=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.metrics.mean_accept_length > 1.5
+
+
+def _steady_state_steps(engine, prompt, n_steps=12):
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # prefill and the first iterations (allocation, first graph use)
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n_steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine.abort("r")
+        engine.step()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_only_path_has_no_blocking_sync(pair, make_engine, graphs):
+    target, head = pair
+    spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN)
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec)
+    assert not engine.needs_cpu_seq_lens
+    _steady_state_steps(engine, [5, 6, 7, 8])
+    synced = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec,
+                         needs_cpu_seq_lens=True)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _steady_state_steps(synced, [5, 6, 7, 8])
