@@ -79,7 +79,7 @@ def test_engine_death_fails_calls_fast_and_goes_not_serving(tiny_model):
 def test_sigterm_drains_in_flight_calls_then_exits(tiny_model):
     server = ServerProcess(tiny_model)
     with server.client() as client:
-        stream = iter(client.generate_stream("def add", max_new_tokens=200, ignore_eos=True,
+        stream = iter(client.generate_stream("def add", max_new_tokens=500, ignore_eos=True,
                                              temperature=0))
         first = next(stream)
         server.process.send_signal(signal.SIGTERM)
@@ -88,7 +88,7 @@ def test_sigterm_drains_in_flight_calls_then_exits(tiny_model):
             client.generate("hi", max_new_tokens=2, timeout=10)
         rest = list(stream)
     assert rest[-1].finish_reason == "length"
-    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 500
     assert server.process.wait(60) == 0
     assert wait_until(lambda: not os.path.exists(f"/proc/{server.engine_pid}"), 10)
 
