@@ -20,7 +20,9 @@ from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.loader import init_dummy_weights, load_llama
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineLoad, GenerateOutput, StepOutput
+from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
 from specserve.engine.runtime.device import DeviceContext
+from specserve.engine.runtime.tp_group import TPGroup, free_init_method
 from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from specserve.engine.runtime.model_runner import ModelRunner, create_attention_backend, resolve_dtype
 from specserve.engine.runtime.worker import NormalWorker, PresenceTable
@@ -54,16 +56,51 @@ def _eos_ids(path: str, cfg: ModelConfig) -> list[int]:
     return list(cfg.eos_token_ids)
 
 
+def _check_tp_divides(cfg: ModelConfig, tp_size: int) -> None:
+    """Refuse a split before any rank starts (the layers check again, per rank)."""
+    tp = TensorParallel(tp_size, 0)
+    tp.split(cfg.num_heads, "num_attention_heads")
+    tp.split(cfg.intermediate_size, "intermediate_size")
+    kv_head_range(cfg.num_kv_heads, tp)
+
+
+def _spawn_followers(config: EngineConfig, init_method: str) -> list:
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(config, rank, init_method), daemon=True)
+             for rank in range(1, config.tp_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _follower_main(config: EngineConfig, rank: int, init_method: str) -> None:
+    engine = Engine(config, _rank=rank, _init_method=init_method)
+    engine.follow()
+    engine.shutdown()
+
+
 class Engine:
     """Offline engine. `Engine(EngineConfig(model=DIR))`; also a context manager."""
 
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    def __init__(self, config: EngineConfig = EngineConfig(), *, _rank: int = 0, _init_method: str = ""):
         self.config = config
         model_path = config.model or str(demo_models_dir() / "demo-target")
         self.model_path = model_path
         self.device = _resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.rank = _rank
+        self.tp_group, self._followers, self._control_ops = None, [], []
         self.model_config = cfg = ModelConfig.from_dir(model_path)
+        if config.tp_size > 1:
+            _check_tp_divides(cfg, config.tp_size)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", _rank)
+                torch.cuda.set_device(self.device)
+            if _rank == 0:
+                _init_method = free_init_method()
+                self._followers = _spawn_followers(config, _init_method)
+            self.tp_group = TPGroup(config.tp_size, _rank, _init_method, self.device)
+        tp = self.tp_group.model if self.tp_group is not None else SINGLE
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.eos_token_ids = _eos_ids(model_path, cfg)
         self.tokenizer = Tokenizer(model_path, self.eos_token_ids) \
             if os.path.exists(os.path.join(model_path, "tokenizer.json")) else None
@@ -76,7 +113,7 @@ class Engine:
         reserve = 0 if spec is None else 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens)
         max_position = self.max_context_len + reserve + 1
         with torch.device(self.device):
-            model = LlamaForCausalLM(cfg, max_position).to(self.dtype)
+            model = LlamaForCausalLM(cfg, max_position, tp).to(self.dtype)
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
@@ -85,13 +122,14 @@ class Engine:
 
         self.ctx = DeviceContext.for_device(self.device)
         num_rows = config.max_running_requests
-        num_slots = self._num_kv_slots(cfg, num_rows, spec)
+        num_slots = self._num_kv_slots(cfg, model.layers[0].self_attn.num_kv_heads, num_rows, spec)
         self.req_to_token = ReqToTokenPool(num_rows, max_position, self.device)
-        self.kv_pool = TokenToKVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        attn_layer = model.layers[0].self_attn  # this rank's heads
+        self.kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim,
                                      self.dtype, self.device)
         self.allocator = TokenSlotAllocator(num_slots, self.device)
         self.row_width = max_position
-        attn = self._attention_backend(cfg)
+        attn = self._attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
         self.runner = ModelRunner(model, self.kv_pool, attn)
         self.draft_runner = None
         if spec is not None:
@@ -101,7 +139,8 @@ class Engine:
                 model.aux_hidden_layers = head.aux_layers
             dcfg = head.config
             draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, self.dtype, self.device)
-            self.draft_runner = ModelRunner(head, draft_pool, self._attention_backend(dcfg))
+            self.draft_runner = ModelRunner(
+                head, draft_pool, self._attention_backend(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
         backends = [attn, None if self.draft_runner is None else self.draft_runner.attn_backend]
         self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
         self.future_map = FutureMap(num_rows, self.ctx, self.needs_cpu_seq_lens)
@@ -143,12 +182,12 @@ class Engine:
             raise ValueError(f"spec.draft_model: no config.json in {spec.draft_model}")
         return spec
 
-    def _attention_backend(self, cfg: ModelConfig):
+    def _attention_backend(self, num_heads: int, num_kv_heads: int, head_dim: int):
         # Forwards see at most a whole row; tree drafting runs topk sequences per request.
         topk = 1 if self.spec_config is None else self.spec_config.topk
         return create_attention_backend(
-            self.config.attention_backend, self.device, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_context_len=self.row_width,
+            self.config.attention_backend, self.device, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, max_context_len=self.row_width,
             max_batch_size=self.config.max_running_requests * topk,
             needs_cpu_seq_lens=self.config.needs_cpu_seq_lens)
 
@@ -166,10 +205,10 @@ class Engine:
             return False
         return True
 
-    def _num_kv_slots(self, cfg: ModelConfig, num_rows: int, spec) -> int:
+    def _num_kv_slots(self, cfg: ModelConfig, num_kv_heads: int, num_rows: int, spec) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None), cfg.num_kv_heads,
+        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None), num_kv_heads,
                                                 cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -211,18 +250,47 @@ class Engine:
         bad_stop = next((t for t in sampling.stop_token_ids if t >= vocab), None)
         if bad_stop is not None:
             raise ValueError(f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {vocab})")
+        if rid in self.scheduler.reqs:
+            raise ValueError(f"rid: request id {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
+        self._control(("add", rid, ids, sampling, seed))
+
+    def abort(self, rid: str) -> None:
+        self._control(("abort", rid))
+
+    def _control(self, op: tuple) -> None:
+        """Apply a request change here; with tensor parallelism rank 0 also queues it for
+        the other ranks, which apply it at the start of the next step."""
+        if self.tp_group is not None:
+            self._control_ops.append(op)
+        self._apply(op)
+
+    def _apply(self, op: tuple) -> None:
+        if op[0] == "abort":
+            self.scheduler.abort(op[1])
+            return
+        _, rid, ids, sampling, seed = op
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         self.scheduler.add(Req(rid=rid, prompt_ids=ids, sampling=sampling, seed=seed,
                                stop_ids=frozenset(stop_ids)))
 
-    def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
-
     def step(self) -> list[StepOutput]:
+        if self.tp_group is not None:
+            ops, self._control_ops = self._control_ops, []
+            self.tp_group.exchange(ops)
         return self.scheduler.step()
+
+    def follow(self) -> None:
+        """Ranks > 0: mirror rank 0's steps until it stops."""
+        while True:
+            ops = self.tp_group.exchange([])
+            if ("stop",) in ops:
+                return
+            for op in ops:
+                self._apply(op)
+            self.scheduler.step()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -302,6 +370,8 @@ class Engine:
         """Float32 logits [len, vocab] of one sequence (scoring; e.g. perplexity). Idle engine only."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("prompt_logits needs an idle engine")
+        if self.tp_group is not None:
+            raise RuntimeError("prompt_logits runs on one rank only (tp_size=1)")
         n = len(token_ids)
         row = self.req_to_token.alloc()
         slots = self.allocator.alloc(n)
@@ -338,6 +408,12 @@ class Engine:
             self.ctx.close()
             self._schedule_ctx.__exit__(None, None, None)
             self.ctx = None
+            if self.tp_group is not None:
+                if self.rank == 0:
+                    self.tp_group.exchange([("stop",)])
+                    for p in self._followers:
+                        p.join()
+                self.tp_group.close()
 
     def __enter__(self):
         return self

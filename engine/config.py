@@ -133,7 +133,7 @@ class EngineConfig:
         topk = self.spec.topk if isinstance(self.spec, SpecConfig) else 1
         _require(self.page_size == 1, "page_size",
                  "only page_size=1 is supported" + (" (tree drafting, topk > 1, needs it)" if topk > 1 else ""))
-        _require(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet")
+        _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 

@@ -11,12 +11,12 @@ VOCAB = 320
 
 def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_layers: int = 2,
                          tie: bool = False, sharded: bool = False, vocab_size: int = VOCAB,
-                         max_position: int = 512, with_tokenizer: bool = True) -> str:
+                         max_position: int = 512, with_tokenizer: bool = True, num_kv_heads: int = 2) -> str:
     """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=max_position, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=tie)
     if arch == "llama":

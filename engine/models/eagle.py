@@ -151,12 +151,12 @@ def load_draft_head(path: str, algorithm: str, target_model: nn.Module, max_posi
     head.to(dtype)
     if dummy:  # benchmarks: random weights, the target's embedding
         init_dummy_weights(head, seed=1)
-        head.embed_tokens.weight = target_model.embed_tokens.weight
+        head.embed_tokens = target_model.embed_tokens
         return head.eval()
     reader = CheckpointReader(path)
     has_embed = "embed_tokens.weight" in reader
-    if not has_embed:
-        head.embed_tokens.weight = target_model.embed_tokens.weight
+    if not has_embed:  # share the target's (vocabulary-parallel) embedding module
+        head.embed_tokens = target_model.embed_tokens
     load_module_weights(head, reader, lambda name: name,
                         optional=lambda name: name == "embed_tokens.weight" and not has_embed)
     if algorithm == "eagle3" and "d2t" in reader:

@@ -8,24 +8,34 @@ from torch import nn
 
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.norm import RMSNorm
+from specserve.engine.layers.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorParallel,
+    VocabParallelEmbedding, kv_head_range)
 from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.runtime.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, in_features: int):
+    """This rank's query heads and KV heads (all of them with one rank)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, in_features: int,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.head_dim = hd = cfg.head_dim
+        q_start, q_end = tp.split(cfg.num_heads, "num_attention_heads")
+        kv_start, kv_end = kv_head_range(cfg.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = q_end - q_start, kv_end - kv_start
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.qkv_proj = ColumnParallelLinear(
+            in_features, [(q_start * hd, q_end * hd), (kv_start * hd, kv_end * hd), (kv_start * hd, kv_end * hd)],
+            bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, tp)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.scale = self.head_dim ** -0.5
+        self.scale = hd ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -40,22 +50,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        start, end = tp.split(intermediate_size, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [(start, end), (start, end)], bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rotary, cfg.hidden_size)
+        self.self_attn = Attention(cfg, layer_id, rotary, cfg.hidden_size, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, x, residual, positions, fb):
         if residual is None:
@@ -75,14 +86,15 @@ class LlamaForCausalLM(nn.Module):
     also returned, concatenated in the listed order: the features an EAGLE-3 head consumes.
     """
 
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = cfg
+        self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -100,4 +112,5 @@ class LlamaForCausalLM(nn.Module):
         return x, torch.cat([captured[i] for i in self.aux_hidden_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Float32 logits over the whole vocabulary (gathered across ranks)."""
+        return self.lm_head(hidden)

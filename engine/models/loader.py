@@ -49,6 +49,11 @@ class CheckpointReader:
     def get(self, key: str) -> torch.Tensor:
         return self._handles[self._where[key]].get_tensor(key)
 
+    def get_shard(self, key: str, dim: int, start: int, end: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, end) of a tensor, reading only those."""
+        view = self._handles[self._where[key]].get_slice(key)
+        return view[start:end] if dim == 0 else view[:, start:end]
+
 
 def load_module_weights(module: nn.Module, reader: CheckpointReader,
                         to_checkpoint_name: Callable[[str], str],
@@ -67,12 +72,19 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
             if optional(name):
                 continue
             raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r} (for {name})")
-        tensor = torch.cat([reader.get(k) for k in keys], dim=0) if len(keys) > 1 else reader.get(keys[0])
-        if tensor.shape != param.shape:
+        shards = getattr(param, "shards", None)
+        if shards is None:
+            pieces = [reader.get(k) for k in keys]
+        else:  # tensor parallelism: only this rank's slice of each part
+            pieces = [reader.get_shard(k, *shard) for k, shard in zip(keys, shards)]
+        tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        padded_vocab = shards is not None and tensor.shape[0] < param.shape[0] and tensor.shape[1:] == param.shape[1:]
+        if tensor.shape != param.shape and not padded_vocab:
             raise ValueError(f"model: tensor {keys[0]!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(param.shape)} for {name}")
         with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+            param.zero_()  # a vocabulary shard's padding rows stay zero
+            param[:tensor.shape[0]].copy_(tensor.to(param.dtype))
 
 
 def _checkpoint_parts(name: str) -> list[str]:

@@ -112,7 +112,7 @@ class NormalWorker:
                 extend_lens_cpu=[1] * bs, out_cache_loc=s["loc"], req_to_token=self.req_to_token,
                 kv_pool=None, attn_backend=None, max_seq_len=width)
             hidden, _ = self.runner.forward(fb)
-            tokens = self.runner.model.compute_logits(hidden).argmax(-1)
+            tokens = self.runner.model.tp.broadcast(self.runner.model.compute_logits(hidden).argmax(-1))
             self.future_map.stash_tokens(s["rows"], tokens)
             return {"tokens": tokens}
 
@@ -142,6 +142,7 @@ class NormalWorker:
                 self.presence.reset_and_mark(*inputs.presence_init)
             presence = self.presence.table[inputs.req_pool_indices]
         tokens, logprobs = sample(logits, info, rows, inputs.positions[inputs.sample_rows] + 1, presence)
+        tokens = self.runner.model.tp.broadcast(tokens)
         if info.any_penalty:
             self.presence.mark(inputs.req_pool_indices, tokens)
         self.future_map.stash_tokens(inputs.stash_rows, tokens)

@@ -136,7 +136,9 @@ class EagleWorker(NormalWorker):
         topk_index = self.future_map.gather("topk_index", rows)
         draft_hidden = self.future_map.gather("hidden", rows)
 
+        tp = self.runner.model.tp  # the draft runs on every rank; rank 0's tree is the tree
         nodes = self._draft(snapshot, S, topk_p, topk_index, draft_hidden)
+        nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()), tp.broadcast(nodes.parents.contiguous()))
         tree = tree_ops.build_tree(nodes, bonus, S, self.tree)
         loc = snapshot.table.gather(1, tree.slot_positions)  # [bs, D] verify slots
         batch_rows = torch.arange(bs, device=rows.device)
@@ -147,6 +149,7 @@ class EagleWorker(NormalWorker):
         hidden, aux = self.runner.forward(fb)
         logits = self.runner.model.compute_logits(hidden)
         target_tokens, logprobs = self._target_tokens(logits, tree, rows, st["info"])
+        target_tokens = tp.broadcast(target_tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len)
         self.future_map.publish(rows, S + accept.lengths)
         return dict(st, snapshot=snapshot, loc=loc, accept=accept, logprobs=logprobs,

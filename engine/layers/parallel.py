@@ -1,0 +1,140 @@
+"""Tensor parallelism: the rank's view of the group, and the layers that split across it.
+
+Megatron-style: column-parallel layers split their output features (q/k/v by heads, gate/up
+by rows), row-parallel layers split their input features and all-reduce the output; the
+embedding and the LM head split the vocabulary. With one rank every layer is a plain layer
+and no collective runs. Each parameter records which slice of the checkpoint tensor it holds
+(`param.shards`), so the loader reads only that slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    size: int = 1
+    rank: int = 0
+    group: Any = None  # the process group of model collectives (None with one rank)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's value everywhere: sampling and acceptance are decided once."""
+        if self.size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's [start, end) of n items split evenly."""
+        if n % self.size:
+            raise ValueError(f"tp_size: {self.size} does not divide {what} ({n})")
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+
+SINGLE = TensorParallel()
+
+
+def _mark(param: nn.Parameter, shards: list[tuple[int, int, int]]) -> None:
+    """shards: per checkpoint part, (dim, start, end) of the slice this rank loads."""
+    param.shards = shards
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows split; `parts` are the fused checkpoint tensors' row ranges
+    this rank holds (e.g. its q heads, its k heads, its v heads)."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool):
+        super().__init__()
+        out = sum(end - start for start, end in parts)
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        _mark(self.weight, [(0, s, e) for s, e in parts])
+        if self.bias is not None:
+            _mark(self.bias, [(0, s, e) for s, e in parts])
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T): the input features are split."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
+        super().__init__()
+        start, end = tp.split(in_features, "the input features of a row-parallel layer")
+        self.weight = nn.Parameter(torch.empty(out_features, end - start))
+        _mark(self.weight, [(1, start, end)])
+        self.tp = tp
+
+    def forward(self, x):
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank embeds its vocabulary range; the others contribute zeros to the all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel):
+        super().__init__()
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        end = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
+        _mark(self.weight, [(0, self.start, end)])  # the last rank's tail stays zero padding
+        self.tp = tp
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the rank's vocabulary range, gathered so every rank holds all of them."""
+
+    def __init__(self, dim: int, vocab_size: int, tp: TensorParallel):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        start = tp.rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
+        _mark(self.weight, [(0, start, min(start + self.per_rank, vocab_size))])
+        self.tp = tp
+
+    def forward(self, x):
+        logits = self.tp.all_gather_last_dim(F.linear(x, self.weight).float())
+        return logits[..., :self.vocab_size]
+
+
+def kv_head_range(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """The KV heads this rank holds: a split, or one replicated head when heads < ranks."""
+    if num_kv_heads >= tp.size:
+        return tp.split(num_kv_heads, "num_key_value_heads")
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tp_size: {tp.size} is not a multiple of num_key_value_heads ({num_kv_heads})")
+    head = tp.rank * num_kv_heads // tp.size
+    return head, head + 1

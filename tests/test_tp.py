@@ -1,0 +1,54 @@
+"""Tensor parallelism on the CPU: two ranks over gloo give exactly the single-rank output."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_predictable_pair, make_tiny_checkpoint, random_prompts
+
+from specserve.engine import SamplingParams, SpecConfig
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
+
+
+@pytest.mark.parametrize("spec,overlap", [
+    (None, True), (None, False),
+    (dict(num_steps=3, topk=1, num_draft_tokens=4), True),
+    (dict(num_steps=3, topk=2, num_draft_tokens=6), False),
+], ids=["plain-overlap", "plain-normal", "chain-overlap", "tree-normal"])
+def test_tp2_matches_tp1(pair, make_engine, spec, overlap):
+    target, head = pair
+    prompts = random_prompts(5, seed=13, max_len=30)
+    params = [GREEDY, GREEDY, SamplingParams(max_new_tokens=20, temperature=0.9, seed=4, ignore_eos=True),
+              GREEDY, SamplingParams(max_new_tokens=3, temperature=0.0)]
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = []
+    for tp in (1, 2):
+        engine = make_engine(target, tp_size=tp, spec=spec_cfg, enable_overlap=overlap)
+        outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)])
+        if tp == 2:
+            assert engine.runner.model.layers[0].self_attn.num_heads == 2
+            assert engine.kv_pool.k_buffer[0].shape[1] == 1  # one of the two KV heads
+    assert outs[0] == outs[1]
+
+
+def test_tp2_replicates_a_single_kv_head(tmp_path, make_engine):
+    path = make_tiny_checkpoint(str(tmp_path), "qwen2", num_kv_heads=1, seed=2)
+    prompts = random_prompts(3, seed=2)
+    outs = [[o.token_ids for o in make_engine(path, tp_size=tp).generate(prompt_token_ids=prompts, sampling=GREEDY)]
+            for tp in (1, 2)]
+    assert outs[0] == outs[1]
+
+
+def test_tp_errors_name_the_field(tmp_path):
+    from specserve.engine import Engine, EngineConfig
+
+    path = make_tiny_checkpoint(str(tmp_path), "llama")
+    with pytest.raises(ValueError, match="^tp_size"):
+        EngineConfig(tp_size=0)
+    with pytest.raises(ValueError, match="^tp_size: 3 does not divide num_attention_heads"):
+        Engine(EngineConfig(model=path, device="cpu", tp_size=3, spec=None))
