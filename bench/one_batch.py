@@ -77,37 +77,42 @@ def copy_bandwidth(device) -> float:
 
 
 def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
+    """Decode speed of `bs` requests launched together: tokens after each request's first,
+    over the time from the first to the last token (prefill excluded)."""
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(bs)]
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
     engine.generate(prompt_token_ids=prompts, sampling=params)  # warm-up
-    # Prefill plus one token, then the same with `steps` tokens: the difference is decode.
-    t0 = time.perf_counter()
-    engine.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
-    t_prefill = time.perf_counter() - t0
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", p, params)
+    tokens, verify, first, last = 0, 0, None, None
     m = engine.metrics
-    steps0, blocked0 = m.num_steps, m.host_blocked_seconds
-    busy0, wall0 = engine.busy_and_wall()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        t0 = time.perf_counter()
-        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        while engine.has_unfinished():
+            outs = engine.step()
+            now = time.perf_counter()
+            new = sum(len(o.new_token_ids) for o in outs)
+            if new and first is None:  # prefill's tokens: the decode window starts here
+                first, steps0, blocked0 = now, m.num_steps, m.host_blocked_seconds
+                busy0, wall0 = engine.busy_and_wall()
+                torch.cuda.set_sync_debug_mode("warn")
+                continue
+            tokens += new
+            verify += sum(o.num_verify_steps for o in outs if o.finished)
+            if new:
+                last = now
         torch.cuda.set_sync_debug_mode("default")
     occupancy = engine.occupancy(busy0, wall0)
-    n_steps = m.num_steps - steps0
-    decode_time = max(elapsed - t_prefill, 1e-9)
-    tokens = sum(len(o.token_ids) for o in outs)
-    verify = sum(o.num_verify_steps for o in outs)
+    n_steps = max(m.num_steps - steps0, 1)
+    decode_time = last - first
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return {
-        "decode_tokens_per_s": (tokens - bs) / decode_time,
-        "step_ms": 1000 * decode_time / max(n_steps - 1, 1),
-        "accept_length": tokens / verify if verify else 1.0,
+        "decode_tokens_per_s": tokens / decode_time,
+        "step_ms": 1000 * decode_time / n_steps,
+        "accept_length": (tokens + bs) / verify if verify else 1.0,
         "occupancy": occupancy,
-        "syncs_per_step": syncs / max(n_steps, 1),
-        "host_blocked_ms_per_step": 1000 * (m.host_blocked_seconds - blocked0) / max(n_steps, 1),
+        "syncs_per_step": syncs / n_steps,
+        "host_blocked_ms_per_step": 1000 * (m.host_blocked_seconds - blocked0) / n_steps,
     }
 
 
@@ -146,7 +151,8 @@ def main():
                                    spec=spec, max_running_requests=max_bs, max_context_len=args.max_context_len,
                                    enable_overlap=variant != "no-overlap",
                                    needs_cpu_seq_lens=True if variant == "sync" else None,
-                                   cuda_graph=variant != "no-graph", mem_fraction=0.5)
+                                   cuda_graph=variant != "no-graph", mem_fraction=0.5,
+                                   chunked_prefill_size=max_bs * args.prompt_len)  # one prefill batch
                 engine = Engine(cfg)
                 limit = bandwidth / weight_bytes(engine)
                 for bs in (int(b) for b in args.batch_sizes.split(",")):

@@ -161,8 +161,8 @@ class Engine:
             worker.enable_cuda_graphs(config.max_running_requests, self.row_width)
         self._seed_rng = random.Random(config.seed)
         self._rid_counter = itertools.count()
-        self._schedule_ctx = self.ctx.schedule_context()
-        self._schedule_ctx.__enter__()
+        if self.device.type == "cuda":  # set-up ran on the default stream; forwards will not
+            torch.cuda.synchronize(self.device)
 
     def _resolve_spec(self, config: EngineConfig) -> Optional[SpecConfig]:
         """DEFAULT: speculate with the demo draft when serving the demo target, else not."""
@@ -267,7 +267,8 @@ class Engine:
 
     def _apply(self, op: tuple) -> None:
         if op[0] == "abort":
-            self.scheduler.abort(op[1])
+            with self.ctx.schedule_context():  # frees KV: schedule-side device work
+                self.scheduler.abort(op[1])
             return
         _, rid, ids, sampling, seed = op
         stop_ids = set(sampling.stop_token_ids)
@@ -280,7 +281,10 @@ class Engine:
         if self.tp_group is not None:
             ops, self._control_ops = self._control_ops, []
             self.tp_group.exchange(ops)
-        return self.scheduler.step()
+        # Schedule-side device work runs on this engine's schedule stream (entered per call:
+        # the current stream is per thread, and several engines may share one).
+        with self.ctx.schedule_context():
+            return self.scheduler.step()
 
     def follow(self) -> None:
         """Ranks > 0: mirror rank 0's steps until it stops."""
@@ -290,7 +294,8 @@ class Engine:
                 return
             for op in ops:
                 self._apply(op)
-            self.scheduler.step()
+            with self.ctx.schedule_context():
+                self.scheduler.step()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -372,6 +377,10 @@ class Engine:
             raise RuntimeError("prompt_logits needs an idle engine")
         if self.tp_group is not None:
             raise RuntimeError("prompt_logits runs on one rank only (tp_size=1)")
+        with self.ctx.schedule_context():
+            return self._prompt_logits(list(token_ids))
+
+    def _prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         n = len(token_ids)
         row = self.req_to_token.alloc()
         slots = self.allocator.alloc(n)
@@ -404,9 +413,9 @@ class Engine:
 
     def shutdown(self) -> None:
         if getattr(self, "ctx", None) is not None:
-            self.scheduler.drain()
+            with self.ctx.schedule_context():
+                self.scheduler.drain()
             self.ctx.close()
-            self._schedule_ctx.__exit__(None, None, None)
             self.ctx = None
             if self.tp_group is not None:
                 if self.rank == 0:

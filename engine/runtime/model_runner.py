@@ -37,8 +37,16 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
             backend.needs_cpu_seq_lens = True
         return backend
     if name == "flashinfer":
-        raise ValueError("attention_backend: flashinfer needs `pip install specserve[flashinfer]` "
-                         "and is not implemented yet")
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError as e:
+            raise ValueError("attention_backend: flashinfer needs `pip install specserve[flashinfer]` "
+                             f"(flashinfer-python is not importable: {e})") from e
+        from specserve.engine.attention.flashinfer import FlashInferAttnBackend
+        # needs_cpu_seq_lens=False opts into the plan that never reads host lengths; None
+        # keeps FlashInfer's default, planning on exact host lengths (split-KV).
+        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device,
+                                     sync_free=needs_cpu_seq_lens is False)
     raise ValueError(f"attention_backend: unknown backend {name!r}")
 
 

@@ -45,15 +45,15 @@ class FutureMap:
     def stash_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.output_tokens_buf[rows] = tokens
 
+    def allocate(self, name: str, row_shape: tuple, dtype: torch.dtype) -> None:
+        """A per-row buffer for forward-only values (EAGLE: topk_p, topk_index, hidden)."""
+        device = self.output_tokens_buf.device
+        self.spec_bufs[name] = torch.zeros((self.output_tokens_buf.shape[0], *row_shape), dtype=dtype, device=device)
+
     def stash(self, rows: torch.Tensor, **payload: torch.Tensor) -> None:
-        """Forward-only values (EAGLE: topk_p, topk_index, hidden_states)."""
+        """Forward-only values; only the next forward reads them, so stream order suffices."""
         for name, value in payload.items():
-            buf = self.spec_bufs.get(name)
-            if buf is None:
-                buf = torch.zeros((self.output_tokens_buf.shape[0], *value.shape[1:]),
-                                  dtype=value.dtype, device=value.device)
-                self.spec_bufs[name] = buf
-            buf[rows] = value
+            self.spec_bufs[name][rows] = value
 
     def gather(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         return self.spec_bufs[name][rows]

@@ -58,6 +58,10 @@ class EagleWorker(NormalWorker):
         self.num_draft_tokens = spec.num_draft_tokens
         self.capture_aux = draft.model.uses_aux_hidden
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
+        head = draft.model
+        self.future_map.allocate("topk_p", (spec.topk,), torch.float32)
+        self.future_map.allocate("topk_index", (spec.topk,), torch.int64)
+        self.future_map.allocate("hidden", (head.config.hidden_size,), next(head.parameters()).dtype)
 
     def slots_per_request(self) -> int:
         """Slots reserved past the committed length: the draft region and the verify block

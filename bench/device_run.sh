@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device session: install, GPU tests, benchmarks. Logs and JSON go to $OUT.
+# Usage (on the GPU machine, repo root): bash bench/device_run.sh "<pytest args>" "<one_batch args>"
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+# The machine has torch, triton, transformers, grpcio and pytest; the rest comes as wheels.
+python -m pip install -q --no-deps --no-index --find-links wheels/base pytest-timeout pyzmq prometheus-client \
+    grpcio-health-checking grpcio-reflection protobuf > "$OUT/pip.log" 2>&1
+# A regular (not editable) install: the folders map onto specserve.* through setup.py.
+python -m pip install -q --no-deps --no-build-isolation . >> "$OUT/pip.log" 2>&1 || echo "install failed"
+(cd /tmp && python -c "import specserve.engine") || tail "$OUT/pip.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+if [ -n "${1:-}" ]; then
+  # `pytest`, not `python -m pytest`: the latter puts the repo root on sys.path, where the
+  # specserve/ folder (the namespace root alone) would shadow the installed package.
+  pytest -q -p no:cacheprovider $1 > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -25 "$OUT/pytest.log"
+fi
+if [ -n "${2:-}" ]; then
+  python bench/one_batch.py $2 --out "$OUT/one_batch.json" > "$OUT/one_batch.log" 2>&1
+  echo "bench rc=$?"; tail -30 "$OUT/one_batch.log"
+fi
