@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device session: install, GPU tests, benchmarks. Logs and JSON go to $OUT.
-# Usage (on the GPU machine, repo root): bash bench/device_run.sh "<pytest args>" "<one_batch args>"
+# Usage (on the GPU machine, repo root):
+#   bash bench/device_run.sh "<pytest args>" "<one_batch.py args>" "<peers_hf.py args>"
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+export SPECSERVE_MODELS_DIR=$PWD/models  # the demo pair, from the checkout (not site-packages)
 # The machine has torch, triton, transformers, grpcio and pytest; the rest comes as wheels.
 python -m pip install -q --no-deps --no-index --find-links wheels/base pytest-timeout pyzmq prometheus-client \
     grpcio-health-checking grpcio-reflection protobuf > "$OUT/pip.log" 2>&1
@@ -18,5 +20,9 @@ if [ -n "${1:-}" ]; then
 fi
 if [ -n "${2:-}" ]; then
   python bench/one_batch.py $2 --out "$OUT/one_batch.json" > "$OUT/one_batch.log" 2>&1
-  echo "bench rc=$?"; tail -30 "$OUT/one_batch.log"
+  echo "bench rc=$?"; tail -40 "$OUT/one_batch.log"
+fi
+if [ -n "${3:-}" ]; then
+  python bench/peers_hf.py $3 --out "$OUT/peers_hf.json" > "$OUT/peers_hf.log" 2>&1
+  echo "peers rc=$?"; tail -8 "$OUT/peers_hf.log"
 fi

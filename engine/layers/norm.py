@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.engine.layers.fused_loader import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, returns (norm(x + residual), x + residual): the pre-norm block form."""
+        if x.is_cuda and fused is not None:
+            return fused.add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,0 +1,119 @@
+"""Fused Triton kernels for the elementwise parts of a decoder layer (CUDA).
+
+At batch size 1 a decode step is bandwidth-bound GEMVs plus hundreds of tiny elementwise
+kernels; each of those costs a few microseconds even inside a CUDA graph, which measured as
+~45% of an 8B step on an H200 before fusion. Each kernel here replaces 5-12 of them and
+reproduces the torch path's roundings (sums and products rounded to the activation dtype
+where torch rounds), so results match the unfused layers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)  # torch adds in the activation dtype
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n_cols
+    normed = (h * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    """RMSNorm(x + residual) and x + residual (or RMSNorm(x) when residual is None)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    res_in = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else x2
+    if x2.shape[0]:
+        _add_rmsnorm_kernel[(x2.shape[0],)](
+            x2, res_in, weight, out, res_out, shape[-1], eps, HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 2048 else 8)
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _rope_heads(src, dst, stride, n_heads, token, cos1, cos2, sin1, sin2,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    d = tl.arange(0, HALF)
+    heads = tl.arange(0, BLOCK_H)
+    dtype = dst.dtype.element_ty
+    hmask = heads[:, None] < n_heads
+    base = src + token * stride + heads[:, None] * (2 * HALF)
+    x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+    # torch rounds each product and the sum to the activation dtype.
+    o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
+    o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    out = dst + token * n_heads * (2 * HALF) + heads[:, None] * (2 * HALF)
+    tl.store(out + d[None, :], o1.to(dtype), mask=hmask)
+    tl.store(out + HALF + d[None, :], o2.to(dtype), mask=hmask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                 q_stride, k_stride, num_q_heads, num_k_heads,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    d = tl.arange(0, HALF)
+    dtype = q_out_ptr.dtype.element_ty
+    # torch casts the fp32 cos/sin table to the activation dtype first.
+    cos1 = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d).to(dtype).to(tl.float32)
+    _rope_heads(q_ptr, q_out_ptr, q_stride, num_q_heads, token, cos1[None, :], cos2[None, :],
+                sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+    _rope_heads(k_ptr, k_out_ptr, k_stride, num_k_heads, token, cos1[None, :], cos2[None, :],
+                sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox RoPE of q [T, Hq, D] and k [T, Hk, D] (rows may be strided views of a fused qkv)."""
+    T, hq, dim = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((T, hq, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, hk, dim), dtype=k.dtype, device=k.device)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == dim and k.stride(1) == dim
+    if T:
+        _rope_kernel[(T,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), k.stride(0), hq, hk,
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4)
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // (2 * n)
+    out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = 1024
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+    return out
