@@ -101,7 +101,8 @@ def build_batch(case: Case, num_kv_heads: int, head_dim: int, bound: int, gen: t
     rows = rows.to(device)
     fb = ForwardBatch(
         mode=case.mode, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.cat([torch.arange(p, s) for p, s in zip(case.prefix_lens, seq_lens)]).to(device),
+        positions=torch.cat([torch.arange(p, s) for p, s in zip(case.prefix_lens, seq_lens)]
+                            ).to(device),
         req_pool_indices=rows, prefix_lens=torch.tensor(case.prefix_lens, device=device),
         extend_lens_cpu=list(case.extend_lens),
         out_cache_loc=torch.tensor(new_slots, dtype=torch.int64, device=device),
@@ -158,8 +159,8 @@ def test_build_kv_indices_lists_prefix_then_new_slots(seed):
     qo_indptr = host_offsets(extend)
     kv_indptr = host_offsets((prefix + torch.tensor(extend)).tolist())
     got = build_kv_indices(table, rows, prefix, new, qo_indptr, kv_indptr, bs * width)
-    expected = torch.cat([torch.cat([table[rows[b], :prefix[b]], new[qo_indptr[b]:qo_indptr[b + 1]]])
-                          for b in range(bs)])
+    expected = torch.cat([torch.cat([table[rows[b], :prefix[b]],
+                                     new[qo_indptr[b]:qo_indptr[b + 1]]]) for b in range(bs)])
     assert got.dtype == torch.int32 and got.shape == (bs * width,)
     assert torch.equal(got[:kv_indptr[-1]], expected.int())
 
@@ -352,7 +353,7 @@ def test_backend_rejects_what_flashinfer_cannot_run(fake_flashinfer):
 def test_needs_cpu_seq_lens_decision_with_flashinfer(fake_flashinfer):
     synced = FlashInferAttnBackend(4, 2, 64, "cpu")
     sync_free = FlashInferAttnBackend(4, 2, 64, "cpu", sync_free=True)
-    assert FlashInferAttnBackend.needs_cpu_seq_lens  # the class default: FlashInfer plans on the host
+    assert FlashInferAttnBackend.needs_cpu_seq_lens  # class default: plan on host lengths
     assert synced.needs_cpu_seq_lens and not sync_free.needs_cpu_seq_lens
     gpu_only_torch = TorchNativeAttnBackend(needs_cpu_seq_lens=False)
     assert decide_needs_cpu_seq_lens([synced, None]) is True
@@ -391,10 +392,8 @@ def test_fake_wrappers_accept_what_flashinfer_accepts():
     for fake, real in ((_FakeDecodeWrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper),
                        (_FakePrefillWrapper, flashinfer.BatchPrefillWithPagedKVCacheWrapper)):
         real_params = list(inspect.signature(real.plan).parameters)
-        fake_params = list(inspect.signature(fake.plan).parameters)
-        positional = [p for p in fake_params if
-                      inspect.signature(fake.plan).parameters[p].kind
-                      == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        fake_params = inspect.signature(fake.plan).parameters
+        positional = [name for name, p in fake_params.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
         assert real_params[:len(positional)] == positional
         assert set(fake_params) <= set(real_params)
 
@@ -404,7 +403,8 @@ def test_fake_wrappers_accept_what_flashinfer_accepts():
 # ---------------------------------------------------------------------------------------------
 
 CUDA = torch.device("cuda")
-TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+             torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
 @needs_flashinfer
@@ -472,10 +472,10 @@ def test_gpu_plans_while_the_gpu_lags(sync_free):
                for h in (32, 8, 8)] for fb in batches]
     scale = 128 ** -0.5
     expected = []
-    for fb, (q, k, v) in zip(batches, inputs):  # in isolation (this also loads the modules)
+    for fb, (q, k, v) in zip(batches, inputs):  # one at a time (this also loads the modules)
         backend.init_forward_metadata(fb)
         expected.append(backend.forward(q, k, v, LAYER_ID, fb, scale))
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
     torch.cuda._sleep(1 << 28)  # keep the stream busy while the host plans ahead
     outs = []
     for fb, (q, k, v) in zip(batches, inputs):
@@ -494,9 +494,10 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=4, topk=4, num_draft_tokens=8)
 ENGINE = dict(device="cuda", dtype="float16", cuda_graph=False, max_total_tokens=1 << 16)
+MARGIN = 0.02  # fp32 top-2 logit gap under which 16-bit engines may legitimately disagree
 
 
-def make_flashinfer_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0) -> tuple[str, str]:
+def make_flashinfer_pair(root: str, *, attn_scale: float = 0.05, seed: int = 0) -> tuple[str, str]:
     """helpers.make_predictable_pair with head_dim 128 (FlashInfer needs >= 64; the shared
     tiny models have 16): a target whose next token mostly depends on the current one and an
     EAGLE-1 head that passes embed(token) through, so drafts are partly accepted."""
@@ -536,7 +537,35 @@ def flashinfer_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts(8, seed=21, max_len=50)
+    return random_prompts(12, seed=21, max_len=50)
+
+
+@pytest.fixture(scope="module")
+def reference(flashinfer_pair, prompts):
+    """fp32 greedy tokens (transformers, EOS allowed as the engine's ignore_eos does), each
+    stopped before its first step whose top-2 logit gap is under MARGIN: 16-bit engines may
+    pick either token there (on random weights a few steps are near-ties)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(flashinfer_pair[0], dtype=torch.float32)
+    reference = []
+    for prompt in prompts:
+        ids, tokens = list(prompt), []
+        with torch.no_grad():
+            while len(tokens) < GREEDY.max_new_tokens:
+                top2 = model(torch.tensor([ids])).logits[0, -1].topk(2)
+                if top2.values[0] - top2.values[1] < MARGIN:
+                    break
+                tokens.append(int(top2.indices[0]))
+                ids.append(tokens[-1])
+        reference.append(tokens)
+    # Enough left to compare.
+    assert sum(map(len, reference)) >= 0.3 * len(prompts) * GREEDY.max_new_tokens
+    return reference
+
+
+def assert_follows(outputs: list[list[int]], reference: list[list[int]]) -> None:
+    assert [out[:len(ref)] for out, ref in zip(outputs, reference)] == reference
 
 
 def _generate(engine, prompts):
@@ -547,34 +576,39 @@ def _generate(engine, prompts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("needs_cpu", [True, False], ids=["synced", "sync_free"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_gpu_engine_greedy_matches_torch_backend(flashinfer_pair, make_engine, prompts, needs_cpu,
-                                                 overlap):
+def test_gpu_engine_greedy_matches_torch_backend(flashinfer_pair, make_engine, prompts, reference,
+                                                 needs_cpu, overlap):
     target, _ = flashinfer_pair
-    expected = _generate(make_engine(target, attention_backend="torch", **ENGINE), prompts)
+    torch_backend = make_engine(target, attention_backend="torch", **ENGINE)
+    assert_follows(_generate(torch_backend, prompts), reference)
     engine = make_engine(target, attention_backend="flashinfer", enable_overlap=overlap,
                          needs_cpu_seq_lens=needs_cpu, **ENGINE)
     assert engine.needs_cpu_seq_lens == needs_cpu and not engine.uses_cuda_graphs
-    assert _generate(engine, prompts) == expected
+    assert_follows(_generate(engine, prompts), reference)
 
 
 @needs_flashinfer
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("needs_cpu", [True, False], ids=["synced", "sync_free"])
-def test_gpu_engine_spec_matches_plain(flashinfer_pair, make_engine, prompts, shape, needs_cpu):
+def test_gpu_engine_spec_matches_plain(flashinfer_pair, make_engine, prompts, reference, shape,
+                                       needs_cpu):
     target, head = flashinfer_pair
-    expected = _generate(make_engine(target, attention_backend="torch", **ENGINE), prompts)
+    plain = make_engine(target, attention_backend="flashinfer", needs_cpu_seq_lens=needs_cpu,
+                        **ENGINE)
+    assert_follows(_generate(plain, prompts), reference)
     engine = make_engine(target, attention_backend="flashinfer", needs_cpu_seq_lens=needs_cpu,
                          spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **ENGINE)
     assert engine.needs_cpu_seq_lens == needs_cpu
-    assert _generate(engine, prompts) == expected
+    assert_follows(_generate(engine, prompts), reference)
     assert engine.metrics.mean_accept_length > 1.5
 
 
 @needs_flashinfer
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_gpu_engine_sync_free_steady_state_has_no_blocking_sync(flashinfer_pair, make_engine, shape):
+def test_gpu_engine_sync_free_steady_state_has_no_blocking_sync(flashinfer_pair, make_engine,
+                                                                shape):
     target, head = flashinfer_pair
     engine = make_engine(target, attention_backend="flashinfer", needs_cpu_seq_lens=False,
                          spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **ENGINE)

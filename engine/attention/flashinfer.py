@@ -99,7 +99,7 @@ def pack_custom_mask(custom_mask: torch.Tensor, prefix_lens: torch.Tensor,
     extend = extend_lens.to(torch.int64).view(bs, 1, 1)
     kv = prefix + extend
     mask_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
-    torch.cumsum(((extend * kv + 7) // 8).view(bs), 0, out=mask_indptr[1:])
+    torch.cumsum(((extend * kv + 7) // 8).view(bs), 0, dtype=torch.int32, out=mask_indptr[1:])
     packed = torch.full((num_bytes + 1,), 0xFF, dtype=torch.uint8, device=device)
 
     # The bytes covering row q's new-key bits [row start + prefix, row start + kv).
@@ -202,7 +202,8 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr = self._to_device(qo_indptr_host)
         extend = qo_indptr[1:] - qo_indptr[:-1]
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(fb.prefix_lens.to(torch.int32) + extend, 0, out=kv_indptr[1:])
+        torch.cumsum(fb.prefix_lens.to(torch.int32) + extend, 0, dtype=torch.int32,
+                     out=kv_indptr[1:])
         if fb.kv_indices_override is None:
             slot_table, table_rows = fb.req_to_token.table, fb.req_pool_indices
         else:
@@ -237,7 +238,7 @@ class FlashInferAttnBackend(AttentionBackend):
             if mask_indptr is not None:
                 # plan() derives bit offsets from the host (planned) lengths; the kernel
                 # reads byte offsets of the real ones.
-                pass
+                wrapper._mask_indptr_buf = mask_indptr
         wrapper._paged_kv_indptr_buf = kv_indptr  # the real lengths, whatever plan() saw
         fb.attn_metadata = self._planned = FlashInferMetadata(
             wrapper, kv_indptr, kv_indices, split_kv_allowed=exact_seq_lens is not None)

@@ -37,16 +37,16 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
             backend.needs_cpu_seq_lens = True
         return backend
     if name == "flashinfer":
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError as e:
-            raise ValueError("attention_backend: flashinfer needs `pip install specserve[flashinfer]` "
-                             f"(flashinfer-python is not importable: {e})") from e
         from specserve.engine.attention.flashinfer import FlashInferAttnBackend
-        # needs_cpu_seq_lens=False opts into the plan that never reads host lengths; None
-        # keeps FlashInfer's default, planning on exact host lengths (split-KV).
-        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device,
-                                     sync_free=needs_cpu_seq_lens is False)
+        try:
+            # needs_cpu_seq_lens=False opts into the plan that never reads host lengths; None
+            # keeps FlashInfer's default, planning on exact host lengths (split-KV).
+            return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device,
+                                         sync_free=needs_cpu_seq_lens is False)
+        except ImportError as e:
+            raise ValueError("attention_backend: flashinfer needs "
+                             "`pip install specserve[flashinfer]` (flashinfer-python 0.5.3; "
+                             f"importing it failed: {e})") from e
     raise ValueError(f"attention_backend: unknown backend {name!r}")
 
 
