@@ -26,3 +26,11 @@ if [ -n "${3:-}" ]; then
   python bench/peers_hf.py $3 --out "$OUT/peers_hf.json" > "$OUT/peers_hf.log" 2>&1
   echo "peers rc=$?"; tail -8 "$OUT/peers_hf.log"
 fi
+if [ -n "${SERVE_DEMO:-}" ]; then  # the gRPC server on the GPU: one streamed generation
+  (cd /tmp && specserve serve --device cuda --port 50071 > "$OUT/serve.log" 2>&1) & server=$!
+  for _ in $(seq 120); do
+    (cd /tmp && python -m specserve.clients.healthcheck --addr 127.0.0.1:50071 \
+        --service specserve.v1.GenerationService > /dev/null 2>&1) && break; sleep 1; done
+  (cd /tmp && python -m specserve.clients.demo --server 127.0.0.1:50071) > "$OUT/serve_demo.log" 2>&1
+  echo "serve demo rc=$?"; tail -12 "$OUT/serve_demo.log"; kill -TERM $server; wait $server
+fi

@@ -12,6 +12,7 @@ device-to-device copy bandwidth measured in this run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -164,6 +165,7 @@ def main():
                     print(json.dumps(r), flush=True)
                 engine.shutdown()
                 del engine
+                gc.collect()  # the engine holds reference cycles; free its GPU memory now
                 torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}

@@ -28,7 +28,9 @@ def build(name: str, device) -> tf.PreTrainedModel:
 def tokens_per_s(model, steps: int, prompt_len: int, **kwargs) -> float:
     ids = torch.arange(3, 3 + prompt_len, device=model.device).unsqueeze(0)
     common = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kwargs)
-    model.generate(ids, max_new_tokens=8, min_new_tokens=8, **common)  # warm-up
+    # Warm up at full length: a static cache compiles for its shapes on first use.
+    model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **common)
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)

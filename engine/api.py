@@ -192,16 +192,15 @@ class Engine:
             needs_cpu_seq_lens=self.config.needs_cpu_seq_lens)
 
     def _wants_cuda_graphs(self, attn) -> bool:
-        """On by default on CUDA with the Triton backend (torch-native metadata is host-built)."""
-        from specserve.engine.attention.torch_native import TorchNativeAttnBackend
-
+        """On by default on CUDA with a backend whose metadata a graph can capture (Triton)."""
         if self.config.cuda_graph is False or self.device.type != "cuda":
             if self.config.cuda_graph and self.device.type != "cuda":
                 raise ValueError("cuda_graph: needs a CUDA device")
             return False
-        if isinstance(attn, TorchNativeAttnBackend):
+        if not attn.supports_cuda_graphs:
             if self.config.cuda_graph:
-                raise ValueError("cuda_graph: needs attention_backend='triton'")
+                raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured; "
+                                 "use attention_backend='triton'")
             return False
         return True
 
@@ -415,6 +414,8 @@ class Engine:
         if getattr(self, "ctx", None) is not None:
             with self.ctx.schedule_context():
                 self.scheduler.drain()
+            if self.scheduler.worker.graphs is not None:
+                self.scheduler.worker.graphs.release()
             self.ctx.close()
             self.ctx = None
             if self.tp_group is not None:

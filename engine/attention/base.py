@@ -26,6 +26,7 @@ class AttentionBackend(ABC):
     """
 
     needs_cpu_seq_lens: bool = True
+    supports_cuda_graphs: bool = False  # metadata built by device ops from static buffers
 
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:

@@ -9,6 +9,7 @@ draft-extend. Replay copies the live inputs into the static buffers; padded rows
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable, Sequence
 
 import torch
@@ -40,8 +41,20 @@ class GraphedStep:
         return next((b for b in self.buckets if b >= bs), None)
 
     def capture_all(self) -> None:
-        for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
-            self._capture(bs)
+        # A garbage collection during capture could destroy another engine's graphs, which
+        # CUDA forbids while a stream captures: collect first, then keep the collector off.
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.inference_mode():
+                for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+                    self._capture(bs)
+        finally:
+            gc.enable()
+
+    def release(self) -> None:
+        self.captured.clear()
+        self.pool = None
 
     def _capture(self, bs: int) -> None:
         inputs = self.make_inputs(bs)

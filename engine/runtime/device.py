@@ -154,7 +154,7 @@ class CudaDeviceContext(DeviceContext):
     def launch(self, fn):
         self.forward_stream.wait_stream(self.schedule_stream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.forward_stream):
+        with torch.cuda.stream(self.forward_stream), torch.inference_mode():
             start.record()
             fn()
             end.record()
