@@ -12,6 +12,7 @@ device-to-device copy bandwidth measured in this run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import gc
 import json
 import os
@@ -33,6 +34,8 @@ SHAPES = {
 }
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
+# needs_cpu_seq_lens per backend row (None: decided by the backends)
+BACKEND_SYNC = {"flashinfer": True, "flashinfer-syncfree": False}
 SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
               "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
 
@@ -122,6 +125,9 @@ def main():
     ap.add_argument("--models", default="llama-8b,llama-1b")
     ap.add_argument("--batch-sizes", default="1,4,16,64")
     ap.add_argument("--modes", default="plain,chain,tree")
+    ap.add_argument("--backends", default="triton",
+                    help="comma list of: triton (CUDA graphs), triton-eager, flashinfer (host-synced "
+                         "plan), flashinfer-syncfree")
     ap.add_argument("--variants", default="default",
                     help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph")
     ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
@@ -140,41 +146,43 @@ def main():
             target, draft, load_format = None, str(demo_models_dir() / "demo-draft"), "auto"
         else:
             (target, draft), load_format = write_shape(root, model_name), "dummy"
-        for mode in args.modes.split(","):
-            for variant in args.variants.split(","):
-                spec = None
-                if mode != "plain":
-                    force = None if model_name == "demo" else args.accept_len
-                    spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=force,
-                                      **SPEC_MODES[mode])
-                max_bs = max(int(b) for b in args.batch_sizes.split(","))
-                cfg = EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format=load_format,
-                                   spec=spec, max_running_requests=max_bs, max_context_len=args.max_context_len,
-                                   enable_overlap=variant != "no-overlap",
-                                   needs_cpu_seq_lens=True if variant == "sync" else None,
-                                   cuda_graph=variant != "no-graph", mem_fraction=0.5,
-                                   chunked_prefill_size=max_bs * args.prompt_len)  # one prefill batch
-                engine = Engine(cfg)
-                limit = bandwidth / weight_bytes(engine)
-                for bs in (int(b) for b in args.batch_sizes.split(",")):
-                    r = run_one(engine, bs, args.prompt_len, args.steps)
-                    r.update(model=model_name, mode=mode, variant=variant, batch_size=bs,
-                             bs1_limit_tokens_per_s=limit,
-                             fraction_of_limit=r["decode_tokens_per_s"] / limit)
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-                engine.shutdown()
-                del engine
-                gc.collect()  # the engine holds reference cycles; free its GPU memory now
-                torch.cuda.empty_cache()
+        for mode, backend, variant in itertools.product(
+                args.modes.split(","), args.backends.split(","), args.variants.split(",")):
+            spec = None
+            if mode != "plain":
+                force = None if model_name == "demo" else args.accept_len
+                spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=force,
+                                  **SPEC_MODES[mode])
+            max_bs = max(int(b) for b in args.batch_sizes.split(","))
+            cfg = EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format=load_format,
+                               spec=spec, max_running_requests=max_bs, max_context_len=args.max_context_len,
+                               enable_overlap=variant != "no-overlap",
+                               attention_backend=backend.split("-")[0],
+                               needs_cpu_seq_lens=BACKEND_SYNC.get(backend, True if variant == "sync" else None),
+                               cuda_graph=backend == "triton" and variant != "no-graph", mem_fraction=0.5,
+                               chunked_prefill_size=max_bs * args.prompt_len)  # one prefill batch
+            engine = Engine(cfg)
+            limit = bandwidth / weight_bytes(engine)
+            for bs in (int(b) for b in args.batch_sizes.split(",")):
+                r = run_one(engine, bs, args.prompt_len, args.steps)
+                r.update(model=model_name, mode=mode, variant=variant, backend=backend, batch_size=bs,
+                         bs1_limit_tokens_per_s=limit,
+                         fraction_of_limit=r["decode_tokens_per_s"] / limit)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            engine.shutdown()
+            del engine
+            gc.collect()  # the engine holds reference cycles; free its GPU memory now
+            torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':9} {'mode':6} {'variant':10} {'bs':>3} {'tok/s':>9} {'step ms':>8} {'acc':>5} "
+    print(f"{'model':9} {'mode':6} {'backend':19} {'variant':10} {'bs':>3} {'tok/s':>9} {'step ms':>8} {'acc':>5} "
           f"{'limit%':>7} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:9} {r['mode']:6} {r['variant']:10} {r['batch_size']:>3} {r['decode_tokens_per_s']:9.1f} "
+        print(f"{r['model']:9} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['batch_size']:>3} "
+              f"{r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")
 
