@@ -6,8 +6,9 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export SPECSERVE_MODELS_DIR=$PWD/models  # the demo pair, from the checkout (not site-packages)
 # The machine has torch, triton, transformers, grpcio and pytest; the rest comes as wheels.
+# grpcio-health-checking/reflection pinned to the machine's grpcio (1.84.0): newer ones refuse it.
 python -m pip install -q --no-deps --no-index --find-links wheels/base pytest-timeout pyzmq prometheus-client \
-    grpcio-health-checking grpcio-reflection protobuf > "$OUT/pip.log" 2>&1
+    grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 protobuf > "$OUT/pip.log" 2>&1
 # A regular (not editable) install: the folders map onto specserve.* through setup.py.
 python -m pip install -q --no-deps --no-build-isolation . >> "$OUT/pip.log" 2>&1 || echo "install failed"
 (cd /tmp && python -c "import specserve.engine") || tail "$OUT/pip.log"

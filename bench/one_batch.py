@@ -128,6 +128,7 @@ def main():
     ap.add_argument("--backends", default="triton",
                     help="comma list of: triton (CUDA graphs), triton-eager, flashinfer (host-synced "
                          "plan), flashinfer-syncfree")
+    ap.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes (GPUs per engine)")
     ap.add_argument("--variants", default="default",
                     help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph")
     ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
@@ -146,8 +147,9 @@ def main():
             target, draft, load_format = None, str(demo_models_dir() / "demo-draft"), "auto"
         else:
             (target, draft), load_format = write_shape(root, model_name), "dummy"
-        for mode, backend, variant in itertools.product(
-                args.modes.split(","), args.backends.split(","), args.variants.split(",")):
+        for mode, backend, variant, tp in itertools.product(
+                args.modes.split(","), args.backends.split(","), args.variants.split(","),
+                [int(t) for t in args.tp_sizes.split(",")]):
             spec = None
             if mode != "plain":
                 force = None if model_name == "demo" else args.accept_len
@@ -160,12 +162,13 @@ def main():
                                attention_backend=backend.split("-")[0],
                                needs_cpu_seq_lens=BACKEND_SYNC.get(backend, True if variant == "sync" else None),
                                cuda_graph=backend == "triton" and variant != "no-graph", mem_fraction=0.5,
-                               chunked_prefill_size=max_bs * args.prompt_len)  # one prefill batch
+                               chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
+                               tp_size=tp)
             engine = Engine(cfg)
-            limit = bandwidth / weight_bytes(engine)
+            limit = bandwidth / weight_bytes(engine)  # per-rank shard: tp GPUs read in parallel
             for bs in (int(b) for b in args.batch_sizes.split(",")):
                 r = run_one(engine, bs, args.prompt_len, args.steps)
-                r.update(model=model_name, mode=mode, variant=variant, backend=backend, batch_size=bs,
+                r.update(model=model_name, mode=mode, variant=variant, backend=backend, tp=tp, batch_size=bs,
                          bs1_limit_tokens_per_s=limit,
                          fraction_of_limit=r["decode_tokens_per_s"] / limit)
                 rows.append(r)
@@ -178,10 +181,10 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':9} {'mode':6} {'backend':19} {'variant':10} {'bs':>3} {'tok/s':>9} {'step ms':>8} {'acc':>5} "
+    print(f"{'model':9} {'mode':6} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'tok/s':>9} {'step ms':>8} {'acc':>5} "
           f"{'limit%':>7} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:9} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['batch_size']:>3} "
+        print(f"{r['model']:9} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")

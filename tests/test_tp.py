@@ -52,3 +52,23 @@ def test_tp_errors_name_the_field(tmp_path):
         EngineConfig(tp_size=0)
     with pytest.raises(ValueError, match="^tp_size: 3 does not divide num_attention_heads"):
         Engine(EngineConfig(model=path, device="cpu", tp_size=3, spec=None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None, dict(num_steps=3, topk=1, num_draft_tokens=4),
+                                  dict(num_steps=3, topk=2, num_draft_tokens=6)], ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_tp2_matches_tp1(pair, make_engine, spec, graphs):
+    """NCCL on two GPUs (run on a 2-GPU machine)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    target, head = pair
+    prompts = random_prompts(6, seed=17, max_len=40)
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = [[o.token_ids for o in make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs,
+                                              tp_size=tp, spec=spec_cfg).generate(prompt_token_ids=prompts,
+                                                                                    sampling=GREEDY)]
+            for tp in (1, 2)]
+    assert outs[0] == outs[1]

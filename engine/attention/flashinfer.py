@@ -118,7 +118,7 @@ def pack_custom_mask(custom_mask: torch.Tensor, prefix_lens: torch.Tensor,
     batch = torch.arange(bs, device=device).view(bs, 1, 1, 1)
     sees_new = custom_mask[batch, row.clamp(0, max_extend - 1), new_col.clamp(0, max_extend - 1)]
     visible = (row < extend.unsqueeze(-1)) & ((new_col < 0) | sees_new)
-    bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=device)
+    bit_values = torch.pow(2, torch.arange(8, dtype=torch.int32, device=device))  # no host copy: sync-free
     values = (visible.to(torch.int32) * bit_values).sum(-1).to(torch.uint8)
     # A byte shared by two rows is computed identically for both, so duplicates agree.
     packed[byte.reshape(-1)] = values.reshape(-1)

@@ -52,7 +52,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             sees_new = in_new & gathered
         else:
             sees_new = (new_k >= 0) & (new_k <= q_idx)
-        extend_dev = torch.tensor(fb.extend_lens_cpu, device=device).view(bs, 1, 1)
+        extend_dev = extend.to(device, non_blocking=True).view(bs, 1, 1)  # a blocking copy would sync
         mask = ((new_k < 0) | sees_new) & (new_k < extend_dev)
         # Padding queries (q >= extend_len) see key 0 only, so softmax stays finite.
         mask = mask | ((q_idx >= extend_dev) & (key == 0))

@@ -28,6 +28,7 @@ class ForwardInputs:
     req_pool_indices: torch.Tensor  # [bs]
     prefix_lens: torch.Tensor      # [bs]
     extend_lens_cpu: list[int]
+    extend_lens: torch.Tensor      # [bs] the same on the device
     out_cache_loc: torch.Tensor    # [T]
     seq_lens_cpu: Optional[list[int]]
     max_seq_len: int

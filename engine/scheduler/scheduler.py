@@ -260,7 +260,7 @@ class Scheduler:
         return ForwardInputs(
             mode=ForwardMode.EXTEND, input_ids=self._to_device(ids), positions=self._to_device(positions),
             req_pool_indices=rows, prefix_lens=self._to_device([s for s, _ in batch.chunks]),
-            extend_lens_cpu=lens, out_cache_loc=slots,
+            extend_lens_cpu=lens, extend_lens=self._to_device(lens), out_cache_loc=slots,
             seq_lens_cpu=seq_lens if self.needs_cpu_seq_lens else None, max_seq_len=max(seq_lens),
             sample_rows=self._to_device(sample_rows), sampling_info=batch.sampling_info,
             stash_rows=self._to_device(sampled_rows),
@@ -285,7 +285,7 @@ class Scheduler:
         return ForwardInputs(
             mode=ForwardMode.DECODE, input_ids=-rows, positions=self._to_device(positions),
             req_pool_indices=rows, prefix_lens=self._to_device(positions),
-            extend_lens_cpu=[1] * len(reqs), out_cache_loc=slots,
+            extend_lens_cpu=[1] * len(reqs), extend_lens=torch.ones_like(rows), out_cache_loc=slots,
             seq_lens_cpu=seq_lens if self.needs_cpu_seq_lens else None,
             max_seq_len=max(seq_lens), sample_rows=torch.arange(len(reqs), device=self.device),
             sampling_info=batch.sampling_info, stash_rows=rows)

@@ -86,7 +86,7 @@ class EagleWorker(NormalWorker):
             shifted = inputs.extras["shifted_ids"].clone()
             shifted[inputs.sample_rows] = torch.where(inputs.extras["samples"], tokens,
                                                       shifted[inputs.sample_rows])
-            seq_lens = inputs.prefix_lens + torch.tensor(inputs.extend_lens_cpu, device=tokens.device)
+            seq_lens = inputs.prefix_lens + inputs.extend_lens
             self.future_map.publish(inputs.stash_rows, seq_lens)
             publish_ready.record()
             fb = self._fb(ForwardMode.DRAFT_EXTEND, shifted, inputs.positions, inputs.req_pool_indices,
