@@ -83,6 +83,21 @@ class Engine:
     """Offline engine. `Engine(EngineConfig(model=DIR))`; also a context manager."""
 
     def __init__(self, config: EngineConfig = EngineConfig(), *, _rank: int = 0, _init_method: str = ""):
+        self.ctx = None
+        try:
+            self._build(config, _rank, _init_method)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A failed start leaves no process group or follower process behind."""
+        for p in getattr(self, "_followers", []):
+            p.kill()
+        if getattr(self, "tp_group", None) is not None:
+            self.tp_group.close()
+
+    def _build(self, config: EngineConfig, _rank: int, _init_method: str) -> None:
         self.config = config
         model_path = config.model or str(demo_models_dir() / "demo-target")
         self.model_path = model_path

@@ -68,7 +68,8 @@ def test_gpu_tp2_matches_tp1(pair, make_engine, spec, graphs):
     prompts = random_prompts(6, seed=17, max_len=40)
     spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
     outs = [[o.token_ids for o in make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs,
-                                              tp_size=tp, spec=spec_cfg).generate(prompt_token_ids=prompts,
-                                                                                    sampling=GREEDY)]
+                                              tp_size=tp, spec=spec_cfg, max_total_tokens=4096,
+                                              max_running_requests=8).generate(prompt_token_ids=prompts,
+                                                                               sampling=GREEDY)]
             for tp in (1, 2)]
     assert outs[0] == outs[1]
