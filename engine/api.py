@@ -239,9 +239,10 @@ class Engine:
             "model": self.model_path, "architecture": self.model_config.architecture,
             "vocab_size": self.model_config.vocab_size, "max_context_len": self.max_context_len,
             "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+            "eos_token_ids": list(self.eos_token_ids), "tp_size": self.config.tp_size,
             "spec": None if spec is None else {
-                "algorithm": spec.algorithm, "num_steps": spec.num_steps, "topk": spec.topk,
-                "num_draft_tokens": spec.num_draft_tokens},
+                "algorithm": spec.algorithm, "draft_model": spec.draft_model, "num_steps": spec.num_steps,
+                "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens},
         }
 
     def add_request(self, rid: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:

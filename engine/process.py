@@ -81,7 +81,7 @@ def _ready_message(engine) -> ipc.EngineReady:
         model=str(info.get("model") or ""), architecture=str(info.get("architecture") or ""),
         vocab_size=int(info["vocab_size"]), max_context_len=int(info["max_context_len"]),
         dtype=str(info.get("dtype") or ""), device=str(info.get("device") or ""),
-        eos_token_ids=list(tokenizer.eos_token_ids) if tokenizer is not None else [],
+        eos_token_ids=list(info["eos_token_ids"]),
         tokenizer_pickle=pickle.dumps(tokenizer) if tokenizer is not None else b"")
     spec = info.get("spec")
     if spec:

@@ -19,6 +19,7 @@ def test_engine_flags():
     assert (config.max_running_requests, config.max_total_tokens) == (8, 4096)
     assert config.attention_backend == "torch" and not config.enable_overlap
     assert config.spec == DEFAULT and _engine_config().max_running_requests == 64
+    assert _engine_config("--tp", "2").tp_size == 2 and config.tp_size == 1
 
 
 def test_speculative_flags():
