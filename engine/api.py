@@ -437,9 +437,13 @@ class Engine:
             if self.tp_group is not None:
                 if self.rank == 0:
                     self.tp_group.exchange([("stop",)])
-                    for p in self._followers:
-                        p.join()
+                # Every rank tears its communicators down before rank 0 waits for the others:
+                # NCCL's teardown can wait for the peers, so joining first would deadlock.
                 self.tp_group.close()
+                for p in self._followers:
+                    p.join(timeout=60)
+                    if p.is_alive():
+                        p.kill()
 
     def __enter__(self):
         return self
