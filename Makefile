@@ -22,6 +22,15 @@ venv: $(VENV)/.installed
 test: venv
 	$(PY) -m pytest -q -x
 
+# On a GPU machine: the decode benchmark, the Hugging Face peers, and the plots in docs/bench/.
+BENCH_ARGS ?= --models llama-8b,llama-1b,demo --batch-sizes 1,4,16,64 --modes plain,chain,tree
+bench: venv
+	mkdir -p docs/bench
+	$(PY) bench/one_batch.py $(BENCH_ARGS) --out docs/bench/one_batch.json
+	$(PY) bench/peers_hf.py --models llama-8b,llama-1b --out docs/bench/peers_hf.json
+	$(PIP) install -q matplotlib
+	$(PY) bench/plot.py docs/bench/one_batch.json docs/bench/peers_hf.json --out docs/bench
+
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu
 
