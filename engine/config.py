@@ -6,7 +6,7 @@ them to INVALID_ARGUMENT without parsing messages.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 DEFAULT = "default"  # sentinel: "use the bundled demo model / draft"

@@ -1,7 +1,7 @@
 """What the engine hands back: incremental step outputs and finished generations."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 

@@ -11,11 +11,12 @@ VOCAB = 320
 
 def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_layers: int = 2,
                          tie: bool = False, sharded: bool = False, vocab_size: int = VOCAB,
-                         max_position: int = 512, with_tokenizer: bool = True, num_kv_heads: int = 2) -> str:
+                         max_position: int = 512, with_tokenizer: bool = True, num_kv_heads: int = 2,
+                         hidden_size: int = 64, intermediate_size: int = 128) -> str:
     """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=max_position, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=tie)
@@ -99,6 +100,13 @@ def assert_no_leaks(engine) -> None:
     assert not engine.scheduler.reqs and not engine.scheduler.running and not engine.scheduler.waiting
 
 
+def _random_head(path: str, seed: int):
+    """Folder and a seeded random-weight maker for a head checkpoint."""
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=g) * 0.05
+
+
 def make_eagle3_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCAB, draft_vocab: int = 200,
                      target_layers: int = 2, seed: int = 0, with_embed: bool = False) -> str:
     """A random EAGLE-3 head in the public layout (midlayer.*, fc, norm, lm_head, d2t, t2d)."""
@@ -106,13 +114,10 @@ def make_eagle3_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
 
     from safetensors.torch import save_file
 
-    os.makedirs(path, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    w = _random_head(path, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     h, inter, heads, kv_heads = hidden_size, 128, 4, 2
     hd = h // heads
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.05
 
     hot = torch.sort(torch.randperm(vocab_size, generator=g)[:draft_vocab]).values
     tensors = {
@@ -145,19 +150,16 @@ def make_eagle3_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
     return path
 
 
-def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCAB, seed: int = 0) -> str:
+def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCAB, seed: int = 0,
+                     intermediate_size: int = 128) -> str:
     """A random EAGLE-1 head: fc over cat(embed, feature), layers.0 without input norm."""
     import json
 
     from safetensors.torch import save_file
 
-    os.makedirs(path, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    h, inter, heads, kv_heads = hidden_size, 128, 4, 2
+    w = _random_head(path, seed)
+    h, inter, heads, kv_heads = hidden_size, intermediate_size, 4, 2
     hd = h // heads
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.05
 
     tensors = {
         "embed_tokens.weight": w(vocab_size, h), "fc.weight": w(h, 2 * h), "fc.bias": w(h),
@@ -180,7 +182,8 @@ def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
 
 
 def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, num_layers: int = 2,
-                          vocab_size: int = VOCAB) -> tuple[str, str]:
+                          vocab_size: int = VOCAB, hidden_size: int = 64,
+                          intermediate_size: int = 128) -> tuple[str, str]:
     """A target whose next token mostly depends on the current one, and an EAGLE-1 head that
     knows that dependency: real, partial acceptance on random weights.
 
@@ -192,14 +195,16 @@ def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, 
     from safetensors.torch import load_file, save_file
 
     target = make_tiny_checkpoint(os.path.join(root, "target"), "llama", seed=seed, num_layers=num_layers,
-                                  vocab_size=vocab_size)
+                                  vocab_size=vocab_size, hidden_size=hidden_size,
+                                  intermediate_size=intermediate_size)
     file = os.path.join(target, "model.safetensors")
     weights = load_file(file)
     for name in list(weights):
         if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
             weights[name] = weights[name] * attn_scale
     save_file(weights, file, metadata={"format": "pt"})
-    head = make_eagle1_head(os.path.join(root, "head"), vocab_size=vocab_size, seed=seed + 1)
+    head = make_eagle1_head(os.path.join(root, "head"), vocab_size=vocab_size, seed=seed + 1,
+                            hidden_size=hidden_size, intermediate_size=intermediate_size)
     head_file = os.path.join(head, "model.safetensors")
     h = load_file(head_file)
     dim = h["fc.bias"].shape[0]

@@ -10,7 +10,6 @@ path, back-to-back plans while the GPU lags, and engine-level greedy and specula
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
 from typing import NamedTuple
@@ -18,7 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from helpers import make_eagle1_head, random_prompts
+from helpers import make_predictable_pair, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.attention.base import decide_needs_cpu_seq_lens
@@ -498,36 +497,9 @@ MARGIN = 0.02  # fp32 top-2 logit gap under which 16-bit engines may legitimatel
 
 
 def make_flashinfer_pair(root: str, *, attn_scale: float = 0.05, seed: int = 0) -> tuple[str, str]:
-    """helpers.make_predictable_pair with head_dim 128 (FlashInfer needs >= 64; the shared
-    tiny models have 16): a target whose next token mostly depends on the current one and an
-    EAGLE-1 head that passes embed(token) through, so drafts are partly accepted."""
-    import transformers as tf
-    from safetensors.torch import load_file, save_file
-
-    target = os.path.join(root, "target")
-    cfg = tf.LlamaConfig(vocab_size=320, hidden_size=512, intermediate_size=1024,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = tf.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # clear greedy margins
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(attn_scale)
-            layer.mlp.down_proj.weight.mul_(attn_scale)
-    model.save_pretrained(target)
-    head = make_eagle1_head(os.path.join(root, "head"), hidden_size=512, seed=seed + 1)
-    head_file = os.path.join(head, "model.safetensors")
-    h = load_file(head_file)
-    dim = h["fc.bias"].shape[0]
-    h["embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
-    h["fc.weight"] = torch.cat([torch.eye(dim), torch.zeros(dim, dim)], dim=1)
-    h["fc.bias"] = torch.zeros(dim)
-    h["layers.0.self_attn.o_proj.weight"] = torch.zeros_like(h["layers.0.self_attn.o_proj.weight"])
-    h["layers.0.mlp.down_proj.weight"] = torch.zeros_like(h["layers.0.mlp.down_proj.weight"])
-    save_file(h, head_file, metadata={"format": "pt"})
-    return target, head
+    """helpers.make_predictable_pair with head_dim 128 (FlashInfer needs >= 64; the shared tiny
+    models have 16): drafts are partly accepted."""
+    return make_predictable_pair(root, attn_scale=attn_scale, seed=seed, hidden_size=512, intermediate_size=1024)
 
 
 @pytest.fixture(scope="module")

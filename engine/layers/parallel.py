@@ -9,7 +9,7 @@ and no collective runs. Each parameter records which slice of the checkpoint ten
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist

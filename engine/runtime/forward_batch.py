@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class ForwardMode(enum.Enum):
     EXTEND = enum.auto()         # prefill, possibly after a cached prefix (chunked prefill)
     DECODE = enum.auto()         # one new token per request
-    IDLE = enum.auto()           # nothing to run (kept for symmetry with multi-rank runs)
+    IDLE = enum.auto()           # an empty batch (backends must accept it)
     TARGET_VERIFY = enum.auto()  # num_draft_tokens per request, tree mask
     DRAFT_EXTEND = enum.auto()   # fixed width num_draft_tokens per request, causal
 
@@ -43,14 +43,11 @@ class ForwardBatch:
     seq_lens_cpu: Optional[list[int]] = None
     max_seq_len: int = 0             # exact max(seq_lens) when seq_lens_cpu is known, else a bound
     custom_mask: Optional[torch.Tensor] = None  # [bs, max_extend, max_extend] bool (tree verify)
-    # Per-request KV index lists that replace req_to_token rows (tree drafting): [bs, width]
-    # slots with their valid lengths `kv_lens` ([bs]); the new tokens are the last entries.
+    # Per-request KV slot rows that replace req_to_token rows (tree drafting): [bs, width];
+    # the first prefix_lens[b] entries are the prefix, then the new tokens' slots.
     kv_indices_override: Optional[torch.Tensor] = None
-    # Which positions to return logits / hidden states for: "last" (one per request) or "all".
-    logits_rows: str = "last"
     capture_aux_hidden: bool = False  # EAGLE-3: also return the target's auxiliary layers
     attn_metadata: Any = None         # owned by the attention backend
-    extras: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

@@ -31,9 +31,6 @@ class SchedulerMetrics:
         self.num_spec_tokens = 0
         self.num_retractions = 0
 
-    def host_blocked_per_step(self) -> float:
-        return self.host_blocked_seconds / max(self.num_steps, 1)
-
     @property
     def mean_accept_length(self) -> float:
         return self.num_spec_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
