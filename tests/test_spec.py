@@ -257,3 +257,16 @@ def test_draft_mismatch_is_refused(tmp_path, eagle3_pair):
         Engine(EngineConfig(model=target, device="cpu", spec=_spec(head, "eagle3")))
     with pytest.raises(ValueError, match="spec.draft_model: required"):
         Engine(EngineConfig(model=target, device="cpu", spec=SpecConfig()))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_context_limit_inside_an_accepted_run(pair, make_engine, overlap):
+    """A speculative request stops exactly at max_context_len, as plain decoding does."""
+    prompt = random_prompts(1, seed=5, min_len=30, max_len=30)[0]
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    plain = make_engine(pair[0], max_context_len=41).generate(prompt_token_ids=[prompt], sampling=params)[0]
+    for shape in (CHAIN, TREES[1]):
+        spec = make_engine(pair[0], max_context_len=41, enable_overlap=overlap,
+                           spec=_spec(pair[1], **shape)).generate(prompt_token_ids=[prompt], sampling=params)[0]
+        assert spec.token_ids == plain.token_ids and len(spec.token_ids) == 11
+        assert spec.finish_reason == plain.finish_reason == "length"
