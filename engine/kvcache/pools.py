@@ -39,19 +39,23 @@ class TokenToKVPool:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_slots = num_slots
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One tensor per K and V with the layer first: each layer's buffer is a contiguous view,
+        # and an all-layer move is one indexed copy instead of one per layer.
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_buffer = list(self.k_all.unbind(0))
+        self.v_buffer = list(self.v_all.unbind(0))
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id][loc] = k.to(self.k_buffer[layer_id].dtype)
         self.v_buffer[layer_id][loc] = v.to(self.v_buffer[layer_id].dtype)
 
     def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy the K/V of slots `src` to slots `tgt` in every layer (tree compaction)."""
-        for k, v in zip(self.k_buffer, self.v_buffer):
-            k[tgt] = k[src]
-            v[tgt] = v[src]
+        """Copy the K/V of slots `src` to slots `tgt` in every layer (tree compaction): the
+        sources are gathered before anything is written, so overlapping moves are safe."""
+        self.k_all[:, tgt] = self.k_all[:, src]
+        self.v_all[:, tgt] = self.v_all[:, src]
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
