@@ -125,7 +125,7 @@ class Engine:
 
         spec = self.spec_config
         # Past max_context_len a row also holds the speculative over-reservation.
-        reserve = 0 if spec is None else 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens)
+        reserve = 0 if spec is None else spec.kv_reserve_per_request
         max_position = self.max_context_len + reserve + 1
         with torch.device(self.device):
             model = LlamaForCausalLM(cfg, max_position, tp).to(self.dtype)

@@ -90,9 +90,10 @@ class SpecConfig:
                      f"num_steps={self.num_steps}; got {self.num_draft_tokens}")
 
     @property
-    def accept_stride(self) -> int:
-        """Most tokens one verify can emit (accepted drafts + bonus): num_steps + 1."""
-        return self.num_steps + 1
+    def kv_reserve_per_request(self) -> int:
+        """KV slots a decode step keeps reserved past the committed length: the draft region
+        and the verify block overlap, and x2 absorbs the overlap loop's one-iteration lag."""
+        return 2 * max(self.topk * self.num_steps, self.num_draft_tokens)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ class SchedulerMetrics:
     def __init__(self):
         self.num_steps = 0
         self.host_blocked_seconds = 0.0   # waiting for results (copy_done)
-        self.start_time = time.perf_counter()
         self.num_verify_steps = 0
         self.num_spec_tokens = 0
         self.num_retractions = 0
@@ -98,7 +97,7 @@ class Scheduler:
         return outputs
 
     def drain(self) -> None:
-        """Process every launched batch (before retracting or when idle)."""
+        """Process every launched batch (shutdown, leak checks)."""
         while self.inflight:
             self._process(self.inflight.popleft())
 
@@ -187,7 +186,7 @@ class Scheduler:
         want = min(req.kv_committed_len + self.worker.slots_per_request(), self.req_to_token.row_width)
         return max(0, want - req.kv_allocated_len)
 
-    def _reserve_decode_slots(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+    def _reserve_decode_slots(self, reqs: list[Req]) -> torch.Tensor:
         width = self.req_to_token.row_width
         flat = []
         for r in reqs:

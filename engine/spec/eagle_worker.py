@@ -64,9 +64,7 @@ class EagleWorker(NormalWorker):
         self.future_map.allocate("hidden", (head.config.hidden_size,), next(head.parameters()).dtype)
 
     def slots_per_request(self) -> int:
-        """Slots reserved past the committed length: the draft region and the verify block
-        overlap, and x2 absorbs the overlap loop's one-iteration lag."""
-        return 2 * max(self.spec.topk * self.spec.num_steps, self.num_draft_tokens)
+        return self.spec.kv_reserve_per_request
 
     # --- prefill ---------------------------------------------------------------------------
     def launch(self, inputs):
