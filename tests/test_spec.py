@@ -270,3 +270,13 @@ def test_context_limit_inside_an_accepted_run(pair, make_engine, overlap):
                            spec=_spec(pair[1], **shape)).generate(prompt_token_ids=[prompt], sampling=params)[0]
         assert spec.token_ids == plain.token_ids and len(spec.token_ids) == 11
         assert spec.finish_reason == plain.finish_reason == "length"
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREES[0]], ids=["chain", "tree"])
+def test_overlap_spec_under_random_forward_delays(pair, reference, make_engine, monkeypatch, shape):
+    """Seeded sleeps around every forward reorder host and device progress in the overlap loop."""
+    prompts, params, expected = reference
+    monkeypatch.setenv("SPECSERVE_FORWARD_DELAY", "7:3")
+    engine = make_engine(pair[0], spec=_spec(pair[1], **shape), enable_overlap=True, max_total_tokens=400)
+    got = _staggered(engine, prompts[:16], params[:16], seed=3)
+    assert [got[i][0] for i in range(16)] == expected[:16]
