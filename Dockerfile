@@ -28,9 +28,10 @@ RUN pip install ".[triton]"
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
 ENV DEBIAN_FRONTEND=noninteractive
+# Triton builds each kernel's launcher with a C compiler and the Python headers at run time.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/specserve /opt/specserve
 # The bundled demo checkpoints (used when no --model is given).
