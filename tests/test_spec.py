@@ -11,6 +11,7 @@ from helpers import make_eagle3_head, make_predictable_pair, make_tiny_checkpoin
 from specserve.engine import SamplingParams, SpecConfig
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+GREEDY_LONG = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
 TREES = [dict(num_steps=3, topk=2, num_draft_tokens=6), dict(num_steps=4, topk=4, num_draft_tokens=8),
          dict(num_steps=2, topk=8, num_draft_tokens=10)]
 
@@ -280,3 +281,26 @@ def test_overlap_spec_under_random_forward_delays(pair, reference, make_engine, 
     engine = make_engine(pair[0], spec=_spec(pair[1], **shape), enable_overlap=True, max_total_tokens=400)
     got = _staggered(engine, prompts[:16], params[:16], seed=3)
     assert [got[i][0] for i in range(16)] == expected[:16]
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREES[0]], ids=["chain", "tree"])
+def test_per_token_rules_match_plain_decoding(pair, make_engine, shape):
+    """Repetition penalty (drafted ancestors count as context), min_new_tokens with stop ids,
+    and logprobs: speculative output equals plain decoding's, logprobs included."""
+    prompts = random_prompts(4, seed=9, max_len=20)
+    plain_ref = make_engine(pair[0]).generate(prompt_token_ids=prompts[:1], sampling=GREEDY_LONG)[0].token_ids
+    stop = plain_ref[3]
+    params = [SamplingParams(max_new_tokens=30, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=[stop], min_new_tokens=12,
+                             ignore_eos=True),
+              SamplingParams(max_new_tokens=30, temperature=0.7, seed=5, repetition_penalty=1.2, logprobs=True,
+                             ignore_eos=True),
+              SamplingParams(max_new_tokens=30, temperature=0.0, logprobs=True, ignore_eos=True)]
+    batch = [prompts[1], prompts[0], prompts[2], prompts[3]]
+    plain = make_engine(pair[0]).generate(prompt_token_ids=batch, sampling=params)
+    spec = make_engine(pair[0], spec=_spec(pair[1], **shape)).generate(prompt_token_ids=batch, sampling=params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(len(o.token_ids) >= 12 for o in spec[1:2]) and stop not in spec[1].token_ids[:12]
+    for s, p in zip(spec[2:], plain[2:]):
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+
