@@ -40,6 +40,7 @@ class Req:
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
     admit_order: int = 0
+    serial: int = 0              # set by the scheduler when the request is added
 
     @property
     def is_prefilling(self) -> bool:

@@ -61,12 +61,16 @@ class Scheduler:
         self.pending_outputs: list[StepOutput] = []
         self.metrics = SchedulerMetrics()
         self._admit_counter = 0
+        self._sampling_key, self._sampling = None, None
+        self._serial = 0
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         if req.rid in self.reqs:
             raise ValueError(f"rid: request id {req.rid!r} is already in use")
         req.fill_ids = list(req.prompt_ids)
+        self._serial += 1
+        req.serial = self._serial  # unique for the engine's lifetime, unlike a client's rid
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
@@ -229,9 +233,15 @@ class Scheduler:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _sampling_info(self, reqs: list[Req]) -> SamplingInfo:
-        return SamplingInfo.build([r.sampling for r in reqs], [r.seed for r in reqs],
-                                  [len(r.prompt_ids) for r in reqs], self.eos_ids,
-                                  self.vocab_size, self.device)
+        """Rebuilt only when the batch's requests change (its tensors are read-only, so batches
+        still in flight may share it)."""
+        key = tuple(r.serial for r in reqs)
+        if key != self._sampling_key:
+            self._sampling_key = key
+            self._sampling = SamplingInfo.build([r.sampling for r in reqs], [r.seed for r in reqs],
+                                                [len(r.prompt_ids) for r in reqs], self.eos_ids,
+                                                self.vocab_size, self.device)
+        return self._sampling
 
     def _extend_inputs(self, batch: ScheduleBatch) -> ForwardInputs:
         width = self.req_to_token.row_width
