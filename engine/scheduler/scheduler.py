@@ -66,8 +66,7 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        if req.rid in self.reqs:
-            raise ValueError(f"rid: request id {req.rid!r} is already in use")
+        """Queue a validated request (Engine.add_request checks the rid and the prompt)."""
         req.fill_ids = list(req.prompt_ids)
         self._serial += 1
         req.serial = self._serial  # unique for the engine's lifetime, unlike a client's rid
