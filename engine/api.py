@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import random
 import time
@@ -31,6 +32,8 @@ from specserve.engine.scheduler.schedule_batch import Req
 from specserve.engine.scheduler.scheduler import Scheduler
 from specserve.engine.spec.eagle_worker import EagleWorker
 from specserve.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("specserve.engine")
 
 
 def demo_models_dir() -> Path:
@@ -137,7 +140,11 @@ class Engine:
 
         self.ctx = DeviceContext.for_device(self.device)
         num_rows = config.max_running_requests
-        num_slots = self._num_kv_slots(cfg, model.layers[0].self_attn.num_kv_heads, num_rows, spec)
+        # KV slots a decode step reserves past a request's committed length.
+        step_slots = 1 if spec is None else spec.kv_reserve_per_request
+        num_slots = self._num_kv_slots(cfg, model.layers[0].self_attn.num_kv_heads, num_rows,
+                                       spec, step_slots)
+        self._fit_context_to_pool(num_slots, step_slots)
         self.req_to_token = ReqToTokenPool(num_rows, max_position, self.device)
         attn_layer = model.layers[0].self_attn  # this rank's heads
         self.kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim,
@@ -219,7 +226,29 @@ class Engine:
             return False
         return True
 
-    def _num_kv_slots(self, cfg: ModelConfig, num_kv_heads: int, num_rows: int, spec) -> int:
+    @staticmethod
+    def _peak_slots(context_len: int, step_slots: int) -> int:
+        """The most KV slots one request holds: a context of context_len - 1 written tokens
+        (the last one is sampled, never fed) plus a decode step's reservation past it."""
+        return context_len - 1 + step_slots
+
+    def _fit_context_to_pool(self, num_slots: int, step_slots: int) -> None:
+        """Cap max_context_len so that one request alone always fits the pool. Then a request
+        that cannot fit is refused at add_request (its prompt is too long) or ends with
+        "length", instead of being found out mid-decode with nothing left to retract."""
+        fit = num_slots - step_slots + 1  # the largest context with _peak_slots <= num_slots
+        if fit < 2:
+            raise ValueError(f"max_total_tokens: {num_slots} KV slots cannot hold one request "
+                             f"(a decode step reserves {step_slots} slots past its context)")
+        self.context_capped_by_pool = fit < self.max_context_len
+        if self.context_capped_by_pool:
+            logger.warning("max_context_len %d -> %d: one request must fit the %d-slot KV pool "
+                           "(a decode step reserves %d slots)", self.max_context_len, fit,
+                           num_slots, step_slots)
+            self.max_context_len = fit
+
+    def _num_kv_slots(self, cfg: ModelConfig, num_kv_heads: int, num_rows: int, spec,
+                      step_slots: int) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
         per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None), num_kv_heads,
@@ -229,7 +258,8 @@ class Engine:
             return int(free * self.config.mem_fraction) // per_slot
         # CPU: enough for every row at full context, capped by a fraction of physical memory.
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return max(16, min(num_rows * self.max_context_len, int(physical * 0.25) // per_slot))
+        full = num_rows * self._peak_slots(self.max_context_len, step_slots)
+        return max(16, min(full, int(physical * 0.25) // per_slot))
 
     # --- public API ------------------------------------------------------------------------
     @property
@@ -255,11 +285,10 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_context_len:
+            pool = f" (capped by the {self.allocator.num_slots}-slot KV pool)" \
+                if self.context_capped_by_pool else ""
             raise ValueError(f"prompt_token_ids: prompt of {len(ids)} tokens leaves no room to generate "
-                             f"within max_context_len={self.max_context_len}")
-        if len(ids) + 1 > self.allocator.num_slots:
-            raise ValueError(f"prompt_token_ids: prompt of {len(ids)} tokens does not fit the KV pool "
-                             f"({self.allocator.num_slots} slots)")
+                             f"within max_context_len={self.max_context_len}{pool}")
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling: must be a SamplingParams")
         bad_stop = next((t for t in sampling.stop_token_ids if t >= vocab), None)
@@ -320,7 +349,8 @@ class Engine:
         return EngineLoad(num_running=s.num_running, num_waiting=len(s.waiting),
                           kv_used_tokens=self.allocator.num_slots - self.allocator.num_free,
                           kv_total_tokens=self.allocator.num_slots,
-                          mean_accept_length=s.metrics.mean_accept_length)
+                          mean_accept_length=s.metrics.mean_accept_length,
+                          num_retractions=s.metrics.num_retractions)
 
     @property
     def metrics(self):

@@ -6,10 +6,18 @@ them to INVALID_ARGUMENT without parsing messages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 DEFAULT = "default"  # sentinel: "use the bundled demo model / draft"
+
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
+# (1e-45 turned every logit into inf and the softmax into NaN, which argmax reads as token 0).
+GREEDY_TEMPERATURE = 1e-5
+# A penalty divides (or multiplies) logits; outside this range it overflows them or wipes out
+# every repeated token, and no sampling setting in use comes near either end.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -23,11 +31,11 @@ class SamplingParams:
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
-    temperature: float = 1.0        # 0 means greedy
+    temperature: float = 1.0        # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0                  # 0 (or -1) means no top-k filter
     top_p: float = 1.0              # in (0, 1]
     min_p: float = 0.0              # in [0, 1)
-    repetition_penalty: float = 1.0  # > 0; 1 means off (HF semantics)
+    repetition_penalty: float = 1.0  # in REPETITION_PENALTY_RANGE; 1 means off (HF semantics)
     seed: Optional[int] = None      # same seed -> same output, whatever the batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -42,13 +50,18 @@ class SamplingParams:
                  "min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
         _require(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                  f"must not exceed max_new_tokens ({self.min_new_tokens} > {self.max_new_tokens})")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                     and math.isfinite(value), name, f"must be a finite number, got {value!r}")
         _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
                  f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(0.0 <= self.min_p < 1.0, "min_p", f"must be in [0, 1), got {self.min_p}")
-        _require(self.repetition_penalty > 0.0, "repetition_penalty",
-                 f"must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        _require(low <= self.repetition_penalty <= high, "repetition_penalty",
+                 f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                  "seed", f"must be a non-negative 63-bit integer, got {self.seed!r}")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -56,7 +69,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)

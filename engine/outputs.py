@@ -50,3 +50,4 @@ class EngineLoad(NamedTuple):
     kv_used_tokens: int
     kv_total_tokens: int
     mean_accept_length: float
+    num_retractions: int  # running requests pushed back to the queue to free KV, since start

@@ -134,6 +134,11 @@ class Scheduler:
                 chunks.append(self._alloc_chunk(req, n))
                 budget -= n
                 free -= n
+        # Admit only what leaves room for the next decode step of every running request and of
+        # the new one (a speculative step reserves several slots each): admitting into slots
+        # that step needs would force a retraction straight away.
+        step_slots = self.worker.slots_per_request()
+        headroom = sum(self._slots_to_reserve(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_running \
                 and self.req_to_token.num_free > 0:
             req = self.waiting[0]
@@ -141,9 +146,9 @@ class Scheduler:
                 break
             req.fill_ids = req.prompt_ids + req.output_ids
             n = min(budget, len(req.fill_ids))
-            # Leave one slot per decoding request so admission does not force a retraction.
-            if n + len(self.running) + 1 > free:
+            if n + headroom + step_slots > free:
                 break
+            headroom += step_slots
             self.waiting.popleft()
             req.row = self.req_to_token.alloc()
             req.status = ReqStatus.RUNNING
@@ -174,9 +179,9 @@ class Scheduler:
             if any(r.is_prefilling for r in self.running) and not self.inflight:
                 self._retract_one()  # every holder is stuck mid-prefill on a full pool
             return None
+        # A retracted request leaves the batch before anything is launched or reserved for it.
         while self.allocator.num_free < sum(self._slots_to_reserve(r) for r in reqs):
-            if not self._retract_one():
-                break
+            self._retract_one()
             reqs = self._decode_ready()
             if not reqs:
                 return None
@@ -200,20 +205,19 @@ class Scheduler:
         self._write_req_to_token(flat, slots)
         return slots
 
-    def _retract_one(self) -> bool:
+    def _retract_one(self) -> None:
         """Free the most recently admitted request's KV and queue it again (outputs stay exact:
         it will be prefilled again over prompt + outputs)."""
         if len(self.running) <= 1:
-            victim = self.running[0] if self.running else None
-            if victim is not None:
-                self._finish(victim, "abort")  # cannot fit even alone: the pool is too small
-            return False
+            # The engine caps max_context_len so that one request's peak KV fits the pool
+            # (Engine._fit_context_to_pool); a lone request short of slots means lost slots.
+            raise RuntimeError(f"KV pool accounting is broken: {self.allocator.num_free} of "
+                               f"{self.allocator.num_slots} slots free for a lone request")
         victim = max(self.running, key=lambda r: r.admit_order)
         self.metrics.num_retractions += 1
         self._release_kv(victim)
         victim.status = ReqStatus.WAITING
         self.waiting.appendleft(victim)
-        return True
 
     # --- launching -----------------------------------------------------------------------
     def _write_req_to_token(self, flat_index: list[int], slots: torch.Tensor) -> None:
@@ -323,19 +327,32 @@ class Scheduler:
             if req.status is ReqStatus.FINISHED:
                 continue
             if lengths is None:
-                self._append_tokens(req, [tokens[i]], None if logprobs is None else [logprobs[i]])
+                self._deliver(req, [tokens[i]], None if logprobs is None else [logprobs[i]])
                 continue
             n = lengths[i]
             if req.status is ReqStatus.RUNNING:
                 req.kv_committed_len += n
             req.num_verify_steps += 1
-            req.num_accepted_drafts += n - 1
             self.metrics.num_verify_steps += 1
             self.metrics.num_spec_tokens += n
-            self._append_tokens(req, tokens[i][:n], None if logprobs is None else logprobs[i][:n])
+            self._deliver(req, tokens[i][:n], None if logprobs is None else logprobs[i][:n],
+                          num_drafts=n - 1)
 
-    def _append_tokens(self, req: Req, tokens: list[int], logprobs: Optional[list[float]]) -> None:
-        """Add tokens to a request, cutting exactly where plain decoding would have stopped."""
+    def _deliver(self, req: Req, tokens: list[int], logprobs: Optional[list[float]],
+                 num_drafts: int = 0) -> None:
+        """Append a step's tokens, cutting exactly where plain decoding would have stopped, and
+        emit them. A verify's first `num_drafts` tokens are accepted drafts (the last is the
+        target's own); only the drafts kept in the output count."""
+        kept, finish_reason = self._append_tokens(req, tokens, logprobs)
+        req.num_accepted_drafts += min(kept, num_drafts)
+        if finish_reason is None:
+            self._emit(req)
+        else:
+            self._finish(req, finish_reason)
+
+    def _append_tokens(self, req: Req, tokens: list[int],
+                       logprobs: Optional[list[float]]) -> tuple[int, Optional[str]]:
+        """Returns how many tokens were kept and the finish reason, if one was reached."""
         for j, tok in enumerate(tokens):
             req.output_ids.append(tok)
             if req.sampling.logprobs and logprobs is not None:
@@ -343,12 +360,10 @@ class Scheduler:
             n_out = len(req.output_ids)
             if tok in req.stop_ids and n_out > req.sampling.min_new_tokens:
                 req.matched_stop = tok
-                self._finish(req, "stop")
-                return
+                return j + 1, "stop"
             if n_out >= req.sampling.max_new_tokens or req.seq_len >= self.max_context_len:
-                self._finish(req, "length")
-                return
-        self._emit(req)
+                return j + 1, "length"
+        return len(tokens), None
 
     def _emit(self, req: Req) -> None:
         new = req.output_ids[req.num_emitted:]
