@@ -1,7 +1,9 @@
 # specserve on the NVIDIA container runtime:
 #   docker build -t specserve .
 #   docker run --gpus all -p 50051:50051 -v /path/to/model:/model specserve --model /model
-# Arguments after the image name go to `specserve serve` (see `specserve serve --help`).
+# Arguments after the image name go to `specserve serve` (see `specserve serve --help`). The
+# port is SPECSERVE_PORT (-e SPECSERVE_PORT=6000 -p 6000:6000), not --port: the HEALTHCHECK
+# probes SPECSERVE_PORT.
 ARG CUDA_VERSION=12.8.1
 ARG UBUNTU_VERSION=24.04
 
@@ -39,6 +41,7 @@ COPY models/ /opt/specserve/models/
 ENV PATH=/opt/specserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     SPECSERVE_MODELS_DIR=/opt/specserve/models \
+    SPECSERVE_PORT=50051 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 RUN useradd --create-home --uid 1001 specserve
 # Numeric, so that runtimes enforcing runAsNonRoot can verify it.
@@ -46,8 +49,9 @@ USER 1001
 WORKDIR /home/specserve
 EXPOSE 50051
 # Readiness: SERVING only once the engine is loaded and warm; the start period covers weight
-# loading, KV allocation and CUDA-graph capture.
+# loading, KV allocation and CUDA-graph capture. Through sh, so that it reads SPECSERVE_PORT when
+# it runs: `specserve serve` listens on that port when no --port is given.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["python3", "-m", "specserve.clients.healthcheck", "--addr", "127.0.0.1:50051", \
-         "--service", "specserve.v1.GenerationService"]
-ENTRYPOINT ["specserve", "serve", "--host", "0.0.0.0", "--port", "50051"]
+    CMD ["sh", "-c", \
+         "exec python3 -m specserve.clients.healthcheck --addr 127.0.0.1:${SPECSERVE_PORT} --service specserve.v1.GenerationService"]
+ENTRYPOINT ["specserve", "serve", "--host", "0.0.0.0"]

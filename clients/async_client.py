@@ -25,7 +25,9 @@ from specserve.server.proto import generate_pb2_grpc as pb_grpc
 
 
 class AsyncStream:
-    """The chunks of one Generate call; `cancel()` or leaving `async with` early cancels it."""
+    """The chunks of one Generate call, to be iterated once. The call is cancelled (the server
+    then stops the request and frees its KV) when iteration ends before the last chunk (break,
+    or an exception in the loop body), on `cancel()`/`aclose()`, and on leaving `async with`."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall):
         self._call = call
@@ -36,6 +38,12 @@ class AsyncStream:
                 yield chunk_from_proto(msg)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
+        finally:
+            # A loop left early drops this generator; asyncio then schedules its aclose() at
+            # once (the event loop's async-generator finaliser), which lands here. Without the
+            # cancel a still-referenced stream would keep the server generating to
+            # max_new_tokens. A no-op once the call has ended.
+            self._call.cancel()
 
     def cancel(self) -> None:
         self._call.cancel()

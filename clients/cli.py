@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=50051, help="0 picks a free port (it is logged)")
-    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    g.add_argument("--port", type=int, default=None,
+                   help="0 picks a free port (it is logged); default: $SPECSERVE_PORT, else 50051")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics and an HTTP /health (200 or 503) here")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     g.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     g.add_argument("--max-queue", type=int, default=None,
@@ -82,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-message-bytes", type=int, default=None)
     g.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds in-flight calls get to finish on SIGTERM")
+    g.add_argument("--no-reflection", action="store_true", help="turn gRPC server reflection off")
+    g.add_argument("--engine-heartbeat-timeout", type=float, default=None,
+                   help="seconds without a heartbeat before the engine counts as frozen "
+                        "(default 4)")
+    g.add_argument("--engine-stall-timeout", type=float, default=None,
+                   help="seconds the engine may spend in one step before it counts as stuck "
+                        "(default 300; 0: never); must exceed the longest legitimate step")
     g.add_argument("--log-level", default="INFO")
 
     generate = commands.add_parser("generate", help="generate once, offline or through a server")
@@ -89,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = generate.add_argument_group("generation")
     g.add_argument("--prompt", required=True)
     g.add_argument("--server", default=None, metavar="HOST:PORT",
-                   help="send the request to a running server instead of loading the model")
+                   help="send the request to a running server instead of loading the model "
+                        "(the engine flags are then an error: the server's engine generates)")
     g.add_argument("--tls-root-cert", default=None, help="with --server: trust this PEM for TLS")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
@@ -103,14 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _server_config_from_args(args: argparse.Namespace):
+    import os
+
     from specserve.server.config import ServerConfig
 
     optional = {field: getattr(args, flag) for field, flag in (
         ("metrics_port", "metrics_port"), ("tls_cert", "tls_cert"), ("tls_key", "tls_key"),
         ("max_queue", "max_queue"), ("max_prompt_tokens", "max_prompt_tokens"),
         ("max_new_tokens_cap", "max_new_tokens_cap"), ("max_message_bytes", "max_message_bytes"),
-        ("drain_timeout_s", "drain_timeout")) if getattr(args, flag) is not None}
-    return ServerConfig(host=args.host, port=args.port, **optional)
+        ("drain_timeout_s", "drain_timeout"),
+        ("engine_heartbeat_timeout_s", "engine_heartbeat_timeout"),
+        ("engine_stall_timeout_s", "engine_stall_timeout")) if getattr(args, flag) is not None}
+    if optional.get("engine_stall_timeout_s") == 0:
+        optional["engine_stall_timeout_s"] = None
+    port = args.port
+    if port is None:
+        # The Docker image sets SPECSERVE_PORT, and its HEALTHCHECK probes that port.
+        value = os.environ.get("SPECSERVE_PORT", "50051")
+        if not value.isdigit():
+            raise ValueError(f"SPECSERVE_PORT: not a port number: {value!r}")
+        port = int(value)
+    return ServerConfig(host=args.host, port=port, reflection=not args.no_reflection, **optional)
 
 
 def _serve(engine_config: EngineConfig, server_config, log_level: str) -> int:
@@ -119,6 +142,31 @@ def _serve(engine_config: EngineConfig, server_config, log_level: str) -> int:
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_server(engine_config, server_config)
+
+
+# `generate` flags that only a server call uses: the offline engine has no channel to secure
+# and matches stop token ids, not stop strings.
+_SERVER_ONLY_GENERATE_FLAGS = ("tls_root_cert", "stop")
+
+
+def _flag_names(dests: list[str]) -> str:
+    return ", ".join("--" + dest.replace("_", "-") for dest in dests)
+
+
+def _generate_flag_conflict(args: argparse.Namespace) -> Optional[str]:
+    """Why the `generate` flags do not go together, or None. With --server the engine flags
+    would be ignored (the server's engine generates), so one that differs from its default is
+    refused rather than silently dropped; without --server the server-only flags are."""
+    if args.server is None:
+        given = [dest for dest in _SERVER_ONLY_GENERATE_FLAGS if getattr(args, dest) is not None]
+        return f"{_flag_names(given)}: only with --server" if given else None
+    # The engine flags and their defaults, read from a parser that has only them.
+    engine_only = argparse.ArgumentParser(add_help=False)
+    _add_engine_args(engine_only)
+    given = [dest for dest, default in vars(engine_only.parse_args([])).items()
+             if getattr(args, dest) != default]
+    return (f"{_flag_names(given)}: engine flags have no effect with --server (the server's "
+            f"engine is configured by `specserve serve`)" if given else None)
 
 
 def _sampling_from_args(args: argparse.Namespace) -> dict:
@@ -147,8 +195,6 @@ def _generate_offline(args: argparse.Namespace) -> int:
     """Load the model in this process and generate (no server involved)."""
     from specserve.engine import Engine, SamplingParams
 
-    if args.stop:
-        raise ValueError("stop: stop strings need --server (the offline engine matches token ids)")
     engine = Engine(engine_config_from_args(args))
     try:
         [output] = engine.generate(prompts=[args.prompt],
@@ -164,6 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "generate" and (conflict := _generate_flag_conflict(args)) is not None:
+        parser.error(conflict)
     try:
         if args.command == "serve":
             # Configuration errors (ValueError naming the field) are usage errors.

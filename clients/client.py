@@ -24,8 +24,9 @@ from specserve.server.proto import generate_pb2_grpc as pb_grpc
 
 
 class Stream:
-    """The chunks of one Generate call. Iterate it; `cancel()` (or leaving the `with` block
-    early) cancels the call, and the server then stops the request and frees its KV."""
+    """The chunks of one Generate call, to be iterated once. The call is cancelled (the server
+    then stops the request and frees its KV) when iteration ends before the last chunk (break,
+    or an exception in the loop body), on `cancel()`, and on leaving the `with` block."""
 
     def __init__(self, call):
         self._call = call
@@ -36,6 +37,11 @@ class Stream:
                 yield chunk_from_proto(msg)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
+        finally:
+            # A loop left early closes this generator (at once: nothing else references it),
+            # which lands here; without the cancel a still-referenced stream would keep the
+            # server generating to max_new_tokens. A no-op once the call has ended.
+            self._call.cancel()
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -67,7 +73,8 @@ class Client:
                         timeout: Optional[float] = None, **sampling) -> Stream:
         """Start a generation and return its Stream. Sampling options (all optional):
         max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-        seed, stop, stop_token_ids, ignore_eos, logprobs. `timeout` (seconds) is the deadline."""
+        seed, stop, stop_token_ids, ignore_eos, logprobs. `timeout` (seconds) is the deadline.
+        A value of the wrong type or out of its field's range raises InvalidArgument here."""
         request = build_request(prompt, prompt_token_ids, sampling)
         return Stream(self._stub.Generate(request, timeout=timeout))
 

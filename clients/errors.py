@@ -14,7 +14,8 @@ class SpecserveError(Exception):
 
 
 class InvalidArgument(SpecserveError):
-    """A request field is invalid or over a server limit; `details` names the field."""
+    """A request field is invalid or over a server limit; `details` starts with the field's
+    name. The SDK raises it too, before sending, for a value the request cannot carry."""
 
 
 class ResourceExhausted(SpecserveError):

@@ -1,27 +1,124 @@
 """Shared by Client and AsyncClient: request building, response conversion, channel setup."""
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import grpc
 
+from specserve.clients.errors import InvalidArgument
 from specserve.clients.types import Chunk, GenerateResult, SpecStats, Usage
 from specserve.server.proto import generate_pb2 as pb
 
-# Sampling options a caller may pass to generate()/generate_stream(); an option left out (or
-# None) is not sent, so the server applies the default documented in generate.proto.
-SAMPLING_OPTIONS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-                    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
-
-_REPEATED_OPTIONS = ("stop", "stop_token_ids")
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class _BadValue(Exception):
+    """What is wrong with a value; _checked puts the argument's name in front."""
+
+
+# A check turns a caller's value into one that its protobuf field can hold, or raises _BadValue.
+_Check = Callable[[object], object]
+
+
+def _integer(low: int, high: int) -> _Check:
+    def check(value: object) -> int:
+        # bool is an int subclass, but True for a token count is a caller's mistake.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise _BadValue(f"expected an int, got {type(value).__name__}")
+        if not low <= value <= high:
+            raise _BadValue(f"{value} is out of range [{low}, {high}]")
+        return int(value)
+    return check
+
+
+_uint32 = _integer(0, 2**32 - 1)
+_int32 = _integer(-2**31, 2**31 - 1)
+_uint64 = _integer(0, 2**64 - 1)
+
+
+def _float32(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _BadValue(f"expected a number, got {type(value).__name__}")
+    number = float(value)
+    # protobuf stores nan, inf and values past the float32 range (as inf) without complaint.
+    if not math.isfinite(number) or abs(number) > _FLOAT32_MAX:
+        raise _BadValue(f"{number} is not a finite float32")
+    return number
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _BadValue(f"expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _utf8_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise _BadValue(f"expected a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad decode
+        raise _BadValue(f"not valid UTF-8 at index {e.start}: {e.reason}") from None
+    return value
+
+
+def _list_of(item: _Check, lone: Optional[type] = None) -> _Check:
+    """A list, tuple or other iterable of items; a value of type `lone` stands for a one-item
+    list (stop="\\n")."""
+    def check(value: object) -> list:
+        if lone is not None and isinstance(value, lone):
+            value = [value]
+        if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Iterable):
+            raise _BadValue(f"expected a list, got {type(value).__name__}")
+        items = []
+        for index, element in enumerate(value):
+            try:
+                items.append(item(element))
+            except _BadValue as e:
+                raise _BadValue(f"item {index}: {e}") from None
+        return items
+    return check
+
+
+# Every sampling option a caller may pass to generate()/generate_stream(), with the check for
+# its field in generate.proto. Only what the field can carry is checked here; what a value means
+# (top_p in (0, 1], limits) is the server's to judge, with the same InvalidArgument.
+_SAMPLING_CHECKS: dict[str, _Check] = {
+    "max_new_tokens": _uint32, "min_new_tokens": _uint32, "temperature": _float32,
+    "top_p": _float32, "top_k": _int32, "min_p": _float32, "repetition_penalty": _float32,
+    "seed": _uint64, "stop": _list_of(_utf8_str, lone=str),
+    "stop_token_ids": _list_of(_uint32, lone=numbers.Integral), "ignore_eos": _bool,
+    "logprobs": _bool,
+}
+SAMPLING_OPTIONS = tuple(_SAMPLING_CHECKS)
+_token_ids = _list_of(_uint32)
+
+
+def _invalid(field: str, problem: str) -> InvalidArgument:
+    # The same error (and details format) as a server-side refusal, so callers handle one type.
+    return InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+def _checked(field: str, value: object, check: _Check):
+    try:
+        return check(value)
+    except _BadValue as e:
+        raise _invalid(field, str(e)) from None
 
 
 def build_request(prompt: Optional[str], prompt_token_ids: Optional[Sequence[int]],
                   sampling: dict) -> pb.GenerateRequest:
+    """The GenerateRequest for a generate()/generate_stream() call. TypeError for a wrong set of
+    arguments; InvalidArgument, details starting with the argument's name, for a value its field
+    cannot carry. An option left out (or None) is not sent, so the server applies the default
+    documented in generate.proto."""
     if (prompt is None) == (prompt_token_ids is None):
         raise TypeError("give exactly one of prompt or prompt_token_ids")
     unknown = set(sampling) - set(SAMPLING_OPTIONS)
@@ -29,16 +126,18 @@ def build_request(prompt: Optional[str], prompt_token_ids: Optional[Sequence[int
         raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}; "
                         f"known: {', '.join(SAMPLING_OPTIONS)}")
     request = pb.GenerateRequest()
-    if prompt is not None:
-        request.text = prompt
+    if prompt is None:
+        request.token_ids.ids.extend(_checked("prompt_token_ids", prompt_token_ids, _token_ids))
+    elif isinstance(prompt, (list, tuple)):
+        raise _invalid("prompt", f"expected a str, got {type(prompt).__name__} "
+                                 f"(token ids go in prompt_token_ids)")
     else:
-        request.token_ids.ids.extend(prompt_token_ids)
+        request.text = _checked("prompt", prompt, _utf8_str)
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in _REPEATED_OPTIONS:
-            if isinstance(value, (str, int)):
-                value = [value]
+        value = _checked(name, value, _SAMPLING_CHECKS[name])
+        if isinstance(value, list):  # a repeated field
             getattr(request.sampling, name).extend(value)
         else:
             setattr(request.sampling, name, value)

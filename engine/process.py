@@ -5,6 +5,7 @@ Two ZeroMQ sockets connect it to the server: it PULLs ServerToEngine messages (a
 query, shutdown) and PUSHes EngineToServer messages (ready, one BatchOutput per scheduler step,
 rejections, load reports). The loop drains incoming messages without blocking while there is
 work, runs one `engine.step()`, and blocks on the socket only when nothing is left to run.
+A third socket carries Heartbeats from a thread of their own, for the server's watchdog.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import traceback
+from dataclasses import dataclass
 
 import zmq
 
@@ -22,11 +25,22 @@ from specserve.server.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
 
-# How often an idle engine wakes up to check that the server process is still there.
+# How often an idle engine wakes up to check that the server process is still there. The main
+# loop thus completes an iteration at least this often when idle (server/watchdog.py relies on it).
 IDLE_POLL_MS = 500
 
 
-def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
+@dataclass(frozen=True)
+class ServerLink:
+    """Where the engine process meets the server: the ipc:// addresses the server bound."""
+
+    requests: str
+    outputs: str
+    heartbeats: str
+    heartbeat_interval_s: float
+
+
+def run_engine_process(config: EngineConfig, link: ServerLink) -> None:
     """Child-process entry: start the engine, report ready, serve IPC until told to stop.
 
     Exits with status 1 (after sending EngineFailed) if the engine cannot start or a step fails.
@@ -37,23 +51,29 @@ def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
-    requests.connect(requests_addr)
+    requests.connect(link.requests)
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
     outputs.setsockopt(zmq.LINGER, 2000)  # let the last messages (e.g. EngineFailed) go out
-    outputs.connect(outputs_addr)
+    outputs.connect(link.outputs)
     server_pid = os.getppid()
-    engine = None
+    engine = heartbeat = None
     try:
         engine = _start_engine(config)
+        loop = _EngineLoop(engine, requests, outputs, server_pid)
+        # Watched from the moment the server hears "ready", so beating starts before that.
+        heartbeat = HeartbeatThread(context, link, loop)
+        heartbeat.start()
         outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
-        _EngineLoop(engine, requests, outputs, server_pid).run()
+        loop.run()
     except Exception:
         logger.exception("engine process failed")
         failed = ipc.EngineFailed(message=traceback.format_exc())
         outputs.send(ipc.EngineToServer(failed=failed).SerializeToString())
         raise SystemExit(1)
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()  # before context.term(), which waits for every socket to close
         if engine is not None:
             engine.shutdown()
         requests.close(linger=0)
@@ -122,6 +142,9 @@ class _EngineLoop:
         # Requests added and not yet finished: aborts for anything else are dropped, since the
         # server may abort a request that finished while the abort was in flight.
         self.live_rids: set[str] = set()
+        # Read by the heartbeat thread (an int assignment is atomic): stops moving only while
+        # an iteration, i.e. a step, does not return.
+        self.iterations = 0
 
     def run(self) -> None:
         while os.getppid() == self.server_pid:
@@ -131,6 +154,7 @@ class _EngineLoop:
                 self._handle(message)
             if self.engine.has_unfinished():
                 self._step()
+            self.iterations += 1
         logger.warning("server process %d is gone; engine exiting", self.server_pid)
 
     def _receive(self, block: bool) -> list[ipc.ServerToEngine]:
@@ -178,7 +202,44 @@ class _EngineLoop:
         return ipc.LoadReport(
             query_id=query_id, num_running=load.num_running, num_waiting=load.num_waiting,
             kv_used_tokens=load.kv_used_tokens, kv_total_tokens=load.kv_total_tokens,
-            mean_accept_length=load.mean_accept_length)
+            mean_accept_length=load.mean_accept_length, num_retractions=load.num_retractions)
 
     def _send(self, message: ipc.EngineToServer) -> None:
         self.outputs.send(message.SerializeToString())
+
+
+class HeartbeatThread(threading.Thread):
+    """Sends a Heartbeat with the main loop's iteration count every heartbeat interval.
+
+    A thread, so that beats go on during a long step and stop only when the whole process does
+    (the server's watchdog tells the two apart; see server/watchdog.py). It has a socket of its
+    own: ZeroMQ sockets must not be shared between threads.
+    """
+
+    def __init__(self, context: zmq.Context, link: ServerLink, loop: _EngineLoop):
+        super().__init__(name="specserve-heartbeat", daemon=True)
+        self.context = context
+        self.link = link
+        self.loop = loop
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        beats = self.context.socket(zmq.PUSH)
+        beats.setsockopt(zmq.LINGER, 0)
+        beats.setsockopt(zmq.SNDHWM, 4)  # only the latest beats matter to a slow reader
+        beats.connect(self.link.heartbeats)
+        try:
+            while True:
+                try:
+                    beats.send(ipc.Heartbeat(loop_iterations=self.loop.iterations)
+                               .SerializeToString(), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the server is not reading: a lost beat is no loss
+                if self._stopping.wait(self.link.heartbeat_interval_s):
+                    return
+        finally:
+            beats.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join()

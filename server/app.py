@@ -2,14 +2,16 @@
 
 Lifecycle: listen at once (health NOT_SERVING) -> spawn the engine -> SERVING once it is warm.
 SIGTERM/SIGINT: NOT_SERVING, refuse new calls, let in-flight calls finish (drain_timeout_s),
-stop the engine, exit 0. If the engine dies, health goes NOT_SERVING and every call fails with
-UNAVAILABLE; the server stays up so that probes see it (the orchestrator restarts it).
+stop the engine, exit 0. If the engine dies, or the watchdog finds it frozen or stuck (and kills
+it), health goes NOT_SERVING and every call fails with UNAVAILABLE; the server stays up so that
+probes see it (the orchestrator restarts it). A port that cannot be bound: one error line, exit 1.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
 from typing import Optional
 
 import grpc
@@ -20,9 +22,10 @@ from specserve.engine.config import EngineConfig
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable
 from specserve.server.health import GENERATION_SERVICE, HealthStatus
+from specserve.server.http_endpoint import HttpEndpoint
 from specserve.server.metrics import ServerMetrics
-from specserve.server.proto import generate_pb2_grpc as pb_grpc
 from specserve.server.servicer import GenerationServicer
+from specserve.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("specserve.server")
 
@@ -30,8 +33,15 @@ METRICS_POLL_INTERVAL_S = 2.0
 STOP_GRACE_S = 1.0  # after draining: time for unary calls (health, load) in flight to end
 
 
+class PortUnavailable(Exception):
+    """A port the server was told to listen on cannot be bound (the message says why)."""
+
+
 def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
+        # gRPC sets SO_REUSEPORT by default, so a second server on the same port would start
+        # and silently take a share of the connections.
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         # Keep idle streaming connections alive through proxies and NATs.
@@ -42,21 +52,43 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Bind the port briefly to learn why it cannot be used: gRPC's bind error says only
+    "Failed to bind" (the reason goes to its own log)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            probe.bind(address)
+    except OSError as e:  # socket.gaierror included
+        raise PortUnavailable(
+            f"cannot listen on {host}:{port} (--port): {e.strerror or e}") from None
+
+
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
+    _check_port_free(config.host, config.port)
     address = f"{config.host}:{config.port}"
-    if config.tls_cert is None:
-        return server.add_insecure_port(address)
-    with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
-        credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-    return server.add_secure_port(address, credentials)
+    try:
+        if config.tls_cert is None:
+            return server.add_insecure_port(address)
+        with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+            credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as e:  # taken between the check and the bind
+        raise PortUnavailable(f"cannot listen on {address} (--port): {e}") from None
 
 
 class SpecserveServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
         self.server_config = server_config
-        self.engine = EngineClient(engine_config)
+        self.engine = EngineClient(engine_config, EngineWatchdog(
+            server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s))
         self.health = HealthStatus()
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.engine.watchdog.report)
+        self.http = HttpEndpoint(self.metrics.registry, lambda: self.health.serving)
         self.servicer = GenerationServicer(self.engine, engine_config, server_config, self.metrics)
         self.grpc_server = grpc.aio.server(options=_server_options(server_config))
         self.stopping = asyncio.Event()
@@ -64,20 +96,24 @@ class SpecserveServer:
         self._health_update: Optional[asyncio.Task] = None  # held so it is not collected early
 
     async def run(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit status 0) or an engine that fails to start (1)."""
-        pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.grpc_server)
+        """Serve until SIGTERM/SIGINT (exit status 0), or exit status 1: a port cannot be bound
+        or the engine fails to start."""
+        config = self.server_config
+        self.servicer.add_to_server(self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc_server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+        if config.reflection:
+            reflection.enable_server_reflection(
+                (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                self.grpc_server)
         await self.health.set_serving(False)
-        self.port = _bind(self.grpc_server, self.server_config)
-        await self.grpc_server.start()
-        scheme = "grpcs" if self.server_config.tls_cert else "grpc"
-        logger.info("serving on %s:%d (%s)", self.server_config.host, self.port, scheme)
-        if self.server_config.metrics_port is not None:
-            self.metrics.serve_http(self.server_config.host, self.server_config.metrics_port)
-            logger.info("metrics on http://%s:%d/metrics", self.server_config.host,
-                        self.server_config.metrics_port)
+        try:
+            await self._listen()
+        except PortUnavailable as e:
+            logger.error("%s", e)
+            await self.grpc_server.stop(None)
+            await self.engine.shutdown()  # nothing started yet: releases its sockets
+            self.servicer.close()
+            return 1
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -87,6 +123,24 @@ class SpecserveServer:
         exit_code = await self._until_stopped()
         await self._drain()
         return exit_code
+
+    async def _listen(self) -> None:
+        """Bind the gRPC port (and the HTTP port), then start serving; before anything is
+        spawned, so that a port in use ends the server at once."""
+        config = self.server_config
+        self.port = _bind(self.grpc_server, config)
+        if config.metrics_port is not None:
+            try:
+                http_port = self.http.start(config.host, config.metrics_port)
+            except OSError as e:
+                raise PortUnavailable(f"cannot listen on {config.host}:{config.metrics_port} "
+                                      f"(--metrics-port): {e.strerror or e}") from None
+        await self.grpc_server.start()
+        scheme = "grpcs" if config.tls_cert else "grpc"
+        logger.info("serving on %s:%d (%s)", config.host, self.port, scheme)
+        if config.metrics_port is not None:
+            logger.info("metrics and health on http://%s:%d/metrics and /health", config.host,
+                        http_port)
 
     def _on_engine_death(self, reason: str) -> None:
         self._health_update = asyncio.get_running_loop().create_task(
@@ -138,6 +192,8 @@ class SpecserveServer:
                            self.servicer.num_active_streams, timeout)
         await self.grpc_server.stop(STOP_GRACE_S)
         await self.engine.shutdown()
+        self.http.stop()
+        self.servicer.close()
         logger.info("stopped")
 
 

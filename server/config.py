@@ -11,7 +11,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # the API's documented default for an unset max_ne
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051               # 0: any free port (the bound one is logged)
-    metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP; None: off
+    metrics_port: Optional[int] = None  # HTTP /metrics (Prometheus) and /health; None: off
     tls_cert: Optional[str] = None  # PEM paths; both or neither
     tls_key: Optional[str] = None
     # Generate calls admitted beyond the engine's max_running_requests; more are refused with
@@ -22,6 +22,15 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024  # largest request message accepted
     drain_timeout_s: float = 30.0   # on SIGTERM: how long in-flight calls may take to finish
     engine_start_timeout_s: float = 1800.0  # weight loading + warm-up before giving up
+    reflection: bool = True         # gRPC server reflection (grpcurl without .proto files)
+    # The engine watchdog (server/watchdog.py says what each timeout catches). No heartbeat for
+    # this long: the engine process is frozen. Short, since the heartbeat thread beats on during
+    # the longest step; 4 s plus a check interval notices a frozen engine within 5 s.
+    engine_heartbeat_timeout_s: float = 4.0
+    # Heartbeats arrive but the engine's loop finished no step for this long: it is stuck (a
+    # deadlock, a hung collective or GPU). Must exceed the longest legitimate step (the first
+    # compile of a kernel for a new shape, the largest prefill); None: off.
+    engine_stall_timeout_s: Optional[float] = 300.0
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -34,3 +43,9 @@ class ServerConfig:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
+        if not self.engine_heartbeat_timeout_s > 0:
+            raise ValueError(f"engine_heartbeat_timeout_s: must be > 0, got "
+                             f"{self.engine_heartbeat_timeout_s}")
+        if self.engine_stall_timeout_s is not None and not self.engine_stall_timeout_s > 0:
+            raise ValueError(f"engine_stall_timeout_s: must be > 0 (or None: off), got "
+                             f"{self.engine_stall_timeout_s}")

@@ -3,7 +3,9 @@
 Starts `specserve.engine.process.run_engine_process` in a spawned child, talks to it over two
 ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one queue
 per request. If the child dies, every waiting caller gets EngineUnavailable at once (the child's
-process sentinel is watched on the event loop, so nothing waits for a timeout).
+process sentinel is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
+child is found by the watchdog (server/watchdog.py) from the heartbeats on a third socket; it is
+then killed and handled as dead.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ import zmq
 import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.process import run_engine_process
+from specserve.engine.process import ServerLink, run_engine_process
 from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("specserve.server.engine")
 
@@ -71,8 +74,9 @@ def sampling_to_proto(sampling: SamplingParams) -> ipc.EngineSamplingParams:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, watchdog: EngineWatchdog):
         self.config = config
+        self.watchdog = watchdog
         self.info: Optional[EngineInfo] = None
         self.process: Optional[multiprocessing.process.BaseProcess] = None
         self._dead_reason: Optional[str] = None
@@ -84,26 +88,30 @@ class EngineClient:
         self._to_engine.setsockopt(zmq.LINGER, 0)
         self._from_engine = self._zmq.socket(zmq.PULL)
         self._from_engine.setsockopt(zmq.LINGER, 0)
+        self._heartbeats = self._zmq.socket(zmq.PULL)
+        self._heartbeats.setsockopt(zmq.LINGER, 0)
         self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._load_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._ready: Optional[asyncio.Future[EngineInfo]] = None
         self._reader: Optional[asyncio.Task] = None
+        self._watcher: Optional[asyncio.Task] = None
         self._death_callbacks: list[Callable[[str], None]] = []
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """Bind the sockets and spawn the engine process (returns at once; see wait_ready)."""
         loop = asyncio.get_running_loop()
-        requests_addr = f"ipc://{os.path.join(self._ipc_dir, 'requests')}"
-        outputs_addr = f"ipc://{os.path.join(self._ipc_dir, 'outputs')}"
-        self._to_engine.bind(requests_addr)
-        self._from_engine.bind(outputs_addr)
+        link = ServerLink(*(f"ipc://{os.path.join(self._ipc_dir, name)}"
+                            for name in ("requests", "outputs", "heartbeats")),
+                          heartbeat_interval_s=self.watchdog.heartbeat_interval_s)
+        self._to_engine.bind(link.requests)
+        self._from_engine.bind(link.outputs)
+        self._heartbeats.bind(link.heartbeats)
         self._ready = loop.create_future()
         # spawn, not fork: the server process runs gRPC threads and an event loop.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(self.config, requests_addr, outputs_addr),
-            name="specserve-engine")
+            target=run_engine_process, args=(self.config, link), name="specserve-engine")
         self.process.start()
         loop.add_reader(self.process.sentinel, self._on_process_exit)
         self._reader = loop.create_task(self._read_outputs())
@@ -119,6 +127,8 @@ class EngineClient:
     async def shutdown(self) -> None:
         """Ask the engine to stop, wait for it (then terminate/kill), and release the sockets."""
         self._closing = True
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self.process is not None and self.process.is_alive():
             self._send(ipc.ServerToEngine(shutdown=ipc.Shutdown()), quiet=True)
             await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
@@ -134,6 +144,7 @@ class EngineClient:
             self._reader.cancel()
         self._to_engine.close()
         self._from_engine.close()
+        self._heartbeats.close()
         self._zmq.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -180,11 +191,11 @@ class EngineClient:
     # --- internals -----------------------------------------------------------------------
 
     def _send(self, message: ipc.ServerToEngine, quiet: bool = False) -> None:
-        try:
-            self._to_engine.send(message.SerializeToString(), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if not quiet:
-                raise EngineUnavailable(f"cannot reach the engine process: {e}") from e
+        # A non-blocking send on an asyncio socket returns a future that is already done; a
+        # failure (no engine connected) is on it, not raised.
+        error = self._to_engine.send(message.SerializeToString(), flags=zmq.NOBLOCK).exception()
+        if error is not None and not quiet:
+            raise EngineUnavailable(f"cannot reach the engine process: {error}") from error
 
     async def _read_outputs(self) -> None:
         while True:
@@ -225,6 +236,30 @@ class EngineClient:
             spec=ready.spec if ready.HasField("spec") else None, tokenizer=tokenizer)
         if not self._ready.done():
             self._ready.set_result(self.info)
+        self.watchdog.arm()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Feed the watchdog the engine's heartbeats; kill the engine if the watchdog trips."""
+        while self._dead_reason is None:
+            await asyncio.sleep(self.watchdog.heartbeat_interval_s)
+            # Every beat that has arrived is read here, just before the check, rather than by a
+            # reader task: a check then never judges the engine on beats still in the socket
+            # (e.g. after a busy stretch of this event loop).
+            while True:
+                try:
+                    beat = ipc.Heartbeat.FromString(await self._heartbeats.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                self.watchdog.on_heartbeat(beat.loop_iterations)
+            reason = self.watchdog.check()
+            if reason is not None:
+                self._mark_dead(reason)
+                # A frozen or stuck engine may hold the GPU and could resume and act on requests
+                # that the server has already failed; it must be gone for good.
+                logger.error("killing the engine process (pid %d)", self.process.pid)
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)  # reap it
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)

@@ -1,17 +1,46 @@
 """Prometheus metrics of the gRPC server (served over HTTP when --metrics-port is given)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
+from prometheus_client.registry import Collector
 
 from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.server.watchdog import WatchdogReport, WatchdogState
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-class ServerMetrics:
-    """One registry per server, so that several servers can live in one process (tests)."""
+class _WatchdogCollector(Collector):
+    """The engine watchdog's state, read when scraped (so never stale)."""
 
-    def __init__(self):
+    def __init__(self, report: Callable[[], WatchdogReport]):
+        self.report = report
+
+    def collect(self) -> Iterator[Metric]:
+        report = self.report()
+        yield StateSetMetricFamily(
+            "specserve_engine_watchdog", "The engine watchdog's verdict (1 for the current one)",
+            value={state.value: state is report.state for state in WatchdogState})
+        yield GaugeMetricFamily("specserve_engine_heartbeat_age_seconds",
+                                "Since the engine process's last heartbeat",
+                                value=report.heartbeat_age_s)
+        yield GaugeMetricFamily("specserve_engine_loop_stall_seconds",
+                                "Since the engine's main loop last completed an iteration",
+                                value=report.loop_stall_s)
+
+
+class ServerMetrics:
+    """One registry per server, so that several servers can live in one process (tests).
+
+    Generate calls are counted by final status code, refusals included (malformed and oversized
+    fields too). A message over max_message_bytes is refused by gRPC itself before any server
+    code sees it, so those refusals are not counted.
+    """
+
+    def __init__(self, watchdog_report: Callable[[], WatchdogReport]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("specserve_requests", "Generate calls by final status code",
@@ -35,9 +64,11 @@ class ServerMetrics:
                                      registry=r)
         self.mean_accept_length = Gauge("specserve_mean_accept_length",
                                         "Mean tokens emitted per verify step since the engine started", registry=r)
-
-    def serve_http(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        self.retractions = Counter("specserve_engine_retractions",
+                                   "Running requests pushed back to the queue to free KV",
+                                   registry=r)
+        self._retractions_seen = 0  # the engine reports a running total; the counter takes steps
+        r.register(_WatchdogCollector(watchdog_report))
 
     def observe_load(self, load: ipc.LoadReport) -> None:
         self.num_running.set(load.num_running)
@@ -45,3 +76,6 @@ class ServerMetrics:
         self.kv_used_tokens.set(load.kv_used_tokens)
         self.kv_total_tokens.set(load.kv_total_tokens)
         self.mean_accept_length.set(load.mean_accept_length)
+        if load.num_retractions > self._retractions_seen:
+            self.retractions.inc(load.num_retractions - self._retractions_seen)
+            self._retractions_seen = load.num_retractions

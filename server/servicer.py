@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 import grpc
@@ -12,11 +15,18 @@ import grpc
 from specserve.engine.config import EngineConfig
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineInfo, EngineUnavailable, RequestRejected
+from specserve.server.health import GENERATION_SERVICE
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
 from specserve.server.proto import generate_pb2 as pb
-from specserve.server.proto import generate_pb2_grpc as pb_grpc
-from specserve.server.validation import InvalidRequest, RequestLimits, RequestValidator
+from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
+                                         ValidatedRequest, parse_request)
+
+logger = logging.getLogger("specserve.server")
+
+# Threads that parse, check and tokenize requests, off the event loop. Tokenizing releases the
+# GIL, so a few run in parallel; admission bounds the calls waiting for one.
+PREPARE_THREADS = 4
 
 
 class _Refusal(Exception):
@@ -28,7 +38,12 @@ class _Refusal(Exception):
         self.details = details
 
 
-class GenerationServicer(pb_grpc.GenerationServiceServicer):
+def _model_name(path: str) -> str:
+    """What GetModelInfo says of a model folder: its name, not where the server keeps it."""
+    return os.path.basename(os.path.normpath(path)) if path else ""
+
+
+class GenerationServicer:
     def __init__(self, engine: EngineClient, engine_config: EngineConfig,
                  server_config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
@@ -42,6 +57,26 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.info: Optional[EngineInfo] = None
         self.limits: Optional[RequestLimits] = None
         self.validator: Optional[RequestValidator] = None
+        self._prepare_threads = ThreadPoolExecutor(PREPARE_THREADS,
+                                                   thread_name_prefix="specserve-prepare")
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the service with requests as raw bytes, which the servicer parses itself:
+        a malformed message is then refused as INVALID_ARGUMENT, logged and counted like any
+        other refusal (gRPC's own deserializer answers UNKNOWN and logs a traceback)."""
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate, response_serializer=pb.GenerateChunk.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString),
+            "GetServerLoad": grpc.unary_unary_rpc_method_handler(
+                self.GetServerLoad, response_serializer=pb.ServerLoad.SerializeToString),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
+
+    def close(self) -> None:
+        self._prepare_threads.shutdown(wait=False, cancel_futures=True)
 
     def on_engine_ready(self, info: EngineInfo) -> None:
         room = info.max_context_len - 1  # the engine needs at least one free position
@@ -53,7 +88,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.info = info
 
     # --- Generate --------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest,
+    async def Generate(self, request: bytes,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         arrived = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -65,6 +100,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield chunk
         except _Refusal as refusal:
             code = refusal.code
+            logger.info("Generate from %s refused with %s: %s", context.peer(), code.name,
+                        refusal.details)
             await context.abort(refusal.code, refusal.details)
         except (asyncio.CancelledError, GeneratorExit):
             # gRPC ends the handler both when the client cancels and when the deadline passes.
@@ -76,7 +113,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             self.metrics.requests.labels(code.name).inc()
             self.metrics.request_duration.observe(time.perf_counter() - arrived)
 
-    async def _generate(self, request: pb.GenerateRequest,
+    async def _generate(self, request: bytes,
                         arrived: float) -> AsyncIterator[pb.GenerateChunk]:
         if self.draining:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
@@ -84,21 +121,24 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             self.engine.check_available()
         except EngineUnavailable as e:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        try:
-            validated = self.validator.validate(request)
-        except InvalidRequest as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        # Admitted before it is read, so that the calls waiting for a prepare thread are bounded
+        # too.
         if self.num_active_streams >= self.max_active_streams:
             raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the server is full: {self.num_active_streams} calls in flight, the "
                            f"limit is max_running_requests + max_queue = {self.max_active_streams}; "
                            f"retry later")
         rid = uuid.uuid4().hex
-        stream = OutputStream(self.info.tokenizer, validated, report_spec=self.info.spec is not None)
         self.num_active_streams += 1
         self._idle.clear()
         self.metrics.active_streams.inc()
         try:
+            try:
+                validated = await self.prepare(request)
+            except InvalidRequest as e:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            stream = OutputStream(self.info.tokenizer, validated,
+                                  report_spec=self.info.spec is not None)
             try:
                 events = self.engine.submit(rid, validated.prompt_token_ids, validated.sampling)
             except EngineUnavailable as e:
@@ -127,6 +167,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self._idle.set()
             self.metrics.active_streams.dec()
 
+    async def prepare(self, request: bytes) -> ValidatedRequest:
+        """Parse, check and tokenize a Generate request in a prepare thread: a long prompt takes
+        a while to tokenize, and the event loop must keep serving every other call meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prepare_threads, self._parse_and_validate, request)
+
+    def _parse_and_validate(self, request: bytes) -> ValidatedRequest:
+        return self.validator.validate(parse_request(pb.GenerateRequest, request))
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no Generate call is running; False if some still are after timeout."""
         try:
@@ -136,25 +185,27 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             return False
 
     # --- info and load ---------------------------------------------------------------------
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+    async def GetModelInfo(self, request: bytes,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._parse_unary(pb.GetModelInfoRequest, request, context)
         info = self.info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
         reply = pb.ModelInfo(
-            model=info.model, architecture=info.architecture, vocab_size=info.vocab_size,
+            model=_model_name(info.model), architecture=info.architecture, vocab_size=info.vocab_size,
             max_context_len=info.max_context_len, dtype=info.dtype, device=info.device,
             eos_token_ids=info.eos_token_ids, max_prompt_tokens=self.limits.max_prompt_tokens,
             max_new_tokens_cap=self.limits.max_new_tokens_cap)
         if info.spec is not None:
             reply.spec.CopyFrom(pb.SpecConfig(
-                algorithm=info.spec.algorithm, draft_model=info.spec.draft_model,
+                algorithm=info.spec.algorithm, draft_model=_model_name(info.spec.draft_model),
                 num_steps=info.spec.num_steps, topk=info.spec.topk,
                 num_draft_tokens=info.spec.num_draft_tokens))
         return reply
 
-    async def GetServerLoad(self, request: pb.GetServerLoadRequest,
+    async def GetServerLoad(self, request: bytes,
                             context: grpc.aio.ServicerContext) -> pb.ServerLoad:
+        await self._parse_unary(pb.GetServerLoadRequest, request, context)
         try:
             load = await self.engine.load()
         except EngineUnavailable as e:
@@ -165,3 +216,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             kv_used_tokens=load.kv_used_tokens, kv_total_tokens=load.kv_total_tokens,
             mean_accept_length=load.mean_accept_length,
             num_active_streams=self.num_active_streams, max_active_streams=self.max_active_streams)
+
+    @staticmethod
+    async def _parse_unary(message_class: type, request: bytes,
+                           context: grpc.aio.ServicerContext) -> None:
+        """Refuse a malformed info or load request (their messages have no fields to read)."""
+        try:
+            parse_request(message_class, request)
+        except InvalidRequest as e:
+            logger.info("%s from %s refused with INVALID_ARGUMENT: %s",
+                        message_class.DESCRIPTOR.name, context.peer(), e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,6 +1,7 @@
 """A real `specserve serve` process on 127.0.0.1 for tests: start, read its log, stop."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Optional
 
 from specserve.clients import Client
@@ -21,19 +24,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(model: str, *extra_args: str, speculative: bool = False,
+                  port: Optional[int] = 0) -> list[str]:
+    """`specserve serve` on the tiny CPU model; port None leaves --port out."""
+    return [sys.executable, "-m", "specserve.clients.cli", "serve", "--model", model,
+            "--device", "cpu", "--dtype", "float32",
+            *([] if speculative else ["--no-speculative"]), "--host", "127.0.0.1",
+            *([] if port is None else ["--port", str(port)]), "--max-total-tokens", "8192",
+            *extra_args]
+
+
 class ServerProcess:
     """`specserve serve --port 0` on the tiny CPU model; the bound port and the engine's pid
     are read from the server's log."""
 
     def __init__(self, model: str, *extra_args: str, wait_serving: bool = True,
-                 speculative: bool = False):
-        self.command = [sys.executable, "-m", "specserve.clients.cli", "serve", "--model", model,
-                        "--device", "cpu", "--dtype", "float32",
-                        *([] if speculative else ["--no-speculative"]),
-                        "--host", "127.0.0.1", "--port", "0", "--max-total-tokens", "8192",
-                        *extra_args]
+                 speculative: bool = False, port: Optional[int] = 0,
+                 env: Optional[dict[str, str]] = None):
+        self.command = serve_command(model, *extra_args, speculative=speculative, port=port)
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True)
+                                        stderr=subprocess.STDOUT, text=True,
+                                        env=None if env is None else {**os.environ, **env})
         self.log: list[str] = []
         self._log_changed = threading.Condition()
         threading.Thread(target=self._read_log, daemon=True).start()
@@ -94,3 +105,12 @@ def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET, error statuses included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

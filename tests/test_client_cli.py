@@ -50,3 +50,33 @@ def test_a_bad_flag_value_is_a_usage_error(capsys):
         main(["serve", "--tls-cert", "cert.pem"])
     assert exit_info.value.code == 2
     assert "tls_cert/tls_key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--model", "/m"], ["--model"]),
+    (["--tp", "2"], ["--tp"]),
+    (["--no-speculative", "--device", "cpu"], ["--device", "--no-speculative"]),
+    (["--speculative-num-steps", "5", "--max-total-tokens", "64"],
+     ["--max-total-tokens", "--speculative-num-steps"]),
+])
+def test_engine_flags_with_server_are_a_usage_error(capsys, flags, named):
+    from specserve.clients.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # before any connection: nothing listens there
+        main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
+    assert exit_info.value.code == 2
+    assert f"{', '.join(named)}: engine flags" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tls-root-cert", "ca.pem"], "--tls-root-cert"),
+    (["--stop", "\n"], "--stop"),
+    (["--stop", "a", "--tls-root-cert", "ca.pem"], "--tls-root-cert, --stop"),
+])
+def test_server_only_flags_without_server_are_a_usage_error(capsys, flags, named):
+    from specserve.clients.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # before the (missing) model is loaded
+        main(["generate", "--model", "/no/such/model", "--prompt", "hi", *flags])
+    assert exit_info.value.code == 2
+    assert f"{named}: only with --server" in capsys.readouterr().err

@@ -1,11 +1,12 @@
-"""SDK pieces that need no server: request building, response assembly, error mapping."""
+"""SDK pieces that need no server: request building and client-side value checks, response
+assembly, error mapping."""
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from specserve.clients import (Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted,
-                               SpecserveError, Unavailable)
+from specserve.clients import (AsyncClient, Cancelled, Client, DeadlineExceeded, InvalidArgument,
+                               ResourceExhausted, SpecserveError, Unavailable)
 from specserve.clients.errors import error_from_rpc
 from specserve.clients.messages import build_request, chunk_from_proto, result_from_chunks
 from specserve.server.proto import generate_pb2 as pb
@@ -27,6 +28,65 @@ def test_only_given_options_are_sent():
 def test_bad_arguments_are_type_errors(prompt, ids, options):
     with pytest.raises(TypeError):
         build_request(prompt, ids, options)
+
+
+def test_accepted_value_forms():
+    request = build_request("hi", None, {"max_new_tokens": 2**32 - 1, "top_k": -1,
+                                         "seed": 2**64 - 1, "temperature": 0, "stop": ("a", "b"),
+                                         "stop_token_ids": 7, "logprobs": True})
+    sampling = request.sampling
+    assert (sampling.max_new_tokens, sampling.top_k, sampling.seed) == (2**32 - 1, -1, 2**64 - 1)
+    assert sampling.temperature == 0.0 and sampling.logprobs
+    assert list(sampling.stop) == ["a", "b"] and list(sampling.stop_token_ids) == [7]
+    assert list(build_request(None, range(3), {}).token_ids.ids) == [0, 1, 2]
+
+
+# (argument, bad value): every value the request message cannot carry as the caller meant it.
+BAD_VALUES = [
+    ("prompt", [1, 2, 3]), ("prompt", b"hi"), ("prompt", "\ud800"),
+    ("prompt_token_ids", "abc"), ("prompt_token_ids", 5), ("prompt_token_ids", [1, -1]),
+    ("prompt_token_ids", [2**32]), ("prompt_token_ids", [1.0]), ("prompt_token_ids", [True]),
+    ("max_new_tokens", -1), ("max_new_tokens", 2**32), ("max_new_tokens", 8.0),
+    ("max_new_tokens", True), ("max_new_tokens", "8"),
+    ("min_new_tokens", -1), ("min_new_tokens", 2**32),
+    ("top_k", 2**31), ("top_k", -2**31 - 1), ("top_k", 2.0),
+    ("seed", -1), ("seed", 2**64), ("seed", "7"), ("seed", False),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e39),
+    ("temperature", "0.5"), ("temperature", True),
+    ("top_p", float("-inf")), ("top_p", [0.9]),
+    ("min_p", float("nan")), ("min_p", "x"),
+    ("repetition_penalty", float("inf")), ("repetition_penalty", "1.1"),
+    ("ignore_eos", 1), ("ignore_eos", "yes"),
+    ("logprobs", 0), ("logprobs", "true"),
+    ("stop", 5), ("stop", b"\n"), ("stop", ["ok", 3]), ("stop", "\ud800"),
+    ("stop_token_ids", -1), ("stop_token_ids", [1, -2]), ("stop_token_ids", "7"),
+    ("stop_token_ids", [2**32]), ("stop_token_ids", [1.5]),
+]
+
+
+def _call_arguments(field: str, value) -> dict:
+    if field in ("prompt", "prompt_token_ids"):
+        return {field: value}
+    return {"prompt": "hi", field: value}
+
+
+@pytest.mark.parametrize("field, value", BAD_VALUES)
+def test_sync_client_refuses_bad_values_naming_the_field(field, value):
+    with Client("127.0.0.1:1") as client:  # never contacted: the values are refused first
+        for call in (client.generate, client.generate_stream):
+            with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {field}: ") as error:
+                call(**_call_arguments(field, value))
+            assert error.value.details.startswith(f"{field}: ")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("field, value", BAD_VALUES)
+async def test_async_client_refuses_bad_values_naming_the_field(field, value):
+    async with AsyncClient("127.0.0.1:1") as client:
+        with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {field}: "):
+            client.generate_stream(**_call_arguments(field, value))
+        with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {field}: "):
+            await client.generate(**_call_arguments(field, value))
 
 
 def test_chunks_assemble_into_a_result():

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from server_harness import free_port
+from server_harness import ServerProcess, free_port
 from specserve.clients import healthcheck
 from specserve.server.health import GENERATION_SERVICE
 
@@ -44,15 +46,40 @@ def test_final_stage_runs_on_the_cuda_runtime_as_non_root():
     assert users and users[-1].split(":")[0] not in ("root", "0")
 
 
+def _health_check_script() -> str:
+    """The HEALTHCHECK's command: a script for `sh -c`, so that it reads SPECSERVE_PORT."""
+    health = dict(_final_stage())["HEALTHCHECK"]
+    command = json.loads(health[health.index("CMD") + 3:])
+    assert command[:2] == ["sh", "-c"]
+    return command[2]
+
+
 def test_health_check_port_and_entrypoint():
     stage = dict(_final_stage())
-    health = stage["HEALTHCHECK"]
-    command = json.loads(health[health.index("CMD") + 3:])
-    assert command[:3] == ["python3", "-m", "specserve.clients.healthcheck"]
-    assert command[command.index("--service") + 1] == GENERATION_SERVICE
-    assert "--start-period=" in health
+    assert "--start-period=" in stage["HEALTHCHECK"]
+    probe = shlex.split(_health_check_script())
+    assert probe[:4] == ["exec", "python3", "-m", "specserve.clients.healthcheck"]
+    assert probe[probe.index("--service") + 1] == GENERATION_SERVICE
+    assert probe[probe.index("--addr") + 1] == "127.0.0.1:${SPECSERVE_PORT}"
+    assert "SPECSERVE_PORT=50051" in stage["ENV"].split()
     assert stage["EXPOSE"].split() == ["50051"]
-    assert json.loads(stage["ENTRYPOINT"])[:4] == ["specserve", "serve", "--host", "0.0.0.0"]
+    # No --port: `specserve serve` listens on SPECSERVE_PORT, the port the probe checks.
+    entrypoint = json.loads(stage["ENTRYPOINT"])
+    assert entrypoint == ["specserve", "serve", "--host", "0.0.0.0"]
+
+
+def test_health_check_follows_a_moved_port(tiny_model):
+    """Moved with SPECSERVE_PORT, the server listens there and the HEALTHCHECK probes there."""
+    env = {"SPECSERVE_PORT": str(free_port())}
+    server = ServerProcess(tiny_model, port=None, env=env)
+    try:
+        assert server.port == int(env["SPECSERVE_PORT"])
+        script = _health_check_script().replace("python3", shlex.quote(sys.executable), 1)
+        result = subprocess.run(["sh", "-c", script], env={**os.environ, **env},
+                                capture_output=True, text=True, timeout=60)
+        assert (result.returncode, result.stdout.strip()) == (0, "SERVING"), result.stderr
+    finally:
+        assert server.stop() == 0
 
 
 def test_copied_paths_exist():

@@ -1,6 +1,8 @@
 """Speculative decoding through the server: greedy output unchanged, spec stats reported."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers import make_predictable_pair
@@ -24,7 +26,7 @@ def server(pair):
 def test_spec_stats_and_greedy_parity(server, pair):
     from specserve.engine import Engine, EngineConfig, SamplingParams
 
-    target, _ = pair
+    target, head = pair
     prompts = ["def add(a, b):", "class Stack"]
     with Engine(EngineConfig(model=target, device="cpu", dtype="float32", spec=None)) as engine:
         expected = engine.generate(prompts=prompts,
@@ -34,6 +36,9 @@ def test_spec_stats_and_greedy_parity(server, pair):
         info = client.model_info()
         assert (info.spec.algorithm, info.spec.num_steps, info.spec.num_draft_tokens) == \
             ("eagle", 3, 4)
+        # Names, not the server's paths.
+        assert (info.model, info.spec.draft_model) == (os.path.basename(target),
+                                                       os.path.basename(head))
         for prompt, want in zip(prompts, expected):
             chunks = list(client.generate_stream(prompt, max_new_tokens=32, temperature=0,
                                                  ignore_eos=True))

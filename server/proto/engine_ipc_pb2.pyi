@@ -164,20 +164,28 @@ class RequestRejected(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("query_id", "num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length")
+    __slots__ = ("query_id", "num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_retractions")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     query_id: int
     num_running: int
     num_waiting: int
     kv_used_tokens: int
     kv_total_tokens: int
     mean_accept_length: float
-    def __init__(self, query_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ...) -> None: ...
+    num_retractions: int
+    def __init__(self, query_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_retractions: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("loop_iterations",)
+    LOOP_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    loop_iterations: int
+    def __init__(self, loop_iterations: _Optional[int] = ...) -> None: ...
 
 class EngineFailed(_message.Message):
     __slots__ = ("message",)
