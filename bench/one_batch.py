@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
-from specserve.engine.api import demo_models_dir
+from specserve.engine.builder import demo_models_dir
 
 SHAPES = {
     # Llama-3.1-8B and Llama-3.2-1B shapes (random weights).
@@ -58,7 +58,7 @@ def write_shape(root: str, name: str) -> tuple[str, str]:
 
 def weight_bytes(engine: Engine) -> int:
     """Bytes one decode step reads: every parameter but the embedding (a tied lm_head counts)."""
-    model = engine.runner.model
+    model = engine.core.runner.model
     total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
     if model.config.tie_word_embeddings:
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()

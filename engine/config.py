@@ -128,7 +128,6 @@ class EngineConfig:
     needs_cpu_seq_lens: Optional[bool] = None  # None: decided by the backends; True forces host lengths
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
-    page_size: int = 1
     tp_size: int = 1
 
     def __post_init__(self):
@@ -144,9 +143,6 @@ class EngineConfig:
                  "attention_backend", f"unknown backend {self.attention_backend!r}")
         _require(self.load_format in ("auto", "dummy"), "load_format",
                  f"must be 'auto' or 'dummy', got {self.load_format!r}")
-        topk = self.spec.topk if isinstance(self.spec, SpecConfig) else 1
-        _require(self.page_size == 1, "page_size",
-                 "only page_size=1 is supported" + (" (tree drafting, topk > 1, needs it)" if topk > 1 else ""))
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")

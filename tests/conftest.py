@@ -30,6 +30,13 @@ def tiny_model(tmp_path_factory) -> str:
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama")
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """A client of the test module's `server` fixture (a ServerProcess)."""
+    with server.client() as client:
+        yield client
+
+
 @pytest.fixture
 def make_engine():
     """Build engines; after the test each must have every KV slot and row free again."""

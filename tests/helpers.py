@@ -90,14 +90,16 @@ def random_prompts(n: int, *, seed: int, min_len: int = 1, max_len: int = 40,
 
 def assert_no_leaks(engine) -> None:
     """Every KV slot and request row is free again, and the free slots are exactly 1..N."""
-    engine.scheduler.drain()
-    alloc = engine.allocator
+    core = engine.core
+    core.scheduler.drain()
+    alloc = core.allocator
     assert alloc.num_free == alloc.num_slots, f"KV leak: {alloc.num_slots - alloc.num_free} slots held"
-    assert engine.req_to_token.num_free == engine.req_to_token.num_rows, "request-row leak"
+    assert core.req_to_token.num_free == core.req_to_token.num_rows, "request-row leak"
     alloc._merge_pending()
     free = torch.sort(alloc._free.cpu()).values
     assert torch.equal(free, torch.arange(1, alloc.num_slots + 1)), "free list holds duplicates"
-    assert not engine.scheduler.reqs and not engine.scheduler.running and not engine.scheduler.waiting
+    scheduler = core.scheduler
+    assert not scheduler.reqs and not scheduler.num_running and not scheduler.num_waiting
 
 
 def _random_head(path: str, seed: int):

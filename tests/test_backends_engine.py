@@ -27,4 +27,4 @@ def test_triton_engine_matches_torch_native(pair, make_engine, spec):
         engine = make_engine(target, attention_backend=backend, spec=spec_cfg, max_context_len=64)
         outs[backend] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)]
     assert outs["triton"] == outs["torch"]
-    assert not make_engine(target, attention_backend="triton").needs_cpu_seq_lens
+    assert not make_engine(target, attention_backend="triton").core.needs_cpu_seq_lens

@@ -21,9 +21,9 @@ def prompts():
 
 def test_default_engine_is_the_demo_pair_with_speculation(make_engine):
     engine = make_engine(None, spec="default")
-    assert engine.model_path.endswith("demo-target")
+    assert engine.core.model_path.endswith("demo-target")
     assert engine.spec_config is not None and engine.spec_config.draft_model.endswith("demo-draft")
-    assert engine.spec_config.algorithm == "eagle3" and engine.model_config.architecture == "LlamaForCausalLM"
+    assert engine.spec_config.algorithm == "eagle3" and engine.core.model_config.architecture == "LlamaForCausalLM"
 
 
 def test_engine_logits_and_heldout_perplexity(make_engine):

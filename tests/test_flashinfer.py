@@ -25,8 +25,8 @@ from specserve.engine.attention.flashinfer import (
     FlashInferAttnBackend, build_kv_indices, host_offsets, pack_custom_mask)
 from specserve.engine.attention.torch_native import TorchNativeAttnBackend
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool
-from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
-from specserve.engine.runtime.model_runner import create_attention_backend
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.attention.factory import create_attention_backend
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 # Not a module-level importorskip: the CPU tests below must run where flashinfer is absent.
@@ -102,19 +102,16 @@ def build_batch(case: Case, num_kv_heads: int, head_dim: int, bound: int, gen: t
         mode=case.mode, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
         positions=torch.cat([torch.arange(p, s) for p, s in zip(case.prefix_lens, seq_lens)]
                             ).to(device),
-        req_pool_indices=rows, prefix_lens=torch.tensor(case.prefix_lens, device=device),
+        # As the tree drafter builds it for a KV override: row b is branch b's slot list.
+        kv_rows=KVRows.by_batch_index(req_to_token.table[rows].clone()) if case.kv_override
+        else KVRows(req_to_token.table, rows),
+        prefix_lens=torch.tensor(case.prefix_lens, device=device),
         extend_lens_cpu=list(case.extend_lens),
-        out_cache_loc=torch.tensor(new_slots, dtype=torch.int64, device=device),
-        req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=None,
+        out_cache_loc=torch.tensor(new_slots, dtype=torch.int64, device=device), kv_pool=kv_pool,
         seq_lens_cpu=seq_lens if host_lens else None,
         max_seq_len=max(seq_lens) if host_lens else bound,
         custom_mask=(random_tree_mask(bs, max(case.extend_lens), gen).to(device)
                      if case.tree_mask else None))
-    if case.kv_override:
-        # As the tree drafter builds it: row b is branch b's slot list, no pool rows.
-        fb.kv_indices_override = req_to_token.table[rows].clone()
-        fb.req_pool_indices = torch.arange(bs, device=device)
-        fb.req_to_token = None
     return fb
 
 
@@ -129,7 +126,7 @@ def run_against_native(backend: FlashInferAttnBackend, fb: ForwardBatch, num_hea
     fb.attn_backend = backend
     backend.init_forward_metadata(fb)
     # Past init_forward_metadata the scheduler may rewrite the slot tables (base.py).
-    table = fb.kv_indices_override if fb.kv_indices_override is not None else fb.req_to_token.table
+    table = fb.kv_rows.table
     saved = table.clone()
     table.random_(1, fb.kv_pool.k_buffer[0].shape[0])
     out = backend.forward(q, k, v, LAYER_ID, fb, scale)
@@ -310,7 +307,6 @@ def test_backend_on_fake_flashinfer_matches_torch_native(fake_flashinfer, case_n
     if used is backend._prefill:
         assert plan["disable_split_kv"] == (not exact)
         assert plan["masked"] == case.tree_mask and plan["causal"] == (not case.tree_mask)
-    assert backend._planned.split_kv_allowed == exact
 
 
 def test_backend_refuses_a_forward_whose_plan_was_replaced(fake_flashinfer):
@@ -555,7 +551,7 @@ def test_gpu_engine_greedy_matches_torch_backend(flashinfer_pair, make_engine, p
     assert_follows(_generate(torch_backend, prompts), reference)
     engine = make_engine(target, attention_backend="flashinfer", enable_overlap=overlap,
                          needs_cpu_seq_lens=needs_cpu, **ENGINE)
-    assert engine.needs_cpu_seq_lens == needs_cpu and not engine.uses_cuda_graphs
+    assert engine.core.needs_cpu_seq_lens == needs_cpu and not engine.core.uses_cuda_graphs
     assert_follows(_generate(engine, prompts), reference)
 
 
@@ -571,7 +567,7 @@ def test_gpu_engine_spec_matches_plain(flashinfer_pair, make_engine, prompts, re
     assert_follows(_generate(plain, prompts), reference)
     engine = make_engine(target, attention_backend="flashinfer", needs_cpu_seq_lens=needs_cpu,
                          spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **ENGINE)
-    assert engine.needs_cpu_seq_lens == needs_cpu
+    assert engine.core.needs_cpu_seq_lens == needs_cpu
     assert_follows(_generate(engine, prompts), reference)
     assert engine.metrics.mean_accept_length > 1.5
 

@@ -31,7 +31,7 @@ def test_gpu_greedy_matches_transformers(tiny_model, make_engine, prompts, backe
     expected = hf_greedy(tiny_model, prompts, GREEDY.max_new_tokens)
     engine = make_engine(tiny_model, device="cuda", attention_backend=backend, cuda_graph=graphs,
                          enable_overlap=overlap)
-    assert engine.uses_cuda_graphs == graphs
+    assert engine.core.uses_cuda_graphs == graphs
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
 
 
@@ -70,7 +70,7 @@ def test_gpu_only_path_has_no_blocking_sync(pair, make_engine, graphs):
     target, head = pair
     spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN)
     engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec)
-    assert not engine.needs_cpu_seq_lens
+    assert not engine.core.needs_cpu_seq_lens
     _steady_state_steps(engine, [5, 6, 7, 8])
     synced = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec,
                          needs_cpu_seq_lens=True)

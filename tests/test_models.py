@@ -35,7 +35,7 @@ def test_llama3_rope_scaling_is_applied(tmp_path, make_engine):
     """Positions beyond the original context are where llama3 scaling changes the result."""
     path = make_tiny_checkpoint(str(tmp_path), "llama3", seed=4)
     engine = make_engine(path)
-    assert engine.model_config.rope_scaling["rope_type"] == "llama3"
+    assert engine.core.model_config.rope_scaling["rope_type"] == "llama3"
     ids = list(range(3, 203))
     torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 

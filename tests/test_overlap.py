@@ -73,7 +73,7 @@ def test_both_needs_cpu_seq_lens_settings_agree(tiny_model, make_engine):
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     a = make_engine(tiny_model, needs_cpu_seq_lens=True)
     b = make_engine(tiny_model, needs_cpu_seq_lens=False)
-    assert a.needs_cpu_seq_lens and not b.needs_cpu_seq_lens
+    assert a.core.needs_cpu_seq_lens and not b.core.needs_cpu_seq_lens
     assert [o.token_ids for o in a.generate(prompt_token_ids=prompts, sampling=params)] == \
         [o.token_ids for o in b.generate(prompt_token_ids=prompts, sampling=params)]
 
@@ -84,7 +84,7 @@ def test_overlap_really_overlaps_and_reports_metrics(tiny_model, make_engine):
                     sampling=SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
     m = engine.metrics
     assert m.num_steps >= 30 and m.host_blocked_seconds >= 0
-    assert engine.ctx.busy_seconds() > 0
+    assert engine.core.ctx.busy_seconds() > 0
 
 
 class _Flagged:
@@ -102,7 +102,7 @@ def test_decide_needs_cpu_seq_lens():
 
 def _future_map(debug: bool, monkeypatch):
     from specserve.engine.runtime.device import CpuDeviceContext
-    from specserve.engine.scheduler.future_map import FutureMap
+    from specserve.engine.runtime.future_map import FutureMap
 
     monkeypatch.setenv("SPECSERVE_DEBUG_FUTURE_MAP", "1" if debug else "0")
     return FutureMap(8, CpuDeviceContext(torch.device("cpu")), needs_cpu_seq_lens=True)
@@ -127,10 +127,10 @@ def test_future_map_publish_and_resolve_seq_lens(monkeypatch):
     fm = _future_map(True, monkeypatch)
     fm.publish(torch.tensor([1, 4]), torch.tensor([10, 20]))
     fm.new_publish_event().record()
-    dev, host = fm.resolve_seq_lens(torch.tensor([4, 1]), [4, 1])
+    dev, host = fm.resolve_seq_lens(torch.tensor([4, 1]))
     assert dev.tolist() == [20, 10] and host == [20, 10]
     fm.needs_cpu_seq_lens = False
     fm.publish(torch.tensor([1]), torch.tensor([11]))
     fm.new_publish_event().record()
-    dev, host = fm.resolve_seq_lens(torch.tensor([1]), [1])
+    dev, host = fm.resolve_seq_lens(torch.tensor([1]))
     assert dev.tolist() == [11] and host is None

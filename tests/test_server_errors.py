@@ -29,12 +29,6 @@ def server(tiny_model):
     assert server.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with server.client() as client:
-        yield client
-
-
 @pytest.mark.parametrize("prompt, sampling, field", [
     ({}, {}, "prompt"),
     ({"text": ""}, {}, "text"),

@@ -33,12 +33,6 @@ def server(model):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with server.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def offline(model):
     from specserve.engine import Engine, EngineConfig
 

@@ -46,12 +46,6 @@ def server(tiny_model, metrics_port):
     assert server.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with server.client() as client:
-        yield client
-
-
 def _refusal(server, request: pb.GenerateRequest) -> grpc.RpcError:
     with grpc.insecure_channel(server.address) as channel:
         with pytest.raises(grpc.RpcError) as info:

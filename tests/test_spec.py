@@ -102,8 +102,8 @@ def test_eagle3_head_with_own_embedding_loads(tmp_path, eagle3_pair, make_engine
     target, _ = eagle3_pair
     head = make_eagle3_head(str(tmp_path / "h"), target_layers=3, with_embed=True)
     engine = make_engine(target, spec=_spec(head, "eagle3"))
-    assert engine.draft_runner.model.embed_tokens.weight.data_ptr() != \
-        engine.runner.model.embed_tokens.weight.data_ptr()
+    assert engine.core.draft_runner.model.embed_tokens.weight.data_ptr() != \
+        engine.core.runner.model.embed_tokens.weight.data_ptr()
     assert engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=SamplingParams(max_new_tokens=5))[0].token_ids
 
 
@@ -212,20 +212,20 @@ def test_tree_compaction_leaves_chain_kv(pair, make_engine):
     while len(produced) < 20:
         for out in engine.step():
             produced += out.new_token_ids
-    req = engine.scheduler.reqs["r"]
+    req = engine.core.scheduler.reqs["r"]
     committed = req.kv_committed_len
     assert req.num_verify_steps < len(produced)  # several tokens per verify: paths were moved
-    slots = engine.req_to_token.table[req.row, :committed]
-    ours_k = engine.kv_pool.k_buffer[1][slots].clone()
-    ours_v = engine.kv_pool.v_buffer[1][slots].clone()
+    slots = engine.core.req_to_token.table[req.row, :committed]
+    ours_k = engine.core.kv_pool.k_buffer[1][slots].clone()
+    ours_v = engine.core.kv_pool.v_buffer[1][slots].clone()
     engine.abort("r")
     engine.step()
     ref = Engine(EngineConfig(model=pair[0], device="cpu", dtype="float32", spec=None))
     tokens = (prompt + produced)[:committed]
     ref.prompt_logits(tokens)
     row_slots = torch.arange(1, committed + 1)  # a fresh allocator hands out slots 1..n
-    torch.testing.assert_close(ours_k, ref.kv_pool.k_buffer[1][row_slots], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours_v, ref.kv_pool.v_buffer[1][row_slots], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_k, ref.core.kv_pool.k_buffer[1][row_slots], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_v, ref.core.kv_pool.v_buffer[1][row_slots], atol=1e-5, rtol=1e-5)
     ref.shutdown()
 
 

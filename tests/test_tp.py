@@ -31,8 +31,8 @@ def test_tp2_matches_tp1(pair, make_engine, spec, overlap):
         engine = make_engine(target, tp_size=tp, spec=spec_cfg, enable_overlap=overlap)
         outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)])
         if tp == 2:
-            assert engine.runner.model.layers[0].self_attn.num_heads == 2
-            assert engine.kv_pool.k_buffer[0].shape[1] == 1  # one of the two KV heads
+            assert engine.core.runner.model.layers[0].self_attn.num_heads == 2
+            assert engine.core.kv_pool.k_buffer[0].shape[1] == 1  # one of the two KV heads
     assert outs[0] == outs[1]
 
 

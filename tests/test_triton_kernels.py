@@ -25,7 +25,7 @@ from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa:
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
     DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices)
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
-from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Small tiles so that the tiny test sequences still span several loop iterations, KV splits
@@ -286,23 +286,21 @@ def build_forward_batch(case: BackendCase, backend: TritonAttnBackend, num_kv_he
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
         positions=torch.cat([torch.arange(p, s) for p, s in zip(case.prefix_lens, seq_lens)]
                             ).to(device),
-        req_pool_indices=scene.rows, prefix_lens=scene.prefix_lens,
+        # As the tree drafter builds it for a KV override: row b is branch b's own slot list.
+        kv_rows=KVRows.by_batch_index(scene.table[scene.rows].clone()) if case.kv_override
+        else KVRows(req_to_token.table, scene.rows),
+        prefix_lens=scene.prefix_lens,
         extend_lens_cpu=list(case.extend_lens), out_cache_loc=scene.new_slots,
-        req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=backend,
+        kv_pool=kv_pool, attn_backend=backend,
         seq_lens_cpu=seq_lens if case.exact_max_seq_len else None,
         max_seq_len=max(seq_lens) if case.exact_max_seq_len else max_context_len,
         custom_mask=(random_tree_mask(bs, max(case.extend_lens), gen).to(device)
                      if case.tree_mask else None))
-    if case.kv_override:
-        # As the tree drafter builds it: row b is branch b's own slot list, no pool rows.
-        fb.kv_indices_override = scene.table[scene.rows].clone()
-        fb.req_pool_indices = torch.arange(bs, device=device)
-        fb.req_to_token = None
     return fb, scene
 
 
 def slot_lists_read_at_init(fb: ForwardBatch) -> torch.Tensor:
-    return fb.kv_indices_override if fb.kv_indices_override is not None else fb.req_to_token.table
+    return fb.kv_rows.table
 
 
 def random_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -389,12 +387,12 @@ def test_backend_rejects_unset_max_seq_len():
         backend.init_forward_metadata(fb)
 
 
-def test_backend_idle_batch():
+def test_backend_empty_batch():
     backend = TritonAttnBackend(4, 2, 16, 64, DEVICE)
     empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
-    fb = ForwardBatch(mode=ForwardMode.IDLE, input_ids=empty, positions=empty,
-                      req_pool_indices=empty, prefix_lens=empty, extend_lens_cpu=[],
-                      out_cache_loc=empty, req_to_token=ReqToTokenPool(2, 8, DEVICE),
+    fb = ForwardBatch(mode=ForwardMode.DECODE, input_ids=empty, positions=empty,
+                      kv_rows=KVRows(ReqToTokenPool(2, 8, DEVICE).table, empty), prefix_lens=empty,
+                      extend_lens_cpu=[], out_cache_loc=empty,
                       kv_pool=TokenToKVPool(8, 1, 2, 16, torch.float32, DEVICE),
                       attn_backend=backend)
     backend.init_forward_metadata(fb)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from specserve.engine.runtime.forward_batch import ForwardBatch
+    from specserve.engine.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
@@ -30,8 +30,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        """Prepare per-forward metadata. This is the forward's only read of `req_to_token`;
-        the scheduler may rewrite the table once it returns (write-after-read barrier)."""
+        """Prepare per-forward metadata. This is the forward's only read of `fb.kv_rows`; the
+        scheduler may rewrite the request table once it returns (write-after-read barrier)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

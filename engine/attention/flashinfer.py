@@ -1,8 +1,8 @@
 """FlashInferAttnBackend: FlashInfer 0.5.3 paged attention over the page-size-1 KV pool.
 
 `forward` stores the new tokens' K/V first, so every request's keys are in the pool when
-attention runs: request b's KV list is its prefix slots (its `req_to_token` row, or its
-`kv_indices_override` row in tree drafting) followed by its new tokens' slots
+attention runs: request b's KV list is its prefix slots (from `fb.kv_rows`) followed by its
+new tokens' slots
 (`out_cache_loc`), and one FlashInfer call covers prefix and new tokens. Each pool slot is
 one FlashInfer page of size 1 (NHD layout).
 
@@ -44,7 +44,7 @@ import torch
 from specserve.engine.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from specserve.engine.runtime.forward_batch import ForwardBatch
+    from specserve.engine.forward_batch import ForwardBatch
 
 SUPPORTED_FLASHINFER_VERSION = "0.5.3"
 WORKSPACE_BYTES = 128 * 1024 * 1024  # split-KV partial outputs; FlashInfer's recommended size
@@ -138,7 +138,6 @@ class FlashInferMetadata(NamedTuple):
     wrapper: Any                # the FlashInfer wrapper planned for this forward
     kv_indptr: torch.Tensor     # [bs+1] int32, real lengths (device)
     kv_indices: torch.Tensor    # int32 KV slots, prefix then new tokens per request
-    split_kv_allowed: bool      # planned on exact host lengths
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -204,13 +203,8 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
         torch.cumsum(fb.prefix_lens.to(torch.int32) + extend, 0, dtype=torch.int32,
                      out=kv_indptr[1:])
-        if fb.kv_indices_override is None:
-            slot_table, table_rows = fb.req_to_token.table, fb.req_pool_indices
-        else:
-            slot_table = fb.kv_indices_override
-            table_rows = torch.arange(bs, device=slot_table.device)
         num_entries = sum(exact_seq_lens) if exact_seq_lens is not None else bs * fb.max_seq_len
-        kv_indices = build_kv_indices(slot_table, table_rows, fb.prefix_lens, fb.out_cache_loc,
+        kv_indices = build_kv_indices(fb.kv_rows.table, fb.kv_rows.rows, fb.prefix_lens, fb.out_cache_loc,
                                       qo_indptr, kv_indptr, num_entries)
 
         # Host side: the plan, from exact lengths or from the bound without split-KV.
@@ -241,7 +235,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 wrapper._mask_indptr_buf = mask_indptr
         wrapper._paged_kv_indptr_buf = kv_indptr  # the real lengths, whatever plan() saw
         fb.attn_metadata = self._planned = FlashInferMetadata(
-            wrapper, kv_indptr, kv_indices, split_kv_allowed=exact_seq_lens is not None)
+            wrapper, kv_indptr, kv_indices)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         # From pinned memory, so the copy is asynchronous and its source stays valid until

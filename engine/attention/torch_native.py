@@ -1,6 +1,6 @@
 """Torch-native attention: runs anywhere (the CPU reference and fallback on CUDA).
 
-Each request's keys are gathered from the pool through its `req_to_token` row into a padded
+Each request's keys are gathered from the pool through its `kv_rows` row into a padded
 [bs, width, ...] tensor and attended with one masked SDPA call. The width is
 `fb.max_seq_len`: exact when host lengths are known, otherwise the scheduler's host-known
 upper bound, which is why this backend can run with `needs_cpu_seq_lens = False` too.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.engine.attention.base import AttentionBackend
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch
 
 
 class _Metadata(NamedTuple):
@@ -23,18 +23,14 @@ class _Metadata(NamedTuple):
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, needs_cpu_seq_lens: bool = True):
+    def __init__(self, needs_cpu_seq_lens: bool):
         self.needs_cpu_seq_lens = needs_cpu_seq_lens
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
         bs, max_q = fb.batch_size, fb.max_extend_len
-        if fb.kv_indices_override is not None:
-            kv_indices = fb.kv_indices_override
-            width = kv_indices.shape[1]
-        else:
-            width = fb.max_seq_len
-            kv_indices = fb.req_to_token.table[fb.req_pool_indices, :width]
+        width = fb.max_seq_len
+        kv_indices = fb.kv_rows.padded(width)
         # Host-known token layout: request b owns rows b*max_q + [0, extend_len_b).
         extend = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64)
         batch_of_token = torch.repeat_interleave(torch.arange(bs), extend)

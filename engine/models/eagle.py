@@ -23,7 +23,7 @@ from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.models.llama import MLP, Attention
 from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_module_weights
 from specserve.engine.models.model_config import ModelConfig
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE1_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleLlamaForCausalLM")

@@ -13,7 +13,7 @@ from specserve.engine.layers.parallel import (
     VocabParallelEmbedding, kv_head_range)
 from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.models.model_config import ModelConfig
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
@@ -82,8 +82,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Returns final hidden states; logits are computed by the runner on the rows it needs.
 
-    `aux_hidden_layers` lists layers whose output residual stream (before the final norm) is
-    also returned, concatenated in the listed order: the features an EAGLE-3 head consumes.
+    A forward's `fb.aux_hidden_layers` lists layers whose output residual stream (before the
+    final norm) is also returned, concatenated in the listed order: the features an EAGLE-3
+    head consumes.
     """
 
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE):
@@ -97,19 +98,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.aux_hidden_layers: tuple[int, ...] = ()
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, residual = self.embed_tokens(fb.input_ids), None
         captured = {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, fb.positions, fb)
-            if fb.capture_aux_hidden and i in self.aux_hidden_layers:
+            if i in fb.aux_hidden_layers:
                 captured[i] = x + residual
         x, _ = self.norm(x, residual)
         if not captured:
             return x, None
-        return x, torch.cat([captured[i] for i in self.aux_hidden_layers], dim=-1)
+        return x, torch.cat([captured[i] for i in fb.aux_hidden_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary (gathered across ranks)."""

@@ -10,24 +10,25 @@ draft-extend. Replay copies the live inputs into the static buffers; padded rows
 from __future__ import annotations
 
 import gc
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-class _Captured:
-    def __init__(self, graphs, inputs, outputs):
-        self.graphs = graphs      # one torch.cuda.CUDAGraph per part
-        self.inputs = inputs      # static input buffers
-        self.outputs = outputs    # every part's outputs (the last part's are the step's)
+class _Captured(NamedTuple):
+    graphs: list          # one torch.cuda.CUDAGraph per part
+    inputs: Any           # the static inputs (a NamedTuple whose tensors are the buffers)
+    outputs: list         # every part's outputs (the last part's are the step's)
 
 
 class GraphedStep:
-    """`parts[0](inputs)` -> out0, `parts[1](out0)` -> out1, ... captured per bucket."""
+    """`parts[0](inputs)` -> out0, `parts[1](out0)` -> out1, ... captured per bucket.
 
-    def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[int], dict],
+    `make_inputs(bs)` builds a NamedTuple of static inputs; `load` refills its tensors."""
+
+    def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[int], NamedTuple],
                  pad: dict, max_batch_size: int, device: torch.device):
         self.parts = parts
         self.make_inputs = make_inputs
@@ -77,12 +78,12 @@ class GraphedStep:
             outputs.append(x)
         self.captured[bs] = _Captured(graphs, inputs, outputs)
 
-    def load(self, live: dict) -> _Captured:
+    def load(self, **live: torch.Tensor) -> _Captured:
         """Copy the live inputs (batch size = their length) into a bucket's static buffers."""
         bs = next(iter(live.values())).shape[0]
         captured = self.captured[self.bucket_for(bs)]
         for name, value in live.items():
-            static = captured.inputs[name]
+            static = getattr(captured.inputs, name)
             static[:bs].copy_(value, non_blocking=True)
             static[bs:].fill_(self.pad.get(name, 0))
         return captured

@@ -11,12 +11,16 @@ ranks never disagree about what was generated.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from specserve.engine.layers.parallel import TensorParallel
+
+
+class Stop(NamedTuple):
+    """Rank 0's last control message: it is shutting down, and so are the followers."""
 
 
 def free_init_method() -> str:

@@ -1,15 +1,13 @@
-"""Host-side request state and the batches the scheduler builds from it."""
+"""Host-side request state, and the decisions the scheduler launches."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import torch
+from typing import NamedTuple, Optional, Sequence
 
 from specserve.engine.config import SamplingParams
-from specserve.engine.layers.sampler import SamplingInfo
-from specserve.engine.runtime.forward_batch import ForwardMode
+from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.runtime.step import Launched
 
 
 class ReqStatus(enum.Enum):
@@ -20,6 +18,8 @@ class ReqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Req:
+    """One request. Its KV lengths change only through the methods below."""
+
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
@@ -28,19 +28,19 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[float]] = None
     status: ReqStatus = ReqStatus.WAITING
-    row: int = 0                 # req_pool_idx; 0 (the padding row) when it holds none
+    row: int = 0                 # request-table row; 0 (the padding row) when it holds none
     fill_ids: list[int] = field(default_factory=list)  # tokens to prefill: prompt + outputs so far
     num_prefilled: int = 0       # tokens of fill_ids whose KV is scheduled
     kv_committed_len: int = 0    # tokens whose KV is final (host view, lags in overlap)
     kv_allocated_len: int = 0    # slots reserved in the row
-    num_inflight_tokens: int = 0  # tokens scheduled on the device but not processed yet
+    num_inflight_tokens: int = 0  # sampling steps launched whose results are not processed yet
     finish_reason: Optional[str] = None
     matched_stop: Optional[int] = None
     num_emitted: int = 0         # output tokens already handed out in StepOutputs
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
     admit_order: int = 0
-    serial: int = 0              # set by the scheduler when the request is added
+    serial: int = 0              # set by the scheduler: unique for the engine's lifetime, unlike a rid
 
     @property
     def is_prefilling(self) -> bool:
@@ -50,30 +50,43 @@ class Req:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def admit(self, row: int, order: int) -> None:
+        """Take a row; prefill prompt + outputs so far (after a retraction, outputs stay exact)."""
+        self.status = ReqStatus.RUNNING
+        self.row, self.admit_order = row, order
+        self.fill_ids = self.prompt_ids + self.output_ids
+        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = 0
 
-@dataclass
-class ScheduleBatch:
-    """What one launch covers; kept alive until its result is processed."""
+    def take_chunk(self, n: int) -> tuple[int, int]:
+        """The next n fill tokens; their KV slots are allocated, and final once written."""
+        start = self.num_prefilled
+        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = start + n
+        return start, start + n
+
+    def reserve(self, n: int) -> None:
+        self.kv_allocated_len += n
+
+    def commit(self, n: int) -> None:
+        self.kv_committed_len += n
+
+    def release(self) -> None:
+        """The row and slots are gone (the caller freed them)."""
+        self.row = 0
+        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = 0
+
+
+class Decision(NamedTuple):
+    """What the next launch covers. EXTEND: per request, the [start, end) chunk of its fill
+    ids and whether it samples a token; DECODE: one (speculative) step per request."""
 
     mode: ForwardMode
     reqs: list[Req]
-    # EXTEND: per request, the [start, end) chunk of fill_ids and whether it samples a token.
-    chunks: list[tuple[int, int]] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    sampling_info: Optional[SamplingInfo] = None
-    result: Any = None           # the worker's result (tokens on the host after copy_done)
-    keep_alive: list = field(default_factory=list)  # device tensors the forward reads
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.reqs)
+    chunks: Sequence[tuple[int, int]] = ()
+    samples: Sequence[bool] = ()
 
 
-@dataclass
-class BatchResult:
-    """Forward outputs copied to the host; valid once `copy_done` has fired."""
+class InflightBatch(NamedTuple):
+    """A launched decision, kept (with the device tensors it reads) until it is processed."""
 
-    copy_done: Any
-    token_ids: torch.Tensor                     # [bs] or, speculative, [bs, num_steps + 1]
-    logprobs: Optional[torch.Tensor] = None
-    accept_lens: Optional[torch.Tensor] = None  # speculative: tokens emitted per request
+    decision: Decision
+    launched: Launched

@@ -1,4 +1,5 @@
-"""EAGLE speculative decoding, spec v2: draft -> verify -> publish -> draft-extend -> stash.
+"""EAGLE speculative decoding, spec v2: draft -> build tree -> verify -> accept -> publish ->
+compact -> draft-extend -> stash.
 
 Per request the device state between iterations is: `seq_len` S (tokens whose target KV is
 final), the bonus token at index S (FutureMap `output_tokens_buf`), and the draft's view of
@@ -20,224 +21,227 @@ position, the output is exactly plain decoding's, for greedy and for seeded samp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from specserve.engine.config import SpecConfig
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.layers.sampler import SamplingInfo, sample
-from specserve.engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
-from specserve.engine.runtime.worker import ForwardInputs, NormalWorker, greedy_sampling_info
-from specserve.engine.scheduler.schedule_batch import BatchResult
+from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
+from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
 from specserve.engine.spec import tree as tree_ops
 
 
-@dataclass
-class SpecDecodeInputs:
-    req_pool_indices: torch.Tensor   # [bs]
-    seq_lens: torch.Tensor           # [bs] device: S per request (from the FutureMap)
-    seq_lens_cpu: Optional[list[int]]
-    max_seq_len: int                 # host bound: max kv_allocated_len >= S + D
-    sampling_info: SamplingInfo
+class EagleExtendInputs(NamedTuple):
+    target: ForwardInputs
+    # Draft rows read (feature of token p, token p + 1): the inputs shifted left by one; the
+    # last row of a chunk takes the next prompt token or, at the end, the sampled token.
+    shifted_ids: torch.Tensor   # [T]
+    samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
 
 
-class _TableView:
-    """A snapshot of the batch's req_to_token rows, addressed by batch index."""
+class SpecDecodeInputs(NamedTuple):
+    """One iteration's inputs (also the static inputs of its CUDA graphs)."""
 
-    def __init__(self, table: torch.Tensor):
-        self.table = table
+    rows: torch.Tensor                # [bs] request-table rows
+    S: torch.Tensor                   # [bs] committed length per request (from the FutureMap)
+    seq_lens_cpu: Optional[list[int]]  # the same on the host, when a backend reads it
+    width: int                        # host bound on every row's KV length (its allocated slots)
+    info: SamplingInfo
 
 
-class EagleWorker(NormalWorker):
-    def __init__(self, target: ModelRunner, draft: ModelRunner, spec: SpecConfig, **kwargs):
-        super().__init__(target, **kwargs)
+class Verified(NamedTuple):
+    """What the verify half hands the draft-extend half."""
+
+    inputs: SpecDecodeInputs
+    kv: KVRows                        # the snapshot of the batch's rows, by batch index
+    loc: torch.Tensor                 # [bs, D] the verify nodes' KV slots
+    accept: tree_ops.Accept
+    logprobs: Optional[torch.Tensor]  # [bs, D] per node, when asked for
+    feats: torch.Tensor               # [bs * D, F] the target features the draft reads
+
+
+class EagleWorker:
+    def __init__(self, target: TargetModel, draft: ModelRunner, spec: SpecConfig):
+        self.target = target
         self.draft = draft
         self.spec = spec
-        self.num_draft_tokens = spec.num_draft_tokens
-        self.capture_aux = draft.model.uses_aux_hidden
+        self.future_map = target.future_map
+        # EAGLE-3 reads target features from several layers, EAGLE-1 the last hidden state.
+        self.aux_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
+        self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         head = draft.model
-        self.future_map.allocate("topk_p", (spec.topk,), torch.float32)
-        self.future_map.allocate("topk_index", (spec.topk,), torch.int64)
-        self.future_map.allocate("hidden", (head.config.hidden_size,), next(head.parameters()).dtype)
+        self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
+                                             next(head.parameters()).dtype)
 
     def slots_per_request(self) -> int:
         return self.spec.kv_reserve_per_request
 
     # --- prefill ---------------------------------------------------------------------------
-    def launch(self, inputs):
-        if isinstance(inputs, SpecDecodeInputs):
-            return self._launch_decode(inputs)
-        return self._launch_prefill(inputs)
-
-    def _launch_prefill(self, inputs: ForwardInputs):
-        read_done = self.ctx.new_event()
-        result = BatchResult(copy_done=self.ctx.new_event(), token_ids=None)
+    def launch_extend(self, step: ExtendStep) -> Launched:
+        target = self.target.extend_inputs(step)
+        shifted = []
+        for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
+            shifted += fill[start + 1:end + 1] + [0] * samples
+        inputs = EagleExtendInputs(target, self.target.to_device(shifted),
+                                   self.target.to_device(step.samples, torch.bool))
         publish_ready = self.future_map.new_publish_event()
 
-        def run():
-            tokens, logprobs, hidden, aux = self.forward_and_sample(inputs, read_done, self.capture_aux)
-            # Draft rows read (feature of token p, token p + 1): the inputs shifted left by one;
-            # the last row of a chunk takes the next prompt token or, at the end, the sample.
-            shifted = inputs.extras["shifted_ids"].clone()
-            shifted[inputs.sample_rows] = torch.where(inputs.extras["samples"], tokens,
-                                                      shifted[inputs.sample_rows])
-            seq_lens = inputs.prefix_lens + inputs.extend_lens
-            self.future_map.publish(inputs.stash_rows, seq_lens)
+        def body(read_done) -> StepResult:
+            sampled = self.target.forward_and_sample(target, read_done, self.aux_layers)
+            shifted_ids = inputs.shifted_ids.clone()
+            shifted_ids[target.sample_rows] = torch.where(inputs.samples, sampled.tokens,
+                                                          shifted_ids[target.sample_rows])
+            self.future_map.publish(target.stash_rows, target.prefix_lens + target.extend_lens)
             publish_ready.record()
-            fb = self._fb(ForwardMode.DRAFT_EXTEND, shifted, inputs.positions, inputs.req_pool_indices,
-                          self.req_to_token, inputs.prefix_lens, inputs.extend_lens_cpu,
-                          inputs.out_cache_loc, inputs.seq_lens_cpu, inputs.max_seq_len)
-            draft_hidden = self.draft.forward(fb, aux if self.capture_aux else hidden)
-            self._stash_draft_state(inputs.stash_rows, draft_hidden[inputs.sample_rows])
-            self.finish(result, tokens, logprobs)
+            fb = ForwardBatch(
+                mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions,
+                kv_rows=KVRows(self.target.req_to_token.table, target.rows),
+                prefix_lens=target.prefix_lens, extend_lens_cpu=target.extend_lens_cpu,
+                out_cache_loc=target.out_cache_loc, seq_lens_cpu=target.seq_lens_cpu,
+                max_seq_len=target.max_seq_len)
+            draft_hidden = self.draft.forward(fb, sampled.aux_hidden if self.aux_layers else sampled.hidden)
+            self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
+            return StepResult(sampled.tokens, sampled.logprobs)
 
-        self.ctx.launch(run)
-        return result, read_done
+        return launch_forward(self.target.ctx, inputs, body)
 
     # --- decode ----------------------------------------------------------------------------
-    def _launch_decode(self, inputs: SpecDecodeInputs):
-        read_done = self.ctx.new_event()
-        result = BatchResult(copy_done=self.ctx.new_event(), token_ids=None)
+    def launch_decode(self, step: DecodeStep) -> Launched:
+        """The host does not know the lengths after the in-flight verify: the FutureMap has
+        them on the device, and the over-reserved slots cover whatever they turn out to be."""
+        rows = self.target.to_device(step.rows)
+        seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling)
         publish_ready = self.future_map.new_publish_event()
-        bs = inputs.req_pool_indices.shape[0]
-        use_graph = self.graphs is not None and self.graphable(inputs.sampling_info, bs)
+        bs = len(step.rows)
+        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs)
 
-        def run():
+        def body(read_done) -> StepResult:
             if use_graph:
-                captured = self.graphs.load({"rows": inputs.req_pool_indices, "S": inputs.seq_lens})
+                captured = self.graphs.load(rows=rows, S=seq_lens)
                 self.graphs.replay(captured, 0)
                 read_done.record()
                 publish_ready.record()
                 out = self.graphs.replay(captured, 1)
-                self.finish(result, out["tokens"][:bs], None, out["lengths"][:bs])
-                return
-            st = self._verify_part(dict(rows=inputs.req_pool_indices, S=inputs.seq_lens,
-                                        seq_lens_cpu=inputs.seq_lens_cpu, width=inputs.max_seq_len,
-                                        info=inputs.sampling_info), read_done)
+                return StepResult(out.token_ids[:bs], None, out.accept_lens[:bs])
+            verified = self._verify_half(inputs, read_done)
             publish_ready.record()
-            out = self._extend_part(st)
-            self.finish(result, out["tokens"], out["logprobs"], out["lengths"])
+            return self._extend_half(verified)
 
-        self.ctx.launch(run)
-        return result, read_done
+        return launch_forward(self.target.ctx, inputs, body)
 
-    def _verify_part(self, st: dict, read_done=None) -> dict:
-        """Snapshot the rows, draft, verify, accept, and write the new lengths for `publish`."""
-        rows, S, width = st["rows"], st["S"], st["width"]
-        bs, D = rows.shape[0], self.num_draft_tokens
+    def _verify_half(self, s: SpecDecodeInputs, read_done=None) -> Verified:
+        """Snapshot the rows, draft, build the tree, verify, accept, publish the new lengths."""
+        bs, D = s.rows.shape[0], self.tree.num_draft_tokens
         # The whole iteration reads the table through this snapshot, so the schedule side may
         # rewrite it as soon as the snapshot is taken.
-        snapshot = _TableView(self.req_to_token.table[rows, :width])
+        kv = KVRows.by_batch_index(self.target.req_to_token.table[s.rows, :s.width])
         if read_done is not None:
             read_done.record()
-        bonus = self.future_map.resolve_input_ids(-rows)
-        topk_p = self.future_map.gather("topk_p", rows)
-        topk_index = self.future_map.gather("topk_index", rows)
-        draft_hidden = self.future_map.gather("hidden", rows)
-
-        tp = self.runner.model.tp  # the draft runs on every rank; rank 0's tree is the tree
-        nodes = self._draft(snapshot, S, topk_p, topk_index, draft_hidden)
-        nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()), tp.broadcast(nodes.parents.contiguous()))
-        tree = tree_ops.build_tree(nodes, bonus, S, self.tree)
-        loc = snapshot.table.gather(1, tree.slot_positions)  # [bs, D] verify slots
-        batch_rows = torch.arange(bs, device=rows.device)
-        fb = self._fb(ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), tree.positions.reshape(-1),
-                      batch_rows, snapshot, S, [D] * bs, loc.reshape(-1),
-                      self._plus(st.get("seq_lens_cpu"), D), width, tree.mask)
-        fb.capture_aux_hidden = self.capture_aux
-        hidden, aux = self.runner.forward(fb)
-        logits = self.runner.model.compute_logits(hidden)
-        target_tokens, logprobs = self._target_tokens(logits, tree, rows, st["info"])
-        target_tokens = tp.broadcast(target_tokens.contiguous())
+        tree = self._draft(kv, s)
+        loc = kv.table.gather(1, tree.slot_positions)
+        fb = ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
+            positions=tree.positions.reshape(-1), kv_rows=kv, prefix_lens=s.S,
+            extend_lens_cpu=[D] * bs, out_cache_loc=loc.reshape(-1),
+            seq_lens_cpu=_plus(s.seq_lens_cpu, D), max_seq_len=s.width, custom_mask=tree.mask,
+            aux_hidden_layers=self.aux_layers)
+        hidden, aux = self.target.runner.forward(fb)
+        logits = self.target.model.compute_logits(hidden)
+        target_tokens, logprobs = self._target_tokens(logits, tree, s.rows, s.info)
+        target_tokens = self.target.model.tp.broadcast(target_tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len)
-        self.future_map.publish(rows, S + accept.lengths)
-        return dict(st, snapshot=snapshot, loc=loc, accept=accept, logprobs=logprobs,
-                    feats=aux if self.capture_aux else hidden)
+        self.future_map.publish(s.rows, s.S + accept.lengths)
+        return Verified(s, kv, loc, accept, logprobs, aux if self.aux_layers else hidden)
 
-    def _extend_part(self, st: dict) -> dict:
+    def _extend_half(self, v: Verified) -> StepResult:
         """Compact the accepted path (tree), draft-extend over it, stash the next draft input."""
-        rows, S, accept, loc = st["rows"], st["S"], st["accept"], st["loc"]
-        bs, D = rows.shape[0], self.num_draft_tokens
-        feats = st["feats"]
+        s, accept = v.inputs, v.accept
+        bs, D = s.rows.shape[0], self.tree.num_draft_tokens
+        feats = v.feats
         if self.tree.is_tree:  # move the accepted path to the front of each request's block
             feats = tree_ops.compact_rows(feats.view(bs, D, -1), accept.path).reshape(bs * D, -1)
-            self.runner.kv_pool.move_kv_cache(*tree_ops.compaction_moves(loc, accept))
+            self.target.runner.kv_pool.move_kv_cache(*tree_ops.compaction_moves(v.loc, accept))
         path_tokens = accept.tokens  # [bs, D]: tokens emitted along the path, then padding
-        chain_pos = S[:, None] + torch.arange(D, device=rows.device)
-        snapshot = st["snapshot"]
-        fb = self._fb(ForwardMode.DRAFT_EXTEND, path_tokens.reshape(-1), chain_pos.reshape(-1),
-                      torch.arange(bs, device=rows.device), snapshot, S, [D] * bs,
-                      snapshot.table.gather(1, chain_pos).reshape(-1),
-                      self._plus(st.get("seq_lens_cpu"), D), st["width"])
+        chain_pos = s.S[:, None] + torch.arange(D, device=s.rows.device)
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=path_tokens.reshape(-1),
+            positions=chain_pos.reshape(-1), kv_rows=v.kv, prefix_lens=s.S,
+            extend_lens_cpu=[D] * bs, out_cache_loc=v.kv.table.gather(1, chain_pos).reshape(-1),
+            seq_lens_cpu=_plus(s.seq_lens_cpu, D), max_seq_len=s.width)
         ext_hidden = self.draft.forward(fb, feats).view(bs, D, -1)
         last = accept.lengths - 1
-        self._stash_draft_state(rows, ext_hidden[torch.arange(bs, device=rows.device), last])
-        self.future_map.stash_tokens(rows, path_tokens.gather(1, last[:, None]).squeeze(1))
-        if st["info"].any_penalty:
-            self._mark_presence(rows, path_tokens, accept.lengths)
-        logprobs = None if st["logprobs"] is None else accept.gather_path(st["logprobs"])
-        return {"tokens": path_tokens, "lengths": accept.lengths, "logprobs": logprobs}
+        self._stash_draft_state(s.rows, ext_hidden[torch.arange(bs, device=s.rows.device), last])
+        self.future_map.stash_tokens(s.rows, path_tokens.gather(1, last[:, None]).squeeze(1))
+        if s.info.any_penalty:
+            self._mark_presence(s.rows, path_tokens, accept.lengths)
+        logprobs = None if v.logprobs is None else accept.gather_path(v.logprobs)
+        return StepResult(path_tokens, logprobs, accept.lengths)
 
-    # --- CUDA graphs -------------------------------------------------------------------------
-    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
-        from specserve.engine.runtime.cuda_graph import GraphedStep
-
-        device = self.req_to_token.table.device
-
-        def make_inputs(bs):
-            return dict(rows=torch.zeros(bs, dtype=torch.int64, device=device),
-                        S=torch.ones(bs, dtype=torch.int64, device=device), width=width,
-                        info=greedy_sampling_info(bs, self.runner.model.config.vocab_size, device))
-
-        self.graphs = GraphedStep([self._verify_part, self._extend_part], make_inputs,
-                                  pad={"rows": 0, "S": 1}, max_batch_size=max_batch_size, device=device)
-        self.graphs.capture_all()
-
-    def _draft(self, snapshot, S, topk_p, topk_index, hidden):
-        """num_steps - 1 draft forwards growing the first level (from the stash) into a tree."""
-        builder = tree_ops.DraftTreeBuilder(self.tree, topk_p, topk_index, hidden)
-        bs = S.shape[0]
-        branches = bs * self.tree.topk
-        batch_of_branch = torch.arange(bs, device=S.device).repeat_interleave(self.tree.topk)
+    def _draft(self, kv: KVRows, s: SpecDecodeInputs) -> tree_ops.Tree:
+        """num_steps - 1 draft forwards grow the stashed first level into a tree (rank 0's
+        is the tree: the draft runs on every rank)."""
+        bonus = self.future_map.resolve_input_ids(-s.rows)
+        state = self.future_map.gather_draft_state(s.rows)
+        builder = tree_ops.DraftTreeBuilder(self.tree, state.topk_p, state.topk_index, state.hidden)
+        S = s.S
+        branches = S.shape[0] * self.tree.topk
+        batch_of_branch = torch.arange(S.shape[0], device=S.device).repeat_interleave(self.tree.topk)
         for step in range(1, self.tree.num_steps):
             tokens, parent_hidden = builder.frontier()
-            positions = S[batch_of_branch] + step - 1
-            kv, kv_lens, loc = tree_ops.draft_step_kv(snapshot.table, S, step, self.tree, builder)
-            fb = self._fb(ForwardMode.DECODE, tokens, positions, torch.arange(branches, device=S.device),
-                          None, kv_lens - 1, [1] * branches, loc, None, kv.shape[1])
-            fb.kv_indices_override = kv
+            branch_kv, kv_lens, loc = tree_ops.draft_step_kv(kv.table, S, step, self.tree, builder)
+            fb = ForwardBatch(
+                mode=ForwardMode.DECODE, input_ids=tokens, positions=S[batch_of_branch] + step - 1,
+                kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=kv_lens - 1,
+                extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
             out_hidden = self.draft.forward(fb, parent_hidden)
             builder.expand(*self.draft.model.topk(out_hidden, self.tree.topk), out_hidden)
-        return builder.finish()
+        nodes = builder.finish()
+        tp = self.target.model.tp
+        nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
+                                    tp.broadcast(nodes.parents.contiguous()))
+        return tree_ops.build_tree(nodes, bonus, S, self.tree)
 
     def _target_tokens(self, logits, tree, rows, info: SamplingInfo):
         """The token the target itself picks at every node (greedy or seeded sample)."""
         bs, D = tree.tokens.shape
         node_req = torch.arange(bs, device=logits.device).repeat_interleave(D)
-        presence = tree_ops.node_presence(self.presence.table[rows], tree) if info.any_penalty else None
+        presence = tree_ops.node_presence(self.target.presence.table[rows], tree) if info.any_penalty else None
         tokens, logprobs = sample(logits, info, node_req, tree.positions.reshape(-1) + 1, presence)
         return tokens.view(bs, D), None if logprobs is None else logprobs.view(bs, D)
 
     def _mark_presence(self, rows, path_tokens, lengths):
-        table = self.presence.table
+        table = self.target.presence.table
         for j in range(path_tokens.shape[1]):
             tok = path_tokens[:, j]
             table[rows, tok] = table[rows, tok] | (j < lengths)
 
     def _stash_draft_state(self, rows, last_hidden):
         topk_p, topk_index = self.draft.model.topk(last_hidden, self.tree.topk)
-        self.future_map.stash(rows, topk_p=topk_p, topk_index=topk_index, hidden=last_hidden)
+        self.future_map.stash_draft_state(rows, DraftState(topk_p, topk_index, last_hidden))
 
-    @staticmethod
-    def _plus(seq_lens_cpu, n):
-        return None if seq_lens_cpu is None else [s + n for s in seq_lens_cpu]
+    # --- CUDA graphs -------------------------------------------------------------------------
+    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
+        from specserve.engine.runtime.cuda_graph import GraphedStep
 
-    def _fb(self, mode, ids, positions, req_pool_indices, req_to_token, prefix_lens, extend_lens,
-            loc, seq_lens_cpu, max_seq_len, mask=None) -> ForwardBatch:
-        return ForwardBatch(mode=mode, input_ids=ids, positions=positions, req_pool_indices=req_pool_indices,
-                            prefix_lens=prefix_lens, extend_lens_cpu=extend_lens, out_cache_loc=loc,
-                            req_to_token=req_to_token, kv_pool=None, attn_backend=None,
-                            seq_lens_cpu=seq_lens_cpu, max_seq_len=max_seq_len, custom_mask=mask)
+        device = self.target.ctx.device
+        vocab_size = self.target.model.config.vocab_size
+
+        def make_inputs(bs: int) -> SpecDecodeInputs:
+            return SpecDecodeInputs(rows=torch.zeros(bs, dtype=torch.int64, device=device),
+                                    S=torch.ones(bs, dtype=torch.int64, device=device),
+                                    seq_lens_cpu=None, width=width,
+                                    info=greedy_sampling_info(bs, vocab_size, device))
+
+        self.graphs = GraphedStep([self._verify_half, self._extend_half], make_inputs,
+                                  pad={"rows": 0, "S": 1}, max_batch_size=max_batch_size, device=device)
+        self.graphs.capture_all()
+
+
+def _plus(seq_lens_cpu: Optional[list[int]], n: int) -> Optional[list[int]]:
+    return None if seq_lens_cpu is None else [s + n for s in seq_lens_cpu]

@@ -12,7 +12,7 @@ from specserve.engine.attention.triton.kernels import (
     extend_attention, fill_kv_indices)
 
 if TYPE_CHECKING:
-    from specserve.engine.runtime.forward_batch import ForwardBatch
+    from specserve.engine.forward_batch import ForwardBatch
 
 
 class TritonAttnMetadata(NamedTuple):
@@ -34,8 +34,7 @@ class TritonAttnBackend(AttentionBackend):
     `init_forward_metadata` reads no device value on the host: `kv_indptr` is a device cumsum
     of `prefix_lens`, `kv_indices` is sized by `batch_size * max_seq_len`, and the only host
     inputs are `extend_lens_cpu` and `max_seq_len`. Prefix slots come from the requests'
-    `req_to_token` rows (or `kv_indices_override` rows in tree drafting); the new tokens' slots
-    always come from `out_cache_loc`. The index and split-KV scratch buffers are
+    `kv_rows`; the new tokens' slots always come from `out_cache_loc`. The index and split-KV scratch buffers are
     preallocated for up to `max_batch_size` requests of up to `max_context_len` tokens, so
     those forwards always reuse the same addresses (what CUDA-graph replay will need); larger
     forwards allocate their own.
@@ -47,10 +46,12 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
                  device: torch.device, *, max_batch_size: int = 128, max_kv_splits: int = 16,
                  decode_config: Optional[DecodeConfig] = None,
-                 extend_config: Optional[ExtendConfig] = None):
+                 extend_config: Optional[ExtendConfig] = None, needs_cpu_seq_lens: bool = False):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
+        # The kernels never read host lengths; True only makes the engine produce them.
+        self.needs_cpu_seq_lens = needs_cpu_seq_lens
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -97,14 +98,7 @@ class TritonAttnBackend(AttentionBackend):
         else:
             kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=self.device)
             kv_indices = torch.empty(kv_indices_bound, dtype=torch.int32, device=self.device)
-        if fb.kv_indices_override is None:
-            slot_table, table_rows = fb.req_to_token.table, fb.req_pool_indices
-        else:
-            # Tree drafting: row b of the override replaces request b's req_to_token row; its
-            # first prefix_lens[b] entries are the prefix, the new tokens' are out_cache_loc.
-            slot_table = fb.kv_indices_override
-            table_rows = torch.arange(bs, device=slot_table.device)
-        fill_kv_indices(slot_table, table_rows, fb.prefix_lens, kv_indptr, kv_indices,
+        fill_kv_indices(fb.kv_rows.table, fb.kv_rows.rows, fb.prefix_lens, kv_indptr, kv_indices,
                         decode_token_slots=fb.out_cache_loc if is_decode else None)
 
         qo_indptr = partial_out = partial_lse = None

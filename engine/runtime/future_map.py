@@ -11,11 +11,20 @@ every gather asserts it reads a fresh value, which catches "read without a new s
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from specserve.engine.runtime.device import DeviceContext
+
+
+class DraftState(NamedTuple):
+    """EAGLE's per-request draft input for the next iteration: the draft's top-k next
+    tokens with their probabilities, and the hidden state they came from."""
+
+    topk_p: torch.Tensor       # [rows, topk] float32
+    topk_index: torch.Tensor   # [rows, topk] int64
+    hidden: torch.Tensor       # [rows, hidden_size]
 
 
 def debug_enabled() -> bool:
@@ -31,7 +40,7 @@ class FutureMap:
         fill = -1 if self.debug else 0
         self.output_tokens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
         self.new_seq_lens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
-        self.spec_bufs: dict[str, torch.Tensor] = {}  # EAGLE draft state, created on first stash
+        self.draft_state: Optional[DraftState] = None  # per row; see allocate_draft_state
         self.publish_ready = None
 
     # --- forward side ------------------------------------------------------------------
@@ -45,18 +54,20 @@ class FutureMap:
     def stash_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.output_tokens_buf[rows] = tokens
 
-    def allocate(self, name: str, row_shape: tuple, dtype: torch.dtype) -> None:
-        """A per-row buffer for forward-only values (EAGLE: topk_p, topk_index, hidden)."""
-        device = self.output_tokens_buf.device
-        self.spec_bufs[name] = torch.zeros((self.output_tokens_buf.shape[0], *row_shape), dtype=dtype, device=device)
+    def allocate_draft_state(self, topk: int, hidden_size: int, hidden_dtype: torch.dtype) -> None:
+        num_rows, device = self.output_tokens_buf.shape[0], self.output_tokens_buf.device
+        self.draft_state = DraftState(
+            torch.zeros((num_rows, topk), dtype=torch.float32, device=device),
+            torch.zeros((num_rows, topk), dtype=torch.int64, device=device),
+            torch.zeros((num_rows, hidden_size), dtype=hidden_dtype, device=device))
 
-    def stash(self, rows: torch.Tensor, **payload: torch.Tensor) -> None:
+    def stash_draft_state(self, rows: torch.Tensor, state: DraftState) -> None:
         """Forward-only values; only the next forward reads them, so stream order suffices."""
-        for name, value in payload.items():
-            self.spec_bufs[name][rows] = value
+        for buf, value in zip(self.draft_state, state):
+            buf[rows] = value
 
-    def gather(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        return self.spec_bufs[name][rows]
+    def gather_draft_state(self, rows: torch.Tensor) -> DraftState:
+        return DraftState(*(buf[rows] for buf in self.draft_state))
 
     def new_publish_event(self):
         """Called on the schedule side when launching a forward that will `publish`: the
@@ -70,7 +81,7 @@ class FutureMap:
         self.new_seq_lens_buf[rows] = new_seq_lens
 
     # --- schedule side -----------------------------------------------------------------
-    def resolve_seq_lens(self, rows: torch.Tensor, rows_cpu: list[int]):
+    def resolve_seq_lens(self, rows: torch.Tensor):
         """The lengths the last forward published: (device tensor, host list or None).
 
         The schedule side waits for `publish_ready` (on CUDA a stream wait, not a host block)

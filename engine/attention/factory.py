@@ -1,0 +1,48 @@
+"""Attention backends by name, and the one place that turns the user's host-lengths override
+(`EngineConfig.needs_cpu_seq_lens`) into what each backend declares."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from specserve.engine.attention.base import AttentionBackend
+
+# What a backend declares when the user leaves the override unset (None): torch-native and
+# Triton build their metadata from host-known upper bounds; FlashInfer plans on exact host
+# lengths so that it may split the KV. An override (True or False) applies to every backend:
+# True forces host lengths, False opts FlashInfer into its sync-free plan.
+_DEFAULT_NEEDS_CPU_SEQ_LENS = {"torch": False, "triton": False, "flashinfer": True}
+
+
+def backend_name(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in _DEFAULT_NEEDS_CPU_SEQ_LENS:
+        raise ValueError(f"attention_backend: unknown backend {name!r}")
+    return name
+
+
+def create_attention_backend(name: str, device: torch.device, *, num_heads: int, num_kv_heads: int,
+                             head_dim: int, max_context_len: int, max_batch_size: int,
+                             needs_cpu_seq_lens: Optional[bool]) -> AttentionBackend:
+    name = backend_name(name, device)
+    needs = _DEFAULT_NEEDS_CPU_SEQ_LENS[name] if needs_cpu_seq_lens is None else needs_cpu_seq_lens
+    if name == "torch":
+        from specserve.engine.attention.torch_native import TorchNativeAttnBackend
+        return TorchNativeAttnBackend(needs_cpu_seq_lens=needs)
+    if name == "triton":
+        try:
+            from specserve.engine.attention.triton.backend import TritonAttnBackend
+        except ImportError as e:
+            raise ValueError(f"attention_backend: triton is not available ({e}); "
+                             "install specserve[triton] or use 'torch'") from e
+        return TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
+                                 max_batch_size=max_batch_size, needs_cpu_seq_lens=needs)
+    from specserve.engine.attention.flashinfer import FlashInferAttnBackend
+    try:
+        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=not needs)
+    except ImportError as e:
+        raise ValueError("attention_backend: flashinfer needs "
+                         "`pip install specserve[flashinfer]` (flashinfer-python 0.5.3; "
+                         f"importing it failed: {e})") from e

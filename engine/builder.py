@@ -1,0 +1,292 @@
+"""Building an engine: model, draft head, KV pools, attention backends, worker, scheduler, graphs.
+
+`build_engine(config, rank, init_method)` returns the parts as an `EngineCore`; the `Engine`
+facade (api.py) and tensor-parallel followers (tp.py) both start from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
+from specserve.engine.attention.factory import create_attention_backend
+from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+from specserve.engine.kvcache.pools import ReqToTokenPool, TokenSlotAllocator, TokenToKVPool
+from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
+from specserve.engine.models.eagle import load_draft_head
+from specserve.engine.models.llama import LlamaForCausalLM
+from specserve.engine.models.loader import init_dummy_weights, load_llama
+from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.runtime.device import DeviceContext
+from specserve.engine.runtime.future_map import FutureMap
+from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.tp_group import Stop, TPGroup
+from specserve.engine.runtime.worker import NormalWorker, PresenceTable, TargetModel
+from specserve.engine.scheduler.output_processor import OutputProcessor
+from specserve.engine.scheduler.policy import AdmissionPolicy
+from specserve.engine.scheduler.request_slots import RequestSlots
+from specserve.engine.scheduler.scheduler import Scheduler
+from specserve.engine.spec.eagle_worker import EagleWorker
+from specserve.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("specserve.engine")
+
+
+def demo_models_dir() -> Path:
+    return Path(os.environ.get("SPECSERVE_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
+
+
+def target_path(config: EngineConfig) -> str:
+    return config.model or str(demo_models_dir() / "demo-target")
+
+
+@dataclass(frozen=True)
+class EngineCore:
+    """Everything one rank of a running engine is made of."""
+
+    config: EngineConfig
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    model_path: str
+    model_config: ModelConfig
+    tokenizer: Optional[Tokenizer]
+    eos_token_ids: tuple[int, ...]
+    max_context_len: int
+    context_capped_by_pool: bool  # the pool, not the model, set max_context_len
+    spec: Optional[SpecConfig]
+    ctx: DeviceContext
+    req_to_token: ReqToTokenPool
+    allocator: TokenSlotAllocator
+    runner: ModelRunner
+    draft_runner: Optional[ModelRunner]
+    worker: object                # NormalWorker or EagleWorker
+    scheduler: Scheduler
+    needs_cpu_seq_lens: bool
+    uses_cuda_graphs: bool
+    tp_group: Optional[TPGroup]
+
+    @property
+    def kv_pool(self) -> TokenToKVPool:
+        return self.runner.kv_pool
+
+    def close(self) -> None:
+        """Process what is in flight, release graphs and streams, tear down the TP groups (on
+        rank 0 after telling the followers to stop)."""
+        with self.ctx.schedule_context():
+            self.scheduler.drain()
+        if self.worker.graphs is not None:
+            self.worker.graphs.release()
+        self.ctx.close()
+        if self.tp_group is not None:
+            if self.rank == 0:
+                self.tp_group.exchange([Stop()])
+            # Every rank tears its communicators down before rank 0 waits for the others:
+            # NCCL's teardown can wait for the peers, so joining first would deadlock.
+            self.tp_group.close()
+
+
+def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "") -> EngineCore:
+    """One rank's engine. With tp_size > 1 every rank calls this (rank 0 after spawning the
+    others); a failure leaves no process group behind."""
+    model_path = target_path(config)
+    device = resolve_device(config.device)
+    cfg = ModelConfig.from_dir(model_path)
+    tp_group = None
+    if config.tp_size > 1:  # rank 0 checked that the model splits before spawning the others
+        if device.type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        tp_group = TPGroup(config.tp_size, rank, init_method, device)
+    try:
+        return _build(config, rank, model_path, device, cfg, tp_group)
+    except BaseException:
+        if tp_group is not None:
+            tp_group.close()
+        raise
+
+
+def _build(config: EngineConfig, rank: int, model_path: str, device: torch.device, cfg: ModelConfig,
+           tp_group: Optional[TPGroup]) -> EngineCore:
+    dtype = resolve_dtype(config.dtype, device)
+    eos_token_ids = tuple(_eos_ids(model_path, cfg))
+    tokenizer = Tokenizer(model_path, list(eos_token_ids)) \
+        if os.path.exists(os.path.join(model_path, "tokenizer.json")) else None
+    model_context = min(config.max_context_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    spec = resolve_spec(config)
+    # KV slots a decode step reserves past a request's committed length; past max_context_len
+    # a row also holds the speculative over-reservation.
+    step_slots = 1 if spec is None else spec.kv_reserve_per_request
+    row_width = model_context + (0 if spec is None else spec.kv_reserve_per_request) + 1
+
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_llama(model, model_path)
+    model.eval()
+
+    ctx = DeviceContext.for_device(device)
+    num_rows = config.max_running_requests
+    attn_layer = model.layers[0].self_attn  # this rank's heads
+    num_slots = _num_kv_slots(config, cfg, attn_layer.num_kv_heads, dtype, device, num_rows, spec,
+                              model_context, step_slots)
+    max_context_len = fit_context_to_pool(model_context, num_slots, step_slots)
+    req_to_token = ReqToTokenPool(num_rows, row_width, device)
+    kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim, dtype, device)
+    allocator = TokenSlotAllocator(num_slots, device)
+
+    def attention_backend(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+        # Forwards see at most a whole row; tree drafting runs topk sequences per request.
+        return create_attention_backend(
+            config.attention_backend, device, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, max_context_len=row_width,
+            max_batch_size=num_rows * (1 if spec is None else spec.topk),
+            needs_cpu_seq_lens=config.needs_cpu_seq_lens)
+
+    attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
+    runner = ModelRunner(model, kv_pool, attn)
+    draft_runner = None
+    if spec is not None:
+        head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
+                               dummy=config.load_format == "dummy")
+        dcfg = head.config
+        draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, dtype, device)
+        draft_runner = ModelRunner(head, draft_pool,
+                                   attention_backend(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
+    backends = [attn, None if draft_runner is None else draft_runner.attn_backend]
+    needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
+    target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
+                         PresenceTable(num_rows, cfg.vocab_size, device))
+    worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
+    slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request())
+    scheduler = Scheduler(
+        worker=worker, slots=slots,
+        policy=AdmissionPolicy(slots, max_running_requests=num_rows,
+                               chunked_prefill_size=config.chunked_prefill_size,
+                               max_context_len=max_context_len),
+        outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
+        enable_overlap=config.enable_overlap, speculative=spec is not None)
+    uses_cuda_graphs = _wants_cuda_graphs(config, device, attn)
+    if uses_cuda_graphs:
+        worker.enable_cuda_graphs(num_rows, row_width)
+    if device.type == "cuda":  # set-up ran on the default stream; forwards will not
+        torch.cuda.synchronize(device)
+    return EngineCore(
+        config=config, rank=rank, device=device, dtype=dtype, model_path=model_path,
+        model_config=cfg, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+        max_context_len=max_context_len, context_capped_by_pool=max_context_len < model_context,
+        spec=spec, ctx=ctx, req_to_token=req_to_token, allocator=allocator, runner=runner,
+        draft_runner=draft_runner, worker=worker, scheduler=scheduler,
+        needs_cpu_seq_lens=needs_cpu_seq_lens, uses_cuda_graphs=uses_cuda_graphs, tp_group=tp_group)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA was requested but is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_spec(config: EngineConfig) -> Optional[SpecConfig]:
+    """DEFAULT: speculate with the demo draft when serving the demo target, else not."""
+    demo_draft = str(demo_models_dir() / "demo-draft")
+    if config.spec is None:
+        return None
+    if config.spec == DEFAULT:
+        if config.model is None and os.path.exists(demo_draft):
+            return SpecConfig(draft_model=demo_draft)
+        return None
+    spec = config.spec
+    if spec.draft_model is None:
+        if config.model is not None:
+            raise ValueError("spec.draft_model: required unless the target is the bundled demo model")
+        spec = dataclasses.replace(spec, draft_model=demo_draft)
+    if not os.path.exists(os.path.join(spec.draft_model, "config.json")):
+        raise ValueError(f"spec.draft_model: no config.json in {spec.draft_model}")
+    return spec
+
+
+def check_tp_divides(cfg: ModelConfig, tp_size: int) -> None:
+    """Refuse a split before any rank starts (the layers check again, per rank)."""
+    tp = TensorParallel(tp_size, 0)
+    tp.split(cfg.num_heads, "num_attention_heads")
+    tp.split(cfg.intermediate_size, "intermediate_size")
+    kv_head_range(cfg.num_kv_heads, tp)
+
+
+def peak_slots(context_len: int, step_slots: int) -> int:
+    """The most KV slots one request holds: a context of context_len - 1 written tokens (the
+    last one is sampled, never fed) plus a decode step's reservation past it."""
+    return context_len - 1 + step_slots
+
+
+def fit_context_to_pool(context_len: int, num_slots: int, step_slots: int) -> int:
+    """The largest context up to context_len whose peak fits the pool. One request alone then
+    always fits: a request that cannot is refused at add_request (its prompt is too long) or
+    ends with "length", instead of being found out mid-decode with nothing left to retract."""
+    fit = num_slots - step_slots + 1  # the largest context with peak_slots <= num_slots
+    if fit < 2:
+        raise ValueError(f"max_total_tokens: {num_slots} KV slots cannot hold one request "
+                         f"(a decode step reserves {step_slots} slots past its context)")
+    if fit < context_len:
+        logger.warning("max_context_len %d -> %d: one request must fit the %d-slot KV pool "
+                       "(a decode step reserves %d slots)", context_len, fit, num_slots, step_slots)
+        return fit
+    return context_len
+
+
+def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
+                  device: torch.device, num_rows: int, spec: Optional[SpecConfig], context_len: int,
+                  step_slots: int) -> int:
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None), num_kv_heads,
+                                            cfg.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.mem_fraction) // per_slot
+    # CPU: enough for every row at full context, capped by a fraction of physical memory.
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    full = num_rows * peak_slots(context_len, step_slots)
+    return max(16, min(full, int(physical * 0.25) // per_slot))
+
+
+def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend) -> bool:
+    """On by default on CUDA with a backend whose metadata a graph can capture (Triton)."""
+    if config.cuda_graph is False or device.type != "cuda":
+        if config.cuda_graph and device.type != "cuda":
+            raise ValueError("cuda_graph: needs a CUDA device")
+        return False
+    if not attn.supports_cuda_graphs:
+        if config.cuda_graph:
+            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured; "
+                             "use attention_backend='triton'")
+        return False
+    return True
+
+
+def _eos_ids(path: str, cfg: ModelConfig) -> list[int]:
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [eos]
+    return list(cfg.eos_token_ids)

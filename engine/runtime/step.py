@@ -1,0 +1,85 @@
+"""What passes between the scheduler and a worker: the schedule decision going in, the launched
+forward and its host results coming back; and the one helper that launches a forward.
+
+The scheduler decides on the host (which requests, which chunk, which KV slots) and hands a
+worker an `ExtendStep` or a `DecodeStep`; the worker builds its own device inputs from it and
+launches. A launch returns at once: the result is read after `copy_done`, and the scheduler
+may rewrite the request table after `read_done`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from specserve.engine.layers.sampler import SamplingInfo
+from specserve.engine.runtime.device import DeviceContext
+
+
+class ExtendStep(NamedTuple):
+    """Prefill chunks: request b feeds `fill_ids[b][start:end]` for its chunk (start, end)."""
+
+    rows: list[int]                   # request-table row of each request
+    fill_ids: list[list[int]]         # each request's tokens to prefill (prompt + outputs so far)
+    chunks: list[tuple[int, int]]
+    samples: list[bool]               # the chunk ends the request's prefill: sample its next token
+    out_cache_loc: torch.Tensor       # KV slots of every chunk's tokens, in order (in the table)
+    sampling: SamplingInfo
+
+
+class DecodeStep(NamedTuple):
+    """One decode (or speculative) step over running requests."""
+
+    rows: list[int]
+    # Host view of each request's committed KV length; plain decoding commits the token this
+    # step feeds when it schedules the step, speculative decoding only when results arrive.
+    committed_lens: list[int]
+    allocated_lens: list[int]         # slots each request's row holds after this step's reservation
+    out_cache_loc: torch.Tensor       # the slots reserved by this step, in order
+    sampling: SamplingInfo
+
+
+class StepResult(NamedTuple):
+    """A forward's outputs: on the device inside the forward, on the host after `copy_done`."""
+
+    token_ids: torch.Tensor                   # [bs] or, speculative, [bs, num_draft_tokens]
+    logprobs: Optional[torch.Tensor] = None   # same shape as token_ids
+    accept_lens: Optional[torch.Tensor] = None  # speculative: tokens emitted per request
+
+
+class PendingResult:
+    """The host copy of a StepResult, set once by the forward; read it after `copy_done`."""
+
+    def __init__(self, copy_done):
+        self.copy_done = copy_done
+        self._host: Optional[StepResult] = None
+
+    def set(self, host: StepResult) -> None:
+        self._host = host
+
+    def wait(self) -> StepResult:
+        self.copy_done.synchronize()
+        return self._host
+
+
+class Launched(NamedTuple):
+    result: PendingResult
+    read_done: Any      # event: the forward no longer reads the request table
+    inputs: Any         # device tensors the forward reads, held until the result is processed
+
+
+def launch_forward(ctx: DeviceContext, inputs: Any,
+                   body: Callable[[Any], StepResult]) -> Launched:
+    """Run `body(read_done)` on the forward stream and copy its StepResult to the host.
+
+    `body` records `read_done` once it no longer reads the request table."""
+    read_done = ctx.new_event()
+    result = PendingResult(ctx.new_event())
+
+    def run():
+        out = body(read_done)
+        result.set(StepResult(*(None if t is None else ctx.to_host(t) for t in out)))
+        result.copy_done.record()
+
+    ctx.launch(run)
+    return Launched(result, read_done, inputs)

@@ -1,0 +1,49 @@
+"""Turning a step's host results into request outputs: append, stop, emit."""
+from __future__ import annotations
+
+from typing import Optional
+
+from specserve.engine.outputs import StepOutput
+from specserve.engine.scheduler.schedule_batch import Req, ReqStatus
+
+
+class OutputProcessor:
+    def __init__(self, max_context_len: int):
+        self.max_context_len = max_context_len
+
+    def deliver(self, req: Req, tokens: list[int], logprobs: Optional[list[float]],
+                num_drafts: int = 0) -> Optional[str]:
+        """Append a step's tokens, cutting exactly where plain decoding would have stopped;
+        returns the finish reason if one was reached. A verify's first `num_drafts` tokens
+        are accepted drafts (the last is the target's own); only the drafts kept count."""
+        for j, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            if req.sampling.logprobs and logprobs is not None:
+                req.logprobs = (req.logprobs or []) + [logprobs[j]]
+            n_out = len(req.output_ids)
+            reason = None
+            if tok in req.stop_ids and n_out > req.sampling.min_new_tokens:
+                req.matched_stop = tok
+                reason = "stop"
+            elif n_out >= req.sampling.max_new_tokens or req.seq_len >= self.max_context_len:
+                reason = "length"
+            if reason is not None:
+                req.num_accepted_drafts += min(j + 1, num_drafts)
+                return reason
+        req.num_accepted_drafts += min(len(tokens), num_drafts)
+        return None
+
+    @staticmethod
+    def emit(req: Req) -> Optional[StepOutput]:
+        """The output tokens not handed out yet (and the finish, once finished), if any."""
+        new = req.output_ids[req.num_emitted:]
+        finished = req.status is ReqStatus.FINISHED
+        if not new and not finished:
+            return None
+        lps = req.logprobs[req.num_emitted:] if req.logprobs is not None else None
+        req.num_emitted = len(req.output_ids)
+        return StepOutput(
+            rid=req.rid, new_token_ids=new, new_logprobs=lps, finished=finished,
+            finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            num_verify_steps=req.num_verify_steps, num_accepted_drafts=req.num_accepted_drafts)

@@ -1,0 +1,126 @@
+"""Admission and retraction: which requests hold a row, and what the next launch covers.
+
+Prefill goes first (a request in the middle of a chunked prefill, then new admissions, FCFS,
+within the chunk budget); otherwise one decode step over every running request that may
+still grow. When the pool cannot cover a decode step, the most recently admitted request is
+retracted: its KV is freed and it waits to be prefilled again over prompt + outputs.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.scheduler.request_slots import RequestSlots
+from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
+
+
+class AdmissionPolicy:
+    def __init__(self, slots: RequestSlots, *, max_running_requests: int, chunked_prefill_size: int,
+                 max_context_len: int):
+        self.slots = slots
+        self.max_running = max_running_requests
+        self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.max_context_len = max_context_len
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []          # hold a row (prefilling or decoding)
+        self.num_retractions = 0
+        self._admit_counter = 0
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """A finished request gives up its row and KV, or its place in the queue."""
+        if req.status is ReqStatus.RUNNING:
+            self.slots.release(req)
+            self.running.remove(req)
+        elif req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+
+    def schedule(self, nothing_in_flight: bool) -> Optional[Decision]:
+        return self._prefill() or self._decode(nothing_in_flight)
+
+    # --- prefill -------------------------------------------------------------------------
+    def _prefill(self) -> Optional[Decision]:
+        budget = self.chunk_budget
+        free = self.slots.num_free  # slots are taken when the step is built
+        reqs, chunks = [], []
+        # A request in the middle of a chunked prefill goes first.
+        for req in self.running:
+            if req.is_prefilling and budget > 0:
+                n = min(budget, len(req.fill_ids) - req.num_prefilled, free)
+                if n == 0:
+                    break
+                reqs.append(req)
+                chunks.append(req.take_chunk(n))
+                budget -= n
+                free -= n
+        # Admit only what leaves room for the next decode step of every running request and of
+        # the new one (a speculative step reserves several slots each): admitting into slots
+        # that step needs would force a retraction straight away.
+        headroom = sum(self.slots.to_reserve(r) for r in self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running \
+                and self.slots.num_free_rows > 0:
+            req = self.waiting[0]
+            if req.num_inflight_tokens:   # retracted with a result still in flight
+                break
+            n = min(budget, req.seq_len)  # it prefills prompt + outputs so far
+            if n + headroom + self.slots.step_slots > free:
+                break
+            headroom += self.slots.step_slots
+            self.waiting.popleft()
+            self._admit_counter += 1
+            self.slots.admit(req, self._admit_counter)
+            self.running.append(req)
+            reqs.append(req)
+            chunks.append(req.take_chunk(n))
+            budget -= n
+            free -= n
+        if not reqs:
+            return None
+        samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]
+        for r, s in zip(reqs, samples):
+            r.num_inflight_tokens += s
+        return Decision(ForwardMode.EXTEND, reqs, chunks, samples)
+
+    # --- decode --------------------------------------------------------------------------
+    def _decode(self, nothing_in_flight: bool) -> Optional[Decision]:
+        reqs = self._decode_ready()
+        if not reqs:
+            if any(r.is_prefilling for r in self.running) and nothing_in_flight:
+                self._retract_one()  # every holder is stuck mid-prefill on a full pool
+            return None
+        # A retracted request leaves the batch before anything is launched or reserved for it.
+        while self.slots.num_free < sum(self.slots.to_reserve(r) for r in reqs):
+            self._retract_one()
+            reqs = self._decode_ready()
+            if not reqs:
+                return None
+        for r in reqs:
+            r.num_inflight_tokens += 1  # at least one token per step, speculative or not
+        return Decision(ForwardMode.DECODE, reqs)
+
+    def _decode_ready(self) -> list[Req]:
+        return [r for r in self.running if not r.is_prefilling and self._can_decode(r)]
+
+    def _can_decode(self, req: Req) -> bool:
+        """False once the tokens already in flight reach a length limit (host-known)."""
+        projected_outputs = len(req.output_ids) + req.num_inflight_tokens
+        projected_len = len(req.prompt_ids) + projected_outputs
+        return projected_outputs < req.sampling.max_new_tokens and projected_len < self.max_context_len
+
+    def _retract_one(self) -> None:
+        """Free the most recently admitted request's KV and queue it again (outputs stay exact:
+        it will be prefilled again over prompt + outputs)."""
+        if len(self.running) <= 1:
+            # The engine caps max_context_len so that one request's peak KV fits the pool
+            # (Engine._fit_context_to_pool); a lone request short of slots means lost slots.
+            raise RuntimeError(f"KV pool accounting is broken: {self.slots.num_free} of "
+                               f"{self.slots.allocator.num_slots} slots free for a lone request")
+        victim = max(self.running, key=lambda r: r.admit_order)
+        self.num_retractions += 1
+        self.slots.release(victim)
+        self.running.remove(victim)
+        victim.status = ReqStatus.WAITING
+        self.waiting.appendleft(victim)

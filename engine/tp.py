@@ -1,0 +1,60 @@
+"""Tensor-parallel ranks: spawning the followers, the control messages rank 0 sends them at
+the start of each step, and the loop a follower runs (runtime/tp_group.py has the design)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import torch
+
+from specserve.engine.builder import EngineCore, build_engine
+from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.runtime.tp_group import Stop
+from specserve.engine.scheduler.schedule_batch import Req
+
+
+class AddRequest(NamedTuple):
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+
+    def apply(self, core: EngineCore) -> None:
+        stop_ids = set(self.sampling.stop_token_ids)
+        if not self.sampling.ignore_eos:
+            stop_ids.update(core.eos_token_ids)
+        core.scheduler.add(Req(rid=self.rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
+                               seed=self.seed, stop_ids=frozenset(stop_ids)))
+
+
+class AbortRequest(NamedTuple):
+    rid: str
+
+    def apply(self, core: EngineCore) -> None:
+        with core.ctx.schedule_context():  # frees KV: schedule-side device work
+            core.scheduler.abort(self.rid)
+
+
+RequestChange = Union[AddRequest, AbortRequest]
+
+
+def spawn_followers(config: EngineConfig, init_method: str) -> list:
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(config, rank, init_method), daemon=True)
+             for rank in range(1, config.tp_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _follower_main(config: EngineConfig, rank: int, init_method: str) -> None:
+    """Ranks > 0: mirror rank 0's steps until it stops."""
+    core = build_engine(config, rank, init_method)
+    while True:
+        changes = core.tp_group.exchange([])
+        if any(isinstance(change, Stop) for change in changes):
+            break
+        for change in changes:
+            change.apply(core)
+        with core.ctx.schedule_context():
+            core.scheduler.step()
+    core.close()
