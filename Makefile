@@ -43,7 +43,7 @@ PORT ?= 50051
 SERVE_ARGS ?=
 DEMO_PORT ?= 50061
 DEMO_LOG ?= build/demo-server.log
-# server/proto/ is generated with this grpcio-tools, whose code runs on every protobuf runtime
+# specserve/proto/ is generated with this grpcio-tools, whose code runs on every protobuf runtime
 # from 5.27.2 on (tests/test_server_proto.py checks the guard). It is installed apart from the
 # venv (which keeps the newest grpcio-tools for the staleness test), without dependencies: only
 # its bundled protoc and code generators run.
@@ -51,13 +51,13 @@ PROTO_GRPC_TOOLS ?= grpcio-tools==1.66.2
 PROTO_TOOLS_DIR := build/$(subst ==,-,$(PROTO_GRPC_TOOLS))
 
 serve: venv
-	$(PY) -m specserve.clients.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(PY) -m specserve.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # The server on the bundled demo model in the background; wait for SERVING, stream one
 # generation through the SDK, stop the server.
 demo: venv
 	@mkdir -p $(dir $(DEMO_LOG)); \
-	$(PY) -m specserve.clients.cli serve --host 127.0.0.1 --port $(DEMO_PORT) > $(DEMO_LOG) 2>&1 & \
+	$(PY) -m specserve.cli serve --host 127.0.0.1 --port $(DEMO_PORT) > $(DEMO_LOG) 2>&1 & \
 	server=$$!; \
 	trap 'kill -TERM $$server 2>/dev/null; wait $$server' EXIT; \
 	echo "starting the server on the demo model (log: $(DEMO_LOG))"; \

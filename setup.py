@@ -11,4 +11,4 @@ for name, path in ROOTS.items():
     packages += [f"{name}.{sub}" for sub in find_packages(path)]
 
 setup(packages=packages, package_dir=package_dir,
-      package_data={"specserve.server": ["proto/**/*"]})
+      package_data={"specserve.proto": ["*.pyi"]})

@@ -19,8 +19,8 @@ from specserve.clients.errors import Unavailable, error_from_rpc
 from specserve.clients.messages import (build_request, channel_credentials, channel_options,
                                         chunk_from_proto, result_from_chunks)
 from specserve.clients.types import Chunk, GenerateResult
-from specserve.server.proto import generate_pb2 as pb
-from specserve.server.proto import generate_pb2_grpc as pb_grpc
+from specserve.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2_grpc as pb_grpc
 
 
 class Stream:

@@ -11,7 +11,7 @@ import grpc
 
 from specserve.clients.errors import InvalidArgument
 from specserve.clients.types import Chunk, GenerateResult, SpecStats, Usage
-from specserve.server.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2 as pb
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}

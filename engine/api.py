@@ -5,7 +5,9 @@ with tensor parallelism `tp` spawns the other ranks and carries request changes 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 import random
 import time
 from typing import Optional, Sequence, Union
@@ -15,7 +17,7 @@ import torch
 from specserve.engine.builder import EngineCore, build_engine, check_tp_divides, target_path
 from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.models.model_config import ModelConfig
-from specserve.engine.outputs import EngineLoad, GenerateOutput, StepOutput
+from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, StepOutput
 from specserve.engine.runtime.tp_group import free_init_method
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.tp import AbortRequest, AddRequest, RequestChange, spawn_followers
@@ -59,17 +61,15 @@ class Engine:
         return self.core.spec
 
     @property
-    def model_info(self) -> dict:
+    def info(self) -> EngineInfo:
         core, spec = self.core, self.core.spec
-        return {
-            "model": core.model_path, "architecture": core.model_config.architecture,
-            "vocab_size": core.model_config.vocab_size, "max_context_len": core.max_context_len,
-            "dtype": str(core.dtype).replace("torch.", ""), "device": str(core.device),
-            "eos_token_ids": list(core.eos_token_ids), "tp_size": core.config.tp_size,
-            "spec": None if spec is None else {
-                "algorithm": spec.algorithm, "draft_model": spec.draft_model, "num_steps": spec.num_steps,
-                "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens},
-        }
+        return EngineInfo(
+            model=_folder_name(core.model_path), architecture=core.model_config.architecture,
+            vocab_size=core.model_config.vocab_size, max_context_len=core.max_context_len,
+            dtype=str(core.dtype).replace("torch.", ""), device=str(core.device),
+            eos_token_ids=core.eos_token_ids,
+            spec=None if spec is None else dataclasses.replace(
+                spec, draft_model=_folder_name(spec.draft_model)))
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
@@ -223,3 +223,7 @@ class Engine:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _folder_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path))

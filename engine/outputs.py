@@ -1,8 +1,25 @@
-"""What the engine hands back: incremental step outputs and finished generations."""
+"""What the engine hands back: what it serves, incremental step outputs, finished generations
+and its load. The server receives the same types (engine/wire.py converts them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
+
+from specserve.engine.config import SpecConfig
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine serves. Models are named by their folder's name, never by a path."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    max_context_len: int
+    dtype: str
+    device: str
+    eos_token_ids: tuple[int, ...]
+    spec: Optional[SpecConfig]   # the speculative configuration, its draft_model a name too
 
 
 @dataclass

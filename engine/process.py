@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.outputs import StepOutput
-from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.engine.wire import info_to_proto, load_to_proto, output_to_proto, sampling_from_proto
+from specserve.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
 
@@ -88,49 +88,16 @@ def _start_engine(config: EngineConfig):
     engine = Engine(config)
     # One short generation before reporting ready: the first real request then finds every
     # lazily built piece (kernels, graphs, allocator) in place.
-    warmup_prompt = list(range(min(4, engine.model_info["vocab_size"])))
+    warmup_prompt = list(range(min(4, engine.info.vocab_size)))
     engine.generate(prompt_token_ids=[warmup_prompt],
                     sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
     return engine
 
 
 def _ready_message(engine) -> ipc.EngineReady:
-    info = engine.model_info
     tokenizer = engine.tokenizer  # None when the model folder has no tokenizer.json
-    ready = ipc.EngineReady(
-        model=str(info.get("model") or ""), architecture=str(info.get("architecture") or ""),
-        vocab_size=int(info["vocab_size"]), max_context_len=int(info["max_context_len"]),
-        dtype=str(info.get("dtype") or ""), device=str(info.get("device") or ""),
-        eos_token_ids=list(info["eos_token_ids"]),
-        tokenizer_pickle=pickle.dumps(tokenizer) if tokenizer is not None else b"")
-    spec = info.get("spec")
-    if spec:
-        ready.spec.CopyFrom(ipc.EngineSpecConfig(
-            algorithm=str(spec.get("algorithm") or ""), draft_model=str(spec.get("draft_model") or ""),
-            num_steps=int(spec.get("num_steps") or 0), topk=int(spec.get("topk") or 0),
-            num_draft_tokens=int(spec.get("num_draft_tokens") or 0)))
-    return ready
-
-
-def sampling_from_proto(p: ipc.EngineSamplingParams) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens,
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
-
-
-def _output_to_proto(out: StepOutput) -> ipc.RequestOutput:
-    msg = ipc.RequestOutput(
-        rid=out.rid, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
-        finished=out.finished, finish_reason=out.finish_reason or "",
-        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-        spec=ipc.SpecInfo(num_verify_steps=out.num_verify_steps,
-                          num_accepted_drafts=out.num_accepted_drafts))
-    if out.matched_stop is not None:
-        msg.matched_stop_token_id = out.matched_stop
-    return msg
+    return ipc.EngineReady(info=info_to_proto(engine.info),
+                           tokenizer_pickle=pickle.dumps(tokenizer) if tokenizer is not None else b"")
 
 
 class _EngineLoop:
@@ -194,15 +161,11 @@ class _EngineLoop:
         for out in step_outputs:
             if out.finished:
                 self.live_rids.discard(out.rid)
-        batch = ipc.BatchOutput(outputs=[_output_to_proto(out) for out in step_outputs])
+        batch = ipc.BatchOutput(outputs=[output_to_proto(out) for out in step_outputs])
         self._send(ipc.EngineToServer(batch=batch))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
-        load = self.engine.load()
-        return ipc.LoadReport(
-            query_id=query_id, num_running=load.num_running, num_waiting=load.num_waiting,
-            kv_used_tokens=load.kv_used_tokens, kv_total_tokens=load.kv_total_tokens,
-            mean_accept_length=load.mean_accept_length, num_retractions=load.num_retractions)
+        return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))
 
     def _send(self, message: ipc.EngineToServer) -> None:
         self.outputs.send(message.SerializeToString())

@@ -159,7 +159,7 @@ class SpecserveServer:
             logger.error("the engine failed to start: %s", e)
             stop.cancel()
             return 1
-        self.servicer.on_engine_ready(info)
+        self.servicer.on_engine_ready(info, self.engine.tokenizer)
         await self.health.set_serving(True)
         logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,
                     info.device, info.dtype)

@@ -17,15 +17,16 @@ import os
 import pickle
 import shutil
 import tempfile
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import zmq
 import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput
 from specserve.engine.process import ServerLink, run_engine_process
-from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.engine.wire import info_from_proto, load_from_proto, output_from_proto, sampling_to_proto
+from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("specserve.server.engine")
@@ -42,35 +43,8 @@ class RequestRejected(Exception):
     """The engine refused a request; the message names the field (engine ValueError)."""
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine reported once it was loaded and warm."""
-
-    model: str
-    architecture: str
-    vocab_size: int
-    max_context_len: int
-    dtype: str
-    device: str
-    eos_token_ids: tuple[int, ...]
-    spec: Optional[ipc.EngineSpecConfig]
-    tokenizer: Any  # the engine's tokenizer (encode/decode), or None if the model has none
-
-
 # What a request's queue carries: engine outputs, then possibly an error that ends the stream.
-RequestEvent = Union[ipc.RequestOutput, Exception]
-
-
-def sampling_to_proto(sampling: SamplingParams) -> ipc.EngineSamplingParams:
-    msg = ipc.EngineSamplingParams(
-        max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
-        stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos,
-        logprobs=sampling.logprobs)
-    if sampling.seed is not None:
-        msg.seed = sampling.seed
-    return msg
+RequestEvent = Union[StepOutput, Exception]
 
 
 class EngineClient:
@@ -78,6 +52,7 @@ class EngineClient:
         self.config = config
         self.watchdog = watchdog
         self.info: Optional[EngineInfo] = None
+        self.tokenizer: Any = None  # the engine's tokenizer (encode/decode), once ready; or None
         self.process: Optional[multiprocessing.process.BaseProcess] = None
         self._dead_reason: Optional[str] = None
         self._closing = False
@@ -165,7 +140,7 @@ class EngineClient:
         if self._streams.pop(rid, None) is not None and self._dead_reason is None:
             self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid)), quiet=True)
 
-    async def load(self) -> ipc.LoadReport:
+    async def load(self) -> EngineLoad:
         self.check_available()
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
@@ -211,7 +186,7 @@ class EngineClient:
             elif kind == "load":
                 future = self._load_queries.get(message.load.query_id)
                 if future is not None and not future.done():
-                    future.set_result(message.load)
+                    future.set_result(load_from_proto(message.load.load))
             elif kind == "ready":
                 self._on_ready(message.ready)
             elif kind == "failed":
@@ -219,21 +194,17 @@ class EngineClient:
                 last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]
                 self._mark_dead(f"engine failed: {last_line[0]}")
 
-    def _deliver(self, out: ipc.RequestOutput) -> None:
-        queue = self._streams.get(out.rid)
+    def _deliver(self, msg: ipc.RequestOutput) -> None:
+        queue = self._streams.get(msg.rid)
         if queue is None:  # aborted by the server meanwhile
             return
-        if out.finished:
-            del self._streams[out.rid]
-        queue.put_nowait(out)
+        if msg.finished:
+            del self._streams[msg.rid]
+        queue.put_nowait(output_from_proto(msg))
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:
-        tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle else None
-        self.info = EngineInfo(
-            model=ready.model, architecture=ready.architecture, vocab_size=ready.vocab_size,
-            max_context_len=ready.max_context_len, dtype=ready.dtype, device=ready.device,
-            eos_token_ids=tuple(ready.eos_token_ids),
-            spec=ready.spec if ready.HasField("spec") else None, tokenizer=tokenizer)
+        self.tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle else None
+        self.info = info_from_proto(ready.info)
         if not self._ready.done():
             self._ready.set_result(self.info)
         self.watchdog.arm()

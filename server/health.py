@@ -9,7 +9,7 @@ from __future__ import annotations
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from specserve.server.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2 as pb
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 HEALTH_SERVICE_NAMES = ("", GENERATION_SERVICE)

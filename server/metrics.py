@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector
 
-from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.engine.outputs import EngineLoad
 from specserve.server.watchdog import WatchdogReport, WatchdogState
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -70,7 +70,7 @@ class ServerMetrics:
         self._retractions_seen = 0  # the engine reports a running total; the counter takes steps
         r.register(_WatchdogCollector(watchdog_report))
 
-    def observe_load(self, load: ipc.LoadReport) -> None:
+    def observe_load(self, load: EngineLoad) -> None:
         self.num_running.set(load.num_running)
         self.num_waiting.set(load.num_waiting)
         self.kv_used_tokens.set(load.kv_used_tokens)

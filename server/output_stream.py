@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from specserve.engine.outputs import StepOutput
+from specserve.proto import generate_pb2 as pb
 from specserve.server.detokenizer import IncrementalDetokenizer
-from specserve.server.proto import engine_ipc_pb2 as ipc
-from specserve.server.proto import generate_pb2 as pb
 from specserve.server.stop_strings import StopStringMatcher
 from specserve.server.validation import ValidatedRequest
 
@@ -30,15 +30,15 @@ class OutputStream:
         self._verify_steps = 0
         self._accepted_drafts = 0
 
-    def on_output(self, out: ipc.RequestOutput) -> Optional[pb.GenerateChunk]:
+    def on_output(self, out: StepOutput) -> Optional[pb.GenerateChunk]:
         """The chunk to stream for one engine output (None if there is nothing to say).
 
         Sets `finished` when this chunk ends the stream; if that happened through a stop string,
         the engine has not finished the request and the caller must abort it.
         """
         self._engine_completion_tokens = out.completion_tokens
-        self._verify_steps = out.spec.num_verify_steps
-        self._accepted_drafts = out.spec.num_accepted_drafts
+        self._verify_steps = out.num_verify_steps
+        self._accepted_drafts = out.num_accepted_drafts
         chunk = pb.GenerateChunk()
         for i, token_id in enumerate(out.new_token_ids):
             chunk.token_ids.append(token_id)
@@ -59,8 +59,8 @@ class OutputStream:
             chunk.text += self.stops.flush()
             finish = self._finish(chunk, _FINISH_REASONS.get(out.finish_reason,
                                                              pb.FINISH_REASON_UNSPECIFIED))
-            if out.HasField("matched_stop_token_id"):
-                finish.matched_token_id = out.matched_stop_token_id
+            if out.matched_stop is not None:
+                finish.matched_token_id = out.matched_stop
         if not (chunk.token_ids or chunk.text or chunk.HasField("finish")):
             return None
         return chunk

@@ -4,21 +4,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 import grpc
 
 from specserve.engine.config import EngineConfig
+from specserve.engine.outputs import EngineInfo
+from specserve.engine.wire import info_to_proto, load_to_proto
+from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
-from specserve.server.engine_client import EngineClient, EngineInfo, EngineUnavailable, RequestRejected
+from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from specserve.server.health import GENERATION_SERVICE
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
-from specserve.server.proto import generate_pb2 as pb
 from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
                                          ValidatedRequest, parse_request)
 
@@ -38,11 +39,6 @@ class _Refusal(Exception):
         self.details = details
 
 
-def _model_name(path: str) -> str:
-    """What GetModelInfo says of a model folder: its name, not where the server keeps it."""
-    return os.path.basename(os.path.normpath(path)) if path else ""
-
-
 class GenerationServicer:
     def __init__(self, engine: EngineClient, engine_config: EngineConfig,
                  server_config: ServerConfig, metrics: ServerMetrics):
@@ -55,6 +51,7 @@ class GenerationServicer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.info: Optional[EngineInfo] = None
+        self.tokenizer: Any = None
         self.limits: Optional[RequestLimits] = None
         self.validator: Optional[RequestValidator] = None
         self._prepare_threads = ThreadPoolExecutor(PREPARE_THREADS,
@@ -78,13 +75,14 @@ class GenerationServicer:
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
 
-    def on_engine_ready(self, info: EngineInfo) -> None:
+    def on_engine_ready(self, info: EngineInfo, tokenizer: Any) -> None:
         room = info.max_context_len - 1  # the engine needs at least one free position
         self.limits = RequestLimits(
             vocab_size=info.vocab_size,
             max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
             max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
-        self.validator = RequestValidator(info.tokenizer, self.limits)
+        self.validator = RequestValidator(tokenizer, self.limits)
+        self.tokenizer = tokenizer
         self.info = info
 
     # --- Generate --------------------------------------------------------------------------
@@ -137,7 +135,7 @@ class GenerationServicer:
                 validated = await self.prepare(request)
             except InvalidRequest as e:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            stream = OutputStream(self.info.tokenizer, validated,
+            stream = OutputStream(self.tokenizer, validated,
                                   report_spec=self.info.spec is not None)
             try:
                 events = self.engine.submit(rid, validated.prompt_token_ids, validated.sampling)
@@ -191,16 +189,9 @@ class GenerationServicer:
         info = self.info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
-        reply = pb.ModelInfo(
-            model=_model_name(info.model), architecture=info.architecture, vocab_size=info.vocab_size,
-            max_context_len=info.max_context_len, dtype=info.dtype, device=info.device,
-            eos_token_ids=info.eos_token_ids, max_prompt_tokens=self.limits.max_prompt_tokens,
-            max_new_tokens_cap=self.limits.max_new_tokens_cap)
-        if info.spec is not None:
-            reply.spec.CopyFrom(pb.SpecConfig(
-                algorithm=info.spec.algorithm, draft_model=_model_name(info.spec.draft_model),
-                num_steps=info.spec.num_steps, topk=info.spec.topk,
-                num_draft_tokens=info.spec.num_draft_tokens))
+        reply = info_to_proto(info)
+        reply.max_prompt_tokens = self.limits.max_prompt_tokens
+        reply.max_new_tokens_cap = self.limits.max_new_tokens_cap
         return reply
 
     async def GetServerLoad(self, request: bytes,
@@ -211,11 +202,10 @@ class GenerationServicer:
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.metrics.observe_load(load)
-        return pb.ServerLoad(
-            num_running=load.num_running, num_waiting=load.num_waiting,
-            kv_used_tokens=load.kv_used_tokens, kv_total_tokens=load.kv_total_tokens,
-            mean_accept_length=load.mean_accept_length,
-            num_active_streams=self.num_active_streams, max_active_streams=self.max_active_streams)
+        reply = load_to_proto(load)
+        reply.num_active_streams = self.num_active_streams
+        reply.max_active_streams = self.max_active_streams
+        return reply
 
     @staticmethod
     async def _parse_unary(message_class: type, request: bytes,

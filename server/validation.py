@@ -12,8 +12,9 @@ from typing import Any, Optional, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from specserve.engine.config import SamplingParams
+from specserve.engine.wire import sampling_from_proto
 from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
-from specserve.server.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2 as pb
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256   # the stop-string matcher rescans held-back text of this length
@@ -24,10 +25,6 @@ MAX_STOP_TOKEN_IDS = 256
 # or symbols) are a few tens of bytes, so no prompt that fits max_prompt_tokens comes near it.
 TEXT_BYTES_PER_TOKEN = 32
 
-# SamplingParams fields that the API carries as `optional` scalars of the same name; an unset
-# one keeps the SamplingParams default, which is what generate.proto documents.
-_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                             "min_new_tokens", "ignore_eos", "seed", "logprobs")
 
 
 class InvalidRequest(ValueError):
@@ -84,12 +81,10 @@ class RequestValidator:
         if stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop: this model has no tokenizer, so stop strings cannot match")
         self._check_ids("stop_token_ids", sampling.stop_token_ids)
-        kwargs = {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS
-                  if sampling.HasField(name)}
-        kwargs["max_new_tokens"] = self._max_new_tokens(sampling)
-        kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
+        self._check_max_new_tokens(sampling)
         try:
-            params = SamplingParams(**kwargs)
+            params = sampling_from_proto(
+                sampling, default_max_new_tokens=min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens_cap))
         except ValueError as e:  # SamplingParams names the field first
             raise InvalidRequest(str(e)) from None
         return ValidatedRequest(prompt_ids, params, stop_strings)
@@ -150,11 +145,8 @@ class RequestValidator:
             raise InvalidRequest(f"{field}: token id {bad} is not below vocab_size="
                                  f"{self.limits.vocab_size}")
 
-    def _max_new_tokens(self, sampling: pb.SamplingParams) -> int:
+    def _check_max_new_tokens(self, sampling: pb.SamplingParams) -> None:
         cap = self.limits.max_new_tokens_cap
-        if not sampling.HasField("max_new_tokens"):
-            return min(DEFAULT_MAX_NEW_TOKENS, cap)
-        if sampling.max_new_tokens > cap:
+        if sampling.HasField("max_new_tokens") and sampling.max_new_tokens > cap:
             raise InvalidRequest(f"max_new_tokens: {sampling.max_new_tokens} is over the server "
                                  f"limit max_new_tokens_cap={cap}")
-        return sampling.max_new_tokens

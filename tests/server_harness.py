@@ -27,7 +27,7 @@ def free_port() -> int:
 def serve_command(model: str, *extra_args: str, speculative: bool = False,
                   port: Optional[int] = 0) -> list[str]:
     """`specserve serve` on the tiny CPU model; port None leaves --port out."""
-    return [sys.executable, "-m", "specserve.clients.cli", "serve", "--model", model,
+    return [sys.executable, "-m", "specserve.cli", "serve", "--model", model,
             "--device", "cpu", "--dtype", "float32",
             *([] if speculative else ["--no-speculative"]), "--host", "127.0.0.1",
             *([] if port is None else ["--port", str(port)]), "--max-total-tokens", "8192",

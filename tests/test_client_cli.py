@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.clients.cli import _server_config_from_args, build_parser, engine_config_from_args
+from specserve.cli import _server_config_from_args, build_parser, engine_config_from_args
 from specserve.engine.config import DEFAULT, SpecConfig
 
 
@@ -44,7 +44,7 @@ def test_server_flags():
 
 
 def test_a_bad_flag_value_is_a_usage_error(capsys):
-    from specserve.clients.cli import main
+    from specserve.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--tls-cert", "cert.pem"])
@@ -60,7 +60,7 @@ def test_a_bad_flag_value_is_a_usage_error(capsys):
      ["--max-total-tokens", "--speculative-num-steps"]),
 ])
 def test_engine_flags_with_server_are_a_usage_error(capsys, flags, named):
-    from specserve.clients.cli import main
+    from specserve.cli import main
 
     with pytest.raises(SystemExit) as exit_info:  # before any connection: nothing listens there
         main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
@@ -74,7 +74,7 @@ def test_engine_flags_with_server_are_a_usage_error(capsys, flags, named):
     (["--stop", "a", "--tls-root-cert", "ca.pem"], "--tls-root-cert, --stop"),
 ])
 def test_server_only_flags_without_server_are_a_usage_error(capsys, flags, named):
-    from specserve.clients.cli import main
+    from specserve.cli import main
 
     with pytest.raises(SystemExit) as exit_info:  # before the (missing) model is loaded
         main(["generate", "--model", "/no/such/model", "--prompt", "hi", *flags])

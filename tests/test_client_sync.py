@@ -9,7 +9,7 @@ from specserve.clients import (AsyncClient, Cancelled, Client, DeadlineExceeded,
                                ResourceExhausted, SpecserveError, Unavailable)
 from specserve.clients.errors import error_from_rpc
 from specserve.clients.messages import build_request, chunk_from_proto, result_from_chunks
-from specserve.server.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2 as pb
 
 
 def test_only_given_options_are_sent():

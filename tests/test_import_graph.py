@@ -1,5 +1,6 @@
-"""The engine's subpackages and top-level modules import one another without a cycle, counting
-every import (function-local and TYPE_CHECKING ones too): each layer only looks down."""
+"""Package layout. The engine's subpackages and top-level modules import one another without a
+cycle, counting every import (function-local and TYPE_CHECKING ones too): each layer only looks
+down. The SDK stands alone."""
 from __future__ import annotations
 
 import ast
@@ -80,3 +81,15 @@ def test_engine_packages_form_no_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_the_sdk_imports_neither_server_nor_engine():
+    """`import specserve.clients` is all a client machine needs: no server, engine or torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, specserve.clients, specserve.clients.demo, specserve.clients.healthcheck; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['specserve', 'server'], ['specserve', 'engine']) or m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

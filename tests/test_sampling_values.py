@@ -10,8 +10,8 @@ import pytest
 from server_harness import ServerProcess
 from specserve.engine import SamplingParams
 from specserve.engine.config import GREEDY_TEMPERATURE
-from specserve.server.proto import generate_pb2 as pb
-from specserve.server.proto import generate_pb2_grpc as pb_grpc
+from specserve.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2_grpc as pb_grpc
 
 PROMPTS = [[5, 9, 17, 33], [40, 41, 42]]
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from server_harness import ServerProcess, engine_is_idle, wait_until
 from specserve.clients import InvalidArgument, ResourceExhausted
-from specserve.server.proto import generate_pb2 as pb
-from specserve.server.proto import generate_pb2_grpc as pb_grpc
+from specserve.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2_grpc as pb_grpc
 
 MAX_PROMPT_TOKENS = 24
 MAX_NEW_TOKENS_CAP = 400  # long enough that two capped streams overlap for a while

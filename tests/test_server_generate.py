@@ -165,7 +165,7 @@ def test_deadline_exceeded_frees_kv(client):
 def test_cli_generate_through_the_server_and_offline_agree(server, model, capsys):
     import json
 
-    from specserve.clients.cli import main
+    from specserve.cli import main
 
     flags = ["--prompt", "def add", "--max-new-tokens", "6", "--temperature", "0", "--json"]
     assert main(["generate", "--server", server.address, *flags]) == 0

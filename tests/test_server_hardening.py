@@ -16,13 +16,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve.engine.config import EngineConfig
+from specserve.engine.outputs import EngineInfo, EngineLoad
+from specserve.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2_grpc as pb_grpc
 from specserve.server.config import ServerConfig
-from specserve.server.engine_client import EngineInfo
 from specserve.server.health import GENERATION_SERVICE
 from specserve.server.metrics import ServerMetrics
-from specserve.server.proto import engine_ipc_pb2 as ipc
-from specserve.server.proto import generate_pb2 as pb
-from specserve.server.proto import generate_pb2_grpc as pb_grpc
 from specserve.server.servicer import GenerationServicer
 from specserve.server.validation import TEXT_BYTES_PER_TOKEN
 from specserve.server.watchdog import EngineWatchdog
@@ -98,7 +97,7 @@ async def test_tokenizing_runs_off_the_event_loop():
                                   ServerMetrics(EngineWatchdog(4.0, None).report))
     servicer.on_engine_ready(EngineInfo(
         model="m", architecture="llama", vocab_size=320, max_context_len=64, dtype="float32",
-        device="cpu", eos_token_ids=(2,), spec=None, tokenizer=BlockingTokenizer()))
+        device="cpu", eos_token_ids=(2,), spec=None), BlockingTokenizer())
     try:
         prepared = asyncio.ensure_future(
             servicer.prepare(pb.GenerateRequest(text="hi").SerializeToString()))
@@ -175,7 +174,7 @@ def test_http_port_serves_metrics_and_health_only(server, metrics_port):
 def test_retractions_are_counted_from_the_engine_total():
     metrics = ServerMetrics(EngineWatchdog(4.0, None).report)
     for total in (3, 5, 4):  # 4: an older report arriving late
-        metrics.observe_load(ipc.LoadReport(num_retractions=total))
+        metrics.observe_load(EngineLoad(0, 0, 0, 1, 0.0, num_retractions=total))
     assert metrics.registry.get_sample_value("specserve_engine_retractions_total") == 5
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from specserve.engine import SamplingParams
-from specserve.server.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2 as pb
 from specserve.server.validation import RequestLimits, RequestValidator
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "server" / "proto"
+COMMITTED = REPO / "specserve" / "proto"
 GENERATED_FILES = ["generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py",
                    "engine_ipc_pb2.py", "engine_ipc_pb2.pyi"]
 _VERSION_GUARD = re.compile(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"

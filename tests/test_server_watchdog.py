@@ -14,7 +14,7 @@ from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve.clients import Unavailable
 from specserve.engine.process import HeartbeatThread, ServerLink
 from specserve.server.health import GENERATION_SERVICE
-from specserve.server.proto import engine_ipc_pb2 as ipc
+from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.watchdog import EngineWatchdog, WatchdogState
 
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -79,7 +79,7 @@ def test_the_stall_timeout_can_be_off():
 
 
 def test_serve_flags_set_the_watchdog_timeouts():
-    from specserve.clients.cli import _server_config_from_args, build_parser
+    from specserve.cli import _server_config_from_args, build_parser
 
     def config(*flags: str):
         return _server_config_from_args(build_parser().parse_args(["serve", *flags]))

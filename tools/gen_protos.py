@@ -1,13 +1,16 @@
-"""Generate the Python code of protos/specserve/v1/*.proto into server/proto/ (`make proto`).
+"""Generate the Python code of protos/specserve/v1/*.proto into specserve/proto/ (`make proto`).
+
+The generated package, `specserve.proto`, belongs to none of engine/, server/ and clients/:
+all three import it.
 
 The committed code is made with an old grpcio-tools (see PROTO_GRPC_TOOLS in the Makefile) so
 that its protobuf version guard accepts every runtime from 5.27.2 on; the generated code then
 runs on older deployments (e.g. a GPU image with grpcio 1.84) and on the newest protobuf alike.
 
 protoc writes `from specserve.v1 import generate_pb2`, which would resolve against our own
-`specserve` package; the import is rewritten to a relative one so server/proto/ is self-contained.
+`specserve` package; the import is rewritten to a relative one so the package is self-contained.
 
-Usage: python tools/gen_protos.py [--out DIR]   (default: server/proto)
+Usage: python tools/gen_protos.py [--out DIR]   (default: specserve/proto)
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ PROTO_ROOT = REPO / "protos"
 PROTO_PACKAGE = "specserve/v1"
 SERVICE_PROTOS = ["generate.proto"]   # these also get *_pb2_grpc.py
 MESSAGE_PROTOS = ["engine_ipc.proto"]
-DEFAULT_OUT = REPO / "server" / "proto"
+DEFAULT_OUT = REPO / "specserve" / "proto"
 
 _ABSOLUTE_IMPORT = re.compile(r"^from specserve\.v1 import (\w+_pb2) as", re.MULTILINE)
 

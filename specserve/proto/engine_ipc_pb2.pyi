@@ -1,3 +1,4 @@
+from . import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -24,34 +25,8 @@ class AddRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: EngineSamplingParams
-    def __init__(self, rid: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ...) -> None: ...
-
-class EngineSamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs")
-    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    max_new_tokens: int
-    min_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    seed: int
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ignore_eos: bool
-    logprobs: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: bool = ...) -> None: ...
+    sampling: _generate_pb2.SamplingParams
+    def __init__(self, rid: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("rid",)
@@ -84,40 +59,12 @@ class EngineToServer(_message.Message):
     def __init__(self, ready: _Optional[_Union[EngineReady, _Mapping]] = ..., batch: _Optional[_Union[BatchOutput, _Mapping]] = ..., rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., failed: _Optional[_Union[EngineFailed, _Mapping]] = ...) -> None: ...
 
 class EngineReady(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_context_len", "dtype", "device", "eos_token_ids", "spec", "tokenizer_pickle")
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
-    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SPEC_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("info", "tokenizer_pickle")
+    INFO_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PICKLE_FIELD_NUMBER: _ClassVar[int]
-    model: str
-    architecture: str
-    vocab_size: int
-    max_context_len: int
-    dtype: str
-    device: str
-    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    spec: EngineSpecConfig
+    info: _generate_pb2.ModelInfo
     tokenizer_pickle: bytes
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[EngineSpecConfig, _Mapping]] = ..., tokenizer_pickle: _Optional[bytes] = ...) -> None: ...
-
-class EngineSpecConfig(_message.Message):
-    __slots__ = ("algorithm", "draft_model", "num_steps", "topk", "num_draft_tokens")
-    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
-    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
-    TOPK_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    algorithm: str
-    draft_model: str
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, info: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., tokenizer_pickle: _Optional[bytes] = ...) -> None: ...
 
 class BatchOutput(_message.Message):
     __slots__ = ("outputs",)
@@ -164,22 +111,12 @@ class RequestRejected(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("query_id", "num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_retractions")
+    __slots__ = ("query_id", "load")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    KV_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    num_running: int
-    num_waiting: int
-    kv_used_tokens: int
-    kv_total_tokens: int
-    mean_accept_length: float
-    num_retractions: int
-    def __init__(self, query_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_retractions: _Optional[int] = ...) -> None: ...
+    load: _generate_pb2.ServerLoad
+    def __init__(self, query_id: _Optional[int] = ..., load: _Optional[_Union[_generate_pb2.ServerLoad, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("loop_iterations",)

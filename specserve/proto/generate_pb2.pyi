@@ -152,7 +152,7 @@ class GetServerLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_active_streams", "max_active_streams")
+    __slots__ = ("num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_active_streams", "max_active_streams", "num_retractions")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class ServerLoad(_message.Message):
     MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_used_tokens: int
@@ -167,4 +168,5 @@ class ServerLoad(_message.Message):
     mean_accept_length: float
     num_active_streams: int
     max_active_streams: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., max_active_streams: _Optional[int] = ...) -> None: ...
+    num_retractions: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., max_active_streams: _Optional[int] = ..., num_retractions: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,88 @@
+"""Every conversion between the engine's types and the wire messages of `specserve.proto`.
+
+The gRPC server and the engine process talk in the public messages (generate.proto) where
+both sides share a meaning (sampling parameters, what the model is, the load) and in the IPC
+messages (engine_ipc.proto) for the rest; this module is the one place that maps them onto
+SamplingParams, EngineInfo, StepOutput and EngineLoad, in both directions.
+"""
+from __future__ import annotations
+
+from specserve.engine.config import SamplingParams, SpecConfig
+from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput
+from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.proto import generate_pb2 as pb
+
+# SamplingParams fields that the API carries as `optional` scalars of the same name: an unset
+# one keeps the SamplingParams default, which is what generate.proto documents.
+_SCALAR_SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
+                           "min_p", "repetition_penalty", "seed", "ignore_eos", "logprobs")
+_SPEC_FIELDS = ("algorithm", "draft_model", "num_steps", "topk", "num_draft_tokens")
+
+
+# --- sampling ------------------------------------------------------------------------------------
+def sampling_from_proto(msg: pb.SamplingParams,
+                        default_max_new_tokens: int = SamplingParams.max_new_tokens) -> SamplingParams:
+    """Unset fields take their defaults; ValueError naming the field for a bad value."""
+    kwargs = {name: getattr(msg, name) for name in _SCALAR_SAMPLING_FIELDS if msg.HasField(name)}
+    kwargs.setdefault("max_new_tokens", default_max_new_tokens)
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """Every field set (but `seed` when there is none), so the receiver needs no defaults."""
+    values = {name: getattr(params, name) for name in _SCALAR_SAMPLING_FIELDS}
+    if values["seed"] is None:
+        del values["seed"]
+    return pb.SamplingParams(stop_token_ids=params.stop_token_ids, **values)
+
+
+# --- what the engine serves ------------------------------------------------------------------------
+def info_to_proto(info: EngineInfo) -> pb.ModelInfo:
+    msg = pb.ModelInfo(model=info.model, architecture=info.architecture,
+                       vocab_size=info.vocab_size, max_context_len=info.max_context_len,
+                       dtype=info.dtype, device=info.device, eos_token_ids=info.eos_token_ids)
+    if info.spec is not None:
+        msg.spec.CopyFrom(pb.SpecConfig(**{name: getattr(info.spec, name) for name in _SPEC_FIELDS}))
+    return msg
+
+
+def info_from_proto(msg: pb.ModelInfo) -> EngineInfo:
+    spec = SpecConfig(**{name: getattr(msg.spec, name) for name in _SPEC_FIELDS}) \
+        if msg.HasField("spec") else None
+    return EngineInfo(model=msg.model, architecture=msg.architecture, vocab_size=msg.vocab_size,
+                      max_context_len=msg.max_context_len, dtype=msg.dtype, device=msg.device,
+                      eos_token_ids=tuple(msg.eos_token_ids), spec=spec)
+
+
+# --- per-step outputs -------------------------------------------------------------------------------
+def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
+    msg = ipc.RequestOutput(
+        rid=out.rid, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
+        finished=out.finished, finish_reason=out.finish_reason or "",
+        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+        spec=ipc.SpecInfo(num_verify_steps=out.num_verify_steps,
+                          num_accepted_drafts=out.num_accepted_drafts))
+    if out.matched_stop is not None:
+        msg.matched_stop_token_id = out.matched_stop
+    return msg
+
+
+def output_from_proto(msg: ipc.RequestOutput) -> StepOutput:
+    return StepOutput(
+        rid=msg.rid, new_token_ids=list(msg.new_token_ids),
+        new_logprobs=list(msg.new_logprobs) or None, finished=msg.finished,
+        finish_reason=msg.finish_reason or None,
+        matched_stop=msg.matched_stop_token_id if msg.HasField("matched_stop_token_id") else None,
+        prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+        num_verify_steps=msg.spec.num_verify_steps, num_accepted_drafts=msg.spec.num_accepted_drafts)
+
+
+# --- load -----------------------------------------------------------------------------------------
+def load_to_proto(load: EngineLoad) -> pb.ServerLoad:
+    """The engine's part of a ServerLoad (the server adds its stream counts)."""
+    return pb.ServerLoad(**load._asdict())
+
+
+def load_from_proto(msg: pb.ServerLoad) -> EngineLoad:
+    return EngineLoad(**{name: getattr(msg, name) for name in EngineLoad._fields})
+
