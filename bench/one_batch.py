@@ -7,7 +7,9 @@ the bundled demo pair. Speculative rows on random weights force the accept lengt
 bench-only `SpecConfig.bench_force_accept_len` (real acceptance needs real weights).
 
 The bs=1 limit: bytes of every weight a decode step reads (all but the embedding table) /
-device-to-device copy bandwidth measured in this run.
+device-to-device copy bandwidth measured in this run. The step limit adds the KV a plain decode
+step reads (every request's context at its mean length over the run): at long contexts the KV,
+not the weights, is most of the bytes.
 """
 from __future__ import annotations
 
@@ -63,6 +65,12 @@ def weight_bytes(engine: Engine) -> int:
     if model.config.tie_word_embeddings:
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     return total
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    """Target KV bytes of one context token (this rank's heads, every layer, K and V)."""
+    pool = engine.core.kv_pool
+    return sum(buf[0].numel() * buf.element_size() for buf in (*pool.k_buffer, *pool.v_buffer))
 
 
 def copy_bandwidth(device) -> float:
@@ -165,12 +173,17 @@ def main():
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
                                tp_size=tp)
             engine = Engine(cfg)
-            limit = bandwidth / weight_bytes(engine)  # per-rank shard: tp GPUs read in parallel
+            weights = weight_bytes(engine)
+            limit = bandwidth / weights  # per-rank shard: tp GPUs read in parallel
             for bs in (int(b) for b in args.batch_sizes.split(",")):
                 r = run_one(engine, bs, args.prompt_len, args.steps)
+                kv_read = bs * (args.prompt_len + args.steps / 2) * kv_bytes_per_token(engine)
+                step_limit_ms = 1000 * (weights + kv_read) / bandwidth
                 r.update(model=model_name, mode=mode, variant=variant, backend=backend, tp=tp, batch_size=bs,
-                         bs1_limit_tokens_per_s=limit,
-                         fraction_of_limit=r["decode_tokens_per_s"] / limit)
+                         prompt_len=args.prompt_len, bs1_limit_tokens_per_s=limit,
+                         fraction_of_limit=r["decode_tokens_per_s"] / limit,
+                         plain_step_limit_ms=step_limit_ms,
+                         fraction_of_step_limit=step_limit_ms / r["step_ms"])
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             engine.shutdown()
@@ -181,13 +194,13 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':9} {'mode':6} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'tok/s':>9} {'step ms':>8} {'acc':>5} "
-          f"{'limit%':>7} {'occ%':>6} {'sync/st':>7}")
+    print(f"{'model':9} {'mode':6} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
+          f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
         print(f"{r['model']:9} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
-              f"{r['decode_tokens_per_s']:9.1f} "
+              f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
-              f"{100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")
+              f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")
 
 
 if __name__ == "__main__":

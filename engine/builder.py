@@ -150,7 +150,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
             config.attention_backend, device, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, max_context_len=row_width,
             max_batch_size=num_rows * (1 if spec is None else spec.topk),
-            needs_cpu_seq_lens=config.needs_cpu_seq_lens)
+            needs_cpu_seq_lens=config.needs_cpu_seq_lens,
+            max_query_len=1 if spec is None else spec.num_draft_tokens)
 
     attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
     runner = ModelRunner(model, kv_pool, attn)

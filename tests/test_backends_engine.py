@@ -28,3 +28,20 @@ def test_triton_engine_matches_torch_native(pair, make_engine, spec):
         outs[backend] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)]
     assert outs["triton"] == outs["torch"]
     assert not make_engine(target, attention_backend="triton").core.needs_cpu_seq_lens
+
+
+@pytest.mark.parametrize("spec", [dict(num_steps=3, topk=1, num_draft_tokens=4),
+                                  dict(num_steps=3, topk=2, num_draft_tokens=6)], ids=["chain", "tree"])
+def test_triton_split_verify_matches_torch_native_on_long_prompts(pair, make_engine, spec):
+    """Prompts long enough that verify and draft-extend run split over the prefix (the
+    interpreter's splits are 64 tokens; 150 keys make 3), next to a short one in the batch."""
+    target, head = pair
+    prompts = random_prompts(1, seed=8, min_len=140, max_len=150) + random_prompts(1, seed=9, max_len=5)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    spec_cfg = SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(target, attention_backend=backend, spec=spec_cfg, max_context_len=200)
+        outs[backend] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)]
+        assert engine.metrics.mean_accept_length > 1.5  # really verifying several drafts
+    assert outs["triton"] == outs["torch"]

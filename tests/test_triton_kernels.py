@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 from specserve.engine.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
-    DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices)
+    DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices,
+    short_extend_attention)
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows  # noqa: E402
 
@@ -213,6 +214,59 @@ def test_extend_attention(num_kv_heads, group_size, head_dim, use_custom_mask):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_kv_heads,group_size,head_dim", [(2, 1, 32), (1, 4, 32), (2, 3, 24),
+                                                               (1, 8, 16)])
+@pytest.mark.parametrize("use_custom_mask", [False, True])
+@pytest.mark.parametrize("max_kv_splits", [1, 4])
+def test_short_extend_attention(num_kv_heads, group_size, head_dim, use_custom_mask,
+                                max_kv_splits):
+    """Ragged 1-8-token extends over prefixes from none to several splits long (SMALL_DECODE:
+    16-token splits, so 70 keys span 4 of them and, with one split allowed, 5 key tiles)."""
+    gen = torch.Generator().manual_seed(12)
+    num_heads = num_kv_heads * group_size
+    prefix_lens = [0, 70, 9, 33, 16]
+    extend_lens = [4, 8, 1, 5, 3]
+    scene = make_scene(prefix_lens, extend_lens, num_kv_heads, head_dim, gen)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE)
+    custom_mask = random_tree_mask(5, 8, gen).to(DEVICE) if use_custom_mask else None
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=False)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    partial_out = torch.full((num_tokens + 3, num_heads, max_kv_splits, head_dim), float("nan"),
+                             device=DEVICE)
+    partial_lse = torch.full((num_tokens + 3, num_heads, max_kv_splits), float("nan"),
+                             device=DEVICE)
+    scale = head_dim ** -0.5
+    short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
+                           kv_indices, scene.new_slots, max(extend_lens), scale, partial_out,
+                           partial_lse, custom_mask=custom_mask, config=SMALL_DECODE)
+    torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_short_extend_attention_is_batch_invariant():
+    """A request's splits depend on its own prefix only: alone or in a batch, the same bits."""
+    gen = torch.Generator().manual_seed(13)
+    scene = make_scene([50, 7, 33], [4, 4, 4], num_kv_heads=2, head_dim=16, generator=gen)
+    q = torch.randn(12, 4, 16, generator=gen).to(DEVICE)
+    partial_out = torch.empty(12, 4, 4, 16, device=DEVICE)
+    partial_lse = torch.empty(12, 4, 4, device=DEVICE)
+
+    def run_first(bs: int) -> torch.Tensor:
+        kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=DEVICE)
+        kv_indices = torch.empty(bs * 64, dtype=torch.int32, device=DEVICE)
+        fill_kv_indices(scene.table, scene.rows[:bs], scene.prefix_lens[:bs], kv_indptr, kv_indices)
+        qo_indptr = torch.arange(0, 4 * bs + 1, 4, device=DEVICE)
+        out = torch.empty_like(q[:4 * bs])
+        short_extend_attention(q[:4 * bs], scene.k_buffer, scene.v_buffer, out, qo_indptr,
+                               kv_indptr, kv_indices, scene.new_slots[:4 * bs], 4, 0.25,
+                               partial_out, partial_lse, config=SMALL_DECODE)
+        return out
+
+    assert torch.equal(run_first(3)[:4], run_first(1))
+
+
 def test_extend_attention_custom_mask_is_applied():
     """A custom mask that hides a key must change the output relative to causal (guards
     against the mask being ignored where causal and custom happen to agree)."""
@@ -255,6 +309,8 @@ class BackendCase(NamedTuple):
 
 BACKEND_CASES = {
     "extend": BackendCase(ForwardMode.EXTEND, [0, 21, 7], [9, 1, 14], False, True),
+    # 40 tokens x 2 heads of a group: more rows than a split extend takes (the long kernel).
+    "long_extend": BackendCase(ForwardMode.EXTEND, [0, 12], [40, 33], False, True),
     "decode": BackendCase(ForwardMode.DECODE, [0, 44, 19], [1, 1, 1], False, False),
     "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [3, 30, 12], [4, 4, 4], True, False),
     "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [5, 40, 17], [3, 3, 3], False, False),
@@ -344,6 +400,8 @@ def test_backend_matches_reference(case_name, max_batch_size):
         max_batch_size=max_batch_size, gen=gen, decode_config=SMALL_DECODE,
         extend_config=SMALL_EXTEND)
     assert fb.attn_metadata.is_decode == (case.mode == ForwardMode.DECODE)
+    assert fb.attn_metadata.split_extend == (case.mode != ForwardMode.DECODE
+                                             and case_name != "long_extend")
     assert out.shape == (fb.num_tokens, 4 * 16)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     # The new tokens' K/V were stored in the forward's layer only.
@@ -451,3 +509,17 @@ def test_backend_has_no_host_sync_gpu(case_name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [
+    BackendCase(ForwardMode.TARGET_VERIFY, [32760, 5000], [8, 8], True, False),
+    BackendCase(ForwardMode.DRAFT_EXTEND, [32764, 3], [4, 4], False, False)],
+    ids=["tree_verify", "draft_extend"])
+def test_split_extend_at_32k_context_gpu(case):
+    out, expected, fb, _, _ = run_backend_case(
+        case, GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, 32768 + 16, max_batch_size=4,
+        gen=torch.Generator().manual_seed(14), dtype=torch.bfloat16)
+    assert fb.attn_metadata.split_extend
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -25,7 +25,10 @@ def backend_name(name: str, device: torch.device) -> str:
 
 def create_attention_backend(name: str, device: torch.device, *, num_heads: int, num_kv_heads: int,
                              head_dim: int, max_context_len: int, max_batch_size: int,
-                             needs_cpu_seq_lens: Optional[bool]) -> AttentionBackend:
+                             needs_cpu_seq_lens: Optional[bool], max_query_len: int = 1
+                             ) -> AttentionBackend:
+    """`max_query_len`: the most new tokens per request of a forward that should reuse
+    preallocated buffers (the speculative verify width), besides prefill."""
     name = backend_name(name, device)
     needs = _DEFAULT_NEEDS_CPU_SEQ_LENS[name] if needs_cpu_seq_lens is None else needs_cpu_seq_lens
     if name == "torch":
@@ -38,7 +41,8 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
             raise ValueError(f"attention_backend: triton is not available ({e}); "
                              "install specserve[triton] or use 'torch'") from e
         return TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
-                                 max_batch_size=max_batch_size, needs_cpu_seq_lens=needs)
+                                 max_batch_size=max_batch_size, max_query_len=max_query_len,
+                                 needs_cpu_seq_lens=needs)
     from specserve.engine.attention.flashinfer import FlashInferAttnBackend
     try:
         return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=not needs)

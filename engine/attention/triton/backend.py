@@ -5,11 +5,17 @@ import itertools
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
+import triton
 
 from specserve.engine.attention.base import AttentionBackend
 from specserve.engine.attention.triton.kernels import (
     DecodeConfig, ExtendConfig, decode_attention, default_decode_config, default_extend_config,
-    extend_attention, fill_kv_indices)
+    extend_attention, fill_kv_indices, short_extend_attention)
+
+# Extends whose tile (new tokens x query heads of a KV group) has at most this many rows run
+# split over the prefix (verify, draft-extend, short prefill chunks); longer ones have query
+# rows enough to fill the GPU without splitting.
+SPLIT_EXTEND_MAX_ROWS = 64
 
 if TYPE_CHECKING:
     from specserve.engine.forward_batch import ForwardBatch
@@ -19,25 +25,28 @@ class TritonAttnMetadata(NamedTuple):
     """What `forward` needs, built once per ForwardBatch and shared by every layer."""
 
     is_decode: bool                     # one new token per request and no custom mask
+    split_extend: bool                  # a short extend, split over the prefix
     kv_indptr: torch.Tensor             # [bs+1] offsets into kv_indices
     kv_indices: torch.Tensor            # decode: prefix + new slot; extend: prefix only
     qo_indptr: Optional[torch.Tensor]   # [bs+1] offsets of each request's new tokens (extend)
     max_extend_len: int
     custom_mask: Optional[torch.Tensor]  # [bs, max_extend, max_extend] (tree verify)
-    partial_out: Optional[torch.Tensor]  # decode split-KV scratch
-    partial_lse: Optional[torch.Tensor]
+    partial_out: Optional[torch.Tensor]  # split-KV scratch, a row per query token (decode or
+    partial_lse: Optional[torch.Tensor]  # split extend)
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Decode (split-KV) and extend (prefix + causal/custom-masked new tokens) Triton kernels.
+    """Decode and short extends (split-KV), and long extends (prefix + causal/custom-masked
+    new tokens), in Triton kernels.
 
     `init_forward_metadata` reads no device value on the host: `kv_indptr` is a device cumsum
     of `prefix_lens`, `kv_indices` is sized by `batch_size * max_seq_len`, and the only host
     inputs are `extend_lens_cpu` and `max_seq_len`. Prefix slots come from the requests'
-    `kv_rows`; the new tokens' slots always come from `out_cache_loc`. The index and split-KV scratch buffers are
-    preallocated for up to `max_batch_size` requests of up to `max_context_len` tokens, so
-    those forwards always reuse the same addresses (what CUDA-graph replay will need); larger
-    forwards allocate their own.
+    `kv_rows`; the new tokens' slots always come from `out_cache_loc`. The index and split-KV
+    scratch buffers are preallocated for up to `max_batch_size` requests of up to
+    `max_context_len` tokens, with up to `max_query_len` new tokens each in a split extend
+    (the verify width), so those forwards always reuse the same addresses (what CUDA-graph
+    replay will need); larger forwards allocate their own.
     """
 
     needs_cpu_seq_lens = False
@@ -45,7 +54,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
                  device: torch.device, *, max_batch_size: int = 128, max_kv_splits: int = 16,
-                 decode_config: Optional[DecodeConfig] = None,
+                 max_query_len: int = 1, decode_config: Optional[DecodeConfig] = None,
                  extend_config: Optional[ExtendConfig] = None, needs_cpu_seq_lens: bool = False):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
@@ -70,7 +79,7 @@ class TritonAttnBackend(AttentionBackend):
         self._kv_indices_buf = torch.empty(max_batch_size * max_context_len, dtype=torch.int32,
                                            device=self.device)
         self._partial_out_buf, self._partial_lse_buf = self._alloc_split_kv_scratch(
-            max_batch_size)
+            max_batch_size * max_query_len)
 
     def _alloc_split_kv_scratch(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (num_tokens, self.num_heads, self.max_kv_splits)
@@ -101,20 +110,24 @@ class TritonAttnBackend(AttentionBackend):
         fill_kv_indices(fb.kv_rows.table, fb.kv_rows.rows, fb.prefix_lens, kv_indptr, kv_indices,
                         decode_token_slots=fb.out_cache_loc if is_decode else None)
 
+        group_pad = triton.next_power_of_2(self.num_heads // self.num_kv_heads)
+        split_extend = not is_decode and max_extend_len * group_pad <= SPLIT_EXTEND_MAX_ROWS
         qo_indptr = partial_out = partial_lse = None
-        if is_decode:
-            if bs <= self.max_batch_size:
-                partial_out = self._partial_out_buf[:bs]
-                partial_lse = self._partial_lse_buf[:bs]
+        if is_decode or split_extend:
+            num_rows = fb.num_tokens
+            if num_rows <= self._partial_out_buf.shape[0]:
+                partial_out = self._partial_out_buf[:num_rows]
+                partial_lse = self._partial_lse_buf[:num_rows]
             else:
-                partial_out, partial_lse = self._alloc_split_kv_scratch(bs)
-        else:
+                partial_out, partial_lse = self._alloc_split_kv_scratch(num_rows)
+        if not is_decode:
             qo_indptr = (self._qo_indptr_buf[:bs + 1] if bs <= self.max_batch_size
                          else torch.empty(bs + 1, dtype=torch.int64, device=self.device))
             self._copy_offsets_to_device(extend_lens, qo_indptr)
 
         fb.attn_metadata = TritonAttnMetadata(
-            is_decode=is_decode, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            is_decode=is_decode, split_extend=split_extend, kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
             qo_indptr=qo_indptr, max_extend_len=max_extend_len, custom_mask=fb.custom_mask,
             partial_out=partial_out, partial_lse=partial_lse)
 
@@ -142,6 +155,12 @@ class TritonAttnBackend(AttentionBackend):
             decode_attention(q, k_buffer, v_buffer, out, metadata.kv_indptr, metadata.kv_indices,
                              metadata.partial_out, metadata.partial_lse, scale,
                              self.decode_config)
+        elif metadata.split_extend:
+            short_extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr,
+                                   metadata.kv_indptr, metadata.kv_indices, fb.out_cache_loc,
+                                   metadata.max_extend_len, scale, metadata.partial_out,
+                                   metadata.partial_lse, custom_mask=metadata.custom_mask,
+                                   config=self.decode_config)
         else:
             extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr, metadata.kv_indptr,
                              metadata.kv_indices, fb.out_cache_loc, metadata.max_extend_len,
