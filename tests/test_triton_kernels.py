@@ -237,12 +237,16 @@ def test_short_extend_attention(num_kv_heads, group_size, head_dim, use_custom_m
                              device=DEVICE)
     partial_lse = torch.full((num_tokens + 3, num_heads, max_kv_splits), float("nan"),
                              device=DEVICE)
+    arrivals = torch.zeros(5 * num_kv_heads, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
-    short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
-                           kv_indices, scene.new_slots, max(extend_lens), scale, partial_out,
-                           partial_lse, custom_mask=custom_mask, config=SMALL_DECODE)
-    torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
-                               atol=1e-4, rtol=1e-4)
+    for _ in range(2):  # the arrival counters are back at zero for the next launch
+        short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
+                               kv_indices, scene.new_slots, max(extend_lens), scale, partial_out,
+                               partial_lse, arrivals, custom_mask=custom_mask,
+                               config=SMALL_DECODE)
+        torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
+                                   atol=1e-4, rtol=1e-4)
+        assert not arrivals.any()
 
 
 def test_short_extend_attention_is_batch_invariant():
@@ -252,6 +256,7 @@ def test_short_extend_attention_is_batch_invariant():
     q = torch.randn(12, 4, 16, generator=gen).to(DEVICE)
     partial_out = torch.empty(12, 4, 4, 16, device=DEVICE)
     partial_lse = torch.empty(12, 4, 4, device=DEVICE)
+    arrivals = torch.zeros(3 * 2, dtype=torch.int32, device=DEVICE)
 
     def run_first(bs: int) -> torch.Tensor:
         kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=DEVICE)
@@ -261,7 +266,7 @@ def test_short_extend_attention_is_batch_invariant():
         out = torch.empty_like(q[:4 * bs])
         short_extend_attention(q[:4 * bs], scene.k_buffer, scene.v_buffer, out, qo_indptr,
                                kv_indptr, kv_indices, scene.new_slots[:4 * bs], 4, 0.25,
-                               partial_out, partial_lse, config=SMALL_DECODE)
+                               partial_out, partial_lse, arrivals, config=SMALL_DECODE)
         return out
 
     assert torch.equal(run_first(3)[:4], run_first(1))
@@ -523,3 +528,22 @@ def test_split_extend_at_32k_context_gpu(case):
         gen=torch.Generator().manual_seed(14), dtype=torch.bfloat16)
     assert fb.attn_metadata.split_extend
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_split_extend_merge_is_deterministic_gpu():
+    """The last split to arrive merges every split in index order, whichever arrives last: a
+    race on the partials or the counters would show up as a changed bit over many launches."""
+    case = BackendCase(ForwardMode.TARGET_VERIFY, [20000, 9000, 4100, 31000], [8] * 4, True, False)
+    backend = TritonAttnBackend(GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, 32768, DEVICE,
+                                max_batch_size=4, max_query_len=8)
+    fb, _ = build_forward_batch(case, backend, GPU_KV_HEADS, GPU_HEAD_DIM, 32768,
+                                torch.Generator().manual_seed(15), torch.bfloat16)
+    q, k, v = random_qkv(fb.num_tokens, GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM,
+                        torch.Generator().manual_seed(16), torch.bfloat16)
+    backend.init_forward_metadata(fb)
+    first = backend.forward(q, k, v, LAYER_ID, fb, 0.1)
+    for _ in range(50):
+        assert torch.equal(backend.forward(q, k, v, LAYER_ID, fb, 0.1), first)
+    assert not backend._arrivals_buf.any()

@@ -33,6 +33,7 @@ class TritonAttnMetadata(NamedTuple):
     custom_mask: Optional[torch.Tensor]  # [bs, max_extend, max_extend] (tree verify)
     partial_out: Optional[torch.Tensor]  # split-KV scratch, a row per query token (decode or
     partial_lse: Optional[torch.Tensor]  # split extend)
+    arrivals: Optional[torch.Tensor]     # split extend: per (request, KV head) counters, zero
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -80,6 +81,8 @@ class TritonAttnBackend(AttentionBackend):
                                            device=self.device)
         self._partial_out_buf, self._partial_lse_buf = self._alloc_split_kv_scratch(
             max_batch_size * max_query_len)
+        self._arrivals_buf = torch.zeros(max_batch_size * num_kv_heads, dtype=torch.int32,
+                                         device=self.device)
 
     def _alloc_split_kv_scratch(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (num_tokens, self.num_heads, self.max_kv_splits)
@@ -112,7 +115,7 @@ class TritonAttnBackend(AttentionBackend):
 
         group_pad = triton.next_power_of_2(self.num_heads // self.num_kv_heads)
         split_extend = not is_decode and max_extend_len * group_pad <= SPLIT_EXTEND_MAX_ROWS
-        qo_indptr = partial_out = partial_lse = None
+        qo_indptr = partial_out = partial_lse = arrivals = None
         if is_decode or split_extend:
             num_rows = fb.num_tokens
             if num_rows <= self._partial_out_buf.shape[0]:
@@ -120,6 +123,9 @@ class TritonAttnBackend(AttentionBackend):
                 partial_lse = self._partial_lse_buf[:num_rows]
             else:
                 partial_out, partial_lse = self._alloc_split_kv_scratch(num_rows)
+        if split_extend:  # the kernel leaves the counters at zero for the next forward
+            arrivals = (self._arrivals_buf if bs <= self.max_batch_size else
+                        torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=self.device))
         if not is_decode:
             qo_indptr = (self._qo_indptr_buf[:bs + 1] if bs <= self.max_batch_size
                          else torch.empty(bs + 1, dtype=torch.int64, device=self.device))
@@ -129,7 +135,7 @@ class TritonAttnBackend(AttentionBackend):
             is_decode=is_decode, split_extend=split_extend, kv_indptr=kv_indptr,
             kv_indices=kv_indices,
             qo_indptr=qo_indptr, max_extend_len=max_extend_len, custom_mask=fb.custom_mask,
-            partial_out=partial_out, partial_lse=partial_lse)
+            partial_out=partial_out, partial_lse=partial_lse, arrivals=arrivals)
 
     def _copy_offsets_to_device(self, lengths: list[int], out: torch.Tensor) -> None:
         """out = [0, cumsum(lengths)...]. Uniform widths (verify, draft-extend) are an arange
@@ -159,8 +165,8 @@ class TritonAttnBackend(AttentionBackend):
             short_extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr,
                                    metadata.kv_indptr, metadata.kv_indices, fb.out_cache_loc,
                                    metadata.max_extend_len, scale, metadata.partial_out,
-                                   metadata.partial_lse, custom_mask=metadata.custom_mask,
-                                   config=self.decode_config)
+                                   metadata.partial_lse, metadata.arrivals,
+                                   custom_mask=metadata.custom_mask, config=self.decode_config)
         else:
             extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr, metadata.kv_indptr,
                              metadata.kv_indices, fb.out_cache_loc, metadata.max_extend_len,

@@ -231,38 +231,27 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
-    partial_out, partial_lse, kv_indptr, qo_indptr, out,
+def _decode_reduce_kernel(
+    partial_out, partial_lse, kv_indptr, out,
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, HAS_QO_INDPTR: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
 ):
-    """Second stage of both split kernels: program (request, head, token) merges the splits of
-    one output row (the request's row for decode; its token's row, from qo_indptr, else)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.program_id(2)
-    if HAS_QO_INDPTR:
-        qo_start = tl.load(qo_indptr + req)
-        row = qo_start + token
-        num_rows = tl.load(qo_indptr + req + 1) - qo_start
-    else:
-        row = req
-        num_rows = 1
-    is_row = token < num_rows
-    kv_len = tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)
-    num_splits = tl.maximum(tl.cdiv(kv_len, _kv_split_len(kv_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN,
-                                                         BLOCK_N)), 1)
+    seq_len = tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)
+    num_splits = tl.cdiv(seq_len, _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN,
+                                                 BLOCK_N))
     offs_d = tl.arange(0, BLOCK_D)
     dim_mask = offs_d < HEAD_DIM
 
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(0, tl.where(is_row, num_splits, 0)):
-        lse = tl.load(partial_lse + row * stride_pl_tok + head * stride_pl_head + split)
-        part = tl.load(partial_out + row * stride_po_tok + head * stride_po_head
+    for split in range(0, num_splits):
+        lse = tl.load(partial_lse + req * stride_pl_tok + head * stride_pl_head + split)
+        part = tl.load(partial_out + req * stride_po_tok + head * stride_po_head
                        + split * stride_po_split + offs_d, mask=dim_mask, other=0.0)
         m_new = tl.maximum(m_i, lse)
         alpha = tl.exp2(m_i - m_new)
@@ -270,9 +259,8 @@ def _merge_splits_kernel(
         acc = acc * alpha + weight * part
         l_i = l_i * alpha + weight
         m_i = m_new
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past a request's tokens: not stored
-    tl.store(out + row * stride_o_tok + head * stride_o_head + offs_d,
-             (acc / l_i).to(out.dtype.element_ty), mask=dim_mask & (offs_d * 0 + token < num_rows))
+    tl.store(out + req * stride_o_tok + head * stride_o_head + offs_d,
+             (acc / l_i).to(out.dtype.element_ty), mask=dim_mask)
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -311,18 +299,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _merge_splits(partial_out, partial_lse, kv_indptr, None, out, (bs, num_heads, 1), config)
-
-
-def _merge_splits(partial_out, partial_lse, kv_indptr, qo_indptr, out, grid, config) -> None:
-    head_dim = out.shape[-1]
-    _merge_splits_kernel[grid](
-        partial_out, partial_lse, kv_indptr, qo_indptr if qo_indptr is not None else kv_indptr,
-        out, partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+    _decode_reduce_kernel[(bs, num_heads)](
+        partial_out, partial_lse, kv_indptr, out,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=config.block_n,
-        MAX_KV_SPLITS=partial_out.shape[2], MIN_KV_SPLIT_LEN=config.min_kv_split_len,
-        HAS_QO_INDPTR=qo_indptr is not None,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
+        MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
         num_warps=4 if head_dim >= 128 else 2, num_stages=1,
     )
 
@@ -464,24 +446,27 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Short extend (verify, draft-extend): split-KV over the prefix, two stages
+# Short extend (verify, draft-extend): split-KV over the prefix, merged by the last split
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _short_extend_partial_kernel(
-    q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots, custom_mask,
-    partial_out, partial_lse, sm_scale_log2,
-    stride_q_tok, stride_q_head, stride_buf_slot, stride_buf_head, stride_mask_req,
-    stride_mask_row, stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok,
-    stride_pl_head,
-    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
+def _short_extend_kernel(
+    q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots, custom_mask,
+    partial_out, partial_lse, arrivals, sm_scale_log2,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_buf_slot, stride_buf_head,
+    stride_mask_req, stride_mask_row, stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
     USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Row r of the tile is (new token r // GROUP_PAD, query head r % GROUP_PAD of the group):
     # all of a request's new tokens and the group's heads share every K/V tile. Split s covers
     # its slice of the prefix; split 0 also covers the new tokens (the tile holds them all).
+    # A request with one split writes its output at once. Otherwise every split stores its
+    # partial result and counts its arrival; the last to arrive merges them (no second kernel:
+    # at short contexts its launch would cost more than the splits save).
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -491,6 +476,7 @@ def _short_extend_partial_kernel(
     kv_start = tl.load(kv_indptr + req)
     prefix_len = tl.load(kv_indptr + req + 1) - kv_start
     split_len = _kv_split_len(prefix_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN, BLOCK_N)
+    num_splits = tl.maximum(tl.cdiv(prefix_len, split_len), 1)
     split_begin = split * split_len
     split_end = tl.minimum(split_begin + split_len, prefix_len)
 
@@ -502,9 +488,10 @@ def _short_extend_partial_kernel(
     heads = kv_head * GROUP_SIZE + head_in_group
     row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
     dim_mask = offs_d < HEAD_DIM
-    q_tile = tl.load(q + (qo_start + tokens)[:, None] * stride_q_tok
-                     + heads[:, None] * stride_q_head + offs_d[None, :],
-                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    rows = qo_start + tokens
+    tile_mask = row_mask[:, None] & dim_mask[None, :]
+    q_tile = tl.load(q + rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head
+                     + offs_d[None, :], mask=tile_mask, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -537,31 +524,57 @@ def _short_extend_partial_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
 
-    # Splits past the end of a short prefix store nothing; the merge never reads them.
-    is_live = (split_begin < split_end) | (split_begin == 0)
-    store_mask = row_mask & (offs_m < tl.where(is_live, BLOCK_M, 0))
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    rows = qo_start + tokens
-    tl.store(partial_out + rows[:, None] * stride_po_tok + heads[:, None] * stride_po_head
-             + split * stride_po_split + offs_d[None, :], acc / l_i[:, None],
-             mask=store_mask[:, None] & dim_mask[None, :])
-    tl.store(partial_lse + rows * stride_pl_tok + heads * stride_pl_head + split,
-             m_i + tl.log2(l_i), mask=store_mask)
+    out_ptrs = out + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+    if num_splits == 1:
+        if split == 0:
+            # Padded rows saw nothing (l = 0); they are not stored, the guard avoids 0/0.
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=tile_mask)
+    elif split < num_splits:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        po_ptrs = (partial_out + rows[:, None] * stride_po_tok + heads[:, None] * stride_po_head
+                   + offs_d[None, :])
+        pl_ptrs = partial_lse + rows * stride_pl_tok + heads * stride_pl_head
+        tl.store(po_ptrs + split * stride_po_split, acc / l_i[:, None], mask=tile_mask)
+        tl.store(pl_ptrs + split, m_i + tl.log2(l_i), mask=row_mask)
+        # Every thread's partial stores come before the arrival (a CTA barrier, then the
+        # atomic's release); the last split reads the others' after its acquire, from L2.
+        tl.debug_barrier()
+        counter = arrivals + req * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.debug_barrier()
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for s in range(0, num_splits):
+                lse = tl.load(pl_ptrs + s, mask=row_mask, other=0.0, cache_modifier=".cg")
+                part = tl.load(po_ptrs + s * stride_po_split, mask=tile_mask, other=0.0,
+                               cache_modifier=".cg")
+                m_new = tl.maximum(m_i, lse)
+                alpha = tl.exp2(m_i - m_new)
+                weight = tl.exp2(lse - m_new)
+                acc = acc * alpha[:, None] + weight[:, None] * part
+                l_i = l_i * alpha + weight
+                m_i = m_new
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=tile_mask)
+            tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
 
 
 def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, new_token_slots: torch.Tensor,
-                           max_extend_len: int, sm_scale: float,
-                           partial_out: torch.Tensor, partial_lse: torch.Tensor,
+                           max_extend_len: int, sm_scale: float, partial_out: torch.Tensor,
+                           partial_lse: torch.Tensor, arrivals: torch.Tensor,
                            custom_mask: Optional[torch.Tensor] = None,
                            config: Optional[DecodeConfig] = None) -> None:
     """`extend_attention`'s result for short extends, split over the prefix like decode.
 
     The arguments are `extend_attention`'s, plus the split scratch of `decode_attention`
     with one row per new token: partial_out [>= num_tokens, num_heads, max_kv_splits,
-    head_dim] and partial_lse [>= num_tokens, num_heads, max_kv_splits], fp32. A request's
-    splits depend on its own prefix length only (batch invariance, as in decode).
+    head_dim] and partial_lse [>= num_tokens, num_heads, max_kv_splits], fp32; and
+    `arrivals`, int32 [>= bs * num_kv_heads], all zero (the kernel leaves them zero). A
+    request's splits depend on its own prefix length only (batch invariance, as in decode).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -570,6 +583,7 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= num_tokens and partial_out.shape[1:3] == partial_lse.shape[1:]
+    assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads
     if num_tokens == 0 or bs == 0:
         return
     config = config or default_decode_config(head_dim, q.device)
@@ -580,17 +594,18 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         if custom_mask.dtype == torch.bool:
             custom_mask = custom_mask.view(torch.uint8)  # same bytes; loads as 0/1
     max_kv_splits = partial_out.shape[2]
-    _short_extend_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
+    _short_extend_kernel[(bs, num_kv_heads, max_kv_splits)](
+        q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
         custom_mask if custom_mask is not None else qo_indptr,  # unused without a mask
-        partial_out, partial_lse, sm_scale * LOG2_E,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        partial_out, partial_lse, arrivals, sm_scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
         custom_mask.stride(0) if custom_mask is not None else 0,
         custom_mask.stride(1) if custom_mask is not None else 0,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        GROUP_SIZE=group_size, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         # tl.dot needs at least 16 rows on tensor cores; padded rows are masked out.
         BLOCK_M=max(16, triton.next_power_of_2(max_extend_len * group_pad)),
         BLOCK_N=config.block_n, MAX_KV_SPLITS=max_kv_splits,
@@ -598,5 +613,3 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _merge_splits(partial_out, partial_lse, kv_indptr, qo_indptr, out,
-                  (bs, num_heads, max_extend_len), config)
