@@ -59,11 +59,15 @@ def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     if torch.device(device).type != "cuda":
         # Interpreter: fewer, larger numpy ops are faster; the values only need to be legal.
         return DecodeConfig(block_n=32, min_kv_split_len=64, num_warps=4, num_stages=1)
-    # H100/H200: a 64 x 128 bf16 K (or V) tile is 16 KiB, two stages of K and V fit easily in
-    # shared memory. 256 tokens per split keeps the reduce cheap while a 4k-token sequence
-    # still spreads over 16 programs per KV head at batch size 1.
-    block_n = 64 if head_dim <= 128 else 32
-    return DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=4, num_stages=2)
+    # H100/H200: 128-token tiles in three stages keep enough gathered K/V rows in flight to
+    # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
+    # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
+    # V) tile is 32 KiB, so three stages of both take 192 KiB of shared memory. Larger heads
+    # use smaller tiles. 256 tokens per split keeps the reduce cheap while a 4k-token
+    # sequence still spreads over 16 programs per KV head at batch size 1.
+    if head_dim <= 128:
+        return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2)
 
 
 def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:

@@ -1,0 +1,121 @@
+"""The Triton attention kernels alone: KV streamed per second against the copy bandwidth.
+
+    python bench/attention_kernels.py --contexts 8192,32768 --batch-sizes 1,4 --out out.json
+
+One layer of an 8B-shaped model (32 query heads, 8 KV heads, head_dim 128, bf16) over a pool
+holding every request's context in scattered slots. Rows: plain decode, a 4-token chain
+verify and an 8-token tree verify, each with the backend's default launch configs, plus a
+sweep of decode configs (`--sweep`) to choose the defaults from.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import triton.testing
+
+from specserve.engine.attention.triton.kernels import (
+    DecodeConfig, decode_attention, default_decode_config, fill_kv_indices, short_extend_attention)
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def copy_bandwidth(device) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    seconds = triton.testing.do_bench(lambda: torch.empty_like(src).copy_(src), rep=200) / 1000
+    return 2 * (1 << 30) / seconds
+
+
+def scene(bs: int, context: int, extend: int, device):
+    """Pool, slot table and device offsets for `bs` requests of `context` cached tokens."""
+    num_slots = bs * (context + extend) + 1
+    k = torch.randn(num_slots, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = (torch.randperm(num_slots - 1, device=device) + 1).view(bs, context + extend)
+    rows = torch.arange(bs, device=device)
+    prefix = torch.full((bs,), context, device=device)
+    return k, v, table, rows, prefix
+
+
+def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device) -> float:
+    k, v, table, rows, prefix = scene(bs, context, 1, device)
+    kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
+    kv_indices = torch.empty(bs * (context + 1), dtype=torch.int32, device=device)
+    fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices, decode_token_slots=table[:, context])
+    q = torch.randn(bs, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    po = torch.empty(bs, HEADS, max_kv_splits, HEAD_DIM, device=device)
+    pl = torch.empty(bs, HEADS, max_kv_splits, device=device)
+    return triton.testing.do_bench(lambda: decode_attention(
+        q, k, v, out, kv_indptr, kv_indices, po, pl, 0.088, config), rep=200) / 1000
+
+
+def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device) -> float:
+    k, v, table, rows, prefix = scene(bs, context, extend, device)
+    kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
+    kv_indices = torch.empty(bs * context, dtype=torch.int32, device=device)
+    fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices)
+    qo_indptr = torch.arange(0, (bs + 1) * extend, extend, device=device)
+    new_slots = table[:, context:].reshape(-1)
+    q = torch.randn(bs * extend, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    po = torch.empty(bs * extend, HEADS, max_kv_splits, HEAD_DIM, device=device)
+    pl = torch.empty(bs * extend, HEADS, max_kv_splits, device=device)
+    arrivals = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device=device)
+    mask = torch.ones(bs, extend, extend, dtype=torch.bool, device=device).tril() if tree else None
+    return triton.testing.do_bench(lambda: short_extend_attention(
+        q, k, v, out, qo_indptr, kv_indptr, kv_indices, new_slots, extend, 0.088, po, pl,
+        arrivals, custom_mask=mask), rep=200) / 1000
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--max-kv-splits", type=int, default=16)
+    ap.add_argument("--sweep", action="store_true", help="also time decode launch configs")
+    ap.add_argument("--out", default="bench_attention_kernels.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    kv_bytes_per_token = 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+    rows = []
+    for context, bs in itertools.product((int(c) for c in args.contexts.split(",")),
+                                         (int(b) for b in args.batch_sizes.split(","))):
+        kernels = {"decode": lambda: time_decode(bs, context, default_decode_config(HEAD_DIM, device),
+                                                 args.max_kv_splits, device),
+                   "verify-chain-4": lambda: time_verify(bs, context, 4, False, args.max_kv_splits, device),
+                   "verify-tree-8": lambda: time_verify(bs, context, 8, True, args.max_kv_splits, device)}
+        if args.sweep:
+            for block_n, splits, stages, warps in itertools.product((32, 64, 128), (16, 32, 64),
+                                                                    (2, 3, 4), (4, 8)):
+                config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=warps,
+                                      num_stages=stages)
+                kernels[f"decode n{block_n} s{splits} st{stages} w{warps}"] = \
+                    (lambda c=config, s=splits: time_decode(bs, context, c, s, device))
+        for name, run in kernels.items():
+            try:
+                seconds = run()
+            except Exception as e:  # a sweep config the compiler refuses (shared memory)
+                print(f"{name}: {type(e).__name__}")
+                continue
+            kv_read = bs * context * kv_bytes_per_token
+            rows.append(dict(kernel=name, context=context, batch_size=bs, us=seconds * 1e6,
+                             kv_GBps=kv_read / seconds / 1e9,
+                             fraction_of_copy=kv_read / seconds / bandwidth))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
+              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    json.dump(result, open(args.out, "w"), indent=1)
+    print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s (one layer)")
+    print(f"{'kernel':34} {'ctx':>6} {'bs':>3} {'us':>8} {'KV GB/s':>8} {'copy%':>6}")
+    for r in sorted(rows, key=lambda r: (r["context"], r["batch_size"], r["us"])):
+        print(f"{r['kernel']:34} {r['context']:6} {r['batch_size']:3} {r['us']:8.1f} "
+              f"{r['kv_GBps']:8.0f} {100 * r['fraction_of_copy']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
