@@ -77,6 +77,10 @@ def main():
     ap.add_argument("--batch-sizes", default="1,4")
     ap.add_argument("--max-kv-splits", type=int, default=16)
     ap.add_argument("--sweep", action="store_true", help="also time decode launch configs")
+    ap.add_argument("--sweep-block-n", default="32,64,128")
+    ap.add_argument("--sweep-splits", default="16,32,64")
+    ap.add_argument("--sweep-stages", default="2,3,4")
+    ap.add_argument("--sweep-warps", default="4,8")
     ap.add_argument("--out", default="bench_attention_kernels.json")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -90,8 +94,9 @@ def main():
                    "verify-chain-4": lambda: time_verify(bs, context, 4, False, args.max_kv_splits, device),
                    "verify-tree-8": lambda: time_verify(bs, context, 8, True, args.max_kv_splits, device)}
         if args.sweep:
-            for block_n, splits, stages, warps in itertools.product((32, 64, 128), (16, 32, 64),
-                                                                    (2, 3, 4), (4, 8)):
+            grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
+                    for name in ("block_n", "splits", "stages", "warps")]
+            for block_n, splits, stages, warps in itertools.product(*grid):
                 config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=warps,
                                       num_stages=stages)
                 kernels[f"decode n{block_n} s{splits} st{stages} w{warps}"] = \
