@@ -185,7 +185,7 @@ def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
 
 def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, num_layers: int = 2,
                           vocab_size: int = VOCAB, hidden_size: int = 64,
-                          intermediate_size: int = 128) -> tuple[str, str]:
+                          intermediate_size: int = 128, max_position: int = 512) -> tuple[str, str]:
     """A target whose next token mostly depends on the current one, and an EAGLE-1 head that
     knows that dependency: real, partial acceptance on random weights.
 
@@ -198,7 +198,7 @@ def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, 
 
     target = make_tiny_checkpoint(os.path.join(root, "target"), "llama", seed=seed, num_layers=num_layers,
                                   vocab_size=vocab_size, hidden_size=hidden_size,
-                                  intermediate_size=intermediate_size)
+                                  intermediate_size=intermediate_size, max_position=max_position)
     file = os.path.join(target, "model.safetensors")
     weights = load_file(file)
     for name in list(weights):

@@ -76,3 +76,20 @@ def test_gpu_only_path_has_no_blocking_sync(pair, make_engine, graphs):
                          needs_cpu_seq_lens=True)
     with pytest.raises(RuntimeError, match="synchroniz"):
         _steady_state_steps(synced, [5, 6, 7, 8])
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_gpu_spec_matches_plain_at_8k(tmp_path_factory, make_engine, shape):
+    """8k-token prompts: verify and draft-extend run split over the prefix (16 splits of 512),
+    under CUDA graphs, and still emit exactly plain decoding's tokens."""
+    target, head = make_predictable_pair(str(tmp_path_factory.mktemp("pair8k")), max_position=8448)
+    prompts = random_prompts(2, seed=22, min_len=8000, max_len=8100)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", attention_backend="triton", max_context_len=8300, max_running_requests=4)
+    plain = make_engine(target, **common)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling=params)]
+    engine = make_engine(target, spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **common)
+    assert engine.core.uses_cuda_graphs
+    outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.metrics.mean_accept_length > 1.5
