@@ -62,6 +62,26 @@ def test_rope_matches_torch():
     torch.testing.assert_close(got[1], ref(k), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_kv_matches_rope_then_store(dtype):
+    """The fused store writes exactly what RoPE followed by the pool's set_kv writes, to the
+    given slots only (v copied as is, heads of a strided qkv view)."""
+    device = DEVICES[-1]
+    rot = RotaryEmbedding(32, 128, 10000.0, None).to(device)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(9, (6 + 2 + 2) * 32, generator=g).to(device, dtype)
+    q, k, v = qkv.split([6 * 32, 2 * 32, 2 * 32], dim=-1)
+    q, k, v = q.view(9, 6, 32), k.view(9, 2, 32), v.view(9, 2, 32)
+    positions = torch.randint(0, 128, (9,), generator=g).to(device)
+    loc = (torch.randperm(20, generator=g)[:9] + 1).to(device)
+    caches = [torch.zeros(21, 2, 32, dtype=dtype, device=device) for _ in range(4)]
+    q_fused = fused.rope_and_store_kv(positions, q, k, v, rot.cos, rot.sin, caches[0], caches[1], loc)
+    q_ref, k_ref = fused.rope(positions, q, k, rot.cos, rot.sin)
+    caches[2][loc], caches[3][loc] = k_ref, v
+    assert torch.equal(q_fused, q_ref)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def test_silu_and_mul_matches_torch():
     device = DEVICES[-1]
     x = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(device)

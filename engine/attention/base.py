@@ -38,7 +38,8 @@ class AttentionBackend(ABC):
                 fb: "ForwardBatch", scale: float) -> torch.Tensor:
         """Store k, v at `fb.out_cache_loc` in layer `layer_id`'s pool, then attend.
 
-        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], or
+        both None when the caller already stored them there (the fused RoPE kernel does).
         Returns [num_tokens, num_heads * head_dim].
         """
 

@@ -246,7 +246,8 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: "ForwardBatch", scale: float) -> torch.Tensor:
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if k is not None:
+            fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         metadata: Optional[FlashInferMetadata] = fb.attn_metadata
         if metadata is None:  # empty batch
             return q.new_empty(0, self.num_heads * self.head_dim)

@@ -55,7 +55,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb.attn_metadata = _Metadata(kv_indices, mask.unsqueeze(1), token_rows)
 
     def forward(self, q, k, v, layer_id, fb, scale):
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if k is not None:
+            fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         md: _Metadata = fb.attn_metadata
         bs, max_q = fb.batch_size, fb.max_extend_len
         num_heads, head_dim = q.shape[1], q.shape[2]

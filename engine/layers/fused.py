@@ -48,27 +48,28 @@ def add_rmsnorm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
 
 
 @triton.jit
-def _rope_heads(src, dst, stride, n_heads, token, cos1, cos2, sin1, sin2,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_heads(src, dst, n_heads, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Rotate the heads of one token: src and dst point at its first head (heads contiguous)."""
     d = tl.arange(0, HALF)
     heads = tl.arange(0, BLOCK_H)
     dtype = dst.dtype.element_ty
     hmask = heads[:, None] < n_heads
-    base = src + token * stride + heads[:, None] * (2 * HALF)
+    base = src + heads[:, None] * (2 * HALF)
     x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
     # torch rounds each product and the sum to the activation dtype.
     o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    out = dst + token * n_heads * (2 * HALF) + heads[:, None] * (2 * HALF)
+    out = dst + heads[:, None] * (2 * HALF)
     tl.store(out + d[None, :], o1.to(dtype), mask=hmask)
     tl.store(out + HALF + d[None, :], o2.to(dtype), mask=hmask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                 q_stride, k_stride, num_q_heads, num_k_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, loc_ptr, pos_ptr,
+                 cos_ptr, sin_ptr, q_stride, k_stride, v_stride, num_q_heads, num_k_heads,
+                 STORE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -78,10 +79,27 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d).to(dtype).to(tl.float32)
     sin1 = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
     sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d).to(dtype).to(tl.float32)
-    _rope_heads(q_ptr, q_out_ptr, q_stride, num_q_heads, token, cos1[None, :], cos2[None, :],
-                sin1[None, :], sin2[None, :], HALF, BLOCK_H)
-    _rope_heads(k_ptr, k_out_ptr, k_stride, num_k_heads, token, cos1[None, :], cos2[None, :],
-                sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+    kv_row = num_k_heads * 2 * HALF
+    # With STORE_KV the rotated k and the v go straight to the token's KV slot, which saves
+    # the two indexed copies per layer that storing them afterwards costs.
+    if STORE_KV:
+        k_row = tl.load(loc_ptr + token).to(tl.int64)
+    else:
+        k_row = token
+    _rope_heads(q_ptr + token * q_stride, q_out_ptr + token * num_q_heads * 2 * HALF, num_q_heads,
+                cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+    _rope_heads(k_ptr + token * k_stride, k_out_ptr + k_row * kv_row, num_k_heads,
+                cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+    if STORE_KV:
+        cols = tl.arange(0, BLOCK_H * 2 * HALF)
+        v = tl.load(v_ptr + token * v_stride + cols, mask=cols < kv_row, other=0.0)
+        tl.store(v_out_ptr + k_row * kv_row + cols, v.to(v_out_ptr.dtype.element_ty),
+                 mask=cols < kv_row)
+
+
+def _check_heads(*xs: torch.Tensor) -> None:
+    dim = xs[0].shape[2]
+    assert all(x.stride(2) == 1 and x.stride(1) == dim for x in xs), "heads must be contiguous"
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -90,11 +108,29 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     hk = k.shape[1]
     q_out = torch.empty((T, hq, dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((T, hk, dim), dtype=k.dtype, device=k.device)
-    assert q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == dim and k.stride(1) == dim
+    _check_heads(q, k)
     if T:
-        _rope_kernel[(T,)](q, k, q_out, k_out, positions, cos, sin, q.stride(0), k.stride(0), hq, hk,
+        _rope_kernel[(T,)](q, k, k, q_out, k_out, k_out, positions, positions, cos, sin,
+                           q.stride(0), k.stride(0), 0, hq, hk, STORE_KV=False,
                            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4)
     return q_out, k_out
+
+
+def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """`rope`, with the rotated k and the v written to `k_cache[loc]` and `v_cache[loc]`
+    ([slots, Hk, D] each) instead of returned. Returns the rotated q."""
+    T, hq, dim = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((T, hq, dim), dtype=q.dtype, device=q.device)
+    _check_heads(q, k, v)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == k.shape[1:]
+    if T:
+        _rope_kernel[(T,)](q, k, v, q_out, k_cache, v_cache, loc, positions, cos, sin,
+                           q.stride(0), k.stride(0), v.stride(0), hq, hk, STORE_KV=True,
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4)
+    return q_out
 
 
 @triton.jit

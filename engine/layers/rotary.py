@@ -52,6 +52,18 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    @property
+    def stores_kv(self) -> bool:
+        """Whether `rotate_and_store_kv` is one fused kernel here (CUDA with triton)."""
+        return self.cos.is_cuda and fused is not None
+
+    def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            loc: torch.Tensor) -> torch.Tensor:
+        """RoPE of q and k, with k and v written to the caches' rows `loc`; returns q.
+        One kernel instead of RoPE plus two indexed copies (only where `stores_kv`)."""
+        return fused.rope_and_store_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, loc)
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

@@ -44,7 +44,13 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary.stores_kv:  # the new tokens' K/V go to the pool inside the RoPE kernel
+            q = self.rotary.rotate_and_store_kv(
+                positions, q, k, v, fb.kv_pool.k_buffer[self.layer_id],
+                fb.kv_pool.v_buffer[self.layer_id], fb.out_cache_loc)
+            k = v = None
+        else:
+            q, k = self.rotary(positions, q, k)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)
         return self.o_proj(out)
 

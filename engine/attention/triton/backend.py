@@ -153,7 +153,8 @@ class TritonAttnBackend(AttentionBackend):
         metadata: TritonAttnMetadata = fb.attn_metadata
         num_tokens = q.shape[0]
         assert q.shape[1:] == (self.num_heads, self.head_dim), q.shape
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if k is not None:
+            fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buffer = fb.kv_pool.k_buffer[layer_id]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
