@@ -27,6 +27,7 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.step import Worker
 from specserve.engine.runtime.tp_group import Stop, TPGroup
 from specserve.engine.runtime.worker import NormalWorker, PresenceTable, TargetModel
 from specserve.engine.scheduler.output_processor import OutputProcessor
@@ -67,7 +68,7 @@ class EngineCore:
     allocator: TokenSlotAllocator
     runner: ModelRunner
     draft_runner: Optional[ModelRunner]
-    worker: object                # NormalWorker or EagleWorker
+    worker: Worker                # NormalWorker or EagleWorker
     scheduler: Scheduler
     needs_cpu_seq_lens: bool
     uses_cuda_graphs: bool

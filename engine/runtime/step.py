@@ -8,7 +8,7 @@ may rewrite the request table after `read_done`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -66,6 +66,22 @@ class Launched(NamedTuple):
     result: PendingResult
     read_done: Any      # event: the forward no longer reads the request table
     inputs: Any         # device tensors the forward reads, held until the result is processed
+
+
+class Worker(Protocol):
+    """What the scheduler and the engine need of a worker (NormalWorker, EagleWorker)."""
+
+    graphs: Any  # the captured CUDA graphs (GraphedStep), or None
+    target: Any  # its TargetModel (the engine scores prompts through it)
+
+    def slots_per_request(self) -> int:
+        """KV slots a decode step needs past a request's committed length."""
+
+    def launch_extend(self, step: ExtendStep) -> Launched: ...
+
+    def launch_decode(self, step: DecodeStep) -> Launched: ...
+
+    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None: ...
 
 
 def launch_forward(ctx: DeviceContext, inputs: Any,

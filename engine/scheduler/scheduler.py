@@ -17,7 +17,7 @@ import time
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.layers.sampler import SamplingInfo
 from specserve.engine.outputs import StepOutput
-from specserve.engine.runtime.step import Launched
+from specserve.engine.runtime.step import Launched, Worker
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
@@ -42,7 +42,7 @@ class SchedulerMetrics:
 
 
 class Scheduler:
-    def __init__(self, *, worker, slots: RequestSlots, policy: AdmissionPolicy,
+    def __init__(self, *, worker: Worker, slots: RequestSlots, policy: AdmissionPolicy,
                  outputs: OutputProcessor, vocab_size: int, eos_ids, enable_overlap: bool,
                  speculative: bool):
         self.worker = worker
