@@ -167,6 +167,51 @@ def _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot, stride_bu
     return k, v
 
 
+@triton.jit
+def _attend_slot_range(q_tile, m_i, l_i, acc, k_buffer, v_buffer, slot_list, begin, end, kv_head,
+                       stride_buf_slot, stride_buf_head, offs_n, offs_d, dim_mask, sm_scale_log2,
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys `slot_list[begin:end]`, all visible to every row, into the running softmax."""
+    for start in range(begin, end, BLOCK_N):
+        cols = start + offs_n
+        col_mask = cols < end
+        slots = tl.load(slot_list + cols, mask=col_mask, other=0)
+        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
+                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
+                             q_tile.dtype)
+        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_new_tokens(q_tile, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots, custom_mask,
+                       req, tokens, row_mask, end, extend_len, kv_head, stride_buf_slot,
+                       stride_buf_head, stride_mask_req, stride_mask_row, offs_n, offs_d,
+                       dim_mask, sm_scale_log2, BLOCK_N: tl.constexpr,
+                       USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold this forward's new tokens `[0, end)` (their slots were just written, so they are
+    what later forwards will see in the pool) under the causal or the custom (tree) mask."""
+    for start in range(0, end, BLOCK_N):
+        cols = start + offs_n
+        col_mask = cols < extend_len
+        slots = tl.load(new_token_slots + cols, mask=col_mask, other=0)
+        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
+                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
+                             q_tile.dtype)
+        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        if USE_CUSTOM_MASK:
+            visible = tl.load(custom_mask + req * stride_mask_req
+                              + tokens[:, None] * stride_mask_row + cols[None, :],
+                              mask=row_mask[:, None] & col_mask[None, :], other=0) != 0
+        else:
+            visible = (cols[None, :] <= tokens[:, None]) & col_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # ---------------------------------------------------------------------------------------------
 # Decode: split-KV, two stages
 # ---------------------------------------------------------------------------------------------
@@ -211,16 +256,10 @@ def _decode_partial_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(split_begin, split_end, BLOCK_N):
-        pos = start + offs_n
-        col_mask = pos < split_end
-        slots = tl.load(kv_indices + kv_start + pos, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    m_i, l_i, acc = _attend_slot_range(
+        q_tile, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin, split_end,
+        kv_head, stride_buf_slot, stride_buf_head, offs_n, offs_d, dim_mask, sm_scale_log2,
+        BLOCK_N, DOT_PRECISION)
 
     # Splits past the end of a short sequence store nothing; the reduce never reads them.
     # Their l = 0 is replaced only to keep the discarded lanes free of 0/0 and log(0).
@@ -358,39 +397,21 @@ def _extend_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Stage 1: the cached prefix, visible to every new token.
-    for start in range(0, tl.where(is_live, prefix_len, 0), BLOCK_N):
-        cols = start + offs_n
-        col_mask = cols < prefix_len
-        slots = tl.load(kv_indices + kv_start + cols, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    m_i, l_i, acc = _attend_slot_range(
+        q_tile, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, 0,
+        tl.where(is_live, prefix_len, 0), kv_head, stride_buf_slot, stride_buf_head, offs_n,
+        offs_d, dim_mask, sm_scale_log2, BLOCK_N, DOT_PRECISION)
 
-    # Stage 2: the new tokens themselves, read back from the slots this forward just wrote,
-    # so they are exactly what later forwards will see in the pool.
+    # Stage 2: the new tokens themselves.
     if USE_CUSTOM_MASK:
         new_end = extend_len
     else:
         new_end = tl.minimum(extend_len, first_token + TOKENS_PER_BLOCK)  # causal: no later key
-    for start in range(0, tl.where(is_live, new_end, 0), BLOCK_N):
-        cols = start + offs_n
-        col_mask = cols < extend_len
-        slots = tl.load(new_token_slots + qo_start + cols, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        if USE_CUSTOM_MASK:
-            visible = tl.load(custom_mask + req * stride_mask_req
-                              + tokens[:, None] * stride_mask_row + cols[None, :],
-                              mask=row_mask[:, None] & col_mask[None, :], other=0) != 0
-        else:
-            visible = (cols[None, :] <= tokens[:, None]) & col_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    m_i, l_i, acc = _attend_new_tokens(
+        q_tile, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start, custom_mask, req,
+        tokens, row_mask, tl.where(is_live, new_end, 0), extend_len, kv_head, stride_buf_slot,
+        stride_buf_head, stride_mask_req, stride_mask_row, offs_n, offs_d, dim_mask,
+        sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK, DOT_PRECISION)
 
     # Padded rows saw nothing (l = 0); they are not stored, the guard only avoids 0/0.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -500,33 +521,15 @@ def _short_extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(split_begin, split_end, BLOCK_N):
-        cols = start + offs_n
-        col_mask = cols < split_end
-        slots = tl.load(kv_indices + kv_start + cols, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
-
-    for start in range(0, tl.where(split == 0, extend_len, 0), BLOCK_N):
-        cols = start + offs_n
-        col_mask = cols < extend_len
-        slots = tl.load(new_token_slots + qo_start + cols, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        if USE_CUSTOM_MASK:
-            visible = tl.load(custom_mask + req * stride_mask_req
-                              + tokens[:, None] * stride_mask_row + cols[None, :],
-                              mask=row_mask[:, None] & col_mask[None, :], other=0) != 0
-        else:
-            visible = (cols[None, :] <= tokens[:, None]) & col_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    m_i, l_i, acc = _attend_slot_range(
+        q_tile, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin, split_end,
+        kv_head, stride_buf_slot, stride_buf_head, offs_n, offs_d, dim_mask, sm_scale_log2,
+        BLOCK_N, DOT_PRECISION)
+    m_i, l_i, acc = _attend_new_tokens(
+        q_tile, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start, custom_mask, req,
+        tokens, row_mask, tl.where(split == 0, extend_len, 0), extend_len, kv_head,
+        stride_buf_slot, stride_buf_head, stride_mask_req, stride_mask_row, offs_n, offs_d,
+        dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK, DOT_PRECISION)
 
     out_ptrs = out + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     if num_splits == 1:
