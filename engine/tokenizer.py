@@ -8,6 +8,17 @@ from typing import Optional
 from tokenizers import Tokenizer as HFTokenizer
 
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _default_template(value) -> Optional[str]:
+    """tokenizer_config.json holds one template, or a list of named ones (then "default")."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value if isinstance(value, str) else None
+
+
 class Tokenizer:
     def __init__(self, path: str, eos_token_ids: list[int]):
         file = os.path.join(path, "tokenizer.json")
@@ -16,10 +27,19 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(file)
         self.eos_token_ids = list(eos_token_ids)
         self.chat_template: Optional[str] = None
+        # bos_token, eos_token, ... as text: chat templates refer to them by these names.
+        self.special_tokens: dict[str, str] = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(config_file):
             with open(config_file) as f:
-                self.chat_template = json.load(f).get("chat_template")
+                config = json.load(f)
+            self.chat_template = _default_template(config.get("chat_template"))
+            for name in SPECIAL_TOKEN_NAMES:
+                token = config.get(name)
+                if isinstance(token, dict):  # an AddedToken written out as a dict
+                    token = token.get("content")
+                if isinstance(token, str):
+                    self.special_tokens[name] = token
 
     @property
     def vocab_size(self) -> int:

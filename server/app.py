@@ -1,4 +1,5 @@
-"""The gRPC server process: grpc.aio on uvloop, the engine in a child process.
+"""The gRPC server process: grpc.aio on uvloop, the engine in a child process, and with
+--http-port the OpenAI-compatible HTTP front in the same event loop.
 
 Lifecycle: listen at once (health NOT_SERVING) -> spawn the engine -> SERVING once it is warm.
 SIGTERM/SIGINT: NOT_SERVING, refuse new calls, let in-flight calls finish (drain_timeout_s),
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from specserve.engine.config import EngineConfig
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable
+from specserve.server.generation import GenerationCore
 from specserve.server.health import GENERATION_SERVICE, HealthStatus
 from specserve.server.http_endpoint import HttpEndpoint
 from specserve.server.metrics import ServerMetrics
@@ -89,7 +91,9 @@ class SpecserveServer:
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
         self.http = HttpEndpoint(self.metrics.registry, lambda: self.health.serving)
-        self.servicer = GenerationServicer(self.engine, engine_config, server_config, self.metrics)
+        self.core = GenerationCore(self.engine, engine_config, server_config, self.metrics)
+        self.servicer = GenerationServicer(self.core)
+        self.http_api = None  # the OpenAI-compatible front (HttpApiServer), with --http-port
         self.grpc_server = grpc.aio.server(options=_server_options(server_config))
         self.stopping = asyncio.Event()
         self.port: Optional[int] = None
@@ -111,8 +115,10 @@ class SpecserveServer:
         except PortUnavailable as e:
             logger.error("%s", e)
             await self.grpc_server.stop(None)
+            if self.http_api is not None:
+                await self.http_api.stop()
             await self.engine.shutdown()  # nothing started yet: releases its sockets
-            self.servicer.close()
+            self.core.close()
             return 1
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -135,12 +141,33 @@ class SpecserveServer:
             except OSError as e:
                 raise PortUnavailable(f"cannot listen on {config.host}:{config.metrics_port} "
                                       f"(--metrics-port): {e.strerror or e}") from None
+        if config.http_port is not None:
+            self.http_api = self._build_http_api()
+            try:
+                http_api_port = self.http_api.bind()
+            except OSError as e:
+                raise PortUnavailable(f"cannot listen on {config.host}:{config.http_port} "
+                                      f"(--http-port): {e.strerror or e}") from None
         await self.grpc_server.start()
         scheme = "grpcs" if config.tls_cert else "grpc"
         logger.info("serving on %s:%d (%s)", config.host, self.port, scheme)
+        if self.http_api is not None:
+            await self.http_api.start()
+            logger.info("OpenAI-compatible API on %s://%s:%d/v1",
+                        "https" if config.tls_cert else "http", config.host, http_api_port)
         if config.metrics_port is not None:
             logger.info("metrics and health on http://%s:%d/metrics and /health", config.host,
                         http_port)
+
+    def _build_http_api(self):
+        # Imported here: FastAPI and uvicorn are an optional dependency (the `http` extra) that
+        # only --http-port needs.
+        from specserve.server.openai_api.routes import create_app
+        from specserve.server.openai_api.server import HttpApiServer
+
+        app = create_app(self.core, self.metrics.registry, lambda: self.health.serving)
+        config = self.server_config
+        return HttpApiServer(app, config.host, config.http_port, config.tls_cert, config.tls_key)
 
     def _on_engine_death(self, reason: str) -> None:
         self._health_update = asyncio.get_running_loop().create_task(
@@ -159,7 +186,7 @@ class SpecserveServer:
             logger.error("the engine failed to start: %s", e)
             stop.cancel()
             return 1
-        self.servicer.on_engine_ready(info, self.engine.tokenizer)
+        self.core.on_engine_ready(info, self.engine.tokenizer)
         await self.health.set_serving(True)
         logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,
                     info.device, info.dtype)
@@ -182,18 +209,20 @@ class SpecserveServer:
     async def _drain(self) -> None:
         # New calls get UNAVAILABLE (retry elsewhere) while running ones finish; the gRPC server
         # keeps listening meanwhile so that clients and probes get answers, not resets.
-        self.servicer.draining = True
+        self.core.draining = True
         await self.health.set_serving(False)
         timeout = self.server_config.drain_timeout_s
         logger.info("stopping: draining %d in-flight calls (up to %.0f s)",
-                    self.servicer.num_active_streams, timeout)
-        if not await self.servicer.wait_idle(timeout):
+                    self.core.num_active_streams, timeout)
+        if not await self.core.wait_idle(timeout):
             logger.warning("%d calls still running after %.0f s; cancelling them",
-                           self.servicer.num_active_streams, timeout)
+                           self.core.num_active_streams, timeout)
         await self.grpc_server.stop(STOP_GRACE_S)
+        if self.http_api is not None:
+            await self.http_api.stop()
         await self.engine.shutdown()
         self.http.stop()
-        self.servicer.close()
+        self.core.close()
         logger.info("stopped")
 
 

@@ -12,6 +12,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051               # 0: any free port (the bound one is logged)
     metrics_port: Optional[int] = None  # HTTP /metrics (Prometheus) and /health; None: off
+    # The OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...); None: off.
+    # Needs the `http` extra (FastAPI, uvicorn).
+    http_port: Optional[int] = None
     tls_cert: Optional[str] = None  # PEM paths; both or neither
     tls_key: Optional[str] = None
     # Generate calls admitted beyond the engine's max_running_requests; more are refused with

@@ -31,6 +31,10 @@ class InvalidRequest(ValueError):
     """A request field is invalid or over a server limit; the message starts with the field
     ("request" for a message that cannot be parsed)."""
 
+    @property
+    def field(self) -> str:
+        return str(self).partition(":")[0]
+
 
 M = TypeVar("M", bound=Message)
 
@@ -126,7 +130,9 @@ class RequestValidator:
                 raise InvalidRequest("text: the prompt must not be empty")
             if self.tokenizer is None:
                 raise InvalidRequest("text: this model has no tokenizer; send token_ids")
-            ids = self.tokenizer.encode(request.text)
+            add_special_tokens = (request.add_special_tokens
+                                  if request.HasField("add_special_tokens") else True)
+            ids = self.tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
             if not ids:
                 raise InvalidRequest("text: the prompt tokenizes to no tokens")
             if len(ids) > self.limits.max_prompt_tokens:

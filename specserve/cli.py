@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 picks a free port (it is logged); default: $SPECSERVE_PORT, else 50051")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics and an HTTP /health (200 or 503) here")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API here (/v1/completions, "
+                        "/v1/chat/completions, ...; needs the `http` extra); 0 picks a free port")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     g.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     g.add_argument("--max-queue", type=int, default=None,
@@ -118,7 +121,8 @@ def _server_config_from_args(args: argparse.Namespace):
     from specserve.server.config import ServerConfig
 
     optional = {field: getattr(args, flag) for field, flag in (
-        ("metrics_port", "metrics_port"), ("tls_cert", "tls_cert"), ("tls_key", "tls_key"),
+        ("metrics_port", "metrics_port"), ("http_port", "http_port"),
+        ("tls_cert", "tls_cert"), ("tls_key", "tls_key"),
         ("max_queue", "max_queue"), ("max_prompt_tokens", "max_prompt_tokens"),
         ("max_new_tokens_cap", "max_new_tokens_cap"), ("max_message_bytes", "max_message_bytes"),
         ("drain_timeout_s", "drain_timeout"),

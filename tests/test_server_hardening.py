@@ -22,7 +22,7 @@ from specserve.proto import generate_pb2_grpc as pb_grpc
 from specserve.server.config import ServerConfig
 from specserve.server.health import GENERATION_SERVICE
 from specserve.server.metrics import ServerMetrics
-from specserve.server.servicer import GenerationServicer
+from specserve.server.generation import GenerationCore
 from specserve.server.validation import TEXT_BYTES_PER_TOKEN
 from specserve.server.watchdog import EngineWatchdog
 
@@ -88,19 +88,19 @@ async def test_tokenizing_runs_off_the_event_loop():
     started, release = threading.Event(), threading.Event()
 
     class BlockingTokenizer:
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
             started.set()
             assert release.wait(60)
             return [5, 6]
 
-    servicer = GenerationServicer(None, EngineConfig(), ServerConfig(),
-                                  ServerMetrics(EngineWatchdog(4.0, None).report))
-    servicer.on_engine_ready(EngineInfo(
+    core = GenerationCore(None, EngineConfig(), ServerConfig(),
+                          ServerMetrics(EngineWatchdog(4.0, None).report))
+    core.on_engine_ready(EngineInfo(
         model="m", architecture="llama", vocab_size=320, max_context_len=64, dtype="float32",
         device="cpu", eos_token_ids=(2,), spec=None), BlockingTokenizer())
     try:
-        prepared = asyncio.ensure_future(
-            servicer.prepare(pb.GenerateRequest(text="hi").SerializeToString()))
+        prepared = asyncio.ensure_future(core.in_prepare_thread(
+            lambda served: served.validator.validate(pb.GenerateRequest(text="hi")), core.served))
         while not started.is_set():  # never reached if encode ran on this loop
             await asyncio.sleep(0.01)
         assert not prepared.done()
@@ -108,7 +108,7 @@ async def test_tokenizing_runs_off_the_event_loop():
         assert (await prepared).prompt_token_ids == [5, 6]
     finally:
         release.set()
-        servicer.close()
+        core.close()
 
 
 # --- 4: malformed messages --------------------------------------------------------------------

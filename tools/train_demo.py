@@ -189,6 +189,13 @@ def train_tokenizer(docs: list[Doc], vocab_size: int, sample_bytes: int):
     return tok
 
 
+# A plain "role: content" chat template (the demo model was trained on code, not conversations;
+# the template lets chat clients talk to it). It writes the BOS itself, as HF templates do.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: "
+                 "{{ message['content'] }}\n\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def tokenizer_config(max_length: int) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -199,6 +206,7 @@ def tokenizer_config(max_length: int) -> dict:
         "add_eos_token": False,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

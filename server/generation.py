@@ -1,0 +1,197 @@
+"""The request-handling core that the gRPC and the HTTP front share: admission, preparation off
+the event loop, engine submission, streaming through an OutputStream, cleanup and metrics.
+
+A front turns its request into a `prepare` function (run in a prepare thread, it returns a
+ValidatedRequest) and its refusals from `Refused.kind` into its own status codes. Everything
+else, and so every rule about what is admitted and when the engine's KV is freed, lives here.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.outputs import EngineInfo
+from specserve.proto import generate_pb2 as pb
+from specserve.server.chat_template import ChatTemplate
+from specserve.server.config import ServerConfig
+from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
+from specserve.server.metrics import ServerMetrics
+from specserve.server.output_stream import OutputStream
+from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
+                                         ValidatedRequest)
+
+logger = logging.getLogger("specserve.server")
+
+# Threads that parse, check, template and tokenize requests, off the event loop. Tokenizing
+# releases the GIL, so a few run in parallel; admission bounds the calls waiting for one.
+PREPARE_THREADS = 4
+
+T = TypeVar("T")
+
+
+class RefusalKind(enum.Enum):
+    """Why a request was refused. The names are gRPC's status codes, which the metrics count
+    for both fronts."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class Refused(Exception):
+    """A request ends with a refusal; `field` names the request field at fault, if one is."""
+
+    def __init__(self, kind: RefusalKind, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.field = field
+
+    @classmethod
+    def invalid(cls, error: InvalidRequest) -> "Refused":
+        return cls(RefusalKind.INVALID_ARGUMENT, str(error), error.field)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the engine serves, as the request path needs it; set once the engine is ready."""
+
+    info: EngineInfo
+    tokenizer: Any            # encode/decode, or None for a model without one
+    limits: RequestLimits
+    validator: RequestValidator
+    chat_template: Optional[ChatTemplate]
+
+
+Prepare = Callable[[Served], ValidatedRequest]
+
+
+class GenerationCore:
+    def __init__(self, engine: EngineClient, engine_config: EngineConfig,
+                 server_config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.server_config = server_config
+        self.metrics = metrics
+        self.max_active_streams = engine_config.max_running_requests + server_config.max_queue
+        self.num_active_streams = 0
+        self.draining = False  # set on SIGTERM: new calls are refused, running ones finish
+        self.served: Optional[Served] = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._prepare_threads = ThreadPoolExecutor(PREPARE_THREADS,
+                                                   thread_name_prefix="specserve-prepare")
+
+    def on_engine_ready(self, info: EngineInfo, tokenizer: Any) -> None:
+        room = info.max_context_len - 1  # the engine needs at least one free position
+        limits = RequestLimits(
+            vocab_size=info.vocab_size,
+            max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
+            max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
+        self.served = Served(info, tokenizer, limits, RequestValidator(tokenizer, limits),
+                             ChatTemplate.of(tokenizer))
+
+    def close(self) -> None:
+        self._prepare_threads.shutdown(wait=False, cancel_futures=True)
+
+    async def in_prepare_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn (tokenizing, templating: slow for long inputs) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_threads, fn, *args)
+
+    def check_available(self) -> Served:
+        """What the engine serves, or Refused(UNAVAILABLE) while it is starting, dead or the
+        server drains."""
+        if self.draining:
+            raise Refused(RefusalKind.UNAVAILABLE, "the server is shutting down")
+        try:
+            self.engine.check_available()
+        except EngineUnavailable as e:
+            raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
+        return self.served
+
+    async def generate(self, rid: str, prepare: Prepare,
+                       cancel_code: Callable[[], str] = lambda: "CANCELLED",
+                       ) -> AsyncIterator[pb.GenerateChunk]:
+        """Admit, prepare and run one request, streaming its chunks; raises Refused.
+
+        The caller must close this generator when it stops early (contextlib.aclosing), so that
+        the engine request is aborted at once. cancel_code() names how a closed stream ended
+        (for the metrics): CANCELLED, or DEADLINE_EXCEEDED when the front knows it was that.
+        """
+        arrived = time.perf_counter()
+        code = "OK"
+        try:
+            async for chunk in self._generate(rid, prepare, arrived):
+                yield chunk
+        except Refused as refusal:
+            code = refusal.kind.value
+            logger.info("request %s refused with %s: %s", rid, code, refusal.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = cancel_code()
+            raise
+        finally:
+            self.metrics.requests.labels(code).inc()
+            self.metrics.request_duration.observe(time.perf_counter() - arrived)
+
+    async def _generate(self, rid: str, prepare: Prepare,
+                        arrived: float) -> AsyncIterator[pb.GenerateChunk]:
+        served = self.check_available()
+        # Admitted before it is read, so that the calls waiting for a prepare thread are bounded
+        # too.
+        if self.num_active_streams >= self.max_active_streams:
+            raise Refused(RefusalKind.RESOURCE_EXHAUSTED,
+                          f"the server is full: {self.num_active_streams} calls in flight, the "
+                          f"limit is max_running_requests + max_queue = {self.max_active_streams}; "
+                          f"retry later")
+        self.num_active_streams += 1
+        self._idle.clear()
+        self.metrics.active_streams.inc()
+        try:
+            try:
+                validated = await self.in_prepare_thread(prepare, served)
+            except InvalidRequest as e:
+                raise Refused.invalid(e) from None
+            stream = OutputStream(served.tokenizer, validated,
+                                  report_spec=served.info.spec is not None)
+            try:
+                events = self.engine.submit(rid, validated.prompt_token_ids, validated.sampling)
+            except EngineUnavailable as e:
+                raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
+            first_token = True
+            while not stream.finished:
+                event = await events.get()
+                if isinstance(event, RequestRejected):
+                    raise Refused(RefusalKind.INVALID_ARGUMENT, str(event),
+                                  str(event).partition(":")[0])
+                if isinstance(event, EngineUnavailable):
+                    raise Refused(RefusalKind.UNAVAILABLE, str(event))
+                chunk = stream.on_output(event)
+                if chunk is None:
+                    continue
+                if first_token and chunk.token_ids:
+                    first_token = False
+                    self.metrics.time_to_first_token.observe(time.perf_counter() - arrived)
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                yield chunk
+        finally:
+            # Cancelled, past its deadline, stopped by a stop string or failed: the engine must
+            # stop and free the KV. A no-op when the engine already finished the request.
+            self.engine.abort(rid)
+            self.num_active_streams -= 1
+            if self.num_active_streams == 0:
+                self._idle.set()
+            self.metrics.active_streams.dec()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is running; False if some still are after timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

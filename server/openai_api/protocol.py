@@ -1,0 +1,246 @@
+"""OpenAI request bodies (pydantic) and their translation into the gRPC API's GenerateRequest.
+
+The translation only moves fields: every check of a value (ranges, limits, sizes) is the
+RequestValidator's, as for a gRPC call, and its errors are renamed to the OpenAI field that
+carried the value (max_new_tokens -> max_tokens, text -> prompt, ...).
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from specserve.proto import generate_pb2 as pb
+from specserve.server.generation import Served
+from specserve.server.validation import InvalidRequest, ValidatedRequest
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationBody(BaseModel):
+    """Fields that completions and chat share. Unknown fields are ignored, as OpenAI's server
+    does, so that clients sending newer fields still work."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # accepted for compatibility; not used
+    n: int = 1
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    # SGLang and vLLM extras.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+
+    PROMPT_FIELD: ClassVar[str]  # the field that holds the prompt, for error messages
+
+    def check_supported(self) -> None:
+        """Refuse, by name, what the server does not implement (rather than ignore it)."""
+        if self.n != 1:
+            raise InvalidRequest(f"n: only n=1 is supported, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name}: not supported (use repetition_penalty)")
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The request field that limits the completion's length."""
+        return "max_tokens"
+
+    def sampling(self) -> pb.SamplingParams:
+        """The sampling fields as the gRPC API's message; unset fields stay unset, so their
+        defaults are the gRPC API's."""
+        values = {"max_new_tokens": self.max_new_tokens(), "min_new_tokens": self.min_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                  "seed": self.seed, "ignore_eos": self.ignore_eos}
+        msg = pb.SamplingParams(stop=[self.stop] if isinstance(self.stop, str) else self.stop or [])
+        for name, value in values.items():
+            if value is None:
+                continue
+            try:
+                setattr(msg, name, value)
+            except (ValueError, TypeError):  # outside the wire type's range (e.g. negative)
+                raise InvalidRequest(f"{name}: {value!r} is out of range") from None
+        try:
+            msg.stop_token_ids.extend(self.stop_token_ids or [])
+        except (ValueError, TypeError):
+            raise InvalidRequest(f"stop_token_ids: {self.stop_token_ids!r} has an id out of "
+                                 f"range") from None
+        return msg
+
+    def api_field(self, field: str) -> str:
+        """The OpenAI field for a gRPC field name."""
+        return {"max_new_tokens": self.max_tokens_field(), "min_new_tokens": "min_tokens",
+                "text": self.PROMPT_FIELD, "token_ids": self.PROMPT_FIELD}.get(field, field)
+
+    def prepare(self, served: Served) -> ValidatedRequest:
+        """The validated request (runs in a prepare thread: templating and tokenizing)."""
+        try:
+            self.check_supported()
+            return served.validator.validate(self.generate_request(served))
+        except InvalidRequest as e:
+            field, _, rest = str(e).partition(":")
+            raise InvalidRequest(f"{self.api_field(field)}:{rest}") from None
+
+    def generate_request(self, served: Served) -> pb.GenerateRequest:
+        raise NotImplementedError
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationBody):
+    prompt: Union[str, list[int]]
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    PROMPT_FIELD = "prompt"
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs: not supported by the HTTP API yet (the gRPC API "
+                                 "returns the sampled tokens' log-probabilities)")
+        if self.echo:
+            raise InvalidRequest("echo: not supported")
+        if self.suffix:
+            raise InvalidRequest("suffix: not supported")
+
+    def generate_request(self, served: Served) -> pb.GenerateRequest:
+        if isinstance(self.prompt, str):
+            return pb.GenerateRequest(text=self.prompt, sampling=self.sampling())
+        request = pb.GenerateRequest(sampling=self.sampling())
+        try:
+            request.token_ids.ids.extend(self.prompt)
+        except (ValueError, TypeError):
+            raise InvalidRequest("token_ids: a token id is out of range") from None
+        return request
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the template
+
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+
+    def for_template(self) -> dict:
+        """The message as templates read it: content as one string (parts joined)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+def render_chat(served: Served, messages: list[ChatMessage],
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text for a conversation; InvalidRequest naming `messages`."""
+    if not messages:
+        raise InvalidRequest("messages: must not be empty")
+    if served.chat_template is None:
+        raise InvalidRequest("messages: this model has no chat template (no chat_template in "
+                             "its tokenizer_config.json); use /v1/completions")
+    return served.chat_template.render([m.for_template() for m in messages],
+                                       add_generation_prompt)
+
+
+class ChatCompletionRequest(GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+    PROMPT_FIELD = "messages"
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("logprobs", "top_logprobs"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name}: not supported by the HTTP API yet")
+
+    def max_new_tokens(self) -> Optional[int]:
+        # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens.
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def generate_request(self, served: Served) -> pb.GenerateRequest:
+        # The rendered text carries the template's special tokens (a BOS) already.
+        return pb.GenerateRequest(text=render_chat(served, self.messages),
+                                  add_special_tokens=False, sampling=self.sampling())
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt or a conversation (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+
+    def token_ids(self, served: Served) -> list[int]:
+        """The ids a completion or chat request with this prompt would be given (runs in a
+        prepare thread). Only the size of the text is limited: counting tokens is the point."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("prompt: give either prompt or messages")
+        if served.tokenizer is None:
+            raise InvalidRequest("prompt: this model has no tokenizer")
+        if self.messages is not None:
+            text = render_chat(served, self.messages, self.add_generation_prompt)
+            add_special_tokens = bool(self.add_special_tokens)
+        else:
+            text = self.prompt
+            add_special_tokens = self.add_special_tokens is not False
+        field = "prompt" if self.messages is None else "messages"
+        if len(text.encode()) > served.limits.max_text_bytes:
+            raise InvalidRequest(f"{field}: longer than the server limit of "
+                                 f"{served.limits.max_text_bytes} UTF-8 bytes")
+        return served.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+    def text(self, served: Served) -> str:
+        """The decoded text (runs in a prepare thread)."""
+        if served.tokenizer is None:
+            raise InvalidRequest("tokens: this model has no tokenizer")
+        most = served.limits.max_prompt_tokens + served.limits.max_new_tokens_cap
+        if len(self.tokens) > most:
+            raise InvalidRequest(f"tokens: at most max_prompt_tokens + max_new_tokens_cap = "
+                                 f"{most} ids are accepted")
+        bad = next((t for t in self.tokens if not 0 <= t < served.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"tokens: token id {bad} is not in [0, vocab_size="
+                                 f"{served.limits.vocab_size})")
+        return served.tokenizer.decode(self.tokens)

@@ -1,0 +1,204 @@
+"""The FastAPI app of the OpenAI-compatible front: routes, error shapes and client disconnects.
+
+Generation goes through the same GenerationCore as gRPC calls (admission, validation, streaming,
+engine aborts), so this module only translates: requests in (protocol.py), chunks out
+(responses.py), refusals into HTTP statuses.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from specserve.proto import generate_pb2 as pb
+from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
+from specserve.server.openai_api.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest,
+                                                  GenerationBody)
+from specserve.server.openai_api.responses import (SSE_DONE, ResponseFormat, error_body, sse)
+from specserve.server.validation import InvalidRequest
+
+T = TypeVar("T")
+
+# HTTP status and OpenAI error type of each refusal.
+_STATUSES = {RefusalKind.INVALID_ARGUMENT: (400, "invalid_request_error"),
+             RefusalKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+             RefusalKind.UNAVAILABLE: (503, "service_unavailable")}
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+class _NotFound(Exception):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _refusal_response(refusal: Refused, rid: Optional[str] = None) -> JSONResponse:
+    status, type_ = _STATUSES[refusal.kind]
+    return JSONResponse(error_body(refusal.message, type_, refusal.field), status_code=status,
+                        headers={"x-request-id": rid} if rid else None)
+
+
+async def _unless_client_leaves(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await while watching the connection: if the client leaves first, the work is cancelled
+    (for generation: the engine request is aborted and its KV freed) and _ClientGone raised.
+    Starlette does this itself for a streaming body, not for the wait before it starts."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        # The body was read already: the next message is the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Refused):
+            await work
+        raise _ClientGone()
+    return work.result()
+
+
+def create_app(core: GenerationCore, registry: CollectorRegistry,
+               is_serving: Callable[[], bool]) -> FastAPI:
+    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        # loc is ("body", field, ...): the field is the second element (a JSON error has none).
+        loc = [str(part) for part in first.get("loc", ())[1:]]
+        param = loc[0] if loc else "body"
+        return JSONResponse(error_body(f"{'.'.join(loc) or 'body'}: {first.get('msg')}",
+                                       "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, refusal: Refused) -> JSONResponse:
+        return _refusal_response(refusal)
+
+    @app.exception_handler(_NotFound)
+    async def not_found(request: Request, error: _NotFound) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "invalid_request_error", error.param,
+                                       "model_not_found"), status_code=404)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, error: _ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    def served_model(model: Optional[str]) -> Served:
+        served = core.check_available()
+        if model is not None and model != served.info.model:
+            raise _NotFound(f"model: this server serves {served.info.model!r}, not {model!r}",
+                            "model")
+        return served
+
+    async def in_thread(fn: Callable[[Served], T], served: Served) -> T:
+        try:
+            return await core.in_prepare_thread(fn, served)
+        except InvalidRequest as e:
+            raise Refused.invalid(e) from None
+
+    async def generate(body: GenerationBody, request: Request, chat: bool) -> Response:
+        served = served_model(body.model)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shape = ResponseFormat(rid, served.info.model, chat)
+        headers = {"x-request-id": rid}
+        chunks = core.generate(rid, body.prepare)
+        try:
+            if not body.stream:
+                text, last = await _unless_client_leaves(request, _collect(chunks))
+                return JSONResponse(shape.response(text, last), headers=headers)
+            # The first chunk is awaited before the response starts, so that a refusal still
+            # gets its HTTP status rather than an error event in a 200 stream.
+            first = await _unless_client_leaves(request, chunks.__anext__())
+        except Refused as refusal:
+            return _refusal_response(refusal, rid)
+        return StreamingResponse(_events(shape, first, chunks, body.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={**headers, "cache-control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(body, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        info = core.check_available().info
+        return {"object": "list", "data": [{
+            "id": info.model, "object": "model", "created": 0, "owned_by": "specserve",
+            "max_model_len": info.max_context_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        served = served_model(body.model)
+        ids = await in_thread(body.token_ids, served)
+        return {"tokens": ids, "count": len(ids), "max_model_len": served.info.max_context_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return {"prompt": await in_thread(body.text, served_model(body.model))}
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        serving = is_serving()
+        return PlainTextResponse("SERVING" if serving else "NOT_SERVING",
+                                 status_code=200 if serving else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _collect(chunks: AsyncIterator[pb.GenerateChunk]) -> tuple[str, pb.GenerateChunk]:
+    """The whole text of a stream and its last chunk (with `finish`)."""
+    texts = []
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            texts.append(chunk.text)
+    return "".join(texts), chunk
+
+
+async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
+                  chunks: AsyncIterator[pb.GenerateChunk], include_usage: bool,
+                  ) -> AsyncIterator[bytes]:
+    """The SSE body. Starlette cancels it when the client disconnects; aclosing then ends the
+    core's generator at once, which aborts the engine request."""
+    async with contextlib.aclosing(chunks):
+        opening = shape.first_chunk()
+        if opening is not None:
+            yield sse(opening)
+        chunk = first
+        while True:
+            payload = shape.chunk(chunk)
+            if payload is not None:
+                yield sse(payload)
+            if chunk.HasField("finish"):
+                break
+            try:
+                chunk = await chunks.__anext__()
+            except Refused as refusal:  # the engine died mid-stream: the status is sent already
+                status, type_ = _STATUSES[refusal.kind]
+                yield sse(error_body(refusal.message, type_, refusal.field, str(status)))
+                break
+        if include_usage and chunk.HasField("finish"):
+            yield sse(shape.usage_chunk(chunk))
+        yield SSE_DONE

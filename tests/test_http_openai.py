@@ -1,0 +1,252 @@
+"""The OpenAI-compatible HTTP front through a real server, with the official `openai` client:
+completions and chat (streaming and not) equal to the gRPC API's greedy output, stop strings,
+usage, errors with their statuses and fields, SSE framing, and KV freed on disconnect."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from helpers import make_tiny_checkpoint
+from server_harness import ServerProcess, engine_is_idle, free_port, wait_until
+
+LONG_GENERATION = 4000  # long enough that the disconnect test ends far before it could
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MAX_RUNNING = 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("http-llama")), "llama",
+                                max_position=LONG_GENERATION + 64)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": CHAT_TEMPLATE}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    server = ServerProcess(model, "--http-port", str(free_port()), "--max-queue", "0",
+                           "--max-running-requests", str(MAX_RUNNING),
+                           "--max-total-tokens", str(2 * LONG_GENERATION + 256))
+    server.http_url = "http://" + server.wait_for_log(
+        r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0) as oai:
+        yield oai
+
+
+@pytest.fixture(scope="module")
+def name(model) -> str:
+    return os.path.basename(model)
+
+
+def _sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking its framing: every event is one data line
+    followed by a blank line."""
+    body = response.read().decode()
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), body
+    return [e[len("data: "):] for e in events]
+
+
+# --- completions ------------------------------------------------------------------------------
+def test_completion_equals_grpc_greedy(oai, client, name):
+    for prompt in ["def add(a, b):", "héllo wörld ✓"]:
+        want = client.generate(prompt, max_new_tokens=16, temperature=0)
+        got = oai.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == want.finish_reason
+        assert got.object == "text_completion" and got.model == name and got.id.startswith("cmpl-")
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+            want.usage.prompt_tokens, want.usage.completion_tokens,
+            want.usage.prompt_tokens + want.usage.completion_tokens)
+
+
+def test_streamed_completion_equals_grpc(oai, client, name):
+    want = client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=12, temperature=0)
+    chunks = list(oai.completions.create(model=name, prompt=[5, 6, 7], max_tokens=12,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stop_string_cuts_the_text(oai, client, name):
+    full = client.generate("def add(a, b):", max_new_tokens=30, temperature=0, ignore_eos=True)
+    clean = full.text.replace("\ufffd", "")
+    stop = clean[len(clean) // 2:len(clean) // 2 + 2]
+    for stream in (False, True):
+        got = oai.completions.create(model=name, prompt="def add(a, b):", max_tokens=30,
+                                     temperature=0, stop=stop, stream=stream,
+                                     extra_body={"ignore_eos": True})
+        chunks = list(got) if stream else [got]
+        assert "".join(c.choices[0].text for c in chunks) == full.text[:full.text.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    assert wait_until(lambda: engine_is_idle(client)), "a stop string must abort the request"
+
+
+def test_extras_and_seed(oai, client, name):
+    kwargs = dict(model=name, prompt="class Stack", max_tokens=8, temperature=1.0, seed=7,
+                  extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True})
+    first = oai.completions.create(**kwargs)
+    assert first.choices[0].text == oai.completions.create(**kwargs).choices[0].text
+    assert first.usage.completion_tokens == 8
+    want = client.generate("class Stack", max_new_tokens=8, temperature=1.0, seed=7, top_k=20,
+                           min_new_tokens=8, ignore_eos=True)
+    assert first.choices[0].text == want.text
+
+
+# --- chat ---------------------------------------------------------------------------------------
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+def test_chat_renders_the_template_with_one_bos(server, client, oai, name):
+    rendered = httpx.post(server.http_url + "/tokenize",
+                          json={"messages": MESSAGES}).json()["tokens"]
+    as_text = httpx.post(server.http_url + "/tokenize",
+                         json={"prompt": "<|system|>be brief\n<|user|>hello\n<|assistant|>"}
+                         ).json()["tokens"]
+    assert rendered == as_text and rendered[0] == 1 and rendered[1] != 1  # exactly one BOS
+    want = client.generate(prompt_token_ids=rendered, max_new_tokens=10, temperature=0)
+    got = oai.chat.completions.create(model=name, messages=MESSAGES, max_completion_tokens=10,
+                                      temperature=0)
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].message.role == "assistant" and got.object == "chat.completion"
+    assert got.usage.prompt_tokens == len(rendered)
+    chunks = list(oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=10,
+                                              temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_detokenize(server):
+    text = httpx.post(server.http_url + "/detokenize", json={"tokens": [1, 5, 6]}).json()
+    tokens = httpx.post(server.http_url + "/tokenize", json={"prompt": text["prompt"],
+                                                              "add_special_tokens": False})
+    assert tokens.json()["tokens"] == [5, 6]
+
+
+# --- SSE framing, headers, info -----------------------------------------------------------------
+def test_sse_framing_and_request_id(server, name):
+    with httpx.stream("POST", server.http_url + "/v1/completions", json={
+            "model": name, "prompt": "hi", "max_tokens": 5, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {response.headers["x-request-id"]}
+
+
+def test_models_health_metrics(server, name):
+    models = httpx.get(server.http_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [name]
+    health = httpx.get(server.http_url + "/health")
+    assert (health.status_code, health.text) == (200, "SERVING")
+    metrics = httpx.get(server.http_url + "/metrics").text
+    assert 'specserve_requests_total{code="OK"}' in metrics
+
+
+# --- errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [5, 100000]}, "prompt"),
+    ({"prompt": {"x": 1}}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "top_p": 2}, "top_p"),
+])
+def test_invalid_completion_fields_are_named(server, body, param):
+    response = httpx.post(server.http_url + "/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"{param}"), error
+
+
+def test_openai_client_errors(oai, name):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=name, messages=[], max_tokens=3)
+    assert info.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=name, messages=MESSAGES, max_completion_tokens=0)
+    assert info.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="gpt-4", prompt="hi")
+    assert info.value.body["param"] == "model"
+
+
+def _cancelled(server) -> float:
+    """Generation requests that ended with the client gone, from the Prometheus metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(server.http_url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "specserve_requests_total" and sample.labels["code"] == "CANCELLED":
+                return sample.value
+    return 0.0
+
+
+def test_full_server_answers_429_and_disconnect_frees_kv(server, client, name):
+    cancelled = _cancelled(server)
+    url = server.http_url + "/v1/completions"
+    body = {"model": name, "prompt": "def add", "max_tokens": LONG_GENERATION,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        streams = [http.stream("POST", url, json=body) for _ in range(MAX_RUNNING)]
+        responses = [s.__enter__() for s in streams]
+        lines = [r.iter_lines() for r in responses]
+        for it in lines:
+            assert next(it).startswith("data: ")
+        assert client.server_load().kv_used_tokens > 0
+        full = http.post(url, json={**body, "stream": False})
+        assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+        for stream in streams:  # closes the connections mid-stream
+            stream.__exit__(None, None, None)
+    assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
+    assert wait_until(lambda: client.server_load().num_active_streams == 0)
+    assert _cancelled(server) == cancelled + MAX_RUNNING  # aborted, not run to the end
+
+
+def test_disconnect_before_a_whole_response_frees_kv(server, client, name):
+    cancelled = _cancelled(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.http_url + "/v1/chat/completions", timeout=1.0, json={
+            "model": name, "messages": MESSAGES, "max_tokens": LONG_GENERATION,
+            "ignore_eos": True})
+    assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
+    assert _cancelled(server) == cancelled + 1
+
+
+def test_server_imports_no_http_stack_without_http_port():
+    """FastAPI and uvicorn are an optional extra: the gRPC server must not need them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, specserve.server.app, specserve.cli; "
+            "assert not {'fastapi', 'uvicorn', 'starlette'} & set(sys.modules), sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
