@@ -17,8 +17,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.clients.errors import Unavailable, error_from_rpc
-from specserve.clients.messages import (build_request, channel_credentials, channel_options,
-                                        chunk_from_proto, result_from_chunks)
+from specserve.clients.messages import (ChatMessages, build_detokenize_request, build_request,
+                                        build_tokenize_request, channel_credentials,
+                                        channel_options, chunk_from_proto, result_from_chunks)
 from specserve.clients.types import Chunk, GenerateResult
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
@@ -73,17 +74,40 @@ class AsyncClient:
 
     def generate_stream(self, prompt: Optional[str] = None, *,
                         prompt_token_ids: Optional[Sequence[int]] = None,
+                        messages: Optional[ChatMessages] = None,
+                        add_special_tokens: Optional[bool] = None,
                         timeout: Optional[float] = None, **sampling) -> AsyncStream:
         """Start a generation; see Client.generate_stream for the options."""
-        request = build_request(prompt, prompt_token_ids, sampling)
+        request = build_request(prompt, prompt_token_ids, sampling, messages,
+                                add_special_tokens)
         return AsyncStream(self._stub.Generate(request, timeout=timeout))
 
     async def generate(self, prompt: Optional[str] = None, *,
                        prompt_token_ids: Optional[Sequence[int]] = None,
+                       messages: Optional[ChatMessages] = None,
+                       add_special_tokens: Optional[bool] = None,
                        timeout: Optional[float] = None, **sampling) -> GenerateResult:
         async with self.generate_stream(prompt, prompt_token_ids=prompt_token_ids,
+                                        messages=messages, add_special_tokens=add_special_tokens,
                                         timeout=timeout, **sampling) as stream:
             return result_from_chunks([chunk async for chunk in stream])
+
+    async def tokenize(self, prompt: Optional[str] = None, *,
+                       messages: Optional[ChatMessages] = None,
+                       add_special_tokens: Optional[bool] = None,
+                       add_generation_prompt: Optional[bool] = None,
+                       timeout: Optional[float] = 10.0) -> list[int]:
+        """The token ids the server gives a text or a conversation (`messages`, rendered with
+        the model's chat template) in a generate call with the same arguments."""
+        request = build_tokenize_request(prompt, messages, add_special_tokens,
+                                         add_generation_prompt)
+        reply = await self._unary(self._stub.Tokenize, request, timeout)
+        return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], timeout: Optional[float] = 10.0) -> str:
+        """The text of token ids, decoded with the model's tokenizer."""
+        request = build_detokenize_request(token_ids)
+        return (await self._unary(self._stub.Detokenize, request, timeout)).text
 
     async def model_info(self, timeout: Optional[float] = 10.0) -> pb.ModelInfo:
         return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

@@ -16,8 +16,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.clients.errors import Unavailable, error_from_rpc
-from specserve.clients.messages import (build_request, channel_credentials, channel_options,
-                                        chunk_from_proto, result_from_chunks)
+from specserve.clients.messages import (ChatMessages, build_detokenize_request, build_request,
+                                        build_tokenize_request, channel_credentials,
+                                        channel_options, chunk_from_proto, result_from_chunks)
 from specserve.clients.types import Chunk, GenerateResult
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
@@ -70,21 +71,48 @@ class Client:
 
     def generate_stream(self, prompt: Optional[str] = None, *,
                         prompt_token_ids: Optional[Sequence[int]] = None,
+                        messages: Optional[ChatMessages] = None,
+                        add_special_tokens: Optional[bool] = None,
                         timeout: Optional[float] = None, **sampling) -> Stream:
-        """Start a generation and return its Stream. Sampling options (all optional):
+        """Start a generation and return its Stream. The prompt is one of `prompt` (text),
+        `prompt_token_ids`, or `messages` (a conversation, [{"role": ..., "content": ...}, ...],
+        rendered by the server with the model's chat template). `add_special_tokens` (unset:
+        True for text, False for messages) says whether a BOS is added to the prompt text.
+        Sampling options (all optional):
         max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
         seed, stop, stop_token_ids, ignore_eos, logprobs. `timeout` (seconds) is the deadline.
         A value of the wrong type or out of its field's range raises InvalidArgument here."""
-        request = build_request(prompt, prompt_token_ids, sampling)
+        request = build_request(prompt, prompt_token_ids, sampling, messages,
+                                add_special_tokens)
         return Stream(self._stub.Generate(request, timeout=timeout))
 
     def generate(self, prompt: Optional[str] = None, *,
                  prompt_token_ids: Optional[Sequence[int]] = None,
+                 messages: Optional[ChatMessages] = None,
+                 add_special_tokens: Optional[bool] = None,
                  timeout: Optional[float] = None, **sampling) -> GenerateResult:
         """Generate to the end; same arguments as generate_stream."""
-        with self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, timeout=timeout,
+        with self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+                                  add_special_tokens=add_special_tokens, timeout=timeout,
                                   **sampling) as stream:
             return result_from_chunks(stream)
+
+    def tokenize(self, prompt: Optional[str] = None, *,
+                 messages: Optional[ChatMessages] = None,
+                 add_special_tokens: Optional[bool] = None,
+                 add_generation_prompt: Optional[bool] = None,
+                 timeout: Optional[float] = 10.0) -> list[int]:
+        """The token ids the server gives a text or a conversation (`messages`, rendered with
+        the model's chat template) in a generate call with the same arguments."""
+        request = build_tokenize_request(prompt, messages, add_special_tokens,
+                                         add_generation_prompt)
+        reply = self._unary(self._stub.Tokenize, request, timeout)
+        return list(reply.token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], timeout: Optional[float] = 10.0) -> str:
+        """The text of token ids, decoded with the model's tokenizer."""
+        request = build_detokenize_request(token_ids)
+        return (self._unary(self._stub.Detokenize, request, timeout)).text
 
     def model_info(self, timeout: Optional[float] = 10.0) -> pb.ModelInfo:
         return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -101,6 +101,29 @@ SAMPLING_OPTIONS = tuple(_SAMPLING_CHECKS)
 _token_ids = _list_of(_uint32)
 
 
+def _chat_message(value: object) -> pb.ChatMessage:
+    if not isinstance(value, Mapping):
+        raise _BadValue(f"expected a dict with 'role' and 'content', got {type(value).__name__}")
+    unknown = set(value) - {"role", "content"}
+    if unknown:
+        raise _BadValue(f"unknown key(s) {', '.join(sorted(map(str, unknown)))}; the gRPC API "
+                        f"carries role and content only")
+    fields = {}
+    for key in ("role", "content"):
+        if key not in value:
+            raise _BadValue(f"missing {key!r}")
+        try:
+            fields[key] = _utf8_str(value[key])
+        except _BadValue as e:
+            raise _BadValue(f"{key}: {e}") from None
+    return pb.ChatMessage(**fields)
+
+
+# A conversation: [{"role": "user", "content": "Hi"}, ...].
+_chat_messages = _list_of(_chat_message)
+ChatMessages = Sequence[Mapping[str, str]]
+
+
 def _invalid(field: str, problem: str) -> InvalidArgument:
     # The same error (and details format) as a server-side refusal, so callers handle one type.
     return InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
@@ -114,25 +137,27 @@ def _checked(field: str, value: object, check: _Check):
 
 
 def build_request(prompt: Optional[str], prompt_token_ids: Optional[Sequence[int]],
-                  sampling: dict) -> pb.GenerateRequest:
+                  sampling: dict, messages: Optional[ChatMessages] = None,
+                  add_special_tokens: Optional[bool] = None) -> pb.GenerateRequest:
     """The GenerateRequest for a generate()/generate_stream() call. TypeError for a wrong set of
     arguments; InvalidArgument, details starting with the argument's name, for a value its field
     cannot carry. An option left out (or None) is not sent, so the server applies the default
     documented in generate.proto."""
-    if (prompt is None) == (prompt_token_ids is None):
-        raise TypeError("give exactly one of prompt or prompt_token_ids")
+    if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
+        raise TypeError("give exactly one of prompt, prompt_token_ids or messages")
     unknown = set(sampling) - set(SAMPLING_OPTIONS)
     if unknown:
         raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}; "
                         f"known: {', '.join(SAMPLING_OPTIONS)}")
     request = pb.GenerateRequest()
-    if prompt is None:
+    if prompt_token_ids is not None:
         request.token_ids.ids.extend(_checked("prompt_token_ids", prompt_token_ids, _token_ids))
-    elif isinstance(prompt, (list, tuple)):
-        raise _invalid("prompt", f"expected a str, got {type(prompt).__name__} "
-                                 f"(token ids go in prompt_token_ids)")
+    elif messages is not None:
+        request.messages.messages.extend(_checked("messages", messages, _chat_messages))
     else:
-        request.text = _checked("prompt", prompt, _utf8_str)
+        _set_prompt_text(request, prompt)
+    if add_special_tokens is not None:
+        request.add_special_tokens = _checked("add_special_tokens", add_special_tokens, _bool)
     for name, value in sampling.items():
         if value is None:
             continue
@@ -142,6 +167,36 @@ def build_request(prompt: Optional[str], prompt_token_ids: Optional[Sequence[int
         else:
             setattr(request.sampling, name, value)
     return request
+
+
+def build_tokenize_request(prompt: Optional[str], messages: Optional[ChatMessages],
+                           add_special_tokens: Optional[bool],
+                           add_generation_prompt: Optional[bool]) -> pb.TokenizeRequest:
+    """The TokenizeRequest for a tokenize() call; errors as for build_request."""
+    if (prompt is None) == (messages is None):
+        raise TypeError("give exactly one of prompt or messages")
+    request = pb.TokenizeRequest()
+    if messages is not None:
+        request.messages.messages.extend(_checked("messages", messages, _chat_messages))
+    else:
+        _set_prompt_text(request, prompt)
+    for name, value in (("add_special_tokens", add_special_tokens),
+                        ("add_generation_prompt", add_generation_prompt)):
+        if value is not None:
+            setattr(request, name, _checked(name, value, _bool))
+    return request
+
+
+def build_detokenize_request(token_ids: Sequence[int]) -> pb.DetokenizeRequest:
+    return pb.DetokenizeRequest(token_ids=_checked("token_ids", token_ids, _token_ids))
+
+
+def _set_prompt_text(request: Union[pb.GenerateRequest, pb.TokenizeRequest],
+                     prompt: object) -> None:
+    if isinstance(prompt, (list, tuple)):
+        raise _invalid("prompt", f"expected a str, got {type(prompt).__name__} "
+                                 f"(token ids go in prompt_token_ids, a conversation in messages)")
+    request.text = _checked("prompt", prompt, _utf8_str)
 
 
 def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:

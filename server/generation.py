@@ -1,5 +1,6 @@
 """The request-handling core that the gRPC and the HTTP front share: admission, preparation off
-the event loop, engine submission, streaming through an OutputStream, cleanup and metrics.
+the event loop, engine submission, streaming through an OutputStream, cleanup, metrics and the
+access log; and the tokenizer-only calls (Tokenize, Detokenize), in the same prepare threads.
 
 A front turns its request into a `prepare` function (run in a prepare thread, it returns a
 ValidatedRequest) and its refusals from `Refused.kind` into its own status codes. Everything
@@ -23,6 +24,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
+from specserve.server.request_record import RequestRecord, finish_reason_name
 from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
                                          ValidatedRequest)
 
@@ -65,8 +67,7 @@ class Served:
     info: EngineInfo
     tokenizer: Any            # encode/decode, or None for a model without one
     limits: RequestLimits
-    validator: RequestValidator
-    chat_template: Optional[ChatTemplate]
+    validator: RequestValidator  # it holds the chat template
 
 
 Prepare = Callable[[Served], ValidatedRequest]
@@ -93,15 +94,29 @@ class GenerationCore:
             vocab_size=info.vocab_size,
             max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
             max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
-        self.served = Served(info, tokenizer, limits, RequestValidator(tokenizer, limits),
-                             ChatTemplate.of(tokenizer))
+        self.served = Served(info, tokenizer, limits,
+                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)))
 
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def in_prepare_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn (tokenizing, templating: slow for long inputs) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_threads, fn, *args)
+    async def in_prepare_thread(self, fn: Callable[[Served], T], served: Served) -> T:
+        """Run fn (tokenizing, templating: slow for long inputs) off the event loop;
+        Refused(INVALID_ARGUMENT) for its InvalidRequest."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_threads, fn,
+                                                                    served)
+        except InvalidRequest as e:
+            raise Refused.invalid(e) from None
+
+    async def tokenizer_call(self, what: str, fn: Callable[[Served], T]) -> T:
+        """A call that needs the tokenizer but not the engine (Tokenize, Detokenize): fn runs in
+        a prepare thread; raises Refused. `what` names the call in the refusal's log line."""
+        try:
+            return await self.in_prepare_thread(fn, self.check_available())
+        except Refused as refusal:
+            logger.info("%s refused with %s: %s", what, refusal.kind.value, refusal.message)
+            raise
 
     def check_available(self) -> Served:
         """What the engine serves, or Refused(UNAVAILABLE) while it is starting, dead or the
@@ -123,24 +138,24 @@ class GenerationCore:
         the engine request is aborted at once. cancel_code() names how a closed stream ended
         (for the metrics): CANCELLED, or DEADLINE_EXCEEDED when the front knows it was that.
         """
-        arrived = time.perf_counter()
-        code = "OK"
+        record = RequestRecord(rid, arrived=time.perf_counter())
         try:
-            async for chunk in self._generate(rid, prepare, arrived):
+            async for chunk in self._generate(record, prepare):
                 yield chunk
         except Refused as refusal:
-            code = refusal.kind.value
-            logger.info("request %s refused with %s: %s", rid, code, refusal.message)
+            record.status = refusal.kind.value
+            logger.info("request %s refused with %s: %s", rid, record.status, refusal.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            code = cancel_code()
+            record.status = cancel_code()
             raise
         finally:
-            self.metrics.requests.labels(code).inc()
-            self.metrics.request_duration.observe(time.perf_counter() - arrived)
+            record.ended = time.perf_counter()
+            self.metrics.observe_finished(record)
+            logger.info("%s", record.access_log_line())
 
-    async def _generate(self, rid: str, prepare: Prepare,
-                        arrived: float) -> AsyncIterator[pb.GenerateChunk]:
+    async def _generate(self, record: RequestRecord,
+                        prepare: Prepare) -> AsyncIterator[pb.GenerateChunk]:
         served = self.check_available()
         # Admitted before it is read, so that the calls waiting for a prepare thread are bounded
         # too.
@@ -150,20 +165,20 @@ class GenerationCore:
                           f"limit is max_running_requests + max_queue = {self.max_active_streams}; "
                           f"retry later")
         self.num_active_streams += 1
+        record.admitted = time.perf_counter()
         self._idle.clear()
         self.metrics.active_streams.inc()
         try:
+            validated = await self.in_prepare_thread(prepare, served)
+            record.prompt_tokens = len(validated.prompt_token_ids)
+            spec = served.info.spec is not None
+            stream = OutputStream(served.tokenizer, validated, report_spec=spec)
             try:
-                validated = await self.in_prepare_thread(prepare, served)
-            except InvalidRequest as e:
-                raise Refused.invalid(e) from None
-            stream = OutputStream(served.tokenizer, validated,
-                                  report_spec=served.info.spec is not None)
-            try:
-                events = self.engine.submit(rid, validated.prompt_token_ids, validated.sampling)
+                events = self.engine.submit(record.rid, validated.prompt_token_ids,
+                                            validated.sampling)
             except EngineUnavailable as e:
                 raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
-            first_token = True
+            self.metrics.prompt_tokens.inc(record.prompt_tokens)
             while not stream.finished:
                 event = await events.get()
                 if isinstance(event, RequestRejected):
@@ -171,22 +186,40 @@ class GenerationCore:
                                   str(event).partition(":")[0])
                 if isinstance(event, EngineUnavailable):
                     raise Refused(RefusalKind.UNAVAILABLE, str(event))
+                now = time.perf_counter()
+                if record.first_output is None:
+                    record.first_output = now
+                    self.metrics.queue_time.observe(now - record.admitted)
                 chunk = stream.on_output(event)
+                record.verify_steps, record.accepted_drafts = (stream.verify_steps,
+                                                               stream.accepted_drafts)
+                record.accept_length = stream.accept_length if spec else None
                 if chunk is None:
                     continue
-                if first_token and chunk.token_ids:
-                    first_token = False
-                    self.metrics.time_to_first_token.observe(time.perf_counter() - arrived)
-                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                if chunk.token_ids:
+                    self._on_tokens(record, len(chunk.token_ids), now)
+                if chunk.HasField("finish"):
+                    record.finish_reason = finish_reason_name(chunk.finish.reason)
                 yield chunk
         finally:
             # Cancelled, past its deadline, stopped by a stop string or failed: the engine must
             # stop and free the KV. A no-op when the engine already finished the request.
-            self.engine.abort(rid)
+            self.engine.abort(record.rid)
             self.num_active_streams -= 1
             if self.num_active_streams == 0:
                 self._idle.set()
             self.metrics.active_streams.dec()
+
+    def _on_tokens(self, record: RequestRecord, num_tokens: int, now: float) -> None:
+        """Record and observe (live, not when the request ends) one chunk's tokens."""
+        if record.first_token is None:
+            record.first_token = now
+            self.metrics.time_to_first_token.observe(now - record.arrived)
+        else:
+            self.metrics.inter_token_latency.observe(now - record.last_token)
+        record.last_token = now
+        record.completion_tokens += num_tokens
+        self.metrics.generated_tokens.inc(num_tokens)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is running; False if some still are after timeout."""

@@ -1,16 +1,21 @@
-"""Prometheus metrics of the gRPC server (served over HTTP when --metrics-port is given)."""
+"""Prometheus metrics of the server, both fronts together (served on /metrics of --metrics-port
+and --http-port)."""
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector
 
 from specserve.engine.outputs import EngineLoad
+from specserve.server.request_record import RequestRecord
 from specserve.server.watchdog import WatchdogReport, WatchdogState
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Between tokens: a decode step takes milliseconds to a few tens of them.
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
+                          0.5, 1, 2.5)
 
 
 class _WatchdogCollector(Collector):
@@ -43,10 +48,42 @@ class ServerMetrics:
     def __init__(self, watchdog_report: Callable[[], WatchdogReport]):
         self.registry = CollectorRegistry()
         r = self.registry
+        # CPU, memory, open files: what the default registry has and a private one lacks.
+        ProcessCollector(registry=r)
         self.requests = Counter("specserve_requests", "Generate calls by final status code",
                                 ["code"], registry=r)
         self.generated_tokens = Counter("specserve_generated_tokens",
                                         "Tokens streamed to clients", registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens",
+                                     "Prompt tokens of the requests sent to the engine",
+                                     registry=r)
+        self.finished_requests = Counter(
+            "specserve_finished_requests",
+            "Requests that generated to their end (not refused or cancelled), by finish reason",
+            ["finish_reason"], registry=r)
+        self.queue_time = Histogram(
+            "specserve_queue_time_seconds",
+            "From a call's admission to the engine's first output for it: preparing it, waiting "
+            "for an engine slot and the prefill (the engine reports no time of scheduling)",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "specserve_inter_token_latency_seconds",
+            "Between a request's successive streamed chunks of tokens (a speculative step's "
+            "chunk can carry several tokens)", buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            "specserve_time_per_output_token_seconds",
+            "A request's mean time per token after its first (observed when it ends)",
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        # Counters rather than a mean, so that rate() gives the accept rate over any window:
+        # accepted drafts per verify step.
+        self.spec_verify_steps = Counter(
+            "specserve_spec_verify_steps",
+            "Target-model verify forwards, summed over requests (counted when a request ends)",
+            registry=r)
+        self.spec_accepted_draft_tokens = Counter(
+            "specserve_spec_accepted_draft_tokens",
+            "Draft tokens the target model accepted, summed over requests (counted when a "
+            "request ends)", registry=r)
         self.time_to_first_token = Histogram("specserve_time_to_first_token_seconds",
                                              "From the call's arrival to its first token",
                                              buckets=_LATENCY_BUCKETS, registry=r)
@@ -69,6 +106,17 @@ class ServerMetrics:
                                    registry=r)
         self._retractions_seen = 0  # the engine reports a running total; the counter takes steps
         r.register(_WatchdogCollector(watchdog_report))
+
+    def observe_finished(self, record: RequestRecord) -> None:
+        """The per-request metrics that are known once a request has ended."""
+        self.requests.labels(record.status).inc()
+        self.request_duration.observe(record.duration)
+        if record.finish_reason is not None:
+            self.finished_requests.labels(record.finish_reason).inc()
+        if record.time_per_output_token is not None:
+            self.time_per_output_token.observe(record.time_per_output_token)
+        self.spec_verify_steps.inc(record.verify_steps)
+        self.spec_accepted_draft_tokens.inc(record.accepted_drafts)
 
     def observe_load(self, load: EngineLoad) -> None:
         self.num_running.set(load.num_running)

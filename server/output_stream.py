@@ -27,8 +27,8 @@ class OutputStream:
         self.finished = False
         # The engine's running totals, from its latest output for this request.
         self._engine_completion_tokens = 0
-        self._verify_steps = 0
-        self._accepted_drafts = 0
+        self.verify_steps = 0
+        self.accepted_drafts = 0
 
     def on_output(self, out: StepOutput) -> Optional[pb.GenerateChunk]:
         """The chunk to stream for one engine output (None if there is nothing to say).
@@ -37,8 +37,8 @@ class OutputStream:
         the engine has not finished the request and the caller must abort it.
         """
         self._engine_completion_tokens = out.completion_tokens
-        self._verify_steps = out.num_verify_steps
-        self._accepted_drafts = out.num_accepted_drafts
+        self.verify_steps = out.num_verify_steps
+        self.accepted_drafts = out.num_accepted_drafts
         chunk = pb.GenerateChunk()
         for i, token_id in enumerate(out.new_token_ids):
             chunk.token_ids.append(token_id)
@@ -78,8 +78,13 @@ class OutputStream:
         finish.usage.prompt_tokens = self.prompt_tokens
         finish.usage.completion_tokens = self.num_tokens
         if self.report_spec:
-            finish.spec.verify_steps = self._verify_steps
-            finish.spec.accepted_drafts = self._accepted_drafts
-            finish.spec.accept_length = (self._engine_completion_tokens / self._verify_steps
-                                         if self._verify_steps else 1.0)
+            finish.spec.verify_steps = self.verify_steps
+            finish.spec.accepted_drafts = self.accepted_drafts
+            finish.spec.accept_length = self.accept_length
         return finish
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens the engine generated per verify step so far; 1.0 before any verify."""
+        return (self._engine_completion_tokens / self.verify_steps if self.verify_steps
+                else 1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 
@@ -16,6 +16,8 @@ from specserve.server.health import GENERATION_SERVICE
 from specserve.server.validation import InvalidRequest, ValidatedRequest, parse_request
 
 logger = logging.getLogger("specserve.server")
+
+T = TypeVar("T")
 
 _STATUS_CODES = {RefusalKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
                  RefusalKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -37,6 +39,10 @@ class GenerationServicer:
                 self.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString),
             "GetServerLoad": grpc.unary_unary_rpc_method_handler(
                 self.GetServerLoad, response_serializer=pb.ServerLoad.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self.Tokenize, response_serializer=pb.TokenizeResponse.SerializeToString),
+            "Detokenize": grpc.unary_unary_rpc_method_handler(
+                self.Detokenize, response_serializer=pb.DetokenizeResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
@@ -61,6 +67,30 @@ class GenerationServicer:
                     rid, lambda served: _validate(served, request), cancel_code)) as chunks:
                 async for chunk in chunks:
                     yield chunk
+        except Refused as refusal:
+            await context.abort(_STATUS_CODES[refusal.kind], refusal.message)
+
+    # --- Tokenize, Detokenize: the validator's code, as for Generate and the HTTP front -----
+    async def Tokenize(self, request: bytes,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        def tokenize(served: Served) -> pb.TokenizeResponse:
+            ids = served.validator.tokenize(parse_request(pb.TokenizeRequest, request))
+            return pb.TokenizeResponse(token_ids=ids)
+
+        return await self._tokenizer_call(context, "Tokenize", tokenize)
+
+    async def Detokenize(self, request: bytes,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        def detokenize(served: Served) -> pb.DetokenizeResponse:
+            ids = parse_request(pb.DetokenizeRequest, request).token_ids
+            return pb.DetokenizeResponse(text=served.validator.detokenize(ids))
+
+        return await self._tokenizer_call(context, "Detokenize", detokenize)
+
+    async def _tokenizer_call(self, context: grpc.aio.ServicerContext, what: str,
+                              fn: Callable[[Served], T]) -> T:
+        try:
+            return await self.core.tokenizer_call(what, fn)
         except Refused as refusal:
             await context.abort(_STATUS_CODES[refusal.kind], refusal.message)
 

@@ -1,4 +1,5 @@
-"""GenerateRequest bytes -> tokenized prompt + SamplingParams, refusing bad fields by name.
+"""GenerateRequest bytes -> tokenized prompt + SamplingParams, refusing bad fields by name; and
+the same prompt tokenizing (text or chat messages) and detokenizing for Tokenize/Detokenize.
 
 Sizes are checked before anything that scales with them (tokenizing, scanning ids), so that an
 oversized field costs a length lookup. Tokenizing is still slow for a long prompt: the server runs
@@ -7,7 +8,7 @@ all of this off the event loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Union
 
 from google.protobuf.message import DecodeError, Message
 
@@ -15,6 +16,9 @@ from specserve.engine.config import SamplingParams
 from specserve.engine.wire import sampling_from_proto
 from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
 from specserve.proto import generate_pb2 as pb
+
+if TYPE_CHECKING:  # chat_template.py imports InvalidRequest from here
+    from specserve.server.chat_template import ChatTemplate
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256   # the stop-string matcher rescans held-back text of this length
@@ -25,6 +29,8 @@ MAX_STOP_TOKEN_IDS = 256
 # or symbols) are a few tens of bytes, so no prompt that fits max_prompt_tokens comes near it.
 TEXT_BYTES_PER_TOKEN = 32
 
+# A chat conversation as templates read it: {"role": ..., "content": ..., and any extra keys}.
+Conversation = Sequence[Mapping[str, Any]]
 
 
 class InvalidRequest(ValueError):
@@ -69,10 +75,23 @@ class RequestLimits:
         return self.max_prompt_tokens * TEXT_BYTES_PER_TOKEN
 
 
+def conversation_from_proto(messages: pb.ChatMessages) -> Conversation:
+    return [{"role": m.role, "content": m.content} for m in messages.messages]
+
+
+def _optional_bool(message: Message, field: str) -> Optional[bool]:
+    return getattr(message, field) if message.HasField(field) else None
+
+
 class RequestValidator:
-    def __init__(self, tokenizer: Any, limits: RequestLimits):
+    """Checks requests and turns prompts into token ids, for Generate and Tokenize alike (so
+    that Tokenize gives exactly the ids Generate would), on both fronts."""
+
+    def __init__(self, tokenizer: Any, limits: RequestLimits,
+                 chat_template: Optional["ChatTemplate"] = None):
         self.tokenizer = tokenizer
         self.limits = limits
+        self.chat_template = chat_template
 
     def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
         """Check sizes, then tokenize and check every field; slow for a long text prompt."""
@@ -96,15 +115,11 @@ class RequestValidator:
     def _check_sizes(self, request: pb.GenerateRequest) -> None:
         """Refuse oversized fields from their lengths alone, before any per-element work."""
         limits = self.limits
-        if request.WhichOneof("prompt") == "text":
-            text = request.text
-            # A character is at least one byte: counting characters settles most cases without
-            # encoding the text.
-            if len(text) > limits.max_text_bytes or len(text.encode()) > limits.max_text_bytes:
-                raise InvalidRequest(
-                    f"text: longer than the server limit of {limits.max_text_bytes} UTF-8 bytes "
-                    f"({TEXT_BYTES_PER_TOKEN} per token of max_prompt_tokens="
-                    f"{limits.max_prompt_tokens})")
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            self._check_text_size("text", request.text)
+        elif kind == "messages":
+            self._check_conversation_size(conversation_from_proto(request.messages))
         num_ids = len(request.token_ids.ids)
         if num_ids > limits.max_prompt_tokens:
             raise InvalidRequest(f"token_ids: the prompt has {num_ids} tokens, over the server "
@@ -124,26 +139,100 @@ class RequestValidator:
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
-            raise InvalidRequest("prompt: set either text or token_ids")
-        if kind == "text":
-            if not request.text:
-                raise InvalidRequest("text: the prompt must not be empty")
-            if self.tokenizer is None:
-                raise InvalidRequest("text: this model has no tokenizer; send token_ids")
-            add_special_tokens = (request.add_special_tokens
-                                  if request.HasField("add_special_tokens") else True)
-            ids = self.tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
+            raise InvalidRequest("prompt: set one of text, token_ids or messages")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)  # _check_sizes bounded their number
             if not ids:
-                raise InvalidRequest("text: the prompt tokenizes to no tokens")
-            if len(ids) > self.limits.max_prompt_tokens:
-                raise InvalidRequest(f"text: the prompt has {len(ids)} tokens, over the server "
-                                     f"limit max_prompt_tokens={self.limits.max_prompt_tokens}")
+                raise InvalidRequest("token_ids: the prompt must not be empty")
+            self._check_ids("token_ids", ids)
             return ids
-        ids = list(request.token_ids.ids)  # _check_sizes bounded their number
+        if kind == "text" and not request.text:
+            raise InvalidRequest("text: the prompt must not be empty")
+        prompt = request.text if kind == "text" else conversation_from_proto(request.messages)
+        ids = self.tokenize_prompt(prompt, _optional_bool(request, "add_special_tokens"))
         if not ids:
-            raise InvalidRequest("token_ids: the prompt must not be empty")
-        self._check_ids("token_ids", ids)
+            raise InvalidRequest(f"{kind}: the prompt tokenizes to no tokens")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise InvalidRequest(f"{kind}: the prompt has {len(ids)} tokens, over the server "
+                                 f"limit max_prompt_tokens={self.limits.max_prompt_tokens}")
         return ids
+
+    # --- prompts to ids and back (Generate, Tokenize, Detokenize) ----------------------------
+    def tokenize_prompt(self, prompt: Union[str, Conversation],
+                        add_special_tokens: Optional[bool] = None,
+                        add_generation_prompt: bool = True, text_field: str = "text",
+                        ) -> list[int]:
+        """The ids of a text, or of a conversation rendered with the chat template; sizes are
+        checked first. add_special_tokens unset: True for text, False for a conversation (the
+        template writes its special tokens, a BOS for Llama 3, itself)."""
+        if isinstance(prompt, str):
+            field, text = text_field, prompt
+            self._check_text_size(field, text)
+        else:
+            field, text = "messages", self.chat_prompt(prompt, add_generation_prompt)
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{field}: this model has no tokenizer; send token ids")
+        if add_special_tokens is None:
+            add_special_tokens = field != "messages"
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
+        """The Tokenize RPC: the ids Generate would give the same prompt, without the
+        max_prompt_tokens limit (counting tokens is the point)."""
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt: set either text or messages")
+        prompt = request.text if kind == "text" else conversation_from_proto(request.messages)
+        generation_prompt = _optional_bool(request, "add_generation_prompt")
+        return self.tokenize_prompt(prompt, _optional_bool(request, "add_special_tokens"),
+                                    generation_prompt is not False)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
+        """A conversation rendered with the model's chat template; sizes are checked before and
+        after rendering (a template can add text), all refusals name `messages`."""
+        if not conversation:
+            raise InvalidRequest("messages: must not be empty")
+        if self.chat_template is None:
+            raise InvalidRequest("messages: this model has no chat template (no chat_template "
+                                 "in its tokenizer_config.json); send text")
+        self._check_conversation_size(conversation)
+        text = self.chat_template.render(conversation, add_generation_prompt)
+        self._check_text_size("messages", text)
+        return text
+
+    def detokenize(self, ids: Sequence[int], field: str = "token_ids") -> str:
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{field}: this model has no tokenizer")
+        most = self.limits.max_prompt_tokens + self.limits.max_new_tokens_cap
+        if len(ids) > most:
+            raise InvalidRequest(f"{field}: at most max_prompt_tokens + max_new_tokens_cap = "
+                                 f"{most} ids are accepted, got {len(ids)}")
+        bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{field}: token id {bad} is not in [0, vocab_size="
+                                 f"{self.limits.vocab_size})")
+        return self.tokenizer.decode(list(ids))
+
+    def _check_text_size(self, field: str, text: str) -> None:
+        limit = self.limits.max_text_bytes
+        # A character is at least one byte: counting characters settles most cases without
+        # encoding the text.
+        if len(text) > limit or len(text.encode()) > limit:
+            raise InvalidRequest(
+                f"{field}: longer than the server limit of {limit} UTF-8 bytes "
+                f"({TEXT_BYTES_PER_TOKEN} per token of max_prompt_tokens="
+                f"{self.limits.max_prompt_tokens})")
+
+    def _check_conversation_size(self, conversation: Conversation) -> None:
+        limit = self.limits.max_text_bytes
+        size = 0
+        for message in conversation:
+            for key in ("role", "content"):
+                value = message.get(key)
+                size += len(value.encode()) if isinstance(value, str) else 0
+            if size > limit:
+                raise InvalidRequest(f"messages: the roles and contents are longer than the "
+                                     f"server limit of {limit} UTF-8 bytes")
 
     def _check_ids(self, field: str, ids) -> None:
         bad: Optional[int] = next((t for t in ids if t >= self.limits.vocab_size), None)

@@ -8,7 +8,8 @@ import pytest
 from specserve.clients import (AsyncClient, Cancelled, Client, DeadlineExceeded, InvalidArgument,
                                ResourceExhausted, SpecserveError, Unavailable)
 from specserve.clients.errors import error_from_rpc
-from specserve.clients.messages import build_request, chunk_from_proto, result_from_chunks
+from specserve.clients.messages import (build_request, build_tokenize_request, chunk_from_proto,
+                                        result_from_chunks)
 from specserve.proto import generate_pb2 as pb
 
 
@@ -41,6 +42,23 @@ def test_accepted_value_forms():
     assert list(build_request(None, range(3), {}).token_ids.ids) == [0, 1, 2]
 
 
+def test_messages_and_add_special_tokens_are_sent():
+    request = build_request(None, None, {}, messages=[{"role": "user", "content": "hi"}],
+                            add_special_tokens=True)
+    assert request.WhichOneof("prompt") == "messages"
+    assert [(m.role, m.content) for m in request.messages.messages] == [("user", "hi")]
+    assert request.HasField("add_special_tokens") and request.add_special_tokens
+    assert not build_request("hi", None, {}).HasField("add_special_tokens")
+    tokenize = build_tokenize_request(None, [{"role": "user", "content": "hi"}], None, False)
+    assert tokenize.WhichOneof("prompt") == "messages"
+    assert not tokenize.HasField("add_special_tokens") and tokenize.HasField(
+        "add_generation_prompt") and not tokenize.add_generation_prompt
+    with pytest.raises(TypeError):
+        build_request("hi", None, {}, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(TypeError):
+        build_tokenize_request(None, None, None, None)
+
+
 # (argument, bad value): every value the request message cannot carry as the caller meant it.
 BAD_VALUES = [
     ("prompt", [1, 2, 3]), ("prompt", b"hi"), ("prompt", "\ud800"),
@@ -61,11 +79,15 @@ BAD_VALUES = [
     ("stop", 5), ("stop", b"\n"), ("stop", ["ok", 3]), ("stop", "\ud800"),
     ("stop_token_ids", -1), ("stop_token_ids", [1, -2]), ("stop_token_ids", "7"),
     ("stop_token_ids", [2**32]), ("stop_token_ids", [1.5]),
+    ("messages", "hi"), ("messages", [{"role": "user"}]), ("messages", [("user", "hi")]),
+    ("messages", [{"role": "user", "content": 5}]),
+    ("messages", [{"role": "user", "content": "hi", "name": "x"}]),
+    ("add_special_tokens", 1),
 ]
 
 
 def _call_arguments(field: str, value) -> dict:
-    if field in ("prompt", "prompt_token_ids"):
+    if field in ("prompt", "prompt_token_ids", "messages"):
         return {field: value}
     return {"prompt": "hi", field: value}
 
@@ -77,6 +99,19 @@ def test_sync_client_refuses_bad_values_naming_the_field(field, value):
             with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {field}: ") as error:
                 call(**_call_arguments(field, value))
             assert error.value.details.startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda c: c.tokenize(messages=[{"role": 1, "content": "hi"}]), "messages"),
+    (lambda c: c.tokenize(["not", "text"]), "prompt"),
+    (lambda c: c.tokenize("hi", add_generation_prompt="yes"), "add_generation_prompt"),
+    (lambda c: c.detokenize([1, -1]), "token_ids"),
+    (lambda c: c.detokenize("abc"), "token_ids"),
+])
+def test_tokenize_and_detokenize_refuse_bad_values_naming_the_field(call, field):
+    with Client("127.0.0.1:1") as client:  # never contacted
+        with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {field}: "):
+            call(client)
 
 
 @pytest.mark.asyncio

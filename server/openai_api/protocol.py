@@ -154,18 +154,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-def render_chat(served: Served, messages: list[ChatMessage],
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text for a conversation; InvalidRequest naming `messages`."""
-    if not messages:
-        raise InvalidRequest("messages: must not be empty")
-    if served.chat_template is None:
-        raise InvalidRequest("messages: this model has no chat template (no chat_template in "
-                             "its tokenizer_config.json); use /v1/completions")
-    return served.chat_template.render([m.for_template() for m in messages],
-                                       add_generation_prompt)
-
-
 class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
@@ -189,9 +177,11 @@ class ChatCompletionRequest(GenerationBody):
             else self.max_tokens
 
     def generate_request(self, served: Served) -> pb.GenerateRequest:
-        # The rendered text carries the template's special tokens (a BOS) already.
-        return pb.GenerateRequest(text=render_chat(served, self.messages),
-                                  add_special_tokens=False, sampling=self.sampling())
+        # Rendered here rather than sent as GenerateRequest.messages: OpenAI messages carry more
+        # than role and content (name, tool_calls, ...), and templates read those too. The text
+        # carries the template's special tokens (a BOS) already.
+        text = served.validator.chat_prompt([m.for_template() for m in self.messages])
+        return pb.GenerateRequest(text=text, add_special_tokens=False, sampling=self.sampling())
 
 
 class TokenizeRequest(BaseModel):
@@ -207,22 +197,13 @@ class TokenizeRequest(BaseModel):
 
     def token_ids(self, served: Served) -> list[int]:
         """The ids a completion or chat request with this prompt would be given (runs in a
-        prepare thread). Only the size of the text is limited: counting tokens is the point."""
+        prepare thread), by the same code as the gRPC Tokenize call."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("prompt: give either prompt or messages")
-        if served.tokenizer is None:
-            raise InvalidRequest("prompt: this model has no tokenizer")
-        if self.messages is not None:
-            text = render_chat(served, self.messages, self.add_generation_prompt)
-            add_special_tokens = bool(self.add_special_tokens)
-        else:
-            text = self.prompt
-            add_special_tokens = self.add_special_tokens is not False
-        field = "prompt" if self.messages is None else "messages"
-        if len(text.encode()) > served.limits.max_text_bytes:
-            raise InvalidRequest(f"{field}: longer than the server limit of "
-                                 f"{served.limits.max_text_bytes} UTF-8 bytes")
-        return served.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        prompt = (self.prompt if self.messages is None
+                  else [m.for_template() for m in self.messages])
+        return served.validator.tokenize_prompt(prompt, self.add_special_tokens,
+                                                self.add_generation_prompt, text_field="prompt")
 
 
 class DetokenizeRequest(BaseModel):
@@ -232,15 +213,5 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
     def text(self, served: Served) -> str:
-        """The decoded text (runs in a prepare thread)."""
-        if served.tokenizer is None:
-            raise InvalidRequest("tokens: this model has no tokenizer")
-        most = served.limits.max_prompt_tokens + served.limits.max_new_tokens_cap
-        if len(self.tokens) > most:
-            raise InvalidRequest(f"tokens: at most max_prompt_tokens + max_new_tokens_cap = "
-                                 f"{most} ids are accepted")
-        bad = next((t for t in self.tokens if not 0 <= t < served.limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"tokens: token id {bad} is not in [0, vocab_size="
-                                 f"{served.limits.vocab_size})")
-        return served.tokenizer.decode(self.tokens)
+        """The decoded text (runs in a prepare thread), by the same code as gRPC Detokenize."""
+        return served.validator.detokenize(self.tokens, field="tokens")

@@ -22,7 +22,6 @@ from specserve.server.openai_api.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, TokenizeRequest,
                                                   GenerationBody)
 from specserve.server.openai_api.responses import (SSE_DONE, ResponseFormat, error_body, sse)
-from specserve.server.validation import InvalidRequest
 
 T = TypeVar("T")
 
@@ -105,12 +104,6 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
                             "model")
         return served
 
-    async def in_thread(fn: Callable[[Served], T], served: Served) -> T:
-        try:
-            return await core.in_prepare_thread(fn, served)
-        except InvalidRequest as e:
-            raise Refused.invalid(e) from None
-
     async def generate(body: GenerationBody, request: Request, chat: bool) -> Response:
         served = served_model(body.model)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -148,12 +141,13 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         served = served_model(body.model)
-        ids = await in_thread(body.token_ids, served)
+        ids = await core.tokenizer_call("tokenize", body.token_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": served.info.max_context_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return {"prompt": await in_thread(body.text, served_model(body.model))}
+        served_model(body.model)
+        return {"prompt": await core.tokenizer_call("detokenize", body.text)}
 
     @app.get("/health")
     async def health() -> PlainTextResponse:

@@ -49,6 +49,16 @@ class GenerationServiceStub(object):
                 request_serializer=specserve_dot_v1_dot_generate__pb2.GetServerLoadRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_generate__pb2.ServerLoad.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/specserve.v1.GenerationService/Tokenize',
+                request_serializer=specserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/specserve.v1.GenerationService/Detokenize',
+                request_serializer=specserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer(object):
@@ -77,6 +87,21 @@ class GenerationServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids a Generate call with the same prompt would be given (with the same size
+        limits on text), e.g. to count tokens before sending.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids -> text, with the model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +119,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetServerLoad,
                     request_deserializer=specserve_dot_v1_dot_generate__pb2.GetServerLoadRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_generate__pb2.ServerLoad.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=specserve_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=specserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +212,60 @@ class GenerationService(object):
             '/specserve.v1.GenerationService/GetServerLoad',
             specserve_dot_v1_dot_generate__pb2.GetServerLoadRequest.SerializeToString,
             specserve_dot_v1_dot_generate__pb2.ServerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.GenerationService/Tokenize',
+            specserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            specserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.GenerationService/Detokenize',
+            specserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            specserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

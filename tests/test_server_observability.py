@@ -1,0 +1,91 @@
+"""Operator metrics and the access log through a real speculative server: /metrics parsed with
+prometheus_client's parser after a few calls, and one access-log line per call."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import make_predictable_pair
+from server_harness import ServerProcess, free_port, http_get
+from specserve.clients import InvalidArgument
+
+MAX_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    target, head = make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
+    metrics_port = free_port()
+    server = ServerProcess(target, "--draft-model", head, "--speculative-algorithm", "eagle",
+                           "--speculative-num-steps", "3", "--metrics-port", str(metrics_port),
+                           speculative=True)
+    server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def results(server):
+    """Two finished calls (one cut by a stop token id) and one refused."""
+    with server.client() as client:
+        finished = [client.generate("def add(a, b):", max_new_tokens=MAX_NEW_TOKENS,
+                                    temperature=0, ignore_eos=True)]
+        stop_id = finished[0].token_ids[3]
+        finished.append(client.generate("def add(a, b):", max_new_tokens=MAX_NEW_TOKENS,
+                                        temperature=0, stop_token_ids=[stop_id]))
+        with pytest.raises(InvalidArgument):
+            client.generate("def add(a, b):", max_new_tokens=10**6)
+    return finished
+
+
+def _samples(server) -> dict[tuple[str, tuple], float]:
+    status, body = http_get(server.metrics_url)
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def test_metrics_after_a_few_calls(server, results):
+    samples = _samples(server)
+    assert samples[("specserve_requests_total", (("code", "OK"),))] == 2
+    assert samples[("specserve_requests_total", (("code", "INVALID_ARGUMENT"),))] == 1
+    assert samples[("specserve_finished_requests_total", (("finish_reason", "length"),))] == 1
+    assert samples[("specserve_finished_requests_total", (("finish_reason", "stop"),))] == 1
+    assert samples[("specserve_prompt_tokens_total", ())] == sum(r.usage.prompt_tokens
+                                                                 for r in results)
+    assert samples[("specserve_generated_tokens_total", ())] == sum(r.usage.completion_tokens
+                                                                    for r in results)
+    assert samples[("specserve_spec_verify_steps_total", ())] == sum(r.spec.verify_steps
+                                                                     for r in results)
+    assert samples[("specserve_spec_accepted_draft_tokens_total", ())] == sum(
+        r.spec.accepted_drafts for r in results) > 0
+    for histogram in ("queue_time", "time_to_first_token", "time_per_output_token"):
+        # One observation per call the engine ran (the refused one never reached it).
+        assert samples[(f"specserve_{histogram}_seconds_count", ())] == 2, histogram
+    # Between chunks: every chunk after each call's first one.
+    assert samples[("specserve_inter_token_latency_seconds_count", ())] >= 2
+    assert samples[("specserve_inter_token_latency_seconds_sum", ())] > 0
+    assert samples[("process_resident_memory_bytes", ())] > 0
+
+
+def test_one_access_log_line_per_call(server, results):
+    server.wait_for_log(r"request \w+ status=INVALID_ARGUMENT")
+    lines = [line for line in server.log if re.search(r"request \w+ status=", line)]
+    assert len(lines) == 3
+    pattern = re.compile(
+        r"request (\w+) status=(\w+) finish_reason=(\S+) prompt_tokens=(\d+) "
+        r"completion_tokens=(\d+) ttft=(\S+) duration=(\S+) accept_length=(\S+)$")
+    parsed = [pattern.search(line) for line in lines]
+    assert all(parsed), lines
+    for match, result in zip(parsed, results):
+        rid, status, reason, prompt, completion, ttft, duration, accept = match.groups()
+        assert (status, reason) == ("OK", result.finish_reason)
+        assert (int(prompt), int(completion)) == (result.usage.prompt_tokens,
+                                                  result.usage.completion_tokens)
+        assert 0 < float(ttft.rstrip("s")) <= float(duration.rstrip("s"))
+        assert float(accept) == pytest.approx(result.spec.accept_length, abs=0.005)
+    refused = parsed[2].groups()
+    assert refused[1:4] == ("INVALID_ARGUMENT", "-", "0") and refused[5] == "-"
+    assert len({match.group(1) for match in parsed}) == 3  # one request id each
