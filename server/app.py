@@ -17,7 +17,6 @@ from typing import Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from specserve.engine.config import EngineConfig
 from specserve.server.config import ServerConfig
@@ -26,6 +25,7 @@ from specserve.server.generation import GenerationCore
 from specserve.server.health import GENERATION_SERVICE, HealthStatus
 from specserve.server.http_endpoint import HttpEndpoint
 from specserve.server.metrics import ServerMetrics
+from specserve.server.reflection import enable_reflection
 from specserve.server.servicer import GenerationServicer
 from specserve.server.watchdog import EngineWatchdog
 
@@ -106,9 +106,7 @@ class SpecserveServer:
         self.servicer.add_to_server(self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc_server)
         if config.reflection:
-            reflection.enable_server_reflection(
-                (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                self.grpc_server)
+            enable_reflection(self.grpc_server, (GENERATION_SERVICE, health.SERVICE_NAME))
         await self.health.set_serving(False)
         try:
             await self._listen()

@@ -180,10 +180,18 @@ def test_retractions_are_counted_from_the_engine_total():
 
 # --- 13: reflection off, names not paths ----------------------------------------------------------
 def test_reflection_can_be_turned_off(server):
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
     with grpc.insecure_channel(server.address) as channel:
         with pytest.raises(grpc.RpcError) as info:
             ProtoReflectionDescriptorDatabase(channel).get_services()
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                   request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                                   response_deserializer=rpb.ServerReflectionResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(v1(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_model_info_names_the_model_without_its_path(client, tiny_model):

@@ -43,9 +43,22 @@ def test_health_is_serving_only_after_warm_up(tiny_model):
 
             with grpc.insecure_channel(server.address) as channel:
                 services = ProtoReflectionDescriptorDatabase(channel).get_services()
-            assert GENERATION_SERVICE in services and "grpc.health.v1.Health" in services
+                assert GENERATION_SERVICE in services and "grpc.health.v1.Health" in services
+                assert _v1_reflection_services(channel) == sorted(services)
     finally:
         assert server.stop() == 0
+
+
+def _v1_reflection_services(channel: grpc.Channel) -> list[str]:
+    """A client that speaks grpc.reflection.v1 only (the v1 messages encode like v1alpha's)."""
+    from grpc_reflection.v1alpha import reflection_pb2 as pb
+
+    list_services = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=pb.ServerReflectionRequest.SerializeToString,
+        response_deserializer=pb.ServerReflectionResponse.FromString)
+    replies = list(list_services(iter([pb.ServerReflectionRequest(list_services="")]), timeout=10))
+    return sorted(s.name for s in replies[0].list_services_response.service)
 
 
 def _health_request(service: str):
