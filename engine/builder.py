@@ -129,6 +129,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 
     with torch.device(device):
         model = LlamaForCausalLM(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
+    logger.info("loading %s: %s, %d layers, %s on %s", "random weights" if config.load_format == "dummy"
+                else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
+                device)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
@@ -177,8 +180,13 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None)
+    logger.info("KV pool: %d slots; max_context_len %d; %s attention; %s", num_slots,
+                max_context_len, type(attn).__name__,
+                "plain decoding" if spec is None else
+                f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
     uses_cuda_graphs = _wants_cuda_graphs(config, device, attn)
     if uses_cuda_graphs:
+        logger.info("capturing CUDA graphs for batch sizes up to %d", num_rows)
         worker.enable_cuda_graphs(num_rows, row_width)
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)

@@ -89,6 +89,7 @@ def _start_engine(config: EngineConfig):
     # One short generation before reporting ready: the first real request then finds every
     # lazily built piece (kernels, graphs, allocator) in place.
     warmup_prompt = list(range(min(4, engine.info.vocab_size)))
+    logger.info("warming up (the first forwards compile and allocate)")
     engine.generate(prompt_token_ids=[warmup_prompt],
                     sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
     return engine

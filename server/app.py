@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
+import time
 from typing import Optional
 
 import grpc
@@ -31,7 +32,7 @@ from specserve.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("specserve.server")
 
-METRICS_POLL_INTERVAL_S = 2.0
+LOAD_POLL_INTERVAL_S = 2.0  # the engine reports its load on request, between steps
 STOP_GRACE_S = 1.0  # after draining: time for unary calls (health, load) in flight to end
 
 
@@ -188,21 +189,36 @@ class SpecserveServer:
         await self.health.set_serving(True)
         logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,
                     info.device, info.dtype)
-        poller = (asyncio.ensure_future(self._poll_load())
-                  if self.server_config.metrics_port is not None else None)
+        watcher = asyncio.ensure_future(self._watch_load())
         await stop
-        if poller is not None:
-            poller.cancel()
+        watcher.cancel()
         return 0
 
-    async def _poll_load(self) -> None:
-        """Keep the load gauges fresh between scrapes (the engine reports load on request)."""
+    async def _watch_load(self) -> None:
+        """Keep the load gauges fresh between scrapes, and while the engine has work log one
+        line of throughput, queue and KV every `stats_log_interval_s`."""
+        interval = self.server_config.stats_log_interval_s
+        last_log, last_tokens = time.monotonic(), self._generated_tokens()
         while True:
+            await asyncio.sleep(min(LOAD_POLL_INTERVAL_S, interval))
             try:
-                self.metrics.observe_load(await self.engine.load())
+                load = await self.engine.load()
             except EngineUnavailable:
-                pass
-            await asyncio.sleep(METRICS_POLL_INTERVAL_S)
+                continue
+            self.metrics.observe_load(load)
+            now, tokens = time.monotonic(), self._generated_tokens()
+            if now - last_log < interval:
+                continue
+            if load.num_running or load.num_waiting or tokens > last_tokens:
+                logger.info("throughput %.1f tokens/s; %d running, %d waiting; KV %d/%d (%.0f%%); "
+                            "accept length %.2f", (tokens - last_tokens) / (now - last_log),
+                            load.num_running, load.num_waiting, load.kv_used_tokens,
+                            load.kv_total_tokens, 100 * load.kv_used_tokens / load.kv_total_tokens,
+                            load.mean_accept_length)
+            last_log, last_tokens = now, tokens
+
+    def _generated_tokens(self) -> float:
+        return self.metrics.registry.get_sample_value("specserve_generated_tokens_total") or 0.0
 
     async def _drain(self) -> None:
         # New calls get UNAVAILABLE (retry elsewhere) while running ones finish; the gRPC server

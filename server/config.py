@@ -24,6 +24,7 @@ class ServerConfig:
     max_new_tokens_cap: Optional[int] = None  # None: the model's context length - 1
     max_message_bytes: int = 16 * 1024 * 1024  # largest request message accepted
     drain_timeout_s: float = 30.0   # on SIGTERM: how long in-flight calls may take to finish
+    stats_log_interval_s: float = 10.0  # a throughput/queue/KV log line this often while busy
     engine_start_timeout_s: float = 1800.0  # weight loading + warm-up before giving up
     reflection: bool = True         # gRPC server reflection (grpcurl without .proto files)
     # The engine watchdog (server/watchdog.py says what each timeout catches). No heartbeat for
@@ -44,6 +45,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if not self.stats_log_interval_s > 0:
+            raise ValueError(f"stats_log_interval_s: must be > 0, got {self.stats_log_interval_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
         if not self.engine_heartbeat_timeout_s > 0:

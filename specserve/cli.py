@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-message-bytes", type=int, default=None)
     g.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds in-flight calls get to finish on SIGTERM")
+    g.add_argument("--stats-log-interval", type=float, default=None,
+                   help="seconds between throughput/queue/KV log lines while busy (default 10)")
     g.add_argument("--no-reflection", action="store_true", help="turn gRPC server reflection off")
     g.add_argument("--engine-heartbeat-timeout", type=float, default=None,
                    help="seconds without a heartbeat before the engine counts as frozen "
@@ -125,7 +127,7 @@ def _server_config_from_args(args: argparse.Namespace):
         ("tls_cert", "tls_cert"), ("tls_key", "tls_key"),
         ("max_queue", "max_queue"), ("max_prompt_tokens", "max_prompt_tokens"),
         ("max_new_tokens_cap", "max_new_tokens_cap"), ("max_message_bytes", "max_message_bytes"),
-        ("drain_timeout_s", "drain_timeout"),
+        ("drain_timeout_s", "drain_timeout"), ("stats_log_interval_s", "stats_log_interval"),
         ("engine_heartbeat_timeout_s", "engine_heartbeat_timeout"),
         ("engine_stall_timeout_s", "engine_stall_timeout")) if getattr(args, flag) is not None}
     if optional.get("engine_stall_timeout_s") == 0:

@@ -89,3 +89,19 @@ def test_one_access_log_line_per_call(server, results):
     refused = parsed[2].groups()
     assert refused[1:4] == ("INVALID_ARGUMENT", "-", "0") and refused[5] == "-"
     assert len({match.group(1) for match in parsed}) == 3  # one request id each
+
+
+def test_progress_and_throughput_lines(tiny_model):
+    """Start-up says what it loads and builds; a busy server logs throughput, queue and KV."""
+    server = ServerProcess(tiny_model, "--stats-log-interval", "0.2")
+    try:
+        for pattern in (r"loading .*LlamaForCausalLM, 2 layers", r"KV pool: \d+ slots", r"warming up"):
+            server.wait_for_log(pattern, timeout=5)
+        with server.client() as client:
+            for _ in range(3):
+                client.generate("def add(a, b):", max_new_tokens=300, ignore_eos=True)
+        line = server.wait_for_log(r"throughput ([\d.]+) tokens/s; \d+ running, \d+ waiting; "
+                                   r"KV \d+/\d+ \(\d+%\)", timeout=10)
+        assert float(line.group(1)) > 0
+    finally:
+        assert server.stop() == 0
