@@ -25,6 +25,9 @@ from specserve.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
 
+# Warm-up prompt lengths on a GPU: powers of two up to this (longer prompts use the kernels'
+# largest tiles, which these already compile).
+WARMUP_MAX_PROMPT = 256
 # How often an idle engine wakes up to check that the server process is still there. The main
 # loop thus completes an iteration at least this often when idle (server/watchdog.py relies on it).
 IDLE_POLL_MS = 500
@@ -86,12 +89,19 @@ def _start_engine(config: EngineConfig):
     from specserve.engine import Engine
 
     engine = Engine(config)
-    # One short generation before reporting ready: the first real request then finds every
-    # lazily built piece (kernels, graphs, allocator) in place.
-    warmup_prompt = list(range(min(4, engine.info.vocab_size)))
-    logger.info("warming up (the first forwards compile and allocate)")
-    engine.generate(prompt_token_ids=[warmup_prompt],
-                    sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
+    # Short generations before reporting ready, so that the first real request finds every
+    # lazily built piece (kernels, graphs, allocator) in place. On a GPU the attention kernels
+    # specialise on their tile height (a prompt's tokens x the query heads of a KV group), so
+    # one prompt length per power of two up to WARMUP_MAX_PROMPT compiles them all (a request
+    # of a new length otherwise paid about a second).
+    longest = WARMUP_MAX_PROMPT if engine.core.device.type == "cuda" else 4
+    lengths = [n for n in (1 << i for i in range(longest.bit_length())) if n < engine.max_context_len]
+    logger.info("warming up: prompts of %s tokens (the first forwards compile and allocate)",
+                ", ".join(map(str, lengths)))
+    vocab = engine.info.vocab_size
+    for n in lengths:
+        engine.generate(prompt_token_ids=[[i % vocab for i in range(n)]],
+                        sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
     return engine
 
 
