@@ -16,22 +16,24 @@ class OutputProcessor:
         """Append a step's tokens, cutting exactly where plain decoding would have stopped;
         returns the finish reason if one was reached. A verify's first `num_drafts` tokens
         are accepted drafts (the last is the target's own); only the drafts kept count."""
+        kept, reason = len(tokens), None
+        keep_logprobs = req.sampling.logprobs and logprobs is not None
+        if keep_logprobs and req.logprobs is None:
+            req.logprobs = []
         for j, tok in enumerate(tokens):
             req.output_ids.append(tok)
-            if req.sampling.logprobs and logprobs is not None:
-                req.logprobs = (req.logprobs or []) + [logprobs[j]]
+            if keep_logprobs:
+                req.logprobs.append(logprobs[j])  # appended: a copy per token grew quadratically
             n_out = len(req.output_ids)
-            reason = None
             if tok in req.stop_ids and n_out > req.sampling.min_new_tokens:
-                req.matched_stop = tok
-                reason = "stop"
+                req.matched_stop, reason = tok, "stop"
             elif n_out >= req.sampling.max_new_tokens or req.seq_len >= self.max_context_len:
                 reason = "length"
             if reason is not None:
-                req.num_accepted_drafts += min(j + 1, num_drafts)
-                return reason
-        req.num_accepted_drafts += min(len(tokens), num_drafts)
-        return None
+                kept = j + 1
+                break
+        req.num_accepted_drafts += min(kept, num_drafts)
+        return reason
 
     @staticmethod
     def emit(req: Req) -> Optional[StepOutput]:
