@@ -172,33 +172,36 @@ class GenerationCore:
             validated = await self.in_prepare_thread(prepare, served)
             record.prompt_tokens = len(validated.prompt_token_ids)
             spec = served.info.spec is not None
-            stream = OutputStream(served.tokenizer, validated, report_spec=spec)
+            output = OutputStream(served.tokenizer, validated, report_spec=spec)
             try:
-                events = self.engine.submit(record.rid, validated.prompt_token_ids,
-                                            validated.sampling)
+                # The per-token work (detokenising, stop strings) runs in the engine client's
+                # output thread; chunks arrive here coalesced when this call falls behind.
+                stream = self.engine.submit(record.rid, validated.prompt_token_ids,
+                                            validated.sampling, output)
             except EngineUnavailable as e:
                 raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
             self.metrics.prompt_tokens.inc(record.prompt_tokens)
-            while not stream.finished:
-                event = await events.get()
-                if isinstance(event, RequestRejected):
-                    raise Refused(RefusalKind.INVALID_ARGUMENT, str(event),
-                                  str(event).partition(":")[0])
-                if isinstance(event, EngineUnavailable):
-                    raise Refused(RefusalKind.UNAVAILABLE, str(event))
+            finished = False
+            while not finished:
+                try:
+                    chunk = await stream.next_chunk()
+                except RequestRejected as e:
+                    raise Refused(RefusalKind.INVALID_ARGUMENT, str(e),
+                                  str(e).partition(":")[0]) from None
+                except EngineUnavailable as e:
+                    raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
                 now = time.perf_counter()
                 if record.first_output is None:
-                    record.first_output = now
-                    self.metrics.queue_time.observe(now - record.admitted)
-                chunk = stream.on_output(event)
-                record.verify_steps, record.accepted_drafts = (stream.verify_steps,
-                                                               stream.accepted_drafts)
-                record.accept_length = stream.accept_length if spec else None
-                if chunk is None:
-                    continue
+                    record.first_output = stream.first_output
+                    self.metrics.queue_time.observe(record.first_output - record.admitted)
+                progress = stream.progress
+                record.verify_steps, record.accepted_drafts = (progress.verify_steps,
+                                                               progress.accepted_drafts)
+                record.accept_length = progress.accept_length if spec else None
                 if chunk.token_ids:
                     self._on_tokens(record, len(chunk.token_ids), now)
-                if chunk.HasField("finish"):
+                finished = chunk.HasField("finish")
+                if finished:
                     record.finish_reason = finish_reason_name(chunk.finish.reason)
                 yield chunk
         finally:

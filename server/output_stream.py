@@ -1,7 +1,7 @@
 """One request's engine outputs -> GenerateChunks: text deltas, stop strings, usage, spec stats."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from specserve.engine.outputs import StepOutput
 from specserve.proto import generate_pb2 as pb
@@ -11,6 +11,24 @@ from specserve.server.validation import ValidatedRequest
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}
+
+
+class EngineProgress(NamedTuple):
+    """The engine's speculative counters for one request, totals so far."""
+
+    verify_steps: int = 0
+    accepted_drafts: int = 0
+    accept_length: float = 1.0  # tokens per verify step; 1.0 before any verify
+
+
+def merge_chunk(into: pb.GenerateChunk, later: pb.GenerateChunk) -> None:
+    """Append a later chunk of the same stream to `into` (a consumer slower than the engine
+    gets one chunk for several steps). Every field a chunk carries must be merged here."""
+    into.token_ids.extend(later.token_ids)
+    into.logprobs.extend(later.logprobs)
+    into.text += later.text
+    if later.HasField("finish"):
+        into.finish.CopyFrom(later.finish)
 
 
 class OutputStream:
@@ -34,8 +52,11 @@ class OutputStream:
         """The chunk to stream for one engine output (None if there is nothing to say).
 
         Sets `finished` when this chunk ends the stream; if that happened through a stop string,
-        the engine has not finished the request and the caller must abort it.
+        the engine has not finished the request and the caller must abort it. Outputs that
+        arrive after that (the abort was in flight) say nothing.
         """
+        if self.finished:
+            return None
         self._engine_completion_tokens = out.completion_tokens
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
@@ -82,6 +103,10 @@ class OutputStream:
             finish.spec.accepted_drafts = self.accepted_drafts
             finish.spec.accept_length = self.accept_length
         return finish
+
+    @property
+    def progress(self) -> EngineProgress:
+        return EngineProgress(self.verify_steps, self.accepted_drafts, self.accept_length)
 
     @property
     def accept_length(self) -> float:

@@ -1,0 +1,167 @@
+"""The engine's outputs, from its socket to each request's stream, with the per-token work off
+the event loop.
+
+An `OutputReader` thread receives every EngineToServer message. For each scheduler step's
+BatchOutput it runs the per-token work of every request in it (detokenising, stop strings,
+building the GenerateChunk: `OutputStream.on_output`) and hands the event loop everything it
+has read since the loop last looked, in one call. The loop then only merges the results into
+each request's `RequestStream`: a consumer slower than the engine (a gRPC write waiting on flow
+control, a busy loop) finds one chunk holding every step since its previous one. So a stream
+gets at most one message per engine step, and fewer, each carrying more tokens, when the
+server falls behind, instead of a backlog of one message per step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable, NamedTuple, Optional, Union
+
+import zmq
+
+from specserve.engine.wire import output_from_proto
+from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.proto import generate_pb2 as pb
+from specserve.server.output_stream import EngineProgress, OutputStream, merge_chunk
+
+logger = logging.getLogger("specserve.server.engine")
+
+POLL_MS = 100  # how often an idle reader looks whether it should stop
+
+
+class RequestStream:
+    """One request's chunks as its consumer takes them; event-loop side, but for `output`, which
+    only the reader thread touches once the request is submitted."""
+
+    def __init__(self, output: OutputStream):
+        self.output = output
+        self.first_output: Optional[float] = None  # perf_counter() of the engine's first output
+        self.progress = EngineProgress()            # as of the latest output delivered
+        self._pending: Optional[pb.GenerateChunk] = None  # not yet taken, coalesced
+        self._error: Optional[Exception] = None
+        self._waiter: Optional[asyncio.Future] = None
+
+    async def next_chunk(self) -> pb.GenerateChunk:
+        """The next chunk: everything delivered since the previous call, as one chunk. Raises
+        the error that ended the stream (RequestRejected, EngineUnavailable, ...) once the
+        chunks delivered before it are taken."""
+        while self._pending is None:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunk, self._pending = self._pending, None
+        return chunk
+
+    def deliver(self, chunk: Optional[pb.GenerateChunk], progress: EngineProgress,
+                now: float) -> None:
+        if self.first_output is None:
+            self.first_output = now
+        self.progress = progress
+        if chunk is None:
+            return
+        if self._pending is None:
+            self._pending = chunk
+        else:
+            merge_chunk(self._pending, chunk)
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class StreamUpdate(NamedTuple):
+    """What one engine output did to one request's stream (made by the reader thread)."""
+
+    rid: str
+    stream: RequestStream
+    chunk: Optional[pb.GenerateChunk]
+    progress: EngineProgress
+    engine_finished: bool           # the engine's last output for this request
+    error: Optional[Exception]      # the per-token work failed; the stream ends with it
+
+
+# What the reader hands the loop, in the order it read them: stream updates, and the other
+# messages (ready, rejected, load, failed) for the loop to handle.
+Routed = Union[StreamUpdate, ipc.EngineToServer]
+
+
+class OutputReader(threading.Thread):
+    """Owns the socket the engine's outputs arrive on (ZeroMQ sockets stay in one thread)."""
+
+    def __init__(self, socket: zmq.Socket, streams: dict[str, RequestStream],
+                 loop: asyncio.AbstractEventLoop, on_routed: Callable[[list[Routed]], None]):
+        super().__init__(name="specserve-outputs", daemon=True)
+        self.socket = socket
+        # Written by the loop only; read here (one dict lookup: atomic in CPython). A stream
+        # removed meanwhile (aborted) may still get an update, which nobody then reads.
+        self.streams = streams
+        self.loop = loop
+        self.on_routed = on_routed
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._routed: list[Routed] = []  # read, not yet handed to the loop
+        self._handover_scheduled = False
+
+    def stop(self) -> None:
+        """Stop reading (within POLL_MS); join() to wait for the socket to be closed."""
+        self._stopping.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.socket.poll(POLL_MS):
+                    continue
+                routed = []
+                while True:  # everything that has arrived: one hand-over for all of it
+                    try:
+                        data = self.socket.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._route(ipc.EngineToServer.FromString(data), routed)
+                self._hand_over(routed)
+        except RuntimeError:  # the event loop was closed under us: the server is gone
+            pass
+        finally:
+            self.socket.close(linger=0)
+
+    def _route(self, message: ipc.EngineToServer, routed: list[Routed]) -> None:
+        if message.WhichOneof("kind") != "batch":
+            routed.append(message)
+            return
+        for msg in message.batch.outputs:
+            stream = self.streams.get(msg.rid)
+            if stream is None:  # aborted by the server meanwhile
+                continue
+            chunk, error = None, None
+            try:
+                chunk = stream.output.on_output(output_from_proto(msg))
+            except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the server
+                logger.exception("request %s: processing the engine's output failed", msg.rid)
+                error = e
+            routed.append(StreamUpdate(msg.rid, stream, chunk, stream.output.progress,
+                                       msg.finished, error))
+
+    def _hand_over(self, routed: list[Routed]) -> None:
+        with self._lock:
+            self._routed.extend(routed)
+            if self._handover_scheduled:
+                return  # the loop has not taken the previous ones yet: they go together
+            self._handover_scheduled = True
+        self.loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        """On the loop: everything read so far, in order."""
+        with self._lock:
+            routed, self._routed = self._routed, []
+            self._handover_scheduled = False
+        self.on_routed(routed)
+
