@@ -191,10 +191,7 @@ class EngineClient:
         if update.engine_finished or update.error is not None:
             if self._streams.get(update.rid) is update.stream:
                 del self._streams[update.rid]
-        if update.error is not None:
-            update.stream.fail(update.error)
-        else:
-            update.stream.deliver(update.chunk, update.progress, now)
+        update.apply(now)
 
     def _on_message(self, message: ipc.EngineToServer) -> None:
         kind = message.WhichOneof("kind")

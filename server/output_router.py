@@ -88,6 +88,13 @@ class StreamUpdate(NamedTuple):
     engine_finished: bool           # the engine's last output for this request
     error: Optional[Exception]      # the per-token work failed; the stream ends with it
 
+    def apply(self, now: float) -> None:
+        """Deliver it to its stream (on the loop); `now`: when the loop took it."""
+        if self.error is not None:
+            self.stream.fail(self.error)
+        else:
+            self.stream.deliver(self.chunk, self.progress, now)
+
 
 # What the reader hands the loop, in the order it read them: stream updates, and the other
 # messages (ready, rejected, load, failed) for the loop to handle.
