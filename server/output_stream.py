@@ -60,17 +60,22 @@ class OutputStream:
         self._engine_completion_tokens = out.completion_tokens
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
-        chunk = pb.GenerateChunk()
+        # The chunk's fields are filled once, after the loop: this runs for every token of
+        # every stream.
+        kept, texts, matched = len(out.new_token_ids), [], None
         for i, token_id in enumerate(out.new_token_ids):
-            chunk.token_ids.append(token_id)
-            if out.new_logprobs:
-                chunk.logprobs.append(out.new_logprobs[i])
             self.num_tokens += 1
             text, matched = self._text(self.detokenizer.add([token_id]) if self.detokenizer else "")
-            chunk.text += text
+            texts.append(text)
             if matched is not None:
-                self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
-                return chunk
+                kept = i + 1
+                break
+        chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text="".join(texts))
+        if out.new_logprobs:
+            chunk.logprobs.extend(out.new_logprobs[:kept])
+        if matched is not None:
+            self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
+            return chunk
         if out.finished:
             text, matched = self._text(self.detokenizer.flush() if self.detokenizer else "")
             chunk.text += text
