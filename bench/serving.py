@@ -1,7 +1,16 @@
-"""Serving benchmark: a gRPC load generator against a running `specserve serve`.
+"""Serving benchmark: a gRPC load generator against a running `specserve serve`, or one it starts.
 
     specserve serve --port 50051 &
     python bench/serving.py --server 127.0.0.1:50051 --rates 2,8,inf --concurrency 1,16 --out serving.json
+
+    # on a GPU: a server of its own, the demo pair or a Llama shape with random weights
+    python bench/serving.py --launch llama-1b --spec chain --rates inf --concurrency 1,64,256 --out s.json
+
+`--launch` starts the server (`run_server`, as `specserve serve --device cuda` runs it) in a
+child process with the engine `bench/one_batch.py` measures: the demo pair, or the llama-1b /
+llama-8b shape with random bf16 weights and an EAGLE-3 head whose accept length is forced to
+`--accept-len` (random weights accept nothing). The shapes have no tokenizer, so their prompts
+are random token ids and the server streams ids only (no detokenising).
 
 Requests arrive as a Poisson process at each rate (`inf`: all at once), with at most
 `concurrency` in flight. Prompts are held-out code from the demo pair's sample
@@ -14,8 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import multiprocessing
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +36,9 @@ from specserve.clients import AsyncClient
 HELDOUT = Path(__file__).resolve().parents[1] / "models" / "demo-heldout.txt"
 
 
-def make_prompts(n: int, seed: int, words: int, vocab: int) -> list[dict]:
+def make_prompts(n: int, seed: int, words: int, vocab: int, token_ids: bool = False) -> list[dict]:
     rng = random.Random(seed)
-    if HELDOUT.exists():
+    if HELDOUT.exists() and not token_ids:
         text = HELDOUT.read_text().split()
         starts = [rng.randrange(0, len(text) - words) for _ in range(n)]
         return [{"prompt": " ".join(text[s:s + words])} for s in starts]
@@ -85,6 +97,35 @@ async def run_load(server: str, prompts: list[dict], rate: float, concurrency: i
             "accept_length": statistics.mean(r["accept"] for r in results)}
 
 
+def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
+                           max_context_len: int, device: str = "cuda"):
+    """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
+    from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
+
+    from specserve.engine.builder import demo_models_dir
+    from specserve.engine.config import EngineConfig, SpecConfig
+
+    if model == "demo":
+        target, draft, load_format, force = None, str(demo_models_dir() / "demo-draft"), "auto", None
+    else:
+        (target, draft), load_format, force = write_shape(tempfile.mkdtemp(), model), "dummy", accept_len
+    spec_config = None if spec == "plain" else SpecConfig(
+        algorithm="eagle3", draft_model=draft, bench_force_accept_len=force, **SPEC_MODES[spec])
+    return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                        load_format=load_format,
+                        spec=spec_config, max_running_requests=max_running,
+                        max_context_len=max_context_len)
+
+
+def serve_launched(engine_config, port: int) -> None:
+    """The --launch server process."""
+    from specserve.server.app import run_server
+    from specserve.server.config import ServerConfig
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", default="127.0.0.1:50051")
@@ -96,16 +137,37 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192, help="for random prompts (no held-out text)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_serving.json")
+    ap.add_argument("--launch", choices=["demo", "llama-1b", "llama-8b"], default=None,
+                    help="start a server on the GPU for the run (on --server's port)")
+    ap.add_argument("--spec", choices=["plain", "chain", "tree"], default="chain", help="with --launch")
+    ap.add_argument("--accept-len", type=int, default=3, help="with --launch of a shape: forced accept length")
+    ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
+    ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
     args = ap.parse_args()
-    prompts = make_prompts(args.num_requests, args.seed, args.prompt_words, args.vocab)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    server = None
+    if args.launch is not None:
+        engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
+                                               args.max_context_len, args.device)
+        # Not a daemon: the server spawns the engine process.
+        server = multiprocessing.get_context("spawn").Process(
+            target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2])))
+        server.start()
+    prompts = make_prompts(args.num_requests, args.seed, args.prompt_words, args.vocab,
+                           token_ids=args.launch not in (None, "demo"))
     rows = []
-    for concurrency in (int(c) for c in args.concurrency.split(",")):
-        for rate in (float(r) for r in args.rates.split(",")):
-            rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
-                                             args.seed)))
-            print(json.dumps(rows[-1]), flush=True)
-    json.dump({"server": args.server, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"),
-              indent=1)
+    try:
+        for concurrency in concurrencies:
+            for rate in (float(r) for r in args.rates.split(",")):
+                rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
+                                                 args.seed)))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if server is not None:
+            server.terminate()  # SIGTERM: the server drains, stops its engine and exits
+            server.join(120)
+    json.dump({"server": args.server, "launch": args.launch, "spec": args.spec if args.launch else None,
+               "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{'conc':>4} {'rate':>5} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p99':>7} "
           f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'accept':>6}")
     for r in rows:

@@ -2,9 +2,10 @@
 the event loop.
 
 An `OutputReader` thread receives every EngineToServer message. For each scheduler step's
-BatchOutput it runs the per-token work of every request in it (detokenising, stop strings,
-building the GenerateChunk: `OutputStream.on_output`) and hands the event loop everything it
-has read since the loop last looked, in one call. The loop then only merges the results into
+BatchOutput (one message per step, all its requests) it runs the per-token work of every
+request in it (detokenising, stop strings, building the GenerateChunk: `OutputStream.on_output`)
+and hands the results to the event loop, which takes everything handed over since it last
+looked in one call. The loop then only merges the results into
 each request's `RequestStream`: a consumer slower than the engine (a gRPC write waiting on flow
 control, a busy loop) finds one chunk holding every step since its previous one. So a stream
 gets at most one message per engine step, and fewer, each carrying more tokens, when the
@@ -127,16 +128,15 @@ class OutputReader(threading.Thread):
             while not self._stopping.is_set():
                 if not self.socket.poll(POLL_MS):
                     continue
-                routed = []
-                while True:  # everything that has arrived: one hand-over for all of it
-                    try:
-                        data = self.socket.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._route(ipc.EngineToServer.FromString(data), routed)
+                routed: list[Routed] = []
+                self._route(ipc.EngineToServer.FromString(self.socket.recv()), routed)
                 self._hand_over(routed)
         except RuntimeError:  # the event loop was closed under us: the server is gone
             pass
+        except Exception as e:  # a bug: no output would reach a stream again
+            logger.exception("the engine-output reader failed")
+            failed = ipc.EngineFailed(message=f"the server's engine-output reader failed: {e!r}")
+            self._hand_over([ipc.EngineToServer(failed=failed)])
         finally:
             self.socket.close(linger=0)
 
@@ -158,6 +158,7 @@ class OutputReader(threading.Thread):
                                        msg.finished, error))
 
     def _hand_over(self, routed: list[Routed]) -> None:
+        """Queue for the loop; one wake-up of the loop for whatever it has not taken yet."""
         with self._lock:
             self._routed.extend(routed)
             if self._handover_scheduled:
