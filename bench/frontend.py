@@ -138,6 +138,21 @@ def serve(args) -> None:
     start = functools.partial(start_synthetic, shape)
     if args.profile_out is None:
         raise SystemExit(run_server(engine_config, server_config, start))
+    # cProfile sees one thread: the event loop's here, and the output reader's in its own.
+    from specserve.server.output_router import OutputReader
+
+    read = OutputReader.run
+
+    def profiled_read(reader: OutputReader) -> None:
+        reader_profile = cProfile.Profile()
+        reader_profile.enable()
+        try:
+            read(reader)
+        finally:
+            reader_profile.disable()
+            reader_profile.dump_stats(args.profile_out + ".reader")
+
+    OutputReader.run = profiled_read
     profile = cProfile.Profile()
     profile.enable()
     code = run_server(engine_config, server_config, start)
@@ -197,10 +212,10 @@ def run_shape(args, step_ms: float, k: int) -> list[dict]:
     finally:
         server.stop()
     if profile:
-        print(f"\nprofile of the server process (step {step_ms} ms, {k} tokens/step), "
-              f"top {args.profile_top} by own time:")
-        stats = pstats.Stats(profile)
-        stats.sort_stats("tottime").print_stats(args.profile_top)
+        for thread, path in (("event loop", profile), ("output reader", profile + ".reader")):
+            print(f"\nprofile of the server's {thread} thread (step {step_ms} ms, {k} tokens/step), "
+                  f"top {args.profile_top} by own time:")
+            pstats.Stats(path).sort_stats("tottime").print_stats(args.profile_top)
     return rows
 
 
