@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--server", default="127.0.0.1:50051")
     ap.add_argument("--rates", default="1,4,inf", help="requests/s (Poisson); inf: all at once")
     ap.add_argument("--concurrency", default="1,16")
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=32, help="0: one wave of `concurrency` requests")
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192, help="for random prompts (no held-out text)")
@@ -153,11 +153,11 @@ def main():
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2])))
         server.start()
-    prompts = make_prompts(args.num_requests, args.seed, args.prompt_words, args.vocab,
-                           token_ids=args.launch not in (None, "demo"))
     rows = []
     try:
         for concurrency in concurrencies:
+            prompts = make_prompts(args.num_requests or concurrency, args.seed, args.prompt_words, args.vocab,
+                                   token_ids=args.launch not in (None, "demo"))
             for rate in (float(r) for r in args.rates.split(",")):
                 rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
                                                  args.seed)))
