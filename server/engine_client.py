@@ -2,8 +2,9 @@
 
 Starts `specserve.engine.process.run_engine_process` in a spawned child, talks to it over two
 ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one
-RequestStream per request (through an OutputReader thread: server/output_router.py). If the child dies, every waiting caller gets EngineUnavailable at once (the child's
-process sentinel is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
+RequestStream per request (through an OutputReader thread: server/output_router.py). If the
+child dies, every waiting caller gets EngineUnavailable at once (the child's process sentinel
+is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
 child is found by the watchdog (server/watchdog.py) from the heartbeats on a third socket; it is
 then killed and handled as dead.
 """
@@ -88,7 +89,8 @@ class EngineClient:
         self._ready = loop.create_future()
         # spawn, not fork: the server process runs gRPC threads and an event loop.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(self.config, link, self.start_engine), name="specserve-engine")
+            target=run_engine_process, args=(self.config, link, self.start_engine),
+            name="specserve-engine")
         self.process.start()
         loop.add_reader(self.process.sentinel, self._on_process_exit)
         self._reader = OutputReader(self._from_engine, self._streams, loop, self._on_routed)

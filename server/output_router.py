@@ -5,11 +5,11 @@ An `OutputReader` thread receives every EngineToServer message. For each schedul
 BatchOutput (one message per step, all its requests) it runs the per-token work of every
 request in it (detokenising, stop strings, building the GenerateChunk: `OutputStream.on_output`)
 and hands the results to the event loop, which takes everything handed over since it last
-looked in one call. The loop then only merges the results into
-each request's `RequestStream`: a consumer slower than the engine (a gRPC write waiting on flow
-control, a busy loop) finds one chunk holding every step since its previous one. So a stream
-gets at most one message per engine step, and fewer, each carrying more tokens, when the
-server falls behind, instead of a backlog of one message per step.
+looked in one call. The loop then only merges the results into each request's
+`RequestStream`: a consumer slower than the engine (a gRPC write waiting on flow control, a
+busy loop) finds one chunk holding every step since its previous one. So a stream gets at most
+one message per engine step, and fewer, each carrying more tokens, when the server falls
+behind, instead of a backlog of one message per step.
 """
 from __future__ import annotations
 
