@@ -196,7 +196,7 @@ def run_shape(args, step_ms: float, k: int) -> list[dict]:
             prompts = make_prompts(concurrency * args.rounds, args.seed, args.prompt_words, 8192)
             cpu_before = cpu_seconds(server.process.pid)
             row = asyncio.run(run_load(server.address, prompts, float("inf"), concurrency,
-                                       args.max_new_tokens, args.seed))
+                                       args.max_new_tokens, args.seed, args.client_procs))
             cpu = cpu_seconds(server.process.pid) - cpu_before
             tokens = row["output_tokens_per_s"] * row["requests"] / row["requests_per_s"]
             # (stream, step) pairs: a request's first step brings one token, later ones k.
@@ -228,6 +228,7 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
     ap.add_argument("--port", type=int, default=50091)
     ap.add_argument("--profile", action="store_true", help="cProfile the server process")
     ap.add_argument("--profile-top", type=int, default=30)

@@ -29,6 +29,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from specserve.clients import AsyncClient
@@ -62,24 +63,53 @@ async def one_request(client: AsyncClient, request: dict, max_new_tokens: int) -
             "accept": spec.accept_length if spec is not None else 1.0}
 
 
-async def run_load(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
-                   seed: int) -> dict:
+async def run_requests(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+                       seed: int, start_at: float = 0.0) -> tuple[list[dict], float, float]:
+    """The per-request results, and the wall-clock (time.time) start and end of the run; the run
+    starts at `start_at` if that is later (client processes start together)."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     async with AsyncClient(server) as client:
         await client.wait_until_serving()
+        await asyncio.sleep(max(0.0, start_at - time.time()))
 
         async def bounded(request):
             async with limit:
                 return await one_request(client, request, max_new_tokens)
 
-        tasks, start = [], time.perf_counter()
+        tasks, start = [], time.time()
         for request in prompts:
             tasks.append(asyncio.create_task(bounded(request)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
+    return results, start, time.time()
+
+
+def _client_process(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+                    seed: int, start_at: float) -> tuple[list[dict], float, float]:
+    return asyncio.run(run_requests(server, prompts, rate, concurrency, max_new_tokens, seed, start_at))
+
+
+async def run_load(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+                   seed: int, client_procs: int = 1) -> dict:
+    """One load run. `client_procs` > 1 splits the requests, the concurrency and the rate over
+    that many client processes, so that a Python client's per-chunk cost does not cap the
+    measurement at high concurrency."""
+    if client_procs <= 1:
+        results, start, end = await run_requests(server, prompts, rate, concurrency, max_new_tokens, seed)
+    else:
+        loop = asyncio.get_running_loop()
+        start_at = time.time() + 5.0  # spawned clients import grpc and connect meanwhile
+        with ProcessPoolExecutor(client_procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = await asyncio.gather(*(
+                loop.run_in_executor(pool, _client_process, server, prompts[i::client_procs],
+                                     rate / client_procs, concurrency // client_procs + (i < concurrency % client_procs),
+                                     max_new_tokens, seed + i, start_at)
+                for i in range(min(client_procs, concurrency, len(prompts)))))
+        results = [r for part in parts for r in part[0]]
+        start, end = min(p[1] for p in parts), max(p[2] for p in parts)
+    elapsed = end - start
 
     def pct(values, q):
         values = sorted(values)
@@ -89,7 +119,7 @@ async def run_load(server: str, prompts: list[dict], rate: float, concurrency: i
     tpot = [r["tpot"] for r in results]
     itl = [x for r in results for x in r["itl"]]
     tokens = sum(r["tokens"] for r in results)
-    return {"rate": rate, "concurrency": concurrency, "requests": len(results),
+    return {"rate": rate, "concurrency": concurrency, "requests": len(results), "client_procs": client_procs,
             "output_tokens_per_s": tokens / elapsed, "requests_per_s": len(results) / elapsed,
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
             "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
@@ -137,6 +167,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192, help="for random prompts (no held-out text)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_serving.json")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="load-generator processes (the requests and the concurrency are split over them)")
     ap.add_argument("--launch", choices=["demo", "llama-1b", "llama-8b"], default=None,
                     help="start a server on the GPU for the run (on --server's port)")
     ap.add_argument("--spec", choices=["plain", "chain", "tree"], default="chain", help="with --launch")
@@ -160,7 +192,7 @@ def main():
                                    token_ids=args.launch not in (None, "demo"))
             for rate in (float(r) for r in args.rates.split(",")):
                 rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
-                                                 args.seed)))
+                                                 args.seed, args.client_procs)))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if server is not None:
