@@ -78,7 +78,7 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
     """Random token streams (byte-level tokens split UTF-8 characters), step sizes, stop strings
     (matched inside coalesced steps) and consumer speeds."""
     rng = random.Random(0)
-    coalesced_cases = 0
+    coalesced_cases = stopped_coalesced = 0
     for case in range(300):
         ids, sizes, stops, min_new = _random_case(rng, tokenizer)
         request = _request(stops, min_new)
@@ -103,7 +103,9 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
         assert all(len(c.logprobs) == len(c.token_ids) for c in got)
         assert all(not c.HasField("finish") for c in got[:-1])
         coalesced_cases += len(got) < len(expected)
+        stopped_coalesced += len(got) < len(expected) and bool(got[-1].finish.matched_stop_str)
     assert coalesced_cases > 100  # the test did exercise coalescing
+    assert stopped_coalesced > 30  # and stop strings matched inside coalesced steps
 
 
 def test_an_error_comes_after_the_chunks_delivered_before_it(tokenizer):
