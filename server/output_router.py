@@ -23,7 +23,7 @@ import zmq
 from specserve.engine.wire import output_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
-from specserve.server.output_stream import EngineProgress, OutputStream, merge_chunk
+from specserve.server.output_stream import EngineProgress, OutputStream, merge_chunks
 
 logger = logging.getLogger("specserve.server.engine")
 
@@ -38,7 +38,7 @@ class RequestStream:
         self.output = output
         self.first_output: Optional[float] = None  # perf_counter() of the engine's first output
         self.progress = EngineProgress()            # as of the latest output delivered
-        self._pending: Optional[pb.GenerateChunk] = None  # not yet taken, coalesced
+        self._pending: list[pb.GenerateChunk] = []  # not yet taken (merged when taken)
         self._error: Optional[Exception] = None
         self._waiter: Optional[asyncio.Future] = None
 
@@ -46,7 +46,7 @@ class RequestStream:
         """The next chunk: everything delivered since the previous call, as one chunk. Raises
         the error that ended the stream (RequestRejected, EngineUnavailable, ...) once the
         chunks delivered before it are taken."""
-        while self._pending is None:
+        while not self._pending:
             if self._error is not None:
                 raise self._error
             self._waiter = asyncio.get_running_loop().create_future()
@@ -54,21 +54,17 @@ class RequestStream:
                 await self._waiter
             finally:
                 self._waiter = None
-        chunk, self._pending = self._pending, None
-        return chunk
+        chunks, self._pending = self._pending, []
+        return merge_chunks(chunks)
 
     def deliver(self, chunk: Optional[pb.GenerateChunk], progress: EngineProgress,
                 now: float) -> None:
         if self.first_output is None:
             self.first_output = now
         self.progress = progress
-        if chunk is None:
-            return
-        if self._pending is None:
-            self._pending = chunk
-        else:
-            merge_chunk(self._pending, chunk)
-        self._wake()
+        if chunk is not None:
+            self._pending.append(chunk)
+            self._wake()
 
     def fail(self, error: Exception) -> None:
         self._error = error

@@ -21,14 +21,18 @@ class EngineProgress(NamedTuple):
     accept_length: float = 1.0  # tokens per verify step; 1.0 before any verify
 
 
-def merge_chunk(into: pb.GenerateChunk, later: pb.GenerateChunk) -> None:
-    """Append a later chunk of the same stream to `into` (a consumer slower than the engine
-    gets one chunk for several steps). Every field a chunk carries must be merged here."""
-    into.token_ids.extend(later.token_ids)
-    into.logprobs.extend(later.logprobs)
-    into.text += later.text
-    if later.HasField("finish"):
-        into.finish.CopyFrom(later.finish)
+def merge_chunks(chunks: list[pb.GenerateChunk]) -> pb.GenerateChunk:
+    """One chunk for consecutive chunks of a stream (a consumer slower than the engine takes
+    them together). Every field a chunk carries must be merged here."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged = pb.GenerateChunk(text="".join(chunk.text for chunk in chunks))
+    for chunk in chunks:
+        merged.token_ids.extend(chunk.token_ids)
+        merged.logprobs.extend(chunk.logprobs)
+    if chunks[-1].HasField("finish"):  # only a stream's last chunk has one
+        merged.finish.CopyFrom(chunks[-1].finish)
+    return merged
 
 
 class OutputStream:
