@@ -279,15 +279,17 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dty
 
 
 def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend) -> bool:
-    """On by default on CUDA with a backend whose metadata a graph can capture (Triton)."""
+    """On by default on CUDA with backends whose metadata a graph can capture (Triton, and
+    FlashInfer's sync-free plan); the draft's backend is the same kind as the target's."""
     if config.cuda_graph is False or device.type != "cuda":
         if config.cuda_graph and device.type != "cuda":
             raise ValueError("cuda_graph: needs a CUDA device")
         return False
     if not attn.supports_cuda_graphs:
         if config.cuda_graph:
-            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured; "
-                             "use attention_backend='triton'")
+            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured "
+                             "with host-synced plans; use attention_backend='triton', or "
+                             "needs_cpu_seq_lens=False for FlashInfer's sync-free plan")
         return False
     return True
 

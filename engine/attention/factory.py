@@ -45,7 +45,8 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
                                  needs_cpu_seq_lens=needs)
     from specserve.engine.attention.flashinfer import FlashInferAttnBackend
     try:
-        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=not needs)
+        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=not needs,
+                                     max_context_len=max_context_len, max_query_len=max_query_len)
     except ImportError as e:
         raise ValueError("attention_backend: flashinfer needs "
                          "`pip install specserve[flashinfer]` (flashinfer-python 0.5.3; "
