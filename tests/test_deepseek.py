@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_greedy, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import deepseek_config, hf_greedy, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -103,6 +103,48 @@ def test_kv_pool_is_latent_and_rope(checkpoints, make_engine):
     assert pool.kv_all.shape[0] == 3 and pool.kv_all.shape[2:] == (1, 32 + 8)
     k, v = pool.k_buffer[1], pool.v_buffer[1]
     assert v.shape[-1] == 32 and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+
+
+# --- routing and experts against transformers' modules ----------------------------------
+@pytest.mark.parametrize("arch,opts", [
+    ("deepseek_v2", dict(group_limited=False)), ("deepseek_v2", {}),
+    ("deepseek_v3", {}), ("deepseek_v3", dict(num_groups=1, topk_groups=1))])
+def test_router_and_experts_match_transformers(arch, opts):
+    import transformers as tf
+
+    from specserve.engine.layers.moe import fused_experts
+    from specserve.engine.models.deepseek import Router
+    from specserve.engine.models.model_config import ModelConfig
+
+    hf_cfg = deepseek_config(
+        arch, vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, num_experts=16, **opts)
+    torch.manual_seed(0)
+    v3 = arch == "deepseek_v3"
+    module = (tf.models.deepseek_v3.modeling_deepseek_v3 if v3 else tf.models.deepseek_v2.modeling_deepseek_v2)
+    hf_router = (module.DeepseekV3TopkRouter if v3 else module.DeepseekV2TopkRouter)(hf_cfg)
+    hf_experts = (module.DeepseekV3Experts if v3 else module.DeepseekV2Experts)(hf_cfg)
+    with torch.no_grad():
+        hf_router.weight.normal_(0, 0.5)
+        if v3:
+            hf_router.e_score_correction_bias.normal_(0, 0.3)
+        hf_experts.gate_up_proj.normal_(0, 0.1)
+        hf_experts.down_proj.normal_(0, 0.1)
+    cfg = ModelConfig.from_dict(dict(hf_cfg.to_dict(), architectures=[
+        "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"]))
+    router = Router(cfg)
+    with torch.no_grad():
+        router.weight.copy_(hf_router.weight)
+        if v3:
+            router.e_score_correction_bias.copy_(hf_router.e_score_correction_bias)
+    x = torch.randn(50, 64)
+    _, ref_w, ref_ids = hf_router(x)
+    weights, ids = router(x)
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
+    out = fused_experts(x, hf_experts.gate_up_proj.data, hf_experts.down_proj.data, weights, ids)
+    torch.testing.assert_close(out, hf_experts(x, ref_ids, ref_w), atol=1e-6, rtol=1e-5)
 
 
 # --- the MLA pool ------------------------------------------------------------------------
@@ -298,6 +340,8 @@ def test_unsupported_deepseek_options_are_named():
         ModelConfig.from_dict(dict(base, topk_method="group_limited_greedy", n_group=3, topk_group=1))
     with pytest.raises(ValueError, match="scoring_func"):
         ModelConfig.from_dict(dict(base, scoring_func="sigmoid"))
+    with pytest.raises(ValueError, match="quantized checkpoints"):
+        ModelConfig.from_dict(dict(base, quantization_config={"quant_method": "fp8"}))
 
 
 @pytest.mark.gpu
