@@ -163,6 +163,20 @@ def test_mla_move_kv_cache_overlapping():
     assert torch.equal(pool.v_buffer[2][5], before[2, 9, :, :4])  # V still views the latent
 
 
+def test_mla_pool_stores_latent_then_rope():
+    from specserve.engine.kvcache.pools import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(6, 2, 4, 2, torch.float32, torch.device("cpu"))
+    latent, rope = torch.randn(2, 4), torch.randn(2, 2)
+    pool.set_mla_kv(1, torch.tensor([3, 5]), latent, rope)
+    assert torch.equal(pool.k_buffer[1][[3, 5], 0], torch.cat([latent, rope], dim=1))
+    assert torch.equal(pool.v_buffer[1][[3, 5], 0], latent)
+    assert not pool.k_buffer[0].any()  # other layers untouched
+    k = torch.randn(1, 1, 6)
+    pool.set_kv(0, torch.tensor([2]), k, k[..., :4])
+    assert torch.equal(pool.k_buffer[0][2], k[0]) and torch.equal(pool.v_buffer[0][2], k[0, :, :4])
+
+
 def test_mla_pool_zero_layers_and_bytes():
     from specserve.engine.kvcache.pools import MLATokenToKVPool
 
