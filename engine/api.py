@@ -92,6 +92,9 @@ class Engine:
         bad_stop = next((t for t in sampling.stop_token_ids if t >= vocab), None)
         if bad_stop is not None:
             raise ValueError(f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {vocab})")
+        bad_bias = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if rid in core.scheduler.reqs:
             raise ValueError(f"rid: request id {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
@@ -171,12 +174,17 @@ class Engine:
         finished: dict[str, StepOutput] = {}
         collected: dict[str, list[int]] = {rid: [] for rid in rids}
         logprobs: dict[str, list[float]] = {rid: [] for rid in rids}
+        top: dict[str, list] = {rid: [] for rid in rids}
+        prompt: dict[str, StepOutput] = {}
         while len(finished) < n:
             for out in self.step():
                 if out.rid not in collected:
                     continue
                 collected[out.rid] += out.new_token_ids
                 logprobs[out.rid] += out.new_logprobs or []
+                top[out.rid] += out.new_top_logprobs or []
+                if out.prompt_logprobs is not None:
+                    prompt[out.rid] = out
                 if out.finished:
                     finished[out.rid] = out
         self._run_until_idle()
@@ -187,7 +195,11 @@ class Engine:
             results.append(GenerateOutput(
                 token_ids=ids, finish_reason=out.finish_reason,
                 text=self.tokenizer.decode(ids) if self.tokenizer is not None else None,
-                logprobs=logprobs[rid] if p.logprobs else None, matched_stop=out.matched_stop,
+                logprobs=logprobs[rid] if p.logprobs else None,
+                top_logprobs=top[rid] if p.top_logprobs else None,
+                prompt_logprobs=prompt[rid].prompt_logprobs if rid in prompt else None,
+                prompt_top_logprobs=prompt[rid].prompt_top_logprobs if rid in prompt else None,
+                matched_stop=out.matched_stop,
                 prompt_tokens=out.prompt_tokens, num_verify_steps=out.num_verify_steps,
                 num_accepted_drafts=out.num_accepted_drafts))
         return results

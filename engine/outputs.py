@@ -7,6 +7,9 @@ from typing import NamedTuple, Optional
 
 from specserve.engine.config import SpecConfig
 
+# The most likely tokens at one position, most likely first: (token id, log-probability).
+TopLogprobs = list[tuple[int, float]]
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -33,6 +36,10 @@ class StepOutput:
     rid: str
     new_token_ids: list[int]
     new_logprobs: Optional[list[float]] = None
+    new_top_logprobs: Optional[list[TopLogprobs]] = None  # one per new token (top_logprobs)
+    # Sent once, on the request's first output (prompt_logprobs): prompt tokens 1.. on.
+    prompt_logprobs: Optional[list[float]] = None
+    prompt_top_logprobs: Optional[list[TopLogprobs]] = None
     finished: bool = False
     finish_reason: Optional[str] = None
     matched_stop: Optional[int] = None
@@ -50,6 +57,9 @@ class GenerateOutput:
     finish_reason: str
     text: Optional[str] = None
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[TopLogprobs]] = None
+    prompt_logprobs: Optional[list[float]] = None
+    prompt_top_logprobs: Optional[list[TopLogprobs]] = None
     matched_stop: Optional[int] = None
     prompt_tokens: int = 0
     num_verify_steps: int = 0

@@ -45,7 +45,7 @@ class AdmissionPolicy:
     def _prefill(self) -> Optional[Decision]:
         budget = self.chunk_budget
         free = self.slots.num_free  # slots are taken when the step is built
-        reqs, chunks = [], []
+        reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
@@ -54,6 +54,7 @@ class AdmissionPolicy:
                     break
                 reqs.append(req)
                 chunks.append(req.take_chunk(n))
+                spans.append(req.take_prompt_span(*chunks[-1]))
                 budget -= n
                 free -= n
         # Admit only what leaves room for the next decode step of every running request and of
@@ -75,6 +76,7 @@ class AdmissionPolicy:
             self.running.append(req)
             reqs.append(req)
             chunks.append(req.take_chunk(n))
+            spans.append(req.take_prompt_span(*chunks[-1]))
             budget -= n
             free -= n
         if not reqs:
@@ -82,7 +84,7 @@ class AdmissionPolicy:
         samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]
         for r, s in zip(reqs, samples):
             r.num_inflight_tokens += s
-        return Decision(ForwardMode.EXTEND, reqs, chunks, samples)
+        return Decision(ForwardMode.EXTEND, reqs, chunks, samples, spans)
 
     # --- decode --------------------------------------------------------------------------
     def _decode(self, nothing_in_flight: bool) -> Optional[Decision]:

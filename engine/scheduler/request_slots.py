@@ -51,7 +51,10 @@ class RequestSlots:
         self._write_table(flat, slots)
         return ExtendStep(rows=[r.row for r in decision.reqs],
                           fill_ids=[r.fill_ids for r in decision.reqs], chunks=list(decision.chunks),
-                          samples=list(decision.samples), out_cache_loc=slots, sampling=sampling)
+                          samples=list(decision.samples), out_cache_loc=slots, sampling=sampling,
+                          prompt_lens=[len(r.prompt_ids) for r in decision.reqs],
+                          prompt_spans=list(decision.prompt_spans),
+                          prompt_top_k=[r.sampling.prompt_logprobs or 0 for r in decision.reqs])
 
     def decode_step(self, reqs: list[Req], sampling: SamplingInfo, commit_fed_token: bool) -> DecodeStep:
         """Reserve what the step needs; plain decoding commits the token it feeds right away

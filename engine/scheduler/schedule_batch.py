@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from specserve.engine.config import SamplingParams
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.outputs import TopLogprobs
 from specserve.engine.runtime.step import Launched
 
 
@@ -27,6 +28,12 @@ class Req:
     stop_ids: frozenset
     output_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[TopLogprobs]] = None  # per output token, when asked for
+    # Prompt scoring (sampling.prompt_logprobs): per prompt token from index 1 on.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_scored_to: int = 1    # schedule side: the next prompt token a chunk will score
+    prompt_logprobs_emitted: bool = False
     status: ReqStatus = ReqStatus.WAITING
     row: int = 0                 # request-table row; 0 (the padding row) when it holds none
     fill_ids: list[int] = field(default_factory=list)  # tokens to prefill: prompt + outputs so far
@@ -63,6 +70,18 @@ class Req:
         self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = start + n
         return start, start + n
 
+    def take_prompt_span(self, start: int, end: int) -> Optional[tuple[int, int]]:
+        """The prompt tokens [a, b) that the chunk [start, end) scores, if it asks for any: the
+        row at position i - 1 gives token i's log-probability. Each is scored once, even when
+        a retraction prefills the prompt again."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        a, b = max(self.prompt_scored_to, start + 1), min(end + 1, len(self.prompt_ids))
+        if a >= b:
+            return None
+        self.prompt_scored_to = b
+        return a, b
+
     def reserve(self, n: int) -> None:
         self.kv_allocated_len += n
 
@@ -77,12 +96,14 @@ class Req:
 
 class Decision(NamedTuple):
     """What the next launch covers. EXTEND: per request, the [start, end) chunk of its fill
-    ids and whether it samples a token; DECODE: one (speculative) step per request."""
+    ids, whether it samples a token and the prompt tokens it scores (Req.take_prompt_span);
+    DECODE: one (speculative) step per request."""
 
     mode: ForwardMode
     reqs: list[Req]
     chunks: Sequence[tuple[int, int]] = ()
     samples: Sequence[bool] = ()
+    prompt_spans: Sequence[Optional[tuple[int, int]]] = ()
 
 
 class InflightBatch(NamedTuple):
