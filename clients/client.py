@@ -80,7 +80,9 @@ class Client:
         True for text, False for messages) says whether a BOS is added to the prompt text.
         Sampling options (all optional):
         max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-        seed, stop, stop_token_ids, ignore_eos, logprobs. `timeout` (seconds) is the deadline.
+        seed, stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, prompt_logprobs,
+        presence_penalty, frequency_penalty, logit_bias ({token id: bias}); see
+        docs/grpc-api.md for their meaning. `timeout` (seconds) is the deadline.
         A value of the wrong type or out of its field's range raises InvalidArgument here."""
         request = build_request(prompt, prompt_token_ids, sampling, messages,
                                 add_special_tokens)

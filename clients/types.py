@@ -21,6 +21,22 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str       # the token decoded on its own
+
+
+@dataclass(frozen=True)
+class PromptTokenLogprob:
+    """A prompt token (the second on) with its log-probability and the most likely tokens at
+    its position (empty unless prompt_logprobs > 0)."""
+
+    token: TokenLogprob
+    top: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece: new token ids and the text they complete. The finish fields are set
     on the last chunk only."""
@@ -28,6 +44,10 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: Optional[list[float]] = None
+    # Per token, the top_logprobs most likely tokens at its position (most likely first).
+    top_logprobs: Optional[list[list[TokenLogprob]]] = None
+    # First chunk only, with prompt_logprobs set: prompt tokens 1, 2, ...
+    prompt_logprobs: Optional[list[PromptTokenLogprob]] = None
     finish_reason: Optional[str] = None   # "stop" | "length" | "abort"
     matched_stop: Union[int, str, None] = None  # the stop token id or stop string that matched
     usage: Optional[Usage] = None
@@ -46,4 +66,6 @@ class GenerateResult:
     usage: Usage
     matched_stop: Union[int, str, None] = None
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[TokenLogprob]]] = None
+    prompt_logprobs: Optional[list[PromptTokenLogprob]] = None
     spec: Optional[SpecStats] = None

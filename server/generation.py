@@ -22,6 +22,7 @@ from specserve.proto import generate_pb2 as pb
 from specserve.server.chat_template import ChatTemplate
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
+from specserve.server.logprobs import TokenTexts
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
 from specserve.server.request_record import RequestRecord, finish_reason_name
@@ -68,6 +69,7 @@ class Served:
     tokenizer: Any            # encode/decode, or None for a model without one
     limits: RequestLimits
     validator: RequestValidator  # it holds the chat template
+    token_texts: TokenTexts      # each token's own text, for top and prompt logprobs
 
 
 Prepare = Callable[[Served], ValidatedRequest]
@@ -95,7 +97,8 @@ class GenerationCore:
             max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
             max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
         self.served = Served(info, tokenizer, limits,
-                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)))
+                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)),
+                             TokenTexts(tokenizer))
 
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
@@ -172,7 +175,8 @@ class GenerationCore:
             validated = await self.in_prepare_thread(prepare, served)
             record.prompt_tokens = len(validated.prompt_token_ids)
             spec = served.info.spec is not None
-            stream = OutputStream(served.tokenizer, validated, report_spec=spec)
+            stream = OutputStream(served.tokenizer, validated, report_spec=spec,
+                                  token_texts=served.token_texts)
             try:
                 events = self.engine.submit(record.rid, validated.prompt_token_ids,
                                             validated.sampling)

@@ -175,3 +175,28 @@ def test_cli_generate_through_the_server_and_offline_agree(server, model, capsys
     offline = json.loads(capsys.readouterr().out)
     assert via_server["token_ids"] == offline["token_ids"] and len(offline["token_ids"]) == 6
     assert via_server["text"] == offline["text"]
+
+
+def test_sampling_fields_and_logprobs_through_the_sdk(client, offline):
+    """Penalties, logit_bias, top_logprobs (with token text) and prompt logprobs go through
+    the gRPC contract and the SDK and equal the offline engine's."""
+    fields = dict(max_new_tokens=10, temperature=0.7, seed=3, presence_penalty=0.6,
+                  frequency_penalty=0.3, logit_bias={65: 5.0, 66: -100.0}, logprobs=True,
+                  top_logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    want = offline.generate(prompts=["class Stack"], sampling=SamplingParams(**fields))[0]
+    chunks = list(client.generate_stream("class Stack", **fields))
+    result = client.generate("class Stack", **fields)
+    assert result.token_ids == want.token_ids and 66 not in result.token_ids
+    assert chunks[0].prompt_logprobs is not None
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    assert [[c.token_id for c in top] for top in result.top_logprobs] == \
+        [[t for t, _ in top] for top in want.top_logprobs]
+    assert result.top_logprobs[0][0].logprob == pytest.approx(want.top_logprobs[0][0][1], abs=1e-5)
+    tokenizer = offline.tokenizer
+    assert all(c.text == tokenizer.decode([c.token_id]) for top in result.top_logprobs for c in top)
+    prompt_ids = tokenizer.encode("class Stack")
+    assert [p.token.token_id for p in result.prompt_logprobs] == prompt_ids[1:]
+    assert [p.token.logprob for p in result.prompt_logprobs] == pytest.approx(want.prompt_logprobs, abs=1e-5)
+    assert [[t.token_id for t in p.top] for p in result.prompt_logprobs] == \
+        [[t for t, _ in top] for top in want.prompt_top_logprobs]
+    assert result.prompt_logprobs[0].token.text == tokenizer.decode([prompt_ids[1]])
