@@ -24,6 +24,8 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 300
 # Most alternatives returned per token (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
+# Most sequences one request may ask for (n).
+MAX_N = 64
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -58,6 +60,9 @@ class SamplingParams:
     # None: off. k >= 0: the log-probability of every prompt token after the first (from the
     # prefill's logits), with the k most likely alternatives at each position.
     prompt_logprobs: Optional[int] = None
+    # Sequences generated from the prompt, each with its own seed (sequence_seed); the prompt
+    # is prefilled once and its KV shared.
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, list):
@@ -96,6 +101,8 @@ class SamplingParams:
             isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
             and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS), "prompt_logprobs",
             f"must be unset or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        _require(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+                 "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                  "seed", f"must be a non-negative 63-bit integer, got {self.seed!r}")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -129,6 +136,12 @@ class SamplingParams:
         """Whether a token's earlier occurrences change its logit."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed sequence `index` of an n > 1 request samples with: the request's seed + index
+    (mod 2^63), so sequence i equals a request of n = 1 with that seed."""
+    return (seed + index) % (1 << 63)
 
 
 @dataclass(frozen=True)

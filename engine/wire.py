@@ -18,7 +18,7 @@ from specserve.proto import generate_pb2 as pb
 # one keeps the SamplingParams default, which is what generate.proto documents.
 _SCALAR_SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
                            "min_p", "repetition_penalty", "seed", "ignore_eos", "logprobs",
-                           "presence_penalty", "frequency_penalty", "top_logprobs", "prompt_logprobs")
+                           "presence_penalty", "frequency_penalty", "top_logprobs", "prompt_logprobs", "n")
 _SPEC_FIELDS = ("algorithm", "draft_model", "num_steps", "topk", "num_draft_tokens")
 
 
@@ -73,7 +73,7 @@ def _top_from_proto(msgs) -> Optional[list[TopLogprobs]]:
 
 def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
     msg = ipc.RequestOutput(
-        rid=out.rid, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
+        rid=out.rid, index=out.index, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
         new_top_logprobs=_top_to_proto(out.new_top_logprobs),
         prompt_logprobs=out.prompt_logprobs or [],
         prompt_top_logprobs=_top_to_proto(out.prompt_top_logprobs),
@@ -88,7 +88,7 @@ def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
 
 def output_from_proto(msg: ipc.RequestOutput) -> StepOutput:
     return StepOutput(
-        rid=msg.rid, new_token_ids=list(msg.new_token_ids),
+        rid=msg.rid, index=msg.index, new_token_ids=list(msg.new_token_ids),
         new_logprobs=list(msg.new_logprobs) or None,
         new_top_logprobs=_top_from_proto(msg.new_top_logprobs),
         prompt_logprobs=list(msg.prompt_logprobs) or None,

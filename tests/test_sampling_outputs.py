@@ -3,12 +3,15 @@ prompt logprobs; exact under speculation (chain and tree, both loops), checked a
 transformers and against the target's exact distribution."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from helpers import make_predictable_pair, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
+from specserve.engine.config import sequence_seed
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
@@ -262,3 +265,114 @@ def test_logit_bias_outside_the_vocabulary_is_refused(pair, make_engine):
     with pytest.raises(ValueError, match="^logit_bias: token id"):
         engine.add_request("r", [1, 2], SamplingParams(logit_bias={vocab: 1.0}))
     assert not engine.has_unfinished()
+
+
+# --- n > 1: sequences sharing the prompt's KV ---------------------------------------------------
+def _independent(engine, prompt, params: SamplingParams):
+    """The n sequences as n separate requests with the documented seeds (seed + i; greedy
+    requests have none)."""
+    singles = [dataclasses.replace(params, n=1, seed=None if params.seed is None else sequence_seed(params.seed, i))
+               for i in range(params.n)]
+    return [o.token_ids for o in engine.generate(prompt_token_ids=[prompt] * params.n, sampling=singles)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("spec", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+def test_n_sequences_equal_independent_requests(pair, make_engine, spec, overlap):
+    prompts = random_prompts(2, seed=28, min_len=9, max_len=30) + [[17]]  # and a one-token prompt
+    params = [SamplingParams(max_new_tokens=20, temperature=0.9, seed=2**63 - 2, n=4, presence_penalty=0.5,
+                             ignore_eos=True),
+              SamplingParams(max_new_tokens=15, temperature=0.0, n=3, frequency_penalty=0.4, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=1.0, seed=9, n=2, ignore_eos=True)]
+    engine = make_engine(pair[0], enable_overlap=overlap, chunked_prefill_size=8,
+                         spec=None if spec is None else _spec(pair[1], **spec))
+    outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    assert [o.index for o in outs] == [0, 1, 2, 3, 0, 1, 2, 0, 1]
+    got = [o.token_ids for o in outs]
+    assert got[:4] == _independent(engine, prompts[0], params[0])
+    assert len(set(map(tuple, got[:4]))) > 1  # the sequences differ: seeds are per sequence
+    assert got[4:7] == _independent(engine, prompts[1], params[1])
+    assert got[7:] == _independent(engine, prompts[2], params[2])
+    assert all(o.prompt_tokens == len(prompts[0]) for o in outs[:4])
+
+
+def _step_until(engine, done):
+    outs = {}
+    while not done(outs):
+        for out in engine.step():
+            outs.setdefault(out.index, []).append(out)
+    return outs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("spec", [None, CHAIN], ids=["plain", "chain"])
+def test_n_holds_the_prompt_kv_once_and_frees_it_with_the_last_sequence(pair, make_engine, spec, overlap):
+    prompt = random_prompts(1, seed=29, min_len=30, max_len=30)[0]
+    engine = make_engine(pair[0], enable_overlap=overlap, spec=None if spec is None else _spec(pair[1], **spec))
+    alloc, scheduler = engine.core.allocator, engine.core.scheduler
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=200, temperature=0.0, n=4, ignore_eos=True))
+    _step_until(engine, lambda outs: len(outs) == 4)
+    reqs = [scheduler.reqs[("r", i)] for i in range(4)]
+    shared = reqs[0].shared
+    assert all(r.shared is shared and r.owns_share for r in reqs) and shared.owners == 4
+    # The prompt's first 29 tokens once, then each sequence's own slots (its last prompt
+    # token, outputs and the step's reservation).
+    own = sum(r.kv_allocated_len - shared.length for r in reqs)
+    assert alloc.num_slots - alloc.num_free == shared.length + own
+    assert own < 4 * 20 < 3 * shared.length
+    rows = engine.core.req_to_token.table
+    assert all(torch.equal(rows[r.row, :shared.length], shared.slots) for r in reqs)
+    engine.abort("r", 1)
+    engine.abort("r", 2)
+    engine.step()
+    assert shared.owners == 2 and shared.live
+    engine.abort("r", 0)
+    engine.step()
+    assert shared.owners == 1 and shared.live and scheduler.num_running == 1
+    engine.abort("r")
+    scheduler.drain()
+    assert not shared.live and alloc.num_free == alloc.num_slots
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("spec", [None, TREE], ids=["plain", "tree"])
+def test_aborting_one_sequence_leaves_the_others_running(pair, make_engine, spec, overlap):
+    prompt = random_prompts(1, seed=30, min_len=12, max_len=12)[0]
+    params = SamplingParams(max_new_tokens=25, temperature=0.8, seed=77, n=3, ignore_eos=True)
+    engine = make_engine(pair[0], enable_overlap=overlap, spec=None if spec is None else _spec(pair[1], **spec))
+    expected = _independent(engine, prompt, params)
+    engine.add_request("r", prompt, params)
+    _step_until(engine, lambda outs: len(outs) == 3)
+    engine.abort("r", 1)
+    outs = _step_until(engine, lambda outs: all(o[-1].finished for o in outs.values()) and len(outs) == 3)
+    assert outs[1][-1].finish_reason == "abort" and len(outs[1]) == 1
+    for i in (0, 2):
+        assert [t for o in outs[i] for t in o.new_token_ids] != []
+        assert outs[i][-1].finish_reason == "length"
+    assert engine.generate(prompt_token_ids=[prompt], sampling=params)[0].token_ids == expected[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_n_under_retraction_stays_exact(pair, make_engine, overlap):
+    """A small pool retracts sequences (the prompt's creator too) and the prefix dies and is
+    created again; every sequence still equals its independent request, nothing leaks."""
+    prompts = random_prompts(2, seed=31, min_len=20, max_len=30)
+    params = SamplingParams(max_new_tokens=40, temperature=0.7, seed=5, n=3, frequency_penalty=0.3,
+                            prompt_logprobs=1, ignore_eos=True)
+    engine = make_engine(pair[0], enable_overlap=overlap, max_total_tokens=180, chunked_prefill_size=16)
+    outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    assert engine.metrics.num_retractions > 0
+    reference = make_engine(pair[0])
+    for k, prompt in enumerate(prompts):
+        assert [o.token_ids for o in outs[3 * k:3 * k + 3]] == _independent(reference, prompt, params)
+        scored = reference.generate(prompt_token_ids=[prompt], sampling=dataclasses.replace(params, n=1))[0]
+        for o in outs[3 * k:3 * k + 3]:  # every sequence gets the prompt's scores
+            assert len(o.prompt_logprobs) == len(prompt) - 1
+            torch.testing.assert_close(torch.tensor(o.prompt_logprobs), torch.tensor(scored.prompt_logprobs),
+                                       atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value", [0, 65, True, 2.0])
+def test_bad_n_is_named(value):
+    with pytest.raises(ValueError, match="^n:"):
+        SamplingParams(n=value)

@@ -195,8 +195,10 @@ def test_sampling_fields_and_logprobs_through_the_sdk(client, offline):
     tokenizer = offline.tokenizer
     assert all(c.text == tokenizer.decode([c.token_id]) for top in result.top_logprobs for c in top)
     prompt_ids = tokenizer.encode("class Stack")
-    assert [p.token.token_id for p in result.prompt_logprobs] == prompt_ids[1:]
-    assert [p.token.logprob for p in result.prompt_logprobs] == pytest.approx(want.prompt_logprobs, abs=1e-5)
-    assert [[t.token_id for t in p.top] for p in result.prompt_logprobs] == \
+    first, *rest = result.prompt_logprobs
+    assert first.logprob is None and first.top == [] and first.token_id == prompt_ids[0]
+    assert [p.token_id for p in rest] == prompt_ids[1:]
+    assert [p.logprob for p in rest] == pytest.approx(want.prompt_logprobs, abs=1e-5)
+    assert [[t.token_id for t in p.top] for p in rest] == \
         [[t for t, _ in top] for top in want.prompt_top_logprobs]
-    assert result.prompt_logprobs[0].token.text == tokenizer.decode([prompt_ids[1]])
+    assert rest[0].text == tokenizer.decode([prompt_ids[1]])

@@ -45,9 +45,9 @@ class OutputProcessor:
     def deliver_prompt_logprobs(req: Req, logprobs: list[float],
                                 top: Optional[list[TopLogprobs]]) -> None:
         """A prefill chunk's scored prompt tokens (Req.take_prompt_span), in order."""
-        req.prompt_logprobs += logprobs
+        req.prompt_scores.logprobs += logprobs
         if top is not None:
-            req.prompt_top_logprobs += top
+            req.prompt_scores.top_logprobs += top
 
     @staticmethod
     def emit(req: Req) -> Optional[StepOutput]:
@@ -61,11 +61,11 @@ class OutputProcessor:
         prompt_lps = prompt_top = None
         if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_emitted:
             req.prompt_logprobs_emitted = True
-            prompt_lps = req.prompt_logprobs
-            prompt_top = req.prompt_top_logprobs if req.sampling.prompt_logprobs else None
+            prompt_lps = req.prompt_scores.logprobs
+            prompt_top = req.prompt_scores.top_logprobs if req.sampling.prompt_logprobs else None
         req.num_emitted = len(req.output_ids)
         return StepOutput(
-            rid=req.rid, new_token_ids=new, new_logprobs=lps, new_top_logprobs=top,
+            rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=lps, new_top_logprobs=top,
             prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top, finished=finished,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),

@@ -61,12 +61,17 @@ class AdmissionPolicy:
         # the new one (a speculative step reserves several slots each): admitting into slots
         # that step needs would force a retraction straight away.
         headroom = sum(self.slots.to_reserve(r) for r in self.running)
+        skipped = []  # sequences waiting for another sequence of their request to prefill the prompt
         while self.waiting and budget > 0 and len(self.running) < self.max_running \
                 and self.slots.num_free_rows > 0:
             req = self.waiting[0]
+            if req.shared is not None and req.shared.blocks(req):
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_inflight_tokens:   # retracted with a result still in flight
                 break
-            n = min(budget, req.seq_len)  # it prefills prompt + outputs so far
+            # It prefills prompt + outputs so far, past a shared prompt prefix.
+            n = min(budget, req.seq_len - self.slots.prefilled_on_admission(req))
             if n + headroom + self.slots.step_slots > free:
                 break
             headroom += self.slots.step_slots
@@ -79,6 +84,7 @@ class AdmissionPolicy:
             spans.append(req.take_prompt_span(*chunks[-1]))
             budget -= n
             free -= n
+        self.waiting.extendleft(reversed(skipped))
         if not reqs:
             return None
         samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]

@@ -54,7 +54,8 @@ class Scheduler:
         self.eos_ids = list(eos_ids)
         self.enable_overlap = enable_overlap
         self.speculative = speculative
-        self.reqs: dict[str, Req] = {}
+        self.reqs: dict[tuple[str, int], Req] = {}   # by (rid, sequence index)
+        self._num_sequences: dict[str, int] = {}    # unfinished sequences per rid
         self.inflight: collections.deque[InflightBatch] = collections.deque()
         self.pending_outputs: list[StepOutput] = []
         self.metrics = SchedulerMetrics(policy)
@@ -63,16 +64,24 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        """Queue a validated request (Engine.add_request checks the rid and the prompt)."""
+        """Queue a validated sequence (Engine.add_request checks the rid and the prompt)."""
         self._serial += 1
         req.serial = self._serial
-        self.reqs[req.rid] = req
+        self.reqs[req.key] = req
+        self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
         self.policy.add(req)
 
-    def abort(self, rid: str) -> None:
-        req = self.reqs.get(rid)
-        if req is not None:
-            self._finish(req, "abort")
+    def has_request(self, rid: str) -> bool:
+        return rid in self._num_sequences
+
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        """Abort every sequence of a request, or only sequence `index`."""
+        keys = [(rid, index)] if index is not None else \
+            [key for key in self.reqs if key[0] == rid] if rid in self._num_sequences else []
+        for key in keys:
+            req = self.reqs.get(key)
+            if req is not None:
+                self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs) or bool(self.inflight)
@@ -163,7 +172,7 @@ class Scheduler:
 
     def _deliver_prompt_logprobs(self, decision: Decision, result) -> None:
         """Hand each request its slice of the scored prompt tokens (concatenated in batch
-        order); a request finished since (aborted) still owns its slice, unused."""
+        order)."""
         logprobs = result.prompt_logprobs.tolist()
         top = _top_lists(result.prompt_top_ids, result.prompt_top_logprobs)
         offset = 0
@@ -171,10 +180,11 @@ class Scheduler:
             if span is None:
                 continue
             n, k = span[1] - span[0], req.sampling.prompt_logprobs
-            if req.status is not ReqStatus.FINISHED:
-                self.outputs.deliver_prompt_logprobs(
-                    req, logprobs[offset:offset + n],
-                    None if top is None or not k else [t[:k] for t in top[offset:offset + n]])
+            # Delivered even to a finished (aborted) sequence: its request's other sequences
+            # share the scores.
+            self.outputs.deliver_prompt_logprobs(
+                req, logprobs[offset:offset + n],
+                None if top is None or not k else [t[:k] for t in top[offset:offset + n]])
             offset += n
 
     def _emit(self, req: Req) -> None:
@@ -186,7 +196,10 @@ class Scheduler:
         self.policy.remove(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
-        del self.reqs[req.rid]
+        del self.reqs[req.key]
+        self._num_sequences[req.rid] -= 1
+        if not self._num_sequences[req.rid]:
+            del self._num_sequences[req.rid]
         self._emit(req)
 
 
