@@ -111,6 +111,7 @@ _SAMPLING_CHECKS: dict[str, _Check] = {
     "stop_token_ids": _list_of(_uint32, lone=numbers.Integral), "ignore_eos": _bool,
     "logprobs": _bool, "top_logprobs": _uint32, "prompt_logprobs": _uint32,
     "presence_penalty": _float32, "frequency_penalty": _float32, "logit_bias": _logit_bias,
+    "n": _uint32,
 }
 SAMPLING_OPTIONS = tuple(_SAMPLING_CHECKS)
 _token_ids = _list_of(_uint32)
@@ -222,9 +223,11 @@ def _token(msg: pb.TokenLogprob) -> TokenLogprob:
 
 def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:
     common = dict(
-        token_ids=list(msg.token_ids), text=msg.text, logprobs=list(msg.logprobs) or None,
-        top_logprobs=[[_token(c) for c in top.candidates] for top in msg.top_logprobs] or None,
-        prompt_logprobs=[PromptTokenLogprob(_token(p.token), [_token(t) for t in p.top])
+        token_ids=list(msg.token_ids), text=msg.text, index=msg.index,
+        logprobs=list(msg.logprobs) or None, top_logprobs=[[_token(c) for c in top.candidates] for top in msg.top_logprobs] or None,
+        prompt_logprobs=[PromptTokenLogprob(p.token_id, p.text,
+                                            p.logprob if p.HasField("logprob") else None,
+                                            [_token(t) for t in p.top])
                          for p in msg.prompt_logprobs] or None)
     if not msg.HasField("finish"):
         return Chunk(**common)
@@ -239,21 +242,37 @@ def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:
                        finish.spec.accept_length) if finish.HasField("spec") else None)
 
 
-def result_from_chunks(chunks: Iterable[Chunk]) -> GenerateResult:
-    text, token_ids, logprobs, top, prompt, last = [], [], [], [], None, None
+def one_or_all(results: list[GenerateResult], sampling: dict
+               ) -> Union[GenerateResult, list[GenerateResult]]:
+    """What generate() returns: the result, or with n > 1 every sequence's."""
+    if sampling.get("n") in (None, 1):
+        return results[0]
+    return results
+
+
+def results_from_chunks(chunks: Iterable[Chunk]) -> list[GenerateResult]:
+    """One result per sequence (Chunk.index) of a stream, in index order."""
+    by_index: dict[int, list[Chunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return [_result(index, by_index[index]) for index in sorted(by_index)]
+
+
+def _result(index: int, chunks: list[Chunk]) -> GenerateResult:
+    text, token_ids, logprobs, top, prompt = [], [], [], [], None
     for chunk in chunks:
         text.append(chunk.text)
         token_ids += chunk.token_ids
         logprobs += chunk.logprobs or []
         top += chunk.top_logprobs or []
         prompt = prompt or chunk.prompt_logprobs
-        last = chunk
-    if last is None or last.finish_reason is None:
-        raise RuntimeError("the stream ended without a final chunk")
+    last = chunks[-1]
+    if last.finish_reason is None:
+        raise RuntimeError(f"the stream ended without a final chunk for sequence {index}")
     return GenerateResult(text="".join(text), token_ids=token_ids, finish_reason=last.finish_reason,
                           usage=last.usage, matched_stop=last.matched_stop,
                           logprobs=logprobs or None, top_logprobs=top or None,
-                          prompt_logprobs=prompt, spec=last.spec)
+                          prompt_logprobs=prompt, spec=last.spec, index=index)
 
 
 def channel_options() -> list[tuple[str, int]]:

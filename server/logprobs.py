@@ -30,8 +30,11 @@ class TokenTexts:
 
     def prompt(self, prompt_ids: Sequence[int], logprobs: Sequence[float],
                tops: Optional[Sequence[TopLogprobs]]) -> list[pb.PromptTokenLogprob]:
-        """Prompt tokens 1.. with their log-probabilities (and alternatives, when asked for)."""
-        return [pb.PromptTokenLogprob(
-                    token=self.token(token_id, logprob),
-                    top=[self.token(t, lp) for t, lp in tops[i]] if tops else [])
-                for i, (token_id, logprob) in enumerate(zip(prompt_ids[1:], logprobs))]
+        """Every prompt token: the first alone, then with its log-probability (and the
+        alternatives, when asked for); `logprobs` and `tops` are of tokens 1.. ."""
+        out = [pb.PromptTokenLogprob(token_id=prompt_ids[0], text=self(prompt_ids[0]))]
+        for i, (token_id, logprob) in enumerate(zip(prompt_ids[1:], logprobs)):
+            out.append(pb.PromptTokenLogprob(
+                token_id=token_id, text=self(token_id), logprob=logprob,
+                top=[self.token(t, lp) for t, lp in tops[i]] if tops else []))
+        return out

@@ -23,6 +23,8 @@ class OutputStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.token_texts = token_texts or TokenTexts(tokenizer)
         self.prompt_token_ids = request.prompt_token_ids
+        self.wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
+        self.sent_prompt_logprobs = False
         self.stops = StopStringMatcher(request.stop_strings)
         self.min_new_tokens = request.sampling.min_new_tokens
         self.prompt_tokens = len(request.prompt_token_ids)
@@ -44,9 +46,12 @@ class OutputStream:
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
         chunk = pb.GenerateChunk()
-        if out.prompt_logprobs is not None:
+        if self.wants_prompt_logprobs and not self.num_tokens and not self.sent_prompt_logprobs:
+            # The engine sends them with the first output (the wire drops an empty list: a
+            # one-token prompt).
+            self.sent_prompt_logprobs = True
             chunk.prompt_logprobs.extend(self.token_texts.prompt(
-                self.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs))
+                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs))
         for i, token_id in enumerate(out.new_token_ids):
             chunk.token_ids.append(token_id)
             if out.new_logprobs:

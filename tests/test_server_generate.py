@@ -202,3 +202,24 @@ def test_sampling_fields_and_logprobs_through_the_sdk(client, offline):
     assert [[t.token_id for t in p.top] for p in rest] == \
         [[t for t, _ in top] for top in want.prompt_top_logprobs]
     assert rest[0].text == tokenizer.decode([prompt_ids[1]])
+
+
+def test_n_sequences_through_the_sdk(client, offline):
+    """n = 3 over gRPC: each sequence equals the offline engine's, chunks name their sequence,
+    a stop string ends one sequence while the others go on, and the KV is freed."""
+    fields = dict(max_new_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
+    want = offline.generate(prompts=["def add"], sampling=SamplingParams(n=3, **fields))
+    results = client.generate("def add", n=3, **fields)
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    assert [r.index for r in results] == [0, 1, 2]
+    assert all(r.usage.prompt_tokens == want[0].prompt_tokens for r in results)
+    # A stop string on text only the first sequence produces early.
+    stop = results[0].text[2:5]
+    assert stop and all(stop not in r.text for r in results[1:])
+    chunks = list(client.generate_stream("def add", n=3, stop=[stop], **fields))
+    stopped = [c for c in chunks if c.index == 0]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].matched_stop == stop
+    assert [c.is_last for c in chunks].count(True) == 3
+    for i in (1, 2):
+        assert "".join(c.text for c in chunks if c.index == i) == results[i].text
+    assert wait_until(lambda: engine_is_idle(client))
