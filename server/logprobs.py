@@ -22,6 +22,10 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """A whole sequence's text ("" without a tokenizer)."""
+        return self._tokenizer.decode(list(token_ids)) if self._tokenizer is not None else ""
+
     def token(self, token_id: int, logprob: float) -> pb.TokenLogprob:
         return pb.TokenLogprob(token_id=token_id, logprob=logprob, text=self(token_id))
 
