@@ -32,7 +32,7 @@ from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import Worker
 from specserve.engine.runtime.tp_group import Stop, TPGroup
-from specserve.engine.runtime.worker import NormalWorker, PresenceTable, TargetModel
+from specserve.engine.runtime.worker import NormalWorker, HistoryTable, TargetModel
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
@@ -180,7 +180,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     backends = [attn, None if draft_runner is None else draft_runner.attn_backend]
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
-                         PresenceTable(num_rows, cfg.vocab_size, device))
+                         HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request())
     scheduler = Scheduler(
