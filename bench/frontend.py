@@ -82,8 +82,8 @@ class SyntheticEngine:
         self.running[rid] = _Request(hash(rid) % len(self.text), sampling.max_new_tokens,
                                      sampling.logprobs)
 
-    def abort(self, rid: str) -> None:
-        self.running.pop(rid, None)
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        self.running.pop(rid, None)  # one sequence per request (the bench asks for n = 1)
 
     def has_unfinished(self) -> bool:
         return bool(self.running)

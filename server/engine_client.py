@@ -69,6 +69,8 @@ class EngineClient:
         self._heartbeats = self._zmq.socket(zmq.PULL)
         self._heartbeats.setsockopt(zmq.LINGER, 0)
         self._streams: dict[str, RequestStream] = {}
+        # Per live request, its sequences (0 .. n - 1) the engine has not finished yet.
+        self._unfinished: dict[str, set[int]] = {}
         self._load_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._ready: Optional[asyncio.Future[EngineInfo]] = None
@@ -132,21 +134,32 @@ class EngineClient:
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, rid: str, prompt_token_ids: list[int], sampling: SamplingParams,
-               output: OutputStream) -> RequestStream:
-        """Send a request to the engine; the reader thread turns its outputs into chunks with
-        `output`, which arrive (or a final error) on the returned stream. The stream is dropped
-        after the engine's last output or an error."""
+               outputs: list[OutputStream]) -> RequestStream:
+        """Send a request to the engine; the reader thread turns the outputs of its sampling.n
+        sequences into chunks with `outputs` (one OutputStream per sequence), which arrive (or a
+        final error) on the returned stream. The stream is dropped after every sequence's
+        finished output or an error."""
         self.check_available()
-        stream = RequestStream(output)
+        stream = RequestStream(outputs)
         self._streams[rid] = stream
+        self._unfinished[rid] = set(range(sampling.n))
         self._send(ipc.ServerToEngine(add=ipc.AddRequest(
             rid=rid, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))))
         return stream
 
-    def abort(self, rid: str) -> None:
-        """Stop a request and free its KV; a no-op once it finished or the engine is gone."""
-        if self._streams.pop(rid, None) is not None and self._dead_reason is None:
-            self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid)), quiet=True)
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        """Stop a request, or only its sequence `index`, and free its KV; a no-op once it
+        finished or the engine is gone. Outputs of the other sequences keep arriving."""
+        unfinished = self._unfinished.get(rid)
+        if unfinished is None or (index is not None and index not in unfinished):
+            return
+        if index is None or unfinished == {index}:
+            self._streams.pop(rid, None)
+            self._unfinished.pop(rid, None)
+        else:
+            unfinished.discard(index)
+        if self._dead_reason is None:
+            self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid, index=index)), quiet=True)
 
     async def load(self) -> EngineLoad:
         self.check_available()
@@ -190,15 +203,25 @@ class EngineClient:
                 self._on_message(item)
 
     def _on_update(self, update: StreamUpdate, now: float) -> None:
-        if update.engine_finished or update.error is not None:
-            if self._streams.get(update.rid) is update.stream:
-                del self._streams[update.rid]
+        if self._streams.get(update.rid) is update.stream:  # not aborted meanwhile
+            if update.error is not None:
+                del self._streams[update.rid], self._unfinished[update.rid]
+            elif update.engine_finished:
+                unfinished = self._unfinished[update.rid]
+                unfinished.discard(update.index)
+                if not unfinished:
+                    del self._streams[update.rid], self._unfinished[update.rid]
+            elif update.stopped_by_stop_string:
+                # The engine has not finished the sequence: it stops it now (alone when there
+                # are others, which go on).
+                self.abort(update.rid, update.index if len(update.stream.outputs) > 1 else None)
         update.apply(now)
 
     def _on_message(self, message: ipc.EngineToServer) -> None:
         kind = message.WhichOneof("kind")
         if kind == "rejected":
             stream = self._streams.pop(message.rejected.rid, None)
+            self._unfinished.pop(message.rejected.rid, None)
             if stream is not None:
                 stream.fail(RequestRejected(message.rejected.message))
         elif kind == "load":
@@ -264,6 +287,7 @@ class EngineClient:
         for stream in self._streams.values():
             stream.fail(error)
         self._streams.clear()
+        self._unfinished.clear()
         for future in self._load_queries.values():
             if not future.done():
                 future.set_exception(error)

@@ -22,6 +22,7 @@ from specserve.proto import generate_pb2 as pb
 from specserve.server.chat_template import ChatTemplate
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
+from specserve.server.logprobs import TokenTexts
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
 from specserve.server.request_record import RequestRecord, finish_reason_name
@@ -68,6 +69,7 @@ class Served:
     tokenizer: Any            # encode/decode, or None for a model without one
     limits: RequestLimits
     validator: RequestValidator  # it holds the chat template
+    token_texts: TokenTexts      # each token's own text, for top and prompt logprobs
 
 
 Prepare = Callable[[Served], ValidatedRequest]
@@ -95,7 +97,8 @@ class GenerationCore:
             max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
             max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
         self.served = Served(info, tokenizer, limits,
-                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)))
+                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)),
+                             TokenTexts(tokenizer))
 
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
@@ -172,19 +175,23 @@ class GenerationCore:
             validated = await self.in_prepare_thread(prepare, served)
             record.prompt_tokens = len(validated.prompt_token_ids)
             spec = served.info.spec is not None
-            output = OutputStream(served.tokenizer, validated, report_spec=spec)
+            # One OutputStream per sequence (n > 1): each has its own text, stop strings and
+            # finish; the call ends once all have finished.
+            outputs = [OutputStream(served.tokenizer, validated, report_spec=spec,
+                                    token_texts=served.token_texts)
+                       for _ in range(validated.sampling.n)]
             try:
                 # The per-token work (detokenising, stop strings) runs in the engine client's
                 # output thread; chunks arrive here coalesced when this call falls behind.
                 stream = self.engine.submit(record.rid, validated.prompt_token_ids,
-                                            validated.sampling, output)
+                                            validated.sampling, outputs)
             except EngineUnavailable as e:
                 raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
             self.metrics.prompt_tokens.inc(record.prompt_tokens)
-            finished = False
-            while not finished:
+            unfinished = len(outputs)
+            while unfinished:
                 try:
-                    chunk = await stream.next_chunk()
+                    chunks = await stream.next_chunks()
                 except RequestRejected as e:
                     raise Refused(RefusalKind.INVALID_ARGUMENT, str(e),
                                   str(e).partition(":")[0]) from None
@@ -198,12 +205,13 @@ class GenerationCore:
                 record.verify_steps, record.accepted_drafts = (progress.verify_steps,
                                                                progress.accepted_drafts)
                 record.accept_length = progress.accept_length if spec else None
-                if chunk.token_ids:
-                    self._on_tokens(record, len(chunk.token_ids), now)
-                finished = chunk.HasField("finish")
-                if finished:
-                    record.finish_reason = finish_reason_name(chunk.finish.reason)
-                yield chunk
+                for chunk in chunks:
+                    if chunk.token_ids:
+                        self._on_tokens(record, len(chunk.token_ids), now)
+                    if chunk.HasField("finish"):
+                        unfinished -= 1
+                        record.finish_reason = finish_reason_name(chunk.finish.reason)
+                    yield chunk
         finally:
             # Cancelled, past its deadline, stopped by a stop string or failed: the engine must
             # stop and free the KV. A no-op when the engine already finished the request.

@@ -31,21 +31,32 @@ POLL_MS = 100  # how often an idle reader looks whether it should stop
 
 
 class RequestStream:
-    """One request's chunks as its consumer takes them; event-loop side, but for `output`, which
-    only the reader thread touches once the request is submitted."""
+    """One request's chunks as its consumer takes them; event-loop side, but for `outputs` (one
+    OutputStream per sequence), which only the reader thread touches once the request is
+    submitted."""
 
-    def __init__(self, output: OutputStream):
-        self.output = output
+    def __init__(self, outputs: list[OutputStream]):
+        self.outputs = outputs
         self.first_output: Optional[float] = None  # perf_counter() of the engine's first output
-        self.progress = EngineProgress()            # as of the latest output delivered
+        self._progress = [EngineProgress()] * len(outputs)  # per sequence, latest delivered
+        self._latest = 0  # the sequence delivered last
         self._pending: list[pb.GenerateChunk] = []  # not yet taken (merged when taken)
         self._error: Optional[Exception] = None
         self._waiter: Optional[asyncio.Future] = None
 
-    async def next_chunk(self) -> pb.GenerateChunk:
-        """The next chunk: everything delivered since the previous call, as one chunk. Raises
-        the error that ended the stream (RequestRejected, EngineUnavailable, ...) once the
-        chunks delivered before it are taken."""
+    @property
+    def progress(self) -> EngineProgress:
+        """The speculative counters summed over the sequences; the accept length is the latest
+        delivered sequence's."""
+        return EngineProgress(sum(p.verify_steps for p in self._progress),
+                              sum(p.accepted_drafts for p in self._progress),
+                              self._progress[self._latest].accept_length)
+
+    async def next_chunks(self) -> list[pb.GenerateChunk]:
+        """Everything delivered since the previous call: one chunk per sequence that has
+        news, each holding all of that sequence's steps since. Raises the error that ended
+        the stream (RequestRejected, EngineUnavailable, ...) once the chunks delivered before
+        it are taken."""
         while not self._pending:
             if self._error is not None:
                 raise self._error
@@ -54,14 +65,17 @@ class RequestStream:
                 await self._waiter
             finally:
                 self._waiter = None
-        chunks, self._pending = self._pending, []
-        return merge_chunks(chunks)
+        pending, self._pending = self._pending, []
+        by_sequence: dict[int, list[pb.GenerateChunk]] = {}
+        for chunk in pending:
+            by_sequence.setdefault(chunk.index, []).append(chunk)
+        return [merge_chunks(chunks) for chunks in by_sequence.values()]
 
-    def deliver(self, chunk: Optional[pb.GenerateChunk], progress: EngineProgress,
+    def deliver(self, index: int, chunk: Optional[pb.GenerateChunk], progress: EngineProgress,
                 now: float) -> None:
         if self.first_output is None:
             self.first_output = now
-        self.progress = progress
+        self._progress[index], self._latest = progress, index
         if chunk is not None:
             self._pending.append(chunk)
             self._wake()
@@ -79,10 +93,12 @@ class StreamUpdate(NamedTuple):
     """What one engine output did to one request's stream (made by the reader thread)."""
 
     rid: str
+    index: int                      # the sequence (0 .. n - 1)
     stream: RequestStream
     chunk: Optional[pb.GenerateChunk]
     progress: EngineProgress
-    engine_finished: bool           # the engine's last output for this request
+    engine_finished: bool           # the engine's last output for this sequence
+    stopped_by_stop_string: bool    # the chunk ends the sequence; the engine has not finished it
     error: Optional[Exception]      # the per-token work failed; the stream ends with it
 
     def apply(self, now: float) -> None:
@@ -90,7 +106,7 @@ class StreamUpdate(NamedTuple):
         if self.error is not None:
             self.stream.fail(self.error)
         else:
-            self.stream.deliver(self.chunk, self.progress, now)
+            self.stream.deliver(self.index, self.chunk, self.progress, now)
 
 
 # What the reader hands the loop, in the order it read them: stream updates, and the other
@@ -144,14 +160,20 @@ class OutputReader(threading.Thread):
             stream = self.streams.get(msg.rid)
             if stream is None:  # aborted by the server meanwhile
                 continue
+            output = stream.outputs[msg.index]
+            if output.finished:  # ended by a stop string; its aborted outputs trail in
+                continue
             chunk, error = None, None
             try:
-                chunk = stream.output.on_output(output_from_proto(msg))
+                chunk = output.on_output(output_from_proto(msg))
             except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the server
                 logger.exception("request %s: processing the engine's output failed", msg.rid)
                 error = e
-            routed.append(StreamUpdate(msg.rid, stream, chunk, stream.output.progress,
-                                       msg.finished, error))
+            if chunk is not None:
+                chunk.index = msg.index
+            routed.append(StreamUpdate(msg.rid, msg.index, stream, chunk, output.progress,
+                                       msg.finished, output.finished and not msg.finished,
+                                       error))
 
     def _hand_over(self, routed: list[Routed]) -> None:
         """Queue for the loop; one wake-up of the loop for whatever it has not taken yet."""

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple, Optional
 from specserve.engine.outputs import StepOutput
 from specserve.proto import generate_pb2 as pb
 from specserve.server.detokenizer import IncrementalDetokenizer
+from specserve.server.logprobs import TokenTexts
 from specserve.server.stop_strings import StopStringMatcher
 from specserve.server.validation import ValidatedRequest
 
@@ -22,15 +23,18 @@ class EngineProgress(NamedTuple):
 
 
 def merge_chunks(chunks: list[pb.GenerateChunk]) -> pb.GenerateChunk:
-    """One chunk for consecutive chunks of a stream (a consumer slower than the engine takes
-    them together). Every field a chunk carries must be merged here."""
+    """One chunk for consecutive chunks of one sequence (a consumer slower than the engine
+    takes them together). Every field a chunk carries must be merged here."""
     if len(chunks) == 1:
         return chunks[0]
-    merged = pb.GenerateChunk(text="".join(chunk.text for chunk in chunks))
+    merged = pb.GenerateChunk(text="".join(chunk.text for chunk in chunks),
+                              index=chunks[0].index)
     for chunk in chunks:
         merged.token_ids.extend(chunk.token_ids)
         merged.logprobs.extend(chunk.logprobs)
-    if chunks[-1].HasField("finish"):  # only a stream's last chunk has one
+        merged.top_logprobs.extend(chunk.top_logprobs)
+        merged.prompt_logprobs.extend(chunk.prompt_logprobs)  # on a sequence's first chunk only
+    if chunks[-1].HasField("finish"):  # only a sequence's last chunk has one
         merged.finish.CopyFrom(chunks[-1].finish)
     return merged
 
@@ -39,8 +43,13 @@ class OutputStream:
     """Tokens are handled one at a time so that a stop string completed by the first of several
     tokens of a speculative step ends the stream right there: later tokens are not streamed."""
 
-    def __init__(self, tokenizer: Any, request: ValidatedRequest, report_spec: bool):
+    def __init__(self, tokenizer: Any, request: ValidatedRequest, report_spec: bool,
+                 token_texts: Optional[TokenTexts] = None):
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.token_texts = token_texts or TokenTexts(tokenizer)
+        self.prompt_token_ids = request.prompt_token_ids
+        self.wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
+        self.sent_prompt_logprobs = False
         self.stops = StopStringMatcher(request.stop_strings)
         self.min_new_tokens = request.sampling.min_new_tokens
         self.prompt_tokens = len(request.prompt_token_ids)
@@ -75,8 +84,17 @@ class OutputStream:
                 kept = i + 1
                 break
         chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text="".join(texts))
+        if self.wants_prompt_logprobs and not self.sent_prompt_logprobs:
+            # The engine sends them with the first output (the wire drops an empty list: a
+            # one-token prompt).
+            self.sent_prompt_logprobs = True
+            chunk.prompt_logprobs.extend(self.token_texts.prompt(
+                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs))
         if out.new_logprobs:
             chunk.logprobs.extend(out.new_logprobs[:kept])
+        if out.new_top_logprobs:
+            chunk.top_logprobs.extend(self.token_texts.top(top)
+                                      for top in out.new_top_logprobs[:kept])
         if matched is not None:
             self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
             return chunk
@@ -91,7 +109,7 @@ class OutputStream:
                                                              pb.FINISH_REASON_UNSPECIFIED))
             if out.matched_stop is not None:
                 finish.matched_token_id = out.matched_stop
-        if not (chunk.token_ids or chunk.text or chunk.HasField("finish")):
+        if not (chunk.token_ids or chunk.text or chunk.HasField("finish") or chunk.prompt_logprobs):
             return None
         return chunk
 

@@ -48,7 +48,8 @@ def _steps(rid: str, ids: list[int], sizes: list[int], finish: str = "length") -
         piece = ids[start:start + size]
         start += size
         last = start >= len(ids)
-        steps.append(StepOutput(rid, piece, [-float(i) for i in range(start - len(piece), start)],
+        steps.append(StepOutput(rid, piece,
+                                new_logprobs=[-float(i) for i in range(start - len(piece), start)],
                                 finished=last, finish_reason=finish if last else None,
                                 prompt_tokens=len(PROMPT), completion_tokens=start))
         if last:
@@ -85,18 +86,19 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
         reference = OutputStream(tokenizer, request, report_spec=False)
         expected = [c for c in map(reference.on_output, _steps("r", ids, sizes)) if c is not None]
 
-        stream = RequestStream(OutputStream(tokenizer, request, report_spec=False))
+        stream = RequestStream([OutputStream(tokenizer, request, report_spec=False)])
+        output = stream.outputs[0]
         got = []
 
         async def consume():
             for out in _steps("r", ids, sizes):
-                stream.deliver(stream.output.on_output(out), stream.output.progress, 0.0)
+                stream.deliver(0, output.on_output(out), output.progress, 0.0)
                 if rng.random() < 0.3:  # the consumer keeps up now and then
-                    got.append(await stream.next_chunk())
+                    got.extend(await stream.next_chunks())
                 if got and got[-1].HasField("finish"):
                     return
             while not (got and got[-1].HasField("finish")):
-                got.append(await stream.next_chunk())
+                got.extend(await stream.next_chunks())
 
         asyncio.run(consume())
         assert _concatenation(got) == _concatenation(expected), (case, ids, sizes, stops)
@@ -110,14 +112,14 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
 
 def test_an_error_comes_after_the_chunks_delivered_before_it(tokenizer):
     async def run():
-        stream = RequestStream(OutputStream(tokenizer, _request(), report_spec=False))
+        stream = RequestStream([OutputStream(tokenizer, _request(), report_spec=False)])
         for out in _steps("r", [10, 11, 12, 13], [1, 1, 1, 1])[:2]:
-            stream.deliver(stream.output.on_output(out), stream.output.progress, 0.0)
+            stream.deliver(0, stream.outputs[0].on_output(out), stream.outputs[0].progress, 0.0)
         stream.fail(RuntimeError("engine gone"))
-        chunk = await stream.next_chunk()
+        [chunk] = await stream.next_chunks()
         assert list(chunk.token_ids) == [10, 11]
         with pytest.raises(RuntimeError, match="engine gone"):
-            await stream.next_chunk()
+            await stream.next_chunks()
 
     asyncio.run(run())
 
@@ -137,8 +139,8 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
         pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
         pull.bind("inproc://outputs")
         push.connect("inproc://outputs")
-        streams = {rid: RequestStream(OutputStream(tokenizer, _request(stops if rid == "b" else ()),
-                                                   report_spec=False)) for rid in ("a", "b")}
+        streams = {rid: RequestStream([OutputStream(tokenizer, _request(stops if rid == "b" else ()),
+                                                    report_spec=False)]) for rid in ("a", "b")}
         others, done = [], asyncio.Event()
 
         def on_routed(routed):
@@ -160,14 +162,14 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
                 push.send(ipc.EngineToServer(batch=batch).SerializeToString())
                 push.send(ipc.EngineToServer(load=ipc.LoadReport(query_id=i)).SerializeToString())
             await asyncio.wait_for(done.wait(), 60)
-            chunks = {rid: await stream.next_chunk() for rid, stream in streams.items()}
+            chunks = {rid: await stream.next_chunks() for rid, stream in streams.items()}
         finally:
             reader.stop()
             await asyncio.to_thread(reader.join)
             push.close(linger=0)
             context.term()
         assert others == list(range(len(steps["a"])))
-        for rid, chunk in chunks.items():
+        for rid, [chunk] in chunks.items():
             reference = OutputStream(tokenizer, _request(stops if rid == "b" else ()),
                                      report_spec=False)
             expected = [c for c in map(reference.on_output, _steps(rid, ids, sizes)) if c]
@@ -188,11 +190,11 @@ class _FakeEngine:
     def check_available(self) -> None:
         pass
 
-    def submit(self, rid, prompt_token_ids, sampling, output) -> RequestStream:
-        self.streams[rid] = RequestStream(output)
+    def submit(self, rid, prompt_token_ids, sampling, outputs) -> RequestStream:
+        self.streams[rid] = RequestStream(outputs)
         return self.streams[rid]
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, index=None) -> None:
         self.aborted.append(rid)
 
 
@@ -212,8 +214,9 @@ def test_cancelling_a_coalesced_stream_aborts_the_engine_request(tokenizer):
             while "rid-1" not in engine.streams:
                 await asyncio.sleep(0.01)  # the prepare thread
             stream = engine.streams["rid-1"]
+            output = stream.outputs[0]
             for out in _steps("rid-1", list(range(10, 40)), [1, 3, 3, 3])[:4]:
-                stream.deliver(stream.output.on_output(out), stream.output.progress, 0.0)
+                stream.deliver(0, output.on_output(out), output.progress, 0.0)
             chunk = await first
             assert list(chunk.token_ids) == list(range(10, 20))
             assert core.num_active_streams == 1 and engine.aborted == []
@@ -225,3 +228,23 @@ def test_cancelling_a_coalesced_stream_aborts_the_engine_request(tokenizer):
 
     asyncio.run(run())
     core.close()
+
+
+def test_sequences_of_one_request_are_coalesced_apart(tokenizer):
+    """n > 1: a slow consumer gets one chunk per sequence, each its own steps in order."""
+    async def run():
+        request = _request()
+        stream = RequestStream([OutputStream(tokenizer, request, report_spec=False)
+                                for _ in range(2)])
+        steps = {i: _steps("r", [20 + i, 30 + i, 40 + i, 50 + i], [1, 1, 2]) for i in (0, 1)}
+        for a, b in zip(steps[0], steps[1]):
+            for index, out in ((0, a), (1, b)):
+                chunk = stream.outputs[index].on_output(out)
+                chunk.index = index
+                stream.deliver(index, chunk, stream.outputs[index].progress, 0.0)
+        chunks = await stream.next_chunks()
+        assert [c.index for c in chunks] == [0, 1]
+        assert [list(c.token_ids) for c in chunks] == [[20, 30, 40, 50], [21, 31, 41, 51]]
+        assert all(c.HasField("finish") and len(c.logprobs) == 4 for c in chunks)
+
+    asyncio.run(run())
