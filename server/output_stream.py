@@ -32,8 +32,10 @@ def merge_chunks(chunks: list[pb.GenerateChunk]) -> pb.GenerateChunk:
     for chunk in chunks:
         merged.token_ids.extend(chunk.token_ids)
         merged.logprobs.extend(chunk.logprobs)
-        merged.top_logprobs.extend(chunk.top_logprobs)
-        merged.prompt_logprobs.extend(chunk.prompt_logprobs)  # on a sequence's first chunk only
+        if chunk.top_logprobs:  # messages: skipped when absent, as they mostly are
+            merged.top_logprobs.extend(chunk.top_logprobs)
+        if chunk.prompt_logprobs:  # on a sequence's first chunk only
+            merged.prompt_logprobs.extend(chunk.prompt_logprobs)
     if chunks[-1].HasField("finish"):  # only a sequence's last chunk has one
         merged.finish.CopyFrom(chunks[-1].finish)
     return merged

@@ -20,7 +20,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.generation import GenerationCore
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_router import OutputReader, RequestStream, StreamUpdate
-from specserve.server.output_stream import OutputStream
+from specserve.server.output_stream import OutputStream, merge_chunks
 from specserve.server.validation import ValidatedRequest
 from specserve.server.watchdog import EngineWatchdog
 
@@ -248,3 +248,24 @@ def test_sequences_of_one_request_are_coalesced_apart(tokenizer):
         assert all(c.HasField("finish") and len(c.logprobs) == 4 for c in chunks)
 
     asyncio.run(run())
+
+
+def test_merge_chunks_keeps_every_field():
+    def top(token_id):
+        return pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=token_id, logprob=-1.0,
+                                                          text=str(token_id))])
+
+    first = pb.GenerateChunk(token_ids=[1], text="a", logprobs=[-0.1], top_logprobs=[top(1)],
+                             prompt_logprobs=[pb.PromptTokenLogprob(token_id=9, text="p")],
+                             index=2)
+    second = pb.GenerateChunk(token_ids=[2, 3], text="bc", logprobs=[-0.2, -0.3],
+                              top_logprobs=[top(2), top(3)], index=2)
+    last = pb.GenerateChunk(token_ids=[4], text="d", logprobs=[-0.4], top_logprobs=[top(4)],
+                            index=2, finish=pb.Finish(reason=pb.FINISH_REASON_LENGTH))
+    merged = merge_chunks([first, second, last])
+    assert (list(merged.token_ids), merged.text, merged.index) == ([1, 2, 3, 4], "abcd", 2)
+    assert list(merged.logprobs) == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert [t.candidates[0].token_id for t in merged.top_logprobs] == [1, 2, 3, 4]
+    assert [p.token_id for p in merged.prompt_logprobs] == [9]
+    assert merged.finish.reason == pb.FINISH_REASON_LENGTH
+    assert merge_chunks([first]) is first
