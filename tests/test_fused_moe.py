@@ -124,7 +124,8 @@ def reference_experts_gpu(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         tokens, slot = (topk_ids == expert).nonzero(as_tuple=True)
         gate_up = x[tokens].float() @ w13[expert].float().t()
         hidden = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, tokens, topk_weights[tokens, slot, None] * (hidden @ w2[expert].float().t()))
+        out.index_add_(0, tokens,
+                       topk_weights[tokens, slot, None] * (hidden @ w2[expert].float().t()))
     return out
 
 

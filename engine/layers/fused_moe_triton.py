@@ -168,7 +168,8 @@ def _grouped_gemm_kernel(
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if WEIGHTED:
-        acc = acc * tl.load(topk_weights + entries, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        weights = tl.load(topk_weights + entries, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * weights[:, None]
     tl.store(out + entries.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :],
              acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 

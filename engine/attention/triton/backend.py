@@ -55,6 +55,9 @@ class TritonAttnBackend(AttentionBackend):
     one KV head whose key is latent || rope and whose value is the latent, i.e. the pool's
     `v_buffer[layer]` is a view of the first `v_head_dim` dims of `k_buffer[layer]`; the
     caller has stored both, so `forward` gets k = v = None. The output is [T, H * v_head_dim].
+    The split-KV scratch is `max_batch_size * max_query_len * num_heads * max_kv_splits *
+    v_head_dim` fp32: 4 MiB a row at 128 MLA heads, 16 splits and a 512 latent, so size
+    `max_batch_size` (and `max_kv_splits`) for MLA with care.
     """
 
     needs_cpu_seq_lens = False
