@@ -740,3 +740,28 @@ def test_mla_decode_at_32k_context_gpu():
         case, 128, latent=512, rope=64, max_context_len=32768 + 16,
         gen=torch.Generator().manual_seed(26), dtype=torch.bfloat16)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case_name", ["decode", "target_verify"])
+def test_mla_backend_has_no_host_sync_gpu(case_name):
+    """MLA's metadata and attention for a steady-state step must not wait on the device."""
+    case = MLA_GPU_CASES[case_name]
+    backend = TritonAttnBackend(128, 1, 576, 8192 + 16, DEVICE, max_batch_size=8,
+                                max_query_len=8, v_head_dim=512)
+    fb, _ = build_forward_batch(case, backend, 1, 576, 8192 + 16,
+                                torch.Generator().manual_seed(27), torch.bfloat16)
+    fb.kv_pool.v_buffer = [k_buffer[..., :512] for k_buffer in fb.kv_pool.k_buffer]
+    q = torch.randn(fb.num_tokens, 128, 576, device=DEVICE, dtype=torch.bfloat16)
+    backend.init_forward_metadata(fb)
+    backend.forward(q, None, None, LAYER_ID, fb, 0.1)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, None, None, LAYER_ID, fb, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert out.shape == (fb.num_tokens, 128 * 512)
