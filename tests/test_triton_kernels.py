@@ -615,9 +615,9 @@ def test_mla_rope_dims_change_the_scores():
 @pytest.mark.parametrize("use_custom_mask", [False, True])
 @pytest.mark.parametrize("max_kv_splits", [1, 4])
 def test_mla_short_extend_attention(use_custom_mask, max_kv_splits):
-    """16 heads and up to 8 new tokens: tiles of 2 heads x 8 tokens, 8 slices of the group."""
+    """8 heads and up to 8 new tokens: tiles of 2 heads x 8 tokens, 4 slices of the group."""
     gen = torch.Generator().manual_seed(22)
-    num_heads, prefix_lens, extend_lens = 16, [0, 70, 9, 33], [4, 8, 1, 5]
+    num_heads, prefix_lens, extend_lens = 8, [0, 70, 9, 33], [4, 8, 1, 5]
     scene = make_mla_scene(prefix_lens, extend_lens, gen)
     num_tokens = sum(extend_lens)
     q = torch.randn(num_tokens, num_heads, MLA_KEY_DIM, generator=gen).to(DEVICE)
