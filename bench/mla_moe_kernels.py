@@ -114,12 +114,12 @@ def mla_rows(args, bandwidth, device):
                    "mla decode (torch)": decode_scene.torch_decode()}
         if args.sweep and context == max(contexts):  # the longest context only: it is slow
             # More splits matter most for V2-Lite's 16 heads (one program a split at bs 1).
-            for block_h, block_n, stages, splits in itertools.product(
-                    (16, 32, 64), (16, 32, 64), (1, 2, 3), (16, 64)):
-                config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=4,
+            for block_h, block_n, stages, warps, splits in itertools.product(
+                    (16, 32), (16, 32, 64), (1, 2), (4, 8), (16, 64)):
+                config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=warps,
                                       num_stages=stages, block_h=block_h)
-                kernels[f"mla decode h{block_h} n{block_n} st{stages} splits{splits}"] = \
-                    decode_scene.decode(config, splits)
+                kernels[f"mla decode h{block_h} n{block_n} st{stages} w{warps} "
+                        f"splits{splits}"] = decode_scene.decode(config, splits)
         for name, fn in kernels.items():
             try:
                 seconds = bench(fn)

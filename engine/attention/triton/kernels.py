@@ -177,7 +177,10 @@ class _HeadLayout(NamedTuple):
     rope_dim: int
     block_d: int
     block_dpe: int    # 1 (unused) without a rope part
-    shared_kv: bool   # the values are the first main_dim dims of the keys (MLA's latent)
+    # How the kernels address the values: "key_strides" (a buffer shaped like the keys: the
+    # key offsets serve, as in Llama's pool), "key_prefix" (the first main_dim dims of the
+    # keys, MLA's latent: the key tile is the value tile) or "own_strides".
+    values: str
 
 
 def _head_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> _HeadLayout:
@@ -185,12 +188,15 @@ def _head_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     assert q.shape[-1] == key_dim and value_dim <= key_dim, (q.shape, k_buffer.shape,
                                                              v_buffer.shape)
     rope_dim = key_dim - value_dim
-    # The MLA pool hands out the latent as a strided view of the key buffer: one load serves
-    # both, instead of reading the same bytes twice.
-    shared_kv = (rope_dim > 0 and v_buffer.data_ptr() == k_buffer.data_ptr()
-                 and v_buffer.stride() == k_buffer.stride())
+    same_strides = v_buffer.stride() == k_buffer.stride()
+    if same_strides and v_buffer.data_ptr() == k_buffer.data_ptr():
+        # The MLA pool hands out the latent as a view of the key buffer: one load serves
+        # both, instead of reading the same bytes twice.
+        values = "key_prefix"
+    else:
+        values = "key_strides" if same_strides else "own_strides"
     return _HeadLayout(value_dim, rope_dim, triton.next_power_of_2(value_dim),
-                       triton.next_power_of_2(rope_dim) if rope_dim else 1, shared_kv)
+                       triton.next_power_of_2(rope_dim) if rope_dim else 1, values)
 
 
 @triton.jit
@@ -221,23 +227,26 @@ def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
 def _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head, stride_k_slot,
                  stride_k_head, stride_v_slot, stride_v_head, offs_d, col_mask, dim_mask,
                  MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
-                 SHARED_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Unscaled scores of the query rows against the keys of `slots` ([rows, cols]) and those
     keys' values ([cols, dim], in the dot's dtype)."""
     slots = slots.to(tl.int64)
     tile_mask = col_mask[:, None] & dim_mask[None, :]
-    k_rows = k_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head
-    k = tl.load(k_rows + offs_d[None, :], mask=tile_mask, other=0.0).to(q_tile.dtype)
-    if ROPE_DIM > 0:
-        offs_dpe = tl.arange(0, BLOCK_DPE)
-        k_rope = tl.load(k_rows + MAIN_DIM + offs_dpe[None, :],
-                         mask=col_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :],
-                         other=0.0).to(q_tile.dtype)
-    if SHARED_KV:
+    offsets = slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :]
+    k = tl.load(k_buffer + offsets, mask=tile_mask, other=0.0).to(q_tile.dtype)
+    if VALUES == "key_prefix":
         v = k
+    elif VALUES == "key_strides":
+        v = tl.load(v_buffer + offsets, mask=tile_mask, other=0.0).to(q_tile.dtype)
     else:
         v = tl.load(v_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head
                     + offs_d[None, :], mask=tile_mask, other=0.0).to(q_tile.dtype)
+    if ROPE_DIM > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        k_rope = tl.load(k_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head
+                         + MAIN_DIM + offs_dpe[None, :],
+                         mask=col_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :],
+                         other=0.0).to(q_tile.dtype)
     scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION)
     if ROPE_DIM > 0:
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
@@ -249,7 +258,7 @@ def _attend_slot_range(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, slot_l
                        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                        offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N: tl.constexpr,
                        MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
-                       SHARED_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold keys `slot_list[begin:end]`, all visible to every row, into the running softmax."""
     for start in range(begin, end, BLOCK_N):
         cols = start + offs_n
@@ -258,7 +267,7 @@ def _attend_slot_range(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, slot_l
         scores, v = _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head,
                                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                                  offs_d, col_mask, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE,
-                                 SHARED_KV, DOT_PRECISION)
+                                 VALUES, DOT_PRECISION)
         scores = tl.where(col_mask[None, :], scores * sm_scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
     return m_i, l_i, acc
@@ -271,7 +280,7 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
                        stride_mask_req, stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2,
                        BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr,
                        MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
-                       SHARED_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold this forward's new tokens `[0, end)` (their slots were just written, so they are
     what later forwards will see in the pool) under the causal or the custom (tree) mask."""
     for start in range(0, end, BLOCK_N):
@@ -281,7 +290,7 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
         scores, v = _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head,
                                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                                  offs_d, col_mask, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE,
-                                 SHARED_KV, DOT_PRECISION)
+                                 VALUES, DOT_PRECISION)
         scores = scores * sm_scale_log2
         if USE_CUSTOM_MASK:
             visible = tl.load(custom_mask + req * stride_mask_req
@@ -314,14 +323,13 @@ def _decode_partial_kernel(
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DPE: tl.constexpr, SHARED_KV: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
     # is larger than BLOCK_H, as MLA's one KV head for all query heads is).
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
-    first_head = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H
     split = tl.program_id(2)
 
     kv_start = tl.load(kv_indptr + req)
@@ -330,17 +338,20 @@ def _decode_partial_kernel(
     split_begin = split * split_len
     split_end = tl.minimum(split_begin + split_len, seq_len)
 
-    offs_h = first_head + tl.arange(0, BLOCK_H)
+    if HEAD_BLOCKS == 1:
+        offs_h = tl.arange(0, BLOCK_H)
+    else:
+        offs_h = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP_SIZE + offs_h
     head_mask = offs_h < GROUP_SIZE
     dim_mask = offs_d < MAIN_DIM
-    q_rows = req * stride_q_tok + heads * stride_q_head
-    q_tile = tl.load(q + q_rows[:, None] + offs_d[None, :],
+    q_tile = tl.load(q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
                      mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
     if ROPE_DIM > 0:
-        q_rope = _load_q_rope(q, q_rows, head_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
+        q_rope = _load_q_rope(q, req * stride_q_tok + heads * stride_q_head, head_mask,
+                              MAIN_DIM, ROPE_DIM, BLOCK_DPE)
     else:
         q_rope = q_tile
 
@@ -350,7 +361,7 @@ def _decode_partial_kernel(
     m_i, l_i, acc = _attend_slot_range(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
         split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
-        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, SHARED_KV,
+        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
         DOT_PRECISION)
 
     # Splits past the end of a short sequence store nothing; the reduce never reads them.
@@ -440,7 +451,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP_SIZE=group_size, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks,
         MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim, BLOCK_D=layout.block_d,
-        BLOCK_DPE=layout.block_dpe, SHARED_KV=layout.shared_kv, BLOCK_N=config.block_n,
+        BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
         DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -475,7 +486,7 @@ def _extend_attention_kernel(
     stride_v_slot, stride_v_head, stride_mask_req, stride_mask_row,
     GROUP_SIZE: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DPE: tl.constexpr, SHARED_KV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Row r of the program's tile is (new token r // HEADS_PER_TILE, query head
@@ -484,8 +495,11 @@ def _extend_attention_kernel(
     # is larger than a tile (MLA).
     TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     req = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS_PER_TILE
+    if HEAD_BLOCKS == 1:
+        kv_head = tl.program_id(1)
+    else:
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS_PER_TILE
     first_token = tl.program_id(2) * TOKENS_PER_BLOCK
 
     qo_start = tl.load(qo_indptr + req)
@@ -499,15 +513,19 @@ def _extend_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     tokens = first_token + offs_m // HEADS_PER_TILE
-    head_in_group = first_head + offs_m % HEADS_PER_TILE
+    if HEAD_BLOCKS == 1:
+        head_in_group = offs_m % HEADS_PER_TILE
+    else:
+        head_in_group = first_head + offs_m % HEADS_PER_TILE
     heads = kv_head * GROUP_SIZE + head_in_group
     row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
     dim_mask = offs_d < MAIN_DIM
-    q_rows = (qo_start + tokens) * stride_q_tok + heads * stride_q_head
-    q_tile = tl.load(q + q_rows[:, None] + offs_d[None, :],
+    q_tile = tl.load(q + (qo_start + tokens)[:, None] * stride_q_tok
+                     + heads[:, None] * stride_q_head + offs_d[None, :],
                      mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if ROPE_DIM > 0:
-        q_rope = _load_q_rope(q, q_rows, row_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
+        q_rope = _load_q_rope(q, (qo_start + tokens) * stride_q_tok + heads * stride_q_head,
+                              row_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
     else:
         q_rope = q_tile
 
@@ -520,7 +538,7 @@ def _extend_attention_kernel(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, 0,
         tl.where(is_live, prefix_len, 0), kv_head, stride_k_slot, stride_k_head, stride_v_slot,
         stride_v_head, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM,
-        BLOCK_DPE, SHARED_KV, DOT_PRECISION)
+        BLOCK_DPE, VALUES, DOT_PRECISION)
 
     # Stage 2: the new tokens themselves.
     if USE_CUSTOM_MASK:
@@ -532,7 +550,7 @@ def _extend_attention_kernel(
         custom_mask, req, tokens, row_mask, tl.where(is_live, new_end, 0), extend_len, kv_head,
         stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_mask_req,
         stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
-        MAIN_DIM, ROPE_DIM, BLOCK_DPE, SHARED_KV, DOT_PRECISION)
+        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
 
     # Padded rows saw nothing (l = 0); they are not stored, the guard only avoids 0/0.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -587,7 +605,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         custom_mask.stride(1) if custom_mask is not None else 0,
         GROUP_SIZE=group_size, HEADS_PER_TILE=heads_per_tile, HEAD_BLOCKS=head_blocks,
         MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim, BLOCK_D=layout.block_d,
-        BLOCK_DPE=layout.block_dpe, SHARED_KV=layout.shared_kv, BLOCK_M=block_m,
+        BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_M=block_m,
         BLOCK_N=config.block_n, USE_CUSTOM_MASK=custom_mask is not None,
         DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -607,7 +625,7 @@ def _short_extend_kernel(
     stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, SHARED_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
     MIN_KV_SPLIT_LEN: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -619,8 +637,11 @@ def _short_extend_kernel(
     # its partial result and counts its arrival; the last to arrive merges them (no second
     # kernel: at short contexts its launch would cost more than the splits save).
     req = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS_PER_TILE
+    if HEAD_BLOCKS == 1:
+        kv_head = tl.program_id(1)
+    else:
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS_PER_TILE
     split = tl.program_id(2)
 
     qo_start = tl.load(qo_indptr + req)
@@ -636,16 +657,20 @@ def _short_extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     tokens = offs_m // HEADS_PER_TILE
-    head_in_group = first_head + offs_m % HEADS_PER_TILE
+    if HEAD_BLOCKS == 1:
+        head_in_group = offs_m % HEADS_PER_TILE
+    else:
+        head_in_group = first_head + offs_m % HEADS_PER_TILE
     heads = kv_head * GROUP_SIZE + head_in_group
     row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
     dim_mask = offs_d < MAIN_DIM
     rows = qo_start + tokens
     tile_mask = row_mask[:, None] & dim_mask[None, :]
-    q_rows = rows * stride_q_tok + heads * stride_q_head
-    q_tile = tl.load(q + q_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
+    q_tile = tl.load(q + rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head
+                     + offs_d[None, :], mask=tile_mask, other=0.0)
     if ROPE_DIM > 0:
-        q_rope = _load_q_rope(q, q_rows, row_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
+        q_rope = _load_q_rope(q, rows * stride_q_tok + heads * stride_q_head, row_mask,
+                              MAIN_DIM, ROPE_DIM, BLOCK_DPE)
     else:
         q_rope = q_tile
 
@@ -655,14 +680,14 @@ def _short_extend_kernel(
     m_i, l_i, acc = _attend_slot_range(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
         split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
-        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, SHARED_KV,
+        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
         DOT_PRECISION)
     m_i, l_i, acc = _attend_new_tokens(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start,
         custom_mask, req, tokens, row_mask, tl.where(split == 0, extend_len, 0), extend_len,
         kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_mask_req,
         stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
-        MAIN_DIM, ROPE_DIM, BLOCK_DPE, SHARED_KV, DOT_PRECISION)
+        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
 
     out_ptrs = out + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     if num_splits == 1:
@@ -757,7 +782,7 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         partial_lse.stride(0), partial_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEADS_PER_TILE=heads_per_tile,
         HEAD_BLOCKS=head_blocks, MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim,
-        BLOCK_D=layout.block_d, BLOCK_DPE=layout.block_dpe, SHARED_KV=layout.shared_kv,
+        BLOCK_D=layout.block_d, BLOCK_DPE=layout.block_dpe, VALUES=layout.values,
         # tl.dot needs at least 16 rows on tensor cores; padded rows are masked out.
         BLOCK_M=max(16, triton.next_power_of_2(max_extend_len) * heads_per_tile),
         BLOCK_N=config.block_n, MAX_KV_SPLITS=max_kv_splits,
