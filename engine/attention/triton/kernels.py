@@ -195,8 +195,10 @@ def _head_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
         values = "key_prefix"
     else:
         values = "key_strides" if same_strides else "own_strides"
-    return _HeadLayout(value_dim, rope_dim, triton.next_power_of_2(value_dim),
-                       triton.next_power_of_2(rope_dim) if rope_dim else 1, values)
+    # tl.dot takes 16 dims at least on a GPU (the tiny test models' rope keys have 8); the
+    # padded dims load as zeros.
+    block_dpe = max(16, triton.next_power_of_2(rope_dim)) if rope_dim else 1
+    return _HeadLayout(value_dim, rope_dim, triton.next_power_of_2(value_dim), block_dpe, values)
 
 
 @triton.jit
