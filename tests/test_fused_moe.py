@@ -1,5 +1,5 @@
-"""The fused MoE Triton kernels against a per-expert torch loop: in the interpreter on the CPU
-(tiny shapes, fp32) and, marked `gpu`, at DeepSeek shapes in bf16."""
+"""The fused MoE Triton kernels against the torch path (`layers/moe.py`, in fp32): in the
+interpreter on the CPU (tiny shapes, fp32) and, marked `gpu`, at DeepSeek shapes in bf16."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from specserve.engine.layers.fused_moe_triton import (  # noqa: E402
     MoEConfig, align_entries_by_expert, fused_experts)
+from specserve.engine.layers.moe import fused_experts as torch_fused_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # 16-entry row blocks, and N/K tiles smaller than the tiny dims so the loops and their masked
@@ -17,16 +18,8 @@ SMALL = MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
 
 def reference_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """sum_j w_j * W2[e_j] (silu(gate_e_j x) * up_e_j x), token by token in fp32."""
-    inter = w2.shape[2]
-    x, w13, w2 = x.float(), w13.float(), w2.float()
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for weight, expert in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
-            gate_up = w13[expert] @ x[t]
-            hidden = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += weight * (w2[expert] @ hidden)
-    return out
+    """The torch path (`layers/moe.py`, exact against transformers) in fp32."""
+    return torch_fused_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
 
 
 def random_moe(num_tokens, num_experts, top_k, hidden, inter, gen, dtype=torch.float32,
@@ -116,19 +109,6 @@ GPU_SHAPES = {
 }
 
 
-def reference_experts_gpu(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """`reference_experts` batched per expert (fp32), fast enough for 512 tokens x 256 experts."""
-    inter = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in topk_ids.unique().tolist():
-        tokens, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up = x[tokens].float() @ w13[expert].float().t()
-        hidden = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, tokens,
-                       topk_weights[tokens, slot, None] * (hidden @ w2[expert].float().t()))
-    return out
-
-
 @pytest.fixture(scope="module", params=list(GPU_SHAPES))
 def gpu_moe_weights(request):
     num_experts, top_k, hidden, inter = GPU_SHAPES[request.param]
@@ -137,7 +117,7 @@ def gpu_moe_weights(request):
                       dtype=torch.bfloat16) * hidden ** -0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen, device="cuda",
                      dtype=torch.bfloat16) * inter ** -0.5
-    return top_k, w13, w2
+    return top_k, w13, w2, (w13.float(), w2.float())  # the reference's fp32 copies
 
 
 def gpu_routing(num_tokens, num_experts, top_k, hidden, seed):
@@ -152,11 +132,11 @@ def gpu_routing(num_tokens, num_experts, top_k, hidden, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 64, 512])
 def test_fused_experts_real_shapes_bf16_gpu(gpu_moe_weights, num_tokens):
-    top_k, w13, w2 = gpu_moe_weights
+    top_k, w13, w2, (w13_fp32, w2_fp32) = gpu_moe_weights
     x, topk_weights, topk_ids = gpu_routing(num_tokens, w13.shape[0], top_k, w13.shape[2], 6)
     out = fused_experts(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == torch.bfloat16
-    expected = reference_experts_gpu(x, w13, w2, topk_weights, topk_ids)
+    expected = torch_fused_experts(x.float(), w13_fp32, w2_fp32, topk_weights, topk_ids)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
@@ -164,7 +144,7 @@ def test_fused_experts_real_shapes_bf16_gpu(gpu_moe_weights, num_tokens):
 def test_fused_experts_cuda_graph_replays_any_routing_without_sync_gpu(gpu_moe_weights):
     """Captured at a fixed T, the graph must follow new routings on replay (nothing about the
     token counts is baked in on the host), and eager calls never wait on the device."""
-    top_k, w13, w2 = gpu_moe_weights
+    top_k, w13, w2, _ = gpu_moe_weights
     num_experts, hidden = w13.shape[0], w13.shape[2]
     x, topk_weights, topk_ids = gpu_routing(16, num_experts, top_k, hidden, 7)
     fused_experts(x, w13, w2, topk_weights, topk_ids)  # compile outside the checks
