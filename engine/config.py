@@ -129,6 +129,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     tp_size: int = 1
+    # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
+    # model, the draft's KV too); False prefills every prompt from scratch.
+    enable_prefix_cache: bool = True
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
