@@ -85,6 +85,7 @@ class RadixCache:
         self.evictable_size = 0  # of those, in nodes no running request references
         self.num_queried = 0     # prompt positions looked up at admission, and of those
         self.num_hit = 0         # the ones served from the cache (the hit rate's terms)
+        self.num_evicted = 0     # slots given back to the allocator, since start
 
     # --- keys ------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], num_positions: int) -> list[int]:
@@ -180,6 +181,7 @@ class RadixCache:
             del parent.children[leaf.key[0]]
             self.allocator.free(leaf.slots)
             freed += len(leaf.key)
+            self.num_evicted += len(leaf.key)
             self.size -= len(leaf.key)
             self.evictable_size -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.ref == 0:
