@@ -154,6 +154,8 @@ class _EngineLoop:
             if message.abort.rid in self.live_rids:
                 self.engine.abort(message.abort.rid)
         elif kind == "load_query":
+            if message.load_query.flush_prefix_cache:
+                self.engine.flush_prefix_cache()
             self._send(ipc.EngineToServer(load=self._load_report(message.load_query.query_id)))
 
     def _add(self, add: ipc.AddRequest) -> None:

@@ -193,6 +193,7 @@ class GenerationCore:
                 chunk = stream.on_output(event)
                 record.verify_steps, record.accepted_drafts = (stream.verify_steps,
                                                                stream.accepted_drafts)
+                record.cached_tokens = stream.cached_tokens
                 record.accept_length = stream.accept_length if spec else None
                 if chunk is None:
                     continue

@@ -27,6 +27,7 @@ class OutputStream:
         self.finished = False
         # The engine's running totals, from its latest output for this request.
         self._engine_completion_tokens = 0
+        self.cached_tokens = 0
         self.verify_steps = 0
         self.accepted_drafts = 0
 
@@ -37,6 +38,7 @@ class OutputStream:
         the engine has not finished the request and the caller must abort it.
         """
         self._engine_completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
         chunk = pb.GenerateChunk()
@@ -77,6 +79,7 @@ class OutputStream:
         finish.reason = reason
         finish.usage.prompt_tokens = self.prompt_tokens
         finish.usage.completion_tokens = self.num_tokens
+        finish.usage.cached_tokens = self.cached_tokens
         if self.report_spec:
             finish.spec.verify_steps = self.verify_steps
             finish.spec.accepted_drafts = self.accepted_drafts

@@ -27,7 +27,8 @@ def usage(chunk: pb.GenerateChunk) -> dict:
     """The usage of a request's last chunk (the one with `finish`)."""
     prompt, completion = chunk.finish.usage.prompt_tokens, chunk.finish.usage.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": chunk.finish.usage.cached_tokens}}
 
 
 class ResponseFormat:

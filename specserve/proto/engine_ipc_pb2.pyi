@@ -35,10 +35,12 @@ class AbortRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ...) -> None: ...
 
 class LoadQuery(_message.Message):
-    __slots__ = ("query_id",)
+    __slots__ = ("query_id", "flush_prefix_cache")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    def __init__(self, query_id: _Optional[int] = ...) -> None: ...
+    flush_prefix_cache: bool
+    def __init__(self, query_id: _Optional[int] = ..., flush_prefix_cache: bool = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ()
@@ -73,7 +75,7 @@ class BatchOutput(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("rid", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec")
+    __slots__ = ("rid", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec", "cached_tokens")
     RID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class RequestOutput(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -92,7 +95,8 @@ class RequestOutput(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     spec: SpecInfo
-    def __init__(self, rid: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecInfo(_message.Message):
     __slots__ = ("num_verify_steps", "num_accepted_drafts")
