@@ -78,6 +78,24 @@ def test_pair_keys_cover_a_position_only_with_its_next_token():
     assert plain.keys([5, 6, 7], 2) == [5, 6]
 
 
+def test_grow_pins_a_running_requests_prompt_unless_another_cached_it_first():
+    allocator, cache = _cache()
+    match = cache.acquire([1, 2, 3])                     # nothing cached: an empty prefix
+    own = allocator.alloc(5)
+    grown = cache.grow(match, [1, 2, 3, 4, 5], own)
+    assert grown.length == 5 and torch.equal(grown.slots, own) and cache.evictable_size == 0
+    assert cache.grow(grown, [1, 2, 3], own) is grown  # nothing new
+    # Another request, admitted on the 5 cached keys, computed 3 more; meanwhile a third
+    # cached a longer path with its own slots: growing would mix slots, so nothing changes.
+    other = cache.acquire([1, 2, 3, 4, 5, 6])
+    tail = allocator.alloc(3)
+    cache.insert([1, 2, 3, 4, 5, 6, 7], torch.cat([own, allocator.alloc(2)]))
+    assert cache.grow(other, [1, 2, 3, 4, 5, 6, 7, 8], torch.cat([own, tail])) is other
+    cache.release(other)
+    cache.release(grown)
+    assert all(ref == 0 for ref in cache.refs().values()) and cache.evictable_size == cache.size == 7
+
+
 def test_reference_counts_never_go_negative():
     allocator, cache = _cache()
     cache.insert([1, 2], allocator.alloc(2))
@@ -258,6 +276,28 @@ def test_longest_cached_prefix_is_admitted_first_without_starving_others(pair, m
     assert finish_order([other] + hits) == ["q1", "q2", "q0"]
     monkeypatch.setattr(policy, "MAX_BYPASS", 1)
     assert finish_order([other] + [shared[:24] + [9 + i] for i in range(2)]) == ["q1", "q0", "q2"]
+
+
+@pytest.mark.parametrize("mode", ["plain", "chain"])
+def test_a_running_requests_prompt_is_shared_before_it_finishes(pair, plain_reference, make_engine, mode):
+    g = random.Random(13)
+    prompt = [g.randrange(3, VOCAB) for _ in range(30)]
+    engine = make_engine(pair[0], spec=_spec(pair, MODES[mode]))
+    engine.add_request("long", prompt, greedy(40))
+    outs = {}
+    while not outs:
+        for out in engine.step():
+            outs.setdefault(out.rid, []).extend(out.new_token_ids)
+    later = prompt[:20] + [5, 6]
+    engine.add_request("later", later, greedy(5))
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.rid == "later" and out.finished:
+                assert out.cached_tokens == 20 - (MODES[mode] is not None)  # pair keys: 19
+                assert "long" in engine.core.scheduler.reqs  # still running
+        assert_slot_accounting(engine)
+    assert [outs["long"], outs["later"]] == plain_reference([prompt, later], [greedy(40), greedy(5)])
 
 
 def test_flush_frees_what_no_running_request_pins(pair, make_engine):

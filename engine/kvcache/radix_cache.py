@@ -168,6 +168,20 @@ class RadixCache:
         self._touch(node)
         return InsertResult(already, len(keys))
 
+    def grow(self, match: PrefixMatch, keys: list[int], slots: torch.Tensor) -> PrefixMatch:
+        """A running request whose KV now covers `keys` (slot i holds key i; the first
+        `match.length` are its pinned prefix) caches the rest and pins the longer prefix
+        instead. Only when the tree holds nothing past its prefix: had another request cached
+        those keys meanwhile, the tree's slots would differ from the ones this request's row
+        uses (the request keeps its own until it leaves)."""
+        if len(keys) <= match.length or self.peek(keys).length != match.length:
+            return match
+        self.insert(keys, slots)
+        leaf = match.node.children[keys[match.length]]  # the node is the root for an empty prefix
+        self._ref(leaf, +1)
+        self._ref(match.node, -1)
+        return PrefixMatch(len(keys), slots[:len(keys)], leaf)
+
     # --- eviction --------------------------------------------------------------------------
     def evict(self, num_slots: int) -> int:
         """Free at least `num_slots` slots (or every evictable one), least recently used leaves

@@ -113,6 +113,16 @@ class RequestSlots:
         self.req_to_token.free(req.row)
         req.release()
 
+    def cache_prefilled(self, req: Req) -> None:
+        """A running request whose prefill result arrived caches its prompt now (not only
+        when it leaves), so that requests arriving meanwhile share it; its row is unchanged."""
+        if self.cache is None:
+            return
+        tokens = req.prompt_ids + req.output_ids
+        keys = self.cache.keys(tokens, min(req.kv_committed_len, len(tokens)))
+        if len(keys) > req.cached_len:
+            req.prefix = self.cache.grow(req.prefix, keys, self.req_to_token.table[req.row, :len(keys)].clone())
+
     def _cache_committed(self, req: Req, row_slots: torch.Tensor) -> None:
         """Insert the committed positions whose tokens the host knows (a verify's tokens past a
         stop were cut from the outputs, so their KV cannot be keyed); free the request's copies
