@@ -324,6 +324,8 @@ def test_flush_frees_what_no_running_request_pins(pair, make_engine):
 
 
 def test_the_cache_can_be_switched_off(pair, plain_reference, make_engine):
+    from specserve.engine import EngineConfig
+
     prompts = _shared_prefix_prompts(seed=6)
     params = [greedy(3)] * len(prompts)
     engine = make_engine(pair[0], enable_prefix_cache=False)
@@ -334,6 +336,8 @@ def test_the_cache_can_be_switched_off(pair, plain_reference, make_engine):
     load = engine.load()
     assert load.kv_cached_tokens == 0 and load.prefix_cache_hit_rate == 0.0
     engine.flush_prefix_cache()  # nothing to flush: no error
+    with pytest.raises(ValueError, match="^enable_prefix_cache: must be True or False"):
+        EngineConfig(enable_prefix_cache="no")
 
 
 @pytest.mark.parametrize("spec,overlap", [(None, True), (CHAIN, False)], ids=["plain-overlap", "chain-normal"])
@@ -351,3 +355,18 @@ def test_tp2_makes_the_same_cache_decisions(pair, make_engine, spec, overlap):
         runs.append([(o.token_ids, o.cached_tokens) for o in first + second + third])
     assert runs[0] == runs[1]
     assert sum(cached for _, cached in runs[1]) > 0
+
+
+def test_triton_backend_reads_cached_prefixes(pair, plain_reference, make_engine):
+    """The Triton kernels (in the interpreter on the CPU: small) over rows that start with
+    cached slots, target and draft."""
+    pytest.importorskip("triton")
+    first = _shared_prefix_prompts(seed=9, base_len=12)[6:8]
+    params = [greedy(3)] * len(first)
+    engine = make_engine(pair[0], spec=_spec(pair, CHAIN), attention_backend="triton", max_context_len=48)
+    answers = [o.token_ids for o in engine.generate(prompt_token_ids=first, sampling=params)]
+    second = [p + a + [9] for p, a in zip(first, answers)]
+    outs = engine.generate(prompt_token_ids=second, sampling=params)
+    assert answers == plain_reference(first, params)
+    assert [o.token_ids for o in outs] == plain_reference(second, params)
+    assert all(o.cached_tokens >= len(p) for o, p in zip(outs, first))
