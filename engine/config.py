@@ -147,6 +147,8 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"), "load_format",
                  f"must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
+        _require(isinstance(self.enable_prefix_cache, bool), "enable_prefix_cache",
+                 f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 

@@ -67,8 +67,10 @@ class AdmissionPolicy:
         # that step needs would force a retraction straight away. A cached prefix is not
         # prefilled, but pinning it takes its slots out of the evictable ones.
         headroom = sum(self.slots.to_reserve(r) for r in self.running)
-        for req in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_running or self.slots.num_free_rows == 0:
+        can_admit = lambda: (budget > 0 and len(self.running) < self.max_running  # noqa: E731
+                             and self.slots.num_free_rows > 0)
+        for req in self._admission_order() if self.waiting and can_admit() else ():
+            if not can_admit():
                 break
             if req.num_inflight_tokens:   # retracted with a result still in flight
                 break

@@ -23,6 +23,9 @@ from specserve.engine.runtime.step import DecodeStep, ExtendStep
 from specserve.engine.scheduler.schedule_batch import Decision, Req
 
 
+MIN_EVICTION = 256
+
+
 class RequestSlots:
     def __init__(self, req_to_token: ReqToTokenPool, allocator: TokenSlotAllocator,
                  ctx: DeviceContext, step_slots: int, cache: Optional[RadixCache] = None):
@@ -134,10 +137,12 @@ class RequestSlots:
         self.allocator.free(row_slots[kept.taken:])
 
     def _alloc(self, n: int) -> torch.Tensor:
-        """n fresh slots, evicting unpinned cached ones first when too few are free."""
+        """n fresh slots, evicting unpinned cached ones first when too few are free. An
+        eviction walks the whole tree, so it frees at least MIN_EVICTION slots: on a full pool
+        the decode steps that follow then allocate without walking it again."""
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
-            self.cache.evict(short)
+            self.cache.evict(max(short, MIN_EVICTION))
         return self.allocator.alloc(n)
 
     @contextlib.contextmanager
