@@ -97,7 +97,8 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
-    print(f"\n{'model':>9} {'mode':>6} {'prompt':>6} {'cached':>6} {'uncached ms':>11} {'cached ms':>9} {'ratio':>6}")
+    print(f"\n{'model':>9} {'mode':>6} {'prompt':>6} {'cached':>6} {'uncached ms':>11} "
+          f"{'cached ms':>9} {'ratio':>6}")
     for r in rows:
         print(f"{r['model']:>9} {r['mode']:>6} {r['prompt_len']:>6} {r['cached_tokens']:>6.0f} "
               f"{r['uncached_ttft_ms']:11.1f} {r['cached_ttft_ms']:9.1f} {r['ratio']:6.3f}")
