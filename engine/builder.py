@@ -18,9 +18,12 @@ import torch
 from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
-from specserve.engine.kvcache.pools import ReqToTokenPool, TokenSlotAllocator, TokenToKVPool
+from specserve.engine.kvcache.pools import (
+    MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
 from specserve.engine.kvcache.radix_cache import RadixCache
+from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
+from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.loader import init_dummy_weights, load_llama
@@ -30,7 +33,7 @@ from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import Worker
 from specserve.engine.runtime.tp_group import Stop, TPGroup
-from specserve.engine.runtime.worker import NormalWorker, PresenceTable, TargetModel
+from specserve.engine.runtime.worker import NormalWorker, HistoryTable, TargetModel
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
@@ -76,7 +79,7 @@ class EngineCore:
     tp_group: Optional[TPGroup]
 
     @property
-    def kv_pool(self) -> TokenToKVPool:
+    def kv_pool(self) -> TokenToKVPool | MLATokenToKVPool:
         return self.runner.kv_pool
 
     def close(self) -> None:
@@ -128,8 +131,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     step_slots = 1 if spec is None else spec.kv_reserve_per_request
     row_width = model_context + (0 if spec is None else spec.kv_reserve_per_request) + 1
 
+    model_class = DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
+        model = model_class(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
     logger.info("loading %s: %s, %d layers, %s on %s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
                 device)
@@ -142,23 +146,29 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     ctx = DeviceContext.for_device(device)
     num_rows = config.max_running_requests
     attn_layer = model.layers[0].self_attn  # this rank's heads
-    num_slots = _num_kv_slots(config, cfg, attn_layer.num_kv_heads, dtype, device, num_rows, spec,
+    num_slots = _num_kv_slots(config, cfg, attn_layer, dtype, device, num_rows, spec,
                               model_context, step_slots)
     max_context_len = fit_context_to_pool(model_context, num_slots, step_slots)
     req_to_token = ReqToTokenPool(num_rows, row_width, device)
-    kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim, dtype, device)
     allocator = TokenSlotAllocator(num_slots, device)
 
-    def attention_backend(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    def attention_backend(num_heads: int, num_kv_heads: int, head_dim: int,
+                          v_head_dim: Optional[int] = None) -> AttentionBackend:
         # Forwards see at most a whole row; tree drafting runs topk sequences per request.
         return create_attention_backend(
             config.attention_backend, device, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, max_context_len=row_width,
             max_batch_size=num_rows * (1 if spec is None else spec.topk),
             needs_cpu_seq_lens=config.needs_cpu_seq_lens,
-            max_query_len=1 if spec is None else spec.num_draft_tokens)
+            max_query_len=1 if spec is None else spec.num_draft_tokens, v_head_dim=v_head_dim)
 
-    attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
+    if cfg.mla is not None:  # MQA over one latent || rope head; V is the latent
+        kv_pool = MLATokenToKVPool(num_slots, cfg.num_layers, cfg.mla.kv_lora_rank,
+                                   cfg.mla.qk_rope_head_dim, dtype, device)
+        attn = attention_backend(attn_layer.num_heads, 1, attn_layer.kv_head_dim, cfg.mla.kv_lora_rank)
+    else:
+        kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim, dtype, device)
+        attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
     runner = ModelRunner(model, kv_pool, attn)
     draft_runner = None
     if spec is not None:
@@ -171,7 +181,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     backends = [attn, None if draft_runner is None else draft_runner.attn_backend]
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
-                         PresenceTable(num_rows, cfg.vocab_size, device))
+                         HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
     # With a draft model a position's key is (its token, the next one): its draft KV reads both.
     cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
@@ -187,7 +197,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                 max_context_len, type(attn).__name__, "on" if cache is not None else "off",
                 "plain decoding" if spec is None else
                 f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
-    uses_cuda_graphs = _wants_cuda_graphs(config, device, attn)
+    uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)
     if uses_cuda_graphs:
         logger.info("capturing CUDA graphs for batch sizes up to %d", num_rows)
         worker.enable_cuda_graphs(num_rows, row_width)
@@ -241,7 +251,10 @@ def check_tp_divides(cfg: ModelConfig, tp_size: int) -> None:
     tp = TensorParallel(tp_size, 0)
     tp.split(cfg.num_heads, "num_attention_heads")
     tp.split(cfg.intermediate_size, "intermediate_size")
-    kv_head_range(cfg.num_kv_heads, tp)
+    if cfg.moe is not None:
+        tp.split(cfg.moe.moe_intermediate_size, "moe_intermediate_size")
+    if cfg.mla is None:  # MLA keeps one latent KV head on every rank
+        kv_head_range(cfg.num_kv_heads, tp)
 
 
 def peak_slots(context_len: int, step_slots: int) -> int:
@@ -265,13 +278,19 @@ def fit_context_to_pool(context_len: int, num_slots: int, step_slots: int) -> in
     return context_len
 
 
-def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
+def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: torch.dtype,
                   device: torch.device, num_rows: int, spec: Optional[SpecConfig], context_len: int,
                   step_slots: int) -> int:
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None), num_kv_heads,
-                                            cfg.head_dim, dtype)
+    if cfg.mla is not None:
+        per_slot = MLATokenToKVPool.bytes_per_slot(cfg.num_layers, cfg.mla.kv_lora_rank,
+                                                   cfg.mla.qk_rope_head_dim, dtype)
+        if spec is not None:  # an EAGLE head's one layer: at most full MHA of the hidden width
+            per_slot += TokenToKVPool.bytes_per_slot(1, 1, cfg.hidden_size, dtype)
+    else:
+        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None),
+                                                attn_layer.num_kv_heads, cfg.head_dim, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * config.mem_fraction) // per_slot
@@ -281,16 +300,25 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dty
     return max(16, min(full, int(physical * 0.25) // per_slot))
 
 
-def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend) -> bool:
-    """On by default on CUDA with a backend whose metadata a graph can capture (Triton)."""
+def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend,
+                       cfg: ModelConfig) -> bool:
+    """On by default on CUDA with backends whose metadata a graph can capture (Triton, and
+    FlashInfer's sync-free plan; the draft's backend is the same kind as the target's), and
+    routed experts the Triton MoE kernel runs without host reads."""
     if config.cuda_graph is False or device.type != "cuda":
         if config.cuda_graph and device.type != "cuda":
             raise ValueError("cuda_graph: needs a CUDA device")
         return False
     if not attn.supports_cuda_graphs:
         if config.cuda_graph:
-            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured; "
-                             "use attention_backend='triton'")
+            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured "
+                             "with host-synced plans; use attention_backend='triton', or "
+                             "needs_cpu_seq_lens=False for FlashInfer's sync-free plan")
+        return False
+    if cfg.moe is not None and not experts_capturable():
+        if config.cuda_graph:
+            raise ValueError("cuda_graph: the routed experts need the Triton fused-MoE kernel "
+                             "to be captured (engine/layers/fused_moe_triton.py)")
         return False
     return True
 

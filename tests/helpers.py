@@ -12,8 +12,9 @@ VOCAB = 320
 def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_layers: int = 2,
                          tie: bool = False, sharded: bool = False, vocab_size: int = VOCAB,
                          max_position: int = 512, with_tokenizer: bool = True, num_kv_heads: int = 2,
-                         hidden_size: int = 64, intermediate_size: int = 128) -> str:
-    """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer."""
+                         hidden_size: int = 64, intermediate_size: int = 128, **deepseek) -> str:
+    """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer.
+    `deepseek`: options of `deepseek_config` for the deepseek_v2/v3 archs."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -28,6 +29,10 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
         model_cls = tf.LlamaForCausalLM
+    elif arch == "llama-yarn":
+        cfg = tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        model_cls = tf.LlamaForCausalLM
     elif arch == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=None)
         model_cls = tf.MistralForCausalLM
@@ -37,10 +42,15 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32)
         model_cls = tf.Qwen3ForCausalLM
+    elif arch in DEEPSEEK_ARCHS:
+        cfg = deepseek_config(arch, **deepseek, **common)
+        model_cls = tf.DeepseekV3ForCausalLM if arch == "deepseek_v3" else tf.DeepseekV2ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = model_cls(cfg)
+    if arch in DEEPSEEK_ARCHS:
+        _spread_routing(model)
     # Spread the logits so greedy argmax has clear margins (no fp32 near-ties).
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
@@ -49,6 +59,44 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
     if with_tokenizer:
         save_byte_tokenizer(path, vocab_size)
     return path
+
+
+DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
+
+
+def deepseek_config(arch: str, *, q_lora_rank=None, yarn: bool = False, num_experts: int = 8,
+                    num_groups: int = 4, topk_groups: int = 2, first_k_dense: int = 1,
+                    shared_experts: int = 1, group_limited: bool = True, rope_interleave: bool = True,
+                    **common):
+    """A tiny DeepSeek config: MLA (kv_lora 32, rope 8, nope 16, v 16), 8 experts top-2 in 4
+    groups (2 kept), one dense first layer, a shared expert; V3 scores by sigmoid with the
+    correction bias. `common` as make_tiny_checkpoint's (num_key_value_heads is ignored)."""
+    import transformers as tf
+
+    common = dict(common, num_key_value_heads=common["num_attention_heads"],
+                  moe_intermediate_size=32, n_routed_experts=num_experts, n_shared_experts=shared_experts,
+                  num_experts_per_tok=2, first_k_dense_replace=first_k_dense, kv_lora_rank=32,
+                  q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  n_group=num_groups, topk_group=topk_groups)
+    if yarn:  # positions past 64 are where YaRN (and its mscale) change the result
+        common["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(**common, routed_scaling_factor=2.5, rope_interleave=rope_interleave)
+    return tf.DeepseekV2Config(**common, routed_scaling_factor=1.5,
+                               topk_method="group_limited_greedy" if group_limited else "greedy")
+
+
+def _spread_routing(model) -> None:
+    """Router logits (and V3's correction bias) far apart: no near-ties in the expert choice."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.normal_(0.0, 0.3)
 
 
 def save_byte_tokenizer(path: str, vocab_size: int) -> None:
@@ -89,9 +137,10 @@ def random_prompts(n: int, *, seed: int, min_len: int = 1, max_len: int = 40,
 
 
 def assert_slot_accounting(engine) -> None:
-    """Every KV slot is exactly one of: free, held by the prefix cache, or owned by a running
-    request (its row past its cached prefix); every cache node is referenced by exactly the
-    running requests whose cached prefix passes through it."""
+    """Every KV slot is exactly one of: free, held by the prefix cache, owned by a running
+    request (its row past its cached or shared prefix), or by the shared prompt prefix of an
+    n > 1 request (without the cache); every cache node is referenced by exactly the running
+    requests whose cached prefix passes through it."""
     core = engine.core
     alloc, slots = core.allocator, core.scheduler.slots
     cache = slots.cache
@@ -102,11 +151,19 @@ def assert_slot_accounting(engine) -> None:
         assert sum(p.numel() for p in parts[1:]) == cache.size, "cache size counter is off"
     table = core.req_to_token.table.cpu()
     running = core.scheduler.policy.running
+    shares = {}
     for req in running:
-        parts.append(table[req.row, req.cached_len:req.kv_allocated_len])
+        own_from = req.cached_len
+        if req.owns_share:
+            own_from = req.shared.length
+            shares[id(req.shared)] = req.shared
+            assert torch.equal(table[req.row, :own_from], req.shared.slots.cpu()), \
+                "a row's shared prefix differs from the share's slots"
+        parts.append(table[req.row, own_from:req.kv_allocated_len])
         if req.prefix is not None and req.cached_len:
             assert torch.equal(table[req.row, :req.cached_len], req.prefix.slots.cpu()), \
                 "a row's cached prefix differs from the cache's slots"
+    parts += [share.slots.cpu() for share in shares.values()]
     held = torch.sort(torch.cat(parts)).values
     assert torch.equal(held, torch.arange(1, alloc.num_slots + 1)), \
         f"KV slots lost or held twice: {held.numel()} accounted of {alloc.num_slots}"
@@ -223,7 +280,8 @@ def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
 
 def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, num_layers: int = 2,
                           vocab_size: int = VOCAB, hidden_size: int = 64,
-                          intermediate_size: int = 128, max_position: int = 512) -> tuple[str, str]:
+                          intermediate_size: int = 128, max_position: int = 512,
+                          arch: str = "llama", **deepseek) -> tuple[str, str]:
     """A target whose next token mostly depends on the current one, and an EAGLE-1 head that
     knows that dependency: real, partial acceptance on random weights.
 
@@ -234,9 +292,10 @@ def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, 
     """
     from safetensors.torch import load_file, save_file
 
-    target = make_tiny_checkpoint(os.path.join(root, "target"), "llama", seed=seed, num_layers=num_layers,
+    target = make_tiny_checkpoint(os.path.join(root, "target"), arch, seed=seed, num_layers=num_layers,
                                   vocab_size=vocab_size, hidden_size=hidden_size,
-                                  intermediate_size=intermediate_size, max_position=max_position)
+                                  intermediate_size=intermediate_size, max_position=max_position,
+                                  **deepseek)
     file = os.path.join(target, "model.safetensors")
     weights = load_file(file)
     for name in list(weights):

@@ -295,7 +295,7 @@ def test_a_running_requests_prompt_is_shared_before_it_finishes(pair, plain_refe
             outs.setdefault(out.rid, []).extend(out.new_token_ids)
             if out.rid == "later" and out.finished:
                 assert out.cached_tokens == 20 - (MODES[mode] is not None)  # pair keys: 19
-                assert "long" in engine.core.scheduler.reqs  # still running
+                assert ("long", 0) in engine.core.scheduler.reqs  # still running
         assert_slot_accounting(engine)
     assert [outs["long"], outs["later"]] == plain_reference([prompt, later], [greedy(40), greedy(5)])
 
@@ -370,3 +370,32 @@ def test_triton_backend_reads_cached_prefixes(pair, plain_reference, make_engine
     assert answers == plain_reference(first, params)
     assert [o.token_ids for o in outs] == plain_reference(second, params)
     assert all(o.cached_tokens >= len(p) for o, p in zip(outs, first))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "chain"])
+def test_n_sequences_share_the_prompt_through_the_cache(pair, make_engine, mode, overlap):
+    """n > 1: the first sequence prefills the prompt and caches it; the others map it from the
+    cache (one copy, pinned by all) and prefill only the last prompt token."""
+    g = random.Random(17)
+    prompt = [g.randrange(3, VOCAB) for _ in range(30)]
+    engine = make_engine(pair[0], spec=_spec(pair, MODES[mode]), enable_overlap=overlap)
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=5, n=4, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    seen = set()
+    while len(seen) < 4:
+        seen |= {out.index for out in engine.step()}
+        assert_slot_accounting(engine)
+    reqs = [engine.core.scheduler.reqs[("r", i)] for i in range(4)]
+    shared = reqs[0].shared
+    assert shared.cached and shared.creator is None
+    assert all(r.cached_len >= shared.length for r in reqs)
+    table = engine.core.req_to_token.table
+    assert all(torch.equal(table[r.row, :shared.length], table[reqs[0].row, :shared.length]) for r in reqs)
+    cache = engine.core.scheduler.slots.cache
+    own = sum(r.kv_allocated_len - r.cached_len for r in reqs)
+    held = engine.core.allocator.num_slots - engine.core.allocator.num_free
+    assert held == cache.size + own and cache.size < 2 * len(prompt)
+    engine.abort("r")
+    while engine.has_unfinished():
+        engine.step()

@@ -27,6 +27,19 @@ class AttentionBackend(ABC):
 
     needs_cpu_seq_lens: bool = True
     supports_cuda_graphs: bool = False  # metadata built by device ops from static buffers
+    # Set up by `preallocate_verify_mask`: verify's tree mask, filled in place after drafting.
+    verify_custom_mask: Optional[torch.Tensor] = None
+
+    def preallocate_verify_mask(self, max_batch_size: int, num_draft_tokens: int,
+                                device: torch.device) -> None:
+        """A [max_batch_size, D, D] bool buffer that speculative verify fills in place (the
+        MLA contract: metadata from preallocated buffers, no host lengths, graph-stable)."""
+        self.verify_custom_mask = torch.zeros((max_batch_size, num_draft_tokens, num_draft_tokens),
+                                              dtype=torch.bool, device=device)
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
+        """[custom_mask, None]: buffers verify fills in place after drafting (None: build new)."""
+        return [self.verify_custom_mask, None]
 
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
@@ -39,8 +52,9 @@ class AttentionBackend(ABC):
         """Store k, v at `fb.out_cache_loc` in layer `layer_id`'s pool, then attend.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], or
-        both None when the caller already stored them there (the fused RoPE kernel does).
-        Returns [num_tokens, num_heads * head_dim].
+        both None when the caller already stored them there (the fused RoPE kernel does; MLA
+        layers store latent || rope themselves). Returns [num_tokens, num_heads * v_head_dim]
+        where v_head_dim is the pool's `v_buffer` width (head_dim except for MLA).
         """
 
 

@@ -2,6 +2,7 @@
 (`EngineConfig.needs_cpu_seq_lens`) into what each backend declares."""
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -25,27 +26,52 @@ def backend_name(name: str, device: torch.device) -> str:
 
 def create_attention_backend(name: str, device: torch.device, *, num_heads: int, num_kv_heads: int,
                              head_dim: int, max_context_len: int, max_batch_size: int,
-                             needs_cpu_seq_lens: Optional[bool], max_query_len: int = 1
-                             ) -> AttentionBackend:
+                             needs_cpu_seq_lens: Optional[bool], max_query_len: int = 1,
+                             v_head_dim: Optional[int] = None) -> AttentionBackend:
     """`max_query_len`: the most new tokens per request of a forward that should reuse
-    preallocated buffers (the speculative verify width), besides prefill."""
+    preallocated buffers (the speculative verify width), besides prefill.
+
+    `v_head_dim` (MLA): V is narrower than K (the latent without the rope key) and read
+    through the pool's `v_buffer` strides. Such a backend also preallocates the speculative
+    verify mask (`get_verify_buffers_to_fill_after_draft`)."""
     name = backend_name(name, device)
     needs = _DEFAULT_NEEDS_CPU_SEQ_LENS[name] if needs_cpu_seq_lens is None else needs_cpu_seq_lens
+    mla = v_head_dim is not None and v_head_dim != head_dim
     if name == "torch":
         from specserve.engine.attention.torch_native import TorchNativeAttnBackend
-        return TorchNativeAttnBackend(needs_cpu_seq_lens=needs)
-    if name == "triton":
+        backend = TorchNativeAttnBackend(needs_cpu_seq_lens=needs)
+    elif name == "triton":
         try:
             from specserve.engine.attention.triton.backend import TritonAttnBackend
         except ImportError as e:
             raise ValueError(f"attention_backend: triton is not available ({e}); "
                              "install specserve[triton] or use 'torch'") from e
-        return TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
-                                 max_batch_size=max_batch_size, max_query_len=max_query_len,
-                                 needs_cpu_seq_lens=needs)
+        extra = {}
+        if mla:
+            if "v_head_dim" not in inspect.signature(TritonAttnBackend).parameters:
+                raise ValueError("attention_backend: this triton backend cannot read a V narrower "
+                                 "than K (MLA models); use 'torch'")
+            extra["v_head_dim"] = v_head_dim
+        backend = TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
+                                    max_batch_size=max_batch_size, max_query_len=max_query_len,
+                                    needs_cpu_seq_lens=needs, **extra)
+    elif mla:
+        raise ValueError("attention_backend: flashinfer does not support MLA models "
+                         "(DeepSeek); use 'triton' or 'torch'")
+    else:
+        return _flashinfer(num_heads, num_kv_heads, head_dim, device, sync_free=not needs,
+                           max_context_len=max_context_len, max_query_len=max_query_len)
+    if mla and max_query_len > 1:
+        backend.preallocate_verify_mask(max_batch_size, max_query_len, device)
+    return backend
+
+
+def _flashinfer(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                sync_free: bool, max_context_len: int, max_query_len: int) -> AttentionBackend:
     from specserve.engine.attention.flashinfer import FlashInferAttnBackend
     try:
-        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=not needs)
+        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=sync_free,
+                                     max_context_len=max_context_len, max_query_len=max_query_len)
     except ImportError as e:
         raise ValueError("attention_backend: flashinfer needs "
                          "`pip install specserve[flashinfer]` (flashinfer-python 0.5.3; "

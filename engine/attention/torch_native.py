@@ -64,10 +64,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         values = fb.kv_pool.v_buffer[layer_id][md.kv_indices]
         group = num_heads // keys.shape[2]
         keys = keys.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [bs, H, W, D]
-        values = values.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+        values = values.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [.., Dv]
         padded_q = q.new_zeros(bs * max_q, num_heads, head_dim)
         padded_q[md.token_rows] = q
         padded_q = padded_q.view(bs, max_q, num_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=md.mask, scale=scale)
-        out = out.transpose(1, 2).reshape(bs * max_q, num_heads * head_dim)
+        # MLA reads V (the latent) narrower than K (latent || rope): the output is V's width.
+        out = out.transpose(1, 2).reshape(bs * max_q, num_heads * values.shape[-1])
         return out[md.token_rows]

@@ -62,6 +62,48 @@ class TokenToKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+class MLATokenToKVPool:
+    """Multi-head latent attention's KV: per slot and layer one vector, latent || rope key.
+
+    Attention reads it as one KV head whose key is the whole vector and whose value is the
+    latent: `v_buffer[layer]` is a strided view of `k_buffer[layer]`'s first `kv_lora_rank`
+    dims (no copy), so backends read V through its own strides.
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.kv_lora_rank = kv_lora_rank
+        self.kv_all = torch.zeros((num_layers, num_slots + 1, 1, kv_lora_rank + qk_rope_head_dim),
+                                  dtype=dtype, device=device)
+        self.k_buffer = list(self.kv_all.unbind(0))
+        self.v_buffer = [k[..., :kv_lora_rank] for k in self.k_buffer]
+
+    def set_mla_kv(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor,
+                   k_rope: torch.Tensor) -> None:
+        """Store the new tokens' latent [T, kv_lora_rank] and rotated rope key [T, rope]."""
+        buf = self.k_buffer[layer_id]
+        buf[loc, 0, :self.kv_lora_rank] = latent.to(buf.dtype)
+        buf[loc, 0, self.kv_lora_rank:] = k_rope.to(buf.dtype)
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The backend-facing form: k [T, 1, latent + rope] is the whole vector; v (the
+        latent, k's prefix) is stored with it."""
+        self.k_buffer[layer_id][loc] = k.to(self.kv_all.dtype)
+
+    def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """Tree compaction: slots `src` to slots `tgt` in every layer, one indexed copy; the
+        sources are gathered before anything is written, so overlapping moves are safe."""
+        if self.num_layers == 0:
+            return
+        self.kv_all[:, tgt] = self.kv_all[:, src]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * (kv_lora_rank + qk_rope_head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
 class TokenSlotAllocator:
     """Free KV slots kept as a device tensor: alloc and free never read device memory.
 

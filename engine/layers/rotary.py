@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox layout) with the default and llama3 frequency schedules."""
+"""Rotary position embedding (neox layout) with the default, llama3 and YaRN frequency schedules."""
 from __future__ import annotations
 
 import math
@@ -17,7 +17,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
         return inv_freq
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (default and llama3 are)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (default, llama3 and yarn are)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """YaRN scales cos and sin by this (1 for the other schedules), as transformers does."""
+    s = scaling or {}
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(s["factor"], s["mscale"]) / yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return yarn_mscale(s["factor"])
+
+
+def _yarn_inv_freq(dim: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN: interpolate (divide by `factor`) the low frequencies, keep the high ones, and ramp
+    linearly between the dims that rotate beta_slow and beta_fast times over the original context."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -41,8 +80,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]."""

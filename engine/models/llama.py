@@ -67,12 +67,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel):
+    """Pre-norm attention + MLP block; subclasses (DeepSeek) choose other attention and MLPs."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rotary, cfg.hidden_size, tp)
+        self.self_attn = self.make_attention(cfg, layer_id, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.mlp = self.make_mlp(cfg, layer_id, tp)
+
+    def make_attention(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                       tp: TensorParallel) -> nn.Module:
+        return Attention(cfg, layer_id, rotary, cfg.hidden_size, tp)
+
+    def make_mlp(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> nn.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, x, residual, positions, fb):
         if residual is None:
@@ -93,13 +102,19 @@ class LlamaForCausalLM(nn.Module):
     head consumes.
     """
 
+    layer_class = DecoderLayer  # a subclass with other blocks (DeepSeek) swaps these two
+
+    @staticmethod
+    def make_rotary(cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        rotary = self.make_rotary(cfg, max_position)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:

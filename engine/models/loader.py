@@ -65,6 +65,9 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
     tensor or a shape mismatch is an error that names it.
     """
     for name, param in module.named_parameters(remove_duplicate=True):
+        if hasattr(param, "stacked_experts"):
+            _load_stacked_experts(param, reader, to_checkpoint_name(name))
+            continue
         parts = _checkpoint_parts(name)
         keys = [to_checkpoint_name(p) for p in parts]
         missing = [k for k in keys if k not in reader]
@@ -87,6 +90,26 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
             param[:tensor.shape[0]].copy_(tensor.to(param.dtype))
 
 
+def _load_stacked_experts(param: nn.Parameter, reader: CheckpointReader, key: str) -> None:
+    """[E, ...] from the checkpoint's per-expert tensors `<prefix>.<e>.<part>.weight`: each
+    expert's parts (this rank's slice of each) concatenated along dim 0 (gate rows, up rows)."""
+    num_experts, parts = param.stacked_experts
+    prefix = key.rsplit(".", 1)[0]
+    with torch.no_grad():
+        for e in range(num_experts):
+            pieces = []
+            for part, dim, start, end in parts:
+                k = f"{prefix}.{e}.{part}.weight"
+                if k not in reader:
+                    raise ValueError(f"model: checkpoint is missing tensor {k!r}")
+                pieces.append(reader.get_shard(k, dim, start, end))
+            tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+            if tensor.shape != param.shape[1:]:
+                raise ValueError(f"model: tensor {prefix}.{e}.{parts[0][0]}.weight gives shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(param.shape[1:])}")
+            param[e].copy_(tensor.to(param.dtype))
+
+
 def _checkpoint_parts(name: str) -> list[str]:
     for fused, parts in FUSED_PARTS.items():
         if f".{fused}." in name:
@@ -95,7 +118,8 @@ def _checkpoint_parts(name: str) -> list[str]:
 
 
 def load_llama(model: nn.Module, path: str) -> None:
-    """Our LlamaForCausalLM names are HF's without the `model.` prefix on the trunk."""
+    """Our LlamaForCausalLM (and DeepseekForCausalLM) names are HF's without the `model.`
+    prefix on the trunk."""
     reader = CheckpointReader(path)
 
     def to_hf(name: str) -> str:

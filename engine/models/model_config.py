@@ -1,4 +1,5 @@
-"""ModelConfig: the parts of a Hugging Face config.json that the Llama-family forward needs."""
+"""ModelConfig: the parts of a Hugging Face config.json that our forwards need (the Llama family,
+and DeepSeek-V2/V3 with their MLA and MoE settings)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,46 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "DeepseekV2ForCausalLM": (False, False),
+    "DeepseekV3ForCausalLM": (False, False),
 }
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention: K/V are one compressed latent plus a shared RoPE key."""
+
+    q_lora_rank: Optional[int]   # None: q is one projection of the hidden state
+    kv_lora_rank: int            # latent width (what the KV pool stores, with the rope key)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool        # the checkpoint's rope dims are (x0, x1), (x2, x3), ... pairs
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts (DeepSeek style): which layers, how tokens pick experts, shared experts."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    first_k_dense_replace: int   # layers [0, k) keep a dense MLP, the rest are MoE
+    scoring: str                 # "softmax" (V2) or "sigmoid" (V3, with the correction bias)
+    num_groups: int              # group-limited routing: experts in num_groups groups,
+    topk_groups: int             # tokens pick among the best topk_groups of them
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    has_correction_bias: bool    # V3: e_score_correction_bias steers the choice, not the weight
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
 
 
 @dataclass(frozen=True)
@@ -35,6 +75,8 @@ class ModelConfig:
     torch_dtype: Optional[str]
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
+    mla: Optional[MLAConfig] = None
+    moe: Optional[MoEConfig] = None
 
     @staticmethod
     def from_dict(cfg: dict) -> "ModelConfig":
@@ -44,9 +86,14 @@ class ModelConfig:
             raise ValueError(f"model: unsupported architecture {archs!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        mla = moe = None
+        if arch in DEEPSEEK_ARCHITECTURES:
+            mla, moe = _deepseek_parts(arch, cfg)
         qkv_bias = qkv_bias or bool(cfg.get("attention_bias", False))
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # DeepSeek configs carry head_dim = the rope dims; an MLA head's q/k width is nope + rope.
+        head_dim = mla.qk_head_dim if mla is not None else \
+            cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # transformers >= 5 nests RoPE settings under rope_parameters; older files keep them flat.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -69,7 +116,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
+            rope_scaling=None if rope_type == "default" else _scaling(rope, rope_type, cfg),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -77,9 +124,66 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            mla=mla,
+            moe=moe,
         )
 
     @staticmethod
     def from_dir(path: str) -> "ModelConfig":
         with open(os.path.join(path, "config.json")) as f:
             return ModelConfig.from_dict(json.load(f))
+
+
+def _scaling(rope: dict, rope_type: str, cfg: dict) -> dict:
+    out = dict(rope, rope_type=rope_type)
+    if rope_type == "yarn":  # transformers' defaults: factor from the context ratio, old length
+        out.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+        if out.get("factor") is None:
+            out["factor"] = cfg.get("max_position_embeddings", 2048) / out["original_max_position_embeddings"]
+    return out
+
+
+def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig]]:
+    v3 = arch == "DeepseekV3ForCausalLM"
+    if cfg.get("quantization_config"):  # e.g. V3's fp8 release: block scales we do not apply
+        raise ValueError(f"model: quantized checkpoints ({cfg['quantization_config'].get('quant_method')}) "
+                         f"are not supported for {arch}; use a bf16 conversion")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ValueError(f"model: {flag}=true is not supported for {arch}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu is)")
+    mla = MLAConfig(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        # V2 always rotates interleaved pairs; V3 says so (transformers' default: True).
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
+    num_experts = cfg.get("n_routed_experts")
+    if not num_experts:
+        return mla, None
+    scoring = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ValueError(f"model: scoring_func {scoring!r} is not supported for {arch}")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    grouped = v3 or method == "group_limited_greedy"
+    moe = MoEConfig(
+        num_experts=num_experts,
+        top_k=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        num_shared_experts=cfg.get("n_shared_experts") or 0,
+        first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+        scoring=scoring,
+        num_groups=(cfg.get("n_group") or 1) if grouped else 1,
+        topk_groups=(cfg.get("topk_group") or 1) if grouped else 1,
+        # As transformers (and the released V2 checkpoints, which set it False): V2 never
+        # renormalises the top-k weights.
+        norm_topk_prob=v3 and bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        has_correction_bias=v3)
+    if moe.num_experts % moe.num_groups or moe.topk_groups > moe.num_groups:
+        raise ValueError(f"model: n_group {moe.num_groups} / topk_group {moe.topk_groups} do not "
+                         f"fit n_routed_experts {moe.num_experts}")
+    return mla, moe

@@ -51,7 +51,7 @@ class AdmissionPolicy:
     def _prefill(self) -> Optional[Decision]:
         budget = self.chunk_budget
         taken = 0  # slots this decision's chunks take when the step is built
-        reqs, chunks = [], []
+        reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
@@ -60,6 +60,7 @@ class AdmissionPolicy:
                     break
                 reqs.append(req)
                 chunks.append(req.take_chunk(n))
+                spans.append(req.take_prompt_span(*chunks[-1]))
                 budget -= n
                 taken += n
         # Admit only what leaves room for the next decode step of every running request and of
@@ -72,10 +73,14 @@ class AdmissionPolicy:
         for req in self._admission_order() if self.waiting and can_admit() else ():
             if not can_admit():
                 break
+            if req.shared is not None and req.shared.blocks(req):
+                continue  # another sequence of its request is prefilling the shared prompt
             if req.num_inflight_tokens:   # retracted with a result still in flight
                 break
+            # It prefills prompt + outputs so far, past what its row can map (a cached or a
+            # shared prefix).
             cached = self.slots.peek_prefix(req)
-            n = min(budget, req.seq_len - cached.length)  # it prefills prompt + outputs so far
+            n = min(budget, req.seq_len - cached.length)
             if n + headroom + self.slots.step_slots + cached.lock_cost > self.slots.num_free - taken:
                 break
             headroom += self.slots.step_slots
@@ -85,6 +90,7 @@ class AdmissionPolicy:
             self.running.append(req)
             reqs.append(req)
             chunks.append(req.take_chunk(n))
+            spans.append(req.take_prompt_span(*chunks[-1]))
             budget -= n
             taken += n
         if not reqs:
@@ -92,7 +98,7 @@ class AdmissionPolicy:
         samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]
         for r, s in zip(reqs, samples):
             r.num_inflight_tokens += s
-        return Decision(ForwardMode.EXTEND, reqs, chunks, samples)
+        return Decision(ForwardMode.EXTEND, reqs, chunks, samples, spans)
 
     def _admission_order(self) -> list[Req]:
         """First come, first served; with the prefix cache, the longest cached prefix first

@@ -11,7 +11,7 @@ they are evicted when an allocation needs them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -46,19 +46,38 @@ class RequestSlots:
         return self.req_to_token.num_free
 
     def peek_prefix(self, req: Req) -> PrefixPeek:
-        """The cached prefix admitting `req` now would reuse (nothing when the cache is off)."""
+        """The KV admitting `req` now would map instead of prefilling: its cached prefix, or
+        without the cache a live shared prompt prefix (whose slots are held already)."""
         if self.cache is None:
-            return PrefixPeek(0, 0)
+            shared = req.shared
+            return PrefixPeek(shared.length if shared is not None and shared.live else 0, 0)
         return self.cache.peek(self._prefix_keys(req))
 
     def admit(self, req: Req, order: int) -> None:
-        """Give `req` a row that starts with its cached prefix (pinned until it leaves)."""
+        """Give `req` a row that starts with the KV it can map: its cached prefix (pinned until
+        it leaves), or without the cache a live shared prompt prefix (n > 1). The first
+        sequence of an n > 1 request admitted creates the shared prefix."""
         row = self.req_to_token.alloc()
-        prefix = self.cache.acquire(self._prefix_keys(req)) if self.cache is not None else None
-        req.admit(row, order, prefix)
-        if prefix is not None and prefix.length:
-            self._wait_table_readers()
-            self.req_to_token.table[row, :prefix.length] = prefix.slots
+        shared = req.shared
+        if self.cache is not None:
+            if shared is not None and not shared.cached and shared.creator is None:
+                shared.creator = req
+            prefix = self.cache.acquire(self._prefix_keys(req))
+            req.admit(row, order, prefix)
+            if prefix.length:
+                self._wait_table_readers()
+                self.req_to_token.table[row, :prefix.length] = prefix.slots
+            return
+        if shared is not None and shared.live:
+            self._write_table(range(row * self.req_to_token.row_width,
+                                    row * self.req_to_token.row_width + shared.length), shared.slots)
+            shared.owners += 1
+            req.owns_share = True
+            req.admit(row, order, prefilled=shared.length)
+            return
+        if shared is not None and shared.creator is None:
+            shared.creator = req
+        req.admit(row, order)
 
     def _prefix_keys(self, req: Req) -> list[int]:
         """Cache keys of every position a prefill of `req` could skip (all but its last token),
@@ -66,6 +85,10 @@ class RequestSlots:
         if req.prefix_keys is None or req.prefix_keys[0] != req.seq_len:
             tokens = req.prompt_ids + req.output_ids
             req.prefix_keys = (req.seq_len, self.cache.keys(tokens, len(tokens) - 1))
+        if req.sampling.prompt_logprobs is not None:
+            # The row at position i - 1 scores prompt token i: rows from the first unscored
+            # token's on must be computed, not taken from the cache.
+            return req.prefix_keys[1][:max(0, req.prompt_scores.scored_to - 1)]
         return req.prefix_keys[1]
 
     def to_reserve(self, req: Req) -> int:
@@ -80,9 +103,27 @@ class RequestSlots:
                 for i in range(req.row * width + start, req.row * width + end)]
         slots = self._alloc(len(flat))
         self._write_table(flat, slots)
+        for req, (_, end) in zip(decision.reqs, decision.chunks):
+            shared = req.shared
+            if shared is not None and shared.creator is req and end >= shared.length:
+                # The creator's prefill now covers the prefix: capture its slots (a device
+                # gather, ordered after the table write) for the other sequences, in the
+                # prefix cache when it is on (they are admitted in later steps: their forwards
+                # read the slots after this one writes them).
+                prefix_slots = self.req_to_token.table[req.row, :shared.length].clone()
+                if self.cache is not None:
+                    keys = self.cache.keys(req.prompt_ids, shared.length)
+                    req.prefix = self.cache.grow(req.prefix, keys, prefix_slots[:len(keys)])
+                    shared.cached, shared.creator = True, None
+                else:
+                    shared.slots = prefix_slots
+                    shared.owners, shared.creator, req.owns_share = 1, None, True
         return ExtendStep(rows=[r.row for r in decision.reqs],
                           fill_ids=[r.fill_ids for r in decision.reqs], chunks=list(decision.chunks),
-                          samples=list(decision.samples), out_cache_loc=slots, sampling=sampling)
+                          samples=list(decision.samples), out_cache_loc=slots, sampling=sampling,
+                          prompt_lens=[len(r.prompt_ids) for r in decision.reqs],
+                          prompt_spans=list(decision.prompt_spans),
+                          prompt_top_k=[r.sampling.prompt_logprobs or 0 for r in decision.reqs])
 
     def decode_step(self, reqs: list[Req], sampling: SamplingInfo, commit_fed_token: bool) -> DecodeStep:
         """Reserve what the step needs; plain decoding commits the token it feeds right away
@@ -102,17 +143,30 @@ class RequestSlots:
                           sampling=sampling)
 
     def release(self, req: Req) -> None:
-        """Free a request's row, and its slots or hand them to the prefix cache. Safe while a
-        launched forward still uses them: later writes to them are ordered after it (stream
-        order and the read-done barrier)."""
-        if req.kv_allocated_len:
-            row_slots = self.req_to_token.table[req.row, :req.kv_allocated_len].clone()
-            if self.cache is None:
-                self.allocator.free(row_slots)
-            else:
-                self._cache_committed(req, row_slots)
-        if req.prefix is not None:
+        """Free a request's row, and its slots or hand them to the prefix cache (without the
+        cache, a shared prefix's slots go with its last owner). Safe while a launched forward
+        still uses them: later writes to them are ordered after it (stream order and the
+        read-done barrier)."""
+        shared = req.shared
+        if shared is not None and shared.creator is req:
+            shared.creator = None  # released before its prefill reached the prefix's end
+        if self.cache is not None:
+            if req.kv_allocated_len:
+                self._cache_committed(req, self.req_to_token.table[req.row, :req.kv_allocated_len].clone())
             self.cache.release(req.prefix)
+            self.req_to_token.free(req.row)
+            req.release()
+            return
+        own_from = 0
+        if req.owns_share:
+            own_from = shared.length
+            req.owns_share = False
+            shared.owners -= 1
+            if shared.owners == 0:
+                self.allocator.free(shared.slots)
+                shared.slots = None
+        if req.kv_allocated_len > own_from:
+            self.allocator.free(self.req_to_token.table[req.row, own_from:req.kv_allocated_len].clone())
         self.req_to_token.free(req.row)
         req.release()
 
@@ -157,7 +211,7 @@ class RequestSlots:
             self.allocator.free(slots)
             self.req_to_token.free(row)
 
-    def _write_table(self, flat_index: list[int], slots: torch.Tensor) -> None:
+    def _write_table(self, flat_index: Sequence[int], slots: torch.Tensor) -> None:
         """Schedule-side table write, after the last forward finished reading the table."""
         self._wait_table_readers()
         idx = torch.tensor(flat_index, dtype=torch.int64).to(self.ctx.device, non_blocking=True)

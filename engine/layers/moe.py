@@ -1,0 +1,102 @@
+"""Mixture of experts: DeepSeek's routing and the routed experts' computation.
+
+Routing reproduces transformers' DeepSeek-V2 (softmax scores, greedy or group-limited by each
+group's best score) and V3 (sigmoid scores; the correction bias steers which experts are
+chosen, not their weights; groups ranked by the sum of their two best) exactly, in fp32.
+
+Expert weights are stacked: `w13[e]` is expert e's gate rows then up rows ([E, 2I, H]),
+`w2[e]` its down projection ([E, H, I]). `fused_experts` here is the torch computation (the
+CPU path and reference); on CUDA `run_experts` dispatches to the Triton kernel of the same
+signature and layout (`fused_moe_triton.fused_experts`) when it is importable.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+_triton_fused_experts = None
+if torch.cuda.is_available():
+    try:
+        from specserve.engine.layers.fused_moe_triton import fused_experts as _triton_fused_experts
+    except ImportError:  # no triton (or no kernel yet): the torch loop runs on the GPU too
+        _triton_fused_experts = None
+
+
+def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num_groups: int = 1,
+                   topk_groups: int = 1, norm_topk_prob: bool = False,
+                   routed_scaling_factor: float = 1.0,
+                   correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64) from fp32 router logits [T, E].
+
+    softmax (V2): group-limited when num_groups > 1 (a group ranks by its best expert; the
+    experts outside the best topk_groups groups score 0). sigmoid (V3): the choice ranks
+    scores + correction_bias, groups by the sum of their two best, the weights are the
+    unbiased scores (renormalised over the k when norm_topk_prob)."""
+    num_tokens, num_experts = router_logits.shape
+    per_group = num_experts // num_groups
+    if scoring == "softmax":
+        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+        if num_groups > 1:
+            group_scores = scores.view(num_tokens, num_groups, per_group).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, per_group), 0.0)
+        weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    elif scoring == "sigmoid":
+        scores = router_logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        group_scores = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, per_group), float("-inf"))
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"scoring_func: unsupported {scoring!r} (softmax and sigmoid are)")
+    return weights * routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_groups: int, per_group: int) -> torch.Tensor:
+    """[T, E] bool: the expert is in one of the token's best topk_groups groups."""
+    best = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return chosen.repeat_interleave(per_group, dim=1)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts; x: [T, H].
+
+    Experts run one after another over their tokens and add in ascending expert order, as
+    transformers does, so fp32 results match it bit for bit. The per-expert token counts are
+    read on the host (not capturable in a CUDA graph: graphs use the Triton kernel)."""
+    out = torch.zeros_like(x)
+    num_experts, k = w13.shape[0], topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        picks = order[start:start + n]
+        start += n
+        tokens = picks // k
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, tokens, (h * topk_weights.reshape(-1)[picks, None]).to(x.dtype))
+    return out
+
+
+def experts_capturable() -> bool:
+    """Whether routed experts can run inside a CUDA graph (the Triton kernel reads no host
+    counts; the torch loop does)."""
+    return _triton_fused_experts is not None
+
+
+def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on CUDA when available, else the torch loop (same signature)."""
+    if x.is_cuda and _triton_fused_experts is not None:
+        return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,186 @@
+"""DeepSeek-V2 / V3 decoders: multi-head latent attention (MLA) and routed experts (MoE).
+
+MLA runs in the absorbed form in every forward mode: the pool keeps one vector per token,
+the normed KV latent (kv_lora_rank) then the rotated rope key, and attention is MQA with that
+single KV head. q_nope is absorbed through W_UK (q_nope . k_nope = (q_nope W_UK) . latent),
+so each query head is (q_nope W_UK) || q_rope against the key latent || k_rope, the value is
+the latent itself, and W_UV maps each head's latent output to its v_head_dim output. W_UK and
+W_UV are views of the checkpoint's kv_b_proj. Tensor parallelism splits the heads (q, kv_b,
+o_proj) and every expert's intermediate dimension; the latent path is replicated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.layers.moe import run_experts, select_experts
+from specserve.engine.layers.norm import RMSNorm
+from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
+from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from specserve.engine.models.model_config import ModelConfig
+
+
+def _replicated(in_features: int, out_features: int) -> ColumnParallelLinear:
+    """A linear layer (no bias) every rank holds whole."""
+    return ColumnParallelLinear(in_features, [(0, out_features)], bias=False)
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (as transformers)."""
+    scale = cfg.mla.qk_head_dim ** -0.5
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") == "yarn" and s.get("mscale_all_dim"):
+        scale *= yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """This rank's query heads over the shared latent KV (one KV head in the pool)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        mla = cfg.mla
+        self.layer_id = layer_id
+        self.mla = mla
+        start, end = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_heads = end - start
+        qk, hidden = mla.qk_head_dim, cfg.hidden_size
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, [(start * qk, end * qk)], bias=False)
+        else:
+            self.q_a_proj = _replicated(hidden, mla.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [(start * qk, end * qk)], bias=False)
+        self.kv_a_proj_with_mqa = _replicated(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
+        per_head = mla.qk_nope_head_dim + mla.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, [(start * per_head, end * per_head)],
+                                              bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * mla.v_head_dim, hidden, tp)
+        self.rotary = rotary
+        self.scale = mla_softmax_scale(cfg)
+
+    @property
+    def kv_head_dim(self) -> int:
+        """What the pool stores per token: latent || rope key (the MQA key width)."""
+        return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, latent] and W_UV [H, v, latent]: views of kv_b_proj's weight."""
+        m = self.mla
+        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+
+    def _rope(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor):
+        if self.mla.rope_interleave:  # pairs (x0, x1), ... -> halves: the neox rotation applies
+            q_pe = torch.cat([q_pe[..., 0::2], q_pe[..., 1::2]], dim=-1)
+            k_pe = torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], dim=-1)
+        return self.rotary(positions, q_pe.contiguous(), k_pe.contiguous())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        m, T, H = self.mla, x.shape[0], self.num_heads
+        if m.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(T, H, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self._rope(positions, q_pe, k_pe.view(T, 1, m.qk_rope_head_dim))
+        fb.kv_pool.set_mla_kv(self.layer_id, fb.out_cache_loc, latent, k_pe[:, 0])
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)       # [T, H, latent]
+        out = fb.attn_backend.forward(torch.cat([q_latent, q_pe], dim=-1), None, None,
+                                      self.layer_id, fb, self.scale)             # [T, H * latent]
+        out = torch.bmm(out.view(T, H, m.kv_lora_rank).transpose(0, 1), w_uv.transpose(1, 2))
+        return self.o_proj(out.transpose(0, 1).reshape(T, H * m.v_head_dim))
+
+
+class Router(nn.Module):
+    """Router logits in fp32; V3's correction bias stays fp32 whatever the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts)) \
+            if moe.has_correction_bias else None
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        return select_experts(logits, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
+                              topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
+                              routed_scaling_factor=moe.routed_scaling_factor,
+                              correction_bias=self.e_score_correction_bias)
+
+
+class Experts(nn.Module):
+    """Every routed expert's weights, stacked; this rank's slice of each intermediate dim."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel):
+        super().__init__()
+        start, end = tp.split(intermediate_size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * (end - start), hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, end - start))
+        # The loader assembles them from the checkpoint's per-expert tensors (parallel.py's
+        # `shards` convention: (part, dim, start, end) per expert).
+        self.w13.stacked_experts = (num_experts, [("gate_proj", 0, start, end), ("up_proj", 0, start, end)])
+        self.w2.stacked_experts = (num_experts, [("down_proj", 1, start, end)])
+
+    def forward(self, x, topk_weights, topk_ids):
+        return run_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__()
+        moe = cfg.moe
+        self.tp = tp
+        self.gate = Router(cfg)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp)
+        self.shared_experts = MLP(cfg.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, tp) \
+            if moe.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    """One MLA + (dense MLP or MoE) block in the pre-norm residual form (reusable: NextN)."""
+
+    def make_attention(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                       tp: TensorParallel) -> nn.Module:
+        return MLAAttention(cfg, layer_id, rotary, tp)
+
+    def make_mlp(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> nn.Module:
+        if cfg.moe is not None and cfg.moe.is_moe_layer(layer_id):
+            return DeepseekMoE(cfg, tp)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V2/V3: Llama's trunk (embedding, residual stream, EAGLE-3 features, final
+    norm, LM head) over DeepSeek decoder layers."""
+
+    layer_class = DeepseekDecoderLayer
+
+    @staticmethod
+    def make_rotary(cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
+        if cfg.mla is None:
+            raise ValueError(f"model: {cfg.architecture} is not an MLA architecture")
+        return RotaryEmbedding(cfg.mla.qk_rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
