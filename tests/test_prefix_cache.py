@@ -399,3 +399,16 @@ def test_n_sequences_share_the_prompt_through_the_cache(pair, make_engine, mode,
     engine.abort("r")
     while engine.has_unfinished():
         engine.step()
+
+
+def test_prompt_logprobs_are_scored_over_a_cached_prompt(pair, make_engine):
+    """A request that scores its prompt computes every prompt row itself, cache or not."""
+    g = random.Random(19)
+    prompt = [g.randrange(3, VOCAB) for _ in range(16)]
+    engine = make_engine(pair[0])
+    plain = engine.generate(prompt_token_ids=[prompt], sampling=greedy(3))[0]
+    scored = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    first, again = (engine.generate(prompt_token_ids=[prompt], sampling=scored)[0] for _ in range(2))
+    assert plain.cached_tokens == 0 and first.cached_tokens == again.cached_tokens == 0
+    assert len(first.prompt_logprobs) == len(prompt) - 1
+    assert first.prompt_logprobs == again.prompt_logprobs and first.token_ids == plain.token_ids
