@@ -26,8 +26,8 @@ Workloads that share prefixes (random token ids):
                             so far (questions and answers) + a new question; conversations
                             arrive at the rate, their turns one after another
 The cache is flushed before each run (FlushCache), so every run starts cold. For TTFT with the
-cache off, run the same command against a server started with --disable-prefix-cache and a
-different --label.
+cache off, run the same command against a server started with --disable-prefix-cache (or with
+--launch ... --disable-prefix-cache) and a different --label.
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ async def run_load(server: str, prompts: list, rate: float, concurrency: int, ma
 
 
 def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
-                           max_context_len: int, device: str = "cuda"):
+                           max_context_len: int, device: str = "cuda", prefix_cache: bool = True):
     """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
     from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
 
@@ -188,7 +188,7 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
     return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
                         load_format=load_format,
                         spec=spec_config, max_running_requests=max_running,
-                        max_context_len=max_context_len)
+                        max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
 
 
 def serve_launched(engine_config, port: int) -> None:
@@ -223,12 +223,14 @@ def main():
     ap.add_argument("--accept-len", type=int, default=3, help="with --launch of a shape: forced accept length")
     ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
     ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
+    ap.add_argument("--disable-prefix-cache", action="store_true", help="with --launch: the cache off")
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     server = None
     if args.launch is not None:
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
-                                               args.max_context_len, args.device)
+                                               args.max_context_len, args.device,
+                                               prefix_cache=not args.disable_prefix_cache)
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2])))
