@@ -36,7 +36,7 @@ def random_moe(num_tokens, num_experts, top_k, hidden, inter, gen, dtype=torch.f
     return x, w13, w2, topk_weights.to(device), topk_ids.to(device)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 20])
+@pytest.mark.parametrize("num_tokens", [1, 3, 20, 150])  # 150: entries span several tiles
 @pytest.mark.parametrize("num_experts,top_k", [(4, 2), (8, 3)])
 def test_align_entries_by_expert(num_tokens, num_experts, top_k):
     gen = torch.Generator().manual_seed(0)

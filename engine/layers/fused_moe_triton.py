@@ -117,12 +117,18 @@ def align_entries_by_expert(topk_ids: torch.Tensor, num_experts: int,
     sorted_entries = torch.empty(max_padded, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    # The [BLOCK_T, BLOCK_E] one-hot tile: at most about 16k elements, and no taller than the
+    # entries need. One program runs it, so a decode step's few entries must not pay for a
+    # prefill-sized tile: with 256-row tiles this kernel took 38 us a layer for 24 entries
+    # on an H100 (bench/step_profile.py, DeepSeek-V2-Lite chain).
+    block_t = max(16, min(triton.next_power_of_2(num_entries), 16384 // block_e, 256))
+    tile = block_t * block_e
+    num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4 if tile < 16384 else 8
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_entries, block_experts, num_padded, num_entries,
-        max_padded, NUM_EXPERTS=num_experts, BLOCK_E=triton.next_power_of_2(num_experts),
-        # Keep the [BLOCK_T, BLOCK_E] one-hot tile around 16k elements.
-        BLOCK_T=max(16, min(256, 16384 // triton.next_power_of_2(num_experts))),
-        BLOCK_M=block_m, num_warps=8 if num_experts >= 128 else 4)
+        max_padded, NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_T=block_t,
+        BLOCK_M=block_m, num_warps=num_warps)
     return ExpertAlignment(sorted_entries, block_experts, num_padded)
 
 
