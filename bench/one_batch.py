@@ -2,14 +2,16 @@
 
     python bench/one_batch.py --models llama-8b --batch-sizes 1 --modes plain,chain --out out.json
 
-Models are Llama shapes with random bf16 weights built in memory (`load_format="dummy"`), or
-the bundled demo pair. Speculative rows on random weights force the accept length with the
+Models are Llama shapes or the DeepSeek-V2-Lite shape (MLA + 64 experts top-6) with random
+bf16 weights built in memory (`load_format="dummy"`), or the bundled demo pair. Speculative rows on random weights force the accept length with the
 bench-only `SpecConfig.bench_force_accept_len` (real acceptance needs real weights).
 
-The bs=1 limit: bytes of every weight a decode step reads (all but the embedding table) /
-device-to-device copy bandwidth measured in this run. The step limit adds the KV a plain decode
+The bs=1 limit: bytes of every weight a decode step reads (all but the embedding table; of a
+MoE layer's routed experts only the top-k one token picks) / device-to-device copy bandwidth
+measured in this run. The step limit adds the KV a plain decode
 step reads (every request's context at its mean length over the run): at long contexts the KV,
-not the weights, is most of the bytes.
+not the weights, is most of the bytes; with MoE it counts the experts a batch of that size
+is expected to touch (uniform routing: E * (1 - (1 - k/E)^bs) distinct experts per layer).
 """
 from __future__ import annotations
 
@@ -26,14 +28,32 @@ import torch
 
 from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.builder import demo_models_dir
+from specserve.engine.kvcache.pools import MLATokenToKVPool
+from specserve.engine.models.deepseek import Experts
 
 SHAPES = {
-    # Llama-3.1-8B and Llama-3.2-1B shapes (random weights).
+    # Llama-3.3-70B, Llama-3.1-8B and Llama-3.2-1B shapes (random weights).
+    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    # DeepSeek-V2-Lite (random weights): MLA without q LoRA, 64 routed experts top-6, 2 shared.
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        vocab_size=102400, tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                          "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                                          "beta_slow": 1}),
 }
+# EAGLE-3 heads of the DeepSeek shapes: a Llama layer of the target's width.
+DRAFT_OVERRIDES = {"deepseek-v2-lite": dict(num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
+                                            max_position_embeddings=131072, rope_scaling=None)}
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
 # needs_cpu_seq_lens per backend row (None: decided by the backends)
@@ -44,33 +64,42 @@ SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
 
 def write_shape(root: str, name: str) -> tuple[str, str]:
     """config.json folders for the target shape and an EAGLE-3 head of the same width."""
-    shape = SHAPES[name]
     target = os.path.join(root, name)
     os.makedirs(target, exist_ok=True)
-    cfg = dict(shape, architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
-               rope_theta=500000.0, rope_scaling=ROPE, bos_token_id=1, eos_token_id=2)
+    cfg = dict(dict(architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    rope_theta=500000.0, rope_scaling=ROPE), **SHAPES[name], bos_token_id=1, eos_token_id=2)
     json.dump(cfg, open(os.path.join(target, "config.json"), "w"))
     draft = os.path.join(root, name + "-eagle3")
     os.makedirs(draft, exist_ok=True)
     dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=32000,
-                tie_word_embeddings=False)
+                tie_word_embeddings=False, **DRAFT_OVERRIDES.get(name, {}))
     json.dump(dcfg, open(os.path.join(draft, "config.json"), "w"))
     return target, draft
 
 
-def weight_bytes(engine: Engine) -> int:
-    """Bytes one decode step reads: every parameter but the embedding (a tied lm_head counts)."""
+def weight_bytes(engine: Engine, tokens: int = 1) -> float:
+    """Bytes a decode step of `tokens` tokens reads: every parameter but the embedding (a tied
+    lm_head counts); of routed experts, those the tokens are expected to pick (top-k for one)."""
     model = engine.core.runner.model
-    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    routed = {id(p) for m in experts for p in m.parameters()}
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n != "embed_tokens.weight" and id(p) not in routed)
     if model.config.tie_word_embeddings:
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    if experts:
+        moe = model.config.moe
+        picked = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+        total += sum(picked * (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size() for m in experts)
     return total
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
-    """Target KV bytes of one context token (this rank's heads, every layer, K and V)."""
+    """Target KV bytes of one context token (this rank's heads, every layer, K and V; MLA's
+    latent || rope once: its V is a view of K)."""
     pool = engine.core.kv_pool
-    return sum(buf[0].numel() * buf.element_size() for buf in (*pool.k_buffer, *pool.v_buffer))
+    buffers = pool.k_buffer if isinstance(pool, MLATokenToKVPool) else (*pool.k_buffer, *pool.v_buffer)
+    return sum(buf[0].numel() * buf.element_size() for buf in buffers)
 
 
 def copy_bandwidth(device) -> float:
@@ -178,7 +207,7 @@ def main():
             for bs in (int(b) for b in args.batch_sizes.split(",")):
                 r = run_one(engine, bs, args.prompt_len, args.steps)
                 kv_read = bs * (args.prompt_len + args.steps / 2) * kv_bytes_per_token(engine)
-                step_limit_ms = 1000 * (weights + kv_read) / bandwidth
+                step_limit_ms = 1000 * (weight_bytes(engine, bs) + kv_read) / bandwidth
                 r.update(model=model_name, mode=mode, variant=variant, backend=backend, tp=tp, batch_size=bs,
                          prompt_len=args.prompt_len, bs1_limit_tokens_per_s=limit,
                          fraction_of_limit=r["decode_tokens_per_s"] / limit,
@@ -194,10 +223,10 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':9} {'mode':6} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
+    print(f"{'model':16} {'mode':6} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
           f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:9} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
+        print(f"{r['model']:16} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")

@@ -20,6 +20,7 @@ from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
+from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
@@ -202,7 +203,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                 max_context_len, type(attn).__name__,
                 "plain decoding" if spec is None else
                 f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
-    uses_cuda_graphs = _wants_cuda_graphs(config, device, attn)
+    uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)
     if uses_cuda_graphs:
         logger.info("capturing CUDA graphs for batch sizes up to %d", num_rows)
         worker.enable_cuda_graphs(num_rows, row_width)
@@ -312,7 +313,8 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
     return max(16, min(full, int(physical * 0.25) // per_slot))
 
 
-def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend) -> bool:
+def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend,
+                       cfg: ModelConfig) -> bool:
     """On by default on CUDA with a backend whose metadata a graph can capture (Triton)."""
     if config.cuda_graph is False or device.type != "cuda":
         if config.cuda_graph and device.type != "cuda":
@@ -322,6 +324,11 @@ def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: Attenti
         if config.cuda_graph:
             raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured; "
                              "use attention_backend='triton'")
+        return False
+    if cfg.moe is not None and not experts_capturable():
+        if config.cuda_graph:
+            raise ValueError("cuda_graph: the routed experts need the Triton fused-MoE kernel "
+                             "to be captured (engine/layers/fused_moe_triton.py)")
         return False
     return True
 

@@ -12,8 +12,9 @@ VOCAB = 320
 def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_layers: int = 2,
                          tie: bool = False, sharded: bool = False, vocab_size: int = VOCAB,
                          max_position: int = 512, with_tokenizer: bool = True, num_kv_heads: int = 2,
-                         hidden_size: int = 64, intermediate_size: int = 128) -> str:
-    """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer."""
+                         hidden_size: int = 64, intermediate_size: int = 128, **deepseek) -> str:
+    """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer.
+    `deepseek`: options of `deepseek_config` for the deepseek_v2/v3 archs."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -37,10 +38,15 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32)
         model_cls = tf.Qwen3ForCausalLM
+    elif arch in DEEPSEEK_ARCHS:
+        cfg = deepseek_config(arch, **deepseek, **common)
+        model_cls = tf.DeepseekV3ForCausalLM if arch == "deepseek_v3" else tf.DeepseekV2ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = model_cls(cfg)
+    if arch in DEEPSEEK_ARCHS:
+        _spread_routing(model)
     # Spread the logits so greedy argmax has clear margins (no fp32 near-ties).
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
@@ -49,6 +55,44 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
     if with_tokenizer:
         save_byte_tokenizer(path, vocab_size)
     return path
+
+
+DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
+
+
+def deepseek_config(arch: str, *, q_lora_rank=None, yarn: bool = False, num_experts: int = 8,
+                    num_groups: int = 4, topk_groups: int = 2, first_k_dense: int = 1,
+                    shared_experts: int = 1, group_limited: bool = True, rope_interleave: bool = True,
+                    **common):
+    """A tiny DeepSeek config: MLA (kv_lora 32, rope 8, nope 16, v 16), 8 experts top-2 in 4
+    groups (2 kept), one dense first layer, a shared expert; V3 scores by sigmoid with the
+    correction bias. `common` as make_tiny_checkpoint's (num_key_value_heads is ignored)."""
+    import transformers as tf
+
+    common = dict(common, num_key_value_heads=common["num_attention_heads"],
+                  moe_intermediate_size=32, n_routed_experts=num_experts, n_shared_experts=shared_experts,
+                  num_experts_per_tok=2, first_k_dense_replace=first_k_dense, kv_lora_rank=32,
+                  q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  n_group=num_groups, topk_group=topk_groups)
+    if yarn:  # positions past 64 are where YaRN (and its mscale) change the result
+        common["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(**common, routed_scaling_factor=2.5, rope_interleave=rope_interleave)
+    return tf.DeepseekV2Config(**common, routed_scaling_factor=1.5,
+                               topk_method="group_limited_greedy" if group_limited else "greedy")
+
+
+def _spread_routing(model) -> None:
+    """Router logits (and V3's correction bias) far apart: no near-ties in the expert choice."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.normal_(0.0, 0.3)
 
 
 def save_byte_tokenizer(path: str, vocab_size: int) -> None:
@@ -185,7 +229,8 @@ def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
 
 def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, num_layers: int = 2,
                           vocab_size: int = VOCAB, hidden_size: int = 64,
-                          intermediate_size: int = 128, max_position: int = 512) -> tuple[str, str]:
+                          intermediate_size: int = 128, max_position: int = 512,
+                          arch: str = "llama", **deepseek) -> tuple[str, str]:
     """A target whose next token mostly depends on the current one, and an EAGLE-1 head that
     knows that dependency: real, partial acceptance on random weights.
 
@@ -196,9 +241,10 @@ def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, 
     """
     from safetensors.torch import load_file, save_file
 
-    target = make_tiny_checkpoint(os.path.join(root, "target"), "llama", seed=seed, num_layers=num_layers,
+    target = make_tiny_checkpoint(os.path.join(root, "target"), arch, seed=seed, num_layers=num_layers,
                                   vocab_size=vocab_size, hidden_size=hidden_size,
-                                  intermediate_size=intermediate_size, max_position=max_position)
+                                  intermediate_size=intermediate_size, max_position=max_position,
+                                  **deepseek)
     file = os.path.join(target, "model.safetensors")
     weights = load_file(file)
     for name in list(weights):

@@ -36,6 +36,29 @@ def test_tp2_matches_tp1(pair, make_engine, spec, overlap):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("spec,overlap", [
+    (None, True),
+    (dict(num_steps=3, topk=1, num_draft_tokens=4), False),
+    (dict(num_steps=3, topk=2, num_draft_tokens=6), True),
+], ids=["plain-overlap", "chain-normal", "tree-overlap"])
+def test_tp4_matches_tp1(pair, make_engine, spec, overlap):
+    """Four ranks: one query head each, and fewer KV heads (2) than ranks, so each KV head is
+    replicated on two ranks; the EAGLE head and the vocabulary are split four ways too."""
+    target, head = pair
+    prompts = random_prompts(4, seed=31, max_len=30)
+    params = [GREEDY, SamplingParams(max_new_tokens=16, temperature=0.8, seed=9, ignore_eos=True),
+              GREEDY, SamplingParams(max_new_tokens=5, temperature=0.0)]
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = []
+    for tp in (1, 4):
+        engine = make_engine(target, tp_size=tp, spec=spec_cfg, enable_overlap=overlap)
+        outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)])
+        if tp == 4:
+            attn = engine.core.runner.model.layers[0].self_attn
+            assert (attn.num_heads, attn.num_kv_heads) == (1, 1)
+    assert outs[0] == outs[1]
+
+
 def test_tp2_replicates_a_single_kv_head(tmp_path, make_engine):
     path = make_tiny_checkpoint(str(tmp_path), "qwen2", num_kv_heads=1, seed=2)
     prompts = random_prompts(3, seed=2)
@@ -55,21 +78,22 @@ def test_tp_errors_name_the_field(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("spec", [None, dict(num_steps=3, topk=1, num_draft_tokens=4),
                                   dict(num_steps=3, topk=2, num_draft_tokens=6)], ids=["plain", "chain", "tree"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_gpu_tp2_matches_tp1(pair, make_engine, spec, graphs):
-    """NCCL on two GPUs (run on a 2-GPU machine)."""
+def test_gpu_tp_matches_tp1(pair, make_engine, spec, graphs, tp):
+    """NCCL on 2, 4 or 8 GPUs of one host (each size skips where fewer GPUs are present)."""
     import torch
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
     target, head = pair
     prompts = random_prompts(6, seed=17, max_len=40)
     spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
     outs = [[o.token_ids for o in make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs,
-                                              tp_size=tp, spec=spec_cfg, max_total_tokens=4096,
+                                              tp_size=size, spec=spec_cfg, max_total_tokens=4096,
                                               max_running_requests=8).generate(prompt_token_ids=prompts,
                                                                                sampling=GREEDY)]
-            for tp in (1, 2)]
+            for size in (1, tp)]
     assert outs[0] == outs[1]

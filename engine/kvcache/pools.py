@@ -88,7 +88,9 @@ class MLATokenToKVPool:
         buf[loc, 0, self.kv_lora_rank:] = k_rope.to(buf.dtype)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise TypeError("MLATokenToKVPool: MLA layers store their latent with set_mla_kv")
+        """The backend-facing form: k [T, 1, latent + rope] is the whole vector; v (the
+        latent, k's prefix) is stored with it."""
+        self.k_buffer[layer_id][loc] = k.to(self.kv_all.dtype)
 
     def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
         """Tree compaction: slots `src` to slots `tgt` in every layer, one indexed copy; the

@@ -88,6 +88,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out
 
 
+def experts_capturable() -> bool:
+    """Whether routed experts can run inside a CUDA graph (the Triton kernel reads no host
+    counts; the torch loop does)."""
+    return _triton_fused_experts is not None
+
+
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
     """The Triton kernel on CUDA when available, else the torch loop (same signature)."""

@@ -145,6 +145,9 @@ def _scaling(rope: dict, rope_type: str, cfg: dict) -> dict:
 
 def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig]]:
     v3 = arch == "DeepseekV3ForCausalLM"
+    if cfg.get("quantization_config"):  # e.g. V3's fp8 release: block scales we do not apply
+        raise ValueError(f"model: quantized checkpoints ({cfg['quantization_config'].get('quant_method')}) "
+                         f"are not supported for {arch}; use a bf16 conversion")
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise ValueError(f"model: {flag}=true is not supported for {arch}")

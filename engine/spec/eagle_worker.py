@@ -149,7 +149,8 @@ class EagleWorker:
             mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
             positions=tree.positions.reshape(-1), kv_rows=kv, prefix_lens=s.S,
             extend_lens_cpu=[D] * bs, out_cache_loc=loc.reshape(-1),
-            seq_lens_cpu=_plus(s.seq_lens_cpu, D), max_seq_len=s.width, custom_mask=tree.mask,
+            seq_lens_cpu=_plus(s.seq_lens_cpu, D), max_seq_len=s.width,
+            custom_mask=self._verify_mask(tree.mask),
             aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.runner.forward(fb)
         logits = self.target.model.compute_logits(hidden)
@@ -206,6 +207,16 @@ class EagleWorker:
         nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
                                     tp.broadcast(nodes.parents.contiguous()))
         return tree_ops.build_tree(nodes, bonus, S, self.tree)
+
+    def _verify_mask(self, mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The tree mask, copied into the target backend's preallocated verify buffer when it
+        has one (the MLA backends: same address every iteration, no host lengths)."""
+        buf = self.target.runner.attn_backend.get_verify_buffers_to_fill_after_draft()[0]
+        if mask is None or buf is None:
+            return mask
+        filled = buf[:mask.shape[0]]
+        filled.copy_(mask)
+        return filled
 
     def _target_tokens(self, logits, tree, rows, info: SamplingInfo):
         """The token the target itself picks at every node (greedy or seeded sample)."""

@@ -1,0 +1,109 @@
+"""Where a decode step's time goes: the GPU kernels of steady-state steps (CUDA-graph replays
+included), per kernel name, per step.
+
+    python bench/step_profile.py --model llama-8b --mode plain --batch-size 1 --out profile.json
+
+Prints kernels per step, kernel time per step against the step's wall time (the difference is
+gaps between kernels and host time the GPU waits for), and the kernels that take the most time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from one_batch import SPEC_MODES, run_one, write_shape
+from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+
+# Coarse kernel families, first match wins (names differ between cuBLAS/cuDNN/Triton versions).
+FAMILIES = [("gemm", r"gemm|gemv|cutlass|sm90_|ampere_|splitKreduce|nvjet"),
+            ("attention", r"_decode_|_extend|attention|flash"),
+            ("norm", r"rms|norm"), ("rope+kv store", r"rope|rotary"),
+            ("activation", r"silu|act_and_mul|gelu"), ("sampling/accept", r"argmax|sample|accept|topk|sort"),
+            ("copy/index", r"copy|index|gather|scatter|cat|fill|elementwise")]
+
+
+def family(name: str) -> str:
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--mode", default="plain", choices=["plain", *SPEC_MODES])
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="step_profile.json")
+    args = ap.parse_args()
+
+    target, draft = write_shape(tempfile.mkdtemp(), args.model)
+    spec = None if args.mode == "plain" else SpecConfig(
+        algorithm="eagle3", draft_model=draft, bench_force_accept_len=3, **SPEC_MODES[args.mode])
+    engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
+                                 max_running_requests=max(args.batch_size, 1), max_context_len=4096,
+                                 cuda_graph=True, mem_fraction=0.5))
+    run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
+    params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch_size):
+        engine.add_request(f"profile-{i}", [(7 * i + j) % 1000 + 3 for j in range(args.prompt_len)], params)
+    while not any(o.new_token_ids for o in engine.step()):  # prefill, outside the window
+        pass
+    for _ in range(4):  # settle into the steady state
+        engine.step()
+    steps0 = engine.metrics.num_steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    num_steps = engine.metrics.num_steps - steps0
+    timing = {"step_ms": 1000 * wall / num_steps}
+    while engine.has_unfinished():
+        engine.step()
+    kernels = defaultdict(lambda: [0, 0.0])  # name -> [calls, device microseconds]
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[event.name]
+            k[0] += 1
+            k[1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+    total_calls = sum(c for c, _ in kernels.values())
+    total_us = sum(t for _, t in kernels.values())
+    by_family = defaultdict(lambda: [0, 0.0])
+    for name, (calls, us) in kernels.items():
+        f = by_family[family(name)]
+        f[0] += calls
+        f[1] += us
+    result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "steps": num_steps,
+              "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
+              "kernel_ms_per_step": total_us / num_steps / 1000,
+              "families": {f: {"calls_per_step": c / num_steps, "us_per_step": t / num_steps}
+                           for f, (c, t) in sorted(by_family.items(), key=lambda kv: -kv[1][1])},
+              "kernels": [{"name": n, "calls_per_step": c / num_steps, "us_per_step": t / num_steps}
+                          for n, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]}
+    json.dump(result, open(args.out, "w"), indent=1)
+    print(f"{args.model} {args.mode} bs={args.batch_size}: {num_steps} steps, step {timing['step_ms']:.3f} ms, "
+          f"{result['kernels_per_step']:.0f} kernels/step, {result['kernel_ms_per_step']:.3f} ms of kernels/step")
+    print(f"{'family':16} {'calls/step':>10} {'us/step':>9}")
+    for f, v in result["families"].items():
+        print(f"{f:16} {v['calls_per_step']:10.1f} {v['us_per_step']:9.1f}")
+    print(f"{'kernel':70} {'calls/step':>10} {'us/step':>9}")
+    for k in result["kernels"][:args.top]:
+        print(f"{k['name'][:70]:70} {k['calls_per_step']:10.1f} {k['us_per_step']:9.1f}")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
