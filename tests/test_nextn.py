@@ -11,31 +11,19 @@ import random
 import pytest
 import torch
 
-from helpers import make_tiny_checkpoint, random_prompts
+from helpers import VOCAB, make_tiny_checkpoint, random_prompts, steady_state_steps
 
 from specserve.engine import SamplingParams, SpecConfig
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
-VOCAB = 320
 NUM_LAYERS = 2  # the NextN module is checkpoint layer 2
-
-
-def _deepseek_v3_config(num_layers: int):
-    import transformers as tf
-
-    return tf.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
 def make_deepseek_v3_with_nextn(path: str, *, seed: int = 0, predicts: bool = False, attn_scale: float = 1.0,
                                 trunk_copies: bool = False) -> str:
-    """A tiny random DeepSeek-V3 (2 layers, the second MoE) whose checkpoint carries a NextN
-    module at `model.layers.2.*`, the layout DeepSeek-V3 ships.
+    """A tiny random DeepSeek-V3 (2 layers, the second MoE; tests/helpers.py's shapes) whose
+    checkpoint carries a NextN module at `model.layers.2.*`, the layout DeepSeek-V3 ships.
 
     The module's decoder layer is layer 2 of a 3-layer transformers model (so an MLA + MoE
     block in the checkpoint's per-expert format); enorm, hnorm, eh_proj and shared_head.norm
@@ -45,14 +33,10 @@ def make_deepseek_v3_with_nextn(path: str, *, seed: int = 0, predicts: bool = Fa
     are zero) into the target's LM head, i.e. it predicts what such a target predicts next.
     `trunk_copies`: the module stores copies of the trunk's embedding and head (as V3 does).
     """
-    import transformers as tf
     from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(seed)
-    full = tf.DeepseekV3ForCausalLM(_deepseek_v3_config(NUM_LAYERS + 1))
-    with torch.no_grad():
-        full.lm_head.weight.mul_(4.0)  # clear argmax margins (no fp32 near-ties)
-    full.save_pretrained(path)
+    make_tiny_checkpoint(path, "deepseek_v3", num_layers=NUM_LAYERS + 1, seed=seed, q_lora_rank=16,
+                         with_tokenizer=False)
     file = os.path.join(path, "model.safetensors")
     weights = load_file(file)
     nextn = f"model.layers.{NUM_LAYERS}."
@@ -345,6 +329,19 @@ def test_draft_pool_is_one_latent_layer_on_the_target_slots(predictable, make_en
     assert pool.kv_all.shape[1:] == target_pool.kv_all.shape[1:]  # same slots, same latent || rope width
 
 
+def test_random_weights_with_forced_acceptance(tmp_path, make_engine):
+    """The benchmark's set-up (bench/one_batch.py --draft nextn): a DeepSeek-V2 config.json
+    with a NextN layer and no weights, random weights, forced accept length 3."""
+    path = make_tiny_checkpoint(str(tmp_path / "v2"), "deepseek_v2", with_tokenizer=False)
+    os.remove(os.path.join(path, "model.safetensors"))
+    _edit_config(path, num_nextn_predict_layers=1)
+    engine = make_engine(path, load_format="dummy", spec=SpecConfig(algorithm="nextn", bench_force_accept_len=3, **CHAIN))
+    assert engine.core.draft_runner.model.embed_tokens is engine.core.runner.model.embed_tokens
+    out = engine.generate(prompt_token_ids=[[5, 6]], sampling=SamplingParams(max_new_tokens=31, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    assert out.num_verify_steps == 10 and out.accept_length == pytest.approx(3.1)
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(num_nextn_predict_layers=0), "num_nextn_predict_layers is 0"),
     (dict(num_nextn_predict_layers=None), "num_nextn_predict_layers is None"),
@@ -362,12 +359,9 @@ def test_checkpoint_without_nextn_config_is_refused(tmp_path, predictable, chang
 
 def test_checkpoint_without_nextn_weights_is_refused(tmp_path):
     """transformers saves num_nextn_predict_layers=1 without the weights."""
-    import transformers as tf
-
     from specserve.engine import Engine, EngineConfig
 
-    path = str(tmp_path / "plain")
-    tf.DeepseekV3ForCausalLM(_deepseek_v3_config(NUM_LAYERS)).save_pretrained(path)
+    path = make_tiny_checkpoint(str(tmp_path / "plain"), "deepseek_v3", num_layers=NUM_LAYERS, with_tokenizer=False)
     with pytest.raises(ValueError, match=r"^spec.draft_model: .* has no NextN weights \(no model.layers.2.eh_proj"):
         Engine(EngineConfig(model=path, device="cpu", spec=_nextn()))
 
@@ -386,3 +380,31 @@ def test_cli_accepts_nextn_without_a_draft_model():
                                       "--speculative-algorithm", "nextn", "--speculative-num-steps", "2"])
     spec = engine_config_from_args(args).spec
     assert spec == SpecConfig(algorithm="nextn", draft_model=None, num_steps=2, topk=1, num_draft_tokens=3)
+
+
+# --- GPU (pytest -m gpu) ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("needs_cpu", [False, True])
+def test_gpu_nextn_matches_plain(predictable, make_engine, shape, graphs, needs_cpu):
+    """Triton MLA for the target and the module, the fused MoE, CUDA graphs of both halves."""
+    prompts = random_prompts(6, seed=17, max_len=40)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", attention_backend="triton", max_total_tokens=4096, max_running_requests=8)
+    plain = make_engine(predictable, cuda_graph=False, **common)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling=params)]
+    engine = make_engine(predictable, cuda_graph=graphs, needs_cpu_seq_lens=needs_cpu, spec=_nextn(**shape),
+                         **common)
+    assert engine.core.uses_cuda_graphs == graphs and engine.core.needs_cpu_seq_lens is needs_cpu
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    assert engine.metrics.mean_accept_length > 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_nextn_steady_state_has_no_blocking_sync(predictable, make_engine, graphs):
+    engine = make_engine(predictable, device="cuda", attention_backend="triton", cuda_graph=graphs,
+                         spec=_nextn(), max_total_tokens=4096, max_running_requests=4)
+    assert not engine.core.needs_cpu_seq_lens
+    steady_state_steps(engine, [5, 6, 7, 8])
