@@ -320,6 +320,17 @@ def test_retraction_and_abort_mid_speculation(predictable, reference, make_engin
     assert {rid: outs[rid] for rid in reasons} == {str(i): expected[i] for i in long_ids}
 
 
+@pytest.mark.parametrize("shape,overlap", [(CHAIN, True), (TREE, False)], ids=["chain-overlap", "tree-normal"])
+def test_tp2_matches_tp1(predictable, reference, make_engine, shape, overlap):
+    """Two ranks over gloo: the module's heads and experts are split like the target's."""
+    prompts, params, expected = reference
+    engine = make_engine(predictable, tp_size=2, spec=_nextn(**shape), enable_overlap=overlap)
+    assert engine.core.draft_runner.model.attention.num_heads == 2
+    outs = engine.generate(prompt_token_ids=prompts[:6], sampling=params[:6])
+    assert [o.token_ids for o in outs] == expected[:6]
+    assert engine.metrics.mean_accept_length > 1.5
+
+
 def test_draft_pool_is_one_latent_layer_on_the_target_slots(predictable, make_engine):
     engine = make_engine(predictable, spec=_nextn(**TREE))
     from specserve.engine.kvcache.pools import MLATokenToKVPool
