@@ -29,6 +29,10 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
         model_cls = tf.LlamaForCausalLM
+    elif arch == "llama-yarn":
+        cfg = tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        model_cls = tf.LlamaForCausalLM
     elif arch == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=None)
         model_cls = tf.MistralForCausalLM

@@ -40,6 +40,15 @@ def test_llama3_rope_scaling_is_applied(tmp_path, make_engine):
     torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 
 
+def test_yarn_rope_scaling_is_applied(tmp_path, make_engine):
+    """YaRN: interpolated low frequencies and the attention factor on cos/sin, as transformers."""
+    path = make_tiny_checkpoint(str(tmp_path), "llama-yarn", seed=4)
+    engine = make_engine(path)
+    assert engine.core.model_config.rope_scaling["rope_type"] == "yarn"
+    ids = list(range(3, 203))
+    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     from specserve.engine import Engine, EngineConfig
 

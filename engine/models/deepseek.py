@@ -23,9 +23,9 @@ from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from specserve.engine.models.model_config import ModelConfig
 
 
-def _replicated(in_features: int, out_features: int, bias: bool = False) -> ColumnParallelLinear:
-    """A linear layer every rank holds whole."""
-    return ColumnParallelLinear(in_features, [(0, out_features)], bias=bias)
+def _replicated(in_features: int, out_features: int) -> ColumnParallelLinear:
+    """A linear layer (no bias) every rank holds whole."""
+    return ColumnParallelLinear(in_features, [(0, out_features)], bias=False)
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
