@@ -21,7 +21,7 @@ NUM_LAYERS = 2  # the NextN module is checkpoint layer 2
 
 
 def make_deepseek_v3_with_nextn(path: str, *, seed: int = 0, predicts: bool = False, attn_scale: float = 1.0,
-                                trunk_copies: bool = False) -> str:
+                                module_scale: float = 0.0, trunk_copies: bool = False) -> str:
     """A tiny random DeepSeek-V3 (2 layers, the second MoE; tests/helpers.py's shapes) whose
     checkpoint carries a NextN module at `model.layers.2.*`, the layout DeepSeek-V3 ships.
 
@@ -30,7 +30,8 @@ def make_deepseek_v3_with_nextn(path: str, *, seed: int = 0, predicts: bool = Fa
     are added. `attn_scale` scales the target's attention and MLP outputs down, so that its
     next token mostly depends on the current one. `predicts`: the module passes
     enorm(embed(token)) straight through (eh_proj = [I | 0], a decoder layer whose outputs
-    are zero) into the target's LM head, i.e. it predicts what such a target predicts next.
+    are scaled by `module_scale`, zero by default) into the target's LM head, i.e. it predicts
+    what such a target predicts next.
     `trunk_copies`: the module stores copies of the trunk's embedding and head (as V3 does).
     """
     from safetensors.torch import load_file, save_file
@@ -54,7 +55,7 @@ def make_deepseek_v3_with_nextn(path: str, *, seed: int = 0, predicts: bool = Fa
             weights[nextn + name] = torch.ones(h)
         for name in list(weights):
             if name.startswith(nextn) and name.endswith(("o_proj.weight", "down_proj.weight")):
-                weights[name] = torch.zeros_like(weights[name])
+                weights[name] = weights[name] * module_scale
     if trunk_copies:
         weights[nextn + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
         weights[nextn + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
@@ -197,15 +198,19 @@ def _hf_module_as_model(target: str, path: str):
     return run
 
 
+@pytest.mark.parametrize("module", ["random", "accepted"])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_draft_matches_transformers_reference(tmp_path, make_engine, shape):
+def test_draft_matches_transformers_reference(tmp_path, make_engine, shape, module):
     """The draft equals transformers' MLA + MoE block run as the module over the whole
     sequence: its stashed next-token distribution (after the prefill's draft-extend, and after
     each iteration's draft-extend over the accepted path) and, in chain mode, the chain it
-    drafts from there (decode steps that read the module's own output as their feature)."""
+    drafts from there (decode steps that read the module's own output as their feature).
+    A random module checks every weight; one that is accepted (with live attention and
+    experts) checks the draft KV left by multi-token paths and tree compaction."""
     import transformers as tf
 
-    path = make_deepseek_v3_with_nextn(str(tmp_path / "m"), seed=3)
+    accepted = dict(predicts=True, attn_scale=0.3, module_scale=0.3) if module == "accepted" else {}
+    path = make_deepseek_v3_with_nextn(str(tmp_path / "m"), seed=3, **accepted)
     reference = _hf_module_as_model(path, str(tmp_path / "ref"))
     hf_target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = make_engine(path, spec=_nextn(**shape), enable_overlap=False)
@@ -216,7 +221,7 @@ def test_draft_matches_transformers_reference(tmp_path, make_engine, shape):
     prompt = random_prompts(1, seed=12, min_len=9, max_len=9)[0]
     engine.add_request("r", prompt, SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
     produced = []
-    for _ in range(5):
+    for _ in range(6):
         for out in engine.step():
             produced += out.new_token_ids
         req = engine.core.scheduler.reqs["r"]
@@ -242,6 +247,8 @@ def test_draft_matches_transformers_reference(tmp_path, make_engine, shape):
         for out_ in engine.step():
             produced += out_.new_token_ids
         assert len(drafted) == n + 1 and drafted[-1].tokens[0, 1:].tolist() == chain
+    if module == "accepted":
+        assert len(produced) > 12  # several iterations accepted more than one token
     engine.abort("r")
     engine.step()
 
