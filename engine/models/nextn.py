@@ -4,7 +4,8 @@ The checkpoint stores it after the last decoder layer, as `model.layers.{num_hid
 (or `model.layers.0.*` in a folder exported on its own with num_hidden_layers 1, SGLang's
 layout): `enorm`, `hnorm`, `eh_proj`, one MLA + MoE decoder layer, `shared_head.norm`, and
 optionally `embed_tokens` and `shared_head.head`, which DeepSeek-V3 shares with the trunk
-(the target's are used when they are absent or equal).
+(the target's are used when they are absent or equal). A checkpoint with several modules
+(num_nextn_predict_layers > 1) drafts with the first, chained like EAGLE's steps.
 
 Forward, for the draft row at position p (feature of token p, token p + 1), as EAGLE-1:
     x = eh_proj(cat(enorm(embed(t)), hnorm(feature)))
