@@ -142,6 +142,15 @@ def test_greedy_parity_with_plain_decoding(predictable, reference, make_engine, 
     assert engine.metrics.mean_accept_length > 1.5  # really speculating
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_overlap_under_random_forward_delays(predictable, reference, make_engine, monkeypatch, shape):
+    """Seeded sleeps around every forward reorder host and device progress in the overlap loop."""
+    prompts, params, expected = reference
+    monkeypatch.setenv("SPECSERVE_FORWARD_DELAY", "5:3")
+    engine = make_engine(predictable, spec=_nextn(**shape), enable_overlap=True)
+    assert _staggered(engine, prompts, params, seed=2) == expected
+
+
 def test_draft_runs_through_the_module(tmp_path, predictable, reference, make_engine):
     """The module that predicts the target is accepted most of the time; the same target with
     a random module (given as a folder of its own) is not, and both stay exact."""
@@ -382,6 +391,20 @@ def test_checkpoint_without_nextn_weights_is_refused(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "plain"), "deepseek_v3", num_layers=NUM_LAYERS, with_tokenizer=False)
     with pytest.raises(ValueError, match=r"^spec.draft_model: .* has no NextN weights \(no model.layers.2.eh_proj"):
         Engine(EngineConfig(model=path, device="cpu", spec=_nextn()))
+
+
+def test_separate_folder_with_a_bad_config_names_the_field(tmp_path, predictable):
+    from specserve.engine import Engine, EngineConfig
+
+    folder = export_nextn_folder(predictable, str(tmp_path / "nextn"))
+    _edit_config(folder, hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"^spec.draft_model: .*hidden_act 'gelu'"):
+        Engine(EngineConfig(model=predictable, device="cpu", spec=SpecConfig(algorithm="nextn", draft_model=folder,
+                                                                             **CHAIN)))
+    _edit_config(folder, hidden_act="silu", hidden_size=32)
+    with pytest.raises(ValueError, match=r"^spec.draft_model: NextN hidden_size 32 != target hidden_size 64"):
+        Engine(EngineConfig(model=predictable, device="cpu", spec=SpecConfig(algorithm="nextn", draft_model=folder,
+                                                                             **CHAIN)))
 
 
 def test_non_deepseek_target_is_refused(tiny_model):

@@ -109,7 +109,10 @@ def read_nextn_layout(path: str, dummy: bool = False) -> NextNLayout:
     if not count:
         raise ValueError(f"spec.draft_model: {path} has no NextN (multi-token prediction) module: "
                          f"config.json num_nextn_predict_layers is {count!r}")
-    cfg = ModelConfig.from_dict(dict(raw, architectures=[arch]))
+    try:
+        cfg = ModelConfig.from_dict(dict(raw, architectures=[arch]))
+    except ValueError as e:  # the folder's config, not the target's: name the spec field
+        raise ValueError(f"spec.draft_model: {path}: {e}") from e
     prefix = f"model.layers.{cfg.num_layers}."
     if dummy:
         return NextNLayout(cfg, prefix, False, False)
