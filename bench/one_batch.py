@@ -27,6 +27,7 @@ import os
 import tempfile
 import time
 import warnings
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -60,8 +61,20 @@ DRAFT_OVERRIDES = {"deepseek-v2-lite": dict(num_attention_heads=16, num_key_valu
                                             max_position_embeddings=131072, rope_scaling=None)}
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
-# needs_cpu_seq_lens per backend row (None: decided by the backends)
-BACKEND_SYNC = {"flashinfer": True, "flashinfer-syncfree": False}
+
+class BackendRow(NamedTuple):
+    attention_backend: str
+    needs_cpu_seq_lens: Optional[bool]  # None: decided by the backends
+    cuda_graph: bool
+
+
+BACKEND_ROWS = {
+    "triton": BackendRow("triton", None, True),
+    "triton-eager": BackendRow("triton", None, False),
+    "flashinfer": BackendRow("flashinfer", True, False),  # host-synced plan (may split the KV)
+    "flashinfer-syncfree": BackendRow("flashinfer", False, True),
+    "flashinfer-syncfree-eager": BackendRow("flashinfer", False, False),
+}
 SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
               "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
 
@@ -169,8 +182,8 @@ def main():
     ap.add_argument("--batch-sizes", default="1,4,16,64")
     ap.add_argument("--modes", default="plain,chain,tree")
     ap.add_argument("--backends", default="triton",
-                    help="comma list of: triton (CUDA graphs), triton-eager, flashinfer (host-synced "
-                         "plan), flashinfer-syncfree")
+                    help="comma list of: " + ", ".join(BACKEND_ROWS) + " (graphs unless -eager; "
+                         "flashinfer alone is the host-synced plan, never graphed)")
     ap.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes (GPUs per engine)")
     ap.add_argument("--variants", default="default",
                     help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph")
@@ -204,9 +217,12 @@ def main():
             cfg = EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format=load_format,
                                spec=spec, max_running_requests=max_bs, max_context_len=args.max_context_len,
                                enable_overlap=variant != "no-overlap",
-                               attention_backend=backend.split("-")[0],
-                               needs_cpu_seq_lens=BACKEND_SYNC.get(backend, True if variant == "sync" else None),
-                               cuda_graph=backend == "triton" and variant != "no-graph", mem_fraction=0.5,
+                               attention_backend=BACKEND_ROWS[backend].attention_backend,
+                               needs_cpu_seq_lens=(True if variant == "sync" else None)
+                               if BACKEND_ROWS[backend].needs_cpu_seq_lens is None
+                               else BACKEND_ROWS[backend].needs_cpu_seq_lens,
+                               cuda_graph=BACKEND_ROWS[backend].cuda_graph and variant != "no-graph",
+                               mem_fraction=0.5,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
                                tp_size=tp)
             engine = Engine(cfg)

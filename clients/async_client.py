@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specserve.clients.errors import Unavailable, error_from_rpc
 from specserve.clients.messages import (ChatMessages, build_detokenize_request, build_request,
                                         build_tokenize_request, channel_credentials,
-                                        channel_options, chunk_from_proto, result_from_chunks)
+                                        channel_options, chunk_from_proto, one_or_all,
+                                        results_from_chunks)
 from specserve.clients.types import Chunk, GenerateResult
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
@@ -86,11 +87,14 @@ class AsyncClient:
                        prompt_token_ids: Optional[Sequence[int]] = None,
                        messages: Optional[ChatMessages] = None,
                        add_special_tokens: Optional[bool] = None,
-                       timeout: Optional[float] = None, **sampling) -> GenerateResult:
+                       timeout: Optional[float] = None, **sampling
+                       ) -> Union[GenerateResult, list[GenerateResult]]:
+        """Generate to the end: a GenerateResult, or with n > 1 one per sequence (in index
+        order)."""
         async with self.generate_stream(prompt, prompt_token_ids=prompt_token_ids,
                                         messages=messages, add_special_tokens=add_special_tokens,
                                         timeout=timeout, **sampling) as stream:
-            return result_from_chunks([chunk async for chunk in stream])
+            return one_or_all(results_from_chunks([chunk async for chunk in stream]), sampling)
 
     async def tokenize(self, prompt: Optional[str] = None, *,
                        messages: Optional[ChatMessages] = None,

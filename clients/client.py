@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specserve.clients.errors import Unavailable, error_from_rpc
 from specserve.clients.messages import (ChatMessages, build_detokenize_request, build_request,
                                         build_tokenize_request, channel_credentials,
-                                        channel_options, chunk_from_proto, result_from_chunks)
+                                        channel_options, chunk_from_proto, one_or_all,
+                                        results_from_chunks)
 from specserve.clients.types import Chunk, GenerateResult
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
@@ -80,7 +81,10 @@ class Client:
         True for text, False for messages) says whether a BOS is added to the prompt text.
         Sampling options (all optional):
         max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-        seed, stop, stop_token_ids, ignore_eos, logprobs. `timeout` (seconds) is the deadline.
+        seed, stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, prompt_logprobs,
+        presence_penalty, frequency_penalty, logit_bias ({token id: bias}), n (sequences; the
+        chunks name theirs in Chunk.index); see
+        docs/grpc-api.md for their meaning. `timeout` (seconds) is the deadline.
         A value of the wrong type or out of its field's range raises InvalidArgument here."""
         request = build_request(prompt, prompt_token_ids, sampling, messages,
                                 add_special_tokens)
@@ -90,12 +94,14 @@ class Client:
                  prompt_token_ids: Optional[Sequence[int]] = None,
                  messages: Optional[ChatMessages] = None,
                  add_special_tokens: Optional[bool] = None,
-                 timeout: Optional[float] = None, **sampling) -> GenerateResult:
-        """Generate to the end; same arguments as generate_stream."""
+                 timeout: Optional[float] = None, **sampling
+                 ) -> Union[GenerateResult, list[GenerateResult]]:
+        """Generate to the end; same arguments as generate_stream. A GenerateResult, or with
+        n > 1 one per sequence (in index order)."""
         with self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                   add_special_tokens=add_special_tokens, timeout=timeout,
                                   **sampling) as stream:
-            return result_from_chunks(stream)
+            return one_or_all(results_from_chunks(stream), sampling)
 
     def tokenize(self, prompt: Optional[str] = None, *,
                  messages: Optional[ChatMessages] = None,

@@ -10,7 +10,8 @@ from typing import Callable, Optional, Sequence, Union
 import grpc
 
 from specserve.clients.errors import InvalidArgument
-from specserve.clients.types import Chunk, GenerateResult, SpecStats, Usage
+from specserve.clients.types import (Chunk, GenerateResult, PromptTokenLogprob, SpecStats,
+                                     TokenLogprob, Usage)
 from specserve.proto import generate_pb2 as pb
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -87,6 +88,19 @@ def _list_of(item: _Check, lone: Optional[type] = None) -> _Check:
     return check
 
 
+def _logit_bias(value: object) -> dict[int, float]:
+    """{token id: bias}."""
+    if not isinstance(value, Mapping):
+        raise _BadValue(f"expected a dict of token id -> bias, got {type(value).__name__}")
+    bias = {}
+    for token, number in value.items():
+        try:
+            bias[_uint32(token)] = _float32(number)
+        except _BadValue as e:
+            raise _BadValue(f"entry {token!r}: {e}") from None
+    return bias
+
+
 # Every sampling option a caller may pass to generate()/generate_stream(), with the check for
 # its field in generate.proto. Only what the field can carry is checked here; what a value means
 # (top_p in (0, 1], limits) is the server's to judge, with the same InvalidArgument.
@@ -95,7 +109,9 @@ _SAMPLING_CHECKS: dict[str, _Check] = {
     "top_p": _float32, "top_k": _int32, "min_p": _float32, "repetition_penalty": _float32,
     "seed": _uint64, "stop": _list_of(_utf8_str, lone=str),
     "stop_token_ids": _list_of(_uint32, lone=numbers.Integral), "ignore_eos": _bool,
-    "logprobs": _bool,
+    "logprobs": _bool, "top_logprobs": _uint32, "prompt_logprobs": _uint32,
+    "presence_penalty": _float32, "frequency_penalty": _float32, "logit_bias": _logit_bias,
+    "n": _uint32,
 }
 SAMPLING_OPTIONS = tuple(_SAMPLING_CHECKS)
 _token_ids = _list_of(_uint32)
@@ -164,6 +180,8 @@ def build_request(prompt: Optional[str], prompt_token_ids: Optional[Sequence[int
         value = _checked(name, value, _SAMPLING_CHECKS[name])
         if isinstance(value, list):  # a repeated field
             getattr(request.sampling, name).extend(value)
+        elif isinstance(value, dict):  # a map field
+            getattr(request.sampling, name).update(value)
         else:
             setattr(request.sampling, name, value)
     return request
@@ -199,14 +217,24 @@ def _set_prompt_text(request: Union[pb.GenerateRequest, pb.TokenizeRequest],
     request.text = _checked("prompt", prompt, _utf8_str)
 
 
+def _token(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, msg.text)
+
+
 def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:
+    common = dict(
+        token_ids=list(msg.token_ids), text=msg.text, index=msg.index,
+        logprobs=list(msg.logprobs) or None, top_logprobs=[[_token(c) for c in top.candidates] for top in msg.top_logprobs] or None,
+        prompt_logprobs=[PromptTokenLogprob(p.token_id, p.text,
+                                            p.logprob if p.HasField("logprob") else None,
+                                            [_token(t) for t in p.top])
+                         for p in msg.prompt_logprobs] or None)
     if not msg.HasField("finish"):
-        return Chunk(token_ids=list(msg.token_ids), text=msg.text,
-                     logprobs=list(msg.logprobs) or None)
+        return Chunk(**common)
     finish = msg.finish
     matched_kind = finish.WhichOneof("matched_stop")
     return Chunk(
-        token_ids=list(msg.token_ids), text=msg.text, logprobs=list(msg.logprobs) or None,
+        **common,
         finish_reason=_FINISH_REASONS.get(finish.reason, "unspecified"),
         matched_stop=getattr(finish, matched_kind) if matched_kind else None,
         usage=Usage(finish.usage.prompt_tokens, finish.usage.completion_tokens),
@@ -214,18 +242,37 @@ def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:
                        finish.spec.accept_length) if finish.HasField("spec") else None)
 
 
-def result_from_chunks(chunks: Iterable[Chunk]) -> GenerateResult:
-    text, token_ids, logprobs, last = [], [], [], None
+def one_or_all(results: list[GenerateResult], sampling: dict
+               ) -> Union[GenerateResult, list[GenerateResult]]:
+    """What generate() returns: the result, or with n > 1 every sequence's."""
+    if sampling.get("n") in (None, 1):
+        return results[0]
+    return results
+
+
+def results_from_chunks(chunks: Iterable[Chunk]) -> list[GenerateResult]:
+    """One result per sequence (Chunk.index) of a stream, in index order."""
+    by_index: dict[int, list[Chunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return [_result(index, by_index[index]) for index in sorted(by_index)]
+
+
+def _result(index: int, chunks: list[Chunk]) -> GenerateResult:
+    text, token_ids, logprobs, top, prompt = [], [], [], [], None
     for chunk in chunks:
         text.append(chunk.text)
         token_ids += chunk.token_ids
         logprobs += chunk.logprobs or []
-        last = chunk
-    if last is None or last.finish_reason is None:
-        raise RuntimeError("the stream ended without a final chunk")
+        top += chunk.top_logprobs or []
+        prompt = prompt or chunk.prompt_logprobs
+    last = chunks[-1]
+    if last.finish_reason is None:
+        raise RuntimeError(f"the stream ended without a final chunk for sequence {index}")
     return GenerateResult(text="".join(text), token_ids=token_ids, finish_reason=last.finish_reason,
                           usage=last.usage, matched_stop=last.matched_stop,
-                          logprobs=logprobs or None, spec=last.spec)
+                          logprobs=logprobs or None, top_logprobs=top or None,
+                          prompt_logprobs=prompt, spec=last.spec, index=index)
 
 
 def channel_options() -> list[tuple[str, int]]:

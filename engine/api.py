@@ -92,13 +92,17 @@ class Engine:
         bad_stop = next((t for t in sampling.stop_token_ids if t >= vocab), None)
         if bad_stop is not None:
             raise ValueError(f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {vocab})")
-        if rid in core.scheduler.reqs:
+        bad_bias = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
+        if core.scheduler.has_request(rid):
             raise ValueError(f"rid: request id {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
         self._change(AddRequest(rid, ids, sampling, seed))
 
-    def abort(self, rid: str) -> None:
-        self._change(AbortRequest(rid))
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        """Abort a request (all its sequences), or only its sequence `index`."""
+        self._change(AbortRequest(rid, index))
 
     def _change(self, change: RequestChange) -> None:
         """Apply a request change here; with tensor parallelism it also goes to the other
@@ -148,6 +152,8 @@ class Engine:
                  prompts: Optional[Sequence[str]] = None,
                  sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> list[GenerateOutput]:
+        """Run prompts to completion: one GenerateOutput per sequence, each prompt's n
+        sequences in index order."""
         if (prompt_token_ids is None) == (prompts is None):
             raise ValueError("prompts: give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -159,7 +165,7 @@ class Engine:
         params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != n:
             raise ValueError(f"sampling: {len(params)} SamplingParams for {n} prompts")
-        rids = [f"generate-{next(self._rid_counter)}" for _ in range(n)]
+        rids = [f"generate-{next(self._rid_counter)}" for _ in range(n)]  # one per prompt
         for i, (rid, ids, p) in enumerate(zip(rids, prompt_token_ids, params)):
             try:
                 self.add_request(rid, ids, p)
@@ -168,28 +174,42 @@ class Engine:
                     self.abort(queued)
                 self._run_until_idle()
                 raise
-        finished: dict[str, StepOutput] = {}
-        collected: dict[str, list[int]] = {rid: [] for rid in rids}
-        logprobs: dict[str, list[float]] = {rid: [] for rid in rids}
-        while len(finished) < n:
+        # Per sequence (rid, index): a request with n > 1 gives n outputs, in index order.
+        keys = [(rid, i) for rid, p in zip(rids, params) for i in range(p.n)]
+        finished: dict[tuple[str, int], StepOutput] = {}
+        collected: dict[tuple[str, int], list[int]] = {key: [] for key in keys}
+        logprobs: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+        top: dict[tuple[str, int], list] = {key: [] for key in keys}
+        prompt: dict[tuple[str, int], StepOutput] = {}
+        while len(finished) < len(keys):
             for out in self.step():
-                if out.rid not in collected:
+                key = (out.rid, out.index)
+                if key not in collected:
                     continue
-                collected[out.rid] += out.new_token_ids
-                logprobs[out.rid] += out.new_logprobs or []
+                collected[key] += out.new_token_ids
+                logprobs[key] += out.new_logprobs or []
+                top[key] += out.new_top_logprobs or []
+                if out.prompt_logprobs is not None or out.prompt_top_logprobs is not None:
+                    prompt[key] = out
                 if out.finished:
-                    finished[out.rid] = out
+                    finished[key] = out
         self._run_until_idle()
         results = []
-        for rid, p in zip(rids, params):
-            out = finished[rid]
-            ids = collected[rid]
+        for key, p in zip(keys, (p for p in params for _ in range(p.n))):
+            out = finished[key]
+            ids = collected[key]
+            scored = prompt.get(key)
             results.append(GenerateOutput(
                 token_ids=ids, finish_reason=out.finish_reason,
                 text=self.tokenizer.decode(ids) if self.tokenizer is not None else None,
-                logprobs=logprobs[rid] if p.logprobs else None, matched_stop=out.matched_stop,
+                logprobs=logprobs[key] if p.logprobs else None,
+                top_logprobs=top[key] if p.top_logprobs else None,
+                prompt_logprobs=None if p.prompt_logprobs is None else
+                (scored.prompt_logprobs or [] if scored else []),
+                prompt_top_logprobs=scored.prompt_top_logprobs if scored else None,
+                matched_stop=out.matched_stop,
                 prompt_tokens=out.prompt_tokens, num_verify_steps=out.num_verify_steps,
-                num_accepted_drafts=out.num_accepted_drafts))
+                num_accepted_drafts=out.num_accepted_drafts, index=key[1]))
         return results
 
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

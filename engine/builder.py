@@ -33,7 +33,7 @@ from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import Worker
 from specserve.engine.runtime.tp_group import Stop, TPGroup
-from specserve.engine.runtime.worker import NormalWorker, PresenceTable, TargetModel
+from specserve.engine.runtime.worker import NormalWorker, HistoryTable, TargetModel
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
@@ -189,7 +189,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     backends = [attn, None if draft_runner is None else draft_runner.attn_backend]
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
-                         PresenceTable(num_rows, cfg.vocab_size, device))
+                         HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request())
     scheduler = Scheduler(
@@ -315,15 +315,18 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
 
 def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend,
                        cfg: ModelConfig) -> bool:
-    """On by default on CUDA with a backend whose metadata a graph can capture (Triton)."""
+    """On by default on CUDA with backends whose metadata a graph can capture (Triton, and
+    FlashInfer's sync-free plan; the draft's backend is the same kind as the target's), and
+    routed experts the Triton MoE kernel runs without host reads."""
     if config.cuda_graph is False or device.type != "cuda":
         if config.cuda_graph and device.type != "cuda":
             raise ValueError("cuda_graph: needs a CUDA device")
         return False
     if not attn.supports_cuda_graphs:
         if config.cuda_graph:
-            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured; "
-                             "use attention_backend='triton'")
+            raise ValueError(f"cuda_graph: the {type(attn).__name__} backend cannot be captured "
+                             "with host-synced plans; use attention_backend='triton', or "
+                             "needs_cpu_seq_lens=False for FlashInfer's sync-free plan")
         return False
     if cfg.moe is not None and not experts_capturable():
         if config.cuda_graph:

@@ -18,6 +18,14 @@ GREEDY_TEMPERATURE = 1e-5
 # A penalty divides (or multiplies) logits; outside this range it overflows them or wipes out
 # every repeated token, and no sampling setting in use comes near either end.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+# OpenAI's ranges: presence/frequency penalties subtract from logits, a bias adds to them.
+PRESENCE_FREQUENCY_PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_ENTRIES = 300
+# Most alternatives returned per token (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
+# Most sequences one request may ask for (n).
+MAX_N = 64
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -40,17 +48,34 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False          # return the log-probability of each chosen token
+    # The k most likely tokens and their log-probabilities at every generated position (needs
+    # logprobs); from the same distribution as `logprobs` (see the sampler).
+    top_logprobs: int = 0
+    # OpenAI semantics over generated tokens (not the prompt): logit -= frequency_penalty *
+    # count + presence_penalty * (count > 0); in PRESENCE_FREQUENCY_PENALTY_RANGE, 0 is off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias) pairs added to the logits, sorted by id; a dict is accepted and sorted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: off. k >= 0: the log-probability of every prompt token after the first (from the
+    # prefill's logits), with the k most likely alternatives at each position.
+    prompt_logprobs: Optional[int] = None
+    # Sequences generated from the prompt, each with its own seed (sequence_seed); the prompt
+    # is prefilled once and its KV shared.
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._normalise_logit_bias()
         _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                  "max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
         _require(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
                  "min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
         _require(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                  f"must not exceed max_new_tokens ({self.min_new_tokens} > {self.max_new_tokens})")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
             value = getattr(self, name)
             _require(isinstance(value, (int, float)) and not isinstance(value, bool)
                      and math.isfinite(value), name, f"must be a finite number, got {value!r}")
@@ -62,14 +87,61 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         _require(low <= self.repetition_penalty <= high, "repetition_penalty",
                  f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
+        low, high = PRESENCE_FREQUENCY_PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(low <= getattr(self, name) <= high, name,
+                     f"must be in [{low:g}, {high:g}], got {getattr(self, name)}")
+        _require(isinstance(self.logprobs, bool), "logprobs", f"must be a bool, got {self.logprobs!r}")
+        _require(isinstance(self.top_logprobs, int) and not isinstance(self.top_logprobs, bool)
+                 and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                 f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        _require(self.top_logprobs == 0 or self.logprobs, "top_logprobs",
+                 "needs logprobs (the chosen tokens' log-probabilities) to be set")
+        _require(self.prompt_logprobs is None or (
+            isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+            and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS), "prompt_logprobs",
+            f"must be unset or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        _require(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+                 "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                  "seed", f"must be a non-negative 63-bit integer, got {self.seed!r}")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "must be non-negative integers")
 
+    def _normalise_logit_bias(self) -> None:
+        bias = self.logit_bias
+        items = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        _require(len(items) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+                 f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(items)}")
+        low, high = LOGIT_BIAS_RANGE
+        for item in items:
+            _require(isinstance(item, tuple) and len(item) == 2, "logit_bias",
+                     f"must map token ids to numbers, got {item!r}")
+            token, value = item
+            _require(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                     "logit_bias", f"token id {token!r} must be a non-negative integer")
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                     and math.isfinite(value) and low <= value <= high, "logit_bias",
+                     f"bias {value!r} of token {token} must be a number in [{low:g}, {high:g}]")
+        ids = [token for token, _ in items]
+        _require(len(set(ids)) == len(ids), "logit_bias", "token ids must not repeat")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in items)))
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalises_repeats(self) -> bool:
+        """Whether a token's earlier occurrences change its logit."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed sequence `index` of an n > 1 request samples with: the request's seed + index
+    (mod 2^63), so sequence i equals a request of n = 1 with that seed."""
+    return (seed + index) % (1 << 63)
 
 
 @dataclass(frozen=True)

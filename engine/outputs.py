@@ -7,6 +7,9 @@ from typing import NamedTuple, Optional
 
 from specserve.engine.config import SpecConfig
 
+# The most likely tokens at one position, most likely first: (token id, log-probability).
+TopLogprobs = list[tuple[int, float]]
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -24,7 +27,8 @@ class EngineInfo:
 
 @dataclass
 class StepOutput:
-    """New tokens of one request from one scheduler step (a speculative step may emit several).
+    """New tokens of one sequence of a request from one scheduler step (a speculative step may
+    emit several). A request with n > 1 has n sequences, each finishing on its own.
 
     `finished` is True on the request's last StepOutput; `finish_reason` is then
     "stop" (EOS or a stop token; `matched_stop` says which), "length" or "abort".
@@ -32,7 +36,12 @@ class StepOutput:
 
     rid: str
     new_token_ids: list[int]
+    index: int = 0                # the sequence's index within its request (n > 1)
     new_logprobs: Optional[list[float]] = None
+    new_top_logprobs: Optional[list[TopLogprobs]] = None  # one per new token (top_logprobs)
+    # Sent once, on the request's first output (prompt_logprobs): prompt tokens 1.. on.
+    prompt_logprobs: Optional[list[float]] = None
+    prompt_top_logprobs: Optional[list[TopLogprobs]] = None
     finished: bool = False
     finish_reason: Optional[str] = None
     matched_stop: Optional[int] = None
@@ -44,16 +53,20 @@ class StepOutput:
 
 @dataclass
 class GenerateOutput:
-    """One finished request of `Engine.generate`."""
+    """One finished sequence of `Engine.generate`."""
 
     token_ids: list[int]
     finish_reason: str
     text: Optional[str] = None
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[TopLogprobs]] = None
+    prompt_logprobs: Optional[list[float]] = None
+    prompt_top_logprobs: Optional[list[TopLogprobs]] = None
     matched_stop: Optional[int] = None
     prompt_tokens: int = 0
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
+    index: int = 0               # the sequence's index within its request (n > 1)
 
     @property
     def accept_length(self) -> float:

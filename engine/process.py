@@ -117,9 +117,10 @@ class _EngineLoop:
         self.requests = requests
         self.outputs = outputs
         self.server_pid = server_pid
-        # Requests added and not yet finished: aborts for anything else are dropped, since the
-        # server may abort a request that finished while the abort was in flight.
-        self.live_rids: set[str] = set()
+        # Requests added and not yet finished, with their unfinished sequences: aborts for
+        # anything else are dropped, since the server may abort a request (or a sequence) that
+        # finished while the abort was in flight.
+        self.live: dict[str, set[int]] = {}
         # Read by the heartbeat thread (an int assignment is atomic): stops moving only while
         # an iteration, i.e. a step, does not return.
         self.iterations = 0
@@ -151,8 +152,11 @@ class _EngineLoop:
         if kind == "add":
             self._add(message.add)
         elif kind == "abort":
-            if message.abort.rid in self.live_rids:
-                self.engine.abort(message.abort.rid)
+            abort = message.abort
+            index = abort.index if abort.HasField("index") else None
+            sequences = self.live.get(abort.rid, ())
+            if sequences and (index is None or index in sequences):
+                self.engine.abort(abort.rid, index)
         elif kind == "load_query":
             self._send(ipc.EngineToServer(load=self._load_report(message.load_query.query_id)))
 
@@ -163,7 +167,7 @@ class _EngineLoop:
         except ValueError as e:  # the engine names the field; the server maps it to INVALID_ARGUMENT
             self._send(ipc.EngineToServer(rejected=ipc.RequestRejected(rid=add.rid, message=str(e))))
             return
-        self.live_rids.add(add.rid)
+        self.live[add.rid] = set(range(add.sampling.n))
 
     def _step(self) -> None:
         step_outputs = self.engine.step()
@@ -171,7 +175,10 @@ class _EngineLoop:
             return
         for out in step_outputs:
             if out.finished:
-                self.live_rids.discard(out.rid)
+                sequences = self.live[out.rid]
+                sequences.discard(out.index)
+                if not sequences:
+                    del self.live[out.rid]
         batch = ipc.BatchOutput(outputs=[output_to_proto(out) for out in step_outputs])
         self._send(ipc.EngineToServer(batch=batch))
 

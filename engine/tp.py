@@ -2,14 +2,14 @@
 the start of each step, and the loop a follower runs (runtime/tp_group.py has the design)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from specserve.engine.builder import EngineCore, build_engine
-from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.config import EngineConfig, SamplingParams, sequence_seed
 from specserve.engine.runtime.tp_group import Stop
-from specserve.engine.scheduler.schedule_batch import Req
+from specserve.engine.scheduler.schedule_batch import PromptScores, Req, SharedPrefix
 
 
 class AddRequest(NamedTuple):
@@ -19,19 +19,28 @@ class AddRequest(NamedTuple):
     seed: int
 
     def apply(self, core: EngineCore) -> None:
+        """Queue the request's sampling.n sequences: sequence i samples with sequence_seed(i);
+        with n > 1 they share the KV of the prompt but its last token (each prefills that one
+        itself, to sample its own first token), and the prompt's scores."""
         stop_ids = set(self.sampling.stop_token_ids)
         if not self.sampling.ignore_eos:
             stop_ids.update(core.eos_token_ids)
-        core.scheduler.add(Req(rid=self.rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
-                               seed=self.seed, stop_ids=frozenset(stop_ids)))
+        n = self.sampling.n
+        shared = SharedPrefix(len(self.prompt_ids) - 1) if n > 1 and len(self.prompt_ids) > 1 else None
+        scores = PromptScores()
+        for i in range(n):
+            core.scheduler.add(Req(rid=self.rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
+                                   seed=sequence_seed(self.seed, i), stop_ids=frozenset(stop_ids),
+                                   index=i, shared=shared, prompt_scores=scores))
 
 
 class AbortRequest(NamedTuple):
     rid: str
+    index: Optional[int] = None   # one sequence of the request; None: all of them
 
     def apply(self, core: EngineCore) -> None:
         with core.ctx.schedule_context():  # frees KV: schedule-side device work
-            core.scheduler.abort(self.rid)
+            core.scheduler.abort(self.rid, self.index)
 
 
 RequestChange = Union[AddRequest, AbortRequest]

@@ -7,15 +7,18 @@ SamplingParams, EngineInfo, StepOutput and EngineLoad, in both directions.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from specserve.engine.config import SamplingParams, SpecConfig
-from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput
+from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput, TopLogprobs
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 
 # SamplingParams fields that the API carries as `optional` scalars of the same name: an unset
 # one keeps the SamplingParams default, which is what generate.proto documents.
 _SCALAR_SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
-                           "min_p", "repetition_penalty", "seed", "ignore_eos", "logprobs")
+                           "min_p", "repetition_penalty", "seed", "ignore_eos", "logprobs",
+                           "presence_penalty", "frequency_penalty", "top_logprobs", "prompt_logprobs", "n")
 _SPEC_FIELDS = ("algorithm", "draft_model", "num_steps", "topk", "num_draft_tokens")
 
 
@@ -25,15 +28,19 @@ def sampling_from_proto(msg: pb.SamplingParams,
     """Unset fields take their defaults; ValueError naming the field for a bad value."""
     kwargs = {name: getattr(msg, name) for name in _SCALAR_SAMPLING_FIELDS if msg.HasField(name)}
     kwargs.setdefault("max_new_tokens", default_max_new_tokens)
-    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), logit_bias=dict(msg.logit_bias),
+                          **kwargs)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """Every field set (but `seed` when there is none), so the receiver needs no defaults."""
+    """Every field set (but `seed` and `prompt_logprobs` when off), so the receiver needs no
+    defaults."""
     values = {name: getattr(params, name) for name in _SCALAR_SAMPLING_FIELDS}
-    if values["seed"] is None:
-        del values["seed"]
-    return pb.SamplingParams(stop_token_ids=params.stop_token_ids, **values)
+    for name in ("seed", "prompt_logprobs"):
+        if values[name] is None:
+            del values[name]
+    return pb.SamplingParams(stop_token_ids=params.stop_token_ids, logit_bias=dict(params.logit_bias),
+                             **values)
 
 
 # --- what the engine serves ------------------------------------------------------------------------
@@ -55,9 +62,21 @@ def info_from_proto(msg: pb.ModelInfo) -> EngineInfo:
 
 
 # --- per-step outputs -------------------------------------------------------------------------------
+def _top_to_proto(tops: Optional[list[TopLogprobs]]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
+            for top in tops or []]
+
+
+def _top_from_proto(msgs) -> Optional[list[TopLogprobs]]:
+    return [[(c.token_id, c.logprob) for c in m.candidates] for m in msgs] or None
+
+
 def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
     msg = ipc.RequestOutput(
-        rid=out.rid, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
+        rid=out.rid, index=out.index, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
+        new_top_logprobs=_top_to_proto(out.new_top_logprobs),
+        prompt_logprobs=out.prompt_logprobs or [],
+        prompt_top_logprobs=_top_to_proto(out.prompt_top_logprobs),
         finished=out.finished, finish_reason=out.finish_reason or "",
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
         spec=ipc.SpecInfo(num_verify_steps=out.num_verify_steps,
@@ -69,8 +88,11 @@ def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
 
 def output_from_proto(msg: ipc.RequestOutput) -> StepOutput:
     return StepOutput(
-        rid=msg.rid, new_token_ids=list(msg.new_token_ids),
-        new_logprobs=list(msg.new_logprobs) or None, finished=msg.finished,
+        rid=msg.rid, index=msg.index, new_token_ids=list(msg.new_token_ids),
+        new_logprobs=list(msg.new_logprobs) or None,
+        new_top_logprobs=_top_from_proto(msg.new_top_logprobs),
+        prompt_logprobs=list(msg.prompt_logprobs) or None,
+        prompt_top_logprobs=_top_from_proto(msg.prompt_top_logprobs), finished=msg.finished,
         finish_reason=msg.finish_reason or None,
         matched_stop=msg.matched_stop_token_id if msg.HasField("matched_stop_token_id") else None,
         prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,

@@ -66,6 +66,8 @@ class EngineClient:
         self._heartbeats = self._zmq.socket(zmq.PULL)
         self._heartbeats.setsockopt(zmq.LINGER, 0)
         self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
+        # Per live request, its sequences (0 .. n - 1) the engine has not finished yet.
+        self._unfinished: dict[str, set[int]] = {}
         self._load_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._ready: Optional[asyncio.Future[EngineInfo]] = None
@@ -126,19 +128,30 @@ class EngineClient:
     # --- requests ------------------------------------------------------------------------
     def submit(self, rid: str, prompt_token_ids: list[int],
                sampling: SamplingParams) -> asyncio.Queue[RequestEvent]:
-        """Send a request to the engine; its outputs (and a final error, if any) arrive on the
-        returned queue. The queue is dropped after the finished output or an error."""
+        """Send a request to the engine; the outputs of its sampling.n sequences (and a final
+        error, if any) arrive on the returned queue. The queue is dropped after every
+        sequence's finished output or an error."""
         self.check_available()
         queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._streams[rid] = queue
+        self._unfinished[rid] = set(range(sampling.n))
         self._send(ipc.ServerToEngine(add=ipc.AddRequest(
             rid=rid, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))))
         return queue
 
-    def abort(self, rid: str) -> None:
-        """Stop a request and free its KV; a no-op once it finished or the engine is gone."""
-        if self._streams.pop(rid, None) is not None and self._dead_reason is None:
-            self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid)), quiet=True)
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        """Stop a request, or only its sequence `index`, and free its KV; a no-op once it
+        finished or the engine is gone. Outputs of the other sequences keep arriving."""
+        unfinished = self._unfinished.get(rid)
+        if unfinished is None or (index is not None and index not in unfinished):
+            return
+        if index is None or unfinished == {index}:
+            self._streams.pop(rid, None)
+            self._unfinished.pop(rid, None)
+        else:
+            unfinished.discard(index)
+        if self._dead_reason is None:
+            self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid, index=index)), quiet=True)
 
     async def load(self) -> EngineLoad:
         self.check_available()
@@ -181,6 +194,7 @@ class EngineClient:
                     self._deliver(out)
             elif kind == "rejected":
                 queue = self._streams.pop(message.rejected.rid, None)
+                self._unfinished.pop(message.rejected.rid, None)
                 if queue is not None:
                     queue.put_nowait(RequestRejected(message.rejected.message))
             elif kind == "load":
@@ -199,7 +213,10 @@ class EngineClient:
         if queue is None:  # aborted by the server meanwhile
             return
         if msg.finished:
-            del self._streams[msg.rid]
+            unfinished = self._unfinished[msg.rid]
+            unfinished.discard(msg.index)
+            if not unfinished:
+                del self._streams[msg.rid], self._unfinished[msg.rid]
         queue.put_nowait(output_from_proto(msg))
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:
@@ -254,6 +271,7 @@ class EngineClient:
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
+        self._unfinished.clear()
         for future in self._load_queries.values():
             if not future.done():
                 future.set_exception(error)

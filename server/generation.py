@@ -22,6 +22,7 @@ from specserve.proto import generate_pb2 as pb
 from specserve.server.chat_template import ChatTemplate
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
+from specserve.server.logprobs import TokenTexts
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
 from specserve.server.request_record import RequestRecord, finish_reason_name
@@ -68,6 +69,7 @@ class Served:
     tokenizer: Any            # encode/decode, or None for a model without one
     limits: RequestLimits
     validator: RequestValidator  # it holds the chat template
+    token_texts: TokenTexts      # each token's own text, for top and prompt logprobs
 
 
 Prepare = Callable[[Served], ValidatedRequest]
@@ -95,7 +97,8 @@ class GenerationCore:
             max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
             max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
         self.served = Served(info, tokenizer, limits,
-                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)))
+                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)),
+                             TokenTexts(tokenizer))
 
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
@@ -172,30 +175,42 @@ class GenerationCore:
             validated = await self.in_prepare_thread(prepare, served)
             record.prompt_tokens = len(validated.prompt_token_ids)
             spec = served.info.spec is not None
-            stream = OutputStream(served.tokenizer, validated, report_spec=spec)
+            # One OutputStream per sequence (n > 1): each has its own text, stop strings and
+            # finish; the call ends once all have finished.
+            streams = [OutputStream(served.tokenizer, validated, report_spec=spec,
+                                    token_texts=served.token_texts)
+                       for _ in range(validated.sampling.n)]
             try:
                 events = self.engine.submit(record.rid, validated.prompt_token_ids,
                                             validated.sampling)
             except EngineUnavailable as e:
                 raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
             self.metrics.prompt_tokens.inc(record.prompt_tokens)
-            while not stream.finished:
+            while not all(stream.finished for stream in streams):
                 event = await events.get()
                 if isinstance(event, RequestRejected):
                     raise Refused(RefusalKind.INVALID_ARGUMENT, str(event),
                                   str(event).partition(":")[0])
                 if isinstance(event, EngineUnavailable):
                     raise Refused(RefusalKind.UNAVAILABLE, str(event))
+                stream = streams[event.index]
+                if stream.finished:  # ended by a stop string; its aborted outputs trail in
+                    continue
                 now = time.perf_counter()
                 if record.first_output is None:
                     record.first_output = now
                     self.metrics.queue_time.observe(now - record.admitted)
                 chunk = stream.on_output(event)
-                record.verify_steps, record.accepted_drafts = (stream.verify_steps,
-                                                               stream.accepted_drafts)
+                record.verify_steps = sum(s.verify_steps for s in streams)
+                record.accepted_drafts = sum(s.accepted_drafts for s in streams)
                 record.accept_length = stream.accept_length if spec else None
                 if chunk is None:
                     continue
+                chunk.index = event.index
+                if stream.finished and not event.finished and len(streams) > 1:
+                    # A stop string ended this sequence: the engine stops it alone (the call's
+                    # end aborts whatever is left of a single sequence).
+                    self.engine.abort(record.rid, event.index)
                 if chunk.token_ids:
                     self._on_tokens(record, len(chunk.token_ids), now)
                 if chunk.HasField("finish"):

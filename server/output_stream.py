@@ -6,6 +6,7 @@ from typing import Any, Optional
 from specserve.engine.outputs import StepOutput
 from specserve.proto import generate_pb2 as pb
 from specserve.server.detokenizer import IncrementalDetokenizer
+from specserve.server.logprobs import TokenTexts
 from specserve.server.stop_strings import StopStringMatcher
 from specserve.server.validation import ValidatedRequest
 
@@ -17,8 +18,13 @@ class OutputStream:
     """Tokens are handled one at a time so that a stop string completed by the first of several
     tokens of a speculative step ends the stream right there: later tokens are not streamed."""
 
-    def __init__(self, tokenizer: Any, request: ValidatedRequest, report_spec: bool):
+    def __init__(self, tokenizer: Any, request: ValidatedRequest, report_spec: bool,
+                 token_texts: Optional[TokenTexts] = None):
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.token_texts = token_texts or TokenTexts(tokenizer)
+        self.prompt_token_ids = request.prompt_token_ids
+        self.wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
+        self.sent_prompt_logprobs = False
         self.stops = StopStringMatcher(request.stop_strings)
         self.min_new_tokens = request.sampling.min_new_tokens
         self.prompt_tokens = len(request.prompt_token_ids)
@@ -40,10 +46,18 @@ class OutputStream:
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
         chunk = pb.GenerateChunk()
+        if self.wants_prompt_logprobs and not self.num_tokens and not self.sent_prompt_logprobs:
+            # The engine sends them with the first output (the wire drops an empty list: a
+            # one-token prompt).
+            self.sent_prompt_logprobs = True
+            chunk.prompt_logprobs.extend(self.token_texts.prompt(
+                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs))
         for i, token_id in enumerate(out.new_token_ids):
             chunk.token_ids.append(token_id)
             if out.new_logprobs:
                 chunk.logprobs.append(out.new_logprobs[i])
+            if out.new_top_logprobs:
+                chunk.top_logprobs.append(self.token_texts.top(out.new_top_logprobs[i]))
             self.num_tokens += 1
             text, matched = self._text(self.detokenizer.add([token_id]) if self.detokenizer else "")
             chunk.text += text
@@ -61,7 +75,7 @@ class OutputStream:
                                                              pb.FINISH_REASON_UNSPECIFIED))
             if out.matched_stop is not None:
                 finish.matched_token_id = out.matched_stop
-        if not (chunk.token_ids or chunk.text or chunk.HasField("finish")):
+        if not (chunk.token_ids or chunk.text or chunk.HasField("finish") or chunk.prompt_logprobs):
             return None
         return chunk
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Uni
 
 from google.protobuf.message import DecodeError, Message
 
-from specserve.engine.config import SamplingParams
+from specserve.engine.config import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from specserve.engine.wire import sampling_from_proto
 from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
 from specserve.proto import generate_pb2 as pb
@@ -104,6 +104,7 @@ class RequestValidator:
         if stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop: this model has no tokenizer, so stop strings cannot match")
         self._check_ids("stop_token_ids", sampling.stop_token_ids)
+        self._check_ids("logit_bias", sampling.logit_bias)
         self._check_max_new_tokens(sampling)
         try:
             params = sampling_from_proto(
@@ -132,6 +133,9 @@ class RequestValidator:
         if longest > MAX_STOP_STRING_CHARS:
             raise InvalidRequest(f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} "
                                  f"characters, got {longest}")
+        if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries are "
+                                 f"allowed, got {len(sampling.logit_bias)}")
         if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} are allowed, "
                                  f"got {len(sampling.stop_token_ids)}")

@@ -9,7 +9,7 @@ from specserve.clients import (AsyncClient, Cancelled, Client, DeadlineExceeded,
                                ResourceExhausted, SpecserveError, Unavailable)
 from specserve.clients.errors import error_from_rpc
 from specserve.clients.messages import (build_request, build_tokenize_request, chunk_from_proto,
-                                        result_from_chunks)
+                                        one_or_all, results_from_chunks)
 from specserve.proto import generate_pb2 as pb
 
 
@@ -76,6 +76,10 @@ BAD_VALUES = [
     ("repetition_penalty", float("inf")), ("repetition_penalty", "1.1"),
     ("ignore_eos", 1), ("ignore_eos", "yes"),
     ("logprobs", 0), ("logprobs", "true"),
+    ("top_logprobs", -1), ("top_logprobs", 2.0), ("prompt_logprobs", True), ("prompt_logprobs", 2**32),
+    ("presence_penalty", float("nan")), ("frequency_penalty", "0.5"),
+    ("logit_bias", [1, 2]), ("logit_bias", {-1: 1.0}), ("logit_bias", {"7": 1.0}),
+    ("logit_bias", {7: float("inf")}), ("logit_bias", {7: "1"}),
     ("stop", 5), ("stop", b"\n"), ("stop", ["ok", 3]), ("stop", "\ud800"),
     ("stop_token_ids", -1), ("stop_token_ids", [1, -2]), ("stop_token_ids", "7"),
     ("stop_token_ids", [2**32]), ("stop_token_ids", [1.5]),
@@ -131,12 +135,25 @@ def test_chunks_assemble_into_a_result():
         spec=pb.SpecStats(verify_steps=2, accepted_drafts=1, accept_length=1.5)))
     chunks = [chunk_from_proto(pb.GenerateChunk(token_ids=[3, 4], text="a")), chunk_from_proto(last)]
     assert not chunks[0].is_last and chunks[1].is_last
-    result = result_from_chunks(chunks)
+    [result] = results_from_chunks(chunks)
     assert (result.text, result.token_ids, result.finish_reason) == ("ab", [3, 4, 5], "stop")
     assert result.matched_stop == "\n" and result.usage.completion_tokens == 3
     assert result.spec.accept_length == 1.5 and result.logprobs is None
     with pytest.raises(RuntimeError):
-        result_from_chunks(chunks[:1])
+        results_from_chunks(chunks[:1])
+
+
+def test_chunks_of_n_sequences_assemble_by_index():
+    def finish(n):
+        return pb.Finish(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=2, completion_tokens=n))
+
+    chunks = [chunk_from_proto(c) for c in [
+        pb.GenerateChunk(token_ids=[3], text="a", index=1), pb.GenerateChunk(token_ids=[4], text="b"),
+        pb.GenerateChunk(token_ids=[5], text="c", index=1, finish=finish(2)),
+        pb.GenerateChunk(token_ids=[], text="", finish=finish(1))]]
+    results = results_from_chunks(chunks)
+    assert [(r.index, r.text, r.token_ids) for r in results] == [(0, "b", [4]), (1, "ac", [3, 5])]
+    assert one_or_all(results, {"n": 2}) == results and one_or_all(results[:1], {}) == results[0]
 
 
 class _FakeRpcError(grpc.RpcError):

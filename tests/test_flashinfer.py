@@ -309,6 +309,47 @@ def test_backend_on_fake_flashinfer_matches_torch_native(fake_flashinfer, case_n
         assert plan["masked"] == case.tree_mask and plan["causal"] == (not case.tree_mask)
 
 
+@pytest.mark.parametrize("case_name", ["decode", "target_verify", "draft_extend"])
+def test_sync_free_plan_at_the_bound_is_made_once_and_kept(fake_flashinfer, case_name):
+    """What CUDA graphs rely on: forwards at the max_context_len bound with one query length
+    reuse one plan (made before capture), yet each attends over its own slots, lengths and
+    tree mask; forwards below the bound plan afresh on the shared wrapper."""
+    case = CASES[case_name]
+    gen = torch.Generator().manual_seed(11)
+    backend = FlashInferAttnBackend(4, 2, 64, "cpu", sync_free=True, max_context_len=64,
+                                    max_query_len=4, workspace_bytes=64)
+    assert backend.supports_cuda_graphs
+    kept = None
+    for prefix_shift in (0, 5, 2):  # different lengths, slots and masks each time
+        shifted = case._replace(prefix_lens=[p + prefix_shift for p in case.prefix_lens])
+        fb = build_batch(shifted, 2, 64, bound=64, gen=gen, dtype=torch.bfloat16,
+                         device=torch.device("cpu"), host_lens=False)
+        out, expected = run_against_native(backend, fb, 4, gen)
+        torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+        assert list(backend._kept_plans) == [(len(case.prefix_lens), case.extend_lens[0],
+                                              case.tree_mask)]
+        kept = kept or backend._kept_plans[next(iter(backend._kept_plans))]
+        assert backend._kept_plans[next(iter(backend._kept_plans))] is kept
+    assert len(kept.plans) == 1 and not backend._prefill.plans and not backend._decode.plans
+
+    below = build_batch(case, 2, 64, bound=64, gen=gen, dtype=torch.bfloat16,
+                        device=torch.device("cpu"), host_lens=False)
+    below.max_seq_len = 63  # an eager forward's own bound
+    run_against_native(backend, below, 4, gen)
+    assert len(backend._prefill.plans) == 1 and len(kept.plans) == 1
+
+
+def test_only_the_sync_free_plan_supports_cuda_graphs(fake_flashinfer):
+    assert not FlashInferAttnBackend(4, 2, 64, "cpu", max_context_len=64).supports_cuda_graphs
+    assert not FlashInferAttnBackend(4, 2, 64, "cpu", sync_free=True).supports_cuda_graphs
+    wide = build_batch(CASES["extend"], 2, 64, bound=64, gen=torch.Generator().manual_seed(1),
+                       dtype=torch.bfloat16, device=torch.device("cpu"), host_lens=False)
+    backend = FlashInferAttnBackend(4, 2, 64, "cpu", sync_free=True, max_context_len=64,
+                                    max_query_len=4, workspace_bytes=64)
+    backend.init_forward_metadata(wide)  # ragged prefill at the bound: planned, not kept
+    assert not backend._kept_plans and len(backend._prefill.plans) == 1
+
+
 def test_backend_refuses_a_forward_whose_plan_was_replaced(fake_flashinfer):
     gen = torch.Generator().manual_seed(5)
     backend = FlashInferAttnBackend(4, 2, 64, "cpu")
@@ -593,3 +634,29 @@ def test_gpu_engine_sync_free_steady_state_has_no_blocking_sync(flashinfer_pair,
         torch.cuda.set_sync_debug_mode("default")
         engine.abort("r")
         engine.step()
+
+
+@needs_flashinfer
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+def test_gpu_engine_cuda_graphs_match_eager(flashinfer_pair, make_engine, prompts, reference, spec):
+    """The sync-free plan under CUDA graphs: same tokens as eager FlashInfer (and the fp32
+    reference), decode and speculative steps replayed from graphs, no blocking sync."""
+    target, head = flashinfer_pair
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    common = dict(ENGINE, attention_backend="flashinfer", needs_cpu_seq_lens=False, spec=spec_cfg,
+                  max_running_requests=16)
+    eager = _generate(make_engine(target, **common), prompts)
+    graphed_engine = make_engine(target, **dict(common, cuda_graph=True))
+    assert graphed_engine.core.uses_cuda_graphs
+    graphed = _generate(graphed_engine, prompts)
+    assert graphed == eager
+    assert_follows(graphed, reference)
+
+
+@needs_flashinfer
+@pytest.mark.gpu
+def test_gpu_engine_refuses_graphs_with_the_synced_plan(flashinfer_pair, make_engine):
+    with pytest.raises(ValueError, match="cuda_graph"):
+        make_engine(flashinfer_pair[0], **dict(ENGINE, attention_backend="flashinfer",
+                                               needs_cpu_seq_lens=True, cuda_graph=True))

@@ -78,3 +78,32 @@ def test_gpu_spec_matches_plain_at_8k(tmp_path_factory, make_engine, shape):
     outs = engine.generate(prompt_token_ids=prompts, sampling=params)
     assert [o.token_ids for o in outs] == expected
     assert engine.metrics.mean_accept_length > 1.5
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_sampling_fields_match_plain(pair, make_engine, prompts, shape, overlap):
+    """E17 on the GPU: penalties, logit_bias, top_logprobs, prompt logprobs and n > 1 under
+    speculation (eager steps with per-token rules beside graphed greedy ones) equal plain
+    decoding's tokens and log-probabilities."""
+    target, head = pair
+    params = [SamplingParams(max_new_tokens=30, temperature=0.0, presence_penalty=1.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=30, temperature=0.8, seed=3, frequency_penalty=0.7,
+                             logit_bias={7: 3.0}, logprobs=True, top_logprobs=5, ignore_eos=True),
+              SamplingParams(max_new_tokens=30, temperature=0.7, seed=8, n=3, prompt_logprobs=2,
+                             repetition_penalty=1.1, ignore_eos=True),
+              GREEDY]
+    batch = prompts[:4]
+    plain = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=False,
+                        enable_overlap=overlap).generate(prompt_token_ids=batch, sampling=params)
+    engine = make_engine(target, device="cuda", attention_backend="triton", enable_overlap=overlap,
+                         spec=SpecConfig(algorithm="eagle", draft_model=head, **shape))
+    assert engine.core.uses_cuda_graphs
+    outs = engine.generate(prompt_token_ids=batch, sampling=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for s, p in zip(outs, plain):
+        if p.logprobs is not None:
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=2e-3, rtol=2e-3)
+        if p.prompt_logprobs is not None:
+            torch.testing.assert_close(torch.tensor(s.prompt_logprobs), torch.tensor(p.prompt_logprobs),
+                                       atol=2e-3, rtol=2e-3)

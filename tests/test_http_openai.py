@@ -111,6 +111,85 @@ def test_extras_and_seed(oai, client, name):
     assert first.choices[0].text == want.text
 
 
+SAMPLING = dict(temperature=0.8, seed=4, presence_penalty=0.5, frequency_penalty=0.4)
+
+
+def test_completion_sampling_fields_and_logprobs(oai, client, name):
+    """Penalties, logit_bias and logprobs=k as the gRPC API's fields: same tokens, same
+    log-probabilities, top alternatives with their text."""
+    want = client.generate("class Stack", max_new_tokens=8, logprobs=True, top_logprobs=3,
+                           logit_bias={66: -100.0}, ignore_eos=True, **SAMPLING)
+    got = oai.completions.create(model=name, prompt="class Stack", max_tokens=8, logprobs=3,
+                                 logit_bias={"66": -100}, extra_body={"ignore_eos": True}, **SAMPLING)
+    choice = got.choices[0]
+    assert choice.text == want.text and 66 not in want.token_ids
+    assert choice.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-6)
+    assert choice.logprobs.tokens == [client.detokenize([t]) for t in want.token_ids]
+    # OpenAI's legacy layout maps text -> logprob: tokens with the same text share an entry.
+    assert [list(top) for top in choice.logprobs.top_logprobs] == \
+        [list(dict.fromkeys(c.text for c in top)) for top in want.top_logprobs]
+    assert choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
+    streamed = list(oai.completions.create(model=name, prompt="class Stack", max_tokens=8, logprobs=3,
+                                           logit_bias={"66": -100}, stream=True,
+                                           extra_body={"ignore_eos": True}, **SAMPLING))
+    lps = [lp for c in streamed if c.choices and c.choices[0].logprobs
+           for lp in c.choices[0].logprobs.token_logprobs]
+    assert lps == pytest.approx(want.logprobs, abs=1e-6)
+
+
+def test_completion_echo_with_prompt_logprobs(oai, client, name):
+    ids = client.tokenize("def add")
+    want = client.generate("def add", max_new_tokens=4, temperature=0, logprobs=True, prompt_logprobs=1)
+    for stream in (False, True):
+        got = oai.completions.create(model=name, prompt="def add", max_tokens=4, temperature=0,
+                                     logprobs=1, echo=True, stream=stream)
+        choices = [c.choices[0] for c in got if c.choices] if stream else got.choices
+        assert "".join(c.text for c in choices) == "def add" + want.text
+        token_logprobs = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert len(token_logprobs) == len(ids) + 4 and token_logprobs[0] is None
+        assert token_logprobs[1:len(ids)] == pytest.approx([p.logprob for p in want.prompt_logprobs[1:]],
+                                                          abs=1e-6)
+        assert token_logprobs[len(ids):] == pytest.approx(want.logprobs, abs=1e-6)
+    plain_echo = oai.completions.create(model=name, prompt="def add", max_tokens=4, temperature=0, echo=True)
+    assert plain_echo.choices[0].text == "def add" + want.text and plain_echo.choices[0].logprobs is None
+
+
+def test_n_choices(oai, client, name):
+    want = client.generate("class Stack", max_new_tokens=6, n=3, ignore_eos=True, **SAMPLING)
+    got = oai.completions.create(model=name, prompt="class Stack", max_tokens=6, n=3,
+                                 extra_body={"ignore_eos": True}, **SAMPLING)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert got.usage.prompt_tokens == want[0].usage.prompt_tokens
+    assert got.usage.completion_tokens == 18
+    chunks = list(oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=5, n=2,
+                                              stream=True, stream_options={"include_usage": True},
+                                              **SAMPLING))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=5, n=2, **SAMPLING)
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert sum(1 for c in chunks for ch in c.choices if ch.finish_reason) == 2
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+    assert wait_until(lambda: engine_is_idle(client))
+
+
+def test_chat_logprobs(oai, client, name, server):
+    rendered = httpx.post(server.http_url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    want = client.generate(prompt_token_ids=rendered, max_new_tokens=6, temperature=0, logprobs=True,
+                           top_logprobs=2)
+    got = oai.chat.completions.create(model=name, messages=MESSAGES, max_tokens=6, temperature=0,
+                                      logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(want.logprobs, abs=1e-6)
+    assert [[t.token for t in c.top_logprobs] for c in content] == \
+        [[t.text for t in top] for top in want.top_logprobs]
+    assert content[0].bytes == list(content[0].token.encode())
+
+
 # --- chat ---------------------------------------------------------------------------------------
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 
@@ -176,8 +255,16 @@ def test_models_health_metrics(server, name):
     ({"prompt": {"x": 1}}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 65}, "n"),
+    ({"prompt": "hi", "n": -1}, "n"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 2, "echo": True, "max_tokens": 2, "n": 1, "top_k": -5}, "top_k"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "hi", "top_p": 2}, "top_p"),
 ])
 def test_invalid_completion_fields_are_named(server, body, param):
@@ -186,6 +273,15 @@ def test_invalid_completion_fields_are_named(server, body, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert error["message"].startswith(f"{param}"), error
+
+
+def test_chat_top_logprobs_need_logprobs(server):
+    response = httpx.post(server.http_url + "/v1/chat/completions",
+                          json={"messages": MESSAGES, "top_logprobs": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    response = httpx.post(server.http_url + "/v1/chat/completions",
+                          json={"messages": MESSAGES, "logprobs": True, "top_logprobs": 30})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
 
 
 def test_openai_client_errors(oai, name):

@@ -47,6 +47,15 @@ def server(tiny_model):
     ({"text": "hi"}, {"stop": [""]}, "stop"),
     ({"text": "hi"}, {"stop": ["x"] * 17}, "stop"),
     ({"text": "hi"}, {"stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"text": "hi"}, {"presence_penalty": 2.5}, "presence_penalty"),
+    ({"text": "hi"}, {"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"text": "hi"}, {"frequency_penalty": float("inf")}, "frequency_penalty"),
+    ({"text": "hi"}, {"logit_bias": {1000: 1.0}}, "logit_bias"),
+    ({"text": "hi"}, {"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"text": "hi"}, {"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+    ({"text": "hi"}, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"text": "hi"}, {"top_logprobs": 3}, "top_logprobs"),
+    ({"text": "hi"}, {"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_invalid_field_is_named(server, prompt, sampling, field):
     request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
@@ -116,6 +125,9 @@ _sampling = st.fixed_dictionaries({}, optional={
     "stop": st.lists(st.text(max_size=3), max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 400), max_size=3),
     "ignore_eos": st.booleans(), "seed": st.integers(0, 2**64 - 1), "logprobs": st.booleans(),
+    "presence_penalty": _floats, "frequency_penalty": _floats,
+    "logit_bias": st.dictionaries(st.integers(0, 400), _floats, max_size=3),
+    "top_logprobs": st.integers(0, 25), "prompt_logprobs": st.integers(0, 25),
 })
 _requests = st.builds(
     lambda prompt, sampling: pb.GenerateRequest(**prompt, sampling=pb.SamplingParams(**sampling)),

@@ -175,3 +175,51 @@ def test_cli_generate_through_the_server_and_offline_agree(server, model, capsys
     offline = json.loads(capsys.readouterr().out)
     assert via_server["token_ids"] == offline["token_ids"] and len(offline["token_ids"]) == 6
     assert via_server["text"] == offline["text"]
+
+
+def test_sampling_fields_and_logprobs_through_the_sdk(client, offline):
+    """Penalties, logit_bias, top_logprobs (with token text) and prompt logprobs go through
+    the gRPC contract and the SDK and equal the offline engine's."""
+    fields = dict(max_new_tokens=10, temperature=0.7, seed=3, presence_penalty=0.6,
+                  frequency_penalty=0.3, logit_bias={65: 5.0, 66: -100.0}, logprobs=True,
+                  top_logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    want = offline.generate(prompts=["class Stack"], sampling=SamplingParams(**fields))[0]
+    chunks = list(client.generate_stream("class Stack", **fields))
+    result = client.generate("class Stack", **fields)
+    assert result.token_ids == want.token_ids and 66 not in result.token_ids
+    assert chunks[0].prompt_logprobs is not None
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    assert [[c.token_id for c in top] for top in result.top_logprobs] == \
+        [[t for t, _ in top] for top in want.top_logprobs]
+    assert result.top_logprobs[0][0].logprob == pytest.approx(want.top_logprobs[0][0][1], abs=1e-5)
+    tokenizer = offline.tokenizer
+    assert all(c.text == tokenizer.decode([c.token_id]) for top in result.top_logprobs for c in top)
+    prompt_ids = tokenizer.encode("class Stack")
+    first, *rest = result.prompt_logprobs
+    assert first.logprob is None and first.top == [] and first.token_id == prompt_ids[0]
+    assert [p.token_id for p in rest] == prompt_ids[1:]
+    assert [p.logprob for p in rest] == pytest.approx(want.prompt_logprobs, abs=1e-5)
+    assert [[t.token_id for t in p.top] for p in rest] == \
+        [[t for t, _ in top] for top in want.prompt_top_logprobs]
+    assert rest[0].text == tokenizer.decode([prompt_ids[1]])
+
+
+def test_n_sequences_through_the_sdk(client, offline):
+    """n = 3 over gRPC: each sequence equals the offline engine's, chunks name their sequence,
+    a stop string ends one sequence while the others go on, and the KV is freed."""
+    fields = dict(max_new_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
+    want = offline.generate(prompts=["def add"], sampling=SamplingParams(n=3, **fields))
+    results = client.generate("def add", n=3, **fields)
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    assert [r.index for r in results] == [0, 1, 2]
+    assert all(r.usage.prompt_tokens == want[0].prompt_tokens for r in results)
+    # A stop string on text only the first sequence produces early.
+    stop = results[0].text[2:5]
+    assert stop and all(stop not in r.text for r in results[1:])
+    chunks = list(client.generate_stream("def add", n=3, stop=[stop], **fields))
+    stopped = [c for c in chunks if c.index == 0]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].matched_stop == stop
+    assert [c.is_last for c in chunks].count(True) == 3
+    for i in (1, 2):
+        assert "".join(c.text for c in chunks if c.index == i) == results[i].text
+    assert wait_until(lambda: engine_is_idle(client))

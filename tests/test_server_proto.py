@@ -84,13 +84,15 @@ def _documented_defaults() -> dict[str, str]:
 def test_documented_defaults_are_the_engine_defaults():
     documented = _documented_defaults()
     assert set(documented) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                               "max_new_tokens", "min_new_tokens", "ignore_eos", "seed", "logprobs"}
+                               "max_new_tokens", "min_new_tokens", "ignore_eos", "seed", "logprobs",
+                               "presence_penalty", "frequency_penalty", "top_logprobs",
+                               "prompt_logprobs", "n"}
     validator = RequestValidator(tokenizer=None, limits=RequestLimits(320, 100, 1000))
     resolved = validator.validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5]))).sampling
     assert resolved == SamplingParams()
     for name, text in documented.items():
         value = getattr(resolved, name)
-        if text == "no":  # "Unset: no seed"
+        if text == "no":  # "Unset: no seed", "Unset: no prompt scoring"
             assert value is None
         elif isinstance(value, bool):
             assert value == (text == "true"), name

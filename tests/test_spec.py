@@ -212,7 +212,7 @@ def test_tree_compaction_leaves_chain_kv(pair, make_engine):
     while len(produced) < 20:
         for out in engine.step():
             produced += out.new_token_ids
-    req = engine.core.scheduler.reqs["r"]
+    req = engine.core.scheduler.reqs[("r", 0)]
     committed = req.kv_committed_len
     assert req.num_verify_steps < len(produced)  # several tokens per verify: paths were moved
     slots = engine.core.req_to_token.table[req.row, :committed]

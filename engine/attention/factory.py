@@ -59,17 +59,19 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
         raise ValueError("attention_backend: flashinfer does not support MLA models "
                          "(DeepSeek); use 'triton' or 'torch'")
     else:
-        return _flashinfer(num_heads, num_kv_heads, head_dim, device, sync_free=not needs)
+        return _flashinfer(num_heads, num_kv_heads, head_dim, device, sync_free=not needs,
+                           max_context_len=max_context_len, max_query_len=max_query_len)
     if mla and max_query_len > 1:
         backend.preallocate_verify_mask(max_batch_size, max_query_len, device)
     return backend
 
 
 def _flashinfer(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                sync_free: bool) -> AttentionBackend:
+                sync_free: bool, max_context_len: int, max_query_len: int) -> AttentionBackend:
     from specserve.engine.attention.flashinfer import FlashInferAttnBackend
     try:
-        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=sync_free)
+        return FlashInferAttnBackend(num_heads, num_kv_heads, head_dim, device, sync_free=sync_free,
+                                     max_context_len=max_context_len, max_query_len=max_query_len)
     except ImportError as e:
         raise ValueError("attention_backend: flashinfer needs "
                          "`pip install specserve[flashinfer]` (flashinfer-python 0.5.3; "

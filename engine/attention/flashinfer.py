@@ -29,6 +29,14 @@ depend only on the query lengths, which the host always knows (`extend_lens_cpu`
   `kv_indptr`, tree masks are packed on the device at the real lengths. Exact; what it
   gives up is split-KV parallelism (long contexts at small batch run on fewer CTAs).
 
+CUDA graphs (sync-free only). A sync-free plan depends only on the batch size, the query
+lengths and the bound `max_seq_len`. A forward at the backend's full bound
+(`max_seq_len == max_context_len`, what every captured step uses) with one query length for
+all requests is planned once per (batch size, query length, masked) on a wrapper of its own,
+and that plan is kept: the graph's warm-up run plans it, the capture and every replay reuse
+it, and the captured part (slot lists, real `kv_indptr`, the packed mask, the kernels) is all
+device work. The synced plan reads exact host lengths every step, so it cannot be captured.
+
 FlashInfer internals used (hence the exact version check): after `plan()` the wrappers'
 `_paged_kv_indptr_buf` and `_mask_indptr_buf` are pointed at device tensors holding the real
 offsets, and `_sm_scale` is set per forward; and the wrappers' pinned host staging buffer
@@ -141,12 +149,15 @@ class FlashInferMetadata(NamedTuple):
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    """See the module docstring. `sync_free` selects the plan that never reads host lengths."""
+    """See the module docstring. `sync_free` selects the plan that never reads host lengths;
+    `max_context_len` is the bound of the forwards that CUDA graphs capture, and
+    `max_query_len` their most new tokens per request (the verify width)."""
 
     needs_cpu_seq_lens = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 *, sync_free: bool = False, workspace_bytes: int = WORKSPACE_BYTES):
+                 *, sync_free: bool = False, max_context_len: Optional[int] = None,
+                 max_query_len: int = 1, workspace_bytes: int = WORKSPACE_BYTES):
         import flashinfer  # ImportError when the extra is not installed
 
         if flashinfer.__version__ != SUPPORTED_FLASHINFER_VERSION:
@@ -165,16 +176,34 @@ class FlashInferAttnBackend(AttentionBackend):
         self.device = torch.device(device)
         self.sync_free = sync_free
         self.needs_cpu_seq_lens = not sync_free
+        self.max_context_len = max_context_len
+        self.max_query_len = max_query_len
+        self.supports_cuda_graphs = sync_free and max_context_len is not None
         # FlashInfer wants the float workspace zeroed before first use; both wrappers share
         # it, which is safe because their kernels run in stream order.
-        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        # "fa2" pinned: "auto" picks FA3 on Hopper, whose plan and run read host lengths.
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
-                                                                       backend="fa2")
-        for wrapper in (self._decode, self._prefill):
-            _unpin_plan_staging(wrapper)
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        _unpin_plan_staging(self._decode)
+        self._prefill = self._new_prefill_wrapper()
+        # (batch size, query length, masked) -> a prefill wrapper planned once at the bound.
+        self._kept_plans: dict[tuple[int, int, bool], Any] = {}
         self._planned: Optional[FlashInferMetadata] = None
+
+    def _new_prefill_wrapper(self):
+        import flashinfer
+
+        # "fa2" pinned: "auto" picks FA3 on Hopper, whose plan and run read host lengths.
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        _unpin_plan_staging(wrapper)
+        return wrapper
+
+    def _kept_plan_key(self, fb: "ForwardBatch") -> Optional[tuple[int, int, bool]]:
+        """The key of a forward whose sync-free plan is kept (see the module docstring)."""
+        lens = fb.extend_lens_cpu
+        if not (self.supports_cuda_graphs and fb.max_seq_len == self.max_context_len
+                and lens[0] <= self.max_query_len and all(n == lens[0] for n in lens)):
+            return None
+        return fb.batch_size, lens[0], fb.custom_mask is not None
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         bs, extend_lens = fb.batch_size, fb.extend_lens_cpu
@@ -187,9 +216,12 @@ class FlashInferAttnBackend(AttentionBackend):
         if fb.max_seq_len < fb.max_extend_len:
             raise ValueError(f"max_seq_len {fb.max_seq_len} is not a bound on prefix + extend "
                              f"(max_extend_len {fb.max_extend_len}); was it set?")
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("FlashInferAttnBackend does not support CUDA graphs: plan() "
-                               "runs on the host (use cuda_graph=False)")
+        kept_key = self._kept_plan_key(fb)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and kept_key not in self._kept_plans:
+            raise RuntimeError("FlashInferAttnBackend: only a sync-free forward at the "
+                               "max_context_len bound, planned before the capture, can be "
+                               "captured in a CUDA graph")
         kv_dtype = fb.kv_pool.k_buffer[0].dtype
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"attention_backend: flashinfer needs a float16 or bfloat16 model, "
@@ -198,7 +230,11 @@ class FlashInferAttnBackend(AttentionBackend):
 
         # Device side: real lengths and slot lists.
         qo_indptr_host = host_offsets(extend_lens)
-        qo_indptr = self._to_device(qo_indptr_host)
+        if kept_key is not None:  # no host copy: a captured graph must not read host memory
+            qo_indptr = torch.arange(0, (bs + 1) * kept_key[1], kept_key[1], dtype=torch.int32,
+                                     device=self.device)
+        else:
+            qo_indptr = self._to_device(qo_indptr_host)
         extend = qo_indptr[1:] - qo_indptr[:-1]
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
         torch.cumsum(fb.prefix_lens.to(torch.int32) + extend, 0, dtype=torch.int32,
@@ -219,21 +255,26 @@ class FlashInferAttnBackend(AttentionBackend):
             wrapper.plan(kv_indptr_host, kv_indices, last_page_len_host, self.num_heads,
                          self.num_kv_heads, self.head_dim, 1, **common)
         else:
-            wrapper = self._prefill
             packed_mask = mask_indptr = None
             if fb.custom_mask is not None:
                 num_bytes = sum((e * s + 7) // 8 for e, s in zip(extend_lens, planned_seq_lens))
                 packed_mask, mask_indptr = pack_custom_mask(fb.custom_mask, fb.prefix_lens,
                                                             extend, num_bytes)
-            wrapper.plan(qo_indptr_host, kv_indptr_host, kv_indices, last_page_len_host,
-                         self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                         packed_custom_mask=packed_mask, causal=packed_mask is None,
-                         disable_split_kv=exact_seq_lens is None, **common)
-            if mask_indptr is not None:
+            wrapper = self._kept_plans.get(kept_key) if kept_key is not None else None
+            if wrapper is None:
+                wrapper = self._prefill if kept_key is None else self._new_prefill_wrapper()
+                wrapper.plan(qo_indptr_host, kv_indptr_host, kv_indices, last_page_len_host,
+                             self.num_heads, self.num_kv_heads, self.head_dim, 1,
+                             packed_custom_mask=packed_mask, causal=packed_mask is None,
+                             disable_split_kv=exact_seq_lens is None, **common)
+                if kept_key is not None:
+                    self._kept_plans[kept_key] = wrapper
+            if packed_mask is not None:
                 # plan() derives bit offsets from the host (planned) lengths; the kernel
-                # reads byte offsets of the real ones.
-                wrapper._mask_indptr_buf = mask_indptr
+                # reads byte offsets of the real ones. A kept plan saw another forward's mask.
+                wrapper._custom_mask_buf, wrapper._mask_indptr_buf = packed_mask, mask_indptr
         wrapper._paged_kv_indptr_buf = kv_indptr  # the real lengths, whatever plan() saw
+        wrapper._paged_kv_indices_buf = kv_indices  # a kept plan saw another forward's slots
         fb.attn_metadata = self._planned = FlashInferMetadata(
             wrapper, kv_indptr, kv_indices)
 

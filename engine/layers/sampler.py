@@ -1,5 +1,11 @@
 """Sampling on the device with no host synchronisation.
 
+What a row samples from: the model's logits, then (in this order) the repetition penalty over
+prompt and output, the presence and frequency penalties over output tokens, logit_bias, and the
+min_new_tokens ban on stop ids; then temperature and top-k / top-p / min-p. Log-probabilities
+(the chosen token's and the top_logprobs alternatives) are the log-softmax of that adjusted
+distribution before temperature and truncation, for greedy and sampled rows alike.
+
 Randomness is counter-based: the uniform for (request seed, sequence position, vocab id) is a
 hash, not a draw from a stateful generator. So a seeded request samples the same tokens
 whatever else is in its batch, after a retraction, and under speculative decoding.
@@ -7,7 +13,7 @@ whatever else is in its batch, after a retraction, and under speculative decodin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -35,6 +41,22 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int, salt
     return (((bits >> 40) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
 
 
+class TokenHistory(NamedTuple):
+    """Per logits row, what the penalties read: the tokens in the sequence (prompt and output,
+    the repetition penalty) and how often each token was generated (the presence and frequency
+    penalties). Under speculation a draft node's row includes its own draft ancestors."""
+
+    in_sequence: torch.Tensor    # [N, V] bool
+    output_counts: torch.Tensor  # [N, V] int32
+
+
+class TokenChoice(NamedTuple):
+    tokens: torch.Tensor                  # [N] int64
+    logprobs: Optional[torch.Tensor]      # [N] float32, when some row asked for them
+    top_ids: Optional[torch.Tensor]       # [N, K] int64, K the batch's largest top_logprobs
+    top_logprobs: Optional[torch.Tensor]  # [N, K] float32
+
+
 @dataclass
 class SamplingInfo:
     """Per-request sampling tensors of a batch, on the device, built once per batch change."""
@@ -44,15 +66,19 @@ class SamplingInfo:
     top_ps: torch.Tensor           # [bs] float32
     min_ps: torch.Tensor           # [bs] float32
     rep_penalties: torch.Tensor    # [bs] float32
+    presence_penalties: torch.Tensor   # [bs] float32
+    frequency_penalties: torch.Tensor  # [bs] float32
+    logit_bias: Optional[torch.Tensor]  # [bs, V] float32, when some request has one
     seeds: torch.Tensor            # [bs] int64
     is_greedy: torch.Tensor        # [bs] bool
     stop_ids: torch.Tensor         # [bs, S] int64, -1 padded: EOS (unless ignore_eos) + stop ids
     min_output_pos: torch.Tensor   # [bs] int64: stop ids banned at positions below this
     all_greedy: bool
     any_filter: bool               # top-k / top-p / min-p somewhere
-    any_penalty: bool
+    any_penalty: bool              # a repetition, presence or frequency penalty somewhere
     any_min_new: bool
     any_logprobs: bool
+    max_top_logprobs: int          # the batch's largest top_logprobs (0: none)
 
     @staticmethod
     def build(params: Sequence[SamplingParams], seeds: Sequence[int], prompt_lens: Sequence[int],
@@ -63,12 +89,23 @@ class SamplingInfo:
         stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids)) for p in params]
         width = max((len(s) for s in stops), default=0) or 1
         greedy = [p.is_greedy for p in params]
+        logit_bias = None
+        if any(p.logit_bias for p in params):
+            # Built on the device from the few (row, id, bias) triples: a dense host tensor
+            # would copy bs * V floats at every batch change.
+            triples = [(b, t, v) for b, p in enumerate(params) for t, v in p.logit_bias]
+            rows, ids, values = zip(*triples)
+            logit_bias = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
+            logit_bias[t(rows, torch.int64), t(ids, torch.int64)] = t(values, torch.float32)
         return SamplingInfo(
             temperatures=t([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
             top_ks=t([vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params], torch.int64),
             top_ps=t([p.top_p for p in params], torch.float32),
             min_ps=t([p.min_p for p in params], torch.float32),
             rep_penalties=t([p.repetition_penalty for p in params], torch.float32),
+            presence_penalties=t([p.presence_penalty for p in params], torch.float32),
+            frequency_penalties=t([p.frequency_penalty for p in params], torch.float32),
+            logit_bias=logit_bias,
             seeds=t(list(seeds), torch.int64),
             is_greedy=t(greedy, torch.bool),
             stop_ids=t([s + [-1] * (width - len(s)) for s in stops], torch.int64),
@@ -76,23 +113,35 @@ class SamplingInfo:
             all_greedy=all(greedy),
             any_filter=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
                            for p, g in zip(params, greedy)),
-            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_penalty=any(p.penalises_repeats for p in params),
             any_min_new=any(p.min_new_tokens > 0 for p in params),
             any_logprobs=any(p.logprobs for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
+
+    @property
+    def per_token_rules(self) -> bool:
+        """Whether a step needs more than the argmax (what CUDA graphs capture)."""
+        return (not self.all_greedy or self.any_penalty or self.any_min_new or self.any_logprobs
+                or self.logit_bias is not None)
 
 
 def adjust_logits(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor,
-                  positions: torch.Tensor, presence: Optional[torch.Tensor]) -> torch.Tensor:
-    """Rules that change which tokens may come next: repetition penalty and min_new_tokens.
+                  positions: torch.Tensor, history: Optional[TokenHistory]) -> torch.Tensor:
+    """Rules that change which tokens may come next: penalties, logit_bias, min_new_tokens.
 
     rows: [N] request index of each logits row; positions: [N] sequence index of the token
-    being chosen; presence: [N, V] bool, tokens already in the sequence (penalty only).
+    being chosen; history: the tokens each row's sequence holds (penalties only).
     """
-    if info.any_penalty and presence is not None:
+    if info.any_penalty and history is not None:
         penalty = info.rep_penalties[rows].unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(presence, penalised, logits)
+        logits = torch.where(history.in_sequence, penalised, logits)
+        counts = history.output_counts.to(logits.dtype)
+        logits = (logits - info.frequency_penalties[rows].unsqueeze(1) * counts
+                  - info.presence_penalties[rows].unsqueeze(1) * (counts > 0))
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias[rows]
     if info.any_min_new:
         banned = (positions < info.min_output_pos[rows]).unsqueeze(1)
         stop = info.stop_ids[rows]
@@ -126,16 +175,31 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positions: torch.Tensor,
-           presence: Optional[torch.Tensor] = None):
-    """Choose one token per logits row. Returns (token ids [N] int64, logprobs [N] or None)."""
-    raw = logits
-    logits = adjust_logits(logits, info, rows, positions, presence)
+           history: Optional[TokenHistory] = None) -> TokenChoice:
+    """Choose one token per logits row, with its log-probability and the top alternatives
+    when the batch asks for them."""
+    logits = adjust_logits(logits, info, rows, positions, history)
     tokens = torch.argmax(logits, dim=-1)
     if not info.all_greedy:
         probs = target_probs(logits, info, rows)
         sampled = sample_from_probs(probs, info.seeds[rows], positions)
         tokens = torch.where(info.is_greedy[rows], tokens, sampled)
-    logprobs = None
-    if info.any_logprobs:
-        logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, logprobs
+    if not info.any_logprobs:
+        return TokenChoice(tokens, None, None, None)
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_ids = top = None
+    if info.max_top_logprobs:
+        top, top_ids = all_logprobs.topk(min(info.max_top_logprobs, logits.shape[1]), dim=-1)
+    return TokenChoice(tokens, logprobs, top_ids, top)
+
+
+def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """Prompt scoring: the log-probability of each row's target token under the model's own
+    distribution (no sampling rules), and the k most likely tokens (None when k is 0)."""
+    all_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = all_logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+    if not k:
+        return chosen, None, None
+    top, top_ids = all_logprobs.topk(min(k, logits.shape[1]), dim=-1)
+    return chosen, top_ids, top

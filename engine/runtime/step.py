@@ -25,6 +25,11 @@ class ExtendStep(NamedTuple):
     samples: list[bool]               # the chunk ends the request's prefill: sample its next token
     out_cache_loc: torch.Tensor       # KV slots of every chunk's tokens, in order (in the table)
     sampling: SamplingInfo
+    prompt_lens: list[int]            # fill_ids[b][prompt_lens[b]:] are generated tokens
+    # Prompt tokens [a, b) whose log-probabilities this chunk scores (token i from the row at
+    # position i - 1), or None; and how many alternatives each request wants.
+    prompt_spans: list[Optional[tuple[int, int]]]
+    prompt_top_k: list[int]
 
 
 class DecodeStep(NamedTuple):
@@ -45,6 +50,12 @@ class StepResult(NamedTuple):
     token_ids: torch.Tensor                   # [bs] or, speculative, [bs, num_draft_tokens]
     logprobs: Optional[torch.Tensor] = None   # same shape as token_ids
     accept_lens: Optional[torch.Tensor] = None  # speculative: tokens emitted per request
+    top_ids: Optional[torch.Tensor] = None    # token_ids' shape + [K]: the top_logprobs tokens
+    top_logprobs: Optional[torch.Tensor] = None
+    # Prefill: the scored prompt tokens of ExtendStep.prompt_spans, concatenated in batch order.
+    prompt_logprobs: Optional[torch.Tensor] = None   # [P]
+    prompt_top_ids: Optional[torch.Tensor] = None    # [P, K]
+    prompt_top_logprobs: Optional[torch.Tensor] = None
 
 
 class PendingResult:

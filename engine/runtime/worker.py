@@ -13,19 +13,31 @@ import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.kvcache.pools import ReqToTokenPool
-from specserve.engine.layers.sampler import SamplingInfo, sample
+from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
+                                             scored_logprobs)
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 
 
-class PresenceInit(NamedTuple):
-    """Prefill: rows to clear in the penalty table, then (row, token) of every prompt token."""
+class HistoryInit(NamedTuple):
+    """Prefill: rows to clear in the history table, then (row, token) of every prefilled token
+    and (row, token) of the generated ones among them (a prefill after a retraction)."""
 
     rows: torch.Tensor
     token_rows: torch.Tensor
     tokens: torch.Tensor
+    output_rows: torch.Tensor
+    output_tokens: torch.Tensor
+
+
+class PromptScore(NamedTuple):
+    """Prompt tokens a prefill scores: the row (into T) before each, and the token itself."""
+
+    rows: torch.Tensor      # [P]
+    targets: torch.Tensor   # [P]
+    top_k: int              # the batch's largest prompt_logprobs
 
 
 class ForwardInputs(NamedTuple):
@@ -44,14 +56,23 @@ class ForwardInputs(NamedTuple):
     sample_rows: torch.Tensor      # [bs] index (into T) of each request's last token
     sampling_info: SamplingInfo
     stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
-    presence_init: Optional[PresenceInit] = None
+    history_init: Optional[HistoryInit] = None
+    prompt_score: Optional[PromptScore] = None
 
 
 class Sampled(NamedTuple):
-    tokens: torch.Tensor                  # [bs]
-    logprobs: Optional[torch.Tensor]      # [bs] or None
+    choice: TokenChoice                   # [bs] tokens, their logprobs and top alternatives
     hidden: torch.Tensor                  # [T, H] the target's last hidden states
     aux_hidden: Optional[torch.Tensor]    # the outputs of aux_hidden_layers, when asked for
+    prompt: tuple                         # (logprobs, top ids, top logprobs), or three Nones
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.choice.tokens
+
+    def step_result(self) -> StepResult:
+        c = self.choice
+        return StepResult(c.tokens, c.logprobs, None, c.top_ids, c.top_logprobs, *self.prompt)
 
 
 class GraphedDecodeInputs(NamedTuple):
@@ -63,30 +84,42 @@ class GraphedDecodeInputs(NamedTuple):
     loc: torch.Tensor
 
 
-class PresenceTable:
-    """Tokens already in each request's sequence (for the repetition penalty), per pool row."""
+class HistoryTable:
+    """Per pool row, what the penalties read (TokenHistory): the tokens in the request's
+    sequence and how often each was generated. Kept only while a batch has a penalty."""
 
     def __init__(self, num_rows: int, vocab_size: int, device):
-        self.table = torch.zeros((num_rows + 1, vocab_size), dtype=torch.bool, device=device)
+        self.in_sequence = torch.zeros((num_rows + 1, vocab_size), dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros((num_rows + 1, vocab_size), dtype=torch.int32, device=device)
 
-    def reset_and_mark(self, init: PresenceInit):
-        self.table[init.rows] = False
-        self.table[init.token_rows, init.tokens] = True
+    def reset_and_mark(self, init: HistoryInit):
+        self.in_sequence[init.rows] = False
+        self.output_counts[init.rows] = 0
+        self.in_sequence[init.token_rows, init.tokens] = True
+        self.output_counts.index_put_((init.output_rows, init.output_tokens),
+                                      torch.ones_like(init.output_tokens, dtype=torch.int32),
+                                      accumulate=True)
 
-    def mark(self, rows: torch.Tensor, tokens: torch.Tensor):
-        self.table[rows, tokens] = True
+    def of_rows(self, rows: torch.Tensor) -> TokenHistory:
+        return TokenHistory(self.in_sequence[rows], self.output_counts[rows])
+
+    def mark(self, rows: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Tensor] = None):
+        """Record a generated token per row (where `keep`, when given)."""
+        keep = torch.ones_like(tokens, dtype=torch.bool) if keep is None else keep
+        self.in_sequence[rows, tokens] |= keep
+        self.output_counts.index_put_((rows, tokens), keep.to(torch.int32), accumulate=True)
 
 
 class TargetModel:
     """The target model with its request table, FutureMap and penalty table."""
 
     def __init__(self, runner: ModelRunner, ctx: DeviceContext, future_map: FutureMap,
-                 req_to_token: ReqToTokenPool, presence: PresenceTable):
+                 req_to_token: ReqToTokenPool, history: HistoryTable):
         self.runner = runner
         self.ctx = ctx
         self.future_map = future_map
         self.req_to_token = req_to_token
-        self.presence = presence
+        self.history = history
 
     @property
     def model(self):
@@ -101,19 +134,29 @@ class TargetModel:
 
     # --- schedule side: device inputs --------------------------------------------------------
     def extend_inputs(self, step: ExtendStep) -> ForwardInputs:
-        ids, positions, sample_rows, prompt_rows, prompt_tokens = [], [], [], [], []
-        for row, fill, (start, end), samples in zip(step.rows, step.fill_ids, step.chunks, step.samples):
+        ids, positions, sample_rows, fill_rows, fill_tokens, out_rows, out_tokens = ([] for _ in range(7))
+        score_rows, score_targets = [], []
+        for row, fill, (start, end), samples, prompt_len, span in zip(
+                step.rows, step.fill_ids, step.chunks, step.samples, step.prompt_lens, step.prompt_spans):
+            if span is not None:  # token i is scored from the row at position i - 1
+                score_rows += range(len(ids) + span[0] - 1 - start, len(ids) + span[1] - 1 - start)
+                score_targets += fill[span[0]:span[1]]
             ids += fill[start:end]
             positions += range(start, end)
             sample_rows.append(len(ids) - 1)
             if samples:
-                prompt_rows += [row] * len(fill)
-                prompt_tokens += fill
+                fill_rows += [row] * len(fill)
+                fill_tokens += fill
+                out_rows += [row] * (len(fill) - prompt_len)
+                out_tokens += fill[prompt_len:]
         lens = [end - start for start, end in step.chunks]
         seq_lens = [end for _, end in step.chunks]
         rows = self.to_device(step.rows)
-        presence_init = PresenceInit(rows, self.to_device(prompt_rows), self.to_device(prompt_tokens)) \
+        history_init = HistoryInit(rows, self.to_device(fill_rows), self.to_device(fill_tokens),
+                                   self.to_device(out_rows), self.to_device(out_tokens)) \
             if step.sampling.any_penalty else None
+        prompt_score = PromptScore(self.to_device(score_rows), self.to_device(score_targets),
+                                   max(step.prompt_top_k)) if score_rows else None
         return ForwardInputs(
             mode=ForwardMode.EXTEND, input_ids=self.to_device(ids), positions=self.to_device(positions),
             rows=rows, prefix_lens=self.to_device([start for start, _ in step.chunks]),
@@ -121,7 +164,7 @@ class TargetModel:
             seq_lens_cpu=self.host_lens(seq_lens), max_seq_len=max(seq_lens),
             sample_rows=self.to_device(sample_rows), sampling_info=step.sampling,
             stash_rows=self.to_device([r if s else 0 for r, s in zip(step.rows, step.samples)]),
-            presence_init=presence_init)
+            history_init=history_init, prompt_score=prompt_score)
 
     def decode_inputs(self, step: DecodeStep) -> ForwardInputs:
         """The fed token sits at index committed_len - 1 (the host committed it at schedule
@@ -150,18 +193,22 @@ class TargetModel:
         hidden, aux = self.runner.forward(fb, read_done=read_done)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         batch_index = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
-        presence = None
+        history = None
         if info.any_penalty:
-            if inputs.presence_init is not None:
-                self.presence.reset_and_mark(inputs.presence_init)
-            presence = self.presence.table[inputs.rows]
-        tokens, logprobs = sample(logits, info, batch_index, inputs.positions[inputs.sample_rows] + 1,
-                                  presence)
-        tokens = self.model.tp.broadcast(tokens)
-        if info.any_penalty:
-            self.presence.mark(inputs.rows, tokens)
-        self.future_map.stash_tokens(inputs.stash_rows, tokens)
-        return Sampled(tokens, logprobs, hidden, aux)
+            if inputs.history_init is not None:
+                self.history.reset_and_mark(inputs.history_init)
+            history = self.history.of_rows(inputs.rows)
+        choice = sample(logits, info, batch_index, inputs.positions[inputs.sample_rows] + 1, history)
+        choice = choice._replace(tokens=self.model.tp.broadcast(choice.tokens))
+        if info.any_penalty:  # stash_rows: a prefill chunk that samples nothing marks row 0
+            self.history.mark(inputs.stash_rows, choice.tokens)
+        self.future_map.stash_tokens(inputs.stash_rows, choice.tokens)
+        prompt = (None, None, None)
+        if inputs.prompt_score is not None:
+            score = inputs.prompt_score
+            prompt = scored_logprobs(self.model.compute_logits(hidden[score.rows]), score.targets,
+                                     score.top_k)
+        return Sampled(choice, hidden, aux, prompt)
 
     def prompt_logits(self, token_ids: list[int], row: int, slots: torch.Tensor) -> torch.Tensor:
         """Float32 logits [len, vocab] of one sequence prefilled into `row` / `slots`."""
@@ -216,8 +263,7 @@ class NormalWorker:
         return launch_forward(self.target.ctx, inputs, replay)
 
     def _sample(self, inputs: ForwardInputs, read_done) -> StepResult:
-        sampled = self.target.forward_and_sample(inputs, read_done)
-        return StepResult(sampled.tokens, sampled.logprobs)
+        return self.target.forward_and_sample(inputs, read_done).step_result()
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
         from specserve.engine.runtime.cuda_graph import GraphedStep
@@ -248,8 +294,7 @@ class NormalWorker:
 
 def graphable(graphs, info: SamplingInfo, bs: int) -> bool:
     """Graphs cover greedy steps without per-token rules; the rest runs eagerly."""
-    return (info.all_greedy and not (info.any_penalty or info.any_min_new or info.any_logprobs)
-            and graphs.bucket_for(bs) is not None)
+    return not info.per_token_rules and graphs.bucket_for(bs) is not None
 
 
 def greedy_sampling_info(bs: int, vocab_size: int, device) -> SamplingInfo:

@@ -45,7 +45,7 @@ class AdmissionPolicy:
     def _prefill(self) -> Optional[Decision]:
         budget = self.chunk_budget
         free = self.slots.num_free  # slots are taken when the step is built
-        reqs, chunks = [], []
+        reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
@@ -54,18 +54,24 @@ class AdmissionPolicy:
                     break
                 reqs.append(req)
                 chunks.append(req.take_chunk(n))
+                spans.append(req.take_prompt_span(*chunks[-1]))
                 budget -= n
                 free -= n
         # Admit only what leaves room for the next decode step of every running request and of
         # the new one (a speculative step reserves several slots each): admitting into slots
         # that step needs would force a retraction straight away.
         headroom = sum(self.slots.to_reserve(r) for r in self.running)
+        skipped = []  # sequences waiting for another sequence of their request to prefill the prompt
         while self.waiting and budget > 0 and len(self.running) < self.max_running \
                 and self.slots.num_free_rows > 0:
             req = self.waiting[0]
+            if req.shared is not None and req.shared.blocks(req):
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_inflight_tokens:   # retracted with a result still in flight
                 break
-            n = min(budget, req.seq_len)  # it prefills prompt + outputs so far
+            # It prefills prompt + outputs so far, past a shared prompt prefix.
+            n = min(budget, req.seq_len - self.slots.prefilled_on_admission(req))
             if n + headroom + self.slots.step_slots > free:
                 break
             headroom += self.slots.step_slots
@@ -75,14 +81,16 @@ class AdmissionPolicy:
             self.running.append(req)
             reqs.append(req)
             chunks.append(req.take_chunk(n))
+            spans.append(req.take_prompt_span(*chunks[-1]))
             budget -= n
             free -= n
+        self.waiting.extendleft(reversed(skipped))
         if not reqs:
             return None
         samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]
         for r, s in zip(reqs, samples):
             r.num_inflight_tokens += s
-        return Decision(ForwardMode.EXTEND, reqs, chunks, samples)
+        return Decision(ForwardMode.EXTEND, reqs, chunks, samples, spans)
 
     # --- decode --------------------------------------------------------------------------
     def _decode(self, nothing_in_flight: bool) -> Optional[Decision]:

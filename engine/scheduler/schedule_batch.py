@@ -5,8 +5,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
+import torch
+
 from specserve.engine.config import SamplingParams
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.outputs import TopLogprobs
 from specserve.engine.runtime.step import Launched
 
 
@@ -17,16 +20,59 @@ class ReqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class PromptScores:
+    """Prompt scoring (sampling.prompt_logprobs) of one request, shared by its sequences: the
+    log-probabilities of prompt tokens 1.. (and their alternatives), scored once by whichever
+    sequence prefills them."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    scored_to: int = 1    # schedule side: the next prompt token a chunk will score
+
+
+@dataclass(eq=False)
+class SharedPrefix:
+    """The KV of the first `length` prompt tokens of an n > 1 request, prefilled once and owned
+    jointly by its sequences (reference-counted); the last owner to let go frees the slots.
+
+    One sequence prefills it (the `creator`, admitted first); once its prefill has been
+    scheduled past `length`, the slots are captured and every later sequence maps them into its
+    own row and prefills only the last prompt token (to sample its own first token). A
+    sequence retracted and admitted again takes the prefix again while it lives; once freed, the
+    next sequence admitted creates it anew."""
+
+    length: int
+    slots: Optional[torch.Tensor] = None   # [length] KV slots, once captured
+    owners: int = 0
+    creator: Optional["Req"] = None
+
+    @property
+    def live(self) -> bool:
+        return self.slots is not None
+
+    def blocks(self, req: "Req") -> bool:
+        """Whether `req` must wait to be admitted: another sequence is prefilling the prefix."""
+        return self.creator is not None and self.creator is not req
+
+
+@dataclass(eq=False)
 class Req:
-    """One request. Its KV lengths change only through the methods below."""
+    """One sequence of a request (a request with n > 1 has n, sharing the prompt's KV). Its KV
+    lengths change only through the methods below."""
 
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
     seed: int
     stop_ids: frozenset
+    index: int = 0               # the sequence's index within its request (n > 1)
+    shared: Optional[SharedPrefix] = None  # the prompt KV shared with the request's other sequences
+    owns_share: bool = False     # holds a reference to shared (its row maps shared.slots)
     output_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[TopLogprobs]] = None  # per output token, when asked for
+    prompt_scores: PromptScores = field(default_factory=lambda: PromptScores())  # shared by the sequences
+    prompt_logprobs_emitted: bool = False
     status: ReqStatus = ReqStatus.WAITING
     row: int = 0                 # request-table row; 0 (the padding row) when it holds none
     fill_ids: list[int] = field(default_factory=list)  # tokens to prefill: prompt + outputs so far
@@ -43,6 +89,10 @@ class Req:
     serial: int = 0              # set by the scheduler: unique for the engine's lifetime, unlike a rid
 
     @property
+    def key(self) -> tuple[str, int]:
+        return self.rid, self.index
+
+    @property
     def is_prefilling(self) -> bool:
         return self.status is ReqStatus.RUNNING and self.num_prefilled < len(self.fill_ids)
 
@@ -50,18 +100,31 @@ class Req:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def admit(self, row: int, order: int) -> None:
-        """Take a row; prefill prompt + outputs so far (after a retraction, outputs stay exact)."""
+    def admit(self, row: int, order: int, prefilled: int = 0) -> None:
+        """Take a row; prefill prompt + outputs so far (after a retraction, outputs stay exact),
+        past the `prefilled` tokens whose KV the row maps already (a shared prefix)."""
         self.status = ReqStatus.RUNNING
         self.row, self.admit_order = row, order
         self.fill_ids = self.prompt_ids + self.output_ids
-        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = 0
+        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = prefilled
 
     def take_chunk(self, n: int) -> tuple[int, int]:
         """The next n fill tokens; their KV slots are allocated, and final once written."""
         start = self.num_prefilled
         self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = start + n
         return start, start + n
+
+    def take_prompt_span(self, start: int, end: int) -> Optional[tuple[int, int]]:
+        """The prompt tokens [a, b) that the chunk [start, end) scores, if it asks for any: the
+        row at position i - 1 gives token i's log-probability. Each is scored once, even when
+        a retraction prefills the prompt again or another sequence of the request prefills it."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        a, b = max(self.prompt_scores.scored_to, start + 1), min(end + 1, len(self.prompt_ids))
+        if a >= b:
+            return None
+        self.prompt_scores.scored_to = b
+        return a, b
 
     def reserve(self, n: int) -> None:
         self.kv_allocated_len += n
@@ -77,12 +140,14 @@ class Req:
 
 class Decision(NamedTuple):
     """What the next launch covers. EXTEND: per request, the [start, end) chunk of its fill
-    ids and whether it samples a token; DECODE: one (speculative) step per request."""
+    ids, whether it samples a token and the prompt tokens it scores (Req.take_prompt_span);
+    DECODE: one (speculative) step per request."""
 
     mode: ForwardMode
     reqs: list[Req]
     chunks: Sequence[tuple[int, int]] = ()
     samples: Sequence[bool] = ()
+    prompt_spans: Sequence[Optional[tuple[int, int]]] = ()
 
 
 class InflightBatch(NamedTuple):

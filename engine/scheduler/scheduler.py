@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Optional
 
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.layers.sampler import SamplingInfo
@@ -53,7 +54,8 @@ class Scheduler:
         self.eos_ids = list(eos_ids)
         self.enable_overlap = enable_overlap
         self.speculative = speculative
-        self.reqs: dict[str, Req] = {}
+        self.reqs: dict[tuple[str, int], Req] = {}   # by (rid, sequence index)
+        self._num_sequences: dict[str, int] = {}    # unfinished sequences per rid
         self.inflight: collections.deque[InflightBatch] = collections.deque()
         self.pending_outputs: list[StepOutput] = []
         self.metrics = SchedulerMetrics(policy)
@@ -62,16 +64,24 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        """Queue a validated request (Engine.add_request checks the rid and the prompt)."""
+        """Queue a validated sequence (Engine.add_request checks the rid and the prompt)."""
         self._serial += 1
         req.serial = self._serial
-        self.reqs[req.rid] = req
+        self.reqs[req.key] = req
+        self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
         self.policy.add(req)
 
-    def abort(self, rid: str) -> None:
-        req = self.reqs.get(rid)
-        if req is not None:
-            self._finish(req, "abort")
+    def has_request(self, rid: str) -> bool:
+        return rid in self._num_sequences
+
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        """Abort every sequence of a request, or only sequence `index`."""
+        keys = [(rid, index)] if index is not None else \
+            [key for key in self.reqs if key[0] == rid] if rid in self._num_sequences else []
+        for key in keys:
+            req = self.reqs.get(key)
+            if req is not None:
+                self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs) or bool(self.inflight)
@@ -130,15 +140,20 @@ class Scheduler:
         tokens = result.token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         lengths = result.accept_lens.tolist() if result.accept_lens is not None else None
+        top = _top_lists(result.top_ids, result.top_logprobs)
         decision = batch.decision
+        if decision.mode is ForwardMode.EXTEND and result.prompt_logprobs is not None:
+            self._deliver_prompt_logprobs(decision, result)
         for i, req in enumerate(decision.reqs):
             if decision.mode is ForwardMode.EXTEND and not decision.samples[i]:
                 continue
             req.num_inflight_tokens -= 1
             if req.status is ReqStatus.FINISHED:
                 continue
+            k = req.sampling.top_logprobs
             if lengths is None:
-                reason = self.outputs.deliver(req, [tokens[i]], None if logprobs is None else [logprobs[i]])
+                reason = self.outputs.deliver(req, [tokens[i]], None if logprobs is None else [logprobs[i]],
+                                              None if top is None else [top[i][:k]])
             else:
                 n = lengths[i]
                 if req.status is ReqStatus.RUNNING:
@@ -147,11 +162,30 @@ class Scheduler:
                 self.metrics.num_verify_steps += 1
                 self.metrics.num_spec_tokens += n
                 reason = self.outputs.deliver(req, tokens[i][:n],
-                                              None if logprobs is None else logprobs[i][:n], num_drafts=n - 1)
+                                              None if logprobs is None else logprobs[i][:n],
+                                              None if top is None else [t[:k] for t in top[i][:n]],
+                                              num_drafts=n - 1)
             if reason is not None:
                 self._finish(req, reason)
             else:
                 self._emit(req)
+
+    def _deliver_prompt_logprobs(self, decision: Decision, result) -> None:
+        """Hand each request its slice of the scored prompt tokens (concatenated in batch
+        order)."""
+        logprobs = result.prompt_logprobs.tolist()
+        top = _top_lists(result.prompt_top_ids, result.prompt_top_logprobs)
+        offset = 0
+        for req, span in zip(decision.reqs, decision.prompt_spans):
+            if span is None:
+                continue
+            n, k = span[1] - span[0], req.sampling.prompt_logprobs
+            # Delivered even to a finished (aborted) sequence: its request's other sequences
+            # share the scores.
+            self.outputs.deliver_prompt_logprobs(
+                req, logprobs[offset:offset + n],
+                None if top is None or not k else [t[:k] for t in top[offset:offset + n]])
+            offset += n
 
     def _emit(self, req: Req) -> None:
         out = self.outputs.emit(req)
@@ -162,5 +196,21 @@ class Scheduler:
         self.policy.remove(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
-        del self.reqs[req.rid]
+        del self.reqs[req.key]
+        self._num_sequences[req.rid] -= 1
+        if not self._num_sequences[req.rid]:
+            del self._num_sequences[req.rid]
         self._emit(req)
+
+
+def _top_lists(ids, logprobs) -> Optional[list]:
+    """[..., K] host tensors -> nested lists whose leaves are (token id, logprob) pairs."""
+    if ids is None:
+        return None
+
+    def pair(i, lp):
+        if isinstance(i, list):
+            return [pair(a, b) for a, b in zip(i, lp)]
+        return i, lp
+
+    return [pair(i, lp) for i, lp in zip(ids.tolist(), logprobs.tolist())]

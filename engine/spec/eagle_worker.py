@@ -27,7 +27,7 @@ import torch
 
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
-from specserve.engine.layers.sampler import SamplingInfo, sample
+from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, TokenHistory, sample
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
@@ -60,7 +60,7 @@ class Verified(NamedTuple):
     kv: KVRows                        # the snapshot of the batch's rows, by batch index
     loc: torch.Tensor                 # [bs, D] the verify nodes' KV slots
     accept: tree_ops.Accept
-    logprobs: Optional[torch.Tensor]  # [bs, D] per node, when asked for
+    choice: TokenChoice               # the target's token per node [bs, D] (logprobs, top)
     feats: torch.Tensor               # [bs * D, F] the target features the draft reads
 
 
@@ -106,7 +106,7 @@ class EagleWorker:
                 max_seq_len=target.max_seq_len)
             draft_hidden = self.draft.forward(fb, sampled.aux_hidden if self.aux_layers else sampled.hidden)
             self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
-            return StepResult(sampled.tokens, sampled.logprobs)
+            return sampled.step_result()
 
         return launch_forward(self.target.ctx, inputs, body)
 
@@ -154,11 +154,11 @@ class EagleWorker:
             aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.runner.forward(fb)
         logits = self.target.model.compute_logits(hidden)
-        target_tokens, logprobs = self._target_tokens(logits, tree, s.rows, s.info)
-        target_tokens = self.target.model.tp.broadcast(target_tokens.contiguous())
+        choice = self._target_tokens(logits, tree, s.rows, s.info)
+        target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len)
         self.future_map.publish(s.rows, s.S + accept.lengths)
-        return Verified(s, kv, loc, accept, logprobs, aux if self.aux_layers else hidden)
+        return Verified(s, kv, loc, accept, choice, aux if self.aux_layers else hidden)
 
     def _extend_half(self, v: Verified) -> StepResult:
         """Compact the accepted path (tree), draft-extend over it, stash the next draft input."""
@@ -180,9 +180,11 @@ class EagleWorker:
         self._stash_draft_state(s.rows, ext_hidden[torch.arange(bs, device=s.rows.device), last])
         self.future_map.stash_tokens(s.rows, path_tokens.gather(1, last[:, None]).squeeze(1))
         if s.info.any_penalty:
-            self._mark_presence(s.rows, path_tokens, accept.lengths)
-        logprobs = None if v.logprobs is None else accept.gather_path(v.logprobs)
-        return StepResult(path_tokens, logprobs, accept.lengths)
+            for j in range(D):
+                self.target.history.mark(s.rows, path_tokens[:, j], j < accept.lengths)
+        c = v.choice
+        per_path = [None if t is None else accept.gather_path(t) for t in (c.logprobs, c.top_ids, c.top_logprobs)]
+        return StepResult(path_tokens, per_path[0], accept.lengths, *per_path[1:])
 
     def _draft(self, kv: KVRows, s: SpecDecodeInputs) -> tree_ops.Tree:
         """num_steps - 1 draft forwards grow the stashed first level into a tree (rank 0's
@@ -218,19 +220,16 @@ class EagleWorker:
         filled.copy_(mask)
         return filled
 
-    def _target_tokens(self, logits, tree, rows, info: SamplingInfo):
-        """The token the target itself picks at every node (greedy or seeded sample)."""
+    def _target_tokens(self, logits, tree, rows, info: SamplingInfo) -> TokenChoice:
+        """The token the target itself picks at every node (greedy or seeded sample), with
+        its logprobs; per node [bs, D] (top alternatives [bs, D, K])."""
         bs, D = tree.tokens.shape
         node_req = torch.arange(bs, device=logits.device).repeat_interleave(D)
-        presence = tree_ops.node_presence(self.target.presence.table[rows], tree) if info.any_penalty else None
-        tokens, logprobs = sample(logits, info, node_req, tree.positions.reshape(-1) + 1, presence)
-        return tokens.view(bs, D), None if logprobs is None else logprobs.view(bs, D)
-
-    def _mark_presence(self, rows, path_tokens, lengths):
-        table = self.target.presence.table
-        for j in range(path_tokens.shape[1]):
-            tok = path_tokens[:, j]
-            table[rows, tok] = table[rows, tok] | (j < lengths)
+        history = None
+        if info.any_penalty:
+            history = tree_ops.node_history(self.target.history.of_rows(rows), tree)
+        choice = sample(logits, info, node_req, tree.positions.reshape(-1) + 1, history)
+        return TokenChoice(*(None if t is None else t.view(bs, D, *t.shape[1:]) for t in choice))
 
     def _stash_draft_state(self, rows, last_hidden):
         topk_p, topk_index = self.draft.model.topk(last_hidden, self.tree.topk)

@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from specserve.engine.layers.sampler import TokenHistory
+
 
 class TreeShape(NamedTuple):
     topk: int
@@ -131,7 +133,9 @@ class Accept(NamedTuple):
     tokens: torch.Tensor   # [bs, D] the target's token at each path node: what is emitted
 
     def gather_path(self, per_node: torch.Tensor) -> torch.Tensor:
-        return per_node.gather(1, self.path)
+        """[bs, D, ...] per node -> the same along the accepted path."""
+        index = self.path.view(*self.path.shape, *[1] * (per_node.dim() - 2)).expand_as(per_node)
+        return per_node.gather(1, index)
 
 
 def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = None) -> Accept:
@@ -189,13 +193,16 @@ def draft_step_kv(table: torch.Tensor, S: torch.Tensor, step: int, shape: TreeSh
     return kv, (S + step).repeat_interleave(k), own.reshape(-1)
 
 
-def node_presence(presence_rows: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """[bs * D, V] tokens in each node's sequence: the request's, plus its draft ancestors."""
+def node_history(rows: TokenHistory, tree: Tree) -> TokenHistory:
+    """[bs * D, V] per node: the request's history plus the node's own draft ancestors (the
+    tokens before it on its path, itself included; node 0, the bonus, is in the history)."""
     bs, D = tree.tokens.shape
-    out = presence_rows.unsqueeze(1).repeat(1, D, 1)
+    in_sequence = rows.in_sequence.unsqueeze(1).repeat(1, D, 1)
+    counts = rows.output_counts.unsqueeze(1).repeat(1, D, 1)
     sees = tree.mask if tree.mask is not None else \
-        torch.ones(D, D, dtype=torch.bool, device=out.device).tril().expand(bs, D, D)
+        torch.ones(D, D, dtype=torch.bool, device=counts.device).tril().expand(bs, D, D)
     for j in range(1, D):
         idx = tree.tokens[:, j].view(bs, 1, 1).expand(bs, D, 1)
-        out.scatter_(2, idx, out.gather(2, idx) | sees[:, :, j:j + 1])
-    return out.view(bs * D, -1)
+        in_sequence.scatter_(2, idx, in_sequence.gather(2, idx) | sees[:, :, j:j + 1])
+        counts.scatter_add_(2, idx, sees[:, :, j:j + 1].to(counts.dtype))
+    return TokenHistory(in_sequence.view(bs * D, -1), counts.view(bs * D, -1))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from specserve.proto import generate_pb2 as pb
 from specserve.server.generation import Served
@@ -34,9 +34,10 @@ class GenerationBody(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted for compatibility; not used
-    n: int = 1
+    n: Optional[int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a JSON key) -> bias
     # SGLang and vLLM extras.
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -49,11 +50,23 @@ class GenerationBody(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse, by name, what the server does not implement (rather than ignore it)."""
-        if self.n != 1:
-            raise InvalidRequest(f"n: only n=1 is supported, got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name}: not supported (use repetition_penalty)")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+    def logprob_fields(self) -> dict:
+        """The gRPC logprobs / top_logprobs / prompt_logprobs values this body asks for."""
+        return {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprob_fields().get("logprobs"))
+
+    @property
+    def echo_text(self) -> Optional[str]:
+        """The prompt's text to put before the completion (completions' echo)."""
+        return None
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -68,8 +81,15 @@ class GenerationBody(BaseModel):
         values = {"max_new_tokens": self.max_new_tokens(), "min_new_tokens": self.min_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                   "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                  "seed": self.seed, "ignore_eos": self.ignore_eos}
+                  "seed": self.seed, "ignore_eos": self.ignore_eos, "n": self.n,
+                  "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, **self.logprob_fields()}
         msg = pb.SamplingParams(stop=[self.stop] if isinstance(self.stop, str) else self.stop or [])
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                msg.logit_bias[int(key)] = bias
+            except (ValueError, TypeError):
+                raise InvalidRequest(f"logit_bias: {key!r} is not a token id") from None
         for name, value in values.items():
             if value is None:
                 continue
@@ -108,21 +128,42 @@ class GenerationBody(BaseModel):
 
 class CompletionRequest(GenerationBody):
     prompt: Union[str, list[int]]
+    # The k most likely tokens at each position, with the chosen one's log-probability (the
+    # legacy API's int; 0 returns the chosen tokens' alone).
     logprobs: Optional[int] = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (and its logprobs, with logprobs)
     suffix: Optional[str] = None
 
     PROMPT_FIELD = "prompt"
+    _echo_text: Optional[str] = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs: not supported by the HTTP API yet (the gRPC API "
-                                 "returns the sampled tokens' log-probabilities)")
-        if self.echo:
-            raise InvalidRequest("echo: not supported")
         if self.suffix:
             raise InvalidRequest("suffix: not supported")
+
+    def logprob_fields(self) -> dict:
+        if self.logprobs is None:
+            return {}
+        fields = {"logprobs": True, "top_logprobs": self.logprobs}
+        if self.echo:
+            fields["prompt_logprobs"] = self.logprobs
+        return fields
+
+    def api_field(self, field: str) -> str:
+        return "logprobs" if field in ("top_logprobs", "prompt_logprobs") else super().api_field(field)
+
+    def prepare(self, served: Served) -> ValidatedRequest:
+        validated = super().prepare(served)
+        if self.echo:  # decoded here, in the prepare thread, off the event loop
+            self._echo_text = self.prompt if isinstance(self.prompt, str) else \
+                served.token_texts.decode(validated.prompt_token_ids)
+        return validated
+
+    @property
+    def echo_text(self) -> Optional[str]:
+        """The prompt's text when echo is set (known once prepare ran)."""
+        return self._echo_text
 
     def generate_request(self, served: Served) -> pb.GenerateRequest:
         if isinstance(self.prompt, str):
@@ -165,11 +206,8 @@ class ChatCompletionRequest(GenerationBody):
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        for name in ("logprobs", "top_logprobs"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name}: not supported by the HTTP API yet")
+    def logprob_fields(self) -> dict:
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
     def max_new_tokens(self) -> Optional[int]:
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens.

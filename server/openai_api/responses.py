@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 from specserve.proto import generate_pb2 as pb
+from specserve.server.logprobs import TokenTexts
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}
@@ -23,59 +24,132 @@ def finish_reason(chunk: pb.GenerateChunk) -> Optional[str]:
     return _FINISH_REASONS.get(chunk.finish.reason) if chunk.HasField("finish") else None
 
 
-def usage(chunk: pb.GenerateChunk) -> dict:
-    """The usage of a request's last chunk (the one with `finish`)."""
-    prompt, completion = chunk.finish.usage.prompt_tokens, chunk.finish.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
 class ResponseFormat:
     """The shapes of one request's responses; chat and completions differ only in the object
-    names and in where the text goes (`message`/`delta` content or `text`)."""
+    names, in where the text goes (`message`/`delta` content or `text`) and in the logprobs
+    layout. With n > 1 every choice is one sequence (GenerateChunk.index); usage counts the
+    prompt once and the completions of every choice."""
 
-    def __init__(self, rid: str, model: str, chat: bool):
+    def __init__(self, rid: str, model: str, chat: bool, *, n: int = 1,
+                 token_texts: Optional[TokenTexts] = None, echo_text: Optional[str] = None):
         self.chat = chat
+        self.n = n
+        # Set when the request asked for logprobs: a token's text is its own decoding (cached).
+        self.token_texts = token_texts
+        self.echo_text = echo_text   # completions with echo: the prompt, before the completion
+        self._echoed: set[int] = set()  # choices whose stream has had the echo
         self._head = {"id": rid, "created": int(time.time()), "model": model}
+        self._text_offsets = [0] * n   # completions logprobs: where the next token's text starts
+        self._completion_tokens = [0] * n
+        self._prompt_tokens = 0
 
-    def response(self, text: str, finish: pb.GenerateChunk) -> dict:
-        """The whole response of a non-streaming request."""
-        choice: dict = {"index": 0, "finish_reason": finish_reason(finish)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-            choice["logprobs"] = None
+    def response(self, chunks: list[pb.GenerateChunk]) -> dict:
+        """The whole response of a non-streaming request, from all its chunks."""
+        by_index: list[list[pb.GenerateChunk]] = [[] for _ in range(self.n)]
+        for chunk in chunks:
+            by_index[chunk.index].append(chunk)
+            self._count(chunk)
+        choices = []
+        for index, own in enumerate(by_index):
+            text = "".join(c.text for c in own)
+            choice: dict = {"index": index, "finish_reason": finish_reason(own[-1])}
+            logprobs = self._logprobs(own) if self.token_texts is not None else None
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = (self.echo_text or "") + text
+            choice["logprobs"] = logprobs
+            choices.append(choice)
         return {**self._head, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [choice], "usage": usage(finish)}
+                "choices": choices, "usage": self._usage()}
 
-    def first_chunk(self) -> Optional[dict]:
-        """Chat streams open with the assistant's role (OpenAI's first delta); None otherwise."""
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant's role (OpenAI's first delta) per choice."""
         if not self.chat:
-            return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}) for i in range(self.n)]
 
     def chunk(self, chunk: pb.GenerateChunk) -> Optional[dict]:
-        """The stream chunk for a core chunk; None when it has neither text nor a finish."""
+        """The stream chunk for a core chunk; None when it has nothing to say."""
+        self._count(chunk)
         reason = finish_reason(chunk)
-        if not chunk.text and reason is None:
+        logprobs = self._logprobs([chunk]) if self.token_texts is not None else None
+        text = chunk.text
+        if self.echo_text is not None and chunk.index not in self._echoed:
+            self._echoed.add(chunk.index)
+            text = self.echo_text + text
+        if not text and reason is None and not (logprobs and _has_tokens(logprobs)):
             return None
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": reason}
+        choice: dict = {"index": chunk.index, "logprobs": logprobs, "finish_reason": reason}
         if self.chat:
-            choice["delta"] = {"content": chunk.text} if chunk.text else {}
+            choice["delta"] = {"content": text} if text else {}
         else:
-            choice["text"] = chunk.text
+            choice["text"] = text
         return self._chunk(choice)
 
-    def usage_chunk(self, finish: pb.GenerateChunk) -> dict:
+    def usage_chunk(self) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
-        return {**self._chunk(None), "choices": [], "usage": usage(finish)}
+        return {**self._chunk(None), "choices": [], "usage": self._usage()}
+
+    # --- internals -------------------------------------------------------------------------
+    def _count(self, chunk: pb.GenerateChunk) -> None:
+        if chunk.HasField("finish"):
+            self._prompt_tokens = chunk.finish.usage.prompt_tokens
+            self._completion_tokens[chunk.index] = chunk.finish.usage.completion_tokens
+
+
+    def _usage(self) -> dict:
+        completion = sum(self._completion_tokens)
+        return {"prompt_tokens": self._prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self._prompt_tokens + completion}
+
+    def _logprobs(self, chunks: list[pb.GenerateChunk]) -> dict:
+        """OpenAI's logprobs object for the tokens of these chunks (one choice's)."""
+        if self.chat:
+            return {"content": [_chat_logprob(self.token_texts(token_id), c.logprobs[i],
+                                              c.top_logprobs[i] if c.top_logprobs else None)
+                                for c in chunks for i, token_id in enumerate(c.token_ids)]}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        index = chunks[0].index if chunks else 0
+        for chunk in chunks:
+            if self.echo_text is not None:
+                for p in chunk.prompt_logprobs:
+                    tokens.append(p.text)
+                    token_logprobs.append(p.logprob if p.HasField("logprob") else None)
+                    top_logprobs.append({t.text: t.logprob for t in p.top}
+                                        if p.HasField("logprob") else None)
+                    offsets.append(self._advance(index, p.text))
+            for i, token_id in enumerate(chunk.token_ids):
+                text = self.token_texts(token_id)
+                tokens.append(text)
+                token_logprobs.append(chunk.logprobs[i])
+                top_logprobs.append({t.text: t.logprob for t in chunk.top_logprobs[i].candidates}
+                                    if chunk.top_logprobs else {})
+                offsets.append(self._advance(index, text))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _advance(self, index: int, text: str) -> int:
+        offset = self._text_offsets[index]
+        self._text_offsets[index] += len(text)
+        return offset
 
     def _chunk(self, choice: Optional[dict]) -> dict:
         return {**self._head,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [] if choice is None else [choice]}
+
+
+def _has_tokens(logprobs: dict) -> bool:
+    return bool(logprobs.get("content") or logprobs.get("tokens"))
+
+
+def _chat_logprob(text: str, logprob: float, top: Optional[pb.TopLogprobs]) -> dict:
+    candidates = list(top.candidates) if top is not None else []
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": c.text, "logprob": c.logprob, "bytes": list(c.text.encode())}
+                             for c in candidates]}
 
 
 def error_body(message: str, type_: str, param: Optional[str] = None,

@@ -107,19 +107,24 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
     async def generate(body: GenerationBody, request: Request, chat: bool) -> Response:
         served = served_model(body.model)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        shape = ResponseFormat(rid, served.info.model, chat)
         headers = {"x-request-id": rid}
         chunks = core.generate(rid, body.prepare)
+
+        def shape() -> ResponseFormat:  # after the first chunk: prepare has run (echo text)
+            return ResponseFormat(rid, served.info.model, chat, n=body.num_choices,
+                                  token_texts=served.token_texts if body.wants_logprobs else None,
+                                  echo_text=body.echo_text)
+
         try:
             if not body.stream:
-                text, last = await _unless_client_leaves(request, _collect(chunks))
-                return JSONResponse(shape.response(text, last), headers=headers)
+                collected = await _unless_client_leaves(request, _collect(chunks))
+                return JSONResponse(shape().response(collected), headers=headers)
             # The first chunk is awaited before the response starts, so that a refusal still
             # gets its HTTP status rather than an error event in a 200 stream.
             first = await _unless_client_leaves(request, chunks.__anext__())
         except Refused as refusal:
             return _refusal_response(refusal, rid)
-        return StreamingResponse(_events(shape, first, chunks, body.include_usage),
+        return StreamingResponse(_events(shape(), first, chunks, body.include_usage),
                                  media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
 
@@ -162,13 +167,10 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
     return app
 
 
-async def _collect(chunks: AsyncIterator[pb.GenerateChunk]) -> tuple[str, pb.GenerateChunk]:
-    """The whole text of a stream and its last chunk (with `finish`)."""
-    texts = []
+async def _collect(chunks: AsyncIterator[pb.GenerateChunk]) -> list[pb.GenerateChunk]:
+    """Every chunk of a stream (of every choice)."""
     async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            texts.append(chunk.text)
-    return "".join(texts), chunk
+        return [chunk async for chunk in chunks]
 
 
 async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
@@ -177,15 +179,15 @@ async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
     """The SSE body. Starlette cancels it when the client disconnects; aclosing then ends the
     core's generator at once, which aborts the engine request."""
     async with contextlib.aclosing(chunks):
-        opening = shape.first_chunk()
-        if opening is not None:
+        for opening in shape.first_chunks():
             yield sse(opening)
-        chunk = first
+        chunk, unfinished = first, shape.n
         while True:
             payload = shape.chunk(chunk)
             if payload is not None:
                 yield sse(payload)
-            if chunk.HasField("finish"):
+            unfinished -= chunk.HasField("finish")
+            if not unfinished:
                 break
             try:
                 chunk = await chunks.__anext__()
@@ -193,6 +195,6 @@ async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
                 status, type_ = _STATUSES[refusal.kind]
                 yield sse(error_body(refusal.message, type_, refusal.field, str(status)))
                 break
-        if include_usage and chunk.HasField("finish"):
-            yield sse(shape.usage_chunk(chunk))
+        if include_usage and not unfinished:
+            yield sse(shape.usage_chunk())
         yield SSE_DONE

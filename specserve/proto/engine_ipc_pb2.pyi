@@ -29,10 +29,12 @@ class AddRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("rid",)
+    __slots__ = ("rid", "index")
     RID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     rid: str
-    def __init__(self, rid: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class LoadQuery(_message.Message):
     __slots__ = ("query_id",)
@@ -73,8 +75,9 @@ class BatchOutput(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("rid", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec")
+    __slots__ = ("rid", "index", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec", "new_top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
     RID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -83,7 +86,11 @@ class RequestOutput(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     rid: str
+    index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedScalarFieldContainer[float]
     finished: bool
@@ -92,7 +99,10 @@ class RequestOutput(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     spec: SpecInfo
-    def __init__(self, rid: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ...) -> None: ...
+    new_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
+    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ..., new_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class SpecInfo(_message.Message):
     __slots__ = ("num_verify_steps", "num_accepted_drafts")

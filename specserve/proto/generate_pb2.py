@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/generate.proto\x12\x0cspecserve.v1\"\xf0\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x05 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xba\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x08H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x0b\n\t_logprobs\"h\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12$\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Finish\"\xc7\x01\n\x06\x46inish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x1a\n\x10matched_token_id\x18\x02 \x01(\rH\x00\x12\x1a\n\x10matched_stop_str\x18\x03 \x01(\tH\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12%\n\x04spec\x18\x05 \x01(\x0b\x32\x17.specserve.v1.SpecStatsB\x0e\n\x0cmatched_stop\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"Q\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x02 \x01(\r\x12\x15\n\raccept_length\x18\x03 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xf2\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12&\n\x04spec\x18\x08 \x01(\x0b\x32\x18.specserve.v1.SpecConfig\x12\x19\n\x11max_prompt_tokens\x18\t \x01(\r\x12\x1a\n\x12max_new_tokens_cap\x18\n \x01(\r\"o\n\nSpecConfig\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x0c\n\x04topk\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\"\x16\n\x14GetServerLoadRequest\"\xd4\x01\n\nServerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12mean_accept_length\x18\x05 \x01(\x02\x12\x1a\n\x12num_active_streams\x18\x06 \x01(\r\x12\x1a\n\x12max_active_streams\x18\x07 \x01(\r\x12\x17\n\x0fnum_retractions\x18\x08 \x01(\x04\"\xd1\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x94\x03\n\x11GenerationService\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfo\x12M\n\rGetServerLoad\x12\".specserve.v1.GetServerLoadRequest\x1a\x18.specserve.v1.ServerLoad\x12I\n\x08Tokenize\x12\x1d.specserve.v1.TokenizeRequest\x1a\x1e.specserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.specserve.v1.DetokenizeRequest\x1a .specserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/generate.proto\x12\x0cspecserve.v1\"\xf0\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x05 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8b\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\rH\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\r\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"=\n\x0bTopLogprobs\x12.\n\ncandidates\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x7f\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprobB\n\n\x08_logprob\"\xe3\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12$\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Finish\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.specserve.v1.TopLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32 .specserve.v1.PromptTokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\"\xc7\x01\n\x06\x46inish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x1a\n\x10matched_token_id\x18\x02 \x01(\rH\x00\x12\x1a\n\x10matched_stop_str\x18\x03 \x01(\tH\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12%\n\x04spec\x18\x05 \x01(\x0b\x32\x17.specserve.v1.SpecStatsB\x0e\n\x0cmatched_stop\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"Q\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x02 \x01(\r\x12\x15\n\raccept_length\x18\x03 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xf2\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12&\n\x04spec\x18\x08 \x01(\x0b\x32\x18.specserve.v1.SpecConfig\x12\x19\n\x11max_prompt_tokens\x18\t \x01(\r\x12\x1a\n\x12max_new_tokens_cap\x18\n \x01(\r\"o\n\nSpecConfig\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x0c\n\x04topk\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\"\x16\n\x14GetServerLoadRequest\"\xd4\x01\n\nServerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12mean_accept_length\x18\x05 \x01(\x02\x12\x1a\n\x12num_active_streams\x18\x06 \x01(\r\x12\x1a\n\x12max_active_streams\x18\x07 \x01(\r\x12\x17\n\x0fnum_retractions\x18\x08 \x01(\x04\"\xd1\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x94\x03\n\x11GenerationService\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfo\x12M\n\rGetServerLoad\x12\".specserve.v1.GetServerLoadRequest\x1a\x18.specserve.v1.ServerLoad\x12I\n\x08Tokenize\x12\x1d.specserve.v1.TokenizeRequest\x1a\x1e.specserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.specserve.v1.DetokenizeRequest\x1a .specserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2262
-  _globals['_FINISHREASON']._serialized_end=2382
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2980
+  _globals['_FINISHREASON']._serialized_end=3100
   _globals['_GENERATEREQUEST']._serialized_start=46
   _globals['_GENERATEREQUEST']._serialized_end=286
   _globals['_CHATMESSAGES']._serialized_start=288
@@ -42,33 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=395
   _globals['_TOKENIDS']._serialized_end=418
   _globals['_SAMPLINGPARAMS']._serialized_start=421
-  _globals['_SAMPLINGPARAMS']._serialized_end=863
-  _globals['_GENERATECHUNK']._serialized_start=865
-  _globals['_GENERATECHUNK']._serialized_end=969
-  _globals['_FINISH']._serialized_start=972
-  _globals['_FINISH']._serialized_end=1171
-  _globals['_USAGE']._serialized_start=1173
-  _globals['_USAGE']._serialized_end=1230
-  _globals['_SPECSTATS']._serialized_start=1232
-  _globals['_SPECSTATS']._serialized_end=1313
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1315
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1336
-  _globals['_MODELINFO']._serialized_start=1339
-  _globals['_MODELINFO']._serialized_end=1581
-  _globals['_SPECCONFIG']._serialized_start=1583
-  _globals['_SPECCONFIG']._serialized_end=1694
-  _globals['_GETSERVERLOADREQUEST']._serialized_start=1696
-  _globals['_GETSERVERLOADREQUEST']._serialized_end=1718
-  _globals['_SERVERLOAD']._serialized_start=1721
-  _globals['_SERVERLOAD']._serialized_end=1933
-  _globals['_TOKENIZEREQUEST']._serialized_start=1936
-  _globals['_TOKENIZEREQUEST']._serialized_end=2145
-  _globals['_TOKENIZERESPONSE']._serialized_start=2147
-  _globals['_TOKENIZERESPONSE']._serialized_end=2184
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2186
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2224
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2226
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2260
-  _globals['_GENERATIONSERVICE']._serialized_start=2385
-  _globals['_GENERATIONSERVICE']._serialized_end=2789
+  _globals['_SAMPLINGPARAMS']._serialized_end=1200
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=922
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=970
+  _globals['_TOKENLOGPROB']._serialized_start=1202
+  _globals['_TOKENLOGPROB']._serialized_end=1265
+  _globals['_TOPLOGPROBS']._serialized_start=1267
+  _globals['_TOPLOGPROBS']._serialized_end=1328
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=1330
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1457
+  _globals['_GENERATECHUNK']._serialized_start=1460
+  _globals['_GENERATECHUNK']._serialized_end=1687
+  _globals['_FINISH']._serialized_start=1690
+  _globals['_FINISH']._serialized_end=1889
+  _globals['_USAGE']._serialized_start=1891
+  _globals['_USAGE']._serialized_end=1948
+  _globals['_SPECSTATS']._serialized_start=1950
+  _globals['_SPECSTATS']._serialized_end=2031
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2033
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2054
+  _globals['_MODELINFO']._serialized_start=2057
+  _globals['_MODELINFO']._serialized_end=2299
+  _globals['_SPECCONFIG']._serialized_start=2301
+  _globals['_SPECCONFIG']._serialized_end=2412
+  _globals['_GETSERVERLOADREQUEST']._serialized_start=2414
+  _globals['_GETSERVERLOADREQUEST']._serialized_end=2436
+  _globals['_SERVERLOAD']._serialized_start=2439
+  _globals['_SERVERLOAD']._serialized_end=2651
+  _globals['_TOKENIZEREQUEST']._serialized_start=2654
+  _globals['_TOKENIZEREQUEST']._serialized_end=2863
+  _globals['_TOKENIZERESPONSE']._serialized_start=2865
+  _globals['_TOKENIZERESPONSE']._serialized_end=2902
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2904
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2942
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2944
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2978
+  _globals['_GENERATIONSERVICE']._serialized_start=3103
+  _globals['_GENERATIONSERVICE']._serialized_end=3507
 # @@protoc_insertion_point(module_scope)
