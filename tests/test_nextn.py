@@ -233,7 +233,7 @@ def test_draft_matches_transformers_reference(tmp_path, make_engine, shape, modu
     for _ in range(6):
         for out in engine.step():
             produced += out.new_token_ids
-        req = engine.core.scheduler.reqs["r"]
+        req = engine.core.scheduler.reqs[("r", 0)]
         tokens = prompt + produced
         S = req.kv_committed_len  # the bonus token tokens[S] is the next input
         assert len(tokens) == S + 1
