@@ -9,6 +9,11 @@ export SPECSERVE_MODELS_DIR=$PWD/models  # the demo pair, from the checkout (not
 # grpcio-health-checking/reflection pinned to the machine's grpcio (1.84.0): newer ones refuse it.
 python -m pip install -q --no-deps --no-index --find-links wheels/base pytest-timeout pyzmq prometheus-client \
     grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 protobuf > "$OUT/pip.log" 2>&1
+# FlashInfer (optional): flashinfer-python 0.5.3 and apache-tvm-ffi wheels in wheels/fi; its
+# kernels are JIT-compiled with the machine's nvcc on first use.
+if ls wheels/fi/*.whl > /dev/null 2>&1; then
+  python -m pip install -q --no-deps --no-index wheels/fi/*.whl >> "$OUT/pip.log" 2>&1 || echo "flashinfer install failed"
+fi
 # A regular (not editable) install: the folders map onto specserve.* through setup.py.
 python -m pip install -q --no-deps --no-build-isolation . >> "$OUT/pip.log" 2>&1 || echo "install failed"
 (cd /tmp && python -c "import specserve.engine") || tail "$OUT/pip.log"
