@@ -192,11 +192,13 @@ def _hf_module_as_model(target: str, path: str):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    norm = lambda w, x: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]))
+
+    def norm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]))
 
     def run(features: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Row p reads (feature p, token p + 1): (next-token probabilities [T, vocab], the
-        module's output [T, hidden], the next row's feature)."""
+        module's normed output [T, hidden], which is also the next draft step's feature)."""
         e = weights["model.embed_tokens.weight"][torch.tensor(next_tokens)]
         x = torch.cat([norm(own["enorm.weight"], e), norm(own["hnorm.weight"], features)], dim=-1)
         x = x @ own["eh_proj.weight"].T
