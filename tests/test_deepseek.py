@@ -284,7 +284,7 @@ def test_tree_compaction_keeps_prefill_latents(ds_pair, make_engine):
     for _ in range(5):
         engine.step()
     core = engine.core
-    req = core.scheduler.reqs["r"]
+    req = core.scheduler.reqs[("r", 0)]
     n = req.kv_committed_len
     assert n > len(prompt) + 4 and core.scheduler.metrics.mean_accept_length > 1.3
     tokens = (req.prompt_ids + req.output_ids)[:n]
@@ -294,7 +294,7 @@ def test_tree_compaction_keeps_prefill_latents(ds_pair, make_engine):
     plain = make_engine(ds_pair[0], enable_overlap=False)
     plain.add_request("p", tokens, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
     plain.step()
-    preq = plain.core.scheduler.reqs["p"]
+    preq = plain.core.scheduler.reqs[("p", 0)]
     assert preq.kv_committed_len >= n
     plain_kv = plain.core.kv_pool.kv_all[:, plain.core.req_to_token.table[preq.row, :n]]
     torch.testing.assert_close(spec_kv, plain_kv, atol=1e-5, rtol=1e-5)
