@@ -1,7 +1,16 @@
-"""Serving benchmark: a gRPC load generator against a running `specserve serve`.
+"""Serving benchmark: a gRPC load generator against a running `specserve serve`, or one it starts.
 
     specserve serve --port 50051 &
     python bench/serving.py --server 127.0.0.1:50051 --rates 2,8,inf --concurrency 1,16 --out serving.json
+
+    # on a GPU: a server of its own, the demo pair or a Llama shape with random weights
+    python bench/serving.py --launch llama-1b --spec chain --rates inf --concurrency 1,64,256 --out s.json
+
+`--launch` starts the server (`run_server`, as `specserve serve --device cuda` runs it) in a
+child process with the engine `bench/one_batch.py` measures: the demo pair, or the llama-1b /
+llama-8b shape with random bf16 weights and an EAGLE-3 head whose accept length is forced to
+`--accept-len` (random weights accept nothing). The shapes have no tokenizer, so their prompts
+are random token ids and the server streams ids only (no detokenising).
 
 Requests arrive as a Poisson process at each rate (`inf`: all at once), with at most
 `concurrency` in flight. Prompts are held-out code from the demo pair's sample
@@ -14,9 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import multiprocessing
 import random
 import statistics
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from specserve.clients import AsyncClient
@@ -24,9 +37,9 @@ from specserve.clients import AsyncClient
 HELDOUT = Path(__file__).resolve().parents[1] / "models" / "demo-heldout.txt"
 
 
-def make_prompts(n: int, seed: int, words: int, vocab: int) -> list[dict]:
+def make_prompts(n: int, seed: int, words: int, vocab: int, token_ids: bool = False) -> list[dict]:
     rng = random.Random(seed)
-    if HELDOUT.exists():
+    if HELDOUT.exists() and not token_ids:
         text = HELDOUT.read_text().split()
         starts = [rng.randrange(0, len(text) - words) for _ in range(n)]
         return [{"prompt": " ".join(text[s:s + words])} for s in starts]
@@ -50,24 +63,53 @@ async def one_request(client: AsyncClient, request: dict, max_new_tokens: int) -
             "accept": spec.accept_length if spec is not None else 1.0}
 
 
-async def run_load(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
-                   seed: int) -> dict:
+async def run_requests(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+                       seed: int, start_at: float = 0.0) -> tuple[list[dict], float, float]:
+    """The per-request results, and the wall-clock (time.time) start and end of the run; the run
+    starts at `start_at` if that is later (client processes start together)."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     async with AsyncClient(server) as client:
         await client.wait_until_serving()
+        await asyncio.sleep(max(0.0, start_at - time.time()))
 
         async def bounded(request):
             async with limit:
                 return await one_request(client, request, max_new_tokens)
 
-        tasks, start = [], time.perf_counter()
+        tasks, start = [], time.time()
         for request in prompts:
             tasks.append(asyncio.create_task(bounded(request)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
+    return results, start, time.time()
+
+
+def _client_process(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+                    seed: int, start_at: float) -> tuple[list[dict], float, float]:
+    return asyncio.run(run_requests(server, prompts, rate, concurrency, max_new_tokens, seed, start_at))
+
+
+async def run_load(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+                   seed: int, client_procs: int = 1) -> dict:
+    """One load run. `client_procs` > 1 splits the requests, the concurrency and the rate over
+    that many client processes, so that a Python client's per-chunk cost does not cap the
+    measurement at high concurrency."""
+    if client_procs <= 1:
+        results, start, end = await run_requests(server, prompts, rate, concurrency, max_new_tokens, seed)
+    else:
+        loop = asyncio.get_running_loop()
+        start_at = time.time() + 5.0  # spawned clients import grpc and connect meanwhile
+        with ProcessPoolExecutor(client_procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = await asyncio.gather(*(
+                loop.run_in_executor(pool, _client_process, server, prompts[i::client_procs],
+                                     rate / client_procs, concurrency // client_procs + (i < concurrency % client_procs),
+                                     max_new_tokens, seed + i, start_at)
+                for i in range(min(client_procs, concurrency, len(prompts)))))
+        results = [r for part in parts for r in part[0]]
+        start, end = min(p[1] for p in parts), max(p[2] for p in parts)
+    elapsed = end - start
 
     def pct(values, q):
         values = sorted(values)
@@ -77,7 +119,7 @@ async def run_load(server: str, prompts: list[dict], rate: float, concurrency: i
     tpot = [r["tpot"] for r in results]
     itl = [x for r in results for x in r["itl"]]
     tokens = sum(r["tokens"] for r in results)
-    return {"rate": rate, "concurrency": concurrency, "requests": len(results),
+    return {"rate": rate, "concurrency": concurrency, "requests": len(results), "client_procs": client_procs,
             "output_tokens_per_s": tokens / elapsed, "requests_per_s": len(results) / elapsed,
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
             "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
@@ -85,27 +127,79 @@ async def run_load(server: str, prompts: list[dict], rate: float, concurrency: i
             "accept_length": statistics.mean(r["accept"] for r in results)}
 
 
+def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
+                           max_context_len: int, device: str = "cuda"):
+    """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
+    from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
+
+    from specserve.engine.builder import demo_models_dir
+    from specserve.engine.config import EngineConfig, SpecConfig
+
+    if model == "demo":
+        target, draft, load_format, force = None, str(demo_models_dir() / "demo-draft"), "auto", None
+    else:
+        (target, draft), load_format, force = write_shape(tempfile.mkdtemp(), model), "dummy", accept_len
+    spec_config = None if spec == "plain" else SpecConfig(
+        algorithm="eagle3", draft_model=draft, bench_force_accept_len=force, **SPEC_MODES[spec])
+    return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                        load_format=load_format,
+                        spec=spec_config, max_running_requests=max_running,
+                        max_context_len=max_context_len)
+
+
+def serve_launched(engine_config, port: int) -> None:
+    """The --launch server process."""
+    from specserve.server.app import run_server
+    from specserve.server.config import ServerConfig
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", default="127.0.0.1:50051")
     ap.add_argument("--rates", default="1,4,inf", help="requests/s (Poisson); inf: all at once")
     ap.add_argument("--concurrency", default="1,16")
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=32, help="0: one wave of `concurrency` requests")
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192, help="for random prompts (no held-out text)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_serving.json")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="load-generator processes (the requests and the concurrency are split over them)")
+    ap.add_argument("--launch", choices=["demo", "llama-1b", "llama-8b"], default=None,
+                    help="start a server on the GPU for the run (on --server's port)")
+    ap.add_argument("--spec", choices=["plain", "chain", "tree"], default="chain", help="with --launch")
+    ap.add_argument("--accept-len", type=int, default=3, help="with --launch of a shape: forced accept length")
+    ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
+    ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
     args = ap.parse_args()
-    prompts = make_prompts(args.num_requests, args.seed, args.prompt_words, args.vocab)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    server = None
+    if args.launch is not None:
+        engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
+                                               args.max_context_len, args.device)
+        # Not a daemon: the server spawns the engine process.
+        server = multiprocessing.get_context("spawn").Process(
+            target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2])))
+        server.start()
     rows = []
-    for concurrency in (int(c) for c in args.concurrency.split(",")):
-        for rate in (float(r) for r in args.rates.split(",")):
-            rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
-                                             args.seed)))
-            print(json.dumps(rows[-1]), flush=True)
-    json.dump({"server": args.server, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"),
-              indent=1)
+    try:
+        for concurrency in concurrencies:
+            prompts = make_prompts(args.num_requests or concurrency, args.seed, args.prompt_words, args.vocab,
+                                   token_ids=args.launch not in (None, "demo"))
+            for rate in (float(r) for r in args.rates.split(",")):
+                rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
+                                                 args.seed, args.client_procs)))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if server is not None:
+            server.terminate()  # SIGTERM: the server drains, stops its engine and exits
+            server.join(120)
+    json.dump({"server": args.server, "launch": args.launch, "spec": args.spec if args.launch else None,
+               "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{'conc':>4} {'rate':>5} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p99':>7} "
           f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'accept':>6}")
     for r in rows:

@@ -16,6 +16,7 @@ import signal
 import threading
 import traceback
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -43,7 +44,13 @@ class ServerLink:
     heartbeat_interval_s: float
 
 
-def run_engine_process(config: EngineConfig, link: ServerLink) -> None:
+# Builds what the loop drives from the config: an `Engine`, or for benchmarks of the server
+# alone a stand-in with the same methods (bench/frontend.py); a picklable top-level function.
+StartEngine = Callable[[EngineConfig], Any]
+
+
+def run_engine_process(config: EngineConfig, link: ServerLink,
+                       start_engine: Optional[StartEngine] = None) -> None:
     """Child-process entry: start the engine, report ready, serve IPC until told to stop.
 
     Exits with status 1 (after sending EngineFailed) if the engine cannot start or a step fails.
@@ -62,7 +69,7 @@ def run_engine_process(config: EngineConfig, link: ServerLink) -> None:
     server_pid = os.getppid()
     engine = heartbeat = None
     try:
-        engine = _start_engine(config)
+        engine = (start_engine or _start_engine)(config)
         loop = _EngineLoop(engine, requests, outputs, server_pid)
         # Watched from the moment the server hears "ready", so beating starts before that.
         heartbeat = HeartbeatThread(context, link, loop)

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from specserve.engine.config import EngineConfig
+from specserve.engine.process import StartEngine
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable
 from specserve.server.generation import GenerationCore
@@ -85,10 +86,12 @@ def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
 
 
 class SpecserveServer:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 start_engine: Optional[StartEngine] = None):
         self.server_config = server_config
         self.engine = EngineClient(engine_config, EngineWatchdog(
-            server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s))
+            server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s),
+            start_engine)
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
         self.http = HttpEndpoint(self.metrics.registry, lambda: self.health.serving)
@@ -240,10 +243,12 @@ class SpecserveServer:
         logger.info("stopped")
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Run the server on uvloop when it is installed; returns the process exit status."""
+def run_server(engine_config: EngineConfig, server_config: ServerConfig,
+               start_engine: Optional[StartEngine] = None) -> int:
+    """Run the server on uvloop when it is installed; returns the process exit status.
+    start_engine: a stand-in for the engine (benchmarks of the server alone)."""
     async def main() -> int:
-        return await SpecserveServer(engine_config, server_config).run()
+        return await SpecserveServer(engine_config, server_config, start_engine).run()
 
     try:
         import uvloop

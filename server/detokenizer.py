@@ -16,6 +16,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decode = tokenizer.decode  # bound once: this runs twice per streamed token
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -30,8 +31,8 @@ class IncrementalDetokenizer:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset:])
         if len(text) <= len(prefix_text) or (text.endswith(REPLACEMENT_CHAR) and not final):
             return ""
         self.prefix_offset = self.read_offset

@@ -1,9 +1,10 @@
 """EngineClient: the server's handle on the engine process.
 
 Starts `specserve.engine.process.run_engine_process` in a spawned child, talks to it over two
-ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one queue
-per request. If the child dies, every waiting caller gets EngineUnavailable at once (the child's
-process sentinel is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
+ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one
+RequestStream per request (through an OutputReader thread: server/output_router.py). If the
+child dies, every waiting caller gets EngineUnavailable at once (the child's process sentinel
+is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
 child is found by the watchdog (server/watchdog.py) from the heartbeats on a third socket; it is
 then killed and handled as dead.
 """
@@ -17,16 +18,19 @@ import os
 import pickle
 import shutil
 import tempfile
-from typing import Any, Callable, Optional, Union
+import time
+from typing import Any, Callable, Optional
 
 import zmq
 import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput
-from specserve.engine.process import ServerLink, run_engine_process
-from specserve.engine.wire import info_from_proto, load_from_proto, output_from_proto, sampling_to_proto
+from specserve.engine.outputs import EngineInfo, EngineLoad
+from specserve.engine.process import ServerLink, StartEngine, run_engine_process
+from specserve.engine.wire import info_from_proto, load_from_proto, sampling_to_proto
 from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.server.output_router import OutputReader, RequestStream, Routed, StreamUpdate
+from specserve.server.output_stream import OutputStream
 from specserve.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("specserve.server.engine")
@@ -43,14 +47,12 @@ class RequestRejected(Exception):
     """The engine refused a request; the message names the field (engine ValueError)."""
 
 
-# What a request's queue carries: engine outputs, then possibly an error that ends the stream.
-RequestEvent = Union[StepOutput, Exception]
-
-
 class EngineClient:
-    def __init__(self, config: EngineConfig, watchdog: EngineWatchdog):
+    def __init__(self, config: EngineConfig, watchdog: EngineWatchdog,
+                 start_engine: Optional[StartEngine] = None):
         self.config = config
         self.watchdog = watchdog
+        self.start_engine = start_engine  # None: the real Engine (see run_engine_process)
         self.info: Optional[EngineInfo] = None
         self.tokenizer: Any = None  # the engine's tokenizer (encode/decode), once ready; or None
         self.process: Optional[multiprocessing.process.BaseProcess] = None
@@ -61,17 +63,18 @@ class EngineClient:
         self._to_engine = self._zmq.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)  # sends never block the event loop
         self._to_engine.setsockopt(zmq.LINGER, 0)
-        self._from_engine = self._zmq.socket(zmq.PULL)
+        # A plain socket: the OutputReader thread reads it.
+        self._from_engine = self._zmq.socket(zmq.PULL, socket_class=zmq.Socket)
         self._from_engine.setsockopt(zmq.LINGER, 0)
         self._heartbeats = self._zmq.socket(zmq.PULL)
         self._heartbeats.setsockopt(zmq.LINGER, 0)
-        self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self._streams: dict[str, RequestStream] = {}
         # Per live request, its sequences (0 .. n - 1) the engine has not finished yet.
         self._unfinished: dict[str, set[int]] = {}
         self._load_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._ready: Optional[asyncio.Future[EngineInfo]] = None
-        self._reader: Optional[asyncio.Task] = None
+        self._reader: Optional[OutputReader] = None
         self._watcher: Optional[asyncio.Task] = None
         self._death_callbacks: list[Callable[[str], None]] = []
 
@@ -88,10 +91,12 @@ class EngineClient:
         self._ready = loop.create_future()
         # spawn, not fork: the server process runs gRPC threads and an event loop.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(self.config, link), name="specserve-engine")
+            target=run_engine_process, args=(self.config, link, self.start_engine),
+            name="specserve-engine")
         self.process.start()
         loop.add_reader(self.process.sentinel, self._on_process_exit)
-        self._reader = loop.create_task(self._read_outputs())
+        self._reader = OutputReader(self._from_engine, self._streams, loop, self._on_routed)
+        self._reader.start()
 
     async def wait_ready(self) -> EngineInfo:
         """The engine's info once it is loaded and warm; EngineUnavailable if it died first."""
@@ -118,26 +123,29 @@ class EngineClient:
                 await asyncio.to_thread(self.process.join)
         self._fail_all(EngineUnavailable("the server is shutting down"))
         if self._reader is not None:
-            self._reader.cancel()
+            self._reader.stop()
+            await asyncio.to_thread(self._reader.join)  # it closes its socket
+        else:
+            self._from_engine.close()
         self._to_engine.close()
-        self._from_engine.close()
         self._heartbeats.close()
         self._zmq.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # --- requests ------------------------------------------------------------------------
-    def submit(self, rid: str, prompt_token_ids: list[int],
-               sampling: SamplingParams) -> asyncio.Queue[RequestEvent]:
-        """Send a request to the engine; the outputs of its sampling.n sequences (and a final
-        error, if any) arrive on the returned queue. The queue is dropped after every
-        sequence's finished output or an error."""
+    def submit(self, rid: str, prompt_token_ids: list[int], sampling: SamplingParams,
+               outputs: list[OutputStream]) -> RequestStream:
+        """Send a request to the engine; the reader thread turns the outputs of its sampling.n
+        sequences into chunks with `outputs` (one OutputStream per sequence), which arrive (or a
+        final error) on the returned stream. The stream is dropped after every sequence's
+        finished output or an error."""
         self.check_available()
-        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self._streams[rid] = queue
+        stream = RequestStream(outputs)
+        self._streams[rid] = stream
         self._unfinished[rid] = set(range(sampling.n))
         self._send(ipc.ServerToEngine(add=ipc.AddRequest(
             rid=rid, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))))
-        return queue
+        return stream
 
     def abort(self, rid: str, index: Optional[int] = None) -> None:
         """Stop a request, or only its sequence `index`, and free its KV; a no-op once it
@@ -185,39 +193,47 @@ class EngineClient:
         if error is not None and not quiet:
             raise EngineUnavailable(f"cannot reach the engine process: {error}") from error
 
-    async def _read_outputs(self) -> None:
-        while True:
-            message = ipc.EngineToServer.FromString(await self._from_engine.recv())
-            kind = message.WhichOneof("kind")
-            if kind == "batch":
-                for out in message.batch.outputs:
-                    self._deliver(out)
-            elif kind == "rejected":
-                queue = self._streams.pop(message.rejected.rid, None)
-                self._unfinished.pop(message.rejected.rid, None)
-                if queue is not None:
-                    queue.put_nowait(RequestRejected(message.rejected.message))
-            elif kind == "load":
-                future = self._load_queries.get(message.load.query_id)
-                if future is not None and not future.done():
-                    future.set_result(load_from_proto(message.load.load))
-            elif kind == "ready":
-                self._on_ready(message.ready)
-            elif kind == "failed":
-                logger.error("engine failed:\n%s", message.failed.message)
-                last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]
-                self._mark_dead(f"engine failed: {last_line[0]}")
+    def _on_routed(self, routed: list[Routed]) -> None:
+        """What the reader thread read since the last call, in order (on the loop)."""
+        now = time.perf_counter()
+        for item in routed:
+            if isinstance(item, StreamUpdate):
+                self._on_update(item, now)
+            else:
+                self._on_message(item)
 
-    def _deliver(self, msg: ipc.RequestOutput) -> None:
-        queue = self._streams.get(msg.rid)
-        if queue is None:  # aborted by the server meanwhile
-            return
-        if msg.finished:
-            unfinished = self._unfinished[msg.rid]
-            unfinished.discard(msg.index)
-            if not unfinished:
-                del self._streams[msg.rid], self._unfinished[msg.rid]
-        queue.put_nowait(output_from_proto(msg))
+    def _on_update(self, update: StreamUpdate, now: float) -> None:
+        if self._streams.get(update.rid) is update.stream:  # not aborted meanwhile
+            if update.error is not None:
+                del self._streams[update.rid], self._unfinished[update.rid]
+            elif update.engine_finished:
+                unfinished = self._unfinished[update.rid]
+                unfinished.discard(update.index)
+                if not unfinished:
+                    del self._streams[update.rid], self._unfinished[update.rid]
+            elif update.stopped_by_stop_string:
+                # The engine has not finished the sequence: it stops it now (alone when there
+                # are others, which go on).
+                self.abort(update.rid, update.index if len(update.stream.outputs) > 1 else None)
+        update.apply(now)
+
+    def _on_message(self, message: ipc.EngineToServer) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "rejected":
+            stream = self._streams.pop(message.rejected.rid, None)
+            self._unfinished.pop(message.rejected.rid, None)
+            if stream is not None:
+                stream.fail(RequestRejected(message.rejected.message))
+        elif kind == "load":
+            future = self._load_queries.get(message.load.query_id)
+            if future is not None and not future.done():
+                future.set_result(load_from_proto(message.load.load))
+        elif kind == "ready":
+            self._on_ready(message.ready)
+        elif kind == "failed":
+            logger.error("engine failed:\n%s", message.failed.message)
+            last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]
+            self._mark_dead(f"engine failed: {last_line[0]}")
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:
         self.tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle else None
@@ -268,8 +284,8 @@ class EngineClient:
     def _fail_all(self, error: EngineUnavailable) -> None:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
-        for queue in self._streams.values():
-            queue.put_nowait(error)
+        for stream in self._streams.values():
+            stream.fail(error)
         self._streams.clear()
         self._unfinished.clear()
         for future in self._load_queries.values():

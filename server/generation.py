@@ -177,45 +177,41 @@ class GenerationCore:
             spec = served.info.spec is not None
             # One OutputStream per sequence (n > 1): each has its own text, stop strings and
             # finish; the call ends once all have finished.
-            streams = [OutputStream(served.tokenizer, validated, report_spec=spec,
+            outputs = [OutputStream(served.tokenizer, validated, report_spec=spec,
                                     token_texts=served.token_texts)
                        for _ in range(validated.sampling.n)]
             try:
-                events = self.engine.submit(record.rid, validated.prompt_token_ids,
-                                            validated.sampling)
+                # The per-token work (detokenising, stop strings) runs in the engine client's
+                # output thread; chunks arrive here coalesced when this call falls behind.
+                stream = self.engine.submit(record.rid, validated.prompt_token_ids,
+                                            validated.sampling, outputs)
             except EngineUnavailable as e:
                 raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
             self.metrics.prompt_tokens.inc(record.prompt_tokens)
-            while not all(stream.finished for stream in streams):
-                event = await events.get()
-                if isinstance(event, RequestRejected):
-                    raise Refused(RefusalKind.INVALID_ARGUMENT, str(event),
-                                  str(event).partition(":")[0])
-                if isinstance(event, EngineUnavailable):
-                    raise Refused(RefusalKind.UNAVAILABLE, str(event))
-                stream = streams[event.index]
-                if stream.finished:  # ended by a stop string; its aborted outputs trail in
-                    continue
+            unfinished = len(outputs)
+            while unfinished:
+                try:
+                    chunks = await stream.next_chunks()
+                except RequestRejected as e:
+                    raise Refused(RefusalKind.INVALID_ARGUMENT, str(e),
+                                  str(e).partition(":")[0]) from None
+                except EngineUnavailable as e:
+                    raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
                 now = time.perf_counter()
                 if record.first_output is None:
-                    record.first_output = now
-                    self.metrics.queue_time.observe(now - record.admitted)
-                chunk = stream.on_output(event)
-                record.verify_steps = sum(s.verify_steps for s in streams)
-                record.accepted_drafts = sum(s.accepted_drafts for s in streams)
-                record.accept_length = stream.accept_length if spec else None
-                if chunk is None:
-                    continue
-                chunk.index = event.index
-                if stream.finished and not event.finished and len(streams) > 1:
-                    # A stop string ended this sequence: the engine stops it alone (the call's
-                    # end aborts whatever is left of a single sequence).
-                    self.engine.abort(record.rid, event.index)
-                if chunk.token_ids:
-                    self._on_tokens(record, len(chunk.token_ids), now)
-                if chunk.HasField("finish"):
-                    record.finish_reason = finish_reason_name(chunk.finish.reason)
-                yield chunk
+                    record.first_output = stream.first_output
+                    self.metrics.queue_time.observe(record.first_output - record.admitted)
+                progress = stream.progress
+                record.verify_steps, record.accepted_drafts = (progress.verify_steps,
+                                                               progress.accepted_drafts)
+                record.accept_length = progress.accept_length if spec else None
+                for chunk in chunks:
+                    if chunk.token_ids:
+                        self._on_tokens(record, len(chunk.token_ids), now)
+                    if chunk.HasField("finish"):
+                        unfinished -= 1
+                        record.finish_reason = finish_reason_name(chunk.finish.reason)
+                    yield chunk
         finally:
             # Cancelled, past its deadline, stopped by a stop string or failed: the engine must
             # stop and free the KV. A no-op when the engine already finished the request.

@@ -1,7 +1,7 @@
 """One request's engine outputs -> GenerateChunks: text deltas, stop strings, usage, spec stats."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from specserve.engine.outputs import StepOutput
 from specserve.proto import generate_pb2 as pb
@@ -12,6 +12,33 @@ from specserve.server.validation import ValidatedRequest
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}
+
+
+class EngineProgress(NamedTuple):
+    """The engine's speculative counters for one request, totals so far."""
+
+    verify_steps: int = 0
+    accepted_drafts: int = 0
+    accept_length: float = 1.0  # tokens per verify step; 1.0 before any verify
+
+
+def merge_chunks(chunks: list[pb.GenerateChunk]) -> pb.GenerateChunk:
+    """One chunk for consecutive chunks of one sequence (a consumer slower than the engine
+    takes them together). Every field a chunk carries must be merged here."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged = pb.GenerateChunk(text="".join(chunk.text for chunk in chunks),
+                              index=chunks[0].index)
+    for chunk in chunks:
+        merged.token_ids.extend(chunk.token_ids)
+        merged.logprobs.extend(chunk.logprobs)
+        if chunk.top_logprobs:  # messages: skipped when absent, as they mostly are
+            merged.top_logprobs.extend(chunk.top_logprobs)
+        if chunk.prompt_logprobs:  # on a sequence's first chunk only
+            merged.prompt_logprobs.extend(chunk.prompt_logprobs)
+    if chunks[-1].HasField("finish"):  # only a sequence's last chunk has one
+        merged.finish.CopyFrom(chunks[-1].finish)
+    return merged
 
 
 class OutputStream:
@@ -40,30 +67,39 @@ class OutputStream:
         """The chunk to stream for one engine output (None if there is nothing to say).
 
         Sets `finished` when this chunk ends the stream; if that happened through a stop string,
-        the engine has not finished the request and the caller must abort it.
+        the engine has not finished the request and the caller must abort it. Outputs that
+        arrive after that (the abort was in flight) say nothing.
         """
+        if self.finished:
+            return None
         self._engine_completion_tokens = out.completion_tokens
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
-        chunk = pb.GenerateChunk()
-        if self.wants_prompt_logprobs and not self.num_tokens and not self.sent_prompt_logprobs:
+        # The chunk's fields are filled once, after the loop: this runs for every token of
+        # every stream.
+        kept, texts, matched = len(out.new_token_ids), [], None
+        for i, token_id in enumerate(out.new_token_ids):
+            self.num_tokens += 1
+            text, matched = self._text(self.detokenizer.add([token_id]) if self.detokenizer else "")
+            texts.append(text)
+            if matched is not None:
+                kept = i + 1
+                break
+        chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text="".join(texts))
+        if self.wants_prompt_logprobs and not self.sent_prompt_logprobs:
             # The engine sends them with the first output (the wire drops an empty list: a
             # one-token prompt).
             self.sent_prompt_logprobs = True
             chunk.prompt_logprobs.extend(self.token_texts.prompt(
                 self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs))
-        for i, token_id in enumerate(out.new_token_ids):
-            chunk.token_ids.append(token_id)
-            if out.new_logprobs:
-                chunk.logprobs.append(out.new_logprobs[i])
-            if out.new_top_logprobs:
-                chunk.top_logprobs.append(self.token_texts.top(out.new_top_logprobs[i]))
-            self.num_tokens += 1
-            text, matched = self._text(self.detokenizer.add([token_id]) if self.detokenizer else "")
-            chunk.text += text
-            if matched is not None:
-                self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
-                return chunk
+        if out.new_logprobs:
+            chunk.logprobs.extend(out.new_logprobs[:kept])
+        if out.new_top_logprobs:
+            chunk.top_logprobs.extend(self.token_texts.top(top)
+                                      for top in out.new_top_logprobs[:kept])
+        if matched is not None:
+            self._finish(chunk, pb.FINISH_REASON_STOP).matched_stop_str = matched
+            return chunk
         if out.finished:
             text, matched = self._text(self.detokenizer.flush() if self.detokenizer else "")
             chunk.text += text
@@ -96,6 +132,10 @@ class OutputStream:
             finish.spec.accepted_drafts = self.accepted_drafts
             finish.spec.accept_length = self.accept_length
         return finish
+
+    @property
+    def progress(self) -> EngineProgress:
+        return EngineProgress(self.verify_steps, self.accepted_drafts, self.accept_length)
 
     @property
     def accept_length(self) -> float:

@@ -16,12 +16,19 @@ class StopStringMatcher:
     def __init__(self, stop_strings: Sequence[str]):
         self.stop_strings = tuple(stop_strings)
         self.held = ""
+        # Every proper prefix of a stop string: the tails that must be held back (a set, as
+        # this runs for every token of every stream).
+        self._prefixes = frozenset(stop[:n] for stop in self.stop_strings
+                                   for n in range(1, len(stop)))
+        self._longest_prefix = max(map(len, self._prefixes), default=0)
 
     def feed(self, text: str) -> tuple[str, Optional[str]]:
         """Return (text safe to stream, the stop string that matched or None).
 
         After a match the returned text ends right before the stop string; the rest is dropped.
         """
+        if not self.stop_strings:
+            return text, None
         self.held += text
         match_at, matched = len(self.held), None
         for stop in self.stop_strings:
@@ -41,9 +48,7 @@ class StopStringMatcher:
         return released
 
     def _longest_tail_starting_a_stop(self) -> int:
-        longest_stop = max(map(len, self.stop_strings), default=0)
-        for n in range(min(len(self.held), longest_stop - 1), 0, -1):
-            tail = self.held[-n:]
-            if any(stop.startswith(tail) for stop in self.stop_strings):
+        for n in range(min(len(self.held), self._longest_prefix), 0, -1):
+            if self.held[-n:] in self._prefixes:
                 return n
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -103,6 +104,39 @@ def test_stop_token_id_and_logprobs(client):
     assert result.finish_reason == "stop"
     assert result.matched_stop == stop_id
     assert result.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
+
+
+def test_a_slow_consumer_gets_the_whole_stream(client, offline):
+    """A reader slower than the engine (the server may then coalesce steps into one chunk)
+    gets the same ids, text and logprobs, one logprob per token in every chunk."""
+    fast = client.generate("def add(a, b):", max_new_tokens=48, temperature=0, ignore_eos=True,
+                           logprobs=True, stop=["never-produced-xyz"])
+    chunks = []
+    for chunk in client.generate_stream("def add(a, b):", max_new_tokens=48, temperature=0,
+                                        ignore_eos=True, logprobs=True,
+                                        stop=["never-produced-xyz"]):
+        chunks.append(chunk)
+        time.sleep(0.05)
+    assert [t for c in chunks for t in c.token_ids] == fast.token_ids
+    assert "".join(c.text for c in chunks) == fast.text == offline.tokenizer.decode(fast.token_ids)
+    assert [x for c in chunks for x in c.logprobs] == pytest.approx(fast.logprobs)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 48
+
+
+def test_cancelling_a_slow_stream_frees_kv(client):
+    """Cancelled while chunks wait for it (coalesced on the server, or queued on the way)."""
+    stream = client.generate_stream("def add(a, b):", max_new_tokens=LONG_GENERATION,
+                                    ignore_eos=True)
+    chunks = iter(stream)
+    next(chunks)
+    time.sleep(0.5)
+    stream.cancel()
+    with pytest.raises(Cancelled):
+        for _ in chunks:
+            pass
+    assert wait_until(lambda: engine_is_idle(client), 5), client.server_load()
+    assert wait_until(lambda: client.server_load().num_active_streams == 0)
 
 
 def test_model_info(client, model):

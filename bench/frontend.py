@@ -1,0 +1,261 @@
+"""Front-end benchmark: what the server costs per token, with a synthetic engine (no model, no GPU).
+
+    python bench/frontend.py --step-ms 0,0.5 --tokens-per-step 1,3 --concurrency 1,64,256 --out frontend.json
+
+The real server runs (`run_server`: gRPC on uvloop, the real ZeroMQ link, the engine process
+loop of engine/process.py, the demo pair's tokenizer), but the engine process drives a
+`SyntheticEngine`: every step it waits until `--step-ms` has passed since the previous step
+(0: as fast as it can) and then emits `--tokens-per-step` tokens for every running request
+(3 looks like a chain speculation accepting 2 drafts a step). The tokens are the held-out code
+of the demo pair, so detokenising sees real text.
+
+For each concurrency, that many requests arrive at once (bench/serving.py's load generator,
+in this process) and the server process's CPU time (all its threads, from /proc) is divided
+over the (stream, engine step) pairs served: the front-end's cost per stream per engine step.
+With the engine faster than that cost times the concurrency, the front-end is the bottleneck,
+and served TPOT p50 / engine time per token shows by how much. `--profile` runs the server
+under cProfile and prints its top functions by own time.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import json
+import logging
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from serving import make_prompts, run_load  # bench/ is this script's folder
+
+from specserve.clients import AsyncClient
+from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput
+from specserve.engine.tokenizer import Tokenizer
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+HELDOUT = MODELS / "demo-heldout.txt"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class SyntheticShape:
+    step_s: float         # engine time per step
+    tokens_per_step: int  # tokens a running request gets per step (after its first)
+    max_running: int
+
+
+@dataclass
+class _Request:
+    first_token: int       # offset into the token text
+    max_new_tokens: int
+    logprobs: bool
+    generated: int = 0
+    steps: int = 0
+
+
+class SyntheticEngine:
+    """Stands in for `Engine` in the engine process (the methods engine/process.py calls)."""
+
+    def __init__(self, shape: SyntheticShape):
+        self.shape = shape
+        self.tokenizer = Tokenizer(str(MODELS / "demo-target"), [1])
+        self.text = self.tokenizer.encode(HELDOUT.read_text(), add_special_tokens=False)
+        k = shape.tokens_per_step
+        spec = (SpecConfig(algorithm="eagle3", draft_model="synthetic", num_steps=k - 1, topk=1,
+                           num_draft_tokens=k) if k > 1 else None)
+        self.info = EngineInfo(model="synthetic", architecture="synthetic",
+                               vocab_size=self.tokenizer.vocab_size, max_context_len=1 << 16,
+                               dtype="float32", device="cpu", eos_token_ids=(1,), spec=spec)
+        self.running: dict[str, _Request] = {}
+        self._next_step = time.perf_counter()
+
+    def add_request(self, rid: str, prompt_token_ids, sampling: SamplingParams) -> None:
+        self.running[rid] = _Request(hash(rid) % len(self.text), sampling.max_new_tokens,
+                                     sampling.logprobs)
+
+    def abort(self, rid: str, index: Optional[int] = None) -> None:
+        self.running.pop(rid, None)  # one sequence per request (the bench asks for n = 1)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[StepOutput]:
+        now = time.perf_counter()
+        if self._next_step > now:
+            time.sleep(self._next_step - now)
+        self._next_step = max(self._next_step, now) + self.shape.step_s
+        outputs = []
+        for rid, req in list(self.running.items()):
+            n = min(1 if req.steps == 0 else self.shape.tokens_per_step,
+                    req.max_new_tokens - req.generated)
+            ids = [self.text[(req.first_token + req.generated + i) % len(self.text)]
+                   for i in range(n)]
+            req.generated += n
+            req.steps += 1
+            finished = req.generated >= req.max_new_tokens
+            if finished:
+                del self.running[rid]
+            verify_steps = req.steps - 1 if self.info.spec is not None else 0
+            outputs.append(StepOutput(
+                rid=rid, new_token_ids=ids, new_logprobs=[-0.5] * n if req.logprobs else None,
+                finished=finished, finish_reason="length" if finished else None,
+                completion_tokens=req.generated, num_verify_steps=verify_steps,
+                num_accepted_drafts=max(0, req.generated - 1 - verify_steps)))
+        return outputs
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_running=len(self.running), num_waiting=0, kv_used_tokens=0,
+                          kv_total_tokens=1, mean_accept_length=float(self.shape.tokens_per_step),
+                          num_retractions=0)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def start_synthetic(shape: SyntheticShape, config: EngineConfig) -> SyntheticEngine:
+    return SyntheticEngine(shape)
+
+
+def serve(args) -> None:
+    """The server process (this script with --serve)."""
+    from specserve.server.app import run_server
+    from specserve.server.config import ServerConfig
+
+    # As `specserve serve` logs (one access-log line per request is part of the cost).
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    shape = SyntheticShape(args.step_ms / 1000, args.tokens_per_step, args.max_running)
+    engine_config = EngineConfig(device="cpu", max_running_requests=args.max_running, spec=None)
+    server_config = ServerConfig(port=args.port, stats_log_interval_s=3600.0)
+    start = functools.partial(start_synthetic, shape)
+    if args.profile_out is None:
+        raise SystemExit(run_server(engine_config, server_config, start))
+    # cProfile sees one thread: the event loop's here, and the output reader's in its own.
+    from specserve.server.output_router import OutputReader
+
+    read = OutputReader.run
+
+    def profiled_read(reader: OutputReader) -> None:
+        reader_profile = cProfile.Profile()
+        reader_profile.enable()
+        try:
+            read(reader)
+        finally:
+            reader_profile.disable()
+            reader_profile.dump_stats(args.profile_out + ".reader")
+
+    OutputReader.run = profiled_read
+    profile = cProfile.Profile()
+    profile.enable()
+    code = run_server(engine_config, server_config, start)
+    profile.disable()
+    profile.dump_stats(args.profile_out)
+    raise SystemExit(code)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class ServerProcess:
+    def __init__(self, step_ms: float, tokens_per_step: int, max_running: int, port: int,
+                 profile: Optional[str]):
+        command = [sys.executable, __file__, "--serve", "--step-ms", str(step_ms),
+                   "--tokens-per-step", str(tokens_per_step), "--max-running", str(max_running),
+                   "--port", str(port)] + (["--profile-out", profile] if profile else [])
+        self.process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
+
+
+async def wait_serving(address: str) -> None:
+    async with AsyncClient(address) as client:
+        await client.wait_until_serving()
+
+
+def run_shape(args, step_ms: float, k: int) -> list[dict]:
+    profile = f"{args.out}.{step_ms}ms.k{k}.prof" if args.profile else None
+    server = ServerProcess(step_ms, k, max(args.concurrency_list), args.port, profile)
+    rows = []
+    try:
+        asyncio.run(wait_serving(server.address))  # the CPU of its start-up is not counted
+        for concurrency in args.concurrency_list:
+            prompts = make_prompts(concurrency * args.rounds, args.seed, args.prompt_words, 8192)
+            cpu_before = cpu_seconds(server.process.pid)
+            row = asyncio.run(run_load(server.address, prompts, float("inf"), concurrency,
+                                       args.max_new_tokens, args.seed, args.client_procs))
+            cpu = cpu_seconds(server.process.pid) - cpu_before
+            tokens = row["output_tokens_per_s"] * row["requests"] / row["requests_per_s"]
+            # (stream, step) pairs: a request's first step brings one token, later ones k.
+            stream_steps = row["requests"] * (1 + (args.max_new_tokens - 1) / k)
+            engine_ms_per_token = step_ms / k
+            row.update(step_ms=step_ms, tokens_per_step=k,
+                       engine_ms_per_token=engine_ms_per_token, output_tokens=tokens,
+                       server_cpu_s=cpu, server_cpu_us_per_stream_step=1e6 * cpu / stream_steps,
+                       served_over_engine=(row["tpot_ms_p50"] / engine_ms_per_token
+                                           if step_ms else None))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        server.stop()
+    if profile:
+        for thread, path in (("event loop", profile), ("output reader", profile + ".reader")):
+            print(f"\nprofile of the server's {thread} thread (step {step_ms} ms, {k} tokens/step), "
+                  f"top {args.profile_top} by own time:")
+            pstats.Stats(path).sort_stats("tottime").print_stats(args.profile_top)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--step-ms", default="0,0.5", help="synthetic engine step times (ms), a list")
+    ap.add_argument("--tokens-per-step", default="1,3", help="tokens per request per step, a list")
+    ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--rounds", type=int, default=1, help="requests per stream slot")
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
+    ap.add_argument("--port", type=int, default=50091)
+    ap.add_argument("--profile", action="store_true", help="cProfile the server process")
+    ap.add_argument("--profile-top", type=int, default=30)
+    ap.add_argument("--out", default="bench_frontend.json")
+    # The server process (started by this script).
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--max-running", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        args.step_ms, args.tokens_per_step = float(args.step_ms), int(args.tokens_per_step)
+        return serve(args)
+    args.concurrency_list = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for step_ms in (float(s) for s in args.step_ms.split(",")):
+        for k in (int(t) for t in args.tokens_per_step.split(",")):
+            rows.extend(run_shape(args, step_ms, k))
+    json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
+    print(f"\n{'step ms':>7} {'tok/step':>8} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} "
+          f"{'TPOT p50':>9} {'p99':>7} {'engine/tok':>10} {'served/eng':>10} {'us/stream-step':>14}")
+    for r in rows:
+        ratio = f"{r['served_over_engine']:.2f}" if r["served_over_engine"] else "-"
+        print(f"{r['step_ms']:7.2f} {r['tokens_per_step']:8d} {r['concurrency']:4d} "
+              f"{r['output_tokens_per_s']:8.0f} {r['ttft_ms_p50']:9.1f} {r['tpot_ms_p50']:9.3f} "
+              f"{r['tpot_ms_p99']:7.3f} {r['engine_ms_per_token']:10.3f} {ratio:>10} "
+              f"{r['server_cpu_us_per_stream_step']:14.1f}")
+
+
+if __name__ == "__main__":
+    main()

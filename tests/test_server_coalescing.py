@@ -1,0 +1,271 @@
+"""Coalesced streaming: a consumer slower than the engine gets fewer chunks whose concatenation
+is exactly the step-by-step stream (text, token ids, logprobs, finish), through RequestStream,
+the OutputReader thread and GenerationCore's cancellation (no server process needed)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import pytest
+import zmq
+
+from helpers import VOCAB
+from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.outputs import EngineInfo, StepOutput
+from specserve.engine.wire import output_to_proto
+from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.proto import generate_pb2 as pb
+from specserve.server.config import ServerConfig
+from specserve.server.generation import GenerationCore
+from specserve.server.metrics import ServerMetrics
+from specserve.server.output_router import OutputReader, RequestStream, StreamUpdate
+from specserve.server.output_stream import OutputStream, merge_chunks
+from specserve.server.validation import ValidatedRequest
+from specserve.server.watchdog import EngineWatchdog
+
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from specserve.engine.tokenizer import Tokenizer
+
+    return Tokenizer(tiny_model, [2])
+
+
+def _request(stops=(), min_new_tokens=0, max_new_tokens=64) -> ValidatedRequest:
+    return ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=max_new_tokens,
+                                                   min_new_tokens=min_new_tokens, logprobs=True),
+                            tuple(stops))
+
+
+def _steps(rid: str, ids: list[int], sizes: list[int], finish: str = "length") -> list[StepOutput]:
+    """The engine's outputs for `ids`, cut into steps of the given sizes (speculative steps emit
+    several tokens); logprobs tell the tokens apart."""
+    steps, start = [], 0
+    for size in sizes:
+        piece = ids[start:start + size]
+        start += size
+        last = start >= len(ids)
+        steps.append(StepOutput(rid, piece,
+                                new_logprobs=[-float(i) for i in range(start - len(piece), start)],
+                                finished=last, finish_reason=finish if last else None,
+                                prompt_tokens=len(PROMPT), completion_tokens=start))
+        if last:
+            break
+    return steps
+
+
+def _random_case(rng: random.Random, tokenizer):
+    ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
+    sizes = [rng.randint(1, 4) for _ in ids]
+    text = tokenizer.decode(ids)
+    stops = []
+    if text and rng.random() < 0.6:  # a stop string that does occur (or two)
+        for _ in range(rng.randint(1, 2)):
+            a = rng.randrange(len(text))
+            stops.append(text[a:a + rng.randint(1, 4)])
+    return ids, sizes, stops, rng.randrange(4)
+
+
+def _concatenation(chunks: list[pb.GenerateChunk]) -> tuple:
+    finish = chunks[-1].finish
+    return ("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+            [x for c in chunks for x in c.logprobs], finish.SerializeToString())
+
+
+def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
+    """Random token streams (byte-level tokens split UTF-8 characters), step sizes, stop strings
+    (matched inside coalesced steps) and consumer speeds."""
+    rng = random.Random(0)
+    coalesced_cases = stopped_coalesced = 0
+    for case in range(300):
+        ids, sizes, stops, min_new = _random_case(rng, tokenizer)
+        request = _request(stops, min_new)
+        reference = OutputStream(tokenizer, request, report_spec=False)
+        expected = [c for c in map(reference.on_output, _steps("r", ids, sizes)) if c is not None]
+
+        stream = RequestStream([OutputStream(tokenizer, request, report_spec=False)])
+        output = stream.outputs[0]
+        got = []
+
+        async def consume():
+            for out in _steps("r", ids, sizes):
+                stream.deliver(0, output.on_output(out), output.progress, 0.0)
+                if rng.random() < 0.3:  # the consumer keeps up now and then
+                    got.extend(await stream.next_chunks())
+                if got and got[-1].HasField("finish"):
+                    return
+            while not (got and got[-1].HasField("finish")):
+                got.extend(await stream.next_chunks())
+
+        asyncio.run(consume())
+        assert _concatenation(got) == _concatenation(expected), (case, ids, sizes, stops)
+        assert all(len(c.logprobs) == len(c.token_ids) for c in got)
+        assert all(not c.HasField("finish") for c in got[:-1])
+        coalesced_cases += len(got) < len(expected)
+        stopped_coalesced += len(got) < len(expected) and bool(got[-1].finish.matched_stop_str)
+    assert coalesced_cases > 100  # the test did exercise coalescing
+    assert stopped_coalesced > 30  # and stop strings matched inside coalesced steps
+
+
+def test_an_error_comes_after_the_chunks_delivered_before_it(tokenizer):
+    async def run():
+        stream = RequestStream([OutputStream(tokenizer, _request(), report_spec=False)])
+        for out in _steps("r", [10, 11, 12, 13], [1, 1, 1, 1])[:2]:
+            stream.deliver(0, stream.outputs[0].on_output(out), stream.outputs[0].progress, 0.0)
+        stream.fail(RuntimeError("engine gone"))
+        [chunk] = await stream.next_chunks()
+        assert list(chunk.token_ids) == [10, 11]
+        with pytest.raises(RuntimeError, match="engine gone"):
+            await stream.next_chunks()
+
+    asyncio.run(run())
+
+
+def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
+    """The reader thread does the per-token work off the loop; a consumer that reads nothing
+    until the engine is done gets one chunk; the other messages keep their order; outputs of
+    an unknown (aborted) request are dropped."""
+    rng = random.Random(1)
+    ids = [rng.randrange(VOCAB) for _ in range(30)]
+    sizes = [1] + [3] * 10
+    stops = [tokenizer.decode(ids)[-6:-3]] if len(tokenizer.decode(ids)) > 6 else []
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        context = zmq.Context()
+        pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+        pull.bind("inproc://outputs")
+        push.connect("inproc://outputs")
+        streams = {rid: RequestStream([OutputStream(tokenizer, _request(stops if rid == "b" else ()),
+                                                    report_spec=False)]) for rid in ("a", "b")}
+        others, done = [], asyncio.Event()
+
+        def on_routed(routed):
+            for item in routed:
+                if isinstance(item, StreamUpdate):
+                    item.apply(0.0)
+                    if item.rid == "a" and item.engine_finished:
+                        done.set()
+                else:
+                    others.append(item.load.query_id)
+
+        reader = OutputReader(pull, streams, loop, on_routed)
+        reader.start()
+        try:
+            steps = {rid: _steps(rid, ids, sizes) for rid in ("a", "b", "gone")}
+            for i in range(len(steps["a"])):
+                batch = ipc.BatchOutput(outputs=[output_to_proto(steps[rid][i])
+                                                 for rid in ("a", "b", "gone")])
+                push.send(ipc.EngineToServer(batch=batch).SerializeToString())
+                push.send(ipc.EngineToServer(load=ipc.LoadReport(query_id=i)).SerializeToString())
+            await asyncio.wait_for(done.wait(), 60)
+            chunks = {rid: await stream.next_chunks() for rid, stream in streams.items()}
+        finally:
+            reader.stop()
+            await asyncio.to_thread(reader.join)
+            push.close(linger=0)
+            context.term()
+        assert others == list(range(len(steps["a"])))
+        for rid, [chunk] in chunks.items():
+            reference = OutputStream(tokenizer, _request(stops if rid == "b" else ()),
+                                     report_spec=False)
+            expected = [c for c in map(reference.on_output, _steps(rid, ids, sizes)) if c]
+            assert _concatenation([chunk]) == _concatenation(expected)
+            assert chunk.HasField("finish")
+        assert "gone" not in streams
+
+    asyncio.run(run())
+
+
+class _FakeEngine:
+    """The EngineClient surface GenerationCore uses; outputs are delivered by the test."""
+
+    def __init__(self):
+        self.streams: dict[str, RequestStream] = {}
+        self.aborted: list[str] = []
+
+    def check_available(self) -> None:
+        pass
+
+    def submit(self, rid, prompt_token_ids, sampling, outputs) -> RequestStream:
+        self.streams[rid] = RequestStream(outputs)
+        return self.streams[rid]
+
+    def abort(self, rid: str, index=None) -> None:
+        self.aborted.append(rid)
+
+
+def test_cancelling_a_coalesced_stream_aborts_the_engine_request(tokenizer):
+    """The consumer takes one chunk holding several steps, then leaves: the engine request is
+    aborted (its KV freed; the server tests check the KV itself) and the stream released."""
+    engine = _FakeEngine()
+    core = GenerationCore(engine, EngineConfig(device="cpu"), ServerConfig(),
+                          ServerMetrics(EngineWatchdog(4.0, None).report))
+    info = EngineInfo("tiny", "LlamaForCausalLM", VOCAB, 256, "float32", "cpu", (2,), None)
+    core.on_engine_ready(info, tokenizer)
+
+    async def run():
+        chunks = core.generate("rid-1", lambda served: _request(max_new_tokens=100))
+        async with contextlib.aclosing(chunks):
+            first = asyncio.ensure_future(chunks.__anext__())
+            while "rid-1" not in engine.streams:
+                await asyncio.sleep(0.01)  # the prepare thread
+            stream = engine.streams["rid-1"]
+            output = stream.outputs[0]
+            for out in _steps("rid-1", list(range(10, 40)), [1, 3, 3, 3])[:4]:
+                stream.deliver(0, output.on_output(out), output.progress, 0.0)
+            chunk = await first
+            assert list(chunk.token_ids) == list(range(10, 20))
+            assert core.num_active_streams == 1 and engine.aborted == []
+        # The core's inner generator is closed by the loop's async-generator finalizer, a
+        # loop iteration or so later.
+        await asyncio.wait_for(core.wait_idle(60), 60)
+        assert engine.aborted == ["rid-1"]
+        assert core.num_active_streams == 0
+
+    asyncio.run(run())
+    core.close()
+
+
+def test_sequences_of_one_request_are_coalesced_apart(tokenizer):
+    """n > 1: a slow consumer gets one chunk per sequence, each its own steps in order."""
+    async def run():
+        request = _request()
+        stream = RequestStream([OutputStream(tokenizer, request, report_spec=False)
+                                for _ in range(2)])
+        steps = {i: _steps("r", [20 + i, 30 + i, 40 + i, 50 + i], [1, 1, 2]) for i in (0, 1)}
+        for a, b in zip(steps[0], steps[1]):
+            for index, out in ((0, a), (1, b)):
+                chunk = stream.outputs[index].on_output(out)
+                chunk.index = index
+                stream.deliver(index, chunk, stream.outputs[index].progress, 0.0)
+        chunks = await stream.next_chunks()
+        assert [c.index for c in chunks] == [0, 1]
+        assert [list(c.token_ids) for c in chunks] == [[20, 30, 40, 50], [21, 31, 41, 51]]
+        assert all(c.HasField("finish") and len(c.logprobs) == 4 for c in chunks)
+
+    asyncio.run(run())
+
+
+def test_merge_chunks_keeps_every_field():
+    def top(token_id):
+        return pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=token_id, logprob=-1.0,
+                                                          text=str(token_id))])
+
+    first = pb.GenerateChunk(token_ids=[1], text="a", logprobs=[-0.1], top_logprobs=[top(1)],
+                             prompt_logprobs=[pb.PromptTokenLogprob(token_id=9, text="p")],
+                             index=2)
+    second = pb.GenerateChunk(token_ids=[2, 3], text="bc", logprobs=[-0.2, -0.3],
+                              top_logprobs=[top(2), top(3)], index=2)
+    last = pb.GenerateChunk(token_ids=[4], text="d", logprobs=[-0.4], top_logprobs=[top(4)],
+                            index=2, finish=pb.Finish(reason=pb.FINISH_REASON_LENGTH))
+    merged = merge_chunks([first, second, last])
+    assert (list(merged.token_ids), merged.text, merged.index) == ([1, 2, 3, 4], "abcd", 2)
+    assert list(merged.logprobs) == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert [t.candidates[0].token_id for t in merged.top_logprobs] == [1, 2, 3, 4]
+    assert [p.token_id for p in merged.prompt_logprobs] == [9]
+    assert merged.finish.reason == pb.FINISH_REASON_LENGTH
+    assert merge_chunks([first]) is first
