@@ -20,6 +20,7 @@ from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
+from specserve.engine.kvcache.radix_cache import RadixCache
 from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
 from specserve.engine.models.deepseek import DeepseekForCausalLM
@@ -191,7 +192,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
                          HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
-    slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request())
+    # With a draft model a position's key is (its token, the next one): its draft KV reads both.
+    cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
+    slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)
     scheduler = Scheduler(
         worker=worker, slots=slots,
         policy=AdmissionPolicy(slots, max_running_requests=num_rows,
@@ -199,8 +202,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None)
-    logger.info("KV pool: %d slots; max_context_len %d; %s attention; %s", num_slots,
-                max_context_len, type(attn).__name__,
+    logger.info("KV pool: %d slots; max_context_len %d; %s attention; prefix cache %s; %s", num_slots,
+                max_context_len, type(attn).__name__, "on" if cache is not None else "off",
                 "plain decoding" if spec is None else
                 f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
     uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)

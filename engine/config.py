@@ -205,6 +205,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     tp_size: int = 1
+    # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
+    # model, the draft's KV too); False prefills every prompt from scratch.
+    enable_prefix_cache: bool = True
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -220,6 +223,8 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"), "load_format",
                  f"must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
+        _require(isinstance(self.enable_prefix_cache, bool), "enable_prefix_cache",
+                 f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 
