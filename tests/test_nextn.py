@@ -349,6 +349,35 @@ def test_tp2_matches_tp1(predictable, reference, make_engine, shape, overlap):
     assert engine.metrics.mean_accept_length > 1.5
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_prefix_cache_hit_keeps_exact_draft_latents(predictable, make_engine, shape):
+    """The prefix cache's pair keys cover the module's KV as an EAGLE head's (its row p reads
+    the feature of token p and token p + 1): a follow-up that hits the cache gives the
+    uncached output, and the target and draft latents of every cached position (some written
+    by verify and draft-extend) equal a fresh engine's prefill of the same tokens."""
+    prompt = random_prompts(1, seed=21, min_len=20, max_len=20)[0]
+    greedy = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 6, 1)]
+    warm = make_engine(predictable, spec=_nextn(**shape))
+    answer = warm.generate(prompt_token_ids=[prompt], sampling=greedy[0])[0].token_ids
+    follow_up = prompt + answer + [5, 6, 7]
+    hit = warm.generate(prompt_token_ids=[follow_up], sampling=greedy[1])[0]
+    assert hit.cached_tokens >= len(prompt) + len(answer) - 2
+    uncached = make_engine(predictable, spec=_nextn(**shape), enable_prefix_cache=False)
+    assert hit.token_ids == uncached.generate(prompt_token_ids=[follow_up], sampling=greedy[1])[0].token_ids
+    fresh = make_engine(predictable, spec=_nextn(**shape))
+    assert fresh.generate(prompt_token_ids=[follow_up], sampling=greedy[2])[0].cached_tokens == 0
+    latents = []
+    for engine in (warm, fresh):
+        cache = engine.core.scheduler.slots.cache
+        keys = cache.keys(follow_up, len(follow_up))
+        match = cache.acquire(keys)
+        cache.release(match)
+        assert match.length == len(keys)
+        latents.append([r.kv_pool.kv_all[:, match.slots] for r in (engine.core.runner, engine.core.draft_runner)])
+    for ours, fresh_prefill in zip(*latents):
+        torch.testing.assert_close(ours, fresh_prefill, rtol=1e-4, atol=1e-5)
+
+
 def test_draft_pool_is_one_latent_layer_on_the_target_slots(predictable, make_engine):
     engine = make_engine(predictable, spec=_nextn(**TREE))
     from specserve.engine.kvcache.pools import MLATokenToKVPool
