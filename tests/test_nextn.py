@@ -378,6 +378,18 @@ def test_prefix_cache_hit_keeps_exact_draft_latents(predictable, make_engine, sh
         torch.testing.assert_close(ours, fresh_prefill, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_triton_mla_draft_matches_plain_decoding(predictable, reference, make_engine, shape):
+    """The module's MLA through the Triton kernels (the interpreter on the CPU), as the target's."""
+    pytest.importorskip("triton")
+    prompts, params, expected = reference
+    engine = make_engine(predictable, attention_backend="triton", spec=_nextn(**shape), max_context_len=64)
+    assert type(engine.core.draft_runner.attn_backend).__name__ == "TritonAttnBackend"
+    outs = engine.generate(prompt_token_ids=prompts[2:3], sampling=params[2:3])
+    assert [o.token_ids for o in outs] == expected[2:3]
+    assert engine.metrics.mean_accept_length > 1.5
+
+
 def test_draft_pool_is_one_latent_layer_on_the_target_slots(predictable, make_engine):
     engine = make_engine(predictable, spec=_nextn(**TREE))
     from specserve.engine.kvcache.pools import MLATokenToKVPool
