@@ -33,8 +33,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill every prompt from scratch (no radix prefix cache)")
     s = parser.add_argument_group("speculative decoding (default: on with the demo model pair)")
     s.add_argument("--no-speculative", action="store_true", help="plain decoding")
-    s.add_argument("--draft-model", default=None, help="EAGLE draft model folder")
-    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3"])
+    s.add_argument("--draft-model", default=None,
+                   help="EAGLE draft model folder (nextn: default the --model checkpoint)")
+    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn"],
+                   help="nextn: DeepSeek-V3's multi-token-prediction module as the draft")
     s.add_argument("--speculative-num-steps", type=int, default=None)
     s.add_argument("--speculative-eagle-topk", type=int, default=None)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,

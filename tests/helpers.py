@@ -197,6 +197,24 @@ def assert_no_leaks(engine) -> None:
         assert held == 0, f"KV leak: {held} slots held"
 
 
+def steady_state_steps(engine, prompt, n_steps=12):
+    """Steps of one long request past its start, with any blocking host sync an error (CUDA)."""
+    from specserve.engine import SamplingParams
+
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # prefill and the first iterations (allocation, first graph use)
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n_steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine.abort("r")
+        engine.step()
+
+
 def _random_head(path: str, seed: int):
     """Folder and a seeded random-weight maker for a head checkpoint."""
     os.makedirs(path, exist_ok=True)
