@@ -116,16 +116,7 @@ class RadixCache:
     def acquire(self, keys: list[int]) -> PrefixMatch:
         """Take the cached prefix of `keys`: split its last node at the match so the pinned
         path ends exactly there, reference every node on it, and mark it used."""
-        node, pos = self.root, 0
-        while pos < len(keys):
-            child = node.children.get(keys[pos])
-            if child is None:
-                break
-            n = _common_len(child.key, keys, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            pos += n
-            node = child
+        node, pos = self._descend(keys)
         self.num_queried += len(keys)
         self.num_hit += pos
         self._touch(node)
@@ -140,14 +131,9 @@ class RadixCache:
             slots = path[0] if len(path) == 1 else torch.cat(path[::-1])
         return PrefixMatch(pos, slots, node)
 
-    def release(self, match: PrefixMatch) -> None:
-        """A request no longer uses its cached prefix."""
-        self._ref(match.node, -1)
-
-    # --- insertion -------------------------------------------------------------------------
-    def insert(self, keys: list[int], slots: torch.Tensor) -> InsertResult:
-        """Cache the KV of `keys` (slot i holds the KV of key i). Keys already in the tree keep
-        the tree's slots."""
+    def _descend(self, keys: list[int]) -> tuple[_Node, int]:
+        """The deepest node whose path is a prefix of `keys`, and that prefix's length; a node
+        the match ends inside is split there first."""
         node, pos = self.root, 0
         while pos < len(keys):
             child = node.children.get(keys[pos])
@@ -158,6 +144,17 @@ class RadixCache:
                 child = self._split(child, n)
             pos += n
             node = child
+        return node, pos
+
+    def release(self, match: PrefixMatch) -> None:
+        """A request no longer uses its cached prefix."""
+        self._ref(match.node, -1)
+
+    # --- insertion -------------------------------------------------------------------------
+    def insert(self, keys: list[int], slots: torch.Tensor) -> InsertResult:
+        """Cache the KV of `keys` (slot i holds the KV of key i). Keys already in the tree keep
+        the tree's slots."""
+        node, pos = self._descend(keys)
         already = pos
         if pos < len(keys):
             leaf = _Node(keys[pos:], slots[pos:len(keys)], node, next(self._serial))
