@@ -66,14 +66,17 @@ class IncrementalDetokenizer:
         leaves the next window's start where it was; `add_each` then sees the start differ
         and decodes that window itself."""
         start, read, end = self.prefix_offset, self.read_offset, len(self.token_ids)
-        ids = self.token_ids[start:]  # every window starts at or after prefix_offset
-        ids.extend(new_token_ids)
-        base, starts, windows = start, [], []
-        for _ in new_token_ids:
-            end += 1
-            starts.append(start)
-            windows.append(ids[start - base:end - base])
-            start, read = read, end
+        new = list(new_token_ids)
+        if not new:  # an output without tokens (a finish, prompt logprobs)
+            return [], []
+        # Token 0 decodes from prefix_offset, token 1 (once token 0 completed text) from
+        # read_offset, and every later one from the token before it.
+        starts = [start, read, *range(end + 1, end + len(new) - 1)][:len(new)]
+        head = self.token_ids[start:]
+        windows = [head + new[:1]]
+        if len(new) > 1:
+            windows.append(head[read - start:] + new[:2])
+            windows += [new[j - 1:j + 1] for j in range(2, len(new))]
         return starts, windows
 
     def _delta(self, final: bool, text: Optional[str]) -> str:

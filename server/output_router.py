@@ -141,9 +141,7 @@ class OutputReader(threading.Thread):
             while not self._stopping.is_set():
                 if not self.socket.poll(POLL_MS):
                     continue
-                routed: list[Routed] = []
-                self._route(ipc.EngineToServer.FromString(self.socket.recv()), routed)
-                self._hand_over(routed)
+                self._hand_over(self.route(ipc.EngineToServer.FromString(self.socket.recv())))
         except RuntimeError:  # the event loop was closed under us: the server is gone
             pass
         except Exception as e:  # a bug: no output would reach a stream again
@@ -153,10 +151,12 @@ class OutputReader(threading.Thread):
         finally:
             self.socket.close(linger=0)
 
-    def _route(self, message: ipc.EngineToServer, routed: list[Routed]) -> None:
+    def route(self, message: ipc.EngineToServer) -> list[Routed]:
+        """What one message from the engine does to the streams (the per-token work of a
+        step's batch), for the loop to apply."""
         if message.WhichOneof("kind") != "batch":
-            routed.append(message)
-            return
+            return [message]
+        routed: list[Routed] = []
         live = []  # (engine output, its stream, its sequence's OutputStream)
         for msg in message.batch.outputs:
             out = output_from_proto(msg)
@@ -183,6 +183,7 @@ class OutputReader(threading.Thread):
             routed.append(StreamUpdate(out.rid, out.index, stream, chunk, output.progress,
                                        out.finished, output.finished and not out.finished,
                                        error))
+        return routed
 
     def _hand_over(self, routed: list[Routed]) -> None:
         """Queue for the loop; one wake-up of the loop for whatever it has not taken yet."""

@@ -97,13 +97,16 @@ class OutputStream:
         else:  # nothing to match: the text is the deltas
             self.num_tokens += kept
             texts = deltas
-        chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text="".join(texts))
+        text = "".join(texts)
+        chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text=text)
+        prompt_logprobs = None
         if self.wants_prompt_logprobs and not self.sent_prompt_logprobs:
             # The engine sends them with the first output (the wire drops an empty list: a
             # one-token prompt).
             self.sent_prompt_logprobs = True
-            chunk.prompt_logprobs.extend(self.token_texts.prompt(
-                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs))
+            prompt_logprobs = self.token_texts.prompt(
+                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs)
+            chunk.prompt_logprobs.extend(prompt_logprobs)
         if out.new_logprobs:
             chunk.logprobs.extend(out.new_logprobs[:kept])
         if out.new_top_logprobs:
@@ -123,9 +126,9 @@ class OutputStream:
                                                              pb.FINISH_REASON_UNSPECIFIED))
             if out.matched_stop is not None:
                 finish.matched_token_id = out.matched_stop
-        if not (chunk.token_ids or chunk.text or chunk.HasField("finish") or chunk.prompt_logprobs):
-            return None
-        return chunk
+            return chunk
+        # (Read from the chunk's fields, this check would cost as much as building it.)
+        return chunk if kept or text or prompt_logprobs else None
 
     def _text(self, delta: str) -> tuple[str, Optional[str]]:
         # Stop strings count only once min_new_tokens tokens exist, like EOS and stop ids.

@@ -75,8 +75,9 @@ def _random_ids(rng: random.Random, vocab: int) -> list[int]:
 
 def _engine_steps(rng: random.Random, ids: list[int]) -> list[StepOutput]:
     steps, start = [], 0
-    while start < len(ids):
-        size = rng.randint(1, 4)  # speculative steps emit several tokens
+    while not (steps and steps[-1].finished):
+        # Speculative steps emit several tokens; an output may have none (a finish only).
+        size = rng.choice([0, 1, 1, 2, 3, 4])
         piece, start = ids[start:start + size], start + size
         steps.append(StepOutput("r", piece, new_logprobs=[-0.5] * len(piece),
                                 finished=start >= len(ids),
@@ -96,7 +97,7 @@ def _check_batched_deltas(tokenizer, streams: list[list[int]], rng: random.Rando
         step = {}  # stream -> its tokens of this engine step
         for s, ids in enumerate(streams):
             if at[s] < len(ids) and rng.random() < 0.8:
-                step[s] = ids[at[s]:at[s] + rng.randint(1, 4)]
+                step[s] = ids[at[s]:at[s] + rng.randint(0, 4)]  # (0: an output without tokens)
                 at[s] += len(step[s])
         decoded = decode_windows([PendingTokens(batched[s], new) for s, new in step.items()])
         for (s, new), windows in zip(step.items(), decoded):
