@@ -85,7 +85,15 @@ class OutputStream:
         # The chunk's fields are filled once, after the loop: this runs for every token of
         # every stream.
         kept, matched = len(deltas), None
-        if self.stops.stop_strings:
+        # Stop strings count from min_new_tokens on (see _text): with every token of the step
+        # counting, one search of the step's text finds whether any token completes one.
+        released = (self.stops.feed_all(deltas)
+                    if self.stops.stop_strings and self.num_tokens + 1 >= self.min_new_tokens
+                    else None)
+        if released is not None:
+            self.num_tokens += kept
+            texts = [released]
+        elif self.stops.stop_strings:  # token by token: which one completes a stop string
             texts = []
             for i, delta in enumerate(deltas):
                 self.num_tokens += 1

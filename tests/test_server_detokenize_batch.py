@@ -152,9 +152,9 @@ def test_batched_steps_stream_the_same_chunks(tokenizer_and_vocab):
                                                            min_new_tokens=rng.randrange(4),
                                                            logprobs=True), tuple(stops))
             cases.append((_engine_steps(rng, ids), OutputStream(tokenizer, request, False),
-                          OutputStream(tokenizer, request, False)))
-        for step in range(max(len(steps) for steps, _, _ in cases)):
-            live = [(steps[step], ref, got) for steps, ref, got in cases
+                          OutputStream(tokenizer, request, False), request))
+        for step in range(max(len(case[0]) for case in cases)):
+            live = [(steps[step], ref, got) for steps, ref, got, _ in cases
                     if step < len(steps) and not got.finished]
             decoded = decode_windows([PendingTokens(got.detokenizer, out.new_token_ids)
                                       for out, _, got in live])
@@ -164,7 +164,39 @@ def test_batched_steps_stream_the_same_chunks(tokenizer_and_vocab):
                     (expected.SerializeToString() if expected else None)
                 assert got.finished == ref.finished
                 stopped += bool(chunk is not None and chunk.finish.matched_stop_str)
+        # And the stream's whole output is the one-token-at-a-time stream's (stop strings
+        # matched per token, not per step).
+        for steps, _, _, request in cases:
+            assert _whole(_replay(tokenizer, request, _one_token_steps(steps))) == \
+                _whole(_replay(tokenizer, request, steps))
     assert stopped > 20  # stop strings did end streams inside batched steps
+
+
+def _one_token_steps(steps: list[StepOutput]) -> list[StepOutput]:
+    """The same outputs, one token per output (the last keeps the finish)."""
+    out, done = [], 0
+    for step in steps:
+        if not step.new_token_ids:
+            out.append(step)
+            continue
+        for i, token_id in enumerate(step.new_token_ids):
+            done += 1
+            last = i == len(step.new_token_ids) - 1
+            out.append(StepOutput("r", [token_id], new_logprobs=[step.new_logprobs[i]],
+                                  finished=step.finished and last,
+                                  finish_reason=step.finish_reason if last else None,
+                                  completion_tokens=done))
+    return out
+
+
+def _replay(tokenizer, request: ValidatedRequest, steps: list[StepOutput]) -> list:
+    stream = OutputStream(tokenizer, request, False)
+    return [c for c in (stream.on_output(s) for s in steps if not stream.finished) if c]
+
+
+def _whole(chunks) -> tuple:
+    return ("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+            [x for c in chunks for x in c.logprobs], chunks[-1].finish.SerializeToString())
 
 
 def test_a_failed_batch_leaves_each_stream_to_decode_on_its_own(tokenizer_and_vocab):
