@@ -5,6 +5,10 @@
 Models are Llama shapes or the DeepSeek-V2-Lite shape (MLA + 64 experts top-6) with random
 bf16 weights built in memory (`load_format="dummy"`), or the bundled demo pair. Speculative rows on random weights force the accept length with the
 bench-only `SpecConfig.bench_force_accept_len` (real acceptance needs real weights).
+The draft is an EAGLE-3 head of the target's width, or with `--draft nextn` (DeepSeek shapes)
+the target's own V3-style multi-token-prediction layer (MLA + MoE of the target's shape):
+
+    python bench/one_batch.py --models deepseek-v2-lite --batch-sizes 1 --modes plain,chain --draft nextn
 
 The bs=1 limit: bytes of every weight a decode step reads (all but the embedding table; of a
 MoE layer's routed experts only the top-k one token picks) / device-to-device copy bandwidth
@@ -81,6 +85,8 @@ def write_shape(root: str, name: str) -> tuple[str, str]:
     os.makedirs(target, exist_ok=True)
     cfg = dict(dict(architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
                     rope_theta=500000.0, rope_scaling=ROPE), **SHAPES[name], bos_token_id=1, eos_token_id=2)
+    if "kv_lora_rank" in cfg:  # DeepSeek: a V3-style NextN layer after the last one (--draft nextn)
+        cfg["num_nextn_predict_layers"] = 1
     json.dump(cfg, open(os.path.join(target, "config.json"), "w"))
     draft = os.path.join(root, name + "-eagle3")
     os.makedirs(draft, exist_ok=True)
@@ -181,6 +187,8 @@ def main():
     ap.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes (GPUs per engine)")
     ap.add_argument("--variants", default="default",
                     help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph")
+    ap.add_argument("--draft", default="eagle3", choices=["eagle3", "nextn"],
+                    help="the speculative rows' draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
@@ -203,8 +211,8 @@ def main():
             spec = None
             if mode != "plain":
                 force = None if model_name == "demo" else args.accept_len
-                spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=force,
-                                  **SPEC_MODES[mode])
+                spec = SpecConfig(algorithm=args.draft, draft_model=draft if args.draft == "eagle3" else None,
+                                  bench_force_accept_len=force, **SPEC_MODES[mode])
             max_bs = max(int(b) for b in args.batch_sizes.split(","))
             cfg = EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format=load_format,
                                spec=spec, max_running_requests=max_bs, max_context_len=args.max_context_len,
@@ -224,7 +232,8 @@ def main():
                 r = run_one(engine, bs, args.prompt_len, args.steps)
                 kv_read = bs * (args.prompt_len + args.steps / 2) * kv_bytes_per_token(engine)
                 step_limit_ms = 1000 * (weight_bytes(engine, bs) + kv_read) / bandwidth
-                r.update(model=model_name, mode=mode, variant=variant, backend=backend, tp=tp, batch_size=bs,
+                label = mode if spec is None or args.draft == "eagle3" else f"{mode}-{args.draft}"
+                r.update(model=model_name, mode=label, variant=variant, backend=backend, tp=tp, batch_size=bs,
                          prompt_len=args.prompt_len, bs1_limit_tokens_per_s=limit,
                          fraction_of_limit=r["decode_tokens_per_s"] / limit,
                          plain_step_limit_ms=step_limit_ms,
@@ -239,10 +248,10 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':16} {'mode':6} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
+    print(f"{'model':16} {'mode':12} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
           f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:16} {r['mode']:6} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
+        print(f"{r['model']:16} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")

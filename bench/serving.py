@@ -16,7 +16,18 @@ Requests arrive as a Poisson process at each rate (`inf`: all at once), with at 
 `concurrency` in flight. Prompts are held-out code from the demo pair's sample
 (`models/demo-heldout.txt`) or random token ids. Reports TTFT, TPOT (per request: decode time /
 (tokens - 1)) and ITL (gaps between streamed chunks, divided over the tokens each chunk
-carries) percentiles, output throughput and the mean accept length.
+carries) percentiles, output throughput, the mean accept length and the mean prompt tokens
+served from the prefix cache.
+
+Workloads that share prefixes (random token ids):
+  --workload system-prompt  every request = one shared system prompt (--system-prompt-tokens)
+                            + its own question (--prompt-words tokens)
+  --workload multi-turn     conversations of --turns turns; each turn resends the conversation
+                            so far (questions and answers) + a new question; conversations
+                            arrive at the rate, their turns one after another
+The cache is flushed before each run (FlushCache), so every run starts cold. For TTFT with the
+cache off, run the same command against a server started with --disable-prefix-cache (or with
+--launch ... --disable-prefix-cache) and a different --label.
 """
 from __future__ import annotations
 
@@ -48,50 +59,82 @@ def make_prompts(n: int, seed: int, words: int, vocab: int, token_ids: bool = Fa
 
 async def one_request(client: AsyncClient, request: dict, max_new_tokens: int) -> dict:
     start = time.perf_counter()
-    stamps, tokens, spec = [], 0, None
+    stamps, tokens, spec, cached, ids = [], 0, None, 0, []
     async with client.generate_stream(**request, max_new_tokens=max_new_tokens, temperature=0.0,
                                       ignore_eos=True) as stream:
         async for chunk in stream:
             if chunk.token_ids:
                 stamps.append((time.perf_counter(), len(chunk.token_ids)))
                 tokens += len(chunk.token_ids)
+                ids += chunk.token_ids
             spec = chunk.spec or spec
+            if chunk.usage is not None:
+                cached = chunk.usage.cached_tokens
     end = time.perf_counter()
     itl = [(b[0] - a[0]) / b[1] for a, b in zip(stamps, stamps[1:])]
     return {"ttft": stamps[0][0] - start, "tpot": (end - stamps[0][0]) / max(tokens - 1, 1), "itl": itl,
-            "tokens": tokens, "latency": end - start,
+            "tokens": tokens, "latency": end - start, "cached": cached, "token_ids": ids,
             "accept": spec.accept_length if spec is not None else 1.0}
 
 
-async def run_requests(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+def shared_prefix_workload(kind: str, n: int, seed: int, words: int, vocab: int, system_tokens: int,
+                           turns: int) -> list[list[list[int]]]:
+    """Conversations, each a list of new-token segments: one segment per request for
+    system-prompt (the system prompt is its first tokens), one per turn for multi-turn."""
+    rng = random.Random(seed)
+    new = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+    if kind == "system-prompt":
+        system = new(system_tokens)
+        return [[system + new(words)] for _ in range(n)]
+    return [[new(words) for _ in range(turns)] for _ in range(max(1, n // turns))]
+
+
+async def conversation(client: AsyncClient, limit: asyncio.Semaphore, segments: list[list[int]],
+                       max_new_tokens: int) -> list[dict]:
+    """Turns in order: each resends the history (earlier segments and answers) + its segment."""
+    history, results = [], []
+    for segment in segments:
+        history = history + segment
+        async with limit:
+            result = await one_request(client, {"prompt_token_ids": history}, max_new_tokens)
+        history = history + result["token_ids"]
+        results.append(result)
+    return results
+
+
+async def run_requests(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
                        seed: int, start_at: float = 0.0) -> tuple[list[dict], float, float]:
     """The per-request results, and the wall-clock (time.time) start and end of the run; the run
-    starts at `start_at` if that is later (client processes start together)."""
+    starts at `start_at` if that is later (client processes start together). `prompts`: request
+    dicts, or conversations (lists of token segments, see above)."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     async with AsyncClient(server) as client:
         await client.wait_until_serving()
+        await client.flush_cache()  # every run starts with a cold prefix cache
         await asyncio.sleep(max(0.0, start_at - time.time()))
 
         async def bounded(request):
+            if isinstance(request, list):
+                return await conversation(client, limit, request, max_new_tokens)
             async with limit:
-                return await one_request(client, request, max_new_tokens)
+                return [await one_request(client, request, max_new_tokens)]
 
         tasks, start = [], time.time()
         for request in prompts:
             tasks.append(asyncio.create_task(bounded(request)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
     return results, start, time.time()
 
 
-def _client_process(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+def _client_process(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
                     seed: int, start_at: float) -> tuple[list[dict], float, float]:
     return asyncio.run(run_requests(server, prompts, rate, concurrency, max_new_tokens, seed, start_at))
 
 
-async def run_load(server: str, prompts: list[dict], rate: float, concurrency: int, max_new_tokens: int,
+async def run_load(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
                    seed: int, client_procs: int = 1) -> dict:
     """One load run. `client_procs` > 1 splits the requests, the concurrency and the rate over
     that many client processes, so that a Python client's per-chunk cost does not cap the
@@ -124,11 +167,12 @@ async def run_load(server: str, prompts: list[dict], rate: float, concurrency: i
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
             "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
             "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
-            "accept_length": statistics.mean(r["accept"] for r in results)}
+            "accept_length": statistics.mean(r["accept"] for r in results),
+            "cached_tokens_mean": statistics.mean(r["cached"] for r in results)}
 
 
 def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
-                           max_context_len: int, device: str = "cuda"):
+                           max_context_len: int, device: str = "cuda", prefix_cache: bool = True):
     """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
     from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
 
@@ -144,7 +188,7 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
     return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
                         load_format=load_format,
                         spec=spec_config, max_running_requests=max_running,
-                        max_context_len=max_context_len)
+                        max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
 
 
 def serve_launched(engine_config, port: int) -> None:
@@ -166,6 +210,10 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192, help="for random prompts (no held-out text)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", default="random", choices=["random", "system-prompt", "multi-turn"])
+    ap.add_argument("--system-prompt-tokens", type=int, default=2048)
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    ap.add_argument("--label", default="", help="tags the rows (e.g. cache-on / cache-off)")
     ap.add_argument("--out", default="bench_serving.json")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="load-generator processes (the requests and the concurrency are split over them)")
@@ -175,12 +223,14 @@ def main():
     ap.add_argument("--accept-len", type=int, default=3, help="with --launch of a shape: forced accept length")
     ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
     ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
+    ap.add_argument("--disable-prefix-cache", action="store_true", help="with --launch: the cache off")
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     server = None
     if args.launch is not None:
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
-                                               args.max_context_len, args.device)
+                                               args.max_context_len, args.device,
+                                               prefix_cache=not args.disable_prefix_cache)
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2])))
@@ -188,11 +238,17 @@ def main():
     rows = []
     try:
         for concurrency in concurrencies:
-            prompts = make_prompts(args.num_requests or concurrency, args.seed, args.prompt_words, args.vocab,
-                                   token_ids=args.launch not in (None, "demo"))
+            num_requests = args.num_requests or concurrency
+            if args.workload == "random":
+                prompts = make_prompts(num_requests, args.seed, args.prompt_words, args.vocab,
+                                       token_ids=args.launch not in (None, "demo"))
+            else:
+                prompts = shared_prefix_workload(args.workload, num_requests, args.seed, args.prompt_words,
+                                                 args.vocab, args.system_prompt_tokens, args.turns)
             for rate in (float(r) for r in args.rates.split(",")):
-                rows.append(asyncio.run(run_load(args.server, prompts, rate, concurrency, args.max_new_tokens,
-                                                 args.seed, args.client_procs)))
+                rows.append(dict(workload=args.workload, label=args.label,
+                                 **asyncio.run(run_load(args.server, prompts, rate, concurrency,
+                                                        args.max_new_tokens, args.seed, args.client_procs))))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if server is not None:
@@ -200,12 +256,13 @@ def main():
             server.join(120)
     json.dump({"server": args.server, "launch": args.launch, "spec": args.spec if args.launch else None,
                "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
-    print(f"\n{'conc':>4} {'rate':>5} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p99':>7} "
-          f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'accept':>6}")
+    print(f"\n{'label':>10} {'conc':>4} {'rate':>5} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p99':>7} "
+          f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'accept':>6} {'cached':>7}")
     for r in rows:
-        print(f"{r['concurrency']:>4} {r['rate']:>5} {r['output_tokens_per_s']:8.1f} {r['requests_per_s']:6.2f} "
-              f"{r['ttft_ms_p50']:9.1f} {r['ttft_ms_p99']:7.1f} {r['tpot_ms_p50']:9.2f} {r['tpot_ms_p99']:7.2f} "
-              f"{r['itl_ms_p50']:8.2f} {r['itl_ms_p99']:7.2f} {r['accept_length']:6.2f}")
+        print(f"{r['label']:>10} {r['concurrency']:>4} {r['rate']:>5} {r['output_tokens_per_s']:8.1f} "
+              f"{r['requests_per_s']:6.2f} {r['ttft_ms_p50']:9.1f} {r['ttft_ms_p99']:7.1f} "
+              f"{r['tpot_ms_p50']:9.2f} {r['tpot_ms_p99']:7.2f} {r['itl_ms_p50']:8.2f} {r['itl_ms_p99']:7.2f} "
+              f"{r['accept_length']:6.2f} {r['cached_tokens_mean']:7.1f}")
 
 
 if __name__ == "__main__":

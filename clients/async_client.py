@@ -119,6 +119,11 @@ class AsyncClient:
     async def server_load(self, timeout: Optional[float] = 10.0) -> pb.ServerLoad:
         return await self._unary(self._stub.GetServerLoad, pb.GetServerLoadRequest(), timeout)
 
+    async def flush_cache(self, timeout: Optional[float] = 10.0) -> int:
+        """Free the server's cached prefixes that no running request uses; returns the KV
+        slots that stay cached (those running requests use)."""
+        return (await self._unary(self._stub.FlushCache, pb.FlushCacheRequest(), timeout)).kv_cached_tokens
+
     async def health(self, service: str = "", timeout: float = 5.0) -> str:
         reply = await self._unary(self._health.Check,
                                   health_pb2.HealthCheckRequest(service=service), timeout)

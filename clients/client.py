@@ -126,6 +126,11 @@ class Client:
     def server_load(self, timeout: Optional[float] = 10.0) -> pb.ServerLoad:
         return self._unary(self._stub.GetServerLoad, pb.GetServerLoadRequest(), timeout)
 
+    def flush_cache(self, timeout: Optional[float] = 10.0) -> int:
+        """Free the server's cached prefixes that no running request uses; returns the KV
+        slots that stay cached (those running requests use)."""
+        return self._unary(self._stub.FlushCache, pb.FlushCacheRequest(), timeout).kv_cached_tokens
+
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
         reply = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service),

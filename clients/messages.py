@@ -237,7 +237,8 @@ def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:
         **common,
         finish_reason=_FINISH_REASONS.get(finish.reason, "unspecified"),
         matched_stop=getattr(finish, matched_kind) if matched_kind else None,
-        usage=Usage(finish.usage.prompt_tokens, finish.usage.completion_tokens),
+        usage=Usage(finish.usage.prompt_tokens, finish.usage.completion_tokens,
+                    finish.usage.cached_tokens),
         spec=SpecStats(finish.spec.verify_steps, finish.spec.accepted_drafts,
                        finish.spec.accept_length) if finish.HasField("spec") else None)
 

@@ -9,6 +9,7 @@ from typing import Optional, Union
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, those the server's prefix cache served
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, StepOutput
 from specserve.engine.runtime.tp_group import free_init_method
 from specserve.engine.tokenizer import Tokenizer
-from specserve.engine.tp import AbortRequest, AddRequest, RequestChange, spawn_followers
+from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, RequestChange, spawn_followers
 
 
 class Engine:
@@ -125,12 +125,25 @@ class Engine:
         return self.core.scheduler.has_unfinished()
 
     def load(self) -> EngineLoad:
-        s, allocator = self.core.scheduler, self.core.allocator
+        """kv_used_tokens counts the slots requests hold, cached prefixes they pin included;
+        cached slots nobody pins are reclaimable and count only in kv_cached_tokens."""
+        s, allocator, cache = self.core.scheduler, self.core.allocator, self.core.scheduler.slots.cache
+        evictable = cache.evictable_size if cache is not None else 0
         return EngineLoad(num_running=s.num_running, num_waiting=s.num_waiting,
-                          kv_used_tokens=allocator.num_slots - allocator.num_free,
+                          kv_used_tokens=allocator.num_slots - allocator.num_free - evictable,
                           kv_total_tokens=allocator.num_slots,
                           mean_accept_length=s.metrics.mean_accept_length,
-                          num_retractions=s.metrics.num_retractions)
+                          num_retractions=s.metrics.num_retractions,
+                          kv_cached_tokens=cache.size if cache is not None else 0,
+                          prefix_cache_hit_rate=cache.num_hit / cache.num_queried
+                          if cache is not None and cache.num_queried else 0.0)
+
+    def flush_prefix_cache(self) -> None:
+        """Free every cached prefix that no running request uses (operators: e.g. to return
+        the memory, or before a benchmark that must start cold). Prefixes running requests
+        pin stay until they finish, and what requests leave afterwards is cached again; with
+        the cache off this does nothing. Applied between steps, on every rank."""
+        self._change(FlushPrefixCache())
 
     @property
     def metrics(self):
@@ -209,7 +222,8 @@ class Engine:
                 prompt_top_logprobs=scored.prompt_top_logprobs if scored else None,
                 matched_stop=out.matched_stop,
                 prompt_tokens=out.prompt_tokens, num_verify_steps=out.num_verify_steps,
-                num_accepted_drafts=out.num_accepted_drafts, index=key[1]))
+                num_accepted_drafts=out.num_accepted_drafts, index=key[1],
+                cached_tokens=out.cached_tokens))
         return results
 
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

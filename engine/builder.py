@@ -20,6 +20,7 @@ from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
+from specserve.engine.kvcache.radix_cache import RadixCache
 from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
 from specserve.engine.models.deepseek import DeepseekForCausalLM
@@ -27,6 +28,7 @@ from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.loader import init_dummy_weights, load_llama
 from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
@@ -170,7 +172,15 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
     runner = ModelRunner(model, kv_pool, attn)
     draft_runner = None
-    if spec is not None:
+    if spec is not None and spec.algorithm == "nextn":
+        # Its own one-layer latent pool, addressed by the target's slots like any draft's.
+        head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
+                               dummy=config.load_format == "dummy")
+        mla = head.config.mla
+        draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
+        draft_runner = ModelRunner(head, draft_pool, attention_backend(
+            head.attention.num_heads, 1, head.attention.kv_head_dim, mla.kv_lora_rank))
+    elif spec is not None:
         head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy")
         dcfg = head.config
@@ -182,7 +192,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
                          HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
-    slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request())
+    # With a draft model a position's key is (its token, the next one): its draft KV reads both.
+    cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
+    slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)
     scheduler = Scheduler(
         worker=worker, slots=slots,
         policy=AdmissionPolicy(slots, max_running_requests=num_rows,
@@ -190,8 +202,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None)
-    logger.info("KV pool: %d slots; max_context_len %d; %s attention; %s", num_slots,
-                max_context_len, type(attn).__name__,
+    logger.info("KV pool: %d slots; max_context_len %d; %s attention; prefix cache %s; %s", num_slots,
+                max_context_len, type(attn).__name__, "on" if cache is not None else "off",
                 "plain decoding" if spec is None else
                 f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
     uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)
@@ -235,11 +247,16 @@ def resolve_spec(config: EngineConfig) -> Optional[SpecConfig]:
         return None
     spec = config.spec
     if spec.draft_model is None:
-        if config.model is not None:
+        if spec.algorithm == "nextn":  # the module ships inside the target checkpoint
+            spec = dataclasses.replace(spec, draft_model=target_path(config))
+        elif config.model is not None:
             raise ValueError("spec.draft_model: required unless the target is the bundled demo model")
-        spec = dataclasses.replace(spec, draft_model=demo_draft)
+        else:
+            spec = dataclasses.replace(spec, draft_model=demo_draft)
     if not os.path.exists(os.path.join(spec.draft_model, "config.json")):
         raise ValueError(f"spec.draft_model: no config.json in {spec.draft_model}")
+    if spec.algorithm == "nextn":  # refuse a checkpoint without the module before loading the target
+        read_nextn_layout(spec.draft_model, dummy=config.load_format == "dummy")
     return spec
 
 
@@ -283,7 +300,9 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
     if cfg.mla is not None:
         per_slot = MLATokenToKVPool.bytes_per_slot(cfg.num_layers, cfg.mla.kv_lora_rank,
                                                    cfg.mla.qk_rope_head_dim, dtype)
-        if spec is not None:  # an EAGLE head's one layer: at most full MHA of the hidden width
+        if spec is not None and spec.algorithm == "nextn":  # one latent layer of its own
+            per_slot += MLATokenToKVPool.bytes_per_slot(1, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, dtype)
+        elif spec is not None:  # an EAGLE head's one layer: at most full MHA of the hidden width
             per_slot += TokenToKVPool.bytes_per_slot(1, 1, cfg.hidden_size, dtype)
     else:
         per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None),

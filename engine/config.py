@@ -146,10 +146,14 @@ def sequence_seed(seed: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """EAGLE speculative decoding. Chain drafting is topk == 1 (num_draft_tokens = num_steps + 1)."""
+    """EAGLE speculative decoding. Chain drafting is topk == 1 (num_draft_tokens = num_steps + 1).
 
-    algorithm: str = "eagle3"       # "eagle3" | "eagle"
-    draft_model: Optional[str] = None  # None: the bundled demo draft (only with the demo target)
+    "nextn" drafts with DeepSeek-V3's multi-token-prediction module the EAGLE-1 way; its
+    draft_model defaults to the target checkpoint, which stores the module."""
+
+    algorithm: str = "eagle3"       # "eagle3" | "eagle" | "nextn"
+    # None: the bundled demo draft (only with the demo target); with nextn, the target itself
+    draft_model: Optional[str] = None
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int = 4
@@ -158,8 +162,8 @@ class SpecConfig:
     bench_force_accept_len: Optional[int] = None
 
     def __post_init__(self):
-        _require(self.algorithm in ("eagle", "eagle3"), "spec.algorithm",
-                 f"must be 'eagle' or 'eagle3', got {self.algorithm!r}")
+        _require(self.algorithm in ("eagle", "eagle3", "nextn"), "spec.algorithm",
+                 f"must be 'eagle', 'eagle3' or 'nextn', got {self.algorithm!r}")
         _require(isinstance(self.num_steps, int) and self.num_steps >= 1, "spec.num_steps",
                  f"must be >= 1, got {self.num_steps!r}")
         _require(isinstance(self.topk, int) and self.topk >= 1, "spec.topk",
@@ -201,6 +205,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     tp_size: int = 1
+    # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
+    # model, the draft's KV too); False prefills every prompt from scratch.
+    enable_prefix_cache: bool = True
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -216,6 +223,8 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"), "load_format",
                  f"must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
+        _require(isinstance(self.enable_prefix_cache, bool), "enable_prefix_cache",
+                 f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 

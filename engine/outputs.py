@@ -49,6 +49,7 @@ class StepOutput:
     completion_tokens: int = 0
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
+    cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -66,6 +67,7 @@ class GenerateOutput:
     prompt_tokens: int = 0
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
+    cached_tokens: int = 0
     index: int = 0               # the sequence's index within its request (n > 1)
 
     @property
@@ -81,3 +83,5 @@ class EngineLoad(NamedTuple):
     kv_total_tokens: int
     mean_accept_length: float
     num_retractions: int  # running requests pushed back to the queue to free KV, since start
+    kv_cached_tokens: int = 0          # KV slots the prefix cache holds (pinned or evictable)
+    prefix_cache_hit_rate: float = 0.0  # prompt positions served from the cache / looked up, since start

@@ -165,6 +165,8 @@ class _EngineLoop:
             if sequences and (index is None or index in sequences):
                 self.engine.abort(abort.rid, index)
         elif kind == "load_query":
+            if message.load_query.flush_prefix_cache:
+                self.engine.flush_prefix_cache()
             self._send(ipc.EngineToServer(load=self._load_report(message.load_query.query_id)))
 
     def _add(self, add: ipc.AddRequest) -> None:

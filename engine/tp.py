@@ -43,7 +43,16 @@ class AbortRequest(NamedTuple):
             core.scheduler.abort(self.rid, self.index)
 
 
-RequestChange = Union[AddRequest, AbortRequest]
+class FlushPrefixCache(NamedTuple):
+    """Free the prefix cache's unpinned slots (every rank at the same step: same decisions)."""
+
+    def apply(self, core: EngineCore) -> None:
+        cache = core.scheduler.slots.cache
+        if cache is not None:
+            cache.flush()
+
+
+RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache]
 
 
 def spawn_followers(config: EngineConfig, init_method: str) -> list:

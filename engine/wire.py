@@ -80,7 +80,8 @@ def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
         finished=out.finished, finish_reason=out.finish_reason or "",
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
         spec=ipc.SpecInfo(num_verify_steps=out.num_verify_steps,
-                          num_accepted_drafts=out.num_accepted_drafts))
+                          num_accepted_drafts=out.num_accepted_drafts),
+        cached_tokens=out.cached_tokens)
     if out.matched_stop is not None:
         msg.matched_stop_token_id = out.matched_stop
     return msg
@@ -100,7 +101,8 @@ def output_from_proto(msg: ipc.RequestOutput) -> StepOutput:
         finished=msg.finished, finish_reason=msg.finish_reason or None,
         matched_stop=msg.matched_stop_token_id if msg.HasField("matched_stop_token_id") else None,
         prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-        num_verify_steps=spec.num_verify_steps, num_accepted_drafts=spec.num_accepted_drafts)
+        num_verify_steps=spec.num_verify_steps, num_accepted_drafts=spec.num_accepted_drafts,
+        cached_tokens=msg.cached_tokens)
 
 
 # --- load -----------------------------------------------------------------------------------------

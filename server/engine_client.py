@@ -161,13 +161,15 @@ class EngineClient:
         if self._dead_reason is None:
             self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid, index=index)), quiet=True)
 
-    async def load(self) -> EngineLoad:
+    async def load(self, flush_prefix_cache: bool = False) -> EngineLoad:
+        """The engine's load, taken between steps (after flushing its prefix cache if asked)."""
         self.check_available()
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
         self._load_queries[query_id] = future
         try:
-            self._send(ipc.ServerToEngine(load_query=ipc.LoadQuery(query_id=query_id)))
+            self._send(ipc.ServerToEngine(load_query=ipc.LoadQuery(
+                query_id=query_id, flush_prefix_cache=flush_prefix_cache)))
             return await asyncio.wait_for(future, LOAD_QUERY_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"the engine did not report its load within "

@@ -205,6 +205,7 @@ class GenerationCore:
                 record.verify_steps, record.accepted_drafts = (progress.verify_steps,
                                                                progress.accepted_drafts)
                 record.accept_length = progress.accept_length if spec else None
+                record.cached_tokens = progress.cached_tokens
                 for chunk in chunks:
                     if chunk.token_ids:
                         self._on_tokens(record, len(chunk.token_ids), now)

@@ -99,6 +99,18 @@ class ServerMetrics:
         self.kv_used_tokens = Gauge("specserve_kv_used_tokens", "KV-cache slots in use", registry=r)
         self.kv_total_tokens = Gauge("specserve_kv_total_tokens", "KV-cache slots in all",
                                      registry=r)
+        # The hit rate over any window is rate(cached) / rate(prompt tokens); the gauge is the
+        # engine's own since it started (every prompt position it looked up, retried ones too).
+        self.prompt_cached_tokens = Counter(
+            "specserve_prompt_cached_tokens",
+            "Prompt tokens whose KV came from the prefix cache (counted when a request ends)",
+            registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "specserve_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache over those looked up, since the engine "
+            "started", registry=r)
+        self.kv_cached_tokens = Gauge("specserve_kv_cached_tokens",
+                                      "KV-cache slots the prefix cache holds", registry=r)
         self.mean_accept_length = Gauge("specserve_mean_accept_length",
                                         "Mean tokens emitted per verify step since the engine started", registry=r)
         self.retractions = Counter("specserve_engine_retractions",
@@ -117,12 +129,15 @@ class ServerMetrics:
             self.time_per_output_token.observe(record.time_per_output_token)
         self.spec_verify_steps.inc(record.verify_steps)
         self.spec_accepted_draft_tokens.inc(record.accepted_drafts)
+        self.prompt_cached_tokens.inc(record.cached_tokens)
 
     def observe_load(self, load: EngineLoad) -> None:
         self.num_running.set(load.num_running)
         self.num_waiting.set(load.num_waiting)
         self.kv_used_tokens.set(load.kv_used_tokens)
         self.kv_total_tokens.set(load.kv_total_tokens)
+        self.kv_cached_tokens.set(load.kv_cached_tokens)
+        self.prefix_cache_hit_rate.set(load.prefix_cache_hit_rate)
         self.mean_accept_length.set(load.mean_accept_length)
         if load.num_retractions > self._retractions_seen:
             self.retractions.inc(load.num_retractions - self._retractions_seen)

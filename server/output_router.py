@@ -48,10 +48,12 @@ class RequestStream:
     @property
     def progress(self) -> EngineProgress:
         """The speculative counters summed over the sequences; the accept length is the latest
-        delivered sequence's."""
+        delivered sequence's; the cached prompt tokens, those every sequence took from the
+        prefix cache (what the request reused)."""
         return EngineProgress(sum(p.verify_steps for p in self._progress),
                               sum(p.accepted_drafts for p in self._progress),
-                              self._progress[self._latest].accept_length)
+                              self._progress[self._latest].accept_length,
+                              min(p.cached_tokens for p in self._progress))
 
     async def next_chunks(self) -> list[pb.GenerateChunk]:
         """Everything delivered since the previous call: one chunk per sequence that has

@@ -15,11 +15,13 @@ _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LEN
 
 
 class EngineProgress(NamedTuple):
-    """The engine's speculative counters for one request, totals so far."""
+    """The engine's speculative counters for one request, totals so far, and its prompt tokens
+    served from the prefix cache."""
 
     verify_steps: int = 0
     accepted_drafts: int = 0
     accept_length: float = 1.0  # tokens per verify step; 1.0 before any verify
+    cached_tokens: int = 0
 
 
 def merge_chunks(chunks: list[pb.GenerateChunk]) -> pb.GenerateChunk:
@@ -61,6 +63,7 @@ class OutputStream:
         self.finished = False
         # The engine's running totals, from its latest output for this request.
         self._engine_completion_tokens = 0
+        self.cached_tokens = 0
         self.verify_steps = 0
         self.accepted_drafts = 0
 
@@ -76,6 +79,7 @@ class OutputStream:
         if self.finished:
             return None
         self._engine_completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
         # Each token's text delta, as if the tokens came one at a time; the detokenizer may
@@ -150,6 +154,7 @@ class OutputStream:
         finish.reason = reason
         finish.usage.prompt_tokens = self.prompt_tokens
         finish.usage.completion_tokens = self.num_tokens
+        finish.usage.cached_tokens = self.cached_tokens
         if self.report_spec:
             finish.spec.verify_steps = self.verify_steps
             finish.spec.accepted_drafts = self.accepted_drafts
@@ -158,7 +163,8 @@ class OutputStream:
 
     @property
     def progress(self) -> EngineProgress:
-        return EngineProgress(self.verify_steps, self.accepted_drafts, self.accept_length)
+        return EngineProgress(self.verify_steps, self.accepted_drafts, self.accept_length,
+                              self.cached_tokens)
 
     @property
     def accept_length(self) -> float:

@@ -28,6 +28,7 @@ class RequestRecord:
     ended: Optional[float] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0             # streamed to the client
+    cached_tokens: int = 0                 # prompt tokens served from the engine's prefix cache
     verify_steps: int = 0                  # speculative verify forwards it took part in
     accepted_drafts: int = 0
     accept_length: Optional[float] = None  # None without speculative decoding
@@ -56,7 +57,8 @@ class RequestRecord:
 
         return (f"request {self.rid} status={self.status} "
                 f"finish_reason={self.finish_reason or '-'} "
-                f"prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
+                f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
+                f"completion_tokens={self.completion_tokens} "
                 f"ttft={seconds(self.ttft)} duration={seconds(self.duration)} "
                 f"accept_length="
                 f"{'-' if self.accept_length is None else f'{self.accept_length:.2f}'}")

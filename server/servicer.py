@@ -43,6 +43,8 @@ class GenerationServicer:
                 self.Tokenize, response_serializer=pb.TokenizeResponse.SerializeToString),
             "Detokenize": grpc.unary_unary_rpc_method_handler(
                 self.Detokenize, response_serializer=pb.DetokenizeResponse.SerializeToString),
+            "FlushCache": grpc.unary_unary_rpc_method_handler(
+                self.FlushCache, response_serializer=pb.FlushCacheResponse.SerializeToString),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
@@ -118,6 +120,18 @@ class GenerationServicer:
         reply.num_active_streams = self.core.num_active_streams
         reply.max_active_streams = self.core.max_active_streams
         return reply
+
+    async def FlushCache(self, request: bytes,
+                         context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        await self._parse_unary(pb.FlushCacheRequest, request, context)
+        try:
+            load = await self.core.engine.load(flush_prefix_cache=True)
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        logger.info("prefix cache flushed by %s; %d slots stay pinned by running requests",
+                    context.peer(), load.kv_cached_tokens)
+        self.core.metrics.observe_load(load)
+        return pb.FlushCacheResponse(kv_cached_tokens=load.kv_cached_tokens)
 
     @staticmethod
     async def _parse_unary(message_class: type, request: bytes,

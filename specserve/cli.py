@@ -29,10 +29,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the normal scheduler loop instead of the overlap loop")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
+    g.add_argument("--disable-prefix-cache", action="store_true",
+                   help="prefill every prompt from scratch (no radix prefix cache)")
     s = parser.add_argument_group("speculative decoding (default: on with the demo model pair)")
     s.add_argument("--no-speculative", action="store_true", help="plain decoding")
-    s.add_argument("--draft-model", default=None, help="EAGLE draft model folder")
-    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3"])
+    s.add_argument("--draft-model", default=None,
+                   help="EAGLE draft model folder (nextn: default the --model checkpoint)")
+    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn"],
+                   help="nextn: DeepSeek-V3's multi-token-prediction module as the draft")
     s.add_argument("--speculative-num-steps", type=int, default=None)
     s.add_argument("--speculative-eagle-topk", type=int, default=None)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
@@ -60,7 +64,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
-                        spec=_spec_config_from_args(args), **optional)
+                        enable_prefix_cache=not args.disable_prefix_cache, spec=_spec_config_from_args(args), **optional)
 
 
 def build_parser() -> argparse.ArgumentParser:

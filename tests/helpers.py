@@ -136,18 +136,83 @@ def random_prompts(n: int, *, seed: int, min_len: int = 1, max_len: int = 40,
     return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
 
 
+def assert_slot_accounting(engine) -> None:
+    """Every KV slot is exactly one of: free, held by the prefix cache, owned by a running
+    request (its row past its cached or shared prefix), or by the shared prompt prefix of an
+    n > 1 request (without the cache); every cache node is referenced by exactly the running
+    requests whose cached prefix passes through it."""
+    core = engine.core
+    alloc, slots = core.allocator, core.scheduler.slots
+    cache = slots.cache
+    alloc._merge_pending()
+    parts = [alloc._free.cpu()]
+    if cache is not None:
+        parts += [s.cpu() for s in cache.cached_slots()]
+        assert sum(p.numel() for p in parts[1:]) == cache.size, "cache size counter is off"
+    table = core.req_to_token.table.cpu()
+    running = core.scheduler.policy.running
+    shares = {}
+    for req in running:
+        own_from = req.cached_len
+        if req.owns_share:
+            own_from = req.shared.length
+            shares[id(req.shared)] = req.shared
+            assert torch.equal(table[req.row, :own_from], req.shared.slots.cpu()), \
+                "a row's shared prefix differs from the share's slots"
+        parts.append(table[req.row, own_from:req.kv_allocated_len])
+        if req.prefix is not None and req.cached_len:
+            assert torch.equal(table[req.row, :req.cached_len], req.prefix.slots.cpu()), \
+                "a row's cached prefix differs from the cache's slots"
+    parts += [share.slots.cpu() for share in shares.values()]
+    held = torch.sort(torch.cat(parts)).values
+    assert torch.equal(held, torch.arange(1, alloc.num_slots + 1)), \
+        f"KV slots lost or held twice: {held.numel()} accounted of {alloc.num_slots}"
+    if cache is not None:
+        expected = {serial: 0 for serial in cache.refs()}
+        for req in running:
+            node = req.prefix.node if req.prefix is not None else None
+            while node is not None and node is not cache.root:
+                expected[node.serial] += 1
+                node = node.parent
+        assert cache.refs() == expected, "prefix cache reference counts are off"
+        unpinned = sum(len(n.key) for n in cache._nodes() if n.ref == 0)
+        assert cache.evictable_size == unpinned, "evictable size counter is off"
+
+
 def assert_no_leaks(engine) -> None:
-    """Every KV slot and request row is free again, and the free slots are exactly 1..N."""
+    """Every request row is free again, no request is left, and every KV slot is free or held
+    by the prefix cache (unpinned, so reclaimable), each exactly once."""
     core = engine.core
     core.scheduler.drain()
-    alloc = core.allocator
-    assert alloc.num_free == alloc.num_slots, f"KV leak: {alloc.num_slots - alloc.num_free} slots held"
     assert core.req_to_token.num_free == core.req_to_token.num_rows, "request-row leak"
-    alloc._merge_pending()
-    free = torch.sort(alloc._free.cpu()).values
-    assert torch.equal(free, torch.arange(1, alloc.num_slots + 1)), "free list holds duplicates"
     scheduler = core.scheduler
     assert not scheduler.reqs and not scheduler.num_running and not scheduler.num_waiting
+    assert_slot_accounting(engine)
+    cache = scheduler.slots.cache
+    held = core.allocator.num_slots - core.allocator.num_free
+    if cache is not None:
+        assert all(ref == 0 for ref in cache.refs().values()), "a finished request still pins the cache"
+        assert cache.evictable_size == cache.size == held, f"KV leak: {held - cache.size} slots held"
+    else:
+        assert held == 0, f"KV leak: {held} slots held"
+
+
+def steady_state_steps(engine, prompt, n_steps=12):
+    """Steps of one long request past its start, with any blocking host sync an error (CUDA)."""
+    from specserve.engine import SamplingParams
+
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # prefill and the first iterations (allocation, first graph use)
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n_steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine.abort("r")
+        engine.step()
 
 
 def _random_head(path: str, seed: int):

@@ -45,3 +45,28 @@ def test_triton_split_verify_matches_torch_native_on_long_prompts(pair, make_eng
         outs[backend] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)]
         assert engine.metrics.mean_accept_length > 1.5  # really verifying several drafts
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_pair(tmp_path_factory):
+    return make_predictable_pair(str(tmp_path_factory.mktemp("ds_pair")), arch="deepseek_v3",
+                                 num_layers=3)
+
+
+@pytest.mark.parametrize("spec", [None, dict(num_steps=3, topk=2, num_draft_tokens=6)],
+                         ids=["plain", "tree"])
+def test_triton_mla_engine_matches_torch_native(deepseek_pair, make_engine, spec):
+    """DeepSeek's MLA through the Triton kernels (one KV head, a 32 + 8 latent || rope key
+    whose rope block is padded to the 16 dims tl.dot takes, the latent read as a view of the
+    key) against the torch backend."""
+    target, head = deepseek_pair
+    prompts = random_prompts(3, seed=10, max_len=12)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(target, attention_backend=backend, spec=spec_cfg, max_context_len=64)
+        outs[backend] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)]
+    assert outs["triton"] == outs["torch"]
+    attn = engine.core.runner.attn_backend  # the Triton engine's
+    assert (attn.num_kv_heads, attn.head_dim, attn.v_head_dim) == (1, 40, 32)

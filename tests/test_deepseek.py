@@ -371,3 +371,19 @@ def test_gpu_graphs_match_eager(ds_pair, make_engine, spec):
                                                                                sampling=GREEDY)]
             for graphs in (False, True)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
+def test_prefix_cache_over_the_latent_pool(ds_pair, ds_reference, make_engine, shape):
+    """Cached prefixes (MLA's latent + rope KV, and the draft's) give the uncached outputs."""
+    prompts, params, expected = ds_reference
+    follow_ups = [p + e + [7] for p, e in zip(prompts[:4], expected[:4])]
+    spec = None if shape is None else SpecConfig(algorithm="eagle", draft_model=ds_pair[1], **shape)
+    outs = {}
+    for cached in (False, True):
+        engine = make_engine(ds_pair[0], spec=spec, enable_prefix_cache=cached)
+        first = engine.generate(prompt_token_ids=prompts, sampling=params)
+        second = engine.generate(prompt_token_ids=follow_ups, sampling=params[:4])
+        outs[cached] = [o.token_ids for o in first + second]
+        assert all((o.cached_tokens >= len(p)) == cached for o, p in zip(second, prompts))
+    assert outs[True] == outs[False] and outs[True][:len(prompts)] == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_greedy, make_predictable_pair, random_prompts
+from helpers import hf_greedy, make_predictable_pair, random_prompts, steady_state_steps
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -50,32 +50,17 @@ def test_gpu_spec_matches_plain(pair, make_engine, prompts, shape, backend, grap
     assert engine.metrics.mean_accept_length > 1.5
 
 
-def _steady_state_steps(engine, prompt, n_steps=12):
-    engine.add_request("r", prompt, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
-    for _ in range(4):  # prefill and the first iterations (allocation, first graph use)
-        engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(n_steps):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        engine.abort("r")
-        engine.step()
-
-
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_only_path_has_no_blocking_sync(pair, make_engine, graphs):
     target, head = pair
     spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN)
     engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec)
     assert not engine.core.needs_cpu_seq_lens
-    _steady_state_steps(engine, [5, 6, 7, 8])
+    steady_state_steps(engine, [5, 6, 7, 8])
     synced = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec,
                          needs_cpu_seq_lens=True)
     with pytest.raises(RuntimeError, match="synchroniz"):
-        _steady_state_steps(synced, [5, 6, 7, 8])
+        steady_state_steps(synced, [5, 6, 7, 8])
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -95,6 +80,27 @@ def test_gpu_spec_matches_plain_at_8k(tmp_path_factory, make_engine, shape):
     assert engine.metrics.mean_accept_length > 1.5
 
 
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_prefix_cache_matches_uncached(pair, make_engine, shape, graphs):
+    """Shared prefixes of many lengths, repeats and multi-turn continuations on the Triton
+    backend (graphs on and off): the same tokens with the prefix cache as without."""
+    target, head = pair
+    base = random_prompts(1, seed=31, min_len=300, max_len=300)[0]
+    tails = random_prompts(8, seed=32, max_len=20)
+    first = [base[:k] + t for k, t in zip([0, 1, 17, 64, 150, 255, 299, 300], tails)]
+    spec = None if shape is None else SpecConfig(algorithm="eagle", draft_model=head, **shape)
+    outs = {}
+    for cached in (False, True):
+        engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs,
+                             spec=spec, enable_prefix_cache=cached)
+        answers = [o.token_ids for o in engine.generate(prompt_token_ids=first, sampling=GREEDY)]
+        second = first[:3] + [p + a + [7] for p, a in zip(first[3:], answers[3:])]
+        results = engine.generate(prompt_token_ids=second, sampling=GREEDY)
+        outs[cached] = answers + [o.token_ids for o in results]
+        if cached:
+            assert all(o.cached_tokens >= len(p) - 1 for o, p in zip(results[:3], first[:3]))
+    assert outs[True] == outs[False]
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_gpu_sampling_fields_match_plain(pair, make_engine, prompts, shape, overlap):

@@ -75,19 +75,19 @@ def test_one_access_log_line_per_call(server, results):
     lines = [line for line in server.log if re.search(r"request \w+ status=", line)]
     assert len(lines) == 3
     pattern = re.compile(
-        r"request (\w+) status=(\w+) finish_reason=(\S+) prompt_tokens=(\d+) "
+        r"request (\w+) status=(\w+) finish_reason=(\S+) prompt_tokens=(\d+) cached_tokens=(\d+) "
         r"completion_tokens=(\d+) ttft=(\S+) duration=(\S+) accept_length=(\S+)$")
     parsed = [pattern.search(line) for line in lines]
     assert all(parsed), lines
     for match, result in zip(parsed, results):
-        rid, status, reason, prompt, completion, ttft, duration, accept = match.groups()
+        rid, status, reason, prompt, cached, completion, ttft, duration, accept = match.groups()
         assert (status, reason) == ("OK", result.finish_reason)
-        assert (int(prompt), int(completion)) == (result.usage.prompt_tokens,
-                                                  result.usage.completion_tokens)
+        assert (int(prompt), int(cached), int(completion)) == (
+            result.usage.prompt_tokens, result.usage.cached_tokens, result.usage.completion_tokens)
         assert 0 < float(ttft.rstrip("s")) <= float(duration.rstrip("s"))
         assert float(accept) == pytest.approx(result.spec.accept_length, abs=0.005)
     refused = parsed[2].groups()
-    assert refused[1:4] == ("INVALID_ARGUMENT", "-", "0") and refused[5] == "-"
+    assert refused[1:5] == ("INVALID_ARGUMENT", "-", "0", "0") and refused[6] == "-"
     assert len({match.group(1) for match in parsed}) == 3  # one request id each
 
 

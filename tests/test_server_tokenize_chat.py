@@ -84,7 +84,11 @@ def test_generate_with_messages_equals_http_chat(server, client):
     want = client.generate(prompt_token_ids=client.tokenize(messages=MESSAGES),
                            max_new_tokens=10, temperature=0)
     got = client.generate(messages=MESSAGES, max_new_tokens=10, temperature=0)
-    assert (got.text, got.token_ids, got.usage) == (want.text, want.token_ids, want.usage)
+    assert (got.text, got.token_ids) == (want.text, want.token_ids)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.usage.prompt_tokens,
+                                                                      want.usage.completion_tokens)
+    # The same prompt again: all of it but its last token comes from the prefix cache.
+    assert got.usage.cached_tokens == want.usage.prompt_tokens - 1
     chat = httpx.post(server.http_url + "/v1/chat/completions",
                       json={"messages": MESSAGES, "max_tokens": 10, "temperature": 0}).json()
     assert chat["choices"][0]["message"]["content"] == got.text

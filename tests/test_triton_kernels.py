@@ -547,3 +547,221 @@ def test_split_extend_merge_is_deterministic_gpu():
     for _ in range(50):
         assert torch.equal(backend.forward(q, k, v, LAYER_ID, fb, 0.1), first)
     assert not backend._arrivals_buf.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA (absorbed form): one KV head, key = latent || rope, value = a view of the latent
+# ---------------------------------------------------------------------------------------------
+
+# Tiny MLA dims: a 32-dim latent and a 16-dim rope key (real: 512 + 64).
+MLA_LATENT, MLA_ROPE = 32, 16
+MLA_KEY_DIM = MLA_LATENT + MLA_ROPE
+# Slices of 16 query heads per program (the MLA default), so 32 and more heads use several.
+MLA_DECODE = SMALL_DECODE._replace(block_h=16)
+
+
+def make_mla_scene(prefix_lens: list[int], extend_lens: list[int], generator: torch.Generator,
+                   latent: int = MLA_LATENT, rope: int = MLA_ROPE, dtype=torch.float32,
+                   device=DEVICE, table_width: Optional[int] = None,
+                   separate_values: bool = False) -> Scene:
+    """A one-KV-head scene whose values are the keys' first `latent` dims, as the MLA pool
+    hands them out (a strided view); `separate_values` gives them their own buffer instead,
+    a slice of a wider one, so the kernels must use the value buffer's own strides."""
+    scene = make_scene(prefix_lens, extend_lens, 1, latent + rope, generator, dtype, device,
+                       table_width)
+    if separate_values:
+        wider = torch.randn(scene.k_buffer.shape[0], 1, latent + 8, generator=generator)
+        return scene._replace(v_buffer=wider.to(device, dtype)[..., 4:4 + latent])
+    return scene._replace(v_buffer=scene.k_buffer[..., :latent])
+
+
+@pytest.mark.parametrize("num_heads", [1, 32])
+@pytest.mark.parametrize("max_kv_splits", [1, 4])
+@pytest.mark.parametrize("separate_values", [False, True])
+def test_mla_decode_attention(num_heads, max_kv_splits, separate_values):
+    gen = torch.Generator().manual_seed(20)
+    prefix_lens = [0, 63, 17, 40]
+    scene = make_mla_scene(prefix_lens, [1] * 4, gen, separate_values=separate_values)
+    q = torch.randn(4, num_heads, MLA_KEY_DIM, generator=gen).to(DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+    out = torch.full((4, num_heads, MLA_LATENT), float("nan"), device=DEVICE)
+    partial_out = torch.empty(4, num_heads, max_kv_splits, MLA_LATENT, device=DEVICE)
+    partial_lse = torch.empty(4, num_heads, max_kv_splits, device=DEVICE)
+    scale = MLA_KEY_DIM ** -0.5
+    decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                     partial_out, partial_lse, scale, MLA_DECODE)
+    torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
+
+
+def test_mla_rope_dims_change_the_scores():
+    """The rope block is part of the key: zeroing the query's rope dims changes the output
+    (guards against the rope block being dropped, which a reference with a zero rope part
+    would not notice)."""
+    gen = torch.Generator().manual_seed(21)
+    scene = make_mla_scene([30], [1], gen)
+    q = torch.randn(1, 16, MLA_KEY_DIM, generator=gen).to(DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+    outputs = []
+    for query in (q, torch.cat([q[..., :MLA_LATENT], torch.zeros_like(q[..., MLA_LATENT:])], -1)):
+        out = torch.empty(1, 16, MLA_LATENT, device=DEVICE)
+        decode_attention(query, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                         torch.empty(1, 16, 2, MLA_LATENT, device=DEVICE),
+                         torch.empty(1, 16, 2, device=DEVICE), 0.3, MLA_DECODE)
+        torch.testing.assert_close(out, scene_reference(scene, query, 0.3), atol=1e-4, rtol=1e-4)
+        outputs.append(out)
+    assert not torch.allclose(outputs[0], outputs[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("use_custom_mask", [False, True])
+@pytest.mark.parametrize("max_kv_splits", [1, 4])
+def test_mla_short_extend_attention(use_custom_mask, max_kv_splits):
+    """8 heads and up to 8 new tokens: tiles of 2 heads x 8 tokens, 4 slices of the group."""
+    gen = torch.Generator().manual_seed(22)
+    num_heads, prefix_lens, extend_lens = 8, [0, 70, 9, 33], [4, 8, 1, 5]
+    scene = make_mla_scene(prefix_lens, extend_lens, gen)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, num_heads, MLA_KEY_DIM, generator=gen).to(DEVICE)
+    custom_mask = random_tree_mask(4, 8, gen).to(DEVICE) if use_custom_mask else None
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=False)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], device=DEVICE)
+    out = torch.full((num_tokens, num_heads, MLA_LATENT), float("nan"), device=DEVICE)
+    partial_out = torch.full((num_tokens, num_heads, max_kv_splits, MLA_LATENT), float("nan"),
+                             device=DEVICE)
+    partial_lse = torch.full((num_tokens, num_heads, max_kv_splits), float("nan"), device=DEVICE)
+    arrivals = torch.zeros(4 * num_heads, dtype=torch.int32, device=DEVICE)
+    scale = MLA_KEY_DIM ** -0.5
+    for _ in range(2):  # the arrival counters are back at zero for the next launch
+        short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
+                               kv_indices, scene.new_slots, max(extend_lens), scale, partial_out,
+                               partial_lse, arrivals, custom_mask=custom_mask,
+                               config=MLA_DECODE)
+        torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
+                                   atol=1e-4, rtol=1e-4)
+        assert not arrivals.any()
+
+
+@pytest.mark.parametrize("use_custom_mask", [False, True])
+def test_mla_extend_attention(use_custom_mask):
+    """64 heads against 32-row tiles: each program takes one token and half of the group."""
+    gen = torch.Generator().manual_seed(23)
+    num_heads, prefix_lens, extend_lens = 64, [0, 30], [13, 6]
+    scene = make_mla_scene(prefix_lens, extend_lens, gen, separate_values=use_custom_mask)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, num_heads, MLA_KEY_DIM, generator=gen).to(DEVICE)
+    custom_mask = random_tree_mask(2, 13, gen).to(DEVICE) if use_custom_mask else None
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=False)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], device=DEVICE)
+    out = torch.full((num_tokens, num_heads, MLA_LATENT), float("nan"), device=DEVICE)
+    scale = MLA_KEY_DIM ** -0.5
+    extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr, kv_indices,
+                     scene.new_slots, max(extend_lens), scale, custom_mask=custom_mask,
+                     config=SMALL_EXTEND)
+    torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
+                               atol=1e-4, rtol=1e-4)
+
+
+def run_mla_backend_case(case: BackendCase, num_heads: int, latent: int, rope: int,
+                         max_context_len: int, gen: torch.Generator, dtype=torch.float32,
+                         device=DEVICE, decode_config=None, extend_config=None,
+                         max_batch_size: int = 8):
+    """One MLA layer through the backend, as the DeepSeek model drives it: the caller stores
+    latent || rope at the new slots and calls forward with k = v = None. Returns (output,
+    expected fp32, fb)."""
+    key_dim = latent + rope
+    backend = TritonAttnBackend(num_heads, 1, key_dim, max_context_len, device,
+                                max_batch_size=max_batch_size, decode_config=decode_config,
+                                extend_config=extend_config, v_head_dim=latent)
+    fb, scene = build_forward_batch(case, backend, 1, key_dim, max_context_len, gen, dtype,
+                                    device)
+    # The MLA pool's value buffer is the latent part of its key buffer.
+    fb.kv_pool.v_buffer = [k_buffer[..., :latent] for k_buffer in fb.kv_pool.k_buffer]
+    scene = scene._replace(v_buffer=scene.k_buffer[..., :latent])
+    num_tokens = fb.num_tokens
+    q = torch.randn(num_tokens, num_heads, key_dim, generator=gen).to(device, dtype)
+    new_kv = torch.randn(num_tokens, 1, key_dim, generator=gen).to(device, dtype)
+    scene.k_buffer[scene.new_slots] = new_kv
+    fb.kv_pool.k_buffer[LAYER_ID][fb.out_cache_loc] = new_kv
+    scale = key_dim ** -0.5
+    expected = scene_reference(scene, q, scale, fb.custom_mask)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, None, None, LAYER_ID, fb, scale)
+    return out, expected.reshape(num_tokens, -1), fb
+
+
+@pytest.mark.parametrize("case_name", ["extend", "long_extend", "decode", "target_verify",
+                                       "draft_extend"])
+def test_mla_backend_matches_reference(case_name):
+    case = BACKEND_CASES[case_name]
+    out, expected, fb = run_mla_backend_case(
+        case, num_heads=16, latent=MLA_LATENT, rope=MLA_ROPE, max_context_len=64,
+        gen=torch.Generator().manual_seed(24), decode_config=MLA_DECODE,
+        extend_config=SMALL_EXTEND)
+    # Verify and draft-extend (up to 8 new tokens) still run split over the prefix with a
+    # group of 16 heads (the tile takes a slice of it); the 14-token extend does not.
+    assert fb.attn_metadata.split_extend == (case.mode in (ForwardMode.TARGET_VERIFY,
+                                                           ForwardMode.DRAFT_EXTEND))
+    assert out.shape == (fb.num_tokens, 16 * MLA_LATENT)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_mla_backend_rejects_wider_values():
+    with pytest.raises(ValueError, match="v_head_dim"):
+        TritonAttnBackend(16, 1, 48, 64, DEVICE, v_head_dim=64)
+
+
+MLA_GPU_CASES = {
+    "decode": BackendCase(ForwardMode.DECODE, [8191, 1000, 0, 2999, 4000, 17], [1] * 6,
+                          False, False),
+    "extend": BackendCase(ForwardMode.EXTEND, [3584, 0, 1000], [512, 300, 77], False, True),
+    "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [8184, 100, 2048, 0], [8] * 4,
+                                 True, False),
+    "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [8188, 1, 3000], [4] * 3,
+                                False, False),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_heads", [128, 16])  # V3 / V2 (128 heads), V2-Lite (16)
+@pytest.mark.parametrize("case_name", list(MLA_GPU_CASES))
+def test_mla_backend_real_shapes_bf16_gpu(case_name, num_heads):
+    out, expected, _ = run_mla_backend_case(
+        MLA_GPU_CASES[case_name], num_heads, latent=512, rope=64, max_context_len=8192 + 16,
+        gen=torch.Generator().manual_seed(25), dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_mla_decode_at_32k_context_gpu():
+    case = BackendCase(ForwardMode.DECODE, [32767, 20000], [1, 1], False, False)
+    out, expected, _ = run_mla_backend_case(
+        case, 128, latent=512, rope=64, max_context_len=32768 + 16,
+        gen=torch.Generator().manual_seed(26), dtype=torch.bfloat16)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case_name", ["decode", "target_verify"])
+def test_mla_backend_has_no_host_sync_gpu(case_name):
+    """MLA's metadata and attention for a steady-state step must not wait on the device."""
+    case = MLA_GPU_CASES[case_name]
+    backend = TritonAttnBackend(128, 1, 576, 8192 + 16, DEVICE, max_batch_size=8,
+                                max_query_len=8, v_head_dim=512)
+    fb, _ = build_forward_batch(case, backend, 1, 576, 8192 + 16,
+                                torch.Generator().manual_seed(27), torch.bfloat16)
+    fb.kv_pool.v_buffer = [k_buffer[..., :512] for k_buffer in fb.kv_pool.k_buffer]
+    q = torch.randn(fb.num_tokens, 128, 576, device=DEVICE, dtype=torch.bfloat16)
+    backend.init_forward_metadata(fb)
+    backend.forward(q, None, None, LAYER_ID, fb, 0.1)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, None, None, LAYER_ID, fb, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert out.shape == (fb.num_tokens, 128 * 512)

@@ -2,7 +2,6 @@
 (`EngineConfig.needs_cpu_seq_lens`) into what each backend declares."""
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
@@ -46,15 +45,9 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
         except ImportError as e:
             raise ValueError(f"attention_backend: triton is not available ({e}); "
                              "install specserve[triton] or use 'torch'") from e
-        extra = {}
-        if mla:
-            if "v_head_dim" not in inspect.signature(TritonAttnBackend).parameters:
-                raise ValueError("attention_backend: this triton backend cannot read a V narrower "
-                                 "than K (MLA models); use 'torch'")
-            extra["v_head_dim"] = v_head_dim
         backend = TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
                                     max_batch_size=max_batch_size, max_query_len=max_query_len,
-                                    needs_cpu_seq_lens=needs, **extra)
+                                    needs_cpu_seq_lens=needs, v_head_dim=v_head_dim)
     elif mla:
         raise ValueError("attention_backend: flashinfer does not support MLA models "
                          "(DeepSeek); use 'triton' or 'torch'")

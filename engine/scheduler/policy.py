@@ -1,9 +1,10 @@
 """Admission and retraction: which requests hold a row, and what the next launch covers.
 
-Prefill goes first (a request in the middle of a chunked prefill, then new admissions, FCFS,
-within the chunk budget); otherwise one decode step over every running request that may
-still grow. When the pool cannot cover a decode step, the most recently admitted request is
-retracted: its KV is freed and it waits to be prefilled again over prompt + outputs.
+Prefill goes first (a request in the middle of a chunked prefill, then new admissions within
+the chunk budget: FCFS, or longest cached prefix first with the prefix cache); otherwise one
+decode step over every running request that may still grow. When the pool cannot cover a
+decode step, the most recently admitted request is retracted: its KV is freed (or, with the
+prefix cache, cached and evictable) and it waits to be prefilled again over prompt + outputs.
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from typing import Optional
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
+
+# Waiting requests beyond this many are admitted in arrival order; a request bypassed this many
+# times by later arrivals with longer cached prefixes is admitted next.
+LPM_WINDOW = 128
+MAX_BYPASS = 32
 
 
 class AdmissionPolicy:
@@ -44,38 +50,41 @@ class AdmissionPolicy:
     # --- prefill -------------------------------------------------------------------------
     def _prefill(self) -> Optional[Decision]:
         budget = self.chunk_budget
-        free = self.slots.num_free  # slots are taken when the step is built
+        taken = 0  # slots this decision's chunks take when the step is built
         reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
-                n = min(budget, len(req.fill_ids) - req.num_prefilled, free)
+                n = min(budget, len(req.fill_ids) - req.num_prefilled, self.slots.num_free - taken)
                 if n == 0:
                     break
                 reqs.append(req)
                 chunks.append(req.take_chunk(n))
                 spans.append(req.take_prompt_span(*chunks[-1]))
                 budget -= n
-                free -= n
+                taken += n
         # Admit only what leaves room for the next decode step of every running request and of
         # the new one (a speculative step reserves several slots each): admitting into slots
-        # that step needs would force a retraction straight away.
+        # that step needs would force a retraction straight away. A cached prefix is not
+        # prefilled, but pinning it takes its slots out of the evictable ones.
         headroom = sum(self.slots.to_reserve(r) for r in self.running)
-        skipped = []  # sequences waiting for another sequence of their request to prefill the prompt
-        while self.waiting and budget > 0 and len(self.running) < self.max_running \
-                and self.slots.num_free_rows > 0:
-            req = self.waiting[0]
+        can_admit = lambda: (budget > 0 and len(self.running) < self.max_running  # noqa: E731
+                             and self.slots.num_free_rows > 0)
+        for req in self._admission_order() if self.waiting and can_admit() else ():
+            if not can_admit():
+                break
             if req.shared is not None and req.shared.blocks(req):
-                skipped.append(self.waiting.popleft())
-                continue
+                continue  # another sequence of its request is prefilling the shared prompt
             if req.num_inflight_tokens:   # retracted with a result still in flight
                 break
-            # It prefills prompt + outputs so far, past a shared prompt prefix.
-            n = min(budget, req.seq_len - self.slots.prefilled_on_admission(req))
-            if n + headroom + self.slots.step_slots > free:
+            # It prefills prompt + outputs so far, past what its row can map (a cached or a
+            # shared prefix).
+            cached = self.slots.peek_prefix(req)
+            n = min(budget, req.seq_len - cached.length)
+            if n + headroom + self.slots.step_slots + cached.lock_cost > self.slots.num_free - taken:
                 break
             headroom += self.slots.step_slots
-            self.waiting.popleft()
+            self._take_from_queue(req)
             self._admit_counter += 1
             self.slots.admit(req, self._admit_counter)
             self.running.append(req)
@@ -83,14 +92,34 @@ class AdmissionPolicy:
             chunks.append(req.take_chunk(n))
             spans.append(req.take_prompt_span(*chunks[-1]))
             budget -= n
-            free -= n
-        self.waiting.extendleft(reversed(skipped))
+            taken += n
         if not reqs:
             return None
         samples = [end == len(r.fill_ids) for r, (_, end) in zip(reqs, chunks)]
         for r, s in zip(reqs, samples):
             r.num_inflight_tokens += s
         return Decision(ForwardMode.EXTEND, reqs, chunks, samples, spans)
+
+    def _admission_order(self) -> list[Req]:
+        """First come, first served; with the prefix cache, the longest cached prefix first
+        (SGLang's LPM: requests sharing a prefix run while it is cached), except that a
+        request bypassed `MAX_BYPASS` times goes first, so that none waits for ever. Queues
+        longer than `LPM_WINDOW` stay in arrival order (matching them all costs host time)."""
+        if self.slots.cache is None or len(self.waiting) > LPM_WINDOW or len(self.waiting) < 2:
+            return list(self.waiting)
+        queue = list(self.waiting)
+        cached = [self.slots.peek_prefix(r).length for r in queue]
+        order = sorted(range(len(queue)),
+                       key=lambda i: (queue[i].num_bypassed < MAX_BYPASS, -cached[i], i))
+        return [queue[i] for i in order]
+
+    def _take_from_queue(self, req: Req) -> None:
+        """Remove an admitted request from the queue; those queued ahead of it were bypassed."""
+        for ahead in self.waiting:
+            if ahead is req:
+                break
+            ahead.num_bypassed += 1
+        self.waiting.remove(req)
 
     # --- decode --------------------------------------------------------------------------
     def _decode(self, nothing_in_flight: bool) -> Optional[Decision]:

@@ -9,6 +9,7 @@ import torch
 
 from specserve.engine.config import SamplingParams
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.kvcache.radix_cache import PrefixMatch
 from specserve.engine.outputs import TopLogprobs
 from specserve.engine.runtime.step import Launched
 
@@ -43,6 +44,9 @@ class SharedPrefix:
 
     length: int
     slots: Optional[torch.Tensor] = None   # [length] KV slots, once captured
+    # With the prefix cache the tree owns the prefix instead: the creator caches it once its
+    # prefill is scheduled past `length`, and the other sequences find it there when admitted.
+    cached: bool = False
     owners: int = 0
     creator: Optional["Req"] = None
 
@@ -86,6 +90,10 @@ class Req:
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
     admit_order: int = 0
+    prefix: Optional[PrefixMatch] = None  # the cached prefix its row starts with, while it holds one
+    cached_tokens: int = 0       # prompt tokens served from the prefix cache at its first admission
+    num_bypassed: int = 0        # later arrivals admitted before it (the prefix-match order's aging)
+    prefix_keys: Optional[tuple[int, list[int]]] = None  # (seq_len, cache keys) memo for admission
     serial: int = 0              # set by the scheduler: unique for the engine's lifetime, unlike a rid
 
     @property
@@ -100,13 +108,22 @@ class Req:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def admit(self, row: int, order: int, prefilled: int = 0) -> None:
+    @property
+    def cached_len(self) -> int:
+        """Leading positions of its row that the prefix cache owns (and this request pins)."""
+        return self.prefix.length if self.prefix is not None else 0
+
+    def admit(self, row: int, order: int, prefix: Optional[PrefixMatch] = None, prefilled: int = 0) -> None:
         """Take a row; prefill prompt + outputs so far (after a retraction, outputs stay exact),
-        past the `prefilled` tokens whose KV the row maps already (a shared prefix)."""
+        past the KV the row maps already: a cached prefix (pinned in the prefix cache), or
+        without the cache the `prefilled` tokens of a shared prefix (n > 1)."""
+        if self.admit_order == 0:
+            self.cached_tokens = min(prefix.length if prefix is not None else 0, len(self.prompt_ids))
         self.status = ReqStatus.RUNNING
-        self.row, self.admit_order = row, order
+        self.row, self.admit_order, self.prefix = row, order, prefix
         self.fill_ids = self.prompt_ids + self.output_ids
-        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = prefilled
+        self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = \
+            prefix.length if prefix is not None else prefilled
 
     def take_chunk(self, n: int) -> tuple[int, int]:
         """The next n fill tokens; their KV slots are allocated, and final once written."""
@@ -133,8 +150,8 @@ class Req:
         self.kv_committed_len += n
 
     def release(self) -> None:
-        """The row and slots are gone (the caller freed them)."""
-        self.row = 0
+        """The row and slots are gone (the caller freed them or gave them to the cache)."""
+        self.row, self.prefix = 0, None
         self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = 0
 
 

@@ -168,6 +168,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             else:
+                if decision.mode is ForwardMode.EXTEND and req.status is ReqStatus.RUNNING:
+                    self.slots.cache_prefilled(req)
                 self._emit(req)
 
     def _deliver_prompt_logprobs(self, decision: Decision, result) -> None:

@@ -42,6 +42,7 @@ class ResponseFormat:
         self._text_offsets = [0] * n   # completions logprobs: where the next token's text starts
         self._completion_tokens = [0] * n
         self._prompt_tokens = 0
+        self._cached_tokens = [0] * n  # prompt tokens each choice took from the prefix cache
 
     def response(self, chunks: list[pb.GenerateChunk]) -> dict:
         """The whole response of a non-streaming request, from all its chunks."""
@@ -97,12 +98,15 @@ class ResponseFormat:
         if chunk.HasField("finish"):
             self._prompt_tokens = chunk.finish.usage.prompt_tokens
             self._completion_tokens[chunk.index] = chunk.finish.usage.completion_tokens
+            self._cached_tokens[chunk.index] = chunk.finish.usage.cached_tokens
 
 
     def _usage(self) -> dict:
         completion = sum(self._completion_tokens)
+        # The prompt counts once: its cached part is what every choice took from the cache.
         return {"prompt_tokens": self._prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self._prompt_tokens + completion}
+                "total_tokens": self._prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": min(self._cached_tokens)}}
 
     def _logprobs(self, chunks: list[pb.GenerateChunk]) -> dict:
         """OpenAI's logprobs object for the tokens of these chunks (one choice's)."""

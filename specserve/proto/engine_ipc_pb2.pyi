@@ -37,10 +37,12 @@ class AbortRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class LoadQuery(_message.Message):
-    __slots__ = ("query_id",)
+    __slots__ = ("query_id", "flush_prefix_cache")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    def __init__(self, query_id: _Optional[int] = ...) -> None: ...
+    flush_prefix_cache: bool
+    def __init__(self, query_id: _Optional[int] = ..., flush_prefix_cache: bool = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ()
@@ -75,7 +77,7 @@ class BatchOutput(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("rid", "index", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec", "new_top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("rid", "index", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec", "new_top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "cached_tokens")
     RID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class RequestOutput(_message.Message):
     NEW_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -102,7 +105,8 @@ class RequestOutput(_message.Message):
     new_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
-    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ..., new_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ..., new_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecInfo(_message.Message):
     __slots__ = ("num_verify_steps", "num_accepted_drafts")

@@ -159,12 +159,14 @@ class Finish(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., matched_token_id: _Optional[int] = ..., matched_stop_str: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("verify_steps", "accepted_drafts", "accept_length")
@@ -223,7 +225,7 @@ class GetServerLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_active_streams", "max_active_streams", "num_retractions")
+    __slots__ = ("num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_active_streams", "max_active_streams", "num_retractions", "kv_cached_tokens", "prefix_cache_hit_rate")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +234,8 @@ class ServerLoad(_message.Message):
     NUM_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_used_tokens: int
@@ -240,7 +244,19 @@ class ServerLoad(_message.Message):
     num_active_streams: int
     max_active_streams: int
     num_retractions: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., max_active_streams: _Optional[int] = ..., num_retractions: _Optional[int] = ...) -> None: ...
+    kv_cached_tokens: int
+    prefix_cache_hit_rate: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., max_active_streams: _Optional[int] = ..., num_retractions: _Optional[int] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+
+class FlushCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushCacheResponse(_message.Message):
+    __slots__ = ("kv_cached_tokens",)
+    KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kv_cached_tokens: int
+    def __init__(self, kv_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "add_special_tokens", "add_generation_prompt")

@@ -59,6 +59,11 @@ class GenerationServiceStub(object):
                 request_serializer=specserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/specserve.v1.GenerationService/FlushCache',
+                request_serializer=specserve_dot_v1_dot_generate__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_generate__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer(object):
@@ -102,6 +107,15 @@ class GenerationServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """For operators: free the prefix cache's KV that no running request uses (e.g. to start a
+        benchmark cold). Prefixes that running requests use stay until they finish, and what
+        requests leave afterwards is cached again. Harmless when the cache is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=specserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=specserve_dot_v1_dot_generate__pb2.FlushCacheRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_generate__pb2.FlushCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +285,33 @@ class GenerationService(object):
             '/specserve.v1.GenerationService/Detokenize',
             specserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             specserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.GenerationService/FlushCache',
+            specserve_dot_v1_dot_generate__pb2.FlushCacheRequest.SerializeToString,
+            specserve_dot_v1_dot_generate__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

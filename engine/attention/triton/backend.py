@@ -12,10 +12,12 @@ from specserve.engine.attention.triton.kernels import (
     DecodeConfig, ExtendConfig, decode_attention, default_decode_config, default_extend_config,
     extend_attention, fill_kv_indices, short_extend_attention)
 
-# Extends whose tile (new tokens x query heads of a KV group) has at most this many rows run
-# split over the prefix (verify, draft-extend, short prefill chunks); longer ones have query
-# rows enough to fill the GPU without splitting.
+# Extends whose tile (new tokens x query heads of a KV group, counting at most
+# SPLIT_EXTEND_MAX_HEADS heads: a larger group, MLA's, is sliced over programs anyway) has at
+# most this many rows run split over the prefix (verify, draft-extend, short prefill chunks);
+# longer ones have query rows enough to fill the GPU without splitting.
 SPLIT_EXTEND_MAX_ROWS = 64
+SPLIT_EXTEND_MAX_HEADS = 8
 
 if TYPE_CHECKING:
     from specserve.engine.forward_batch import ForwardBatch
@@ -48,6 +50,14 @@ class TritonAttnBackend(AttentionBackend):
     `max_context_len` tokens, with up to `max_query_len` new tokens each in a split extend
     (the verify width), so those forwards always reuse the same addresses (what CUDA-graph
     replay will need); larger forwards allocate their own.
+
+    `v_head_dim` (default `head_dim`) narrower than `head_dim` is MLA in its absorbed form:
+    one KV head whose key is latent || rope and whose value is the latent, i.e. the pool's
+    `v_buffer[layer]` is a view of the first `v_head_dim` dims of `k_buffer[layer]`; the
+    caller has stored both, so `forward` gets k = v = None. The output is [T, H * v_head_dim].
+    The split-KV scratch is `max_batch_size * max_query_len * num_heads * max_kv_splits *
+    v_head_dim` fp32: 4 MiB a row at 128 MLA heads, 16 splits and a 512 latent, so size
+    `max_batch_size` (and `max_kv_splits`) for MLA with care.
     """
 
     needs_cpu_seq_lens = False
@@ -56,7 +66,8 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
                  device: torch.device, *, max_batch_size: int = 128, max_kv_splits: int = 16,
                  max_query_len: int = 1, decode_config: Optional[DecodeConfig] = None,
-                 extend_config: Optional[ExtendConfig] = None, needs_cpu_seq_lens: bool = False):
+                 extend_config: Optional[ExtendConfig] = None, needs_cpu_seq_lens: bool = False,
+                 v_head_dim: Optional[int] = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
@@ -65,12 +76,17 @@ class TritonAttnBackend(AttentionBackend):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if not 0 < self.v_head_dim <= head_dim:
+            raise ValueError(f"v_head_dim {self.v_head_dim} must be in (0, head_dim {head_dim}]")
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_kv_splits = max_kv_splits
-        self.decode_config = decode_config or default_decode_config(head_dim, self.device)
-        self.extend_config = extend_config or default_extend_config(head_dim, self.device)
+        self.decode_config = decode_config or default_decode_config(head_dim, self.device,
+                                                                    self.v_head_dim)
+        self.extend_config = extend_config or default_extend_config(head_dim, self.device,
+                                                                    self.v_head_dim)
 
         self._kv_indptr_buf = torch.zeros(max_batch_size + 1, dtype=torch.int64,
                                           device=self.device)
@@ -81,12 +97,15 @@ class TritonAttnBackend(AttentionBackend):
                                            device=self.device)
         self._partial_out_buf, self._partial_lse_buf = self._alloc_split_kv_scratch(
             max_batch_size * max_query_len)
-        self._arrivals_buf = torch.zeros(max_batch_size * num_kv_heads, dtype=torch.int32,
-                                         device=self.device)
+        # A split extend has one counter per (request, KV head, slice of the group's heads),
+        # at most a slice per head.
+        self._arrivals_per_req = num_kv_heads * triton.next_power_of_2(num_heads // num_kv_heads)
+        self._arrivals_buf = torch.zeros(max_batch_size * self._arrivals_per_req,
+                                         dtype=torch.int32, device=self.device)
 
     def _alloc_split_kv_scratch(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (num_tokens, self.num_heads, self.max_kv_splits)
-        return (torch.empty(*shape, self.head_dim, dtype=torch.float32, device=self.device),
+        return (torch.empty(*shape, self.v_head_dim, dtype=torch.float32, device=self.device),
                 torch.empty(shape, dtype=torch.float32, device=self.device))
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
@@ -114,7 +133,8 @@ class TritonAttnBackend(AttentionBackend):
                         decode_token_slots=fb.out_cache_loc if is_decode else None)
 
         group_pad = triton.next_power_of_2(self.num_heads // self.num_kv_heads)
-        split_extend = not is_decode and max_extend_len * group_pad <= SPLIT_EXTEND_MAX_ROWS
+        split_extend = (not is_decode and max_extend_len * min(group_pad, SPLIT_EXTEND_MAX_HEADS)
+                        <= SPLIT_EXTEND_MAX_ROWS)
         qo_indptr = partial_out = partial_lse = arrivals = None
         if is_decode or split_extend:
             num_rows = fb.num_tokens
@@ -125,7 +145,8 @@ class TritonAttnBackend(AttentionBackend):
                 partial_out, partial_lse = self._alloc_split_kv_scratch(num_rows)
         if split_extend:  # the kernel leaves the counters at zero for the next forward
             arrivals = (self._arrivals_buf if bs <= self.max_batch_size else
-                        torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=self.device))
+                        torch.zeros(bs * self._arrivals_per_req, dtype=torch.int32,
+                                    device=self.device))
         if not is_decode:
             qo_indptr = (self._qo_indptr_buf[:bs + 1] if bs <= self.max_batch_size
                          else torch.empty(bs + 1, dtype=torch.int64, device=self.device))
@@ -148,8 +169,8 @@ class TritonAttnBackend(AttentionBackend):
                                pin_memory=self.device.type == "cuda")
         out.copy_(offsets, non_blocking=True)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: "ForwardBatch", scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                layer_id: int, fb: "ForwardBatch", scale: float) -> torch.Tensor:
         metadata: TritonAttnMetadata = fb.attn_metadata
         num_tokens = q.shape[0]
         assert q.shape[1:] == (self.num_heads, self.head_dim), q.shape
@@ -157,7 +178,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buffer = fb.kv_pool.k_buffer[layer_id]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = q.new_empty(num_tokens, self.num_heads, self.v_head_dim)
         if metadata.is_decode:
             decode_attention(q, k_buffer, v_buffer, out, metadata.kv_indptr, metadata.kv_indices,
                              metadata.partial_out, metadata.partial_lse, scale,
@@ -172,4 +193,4 @@ class TritonAttnBackend(AttentionBackend):
             extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr, metadata.kv_indptr,
                              metadata.kv_indices, fb.out_cache_loc, metadata.max_extend_len,
                              scale, custom_mask=metadata.custom_mask, config=self.extend_config)
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+        return out.view(num_tokens, self.num_heads * self.v_head_dim)

@@ -19,8 +19,14 @@ Three launchers, each a thin host wrapper around one or two `@triton.jit` kernel
 Conventions shared by all kernels:
 - No launcher reads device data on the host; grids are sized from host-known bounds and the
   kernels mask what lies past the real lengths.
-- Both attention kernels are GQA-grouped: one program handles every query head that shares a
-  KV head, so each K/V tile is loaded once per group instead of once per query head.
+- The attention kernels are GQA-grouped: one program handles every query head that shares a
+  KV head, so each K/V tile is loaded once per group instead of once per query head. A group
+  too large for one tile (MLA: one KV head for up to 128 query heads) is cut into slices of
+  heads, one program each.
+- Keys may be wider than values (MLA in its absorbed form: a key of kv_lora_rank latent dims
+  plus qk_rope_head_dim rope dims, the value being the latent). The key is tiled as a main
+  block (the value's dims) plus a rope block, so 512 + 64 is not padded to 1024; a value
+  buffer that is a view of the key buffer's leading dims is loaded once for both.
 - Scores live in base 2 (`sm_scale * log2(e)` folded into the scale) so softmax uses `exp2`.
 - The last dimension of q, out and the K/V buffers must be contiguous.
 
@@ -44,6 +50,9 @@ class DecodeConfig(NamedTuple):
     min_kv_split_len: int   # a sequence gets one more split per this many tokens, up to the max
     num_warps: int
     num_stages: int
+    # Query rows (heads, or new tokens x heads in a split extend) per program: a KV head's
+    # group larger than this (MLA's one KV head for every query head) is split into slices.
+    block_h: int = 64
 
 
 class ExtendConfig(NamedTuple):
@@ -55,10 +64,22 @@ class ExtendConfig(NamedTuple):
     num_stages: int
 
 
-def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+def default_decode_config(head_dim: int, device: torch.device,
+                          v_head_dim: Optional[int] = None) -> DecodeConfig:
+    """Launch parameters for keys of `head_dim` and values of `v_head_dim` (default: the
+    same) dims; values narrower than keys are MLA's latent (a 512 + 64 key, 512 values)."""
+    is_mla = v_head_dim is not None and v_head_dim != head_dim
     if torch.device(device).type != "cuda":
         # Interpreter: fewer, larger numpy ops are faster; the values only need to be legal.
-        return DecodeConfig(block_n=32, min_kv_split_len=64, num_warps=4, num_stages=1)
+        return DecodeConfig(block_n=32, min_kv_split_len=64, num_warps=4, num_stages=1,
+                            block_h=16 if is_mla else 64)
+    if is_mla:
+        # 16 query heads a program (a 16 x 512 fp32 accumulator) against 32-token tiles of
+        # the 576-dim key in two stages (2 x 36 KiB of shared memory); the heads of MLA's
+        # single group are sliced across programs that read the same tiles (SGLang's Triton
+        # MLA decode uses the same tiling). bench/mla_moe_kernels.py --sweep times others.
+        return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2,
+                            block_h=16)
     # H100/H200: 128-token tiles in three stages keep enough gathered K/V rows in flight to
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
     # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
@@ -70,9 +91,14 @@ def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2)
 
 
-def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
+def default_extend_config(head_dim: int, device: torch.device,
+                          v_head_dim: Optional[int] = None) -> ExtendConfig:
     if torch.device(device).type != "cuda":
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if head_dim > 256 or (v_head_dim or head_dim) > 256:
+        # MLA's 576-dim keys and 512-dim latent values: a 32 x 512 fp32 accumulator per
+        # program keeps to the registers of 8 warps.
+        return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=1)
     # H100/H200: 128 query rows against 64-token K/V tiles; 8 warps for head_dim 128 keep the
     # 128 x 128 fp32 accumulator in registers. Larger heads halve both tiles.
     if head_dim <= 64:
@@ -141,6 +167,49 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 # Shared pieces of the attention kernels
 # ---------------------------------------------------------------------------------------------
 
+class _HeadLayout(NamedTuple):
+    """How the kernels tile a head's dimensions. Keys have `main_dim + rope_dim` dims and values
+    `main_dim`; the key's first `main_dim` dims go in one block with the values' dims and the
+    last `rope_dim` (MLA's decoupled RoPE key; 0 otherwise) in a second, so a 512 + 64 MLA key
+    is tiled as 512 + 64 rather than padded to 1024."""
+
+    main_dim: int
+    rope_dim: int
+    block_d: int
+    block_dpe: int    # 1 (unused) without a rope part
+    # How the kernels address the values: "key_strides" (a buffer shaped like the keys: the
+    # key offsets serve, as in Llama's pool), "key_prefix" (the first main_dim dims of the
+    # keys, MLA's latent: the key tile is the value tile) or "own_strides".
+    values: str
+
+
+def _head_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> _HeadLayout:
+    key_dim, value_dim = k_buffer.shape[-1], v_buffer.shape[-1]
+    assert q.shape[-1] == key_dim and value_dim <= key_dim, (q.shape, k_buffer.shape,
+                                                             v_buffer.shape)
+    rope_dim = key_dim - value_dim
+    same_strides = v_buffer.stride() == k_buffer.stride()
+    if same_strides and v_buffer.data_ptr() == k_buffer.data_ptr():
+        # The MLA pool hands out the latent as a view of the key buffer: one load serves
+        # both, instead of reading the same bytes twice.
+        values = "key_prefix"
+    else:
+        values = "key_strides" if same_strides else "own_strides"
+    # tl.dot takes 16 dims at least on a GPU (the tiny test models' rope keys have 8); the
+    # padded dims load as zeros.
+    block_dpe = max(16, triton.next_power_of_2(rope_dim)) if rope_dim else 1
+    return _HeadLayout(value_dim, rope_dim, triton.next_power_of_2(value_dim), block_dpe, values)
+
+
+@triton.jit
+def _load_q_rope(q, row_offsets, row_mask, MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+                 BLOCK_DPE: tl.constexpr):
+    """The rope part of the query rows at `q + row_offsets` ([rows, BLOCK_DPE])."""
+    offs_dpe = tl.arange(0, BLOCK_DPE)
+    return tl.load(q + row_offsets[:, None] + MAIN_DIM + offs_dpe[None, :],
+                   mask=row_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :], other=0.0)
+
+
 @triton.jit
 def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores [rows, cols] and its values [cols, dim] into the running
@@ -157,50 +226,74 @@ def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot, stride_buf_head,
-                  offs_d, tile_mask, compute_dtype: tl.constexpr):
-    """K and V rows of `slots` for one KV head, as [cols, dim] tiles in the dot's dtype."""
-    offsets = (slots.to(tl.int64)[:, None] * stride_buf_slot + kv_head * stride_buf_head
-               + offs_d[None, :])
-    k = tl.load(k_buffer + offsets, mask=tile_mask, other=0.0).to(compute_dtype)
-    v = tl.load(v_buffer + offsets, mask=tile_mask, other=0.0).to(compute_dtype)
-    return k, v
+def _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head, stride_k_slot,
+                 stride_k_head, stride_v_slot, stride_v_head, offs_d, col_mask, dim_mask,
+                 MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
+                 VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Unscaled scores of the query rows against the keys of `slots` ([rows, cols]) and those
+    keys' values ([cols, dim], in the dot's dtype)."""
+    slots = slots.to(tl.int64)
+    tile_mask = col_mask[:, None] & dim_mask[None, :]
+    offsets = slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :]
+    k = tl.load(k_buffer + offsets, mask=tile_mask, other=0.0).to(q_tile.dtype)
+    if VALUES == "key_prefix":
+        v = k
+    elif VALUES == "key_strides":
+        v = tl.load(v_buffer + offsets, mask=tile_mask, other=0.0).to(q_tile.dtype)
+    else:
+        v = tl.load(v_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head
+                    + offs_d[None, :], mask=tile_mask, other=0.0).to(q_tile.dtype)
+    if ROPE_DIM > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        k_rope = tl.load(k_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head
+                         + MAIN_DIM + offs_dpe[None, :],
+                         mask=col_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :],
+                         other=0.0).to(q_tile.dtype)
+    scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION)
+    if ROPE_DIM > 0:
+        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+    return scores, v
 
 
 @triton.jit
-def _attend_slot_range(q_tile, m_i, l_i, acc, k_buffer, v_buffer, slot_list, begin, end, kv_head,
-                       stride_buf_slot, stride_buf_head, offs_n, offs_d, dim_mask, sm_scale_log2,
-                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_slot_range(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, slot_list, begin, end,
+                       kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                       offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N: tl.constexpr,
+                       MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
+                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold keys `slot_list[begin:end]`, all visible to every row, into the running softmax."""
     for start in range(begin, end, BLOCK_N):
         cols = start + offs_n
         col_mask = cols < end
         slots = tl.load(slot_list + cols, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        scores, v = _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head,
+                                 stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                                 offs_d, col_mask, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE,
+                                 VALUES, DOT_PRECISION)
+        scores = tl.where(col_mask[None, :], scores * sm_scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _attend_new_tokens(q_tile, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots, custom_mask,
-                       req, tokens, row_mask, end, extend_len, kv_head, stride_buf_slot,
-                       stride_buf_head, stride_mask_req, stride_mask_row, offs_n, offs_d,
-                       dim_mask, sm_scale_log2, BLOCK_N: tl.constexpr,
-                       USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots,
+                       custom_mask, req, tokens, row_mask, end, extend_len, kv_head,
+                       stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                       stride_mask_req, stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2,
+                       BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr,
+                       MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
+                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold this forward's new tokens `[0, end)` (their slots were just written, so they are
     what later forwards will see in the pool) under the causal or the custom (tree) mask."""
     for start in range(0, end, BLOCK_N):
         cols = start + offs_n
         col_mask = cols < extend_len
         slots = tl.load(new_token_slots + cols, mask=col_mask, other=0)
-        k, v = _load_kv_tile(k_buffer, v_buffer, slots, kv_head, stride_buf_slot,
-                             stride_buf_head, offs_d, col_mask[:, None] & dim_mask[None, :],
-                             q_tile.dtype)
-        scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        scores, v = _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head,
+                                 stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                                 offs_d, col_mask, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE,
+                                 VALUES, DOT_PRECISION)
+        scores = scores * sm_scale_log2
         if USE_CUSTOM_MASK:
             visible = tl.load(custom_mask + req * stride_mask_req
                               + tokens[:, None] * stride_mask_row + cols[None, :],
@@ -228,14 +321,17 @@ def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.con
 @triton.jit
 def _decode_partial_kernel(
     q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, sm_scale_log2,
-    stride_q_tok, stride_q_head, stride_buf_slot, stride_buf_head,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
-    GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
-    MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
+    # is larger than BLOCK_H, as MLA's one KV head for all query heads is).
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
 
     kv_start = tl.load(kv_indptr + req)
@@ -244,22 +340,31 @@ def _decode_partial_kernel(
     split_begin = split * split_len
     split_end = tl.minimum(split_begin + split_len, seq_len)
 
-    offs_h = tl.arange(0, BLOCK_H)
+    if HEAD_BLOCKS == 1:
+        offs_h = tl.arange(0, BLOCK_H)
+    else:
+        offs_h = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP_SIZE + offs_h
     head_mask = offs_h < GROUP_SIZE
-    dim_mask = offs_d < HEAD_DIM
+    dim_mask = offs_d < MAIN_DIM
     q_tile = tl.load(q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
                      mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    if ROPE_DIM > 0:
+        q_rope = _load_q_rope(q, req * stride_q_tok + heads * stride_q_head, head_mask,
+                              MAIN_DIM, ROPE_DIM, BLOCK_DPE)
+    else:
+        q_rope = q_tile
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_slot_range(
-        q_tile, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin, split_end,
-        kv_head, stride_buf_slot, stride_buf_head, offs_n, offs_d, dim_mask, sm_scale_log2,
-        BLOCK_N, DOT_PRECISION)
+        q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
+        split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
+        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
+        DOT_PRECISION)
 
     # Splits past the end of a short sequence store nothing; the reduce never reads them.
     # Their l = 0 is replaced only to keep the discarded lanes free of 0/0 and log(0).
@@ -306,38 +411,49 @@ def _decode_reduce_kernel(
              (acc / l_i).to(out.dtype.element_ty), mask=dim_mask)
 
 
+def _check_qkv_out(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                   out: torch.Tensor) -> None:
+    assert q.shape[1] % k_buffer.shape[1] == 0 and v_buffer.shape[1] == k_buffer.shape[1]
+    assert out.shape == (*q.shape[:2], v_buffer.shape[-1]), (out.shape, q.shape, v_buffer.shape)
+    assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+
+
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, sm_scale: float,
                      config: Optional[DecodeConfig] = None) -> None:
     """out[b] = attention of q[b] over the slots `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`.
 
-    q, out: [bs, num_heads, head_dim]; k_buffer, v_buffer: [slots, num_kv_heads, head_dim].
-    partial_out: [>= bs, num_heads, max_kv_splits, head_dim] fp32 and partial_lse:
-    [>= bs, num_heads, max_kv_splits] fp32 are scratch; `max_kv_splits` is their third dim.
+    q: [bs, num_heads, key_dim]; k_buffer: [slots, num_kv_heads, key_dim]; v_buffer: [slots,
+    num_kv_heads, value_dim] (any slot/head strides; may be a view of the key buffer, as
+    MLA's latent is); out: [bs, num_heads, value_dim]. partial_out: [>= bs, num_heads,
+    max_kv_splits, value_dim] fp32 and partial_lse: [>= bs, num_heads, max_kv_splits] fp32
+    are scratch; `max_kv_splits` is their third dim.
     """
-    bs, num_heads, head_dim = q.shape
+    bs, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    assert num_heads % num_kv_heads == 0
-    assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+    _check_qkv_out(q, k_buffer, v_buffer, out)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= bs and partial_out.shape[1:3] == partial_lse.shape[1:]
+    layout = _head_layout(q, k_buffer, v_buffer)
     if bs == 0:
         return
-    config = config or default_decode_config(head_dim, q.device)
+    config = config or default_decode_config(key_dim, q.device, layout.main_dim)
     group_size = num_heads // num_kv_heads
+    # tl.dot needs at least 16 rows on tensor cores; padded head rows are masked out.
+    block_h = min(max(16, triton.next_power_of_2(group_size)), max(16, config.block_h))
+    head_blocks = triton.cdiv(group_size, block_h)
     max_kv_splits = partial_out.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
-    _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
+    _decode_partial_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
         sm_scale * LOG2_E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        GROUP_SIZE=group_size,
-        # tl.dot needs at least 16 rows on tensor cores; padded head rows are masked out.
-        BLOCK_H=max(16, triton.next_power_of_2(group_size)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
+        GROUP_SIZE=group_size, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks,
+        MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim, BLOCK_D=layout.block_d,
+        BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
         DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -346,9 +462,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         partial_out, partial_lse, kv_indptr, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
+        HEAD_DIM=layout.main_dim, BLOCK_D=layout.block_d, BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
-        num_warps=4 if head_dim >= 128 else 2, num_stages=1,
+        num_warps=4 if layout.main_dim >= 128 else 2, num_stages=1,
     )
 
 
@@ -356,21 +472,36 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 # Extend: cached prefix, then the new tokens under a causal or custom mask
 # ---------------------------------------------------------------------------------------------
 
+def _head_tiling(group_size: int, max_rows: int, tokens_pad: int = 1) -> tuple[int, int]:
+    """(heads per tile, tiles per KV head) for tiles of `tokens_pad` tokens: the whole group
+    (padded to a power of two) when it fits in `max_rows`, else a power-of-two slice of it."""
+    group_pad = triton.next_power_of_2(group_size)
+    heads_per_tile = min(group_pad, max(1, max_rows // tokens_pad))
+    return heads_per_tile, triton.cdiv(group_size, heads_per_tile)
+
+
 @triton.jit
 def _extend_attention_kernel(
     q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
     custom_mask, sm_scale_log2,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_buf_slot, stride_buf_head,
-    stride_mask_req, stride_mask_row,
-    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot, stride_k_head,
+    stride_v_slot, stride_v_head, stride_mask_req, stride_mask_row,
+    GROUP_SIZE: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Row r of the program's tile is (new token r // GROUP_PAD, query head r % GROUP_PAD of
-    # this KV head's group): all heads of a group share every K/V tile the program loads.
-    TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP_PAD
+    # Row r of the program's tile is (new token r // HEADS_PER_TILE, query head
+    # r % HEADS_PER_TILE of this program's slice of the KV head's group): all those heads
+    # share every K/V tile the program loads. The slice is the whole group unless the group
+    # is larger than a tile (MLA).
+    TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_BLOCKS == 1:
+        kv_head = tl.program_id(1)
+    else:
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS_PER_TILE
     first_token = tl.program_id(2) * TOKENS_PER_BLOCK
 
     qo_start = tl.load(qo_indptr + req)
@@ -383,14 +514,22 @@ def _extend_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    tokens = first_token + offs_m // GROUP_PAD
-    head_in_group = offs_m % GROUP_PAD
+    tokens = first_token + offs_m // HEADS_PER_TILE
+    if HEAD_BLOCKS == 1:
+        head_in_group = offs_m % HEADS_PER_TILE
+    else:
+        head_in_group = first_head + offs_m % HEADS_PER_TILE
     heads = kv_head * GROUP_SIZE + head_in_group
     row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
-    dim_mask = offs_d < HEAD_DIM
+    dim_mask = offs_d < MAIN_DIM
     q_tile = tl.load(q + (qo_start + tokens)[:, None] * stride_q_tok
                      + heads[:, None] * stride_q_head + offs_d[None, :],
                      mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if ROPE_DIM > 0:
+        q_rope = _load_q_rope(q, (qo_start + tokens) * stride_q_tok + heads * stride_q_head,
+                              row_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
+    else:
+        q_rope = q_tile
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -398,9 +537,10 @@ def _extend_attention_kernel(
 
     # Stage 1: the cached prefix, visible to every new token.
     m_i, l_i, acc = _attend_slot_range(
-        q_tile, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, 0,
-        tl.where(is_live, prefix_len, 0), kv_head, stride_buf_slot, stride_buf_head, offs_n,
-        offs_d, dim_mask, sm_scale_log2, BLOCK_N, DOT_PRECISION)
+        q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, 0,
+        tl.where(is_live, prefix_len, 0), kv_head, stride_k_slot, stride_k_head, stride_v_slot,
+        stride_v_head, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM,
+        BLOCK_DPE, VALUES, DOT_PRECISION)
 
     # Stage 2: the new tokens themselves.
     if USE_CUSTOM_MASK:
@@ -408,10 +548,11 @@ def _extend_attention_kernel(
     else:
         new_end = tl.minimum(extend_len, first_token + TOKENS_PER_BLOCK)  # causal: no later key
     m_i, l_i, acc = _attend_new_tokens(
-        q_tile, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start, custom_mask, req,
-        tokens, row_mask, tl.where(is_live, new_end, 0), extend_len, kv_head, stride_buf_slot,
-        stride_buf_head, stride_mask_req, stride_mask_row, offs_n, offs_d, dim_mask,
-        sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK, DOT_PRECISION)
+        q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start,
+        custom_mask, req, tokens, row_mask, tl.where(is_live, new_end, 0), extend_len, kv_head,
+        stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_mask_req,
+        stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
+        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
 
     # Padded rows saw nothing (l = 0); they are not stored, the guard only avoids 0/0.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -433,39 +574,42 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. New token j sees the whole prefix and new
     token k when k <= j, or when `custom_mask[b, j, k]` if a mask is given
     ([bs, >= max_extend_len, >= max_extend_len], bool or uint8). `max_extend_len` (host)
-    must bound every request's number of new tokens.
+    must bound every request's number of new tokens. Shapes as in `decode_attention`.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = qo_indptr.shape[0] - 1
-    assert num_heads % num_kv_heads == 0
-    assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+    _check_qkv_out(q, k_buffer, v_buffer, out)
+    layout = _head_layout(q, k_buffer, v_buffer)
     if num_tokens == 0 or bs == 0:
         return
-    config = config or default_extend_config(head_dim, q.device)
+    config = config or default_extend_config(key_dim, q.device, layout.main_dim)
     group_size = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group_size)
+    heads_per_tile, head_blocks = _head_tiling(group_size, config.block_m)
     # Short extends (verify, draft-extend) would leave most rows of a full tile empty; shrink
     # it to what the longest request needs. A row's keys and their order do not depend on the
     # tile height (a shorter causal loop only skips tiles the row cannot see).
-    block_m = max(min(config.block_m, triton.next_power_of_2(max_extend_len * group_pad)),
-                  16, group_pad)
+    block_m = max(min(config.block_m, triton.next_power_of_2(max_extend_len * heads_per_tile)),
+                  16, heads_per_tile)
     if custom_mask is not None:
         assert custom_mask.stride(-1) == 1
         if custom_mask.dtype == torch.bool:
             custom_mask = custom_mask.view(torch.uint8)  # same bytes; loads as 0/1
-    grid = (bs, num_kv_heads, triton.cdiv(max_extend_len, block_m // group_pad))
+    grid = (bs, num_kv_heads * head_blocks,
+            triton.cdiv(max_extend_len, block_m // heads_per_tile))
     _extend_attention_kernel[grid](
         q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
         custom_mask if custom_mask is not None else qo_indptr,  # unused without a mask
         sm_scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         custom_mask.stride(0) if custom_mask is not None else 0,
         custom_mask.stride(1) if custom_mask is not None else 0,
-        GROUP_SIZE=group_size, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=config.block_n,
-        USE_CUSTOM_MASK=custom_mask is not None, DOT_PRECISION=_dot_input_precision(q.dtype),
+        GROUP_SIZE=group_size, HEADS_PER_TILE=heads_per_tile, HEAD_BLOCKS=head_blocks,
+        MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim, BLOCK_D=layout.block_d,
+        BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, USE_CUSTOM_MASK=custom_mask is not None,
+        DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -478,22 +622,28 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def _short_extend_kernel(
     q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots, custom_mask,
     partial_out, partial_lse, arrivals, sm_scale_log2,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_buf_slot, stride_buf_head,
-    stride_mask_req, stride_mask_row, stride_po_tok, stride_po_head, stride_po_split,
-    stride_pl_tok, stride_pl_head,
-    NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
-    USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot, stride_k_head,
+    stride_v_slot, stride_v_head, stride_mask_req, stride_mask_row, stride_po_tok,
+    stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr, MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
+    MIN_KV_SPLIT_LEN: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Row r of the tile is (new token r // GROUP_PAD, query head r % GROUP_PAD of the group):
-    # all of a request's new tokens and the group's heads share every K/V tile. Split s covers
-    # its slice of the prefix; split 0 also covers the new tokens (the tile holds them all).
-    # A request with one split writes its output at once. Otherwise every split stores its
-    # partial result and counts its arrival; the last to arrive merges them (no second kernel:
-    # at short contexts its launch would cost more than the splits save).
+    # Row r of the tile is (new token r // HEADS_PER_TILE, query head r % HEADS_PER_TILE of
+    # the program's slice of the group; the whole group unless it exceeds a tile, as MLA's
+    # does): all of a request's new tokens and those heads share every K/V tile. Split s
+    # covers its slice of the prefix; split 0 also covers the new tokens (the tile holds them
+    # all). A request with one split writes its output at once. Otherwise every split stores
+    # its partial result and counts its arrival; the last to arrive merges them (no second
+    # kernel: at short contexts its launch would cost more than the splits save).
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_BLOCKS == 1:
+        kv_head = tl.program_id(1)
+    else:
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS_PER_TILE
     split = tl.program_id(2)
 
     qo_start = tl.load(qo_indptr + req)
@@ -508,28 +658,38 @@ def _short_extend_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    tokens = offs_m // GROUP_PAD
-    head_in_group = offs_m % GROUP_PAD
+    tokens = offs_m // HEADS_PER_TILE
+    if HEAD_BLOCKS == 1:
+        head_in_group = offs_m % HEADS_PER_TILE
+    else:
+        head_in_group = first_head + offs_m % HEADS_PER_TILE
     heads = kv_head * GROUP_SIZE + head_in_group
     row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
-    dim_mask = offs_d < HEAD_DIM
+    dim_mask = offs_d < MAIN_DIM
     rows = qo_start + tokens
     tile_mask = row_mask[:, None] & dim_mask[None, :]
     q_tile = tl.load(q + rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head
                      + offs_d[None, :], mask=tile_mask, other=0.0)
+    if ROPE_DIM > 0:
+        q_rope = _load_q_rope(q, rows * stride_q_tok + heads * stride_q_head, row_mask,
+                              MAIN_DIM, ROPE_DIM, BLOCK_DPE)
+    else:
+        q_rope = q_tile
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_slot_range(
-        q_tile, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin, split_end,
-        kv_head, stride_buf_slot, stride_buf_head, offs_n, offs_d, dim_mask, sm_scale_log2,
-        BLOCK_N, DOT_PRECISION)
+        q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
+        split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
+        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
+        DOT_PRECISION)
     m_i, l_i, acc = _attend_new_tokens(
-        q_tile, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start, custom_mask, req,
-        tokens, row_mask, tl.where(split == 0, extend_len, 0), extend_len, kv_head,
-        stride_buf_slot, stride_buf_head, stride_mask_req, stride_mask_row, offs_n, offs_d,
-        dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK, DOT_PRECISION)
+        q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start,
+        custom_mask, req, tokens, row_mask, tl.where(split == 0, extend_len, 0), extend_len,
+        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_mask_req,
+        stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
+        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
 
     out_ptrs = out + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     if num_splits == 1:
@@ -547,7 +707,7 @@ def _short_extend_kernel(
         # Every thread's partial stores come before the arrival (a CTA barrier, then the
         # atomic's release); the last split reads the others' after its acquire, from L2.
         tl.debug_barrier()
-        counter = arrivals + req * NUM_KV_HEADS + kv_head
+        counter = arrivals + req * (NUM_KV_HEADS * HEAD_BLOCKS) + tl.program_id(1)
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.debug_barrier()
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -568,6 +728,15 @@ def _short_extend_kernel(
             tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
 
 
+def short_extend_tiling(group_size: int, max_extend_len: int,
+                        config: DecodeConfig) -> tuple[int, int]:
+    """(heads per tile, tiles per KV head) of `short_extend_attention`: a tile holds every new
+    token of a request and up to `config.block_h` rows (a whole GQA group fits; a large MLA
+    group is sliced)."""
+    return _head_tiling(group_size, max(16, config.block_h),
+                        triton.next_power_of_2(max_extend_len))
+
+
 def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, new_token_slots: torch.Tensor,
@@ -579,42 +748,45 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 
     The arguments are `extend_attention`'s, plus the split scratch of `decode_attention`
     with one row per new token: partial_out [>= num_tokens, num_heads, max_kv_splits,
-    head_dim] and partial_lse [>= num_tokens, num_heads, max_kv_splits], fp32; and
-    `arrivals`, int32 [>= bs * num_kv_heads], all zero (the kernel leaves them zero). A
-    request's splits depend on its own prefix length only (batch invariance, as in decode).
+    value_dim] and partial_lse [>= num_tokens, num_heads, max_kv_splits], fp32; and
+    `arrivals`, int32 [>= bs * num_kv_heads * tiles per KV head (`short_extend_tiling`;
+    at most the group size rounded up to a power of two)], all zero (the kernel leaves them
+    zero). A request's splits depend on its own prefix length only (batch invariance, as in
+    decode).
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = qo_indptr.shape[0] - 1
-    assert num_heads % num_kv_heads == 0
-    assert q.stride(-1) == out.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+    _check_qkv_out(q, k_buffer, v_buffer, out)
+    layout = _head_layout(q, k_buffer, v_buffer)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= num_tokens and partial_out.shape[1:3] == partial_lse.shape[1:]
-    assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads
+    config = config or default_decode_config(key_dim, q.device, layout.main_dim)
+    group_size = num_heads // num_kv_heads
+    heads_per_tile, head_blocks = short_extend_tiling(group_size, max_extend_len, config)
+    assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads * head_blocks
     if num_tokens == 0 or bs == 0:
         return
-    config = config or default_decode_config(head_dim, q.device)
-    group_size = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group_size)
     if custom_mask is not None:
         assert custom_mask.stride(-1) == 1
         if custom_mask.dtype == torch.bool:
             custom_mask = custom_mask.view(torch.uint8)  # same bytes; loads as 0/1
     max_kv_splits = partial_out.shape[2]
-    _short_extend_kernel[(bs, num_kv_heads, max_kv_splits)](
+    _short_extend_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
         q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
         custom_mask if custom_mask is not None else qo_indptr,  # unused without a mask
         partial_out, partial_lse, arrivals, sm_scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         custom_mask.stride(0) if custom_mask is not None else 0,
         custom_mask.stride(1) if custom_mask is not None else 0,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEADS_PER_TILE=heads_per_tile,
+        HEAD_BLOCKS=head_blocks, MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim,
+        BLOCK_D=layout.block_d, BLOCK_DPE=layout.block_dpe, VALUES=layout.values,
         # tl.dot needs at least 16 rows on tensor cores; padded rows are masked out.
-        BLOCK_M=max(16, triton.next_power_of_2(max_extend_len * group_pad)),
+        BLOCK_M=max(16, triton.next_power_of_2(max_extend_len) * heads_per_tile),
         BLOCK_N=config.block_n, MAX_KV_SPLITS=max_kv_splits,
         MIN_KV_SPLIT_LEN=config.min_kv_split_len, USE_CUSTOM_MASK=custom_mask is not None,
         DOT_PRECISION=_dot_input_precision(q.dtype),
