@@ -119,6 +119,9 @@ class SyntheticEngine:
                 num_accepted_drafts=max(0, req.generated - 1 - verify_steps)))
         return outputs
 
+    def flush_prefix_cache(self) -> None:
+        pass  # it caches nothing (bench/serving.py's load generator asks before each run)
+
     def load(self) -> EngineLoad:
         return EngineLoad(num_running=len(self.running), num_waiting=0, kv_used_tokens=0,
                           kv_total_tokens=1, mean_accept_length=float(self.shape.tokens_per_step),
