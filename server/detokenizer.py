@@ -104,22 +104,32 @@ class PendingTokens(NamedTuple):
 def decode_windows(pending: Sequence[PendingTokens]) -> list[Optional[DecodedWindows]]:
     """The likely windows of every detokenizer (one engine step's streams), decoded in one
     `decode_batch` of the Rust tokenizer (which runs without the GIL) instead of a Python call
-    per window. All must share one tokenizer. None for all where the batch fails (an id out of
-    the vocabulary): each detokenizer then decodes, and fails, on its own."""
+    per window. None for a detokenizer of another tokenizer than the first one's (the streams
+    of one engine share one), and for all where the batch fails (an id that is no token id):
+    those then decode, and fail, on their own."""
     if not pending:
         return []
-    plans, sequences = [], []
+    tokenizer = pending[0].detokenizer.tokenizer
+    plans: list[Optional[list[int]]] = []
+    sequences: list[list[int]] = []
     for detokenizer, token_ids in pending:
+        if detokenizer.tokenizer is not tokenizer:
+            plans.append(None)
+            continue
         starts, windows = detokenizer.likely_windows(token_ids)
         plans.append(starts)
         sequences += windows
     try:
-        texts = pending[0].detokenizer.tokenizer.decode_batch(sequences)
+        texts = tokenizer.decode_batch(sequences)
     except Exception:  # noqa: BLE001 - a bad id fails the request that has it, on its own
         logger.debug("decode_batch failed; the streams decode on their own", exc_info=True)
         return [None] * len(pending)
-    decoded, at = [], 0
+    decoded: list[Optional[DecodedWindows]] = []
+    at = 0
     for starts in plans:
+        if starts is None:
+            decoded.append(None)
+            continue
         decoded.append(DecodedWindows(starts, texts[at:at + len(starts)]))
         at += len(starts)
     return decoded

@@ -210,3 +210,14 @@ def test_a_failed_batch_leaves_each_stream_to_decode_on_its_own(tokenizer_and_vo
     assert "".join(good.add_each(ids, decoded[0])) + good.flush() == tokenizer.decode(ids)
     with pytest.raises(OverflowError):
         bad.add_each([2**40], decoded[1])
+
+
+def test_a_stream_of_another_tokenizer_decodes_on_its_own(tokenizer_and_vocab, tiny_model):
+    tokenizer, _ = tokenizer_and_vocab
+    other = Tokenizer(tiny_model, [2])  # an equal tokenizer, but another object
+    first, second = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(other)
+    ids = list(range(3, 9))
+    decoded = decode_windows([PendingTokens(first, ids), PendingTokens(second, ids)])
+    assert decoded[0] is not None and decoded[1] is None
+    assert "".join(first.add_each(ids, decoded[0])) + first.flush() == tokenizer.decode(ids)
+    assert "".join(second.add_each(ids, decoded[1])) + second.flush() == other.decode(ids)
