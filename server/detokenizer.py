@@ -65,19 +65,20 @@ class IncrementalDetokenizer:
         each of those tokens completes text, the usual case. A token that holds its text back
         leaves the next window's start where it was; `add_each` then sees the start differ
         and decodes that window itself."""
-        start, read, end = self.prefix_offset, self.read_offset, len(self.token_ids)
         new = list(new_token_ids)
         if not new:  # an output without tokens (a finish, prompt logprobs)
             return [], []
+        start, read, end = self.prefix_offset, self.read_offset, len(self.token_ids)
         # Token 0 decodes from prefix_offset, token 1 (once token 0 completed text) from
         # read_offset, and every later one from the token before it.
-        starts = [start, read, *range(end + 1, end + len(new) - 1)][:len(new)]
-        head = self.token_ids[start:]
-        windows = [head + new[:1]]
-        if len(new) > 1:
-            windows.append(head[read - start:] + new[:2])
-            windows += [new[j - 1:j + 1] for j in range(2, len(new))]
-        return starts, windows
+        first = self.token_ids[start:]
+        first.append(new[0])
+        if len(new) == 1:
+            return [start], [first]
+        second = self.token_ids[read:]
+        second += new[:2]
+        return ([start, read, *range(end + 1, end + len(new) - 1)],
+                [first, second, *(new[j - 1:j + 1] for j in range(2, len(new)))])
 
     def _delta(self, final: bool, text: Optional[str]) -> str:
         """`text`: decode(token_ids[prefix_offset:]) when the caller has it."""
