@@ -15,6 +15,13 @@ over the (stream, engine step) pairs served: the front-end's cost per stream per
 With the engine faster than that cost times the concurrency, the front-end is the bottleneck,
 and served TPOT p50 / engine time per token shows by how much. `--profile` runs the server
 under cProfile and prints its top functions by own time.
+
+`--reader` times only the output-reader thread's work (`OutputReader.route`: the per-token
+detokenising, stop strings and chunk building of each step's batch) on the synthetic engine's
+steps, without a server: its cost per token, and the part of it that holds the GIL (all but
+the Rust tokenizer's `decode_batch`), which the event loop then cannot have:
+
+    python bench/frontend.py --reader --tokens-per-step 1,3 --concurrency 64,256
 """
 from __future__ import annotations
 
@@ -111,6 +118,9 @@ class SyntheticEngine:
                 completion_tokens=req.generated, num_verify_steps=verify_steps,
                 num_accepted_drafts=max(0, req.generated - 1 - verify_steps)))
         return outputs
+
+    def flush_prefix_cache(self) -> None:
+        pass  # it caches nothing (bench/serving.py's load generator asks before each run)
 
     def load(self) -> EngineLoad:
         return EngineLoad(num_running=len(self.running), num_waiting=0, kv_used_tokens=0,
@@ -219,6 +229,73 @@ def run_shape(args, step_ms: float, k: int) -> list[dict]:
     return rows
 
 
+def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str, ...],
+                repeats: int) -> dict:
+    """The reader's routing of every step of `concurrency` requests of `max_new_tokens`
+    tokens, `k` a step (the engine process's messages, parsed as the reader does); best of
+    `repeats`, with a shared warm TokenTexts as in the server."""
+    from specserve.engine.wire import output_to_proto
+    from specserve.proto import engine_ipc_pb2 as ipc
+    from specserve.server.logprobs import TokenTexts
+    from specserve.server.output_router import OutputReader, RequestStream
+    from specserve.server.output_stream import OutputStream
+    from specserve.server.validation import ValidatedRequest
+
+    engine = SyntheticEngine(SyntheticShape(0.0, k, concurrency))
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+    for i in range(concurrency):
+        engine.add_request(f"r{i}", [], sampling)
+    messages, stream_steps = [], 0
+    while engine.has_unfinished():
+        batch = ipc.BatchOutput(outputs=[output_to_proto(out) for out in engine.step()])
+        messages.append(ipc.EngineToServer(batch=batch).SerializeToString())
+        stream_steps += len(batch.outputs)
+    tokenizer, outside_gil = engine.tokenizer, [0.0]
+    decode_batch = tokenizer.decode_batch
+
+    def timed_decode_batch(sequences):  # runs in Rust without the GIL
+        start = time.perf_counter()
+        try:
+            return decode_batch(sequences)
+        finally:
+            outside_gil[0] += time.perf_counter() - start
+
+    tokenizer.decode_batch = timed_decode_batch
+    token_texts = TokenTexts(tokenizer)
+    request = ValidatedRequest([1], sampling, stops)
+    best = (float("inf"), 0.0)
+    for _ in range(repeats):
+        streams = {f"r{i}": RequestStream([OutputStream(tokenizer, request, True, token_texts)])
+                   for i in range(concurrency)}
+        reader = OutputReader(None, streams, None, None)  # no socket: route() only
+        outside_gil[0] = 0.0
+        start = time.perf_counter()
+        for message in messages:
+            reader.route(ipc.EngineToServer.FromString(message))
+        best = min(best, (time.perf_counter() - start, outside_gil[0]))
+    tokens = concurrency * max_new_tokens
+    return dict(concurrency=concurrency, tokens_per_step=k, stop_strings=len(stops),
+                reader_us_per_token=1e6 * best[0] / tokens,
+                gil_us_per_token=1e6 * (best[0] - best[1]) / tokens,
+                reader_us_per_stream_step=1e6 * best[0] / stream_steps)
+
+
+def reader_main(args) -> None:
+    rows = []
+    for k in (int(t) for t in args.tokens_per_step.split(",")):
+        for concurrency in args.concurrency_list:
+            for stops in ((), ("\n\n\n", "</s>")):
+                row = time_reader(concurrency, k, args.max_new_tokens, stops, args.repeats)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    json.dump({"date": time.strftime("%Y-%m-%d"), "reader_rows": rows}, open(args.out, "w"),
+              indent=1)
+    print(f"\n{'tok/step':>8} {'conc':>4} {'stops':>5} {'us/token':>8} {'GIL us/token':>12}")
+    for r in rows:
+        print(f"{r['tokens_per_step']:8d} {r['concurrency']:4d} {r['stop_strings']:5d} "
+              f"{r['reader_us_per_token']:8.2f} {r['gil_us_per_token']:12.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--step-ms", default="0,0.5", help="synthetic engine step times (ms), a list")
@@ -233,6 +310,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="cProfile the server process")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--out", default="bench_frontend.json")
+    ap.add_argument("--reader", action="store_true",
+                    help="time the output reader's work alone (no server)")
+    ap.add_argument("--repeats", type=int, default=5, help="--reader: best of this many")
     # The server process (started by this script).
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--max-running", type=int, default=256, help=argparse.SUPPRESS)
@@ -242,6 +322,8 @@ def main():
         args.step_ms, args.tokens_per_step = float(args.step_ms), int(args.tokens_per_step)
         return serve(args)
     args.concurrency_list = [int(c) for c in args.concurrency.split(",")]
+    if args.reader:
+        return reader_main(args)
     rows = []
     for step_ms in (float(s) for s in args.step_ms.split(",")):
         for k in (int(t) for t in args.tokens_per_step.split(",")):

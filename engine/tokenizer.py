@@ -51,5 +51,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`[decode(ids) for ids in sequences]` in one call, run in Rust without the GIL."""
+        return self._tok.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)

@@ -88,16 +88,20 @@ def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
 
 
 def output_from_proto(msg: ipc.RequestOutput) -> StepOutput:
+    # Runs for every stream of every engine step, and each field read from the message costs:
+    # the repeated fields, mostly absent, are converted only when present.
+    spec = msg.spec
     return StepOutput(
         rid=msg.rid, index=msg.index, new_token_ids=list(msg.new_token_ids),
-        new_logprobs=list(msg.new_logprobs) or None,
-        new_top_logprobs=_top_from_proto(msg.new_top_logprobs),
-        prompt_logprobs=list(msg.prompt_logprobs) or None,
-        prompt_top_logprobs=_top_from_proto(msg.prompt_top_logprobs), finished=msg.finished,
-        finish_reason=msg.finish_reason or None,
+        new_logprobs=list(msg.new_logprobs) if msg.new_logprobs else None,
+        new_top_logprobs=_top_from_proto(msg.new_top_logprobs) if msg.new_top_logprobs else None,
+        prompt_logprobs=list(msg.prompt_logprobs) if msg.prompt_logprobs else None,
+        prompt_top_logprobs=(_top_from_proto(msg.prompt_top_logprobs)
+                             if msg.prompt_top_logprobs else None),
+        finished=msg.finished, finish_reason=msg.finish_reason or None,
         matched_stop=msg.matched_stop_token_id if msg.HasField("matched_stop_token_id") else None,
         prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-        num_verify_steps=msg.spec.num_verify_steps, num_accepted_drafts=msg.spec.num_accepted_drafts,
+        num_verify_steps=spec.num_verify_steps, num_accepted_drafts=spec.num_accepted_drafts,
         cached_tokens=msg.cached_tokens)
 
 

@@ -23,6 +23,7 @@ import zmq
 from specserve.engine.wire import output_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
+from specserve.server.detokenizer import PendingTokens, decode_windows
 from specserve.server.output_stream import EngineProgress, OutputStream, merge_chunks
 
 logger = logging.getLogger("specserve.server.engine")
@@ -142,9 +143,7 @@ class OutputReader(threading.Thread):
             while not self._stopping.is_set():
                 if not self.socket.poll(POLL_MS):
                     continue
-                routed: list[Routed] = []
-                self._route(ipc.EngineToServer.FromString(self.socket.recv()), routed)
-                self._hand_over(routed)
+                self._hand_over(self.route(ipc.EngineToServer.FromString(self.socket.recv())))
         except RuntimeError:  # the event loop was closed under us: the server is gone
             pass
         except Exception as e:  # a bug: no output would reach a stream again
@@ -154,28 +153,39 @@ class OutputReader(threading.Thread):
         finally:
             self.socket.close(linger=0)
 
-    def _route(self, message: ipc.EngineToServer, routed: list[Routed]) -> None:
+    def route(self, message: ipc.EngineToServer) -> list[Routed]:
+        """What one message from the engine does to the streams (the per-token work of a
+        step's batch), for the loop to apply."""
         if message.WhichOneof("kind") != "batch":
-            routed.append(message)
-            return
+            return [message]
+        routed: list[Routed] = []
+        live = []  # (engine output, its stream, its sequence's OutputStream)
         for msg in message.batch.outputs:
-            stream = self.streams.get(msg.rid)
+            out = output_from_proto(msg)
+            stream = self.streams.get(out.rid)
             if stream is None:  # aborted by the server meanwhile
                 continue
-            output = stream.outputs[msg.index]
+            output = stream.outputs[out.index]
             if output.finished:  # ended by a stop string; its aborted outputs trail in
                 continue
+            live.append((out, stream, output))
+        # The step's detokenisation, all streams in one call (see decode_windows).
+        decoded = decode_windows([PendingTokens(output.detokenizer, out.new_token_ids)
+                                  for out, _, output in live if output.detokenizer is not None])
+        decoded.reverse()  # popped in the order of `live`
+        for out, stream, output in live:
             chunk, error = None, None
             try:
-                chunk = output.on_output(output_from_proto(msg))
+                chunk = output.on_output(out, decoded.pop() if output.detokenizer else None)
             except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the server
-                logger.exception("request %s: processing the engine's output failed", msg.rid)
+                logger.exception("request %s: processing the engine's output failed", out.rid)
                 error = e
-            if chunk is not None:
-                chunk.index = msg.index
-            routed.append(StreamUpdate(msg.rid, msg.index, stream, chunk, output.progress,
-                                       msg.finished, output.finished and not msg.finished,
+            if chunk is not None and out.index:  # (0 is the field's default)
+                chunk.index = out.index
+            routed.append(StreamUpdate(out.rid, out.index, stream, chunk, output.progress,
+                                       out.finished, output.finished and not out.finished,
                                        error))
+        return routed
 
     def _hand_over(self, routed: list[Routed]) -> None:
         """Queue for the loop; one wake-up of the loop for whatever it has not taken yet."""

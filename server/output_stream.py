@@ -5,7 +5,7 @@ from typing import Any, NamedTuple, Optional
 
 from specserve.engine.outputs import StepOutput
 from specserve.proto import generate_pb2 as pb
-from specserve.server.detokenizer import IncrementalDetokenizer
+from specserve.server.detokenizer import DecodedWindows, IncrementalDetokenizer
 from specserve.server.logprobs import TokenTexts
 from specserve.server.stop_strings import StopStringMatcher
 from specserve.server.validation import ValidatedRequest
@@ -49,8 +49,9 @@ class OutputStream:
 
     def __init__(self, tokenizer: Any, request: ValidatedRequest, report_spec: bool,
                  token_texts: Optional[TokenTexts] = None):
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.token_texts = token_texts or TokenTexts(tokenizer)
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, self.token_texts)
+                            if tokenizer is not None else None)
         self.prompt_token_ids = request.prompt_token_ids
         self.wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         self.sent_prompt_logprobs = False
@@ -66,12 +67,14 @@ class OutputStream:
         self.verify_steps = 0
         self.accepted_drafts = 0
 
-    def on_output(self, out: StepOutput) -> Optional[pb.GenerateChunk]:
+    def on_output(self, out: StepOutput,
+                  decoded: Optional[DecodedWindows] = None) -> Optional[pb.GenerateChunk]:
         """The chunk to stream for one engine output (None if there is nothing to say).
 
-        Sets `finished` when this chunk ends the stream; if that happened through a stop string,
-        the engine has not finished the request and the caller must abort it. Outputs that
-        arrive after that (the abort was in flight) say nothing.
+        `decoded`: this output's detokenizer windows decoded beforehand, with other streams'
+        (`decode_windows`). Sets `finished` when this chunk ends the stream; if that
+        happened through a stop string, the engine has not finished the request and the caller
+        must abort it. Outputs that arrive after that (the abort was in flight) say nothing.
         """
         if self.finished:
             return None
@@ -79,23 +82,43 @@ class OutputStream:
         self.cached_tokens = out.cached_tokens
         self.verify_steps = out.num_verify_steps
         self.accepted_drafts = out.num_accepted_drafts
+        # Each token's text delta, as if the tokens came one at a time; the detokenizer may
+        # run past a stop string's token, which only ends the stream sooner.
+        deltas = (self.detokenizer.add_each(out.new_token_ids, decoded) if self.detokenizer
+                  else [""] * len(out.new_token_ids))
         # The chunk's fields are filled once, after the loop: this runs for every token of
         # every stream.
-        kept, texts, matched = len(out.new_token_ids), [], None
-        for i, token_id in enumerate(out.new_token_ids):
-            self.num_tokens += 1
-            text, matched = self._text(self.detokenizer.add([token_id]) if self.detokenizer else "")
-            texts.append(text)
-            if matched is not None:
-                kept = i + 1
-                break
-        chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text="".join(texts))
+        kept, matched = len(deltas), None
+        # Stop strings count from min_new_tokens on (see _text): with every token of the step
+        # counting, one search of the step's text finds whether any token completes one.
+        released = (self.stops.feed_all(deltas)
+                    if self.stops.stop_strings and self.num_tokens + 1 >= self.min_new_tokens
+                    else None)
+        if released is not None:
+            self.num_tokens += kept
+            texts = [released]
+        elif self.stops.stop_strings:  # token by token: which one completes a stop string
+            texts = []
+            for i, delta in enumerate(deltas):
+                self.num_tokens += 1
+                text, matched = self._text(delta)
+                texts.append(text)
+                if matched is not None:
+                    kept = i + 1
+                    break
+        else:  # nothing to match: the text is the deltas
+            self.num_tokens += kept
+            texts = deltas
+        text = "".join(texts)
+        chunk = pb.GenerateChunk(token_ids=out.new_token_ids[:kept], text=text)
+        prompt_logprobs = None
         if self.wants_prompt_logprobs and not self.sent_prompt_logprobs:
             # The engine sends them with the first output (the wire drops an empty list: a
             # one-token prompt).
             self.sent_prompt_logprobs = True
-            chunk.prompt_logprobs.extend(self.token_texts.prompt(
-                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs))
+            prompt_logprobs = self.token_texts.prompt(
+                self.prompt_token_ids, out.prompt_logprobs or [], out.prompt_top_logprobs)
+            chunk.prompt_logprobs.extend(prompt_logprobs)
         if out.new_logprobs:
             chunk.logprobs.extend(out.new_logprobs[:kept])
         if out.new_top_logprobs:
@@ -115,9 +138,9 @@ class OutputStream:
                                                              pb.FINISH_REASON_UNSPECIFIED))
             if out.matched_stop is not None:
                 finish.matched_token_id = out.matched_stop
-        if not (chunk.token_ids or chunk.text or chunk.HasField("finish") or chunk.prompt_logprobs):
-            return None
-        return chunk
+            return chunk
+        # (Read from the chunk's fields, this check would cost as much as building it.)
+        return chunk if kept or text or prompt_logprobs else None
 
     def _text(self, delta: str) -> tuple[str, Optional[str]]:
         # Stop strings count only once min_new_tokens tokens exist, like EOS and stop ids.

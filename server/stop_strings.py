@@ -42,6 +42,22 @@ class StopStringMatcher:
         released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return released, None
 
+    def feed_all(self, texts: Sequence[str]) -> Optional[str]:
+        """What feeding `texts` one at a time releases in all, when none of them completes a
+        stop string (the usual case: one search per engine step instead of one per token);
+        None, with nothing fed, when one does (the caller then feeds them one at a time).
+
+        The same: without a match the per-text feeds release everything but the longest tail
+        of all the text that is a proper prefix of a stop string, which is what stays held
+        here (the held text always is that tail, so searching it covers all the text)."""
+        held = self.held + "".join(texts)
+        if any(stop in held for stop in self.stop_strings):
+            return None
+        self.held = held
+        keep = self._longest_tail_starting_a_stop()
+        released, self.held = held[:len(held) - keep], held[len(held) - keep:]
+        return released
+
     def flush(self) -> str:
         """Release the held text (the stream ended without completing a stop string)."""
         released, self.held = self.held, ""

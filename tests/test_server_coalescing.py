@@ -141,7 +141,8 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
         push.connect("inproc://outputs")
         streams = {rid: RequestStream([OutputStream(tokenizer, _request(stops if rid == "b" else ()),
                                                     report_spec=False)]) for rid in ("a", "b")}
-        others, done = [], asyncio.Event()
+        others, done, last_load_routed = [], asyncio.Event(), asyncio.Event()
+        last_load = len(_steps("a", ids, sizes)) - 1
 
         def on_routed(routed):
             for item in routed:
@@ -151,6 +152,8 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
                         done.set()
                 else:
                     others.append(item.load.query_id)
+                    if item.load.query_id == last_load:
+                        last_load_routed.set()
 
         reader = OutputReader(pull, streams, loop, on_routed)
         reader.start()
@@ -162,6 +165,8 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
                 push.send(ipc.EngineToServer(batch=batch).SerializeToString())
                 push.send(ipc.EngineToServer(load=ipc.LoadReport(query_id=i)).SerializeToString())
             await asyncio.wait_for(done.wait(), 60)
+            # (It follows the last batch: stopping the reader before it was routed lost it.)
+            await asyncio.wait_for(last_load_routed.wait(), 60)
             chunks = {rid: await stream.next_chunks() for rid, stream in streams.items()}
         finally:
             reader.stop()

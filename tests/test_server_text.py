@@ -71,3 +71,24 @@ def test_text_that_may_start_a_stop_string_is_held_back():
     assert matcher.feed("N") == ("", None)
     assert matcher.feed("x\n") == ("ENx", None)
     assert matcher.feed("\nmore") == ("", "\n\n")
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.lists(st.text(alphabet="ab✓\n", max_size=4), max_size=4), max_size=8),
+       stops=st.lists(st.text(alphabet="ab✓\n", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_feeding_a_step_at_once_releases_what_feeding_each_piece_does(pieces, stops):
+    """feed_all (one engine step's deltas) against feed of each delta: the same text released
+    and held while no stop string completes; None and nothing fed when one does."""
+    together, one_by_one = StopStringMatcher(stops), StopStringMatcher(stops)
+    for step in pieces:
+        held = together.held
+        released = together.feed_all(step)
+        outs = [one_by_one.feed(piece) for piece in step]
+        matched = [m for _, m in outs if m is not None]
+        if released is None:
+            assert matched  # a stop string does complete in this step
+            assert together.held == held  # nothing was fed
+            return
+        assert not matched
+        assert released == "".join(text for text, _ in outs)
+        assert together.held == one_by_one.held
