@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from specserve.engine.config import SamplingParams
+from specserve.engine.layers.argmax import argmax_last_dim
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)   # splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -171,7 +172,7 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
                       salt: int = 0) -> torch.Tensor:
     """Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) from the hash noise."""
     noise = -torch.log(uniform_noise(seeds, positions, probs.shape[1], salt))
-    return torch.argmax(probs / noise, dim=-1)
+    return argmax_last_dim(probs / noise)
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positions: torch.Tensor,
@@ -179,7 +180,7 @@ def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positio
     """Choose one token per logits row, with its log-probability and the top alternatives
     when the batch asks for them."""
     logits = adjust_logits(logits, info, rows, positions, history)
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = argmax_last_dim(logits)
     if not info.all_greedy:
         probs = target_probs(logits, info, rows)
         sampled = sample_from_probs(probs, info.seeds[rows], positions)

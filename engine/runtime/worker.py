@@ -13,6 +13,7 @@ import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.kvcache.pools import ReqToTokenPool
+from specserve.engine.layers.argmax import argmax_last_dim
 from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
                                              scored_logprobs)
 from specserve.engine.runtime.device import DeviceContext
@@ -283,7 +284,7 @@ class NormalWorker:
                 prefix_lens=s.positions, extend_lens_cpu=[1] * bs, out_cache_loc=s.loc,
                 max_seq_len=width)
             hidden, _ = target.runner.forward(fb)
-            tokens = target.model.tp.broadcast(target.model.compute_logits(hidden).argmax(-1))
+            tokens = target.model.tp.broadcast(argmax_last_dim(target.model.compute_logits(hidden)))
             target.future_map.stash_tokens(s.rows, tokens)
             return tokens
 
