@@ -202,12 +202,19 @@ def _head_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
 
 
 @triton.jit
-def _load_q_rope(q, row_offsets, row_mask, MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-                 BLOCK_DPE: tl.constexpr):
-    """The rope part of the query rows at `q + row_offsets` ([rows, BLOCK_DPE])."""
-    offs_dpe = tl.arange(0, BLOCK_DPE)
-    return tl.load(q + row_offsets[:, None] + MAIN_DIM + offs_dpe[None, :],
-                   mask=row_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :], other=0.0)
+def _load_query(q, row_offsets, row_mask, offs_d, dim_mask, MAIN_DIM: tl.constexpr,
+                ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr):
+    """The query rows at `q + row_offsets`: their main part [rows, BLOCK_D] and, when the key
+    has a rope block (MLA), their rope part [rows, BLOCK_DPE] (else the main part again)."""
+    q_tile = tl.load(q + row_offsets[:, None] + offs_d[None, :],
+                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if ROPE_DIM > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        q_rope = tl.load(q + row_offsets[:, None] + MAIN_DIM + offs_dpe[None, :],
+                         mask=row_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :], other=0.0)
+    else:
+        q_rope = q_tile
+    return q_tile, q_rope
 
 
 @triton.jit
@@ -349,13 +356,8 @@ def _decode_partial_kernel(
     heads = kv_head * GROUP_SIZE + offs_h
     head_mask = offs_h < GROUP_SIZE
     dim_mask = offs_d < MAIN_DIM
-    q_tile = tl.load(q + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-    if ROPE_DIM > 0:
-        q_rope = _load_q_rope(q, req * stride_q_tok + heads * stride_q_head, head_mask,
-                              MAIN_DIM, ROPE_DIM, BLOCK_DPE)
-    else:
-        q_rope = q_tile
+    q_tile, q_rope = _load_query(q, req * stride_q_tok + heads * stride_q_head, head_mask,
+                                 offs_d, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -522,14 +524,8 @@ def _extend_attention_kernel(
     heads = kv_head * GROUP_SIZE + head_in_group
     row_mask = (tokens < extend_len) & (head_in_group < GROUP_SIZE)
     dim_mask = offs_d < MAIN_DIM
-    q_tile = tl.load(q + (qo_start + tokens)[:, None] * stride_q_tok
-                     + heads[:, None] * stride_q_head + offs_d[None, :],
-                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    if ROPE_DIM > 0:
-        q_rope = _load_q_rope(q, (qo_start + tokens) * stride_q_tok + heads * stride_q_head,
-                              row_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
-    else:
-        q_rope = q_tile
+    q_tile, q_rope = _load_query(q, (qo_start + tokens) * stride_q_tok + heads * stride_q_head,
+                                 row_mask, offs_d, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -668,13 +664,8 @@ def _short_extend_kernel(
     dim_mask = offs_d < MAIN_DIM
     rows = qo_start + tokens
     tile_mask = row_mask[:, None] & dim_mask[None, :]
-    q_tile = tl.load(q + rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head
-                     + offs_d[None, :], mask=tile_mask, other=0.0)
-    if ROPE_DIM > 0:
-        q_rope = _load_q_rope(q, rows * stride_q_tok + heads * stride_q_head, row_mask,
-                              MAIN_DIM, ROPE_DIM, BLOCK_DPE)
-    else:
-        q_rope = q_tile
+    q_tile, q_rope = _load_query(q, rows * stride_q_tok + heads * stride_q_head, row_mask,
+                                 offs_d, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
