@@ -332,3 +332,41 @@ def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, 
     h["layers.0.mlp.down_proj.weight"] = torch.zeros_like(h["layers.0.mlp.down_proj.weight"])
     save_file(h, head_file, metadata={"format": "pt"})
     return target, head
+
+
+def pair_chisquare_pvalue(dist, prompt: list[int], outs, vocab: int) -> float:
+    """Chi-square p-value of the (2nd, 3rd) generated tokens of `outs` against the exact joint
+    distribution `dist(ids) -> probs of the next token` gives (mixed over the first token);
+    pairs expected fewer than 5 times are pooled into one bin."""
+    from scipy.stats import chisquare
+
+    p1 = dist(prompt)
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for a in range(vocab):
+        pa = dist(prompt + [a])
+        for b in range(vocab):
+            joint[b] += p1[a] * pa[b] * dist(prompt + [a, b])
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    p, c = joint.flatten() * len(outs), counts.flatten()
+    keep = p >= 5
+    observed = torch.cat([c[keep], c[~keep].sum(0, keepdim=True)])
+    expected = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)])
+    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+
+
+def run_aborting(engine, abort_rid: str, abort_at_step: int, max_steps: int = 500):
+    """Step the engine until it is idle, aborting `abort_rid` at step `abort_at_step`; returns
+    (generated ids by rid, finish reason by rid)."""
+    outs, reasons = {}, {}
+    for step in range(max_steps):
+        if step == abort_at_step:
+            engine.abort(abort_rid)
+        for out in engine.step():
+            outs.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.rid] = out.finish_reason
+        if not engine.has_unfinished():
+            break
+    return outs, reasons

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from helpers import VOCAB, make_tiny_checkpoint, random_prompts, steady_state_steps
+from helpers import VOCAB, make_tiny_checkpoint, random_prompts, run_aborting, steady_state_steps
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -323,16 +323,7 @@ def test_retraction_and_abort_mid_speculation(predictable, reference, make_engin
     for i in long_ids:
         engine.add_request(str(i), prompts[i], params[i])
     engine.add_request("gone", prompts[0], params[2])
-    outs, reasons = {}, {}
-    for step in range(500):
-        if step == 3:
-            engine.abort("gone")
-        for out in engine.step():
-            outs.setdefault(out.rid, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.rid] = out.finish_reason
-        if not engine.has_unfinished():
-            break
+    outs, reasons = run_aborting(engine, "gone", abort_at_step=3)
     assert reasons.pop("gone") == "abort"
     assert engine.metrics.num_retractions > 0
     assert {rid: outs[rid] for rid in reasons} == {str(i): expected[i] for i in long_ids}

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import make_predictable_pair, random_prompts
+from helpers import make_predictable_pair, pair_chisquare_pvalue, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.config import sequence_seed
@@ -116,8 +116,6 @@ def _joint_pvalue(engine, prompt, outs, vocab, penalties):
     """Chi-square p-value of the (2nd, 3rd) generated tokens against the exact joint
     distribution of the target under the presence/frequency penalties (mixed over the first
     token); `penalties` = (presence, frequency)."""
-    from scipy.stats import chisquare
-
     presence, frequency = penalties
 
     def dist(ids):
@@ -125,20 +123,7 @@ def _joint_pvalue(engine, prompt, outs, vocab, penalties):
         counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.int64), minlength=vocab).double()
         return torch.softmax(logits - frequency * counts - presence * (counts > 0), -1)
 
-    p1 = dist(prompt)
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for a in range(vocab):
-        pa = dist(prompt + [a])
-        for b in range(vocab):
-            joint[b] += p1[a] * pa[b] * dist(prompt + [a, b])
-    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    p, c = joint.flatten() * len(outs), counts.flatten()
-    keep = p >= 5  # rare pairs are pooled into one bin
-    observed = torch.cat([c[keep], c[~keep].sum(0, keepdim=True)])
-    expected = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)])
-    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+    return pair_chisquare_pvalue(dist, prompt, outs, vocab)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, dict(num_steps=2, topk=3, num_draft_tokens=5)], ids=["chain", "tree"])

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from helpers import make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import (make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, pair_chisquare_pvalue,
+                     random_prompts, run_aborting)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -133,16 +134,7 @@ def test_retraction_and_abort_mid_speculation(pair, reference, make_engine, over
     for i in long_ids:
         engine.add_request(str(i), prompts[i], params[i])
     engine.add_request("gone", prompts[0], params[3])
-    outs, reasons = {}, {}
-    for step in range(500):
-        if step == 4:
-            engine.abort("gone")
-        for out in engine.step():
-            outs.setdefault(out.rid, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.rid] = out.finish_reason
-        if not engine.has_unfinished():
-            break
+    outs, reasons = run_aborting(engine, "gone", abort_at_step=4)
     assert reasons.pop("gone") == "abort"
     assert engine.metrics.num_retractions > 0
     assert {rid: outs[rid] for rid in reasons} == {str(i): expected[i] for i in long_ids}
@@ -163,25 +155,8 @@ def test_seeded_sampling_matches_plain_decoding(pair, make_engine):
 def _joint_pvalue(engine, prompt, outs, vocab):
     """Chi-square p-value of the (2nd, 3rd) generated token pairs against the target's exact
     joint distribution (mixed over the first token)."""
-    from scipy.stats import chisquare
-
-    def dist(ids):
-        return torch.softmax(engine.prompt_logits(ids)[-1], -1).double()
-
-    p1 = dist(prompt)
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for a in range(vocab):
-        pa = dist(prompt + [a])
-        for b in range(vocab):
-            joint[b] += p1[a] * pa[b] * dist(prompt + [a, b])
-    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    p, c = joint.flatten() * len(outs), counts.flatten()
-    keep = p >= 5  # rare pairs are pooled into one bin
-    observed = torch.cat([c[keep], c[~keep].sum(0, keepdim=True)])
-    expected = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)])
-    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+    return pair_chisquare_pvalue(lambda ids: torch.softmax(engine.prompt_logits(ids)[-1], -1).double(),
+                                 prompt, outs, vocab)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, dict(num_steps=2, topk=3, num_draft_tokens=5)], ids=["chain", "tree"])
