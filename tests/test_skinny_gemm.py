@@ -11,10 +11,17 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from helpers import hf_greedy, make_predictable_pair, random_prompts  # noqa: E402
+
+from specserve.engine import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from specserve.engine.layers import skinny_gemm as skinny_module  # noqa: E402
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
+from specserve.engine.layers.parallel import (  # noqa: E402
+    ColumnParallelLinear, RowParallelLinear, set_skinny_gemm)
 from specserve.engine.layers.skinny_gemm import (  # noqa: E402
     MAX_ROWS, PARTIAL_CAPACITY, SkinnyConfig, SkinnyWorkspace, can_use, default_config,
     skinny_gemm)
+from specserve.engine.models.llama import MLP  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N, K = 70, 200  # neither a multiple of the 32-wide test tiles
@@ -119,7 +126,7 @@ def test_default_configs_fill_the_machine_within_the_workspace():
         assert 1 <= config.split_k <= 16 and config.split_k & (config.split_k - 1) == 0
         assert config.split_k * m * n * (2 if silu else 1) <= PARTIAL_CAPACITY
         assert tiles * config.split_k <= 4 * 132 or config.split_k == 1
-        assert config.dot == (m > 2)
+        assert config.dot == (m > 1)
     assert default_config(1, 2048, 2048, False, torch.device("cpu")).split_k > 1  # 32 tiles alone
 
 
@@ -130,6 +137,42 @@ def test_bad_shapes_are_refused():
     with pytest.raises(AssertionError, match="silu_mul"):
         skinny_gemm(x[:2], w[:-1], silu_mul=True, workspace=_workspace())
     assert not can_use(x[:2].cpu(), w.cpu())  # CPU tensors keep F.linear
+
+
+# --- the layers' dispatch ------------------------------------------------------------------------
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def test_mlp_runs_the_fused_kernel_where_the_rule_picks_it(monkeypatch):
+    """The Llama MLP through the skinny kernel (allowed on CPU tensors here, so the interpreter
+    runs it): gate/up with the SiLU-and-mul epilogue, then down_proj; the same as cuBLAS's path."""
+    torch.manual_seed(0)
+    mlp = MLP(hidden_size=64, intermediate_size=96).to(DEVICE)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, 64, device=DEVICE)
+    set_skinny_gemm(mlp, False)
+    expected = mlp(x)
+    calls = []
+    real = skinny_module.skinny_gemm
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.shape[0] <= MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "skinny_gemm",
+                        lambda *a, **kw: calls.append(kw.get("silu_mul", False)) or real(*a, **kw))
+    assert torch.equal(mlp(x), expected)  # the switch is off: cuBLAS's path, no kernel
+    assert calls == []
+    set_skinny_gemm(mlp, True)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [True, False]  # gate_up + SiLU-and-mul, then down_proj
+
+
+def test_engine_config_switch_reaches_every_linear_layer(tiny_model, make_engine):
+    with pytest.raises(ValueError, match="^skinny_gemm: must be True or False"):
+        EngineConfig(skinny_gemm="no")
+    engine = make_engine(tiny_model, skinny_gemm=False)
+    layers = _linears(engine.core.runner.model)
+    assert len(layers) == 8 and not any(m.skinny_gemm for m in layers)  # 2 x (qkv, o, gate_up, down)
 
 
 # --- GPU: real shapes in bf16 ------------------------------------------------------------------
@@ -202,3 +245,34 @@ def test_gpu_cuda_graph_replays_with_new_inputs():
         for x, w, s, out in zip(static_x, weights, silu, static_out):
             torch.testing.assert_close(out, _torch_path(x, w, None, s), rtol=2e-2, atol=2e-2)
             assert torch.equal(out, skinny_gemm(x, w, silu_mul=s))  # eager gives the same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_engine_greedy_same_with_and_without(tiny_model, make_engine, graphs):
+    """fp32 engine on the GPU: the skinny path (exact fp32 dot) gives the greedy tokens of
+    cuBLAS's path and of transformers, plain and speculative."""
+    prompts = random_prompts(6, seed=3, max_len=30)
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for skinny in (True, False):
+        engine = make_engine(tiny_model, device="cuda", attention_backend="triton", cuda_graph=graphs,
+                             skinny_gemm=skinny)
+        assert all(m.skinny_gemm == skinny for m in _linears(engine.core.runner.model))
+        outs[skinny] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=sampling)]
+    assert outs[True] == outs[False] == hf_greedy(tiny_model, prompts, sampling.max_new_tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_spec_engine_with_skinny_matches_plain(tmp_path, make_engine):
+    target, head = make_predictable_pair(str(tmp_path))
+    prompts = random_prompts(6, seed=4, max_len=30)
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = make_engine(target, device="cuda", attention_backend="torch", cuda_graph=False,
+                        skinny_gemm=False)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling=sampling)]
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True,
+                         spec=SpecConfig(algorithm="eagle", draft_model=head, num_steps=3, topk=1,
+                                         num_draft_tokens=4))
+    assert all(m.skinny_gemm for m in _linears(engine.core.draft_runner.model))
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=sampling)] == expected

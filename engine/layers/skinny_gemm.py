@@ -14,8 +14,8 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   silu(gate) * up [M, I], so the activation kernel disappears. The roundings are the unfused
   path's: the GEMM's output rounded to the activation dtype, then `silu_and_mul`'s.
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
-  tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two; for
-  M of 1 or 2, where a 16-row MMA wastes most of its work).
+  tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two; the
+  default for M = 1, where a 16-row MMA wastes 15/16 of its work).
 
 Workspace: the partials and the arrival counters of one device are shared by every call site
 (`workspace_for`), sized once, never reallocated (CUDA graphs keep its addresses). Two skinny
@@ -31,6 +31,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
+
+from specserve.engine.layers.activation import silu_and_mul
 
 try:
     import triton
@@ -98,7 +101,7 @@ def default_config(m: int, n: int, k: int, silu_mul: bool = False,
            and _scratch_values(split_k * 2, m, n, silu_mul) <= PARTIAL_CAPACITY):
         split_k *= 2
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-                        num_stages=4, dot=m > 2)
+                        num_stages=4, dot=m > 1)
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -123,6 +126,24 @@ def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n, k = weight.shape
     m = x.numel() // k if k else 0
     return 1 <= m and prefers_skinny(m, n, k)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           skinny: bool = True) -> torch.Tensor:
+    """F.linear(x, weight, bias), by the skinny GEMM where `can_use` picks it and `skinny`
+    allows it (the layers' A/B switch)."""
+    if skinny and can_use(x, weight):
+        return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                        skinny: bool = True) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight, bias)) for a fused [2I, K] gate/up weight: one kernel
+    where the skinny GEMM runs, else the GEMM and then the activation kernel."""
+    if skinny and can_use(x, weight):
+        return skinny_gemm(x, weight, bias, silu_mul=True)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 if triton is not None:
