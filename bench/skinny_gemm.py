@@ -10,10 +10,12 @@ replaces), the skinny kernel runs with `default_config` (what the engine uses). 
 through enough copies of the weight (>= 128 MiB together) that none is still in L2 when it is
 read again, so a row is a read of the weight from HBM: `copy%` is weight bytes / time over the
 device-to-device copy bandwidth measured in this run (bench/one_batch.py's bs=1 limit).
-`--sweep` also times a grid of launch configs per (shape, M) and prints the best of each: the
-numbers to retune `default_config` and `prefers_skinny` (engine/layers/skinny_gemm.py) from.
-Each swept config compiles once (about a second): sweep a few shapes or rows per run, e.g.
-`--sweep --shapes 1b.qkv,1b.o --rows 1,4,16`.
+`--sweep` also searches launch configs per (shape, M) and prints the best of each: the numbers
+to retune `default_config` and `prefers_skinny` (engine/layers/skinny_gemm.py) from. The search
+is a coordinate descent from the default config (one parameter at a time over `SWEEP_AXES`,
+keeping the best, `--sweep-rounds` passes), about 25 configs per (shape, M) a pass; each new
+config compiles once (about a second), so split a long sweep over several runs with
+`--shapes` / `--rows`.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import itertools
 import json
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,10 @@ SHAPES = {  # name: (N, K) of the weight; gate_up is the fused [2I, K] gate/up w
 }
 ROTATION_BYTES = 128 << 20   # weight copies cycled through: more than an H100/H200's 50 MiB L2
 MIN_CALLS = 20               # calls per graph
+SWEEP_AXES = {"block_n": (16, 32, 64, 128, 256), "block_k": (32, 64, 128, 256, 512),
+              "split_k": (1, 2, 4, 8, 16, 32), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5, 6),
+              "dot": (True, False)}
+MAX_NODOT_REGS = 128         # fp32 accumulator values per thread of the multiply-and-sum path
 
 
 def time_per_call(calls: list[Callable[[], object]], replays: int = 30) -> float:
@@ -84,85 +90,107 @@ def cublas_op(silu: bool):
     return F.linear
 
 
-def skinny_op(silu: bool, config=None):
+def skinny_op(silu: bool, config: Optional[SkinnyConfig] = None):
     return lambda x, w: skinny_gemm(x, w, silu_mul=silu, config=config)
 
 
-def sweep_configs(args, m: int, n: int, k: int, silu: bool) -> list[SkinnyConfig]:
-    grid = [[int(v) for v in getattr(args, f"sweep_{name}").split(",")]
-            for name in ("block_n", "block_k", "splits", "warps", "stages")]
-    dots = (True, False) if m <= args.sweep_nodot_rows else (True,)
-    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st, dot=d)
-            for bn, bk, s, w, st, d in itertools.product(*grid, dots)
-            if k // s >= bk and s * m * n * (2 if silu else 1) <= PARTIAL_CAPACITY]
+def config_name(c: SkinnyConfig) -> str:
+    return (f"n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+            f"{'' if c.dot else ' nodot'}")
+
+
+def launchable(c: SkinnyConfig, m: int, n: int, k: int, silu: bool) -> bool:
+    """Configs worth timing: every split gets K, the partials fit the workspace, and the
+    multiply-and-sum path's [M, BLOCK_N, BLOCK_K] accumulators fit in registers."""
+    halves = 2 if silu else 1
+    m_pad = 1 << (m - 1).bit_length()
+    return (k // c.split_k >= c.block_k and c.split_k * m * n * halves <= PARTIAL_CAPACITY
+            and (c.dot or m_pad * c.block_n * c.block_k * halves <= MAX_NODOT_REGS * 32 * c.num_warps))
+
+
+def sweep(start: SkinnyConfig, m: int, n: int, k: int, silu: bool, rounds: int,
+          time_config: Callable[[SkinnyConfig], Optional[float]]) -> dict[SkinnyConfig, float]:
+    """Coordinate descent over SWEEP_AXES from `start`: every config timed (seconds)."""
+    timed: dict[SkinnyConfig, float] = {}
+    best = start
+    for _ in range(rounds):
+        for field, values in SWEEP_AXES.items():
+            for value in values:
+                c = best._replace(**{field: value})
+                if c in timed or not launchable(c, m, n, k, silu):
+                    continue
+                seconds = time_config(c)
+                if seconds is None:
+                    continue
+                timed[c] = seconds
+                if best not in timed or seconds < timed[best]:
+                    best = c
+    return timed
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,2,4,8,16", help="M values (decode batch sizes)")
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
-    ap.add_argument("--sweep-block-n", default="32,64,128")
-    ap.add_argument("--sweep-block-k", default="128,256")
-    ap.add_argument("--sweep-splits", default="1,2,4,8,16")
-    ap.add_argument("--sweep-warps", default="4")
-    ap.add_argument("--sweep-stages", default="3,4")
-    ap.add_argument("--sweep-nodot-rows", type=int, default=2,
-                    help="also sweep the multiply-and-sum path (dot=False) for M up to this")
+    ap.add_argument("--sweep", action="store_true", help="also search launch configs per shape and M")
+    ap.add_argument("--sweep-rounds", type=int, default=2)
     ap.add_argument("--out", default="bench_skinny_gemm.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    rows, best = [], []
+    rows, swept = [], []
     for name, m in itertools.product(args.shapes.split(","), (int(r) for r in args.rows.split(","))):
         n, k = SHAPES[name]
         silu = name.endswith("gate_up")
+        n_out = n // 2 if silu else n
         scene = Scene(n, k, m, device)
-        config = default_config(m, n // 2 if silu else n, k, silu, device)
-        kernels = {"cublas": cublas_op(silu), "skinny": skinny_op(silu)}
-        if args.sweep:
-            for c in sweep_configs(args, m, n // 2 if silu else n, k, silu):
-                kernels[f"skinny n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} "
-                        f"st{c.num_stages}{'' if c.dot else ' nodot'}"] = skinny_op(silu, c)
-        shape_rows = []
-        for kernel, op in kernels.items():
+
+        def record(kernel: str, op, config: Optional[SkinnyConfig]) -> Optional[float]:
             try:
                 seconds = time_per_call(scene.calls(op))
-            except Exception as e:  # a sweep config the compiler refuses (shared memory)
+            except Exception as e:  # a swept config the compiler refuses (shared memory)
                 print(f"{name} m={m} {kernel}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            shape_rows.append(dict(shape=name, n=n, k=k, m=m, kernel=kernel, us=seconds * 1e6,
-                                   weight_GBps=scene.weight_bytes / seconds / 1e9,
-                                   fraction_of_copy=scene.weight_bytes / seconds / bandwidth,
-                                   config=config._asdict() if kernel == "skinny" else None))
-            print(json.dumps(shape_rows[-1]), flush=True)
-        rows += [r for r in shape_rows if r["kernel"] in ("cublas", "skinny")]
+                return None
+            row = dict(shape=name, n=n, k=k, m=m, kernel=kernel, us=seconds * 1e6,
+                       weight_GBps=scene.weight_bytes / seconds / 1e9,
+                       fraction_of_copy=scene.weight_bytes / seconds / bandwidth,
+                       config=None if config is None else config._asdict())
+            (rows if kernel in ("cublas", "skinny") else swept).append(row)
+            print(json.dumps(row), flush=True)
+            return seconds
+
+        default = default_config(m, n_out, k, silu, device)
+        record("cublas", cublas_op(silu), None)
+        record("skinny", skinny_op(silu), default)
         if args.sweep:
-            swept = [r for r in shape_rows if r["kernel"] not in ("cublas", "skinny")]
-            best.extend(sorted(swept, key=lambda r: r["us"])[:3])
+            sweep(default, m, n_out, k, silu, args.sweep_rounds,
+                  lambda c: record(f"sweep {config_name(c)}", skinny_op(silu, c), c))
         del scene
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows,
-              "sweep_best": best}
+              "swept": swept}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s  (bf16, one weight read per call)")
-    if best:
-        print(f"\nbest swept configs (3 per shape and M)\n{'shape':12} {'M':>3} {'us':>8} {'copy%':>6}  config")
-        for r in best:
-            print(f"{r['shape']:12} {r['m']:3} {r['us']:8.2f} {100 * r['fraction_of_copy']:6.1f}  {r['kernel']}")
+    by_key = {(r["shape"], r["m"], r["kernel"]): r for r in rows}
+    if swept:
+        print(f"\nbest swept configs (3 per shape and M)\n{'shape':12} {'M':>3} {'us':>8} {'copy%':>6} "
+              f"{'vs cuBLAS':>9}  config")
+        for name, m in dict.fromkeys((r["shape"], r["m"]) for r in swept):
+            cub = by_key.get((name, m, "cublas"))
+            for r in sorted((r for r in swept if (r["shape"], r["m"]) == (name, m)), key=lambda r: r["us"])[:3]:
+                ratio = f"{cub['us'] / r['us']:9.2f}" if cub else f"{'-':>9}"
+                print(f"{name:12} {m:3} {r['us']:8.2f} {100 * r['fraction_of_copy']:6.1f} {ratio}  "
+                      f"{r['kernel'][len('sweep '):]}")
     print(f"\n{'shape':12} {'N':>6} {'K':>6} {'M':>3} {'cuBLAS us':>10} {'copy%':>6} {'skinny us':>10} "
           f"{'copy%':>6} {'speedup':>8}  default config")
-    by_key = {(r["shape"], r["m"], r["kernel"]): r for r in rows}
     for name, m in dict.fromkeys((r["shape"], r["m"]) for r in rows):
         cub, sk = by_key.get((name, m, "cublas")), by_key.get((name, m, "skinny"))
         if cub is None or sk is None:
             continue
-        c = SkinnyConfig(**sk["config"])
         print(f"{name:12} {cub['n']:6} {cub['k']:6} {m:3} {cub['us']:10.2f} {100 * cub['fraction_of_copy']:6.1f} "
               f"{sk['us']:10.2f} {100 * sk['fraction_of_copy']:6.1f} {cub['us'] / sk['us']:8.2f}  "
-              f"n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
-              f"{'' if c.dot else ' nodot'}")
+              f"{config_name(SkinnyConfig(**sk['config']))}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ there (the multiply-and-sum path is right in every dtype).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -85,13 +86,14 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
 
 
+@functools.lru_cache(maxsize=None)  # one entry per (shape, M, device): no host work per call
 def default_config(m: int, n: int, k: int, silu_mul: bool = False,
                    device: torch.device = torch.device("cuda")) -> SkinnyConfig:
     """Launch parameters for y[m, n] = x[m, k] W^T (n: output columns, I with SiLU-and-mul).
 
     A first guess to be retuned from `bench/skinny_gemm.py --sweep`: 64-column tiles, and the
     K axis split until there are about four programs an SM (each still streaming at least
-    two 128-wide K steps), so small matrices keep every SM busy.
+    two 128-wide K steps), so small matrices keep every SM busy; tl.dot from M = 2.
     """
     block_n, block_k = 64, 128
     tiles = triton.cdiv(n, block_n)
@@ -100,8 +102,11 @@ def default_config(m: int, n: int, k: int, silu_mul: bool = False,
     while (split_k * 2 <= min(16, max_split) and tiles * split_k * 2 <= 4 * _num_sms(device)
            and _scratch_values(split_k * 2, m, n, silu_mul) <= PARTIAL_CAPACITY):
         split_k *= 2
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-                        num_stages=4, dot=m > 1)
+    # M = 1 multiplies and sums on the CUDA cores; its [BLOCK_N, BLOCK_K] fp32 accumulators
+    # (two with SiLU-and-mul) take 8 warps to stay in registers.
+    dot = m > 1
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
+                        num_warps=4 if dot else 8, num_stages=4, dot=dot)
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -149,10 +154,11 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 if triton is not None:
     @triton.jit
     def _accumulate(acc, x_tile, w_tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        if DOT:
+        if DOT:  # acc [BLOCK_M, BLOCK_N]
             return tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
-        prod = x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
-        return acc + tl.sum(prod, axis=2)
+        # acc [BLOCK_M, BLOCK_N, BLOCK_K]: products summed per lane, reduced over K once after
+        # the loop (no cross-thread reduction per step).
+        return acc + x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
 
     @triton.jit
     def _epilogue(acc, acc_up, bias, y, offs_m, offs_n, mask, n_cols, stride_ym,
@@ -195,8 +201,12 @@ if triton is not None:
         x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         w_ptrs = w + w_rows[:, None] * stride_wn + offs_k[None, :]
         up_ptrs = w + (w_rows + n_cols)[:, None] * stride_wn + offs_k[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if DOT:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
         for k in range(k_begin, k_end, BLOCK_K):
@@ -214,6 +224,9 @@ if triton is not None:
                 else:
                     up_tile = tl.load(up_ptrs + k, mask=k_mask[None, :], other=0.0)
                 acc_up = _accumulate(acc_up, x_tile, up_tile, DOT, DOT_PRECISION)
+        if not DOT:
+            acc = tl.sum(acc, axis=2)
+            acc_up = tl.sum(acc_up, axis=2)
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
