@@ -128,6 +128,34 @@ def sweep(start: SkinnyConfig, m: int, n: int, k: int, silu: bool, rounds: int,
     return timed
 
 
+def print_tables(rows: list[dict], swept: list[dict]) -> None:
+    """The two tables of engine/layers/skinny_gemm.py, from this run: the best config per
+    (shape, M), and per weight the largest M up to which the skinny kernel (at its best config)
+    beats cuBLAS."""
+    best: dict[tuple[str, int], dict] = {}
+    for r in swept:
+        key = (r["shape"], r["m"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    print("\nTUNED_CONFIGS = {")
+    for (name, m), r in best.items():
+        n_out = r["n"] // 2 if name.endswith("gate_up") else r["n"]
+        print(f"    ({m}, {n_out}, {r['k']}, {name.endswith('gate_up')}): "
+              f"SkinnyConfig({', '.join(f'{f}={v}' for f, v in r['config'].items())}),  "
+              f"# {name}: {r['us']:.2f} us")
+    print("}")
+    cublas = {(r["shape"], r["m"]): r["us"] for r in rows if r["kernel"] == "cublas"}
+    print("SKINNY_MAX_ROWS = {  # only weights where cuBLAS wins at some M")
+    for name in dict.fromkeys(name for name, _ in best):
+        ms = sorted(m for shape, m in best if shape == name)
+        wins = [m for m in ms if best[name, m]["us"] < cublas.get((name, m), float("inf"))]
+        loses = [m for m in ms if m not in wins]
+        if loses:
+            limit = max([m for m in wins if m < min(loses)], default=0)
+            print(f"    {SHAPES[name]}: {limit},  # {name}: cuBLAS faster at M = {loses}")
+    print("}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -182,6 +210,8 @@ def main():
                 ratio = f"{cub['us'] / r['us']:9.2f}" if cub else f"{'-':>9}"
                 print(f"{name:12} {m:3} {r['us']:8.2f} {100 * r['fraction_of_copy']:6.1f} {ratio}  "
                       f"{r['kernel'][len('sweep '):]}")
+    if swept:
+        print_tables(rows, swept)
     print(f"\n{'shape':12} {'N':>6} {'K':>6} {'M':>3} {'cuBLAS us':>10} {'copy%':>6} {'skinny us':>10} "
           f"{'copy%':>6} {'speedup':>8}  default config")
     for name, m in dict.fromkeys((r["shape"], r["m"]) for r in rows):

@@ -130,6 +130,22 @@ def test_default_configs_fill_the_machine_within_the_workspace():
     assert default_config(1, 2048, 2048, False, torch.device("cpu")).split_k > 1  # 32 tiles alone
 
 
+def test_measured_tables_override_the_rules(monkeypatch):
+    tuned = SkinnyConfig(block_n=128, block_k=256, split_k=2, num_warps=8, num_stages=3, dot=False)
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(skinny_module.TUNED_CONFIGS, (4, 2048, 8192, False), tuned)
+    monkeypatch.setitem(skinny_module.SKINNY_MAX_ROWS, (2048, 8192), 4)
+    default_config.cache_clear()
+    try:
+        assert default_config(4, 2048, 8192, False, cpu) == tuned
+        assert default_config(5, 2048, 8192, False, cpu) != tuned
+    finally:
+        default_config.cache_clear()
+    assert skinny_module.prefers_skinny(4, 2048, 8192) and not skinny_module.prefers_skinny(5, 2048, 8192)
+    assert skinny_module.prefers_skinny(MAX_ROWS, 2048, 2048)
+    assert not skinny_module.prefers_skinny(MAX_ROWS + 1, 2048, 2048)
+
+
 def test_bad_shapes_are_refused():
     x, w, _ = _operands(MAX_ROWS + 1, N, torch.float32, seed=1)
     with pytest.raises(AssertionError, match="rows"):

@@ -86,15 +86,26 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
 
 
+# Measured best configs, (m, n, k, silu_mul) -> config, as `bench/skinny_gemm.py --sweep`
+# prints them; shapes not listed take the rule of `default_config`.
+TUNED_CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {}
+
+# (N, K) of a weight -> the largest M the skinny kernel runs it for (cuBLAS above), from
+# `bench/skinny_gemm.py`; weights not listed: MAX_ROWS.
+SKINNY_MAX_ROWS: dict[tuple[int, int], int] = {}
+
+
 @functools.lru_cache(maxsize=None)  # one entry per (shape, M, device): no host work per call
 def default_config(m: int, n: int, k: int, silu_mul: bool = False,
                    device: torch.device = torch.device("cuda")) -> SkinnyConfig:
     """Launch parameters for y[m, n] = x[m, k] W^T (n: output columns, I with SiLU-and-mul).
 
-    A first guess to be retuned from `bench/skinny_gemm.py --sweep`: 64-column tiles, and the
-    K axis split until there are about four programs an SM (each still streaming at least
-    two 128-wide K steps), so small matrices keep every SM busy; tl.dot from M = 2.
+    `TUNED_CONFIGS` where measured, else a first guess: 64-column tiles, and the K axis split
+    until there are about four programs an SM (each still streaming at least two 128-wide K
+    steps), so small matrices keep every SM busy; tl.dot from M = 2.
     """
+    if (m, n, k, silu_mul) in TUNED_CONFIGS:
+        return TUNED_CONFIGS[m, n, k, silu_mul]
     block_n, block_k = 64, 128
     tiles = triton.cdiv(n, block_n)
     split_k = 1
@@ -110,12 +121,9 @@ def default_config(m: int, n: int, k: int, silu_mul: bool = False,
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
-    """The per-shape choice between this kernel and cuBLAS (F.linear) for 1 <= m.
-
-    Every decode-sized shape for now; `bench/skinny_gemm.py` measures both per shape, and
-    shapes where cuBLAS wins belong here as exceptions.
-    """
-    return m <= MAX_ROWS
+    """The per-shape choice between this kernel and cuBLAS (F.linear) for a weight [n, k] and
+    1 <= m rows: every decode-sized M unless `SKINNY_MAX_ROWS` says otherwise."""
+    return m <= SKINNY_MAX_ROWS.get((n, k), MAX_ROWS)
 
 
 def _scratch_values(split_k: int, m: int, n: int, silu_mul: bool) -> int:
