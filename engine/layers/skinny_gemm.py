@@ -163,10 +163,12 @@ if triton is not None:
     @triton.jit
     def _accumulate(acc, x_tile, w_tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
         if DOT:  # acc [BLOCK_M, BLOCK_N]
-            return tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
-        # acc [BLOCK_M, BLOCK_N, BLOCK_K]: products summed per lane, reduced over K once after
-        # the loop (no cross-thread reduction per step).
-        return acc + x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+            acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
+        else:
+            # acc [BLOCK_M, BLOCK_N, BLOCK_K]: products summed per lane, reduced over K once
+            # after the loop (no cross-thread reduction per step).
+            acc += x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+        return acc
 
     @triton.jit
     def _epilogue(acc, acc_up, bias, y, offs_m, offs_n, mask, n_cols, stride_ym,
