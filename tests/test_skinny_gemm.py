@@ -5,6 +5,10 @@ interpreted 16-bit dot is wrong, and fp16/bf16 through the multiply-and-sum path
 in bf16 on a GPU, in a CUDA graph too."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +157,53 @@ def test_bad_shapes_are_refused():
     with pytest.raises(AssertionError, match="silu_mul"):
         skinny_gemm(x[:2], w[:-1], silu_mul=True, workspace=_workspace())
     assert not can_use(x[:2].cpu(), w.cpu())  # CPU tensors keep F.linear
+
+
+# The Triton compiler checks more than the interpreter (which ran the code after a constexpr
+# branch's `return` only when the branch was not taken). Compiled here for an H100 without one,
+# in a child process without TRITON_INTERPRET; pointers and ints marked 16-divisible as the
+# launcher's specialization marks real shapes.
+_COMPILE_FOR_SM90 = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specserve.engine.layers.skinny_gemm import _skinny_gemm_kernel, default_config
+import torch
+cpu = torch.device("cpu")
+for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 2048, 2048, False, False, "bf16"),
+                                   (16, 8192, 2048, False, True, "bf16"), (4, 3072, 2048, True, False, "fp16"),
+                                   (3, 2048, 8192, False, False, "fp32"), (1, 100, 200, True, False, "bf16")]:
+    c = default_config(m, n, k, silu, cpu)
+    sig = dict(x=f"*{dtype}", w=f"*{dtype}", bias=f"*{dtype}", y=f"*{dtype}", partials="*fp32",
+               arrivals="*i32", M="i32", n_cols="i32", K="i32", k_per_split="i32", stride_xm="i32",
+               stride_wn="i32", stride_ym="i32")
+    consts = dict(BLOCK_M=max(16, triton.next_power_of_2(m)) if c.dot else triton.next_power_of_2(m),
+                  BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=bias, SILU_MUL=silu,
+                  DOT=c.dot, EVEN_K=k % c.block_k == 0, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    names = list(sig) + list(consts)
+    sig.update({name: "constexpr" for name in consts})
+    aligned = [name for name in ("x", "w", "bias", "y", "partials", "arrivals", "stride_xm", "stride_wn",
+                                 "stride_ym") + (("n_cols", "K", "k_per_split") if n % 16 == 0 else ())]
+    src = ASTSource(fn=_skinny_gemm_kernel, signature=sig,
+                    constexprs={(names.index(name),): v for name, v in consts.items()},
+                    attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
+    ptx = kernel.asm["ptx"]
+    if n % 16 == 0:  # real shapes: 16-byte weight loads (through cp.async on the dot path;
+        # tensor cores for 16-bit operands, exact fp32 runs on FMAs)
+        assert ("cp.async" in ptx and ("mma" in ptx or dtype == "fp32")) if c.dot \
+            else "ld.global.v4" in ptx, (m, n, k, c)
+    print("compiled", m, n, k, c.split_k, c.dot)
+"""
+
+
+def test_kernel_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 6
 
 
 # --- the layers' dispatch ------------------------------------------------------------------------
