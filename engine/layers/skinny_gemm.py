@@ -12,7 +12,8 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
 - Epilogues: a bias add, and SiLU-and-mul for the fused gate/up weight [2I, K] (gate rows
   0..I-1, up rows I..2I-1): a program reads a gate tile and the matching up tile and writes
   silu(gate) * up [M, I], so the activation kernel disappears. The roundings are the unfused
-  path's: the GEMM's output rounded to the activation dtype, then `silu_and_mul`'s.
+  path's: the GEMM's output (bias added in fp32, as cuBLAS's epilogue does) rounded to the
+  activation dtype, then `silu_and_mul`'s.
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
   tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two; the
   default for M = 1, where a 16-row MMA wastes 15/16 of its work).
@@ -23,8 +24,9 @@ GEMMs must therefore not run at the same time on one device: the engine runs eve
 its one forward stream, which orders them. A caller with concurrent streams passes each
 stream its own `SkinnyWorkspace`.
 
-The Triton interpreter's `tl.dot` is wrong for bfloat16 operands; test the dot path in fp32
-there (the multiply-and-sum path is right in every dtype).
+The Triton interpreter's `tl.dot` is wrong for bfloat16 operands, and it truncates fp32 to
+bf16 where a GPU rounds to nearest even: test the dot path in fp32 there and the roundings in
+fp16 (the multiply-and-sum path is right in every dtype).
 """
 from __future__ import annotations
 
