@@ -129,9 +129,14 @@ def test_default_configs_fill_the_machine_within_the_workspace():
         tiles = -(-n // config.block_n)
         assert 1 <= config.split_k <= 16 and config.split_k & (config.split_k - 1) == 0
         assert config.split_k * m * n * (2 if silu else 1) <= PARTIAL_CAPACITY
-        assert tiles * config.split_k <= 4 * 132 or config.split_k == 1
-        assert config.dot == (m > 1)
-    assert default_config(1, 2048, 2048, False, torch.device("cpu")).split_k > 1  # 32 tiles alone
+        # K is split only while there are fewer programs than SMs (132 off CUDA), and never
+        # below 512 of K a program.
+        assert config.split_k == 1 or tiles * config.split_k // 2 < 132
+        assert config.split_k == 1 or k // config.split_k >= 512
+        assert (tiles * config.split_k >= 132 or k // (2 * config.split_k) < 512
+                or 2 * config.split_k * m * n * (2 if silu else 1) > PARTIAL_CAPACITY)
+        assert config.dot  # tl.dot measured faster than multiply-and-sum at every M
+    assert default_config(1, 2048, 2048, False, torch.device("cpu")).split_k > 1  # 64 tiles alone
 
 
 def test_measured_tables_override_the_rules(monkeypatch):
@@ -179,7 +184,8 @@ for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 20
                stride_wn="i32", stride_ym="i32")
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(m)) if c.dot else triton.next_power_of_2(m),
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=bias, SILU_MUL=silu,
-                  DOT=c.dot, EVEN_K=k % c.block_k == 0, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+                  DOT=c.dot, EVEN_K=k % c.block_k == 0, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                  PDL=True)
     names = list(sig) + list(consts)
     sig.update({name: "constexpr" for name in consts})
     aligned = [name for name in ("x", "w", "bias", "y", "partials", "arrivals", "stride_xm", "stride_wn",
@@ -190,6 +196,7 @@ for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 20
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
     ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx  # programmatic dependent launch (engine/pdl.py)
     if n % 16 == 0:  # real shapes: 16-byte weight loads (through cp.async on the dot path;
         # tensor cores for 16-bit operands, exact fp32 runs on FMAs)
         assert ("cp.async" in ptx and ("mma" in ptx or dtype == "fp32")) if c.dot \

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.engine.layers.activation import silu_and_mul
+from specserve.engine.pdl import launch_options, wait_for_predecessor
 
 try:
     import triton
@@ -102,24 +103,25 @@ def default_config(m: int, n: int, k: int, silu_mul: bool = False,
                    device: torch.device = torch.device("cuda")) -> SkinnyConfig:
     """Launch parameters for y[m, n] = x[m, k] W^T (n: output columns, I with SiLU-and-mul).
 
-    `TUNED_CONFIGS` where measured, else a first guess: 64-column tiles, and the K axis split
-    until there are about four programs an SM (each still streaming at least two 128-wide K
-    steps), so small matrices keep every SM busy; tl.dot from M = 2.
+    `TUNED_CONFIGS` where measured, else the rule the H100 sweep of the Llama 8B shapes
+    (`bench/skinny_gemm.py --sweep`, docs/benchmarks.md) points to for every M up to 16:
+    32-column tiles on tl.dot, K split in two until there is about a program an SM (each
+    still streaming at least 512 of K), 256-wide K steps in three stages when K is not split,
+    128-wide in four when it is. Wider tiles or more splits than that measured slower: at
+    M <= 16 every program is a stream of weight rows, and the fewer programs share an SM, the
+    fewer of their loads wait behind one another.
     """
     if (m, n, k, silu_mul) in TUNED_CONFIGS:
         return TUNED_CONFIGS[m, n, k, silu_mul]
-    block_n, block_k = 64, 128
+    block_n = 32
     tiles = triton.cdiv(n, block_n)
     split_k = 1
-    max_split = max(1, k // (2 * block_k))
-    while (split_k * 2 <= min(16, max_split) and tiles * split_k * 2 <= 4 * _num_sms(device)
+    while (tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
            and _scratch_values(split_k * 2, m, n, silu_mul) <= PARTIAL_CAPACITY):
         split_k *= 2
-    # M = 1 multiplies and sums on the CUDA cores; its [BLOCK_N, BLOCK_K] fp32 accumulators
-    # (two with SiLU-and-mul) take 8 warps to stay in registers.
-    dot = m > 1
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
-                        num_warps=4 if dot else 8, num_stages=4, dot=dot)
+    if split_k == 1:
+        return SkinnyConfig(block_n=block_n, block_k=256, split_k=1, num_warps=4, num_stages=3)
+    return SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4)
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -197,9 +199,10 @@ if triton is not None:
         stride_xm, stride_wn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-        DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
+        wait_for_predecessor(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -308,6 +311,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, DOT=config.dot, EVEN_K=k % config.block_k == 0,
         # fp32 operands would silently run as TF32 on tensor cores; keep them exact.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
     )
     return y.view(*x.shape[:-1], n_cols)
