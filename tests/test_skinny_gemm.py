@@ -15,16 +15,17 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from helpers import hf_greedy, make_predictable_pair, random_prompts  # noqa: E402
+from helpers import hf_greedy, make_predictable_pair, make_tiny_checkpoint, random_prompts  # noqa: E402
 
 from specserve.engine import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from specserve.engine.layers import skinny_gemm as skinny_module  # noqa: E402
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.parallel import (  # noqa: E402
     ColumnParallelLinear, RowParallelLinear, set_skinny_gemm)
+from specserve.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from specserve.engine.layers.skinny_gemm import (  # noqa: E402
-    MAX_ROWS, PARTIAL_CAPACITY, SkinnyConfig, SkinnyWorkspace, can_use, default_config,
-    skinny_gemm, workspace_for)
+    MAX_ROWS, PARTIAL_CAPACITY, SkinnyConfig, SkinnyWorkspace, can_fuse_qkv_rope, can_use,
+    default_config, skinny_gemm, skinny_qkv_rope, workspace_for)
 from specserve.engine.models.llama import MLP  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,6 +214,92 @@ def test_kernel_compiles_for_hopper():
     assert done.stdout.count("compiled") == 6
 
 
+# --- q/k/v projection with RoPE and the KV store in the epilogue ---------------------------------
+
+Q_HEADS, KV_HEADS, HEAD_DIM, SLOTS = 4, 2, 16, 12
+
+
+def _qkv_rope_reference(x, w, b, positions, rotary, loc):
+    """The unfused path: the projection rounded once, the torch RoPE, k and v stored at loc."""
+    qkv = F.linear(x.double(), w.double(), None if b is None else b.double()).to(x.dtype)
+    q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+    q, k = rotary(positions, q.reshape(-1, Q_HEADS, HEAD_DIM), k.reshape(-1, KV_HEADS, HEAD_DIM))
+    k_cache = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=x.dtype, device=x.device)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[loc], v_cache[loc] = k, v.reshape(-1, KV_HEADS, HEAD_DIM)
+    return q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_qkv_rope_is_the_projection_then_rope_and_store(m, split_k, with_bias):
+    """fp32 through tl.dot, fp16 bit-exact through multiply-and-sum (sums exact, as above):
+    q returned rotated, k rotated and v stored at their slots, no other slot touched, the
+    counters left at zero; a tile is a quarter head (block_n 4 of half 8)."""
+    n_rows = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([5, 63, 0, 17, 40][:m], device=DEVICE)
+    loc = torch.tensor([7, 2, 11, 0, 5][:m], device=DEVICE)
+    for dtype, dot in ((torch.float32, True), (torch.float16, False)):
+        x, w, b = _operands(m, n_rows, dtype, seed=5 * m + split_k)
+        if dtype == torch.float32:
+            x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        b = b if with_bias else None
+        config = SkinnyConfig(block_n=4, block_k=32, split_k=split_k, num_warps=4, num_stages=1,
+                              dot=dot)
+        workspace = _workspace()
+        k_cache = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, w, b, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin,
+                            k_cache, v_cache, loc, config=config, workspace=workspace)
+        expected = _qkv_rope_reference(x, w, b, positions, rotary, loc)
+        for got, want in zip((q, k_cache, v_cache), expected):
+            if dtype == torch.float16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not workspace.arrivals.any()
+
+
+def test_qkv_rope_needs_whole_tiles_in_half_a_head():
+    x = torch.zeros(2, 64, device=DEVICE)
+    w = torch.zeros((Q_HEADS + 2 * KV_HEADS) * 6, 64, device=DEVICE)  # head_dim 6: half 3
+    cache = torch.zeros(SLOTS, KV_HEADS, 6, device=DEVICE)
+    with pytest.raises(AssertionError, match="half a head"):
+        skinny_qkv_rope(x, w, None, Q_HEADS, KV_HEADS, torch.zeros(2, dtype=torch.long),
+                        torch.zeros(8, 6), torch.zeros(8, 6), cache, cache.clone(),
+                        torch.zeros(2, dtype=torch.long))
+    if DEVICE.type == "cuda":
+        assert not can_fuse_qkv_rope(x, w, head_dim=6)
+
+
+def _greedy_with_fused_qkv_rope(make_engine, model: str, **engine_kwargs) -> list[list[int]]:
+    """Greedy tokens of an engine whose attention layers must take the fused q/k/v + RoPE
+    kernel at decode (the test fails if none does)."""
+    prompts = random_prompts(3, seed=8, max_len=12)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model, **engine_kwargs)
+    calls = []
+    for attn in (layer.self_attn for layer in engine.core.runner.model.layers):
+        proj = attn.qkv_proj
+        proj.forward_qkv_rope = (lambda *a, _real=proj.forward_qkv_rope, **kw:
+                                 calls.append(1) or _real(*a, **kw))
+    tokens = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=sampling)]
+    assert calls, "the fused q/k/v + RoPE kernel never ran"
+    return tokens
+
+
+def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch):
+    """A tiny fp32 Llama (head_dim 32) through the interpreter with the skinny kernels allowed
+    on CPU tensors: q/k/v projection, RoPE and the KV store in one kernel at decode, the same
+    greedy tokens as transformers, every KV slot freed after (make_engine checks)."""
+    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
+    prompts = random_prompts(3, seed=8, max_len=12)
+    assert _greedy_with_fused_qkv_rope(make_engine, model) == hf_greedy(model, prompts, 6)
+
+
 # --- the layers' dispatch ------------------------------------------------------------------------
 
 def _linears(model):
@@ -356,3 +443,15 @@ def test_gpu_spec_engine_with_skinny_matches_plain(tmp_path, make_engine):
                                          num_draft_tokens=4))
     assert all(m.skinny_gemm for m in _linears(engine.core.draft_runner.model))
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=sampling)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, graphs):
+    """head_dim 64 (the rule's 32-column tiles in half a head), fp32 on the GPU, with and
+    without CUDA graphs: the fused q/k/v + RoPE + KV store kernel gives transformers' tokens."""
+    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=256, intermediate_size=256)
+    prompts = random_prompts(3, seed=8, max_len=12)
+    tokens = _greedy_with_fused_qkv_rope(make_engine, model, device="cuda",
+                                         attention_backend="triton", cuda_graph=graphs)
+    assert tokens == hf_greedy(model, prompts, 6)

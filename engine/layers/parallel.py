@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.layers.skinny_gemm import linear, linear_silu_and_mul
+from specserve.engine.layers.skinny_gemm import (
+    can_fuse_qkv_rope, linear, linear_silu_and_mul, skinny_qkv_rope)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,18 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias, self.skinny_gemm)
+
+    def fuses_qkv_rope(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether `forward_qkv_rope` runs here (the skinny GEMM with its RoPE epilogue)."""
+        return self.skinny_gemm and can_fuse_qkv_rope(x, self.weight, head_dim)
+
+    def forward_qkv_rope(self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                         rotary: nn.Module, positions: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """For a q/k/v layer (its q heads, k heads, v heads) where `fuses_qkv_rope`: the
+        projection, RoPE of q and k, and k and v stored at `loc`, in one kernel; returns q."""
+        return skinny_qkv_rope(x, self.weight, self.bias, num_q_heads, num_kv_heads, positions,
+                               rotary.cos, rotary.sin, k_cache, v_cache, loc)
 
     def forward_silu_and_mul(self, x):
         """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one

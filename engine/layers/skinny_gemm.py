@@ -14,6 +14,10 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   silu(gate) * up [M, I], so the activation kernel disappears. The roundings are the unfused
   path's: the GEMM's output (bias added in fp32, as cuBLAS's epilogue does) rounded to the
   activation dtype, then `silu_and_mul`'s.
+- `skinny_qkv_rope`: the q/k/v projection with RoPE and the KV store (`rope_and_store_kv`'s
+  work, engine/layers/fused.py) in the epilogue. Its columns are paired like gate and up: a
+  program holds the same dims of both halves of one head, rotates q and k heads, and writes q
+  to its output and k and v to their KV slots, so the RoPE kernel disappears from decode.
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
   tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two; the
   default for M = 1, where a 16-row MMA wastes 15/16 of its work).
@@ -89,7 +93,7 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
 
 
-# Measured best configs, (m, n, k, silu_mul) -> config, as `bench/skinny_gemm.py --sweep`
+# Measured best configs, (m, n, k, paired) -> config, as `bench/skinny_gemm.py --sweep`
 # prints them; shapes not listed take the rule of `default_config`.
 TUNED_CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {}
 
@@ -99,9 +103,10 @@ SKINNY_MAX_ROWS: dict[tuple[int, int], int] = {}
 
 
 @functools.lru_cache(maxsize=None)  # one entry per (shape, M, device): no host work per call
-def default_config(m: int, n: int, k: int, silu_mul: bool = False,
+def default_config(m: int, n: int, k: int, paired: bool = False,
                    device: torch.device = torch.device("cuda")) -> SkinnyConfig:
-    """Launch parameters for y[m, n] = x[m, k] W^T (n: output columns, I with SiLU-and-mul).
+    """Launch parameters for y[m, n] = x[m, k] W^T: n output columns, each reading one weight
+    row, or two when `paired` (SiLU-and-mul's gate and up, RoPE's two halves of a head).
 
     `TUNED_CONFIGS` where measured, else the rule the H100 sweep of the Llama 8B shapes
     (`bench/skinny_gemm.py --sweep`, docs/benchmarks.md) points to for every M up to 16:
@@ -111,13 +116,13 @@ def default_config(m: int, n: int, k: int, silu_mul: bool = False,
     M <= 16 every program is a stream of weight rows, and the fewer programs share an SM, the
     fewer of their loads wait behind one another.
     """
-    if (m, n, k, silu_mul) in TUNED_CONFIGS:
-        return TUNED_CONFIGS[m, n, k, silu_mul]
+    if (m, n, k, paired) in TUNED_CONFIGS:
+        return TUNED_CONFIGS[m, n, k, paired]
     block_n = 32
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     while (tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
-           and _scratch_values(split_k * 2, m, n, silu_mul) <= PARTIAL_CAPACITY):
+           and _scratch_values(split_k * 2, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     if split_k == 1:
         return SkinnyConfig(block_n=block_n, block_k=256, split_k=1, num_warps=4, num_stages=3)
@@ -130,8 +135,8 @@ def prefers_skinny(m: int, n: int, k: int) -> bool:
     return m <= SKINNY_MAX_ROWS.get((n, k), MAX_ROWS)
 
 
-def _scratch_values(split_k: int, m: int, n: int, silu_mul: bool) -> int:
-    return split_k * m * n * (2 if silu_mul else 1)
+def _scratch_values(split_k: int, m: int, n: int, paired: bool) -> int:
+    return split_k * m * n * (2 if paired else 1)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -175,15 +180,97 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _epilogue(acc, acc_up, bias, y, offs_m, offs_n, mask, n_cols, stride_ym,
-                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
+    def _pair_rows(cols, n_cols, half):
+        """Weight rows of output columns `cols` and of their partners: with pairs (SiLU-and-mul
+        with half = I: gate row c, up row I + c; RoPE with half = head_dim / 2: the two halves
+        of a head), column c is row (c // half) * 2 half + c % half and its partner half rows
+        further. Columns past the end read row 0: never stored, and the loads stay unmasked."""
+        cols = tl.where(cols < n_cols, cols, 0)
+        first = (cols // half) * (2 * half) + cols % half
+        return first.to(tl.int64), (first + half).to(tl.int64)
+
+    @triton.jit
+    def _sum_tiles(x, w, M, K, k_begin, k_end, offs_m, rows, partner_rows, stride_xm, stride_wn,
+                   PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+        """x[:, k_begin:k_end] against the weight rows `rows` (and `partner_rows` when PAIRED):
+        the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w + rows[:, None] * stride_wn + offs_k[None, :]
+        partner_ptrs = w + partner_rows[:, None] * stride_wn + offs_k[None, :]
+        if DOT:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
+            if EVEN_K:
+                x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
+                w_tile = tl.load(w_ptrs + k)
+            else:
+                k_mask = (k + offs_k) < K
+                x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
+            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
+            if PAIRED:
+                if EVEN_K:
+                    up_tile = tl.load(partner_ptrs + k)
+                else:
+                    up_tile = tl.load(partner_ptrs + k, mask=k_mask[None, :], other=0.0)
+                acc_up = _accumulate(acc_up, x_tile, up_tile, DOT, DOT_PRECISION)
+        if not DOT:
+            acc = tl.sum(acc, axis=2)
+            acc_up = tl.sum(acc_up, axis=2)
+        return acc, acc_up
+
+    @triton.jit
+    def _merge_splits(acc, acc_up, partials, arrivals, tile, split, M, n_cols, offs_m, offs_n,
+                      out_mask, PAIRED: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Split-K: every program stores its partial tiles and counts its arrival on its N
+        tile's counter; the last to arrive sums all partials in split order (deterministic),
+        zeroes the counter and returns (True, the sums). The others return False."""
+        # partials[s, m, c]: c < n_cols the (first) sums, n_cols + c the partners'.
+        width = n_cols * (2 if PAIRED else 1)
+        p_ptrs = partials + offs_m[:, None] * width + offs_n[None, :]
+        split_stride = M * width
+        tl.store(p_ptrs + split * split_stride, acc, mask=out_mask)
+        if PAIRED:
+            tl.store(p_ptrs + split * split_stride + n_cols, acc_up, mask=out_mask)
+        # Every thread's partial stores come before the arrival (a CTA barrier, then the
+        # atomic's release); the last program reads the others' after its acquire, from L2.
+        tl.debug_barrier()
+        counter = arrivals + tile
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, SPLIT_K):  # a fixed order: deterministic sums
+                acc += tl.load(p_ptrs + s * split_stride, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+                if PAIRED:
+                    acc_up += tl.load(p_ptrs + s * split_stride + n_cols, mask=out_mask,
+                                      other=0.0, cache_modifier=".cg")
+            tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
+        return last, acc, acc_up
+
+    @triton.jit
+    def _add_bias(acc, acc_up, bias, rows, partner_rows, PAIRED: tl.constexpr):
+        # In fp32, before the rounding to the activation dtype, as cuBLAS's epilogue does.
+        acc += tl.load(bias + rows).to(tl.float32)[None, :]
+        if PAIRED:
+            acc_up += tl.load(bias + partner_rows).to(tl.float32)[None, :]
+        return acc, acc_up
+
+    @triton.jit
+    def _epilogue(acc, acc_up, y, offs_m, offs_n, mask, stride_ym, SILU_MUL: tl.constexpr):
         dtype = y.dtype.element_ty
-        n_mask = offs_n < n_cols
-        if HAS_BIAS:
-            acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
-            if HAS_BIAS:
-                acc_up += tl.load(bias + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             # The unfused path: the GEMM rounds gate and up to the activation dtype, then
             # silu_and_mul rounds silu(gate) and the product.
             gate = acc.to(dtype).to(tl.float32)
@@ -207,71 +294,130 @@ if triton is not None:
         split = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        n_mask = offs_n < n_cols
-        # Rows past the weight's end read row 0 instead of being masked: their columns are
-        # never stored, and the unmasked loads stay vectorized.
-        w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
-        x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = w + w_rows[:, None] * stride_wn + offs_k[None, :]
-        up_ptrs = w + (w_rows + n_cols)[:, None] * stride_wn + offs_k[None, :]
-        if DOT:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SILU_MUL:
+            rows, partner_rows = _pair_rows(offs_n, n_cols, n_cols)
         else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            rows = tl.where(offs_n < n_cols, offs_n, 0).to(tl.int64)
+            partner_rows = rows
         k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
-        for k in range(k_begin, k_end, BLOCK_K):
-            if EVEN_K:
-                x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
-                w_tile = tl.load(w_ptrs + k)
-            else:
-                k_mask = (k + offs_k) < K
-                x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
-            if SILU_MUL:
-                if EVEN_K:
-                    up_tile = tl.load(up_ptrs + k)
-                else:
-                    up_tile = tl.load(up_ptrs + k, mask=k_mask[None, :], other=0.0)
-                acc_up = _accumulate(acc_up, x_tile, up_tile, DOT, DOT_PRECISION)
-        if not DOT:
-            acc = tl.sum(acc, axis=2)
-            acc_up = tl.sum(acc_up, axis=2)
+        acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
+                                 offs_m, rows, partner_rows, stride_xm, stride_wn, SILU_MUL,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION)
+        out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
+        last = True
+        if SPLIT_K > 1:
+            last, acc, acc_up = _merge_splits(acc, acc_up, partials, arrivals, tile, split, M,
+                                              n_cols, offs_m, offs_n, out_mask, SILU_MUL,
+                                              SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            if HAS_BIAS:
+                acc, acc_up = _add_bias(acc, acc_up, bias, rows, partner_rows, SILU_MUL)
+            _epilogue(acc, acc_up, y, offs_m, offs_n, out_mask, stride_ym, SILU_MUL)
 
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K == 1:
-            _epilogue(acc, acc_up, bias, y, offs_m, offs_n, out_mask, n_cols, stride_ym,
-                      HAS_BIAS, SILU_MUL)
-        else:
-            # partials[s, m, c]: c < n_cols the (gate) sums, n_cols + c the up sums.
-            width = n_cols * (2 if SILU_MUL else 1)
-            p_ptrs = partials + offs_m[:, None] * width + offs_n[None, :]
-            split_stride = M * width
-            tl.store(p_ptrs + split * split_stride, acc, mask=out_mask)
-            if SILU_MUL:
-                tl.store(p_ptrs + split * split_stride + n_cols, acc_up, mask=out_mask)
-            # Every thread's partial stores come before the arrival (a CTA barrier, then the
-            # atomic's release); the last program reads the others' after its acquire, from L2.
-            tl.debug_barrier()
-            counter = arrivals + tile
-            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
-                tl.debug_barrier()
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s in range(0, SPLIT_K):  # a fixed order: deterministic sums
-                    acc += tl.load(p_ptrs + s * split_stride, mask=out_mask, other=0.0,
-                                   cache_modifier=".cg")
-                    if SILU_MUL:
-                        acc_up += tl.load(p_ptrs + s * split_stride + n_cols, mask=out_mask,
-                                          other=0.0, cache_modifier=".cg")
-                _epilogue(acc, acc_up, bias, y, offs_m, offs_n, out_mask, n_cols, stride_ym,
-                          HAS_BIAS, SILU_MUL)
-                tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
+    @triton.jit
+    def _skinny_qkv_rope_kernel(
+        x, w, bias, q_out, k_cache, v_cache, loc, positions, cos, sin, partials, arrivals,
+        M, K, k_per_split, stride_xm, stride_wn,
+        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ):
+        # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
+        # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
+        # head (HALF % BLOCK_N == 0); q heads are rotated into q_out [M, Hq, 2 HALF], k heads
+        # rotated into k_cache[loc[m]], v heads copied into v_cache[loc[m]].
+        wait_for_predecessor(PDL)
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        n_cols = (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HALF
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, partner_rows = _pair_rows(offs_n, n_cols, HALF)
+        k_begin = split * k_per_split
+        acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
+                                 offs_m, rows, partner_rows, stride_xm, stride_wn, True,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION)
+        m_mask = offs_m < M
+        out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
+        last = True
+        if SPLIT_K > 1:
+            last, acc, acc_up = _merge_splits(acc, acc_up, partials, arrivals, tile, split, M,
+                                              n_cols, offs_m, offs_n, out_mask, True, SPLIT_K,
+                                              BLOCK_M, BLOCK_N)
+        if last:
+            if HAS_BIAS:
+                acc, acc_up = _add_bias(acc, acc_up, bias, rows, partner_rows, True)
+            dtype = q_out.dtype.element_ty
+            # The unfused path rounds the projection to the activation dtype first.
+            x1 = acc.to(dtype).to(tl.float32)
+            x2 = acc_up.to(dtype).to(tl.float32)
+            head = (tile * BLOCK_N) // HALF
+            d = (offs_n % HALF)[None, :]
+            m64 = offs_m.to(tl.int64)[:, None]
+            if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                pos = tl.load(positions + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
+                # torch casts the fp32 cos/sin table to the activation dtype, then rounds each
+                # product and the sum (`_rope_kernel` in engine/layers/fused.py).
+                table = pos * (2 * HALF) + d
+                cos1 = tl.load(cos + table, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
+                cos2 = tl.load(cos + table + HALF, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
+                sin1 = tl.load(sin + table, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
+                sin2 = tl.load(sin + table + HALF, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
+                o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
+                o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+                if head < NUM_Q_HEADS:
+                    dst = q_out + m64 * (NUM_Q_HEADS * 2 * HALF) + head * (2 * HALF) + d
+                else:
+                    slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
+                    dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
+                           + (head - NUM_Q_HEADS) * (2 * HALF) + d)
+            else:
+                o1, o2 = x1, x2
+                slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
+                dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
+                       + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
+            tl.store(dst, o1.to(dtype), mask=out_mask)
+            tl.store(dst + HALF, o2.to(dtype), mask=out_mask)
+
+
+class _Launch(NamedTuple):
+    """What both kernels' launches share: the grid, K per split, the split-K scratch (any
+    tensor without split-K: the kernel never touches it) and the common meta-parameters."""
+
+    grid: tuple[int, int]
+    k_per_split: int
+    partials: torch.Tensor
+    arrivals: torch.Tensor
+    meta: dict
+
+
+def _rows_of(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    """x [..., K] as [M, K] with a contiguous last dimension; M checked against MAX_ROWS."""
+    x2 = x.reshape(-1, k)
+    assert 1 <= x2.shape[0] <= MAX_ROWS, f"{what}: {x2.shape[0]} rows (1..{MAX_ROWS})"
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: SkinnyConfig,
+          workspace: Optional[SkinnyWorkspace], unused: torch.Tensor) -> _Launch:
+    m, k = x2.shape
+    tiles = triton.cdiv(n_cols, config.block_n)
+    partials = arrivals = unused
+    if config.split_k > 1:
+        workspace = workspace or workspace_for(x2.device)
+        assert _scratch_values(config.split_k, m, n_cols, paired) <= workspace.partials.numel()
+        assert tiles <= workspace.arrivals.numel()
+        partials, arrivals = workspace.partials, workspace.arrivals
+    meta = dict(
+        BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        HAS_BIAS=has_bias, DOT=config.dot, EVEN_K=k % config.block_k == 0,
+        # fp32 operands would silently run as TF32 on tensor cores; keep them exact.
+        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    return _Launch((tiles, config.split_k), k_per_split, partials, arrivals, meta)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -282,11 +428,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     rows; the result [..., I]). `weight` contiguous, x's last dimension contiguous, one dtype."""
     n_rows, k = weight.shape
     assert weight.is_contiguous() and x.shape[-1] == k and x.dtype == weight.dtype
-    x2 = x.reshape(-1, k)
+    x2 = _rows_of(x, k, "skinny_gemm")
     m = x2.shape[0]
-    assert 1 <= m <= MAX_ROWS, f"skinny_gemm: {m} rows (1..{MAX_ROWS})"
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     if silu_mul:
         assert n_rows % 2 == 0, "silu_mul needs the fused [2I, K] gate/up weight"
     n_cols = n_rows // 2 if silu_mul else n_rows
@@ -294,23 +437,65 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     config = config or default_config(m, n_cols, k, silu_mul, x.device)
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    tiles = triton.cdiv(n_cols, config.block_n)
-    if config.split_k > 1:
-        workspace = workspace or workspace_for(x.device)
-        assert _scratch_values(config.split_k, m, n_cols, silu_mul) <= workspace.partials.numel()
-        assert tiles <= workspace.arrivals.numel()
-        partials, arrivals = workspace.partials, workspace.arrivals
-    else:
-        partials, arrivals = y, y  # unused
-    _skinny_gemm_kernel[(tiles, config.split_k)](
-        x2, weight, bias if bias is not None else weight, y, partials, arrivals, m, n_cols, k,
-        k_per_split, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, DOT=config.dot, EVEN_K=k % config.block_k == 0,
-        # fp32 operands would silently run as TF32 on tensor cores; keep them exact.
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
-    )
+    launch = _plan(x2, n_cols, silu_mul, bias is not None, config, workspace, unused=y)
+    _skinny_gemm_kernel[launch.grid](
+        x2, weight, bias if bias is not None else weight, y, launch.partials, launch.arrivals,
+        m, n_cols, k, launch.k_per_split, x2.stride(0), weight.stride(0), y.stride(0),
+        SILU_MUL=silu_mul, **launch.meta)
     return y.view(*x.shape[:-1], n_cols)
+
+
+def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int,
+                     device: torch.device) -> Optional[SkinnyConfig]:
+    """The rule's config for the paired columns of a q/k/v projection, its column tiles cut to
+    half a head where that is narrower; None where half a head is no whole number of tiles
+    of at least 16 columns (tl.dot's least)."""
+    config = default_config(m, n_rows // 2, k, True, device)
+    half = head_dim // 2
+    block_n = min(config.block_n, half)
+    if head_dim % 2 or block_n < 16 or half % block_n:
+        return None
+    return config._replace(block_n=block_n)
+
+
+def can_fuse_qkv_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether `skinny_qkv_rope` runs for this projection: `can_use`, and a config whose
+    column tiles lie within half a head."""
+    if not can_use(x, weight):
+        return False
+    n_rows, k = weight.shape
+    return _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device) is not None
+
+
+def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, loc: torch.Tensor,
+                    config: Optional[SkinnyConfig] = None,
+                    workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
+    """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
+    x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
+    (neox) of q and k at `positions` from the fp32 `cos`/`sin` tables [positions, D], k and v
+    written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each). Returns q [M, Hq, D].
+    One kernel instead of the GEMM and the RoPE kernel, with the same roundings."""
+    n_rows, k = weight.shape
+    assert weight.is_contiguous() and x.shape[-1] == k and x.dtype == weight.dtype
+    head_dim = n_rows // (num_q_heads + 2 * num_kv_heads)
+    assert head_dim * (num_q_heads + 2 * num_kv_heads) == n_rows and head_dim % 2 == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim)
+    x2 = _rows_of(x, k, "skinny_qkv_rope")
+    m = x2.shape[0]
+    if bias is not None:
+        assert bias.shape == (n_rows,) and bias.is_contiguous()
+    config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device)
+    assert config is not None and (head_dim // 2) % config.block_n == 0, \
+        "a column tile must lie within half a head"
+    q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
+    launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, unused=q)
+    _skinny_qkv_rope_kernel[launch.grid](
+        x2, weight, bias if bias is not None else weight, q, k_cache, v_cache, loc, positions,
+        cos, sin, launch.partials, launch.arrivals, m, k, launch.k_per_split, x2.stride(0),
+        weight.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2, **launch.meta)
+    return q

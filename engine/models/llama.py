@@ -37,6 +37,13 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.q_norm is None and self.qkv_proj.fuses_qkv_rope(x, self.head_dim):
+            # One kernel: the projection with RoPE and the KV store in its epilogue.
+            q = self.qkv_proj.forward_qkv_rope(
+                x, self.num_heads, self.num_kv_heads, self.rotary, positions,
+                fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id],
+                fb.out_cache_loc)
+            return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
