@@ -35,6 +35,22 @@ def test_gpu_greedy_matches_transformers(tiny_model, make_engine, prompts, backe
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
 
 
+@pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
+def test_gpu_future_map_kernel_without_debug_checks(pair, make_engine, prompts, shape,
+                                                    monkeypatch):
+    """Without SPECSERVE_DEBUG_FUTURE_MAP (as served) the sentinels resolve in one Triton
+    kernel: the overlap loop gives the tokens of the normal loop."""
+    target, head = pair
+    plain = make_engine(target, device="cuda", attention_backend="torch", cuda_graph=False,
+                        enable_overlap=False)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling=GREEDY)]
+    monkeypatch.setenv("SPECSERVE_DEBUG_FUTURE_MAP", "0")
+    spec = None if shape is None else SpecConfig(algorithm="eagle", draft_model=head, **shape)
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True,
+                         enable_overlap=True, spec=spec)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
+
+
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", False), ("triton", True)])
 @pytest.mark.parametrize("needs_cpu", [False, True])

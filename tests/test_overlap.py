@@ -115,6 +115,20 @@ def test_future_map_resolves_sentinels(monkeypatch):
     assert fm.resolve_input_ids(ids).tolist() == [43, 7, 42]
 
 
+def test_future_map_resolves_sentinels_in_one_kernel():
+    """The Triton path (the interpreter here) replaces the sentinels as the torch path does."""
+    pytest.importorskip("triton")
+    from specserve.engine.runtime.future_map import resolve_sentinels
+
+    table = torch.arange(100, 140)
+    gen = torch.Generator().manual_seed(4)
+    for n in (1, 7, 300, 2100):  # one block, and several
+        ids = torch.randint(-39, 5000, (n,), generator=gen)
+        expected = torch.where(ids < 0, table[(-ids).clamp(min=0)], ids)
+        assert torch.equal(resolve_sentinels(ids, table), expected)
+    assert resolve_sentinels(torch.empty(0, dtype=torch.int64), table).numel() == 0
+
+
 def test_future_map_debug_detects_a_second_read(monkeypatch):
     fm = _future_map(True, monkeypatch)
     fm.stash_tokens(torch.tensor([2]), torch.tensor([9]))

@@ -130,12 +130,15 @@ def scene_kv_indices(scene: Scene, decode: bool) -> tuple[torch.Tensor, torch.Te
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("with_decode_token", [False, True])
-def test_fill_kv_indices(with_decode_token):
+@pytest.mark.parametrize("prefix_lens", [[0, 37, 5, 16],
+                                         # more requests than one block of the offsets' sums
+                                         [(7 * i) % 5 for i in range(300)]])
+def test_fill_kv_indices(with_decode_token, prefix_lens):
     gen = torch.Generator().manual_seed(0)
-    prefix_lens = [0, 37, 5, 16]
-    scene = make_scene(prefix_lens, [1] * 4, num_kv_heads=1, head_dim=16, generator=gen)
-    kv_indptr = torch.empty(5, dtype=torch.int64, device=DEVICE)
-    kv_indices = torch.full((200,), -1, dtype=torch.int32, device=DEVICE)
+    bs = len(prefix_lens)
+    scene = make_scene(prefix_lens, [1] * bs, num_kv_heads=1, head_dim=16, generator=gen)
+    kv_indptr = torch.full((bs + 1,), -7, dtype=torch.int64, device=DEVICE)
+    kv_indices = torch.full((sum(prefix_lens) + bs + 50,), -1, dtype=torch.int32, device=DEVICE)
     fill_kv_indices(scene.table, scene.rows, scene.prefix_lens, kv_indptr, kv_indices,
                     decode_token_slots=scene.new_slots if with_decode_token else None,
                     block=16)  # 37 entries: three loop iterations, the last one partial

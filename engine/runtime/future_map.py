@@ -15,7 +15,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from specserve.engine.pdl import launch_options, wait_for_predecessor
 from specserve.engine.runtime.device import DeviceContext
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build needs no Triton
+    triton = None
 
 
 class DraftState(NamedTuple):
@@ -46,6 +53,8 @@ class FutureMap:
     # --- forward side ------------------------------------------------------------------
     def resolve_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Replace negative sentinels `-req_pool_idx` with the stashed tokens."""
+        if input_ids.is_cuda and triton is not None and not self.debug:
+            return resolve_sentinels(input_ids, self.output_tokens_buf)  # one kernel, not five
         is_future = input_ids < 0
         rows = torch.where(is_future, -input_ids, 0)
         resolved = torch.where(is_future, self._consume(self.output_tokens_buf, rows, is_future), input_ids)
@@ -103,3 +112,28 @@ class FutureMap:
                                 "FutureMap: read a slot that was not stashed since its last read")
             buf[rows] = torch.where(consumed, -1, values)
         return values
+
+
+if triton is not None:
+    @triton.jit
+    def _resolve_sentinels_kernel(ids, table, out, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_predecessor(PDL)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(ids + offs, mask=mask, other=0)
+        future = x < 0
+        stashed = tl.load(table + tl.where(future, -x, 0), mask=mask & future, other=0)
+        tl.store(out + offs, tl.where(future, stashed, x), mask=mask)
+
+
+def resolve_sentinels(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """`table[-id]` where an id is negative, else the id: `resolve_input_ids` without the debug
+    checks, in one Triton kernel (any device Triton runs on)."""
+    out = torch.empty_like(ids)
+    n = ids.numel()
+    if n:
+        block = max(16, min(1024, triton.next_power_of_2(n)))
+        _resolve_sentinels_kernel[(triton.cdiv(n, block),)](
+            ids, table, out, n, BLOCK=block, num_warps=1 if block <= 256 else 4,
+            **launch_options(ids.device))
+    return out

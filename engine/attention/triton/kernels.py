@@ -125,14 +125,23 @@ def _dot_input_precision(dtype: torch.dtype) -> str:
 def _fill_kv_indices_kernel(
     req_to_token, req_pool_indices, prefix_lens, kv_indptr, kv_indices, new_token_slots,
     stride_table_row,
-    APPEND_NEW_TOKEN: tl.constexpr, BLOCK: tl.constexpr,
+    APPEND_NEW_TOKEN: tl.constexpr, BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     req = tl.program_id(0)
     row = tl.load(req_pool_indices + req).to(tl.int64)
-    num_prefix = tl.load(prefix_lens + req)
-    out_start = tl.load(kv_indptr + req)
+    num_prefix = tl.load(prefix_lens + req).to(tl.int64)
+    # The list's offset is the sum of the earlier lists' lengths: each program sums them
+    # itself (a few hundred at most), which saves the cumsum's kernels before this one.
+    out_start = tl.zeros([], tl.int64)
+    for start in range(0, req, SCAN_BLOCK):
+        earlier = start + tl.arange(0, SCAN_BLOCK)
+        lens = tl.load(prefix_lens + earlier, mask=earlier < req, other=0).to(tl.int64)
+        out_start += tl.sum(lens + tl.where(earlier < req, APPEND_NEW_TOKEN, 0), 0)
+    if req == 0:
+        tl.store(kv_indptr, out_start)
+    tl.store(kv_indptr + req + 1, out_start + num_prefix + APPEND_NEW_TOKEN)
     offs = tl.arange(0, BLOCK)
     for start in range(0, num_prefix, BLOCK):
         pos = start + offs
@@ -151,20 +160,18 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     The list is `req_to_token[req_pool_indices[b], :prefix_lens[b]]`, followed by
     `decode_token_slots[b]` when given (decode attends to its own new token too).
     `kv_indptr` ([bs+1]) is overwritten; `kv_indices` must hold the sum of the list lengths,
-    which the caller bounds from host values (e.g. `bs * max_seq_len`).
+    which the caller bounds from host values (e.g. `bs * max_seq_len`). One kernel.
     """
     bs = req_pool_indices.shape[0]
     assert kv_indptr.shape[0] >= bs + 1 and req_to_token.stride(1) == 1
-    kv_lens = prefix_lens if decode_token_slots is None else prefix_lens + 1
-    kv_indptr[:1].zero_()  # not `= 0`: a host scalar copy, which CUDA-graph capture refuses
-    torch.cumsum(kv_lens, 0, dtype=kv_indptr.dtype, out=kv_indptr[1:bs + 1])
     if bs == 0:
+        kv_indptr[:1].zero_()  # not `= 0`: a host scalar copy, which CUDA-graph capture refuses
         return
     _fill_kv_indices_kernel[(bs,)](
         req_to_token, req_pool_indices, prefix_lens, kv_indptr, kv_indices,
         decode_token_slots if decode_token_slots is not None else kv_indices,  # unused then
         req_to_token.stride(0),
-        APPEND_NEW_TOKEN=decode_token_slots is not None, BLOCK=block,
+        APPEND_NEW_TOKEN=decode_token_slots is not None, BLOCK=block, SCAN_BLOCK=256,
         **launch_options(kv_indices.device),
     )
 
