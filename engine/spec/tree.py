@@ -19,6 +19,7 @@ import torch
 
 from specserve.engine.aranges import arange
 from specserve.engine.layers.sampler import TokenHistory
+from specserve.engine.spec import accept_walk
 
 
 class TreeShape(NamedTuple):
@@ -193,17 +194,20 @@ def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = N
     choice there. `force_len` (benchmarks on random weights only) takes the first child
     regardless, so exactly `force_len` tokens are emitted where the tree is deep enough.
     `max_depth` bounds the tree's depth when the caller knows it (a drafted tree has a level
-    per draft step); by default D - 1."""
-    if tree.mask is None:
-        return _accept_chain(tree, target_tokens, force_len)
+    per draft step); by default D - 1. On CUDA the walk is one Triton kernel (accept_walk)."""
     bs, D = tree.tokens.shape
+    depth_bound = min(max_depth or D - 1, D - 1)
+    if accept_walk.use_kernel(target_tokens):
+        return Accept(*accept_walk.accept_walk(tree.tokens, tree.parents, target_tokens, depth_bound, force_len))
+    if tree.mask is None:
+        return _accept_chain(tree, target_tokens, force_len, depth_bound)
     device = tree.tokens.device
     cur = torch.zeros(bs, dtype=torch.int64, device=device)
     alive = torch.ones(bs, dtype=torch.bool, device=device)
     path = [cur]
     lengths = torch.ones(bs, dtype=torch.int64, device=device)
     node_ids = arange(D, device)
-    for depth in range(1, min(max_depth or D - 1, D - 1) + 1):
+    for depth in range(1, depth_bound + 1):
         is_child = tree.parents == cur.unsqueeze(1)
         if force_len is not None:
             ok = is_child & (depth < force_len)
@@ -221,15 +225,15 @@ def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = N
     return Accept(path, lengths, target_tokens.gather(1, path))
 
 
-def _accept_chain(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int]) -> Accept:
+def _accept_chain(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int], max_depth: int) -> Accept:
     """The walk along a chain in closed form: node j + 1 is accepted while every draft up to
     it equals the target's token at its parent j, so the path is 0 .. n (then n repeated)."""
     bs, D = tree.tokens.shape
     depth = arange(D, tree.tokens.device)
     if force_len is not None:
-        matches = (depth[1:] < force_len).expand(bs, D - 1)
+        matches = (depth[1:max_depth + 1] < force_len).expand(bs, max_depth)
     else:
-        matches = tree.tokens[:, 1:] == target_tokens[:, :-1]
+        matches = tree.tokens[:, 1:max_depth + 1] == target_tokens[:, :max_depth]
     accepted = matches.cumprod(dim=1).sum(dim=1)          # leading matches
     path = torch.minimum(depth, accepted.unsqueeze(1))
     return Accept(path, accepted + 1, target_tokens.gather(1, path))

@@ -1,0 +1,47 @@
+"""The acceptance walk's Triton kernel (engine/spec/accept_walk.py) against the torch walk in
+tree.accept: random trees and chains, real and forced acceptance, depth bounds (the
+interpreter on the CPU; the device when there is one)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specserve.engine.spec import tree as tree_ops  # noqa: E402
+from specserve.engine.spec.accept_walk import accept_walk  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tree(bs, D, seed, chain=False):
+    rng = random.Random(seed)
+    parents = [[i - 1 if chain else rng.randrange(0, i) for i in range(1, D)] for _ in range(bs)]
+    tokens = [[rng.randrange(0, 3) for _ in range(D - 1)] for _ in range(bs)]
+    nodes = tree_ops.DraftNodes(torch.tensor(tokens), torch.tensor(parents))
+    shape = tree_ops.TreeShape(1 if chain else 2, D - 1, D)
+    return tree_ops.build_tree(nodes, torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64), shape)
+
+
+@pytest.mark.parametrize("D,chain", [(2, True), (4, True), (8, False), (6, False), (10, False)])
+@pytest.mark.parametrize("force_len", [None, 1, 3])
+def test_kernel_matches_the_torch_walk(D, chain, force_len):
+    bs = 40
+    tree = _tree(bs, D, seed=D * 7 + (force_len or 0), chain=chain)
+    # Targets drawn from the same 3 tokens as the drafts: walks of every length occur.
+    target = torch.randint(0, 3, (bs, D), generator=torch.Generator().manual_seed(D))
+    for max_depth in sorted({D - 1, max(1, D - 3)}):
+        want = tree_ops.accept(tree, target, force_len, max_depth)
+        got = accept_walk(*(t.to(DEVICE) for t in (tree.tokens, tree.parents, target)), max_depth, force_len)
+        for name, a, b in zip(want._fields, got, want):
+            assert torch.equal(a.cpu(), b), (name, max_depth)
+    if force_len is None:
+        assert len(set(want.lengths.tolist())) > 1  # the walks really differ
+
+
+def test_empty_batch():
+    empty = torch.zeros(0, 4, dtype=torch.int64, device=DEVICE)
+    path, lengths, tokens = accept_walk(empty, empty, empty, 3, None)
+    assert path.shape == (0, 4) and lengths.shape == (0,) and tokens.shape == (0, 4)
