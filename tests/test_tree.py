@@ -117,10 +117,11 @@ def test_chain_builder_matches_the_tree_builder_at_topk_1():
     for step in range(1, shape.num_steps):
         for a, b in zip(chain.frontier(), general.frontier()):
             assert torch.equal(a, b)
-        (kv_c, own_c), (kv_g, own_g) = chain.step_kv(table, S, step), general.step_kv(table, S, step)
+        (kv_c, own_c), (kv_g, own_g) = chain.step_kv(table, S, S, step), general.step_kv(table, S, S, step)
         assert torch.equal(own_c, own_g)
         for b in range(bs):  # what a branch reads: its prefix and its ancestry
             assert torch.equal(kv_c[b, :S[b] + step], kv_g[b, :S[b] + step])
+            assert torch.equal(kv_g[b, S[b] + step:], table[b, S[b] + step:])  # the rest untouched
         ids = torch.randint(0, 50, (bs, 1), generator=gen)
         out = torch.randn(bs, 4, generator=gen)
         chain.expand(None, ids, out)

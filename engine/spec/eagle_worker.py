@@ -199,7 +199,7 @@ class EagleWorker:
         branches = branch_S.shape[0]
         for step in range(1, self.tree.num_steps):
             tokens, parent_hidden = builder.frontier()
-            branch_kv, loc = builder.step_kv(kv.table, S, step)
+            branch_kv, loc = builder.step_kv(kv.table, S, branch_S, step)
             positions = branch_S + (step - 1)  # also the KV length before this token
             fb = ForwardBatch(
                 mode=ForwardMode.DECODE, input_ids=tokens, positions=positions,

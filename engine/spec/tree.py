@@ -51,7 +51,7 @@ class DraftChainBuilder:
     def frontier(self):
         return self.frontier_tokens.reshape(-1), self.frontier_hidden
 
-    def step_kv(self, table: torch.Tensor, S: torch.Tensor, step: int):
+    def step_kv(self, table: torch.Tensor, S: torch.Tensor, branch_S: torch.Tensor, step: int):
         """(kv [bs, W], own slots [bs]) of draft step `step` (1-based)."""
         return table, table.gather(1, (S + (step - 1)).unsqueeze(1)).squeeze(1)
 
@@ -83,6 +83,7 @@ class DraftTreeBuilder:
         self.frontier_scores = topk_p
         self.frontier_hidden = hidden.repeat_interleave(k, dim=0)      # [bs * k, H]
         self.path_slots = topk_index.new_zeros((bs, k, 0))              # draft KV of the ancestry
+        self.branch_kv: Optional[torch.Tensor] = None                   # per-branch KV rows (step_kv)
         self.num_candidates = k
 
     def frontier(self):
@@ -93,19 +94,23 @@ class DraftTreeBuilder:
         self.path_slots = torch.cat([self.path_slots, own_slots.unsqueeze(2)], dim=2)
         return self.path_slots
 
-    def step_kv(self, table: torch.Tensor, S: torch.Tensor, step: int):
+    def step_kv(self, table: torch.Tensor, S: torch.Tensor, branch_S: torch.Tensor, step: int):
         """KV indices of draft step `step` (1-based): every branch sees the prefix and its
-        ancestry. Branch f writes row position S + (step - 1) * k + f.
+        ancestry. Branch f writes row position S + (step - 1) * k + f. `branch_S` is S per
+        branch (S repeated k times).
 
         Returns (kv [bs * k, W], own slots [bs * k])."""
         k = self.shape.topk
         offsets = arange(self.shape.num_steps * k, S.device)[(step - 1) * k:step * k]
         own = table.gather(1, S.unsqueeze(1) + offsets)                  # [bs, k]
         path = self.record_slots(own)                                    # [bs, k, step]
-        kv = table.repeat_interleave(k, dim=0)                           # [bs * k, W]
-        cols = S.repeat_interleave(k).unsqueeze(1) + arange(step, S.device)
-        kv.scatter_(1, cols, path.reshape(-1, step))
-        return kv, own.reshape(-1)
+        if step == 1:
+            self.branch_kv = table.repeat_interleave(k, dim=0)          # [bs * k, W]
+        # Rewritten in place each step: this step rewrites every ancestry column the last
+        # one wrote (branches are reordered), and the last forward read it before (stream order).
+        cols = branch_S.unsqueeze(1) + arange(step, S.device)
+        self.branch_kv.scatter_(1, cols, path.reshape(-1, step))
+        return self.branch_kv, own.reshape(-1)
 
     def expand(self, probs: torch.Tensor, ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
         """Children of the frontier from the draft forward's top-k; the best k become the next frontier."""
