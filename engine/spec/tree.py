@@ -19,7 +19,7 @@ import torch
 
 from specserve.engine.aranges import arange
 from specserve.engine.layers.sampler import TokenHistory
-from specserve.engine.spec import accept_walk
+from specserve.engine.spec import tree_kernels
 
 
 class TreeShape(NamedTuple):
@@ -113,24 +113,29 @@ class DraftTreeBuilder:
         return self.branch_kv, own.reshape(-1)
 
     def expand(self, probs: torch.Tensor, ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
-        """Children of the frontier from the draft forward's top-k; the best k become the next frontier."""
-        bs, k = self.bs, self.shape.topk
-        child_scores = (self.frontier_scores.unsqueeze(2) * probs.view(bs, k, k)).view(bs, k * k)
-        child_tokens = ids.view(bs, k * k)
-        child_parents = self.frontier_ids.repeat_interleave(k, dim=1)
+        """Children of the frontier from the draft forward's top-k; the best k become the next
+        frontier. On CUDA the index work is one Triton kernel (tree_kernels.expand)."""
         base = self.num_candidates
-        self.tokens.append(child_tokens)
-        self.parents.append(child_parents)
-        self.scores.append(child_scores)
-        self.num_candidates += k * k
+        self.num_candidates += self.shape.topk ** 2
+        grown = tree_kernels.expand if tree_kernels.use_kernel(ids) else self._expand_torch
+        e = grown(self.frontier_scores, probs, ids, self.frontier_ids, self.path_slots, base)
+        self.tokens.append(ids.view(self.bs, -1))
+        self.parents.append(e.child_parents)
+        self.scores.append(e.child_scores)
+        self.frontier_ids, self.frontier_tokens, self.frontier_scores = e.frontier_ids, e.frontier_tokens, e.best_scores
+        self.frontier_hidden = out_hidden[e.hidden_rows]
+        self.path_slots = e.path_slots
+
+    def _expand_torch(self, frontier_scores, probs, ids, frontier_ids, path_slots, base: int) -> tree_kernels.Expanded:
+        bs, k = self.bs, self.shape.topk
+        child_scores = (frontier_scores.unsqueeze(2) * probs.view(bs, k, k)).view(bs, k * k)
         best_scores, best = child_scores.topk(k, dim=1)
         parent_pos = best // k                         # frontier position of each new node's parent
-        self.frontier_ids = base + best
-        self.frontier_tokens = child_tokens.gather(1, best)
-        self.frontier_scores = best_scores
         first_branch = arange(bs * k, ids.device).view(bs, k)[:, :1]   # b * k
-        self.frontier_hidden = out_hidden[(first_branch + parent_pos).reshape(-1)]
-        self.path_slots = self.path_slots.gather(1, parent_pos.unsqueeze(2).expand(-1, -1, self.path_slots.shape[2]))
+        return tree_kernels.Expanded(
+            child_scores, frontier_ids.repeat_interleave(k, dim=1), best_scores, base + best,
+            ids.view(bs, k * k).gather(1, best), (first_branch + parent_pos).reshape(-1),
+            path_slots.gather(1, parent_pos.unsqueeze(2).expand(-1, -1, path_slots.shape[2])))
 
     def finish(self) -> DraftNodes:
         tokens = torch.cat(self.tokens, dim=1)
@@ -199,11 +204,11 @@ def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = N
     choice there. `force_len` (benchmarks on random weights only) takes the first child
     regardless, so exactly `force_len` tokens are emitted where the tree is deep enough.
     `max_depth` bounds the tree's depth when the caller knows it (a drafted tree has a level
-    per draft step); by default D - 1. On CUDA the walk is one Triton kernel (accept_walk)."""
+    per draft step); by default D - 1. On CUDA the walk is one Triton kernel (tree_kernels.accept_walk)."""
     bs, D = tree.tokens.shape
     depth_bound = min(max_depth or D - 1, D - 1)
-    if accept_walk.use_kernel(target_tokens):
-        return Accept(*accept_walk.accept_walk(tree.tokens, tree.parents, target_tokens, depth_bound, force_len))
+    if tree_kernels.use_kernel(target_tokens):
+        return Accept(*tree_kernels.accept_walk(tree.tokens, tree.parents, target_tokens, depth_bound, force_len))
     if tree.mask is None:
         return _accept_chain(tree, target_tokens, force_len, depth_bound)
     device = tree.tokens.device

@@ -1,6 +1,6 @@
-"""The acceptance walk's Triton kernel (engine/spec/accept_walk.py) against the torch walk in
-tree.accept: random trees and chains, real and forced acceptance, depth bounds (the
-interpreter on the CPU; the device when there is one)."""
+"""The draft tree's Triton kernels (engine/spec/tree_kernels.py) against the torch code in
+tree.py: the acceptance walk on random trees and chains (real and forced acceptance, depth
+bounds), and a draft step's growth (the interpreter on the CPU; the device when there is one)."""
 from __future__ import annotations
 
 import random
@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from specserve.engine.spec import tree as tree_ops  # noqa: E402
-from specserve.engine.spec.accept_walk import accept_walk  # noqa: E402
+from specserve.engine.spec import tree_kernels  # noqa: E402
+from specserve.engine.spec.tree_kernels import accept_walk  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -45,3 +46,24 @@ def test_empty_batch():
     empty = torch.zeros(0, 4, dtype=torch.int64, device=DEVICE)
     path, lengths, tokens = accept_walk(empty, empty, empty, 3, None)
     assert path.shape == (0, 4) and lengths.shape == (0,) and tokens.shape == (0, 4)
+
+
+@pytest.mark.parametrize("bs,k,s", [(1, 2, 0), (3, 4, 2), (2, 3, 4), (2, 8, 1)])
+def test_expand_kernel_matches_the_torch_step(bs, k, s):
+    """Tie-free random scores (torch.topk leaves the order of equal scores open)."""
+    gen = torch.Generator().manual_seed(bs * 100 + k * 10 + s)
+    shape = tree_ops.TreeShape(k, 6, 1 + k * 3)
+    builder = tree_ops.DraftTreeBuilder(shape, torch.rand(bs, k, generator=gen),
+                                        torch.randint(0, 500, (bs, k), generator=gen), torch.zeros(bs, 2))
+    frontier_scores = torch.rand(bs, k, generator=gen)
+    probs = torch.softmax(torch.randn(bs * k, k, generator=gen), dim=-1)
+    ids = torch.randint(0, 500, (bs * k, k), generator=gen)
+    frontier_ids = torch.randint(0, 40, (bs, k), generator=gen)
+    path_slots = torch.randint(0, 10_000, (bs, k, s), generator=gen)
+    want = builder._expand_torch(frontier_scores, probs, ids, frontier_ids, path_slots, 17)
+    got = tree_kernels.expand(*(t.to(DEVICE) for t in (frontier_scores, probs, ids, frontier_ids, path_slots)), 17)
+    for name, a, b in zip(want._fields, got, want):
+        if a.dtype.is_floating_point:
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, msg=name)
+        else:
+            assert torch.equal(a.cpu(), b), name
