@@ -11,6 +11,11 @@ graph of the step replays: the GPU-side measure is bench/step_profile.py. An op 
 to the innermost engine function on its stack (the attention backend and the models are
 reported as one group each: they are the same in a plain step). Host syncs (`item`,
 `_local_scalar_dense`, `nonzero`) are counted separately: the steady state must have none.
+
+`--cuda-kernels` takes the draft tree's CUDA paths (the Triton kernels of
+engine/spec/tree_kernels.py, run by the Triton interpreter) and counts each launch as one op,
+as a GPU would; without it the torch code those kernels replace is counted (what runs off
+CUDA). The greedy argmax (torch.argmax here) is two kernels on CUDA either way.
 """
 from __future__ import annotations
 
@@ -22,9 +27,7 @@ import tempfile
 from collections import Counter, defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+from torch.profiler import ProfilerActivity, profile, record_function
 
 MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
          "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
@@ -103,15 +106,43 @@ def kernel_ops(prof) -> list:
     def below(e) -> bool:
         return any(works(c) for c in aten_children(e))
 
-    return [e for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL
-            and not below(e)]
+    def in_kernel(e) -> bool:  # the interpreter's own ops inside a Triton launch
+        e = e.cpu_parent
+        while e is not None:
+            if e.name.startswith(KERNEL_RANGE):
+                return True
+            e = e.cpu_parent
+        return False
+
+    return [e for e in prof.events() if e.name.startswith(KERNEL_RANGE) or (
+        e.name.startswith("aten::") and e.name not in NO_KERNEL and not below(e) and not in_kernel(e))]
 
 
 def aten_children(e) -> list:
     return [c for c in e.cpu_children if c.name.startswith("aten::")]
 
 
+KERNEL_RANGE = "triton kernel: "
+
+
+def use_tree_kernels() -> None:
+    """Run the CUDA paths of tree_kernels on the CPU (interpreter), each launch one range."""
+    from specserve.engine.spec import tree_kernels
+
+    def counted(fn):
+        def launch(*args, **kwargs):
+            with record_function(KERNEL_RANGE + fn.__name__):
+                return fn(*args, **kwargs)
+        return launch
+
+    tree_kernels.use_kernel = lambda t: True
+    tree_kernels.accept_walk = counted(tree_kernels.accept_walk)
+    tree_kernels.expand = counted(tree_kernels.expand)
+
+
 def measure(mode: str, bs: int, steps: int, root: str, backend: str) -> dict:
+    from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+
     target, draft = write_pair(root)
     spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=3, **MODES[mode])
     engine = Engine(EngineConfig(model=target, device="cpu", dtype="float32", load_format="dummy", spec=spec,
@@ -148,6 +179,7 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str) -> dict:
             syncs[engine_frame(e)] += 1
     per = lambda c: {k: v / num_steps for k, v in c.most_common()}
     return {"mode": mode, "batch_size": bs, "steps": num_steps, "attention_backend": backend,
+            "cuda_kernels": KERNEL_RANGE.strip() in str(by_op),
             "ops_per_step": sum(by_frame.values()) / num_steps,
             "spec_ops_per_step": sum(v for k, v in by_frame.items() if k not in dict(GROUPS)) / num_steps,
             "syncs_per_step": per(syncs), "by_phase": per(by_phase), "by_function": per(by_frame), "by_op": per(by_op),
@@ -161,8 +193,13 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--detail", action="store_true", help="print the ops of every function")
+    ap.add_argument("--cuda-kernels", action="store_true",
+                    help="take the draft tree's Triton kernels (interpreted), one op a launch")
     ap.add_argument("--out", default="spec_op_count.json")
     args = ap.parse_args()
+    if args.cuda_kernels:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
+        use_tree_kernels()
     torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory() as root:
