@@ -51,8 +51,9 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device) -
     out = torch.empty_like(q)
     po = torch.empty(bs, HEADS, max_kv_splits, HEAD_DIM, device=device)
     pl = torch.empty(bs, HEADS, max_kv_splits, device=device)
+    arrivals = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device=device)
     return triton.testing.do_bench_cudagraph(lambda: decode_attention(
-        q, k, v, out, kv_indptr, kv_indices, po, pl, 0.088, config), rep=200) / 1000
+        q, k, v, out, kv_indptr, kv_indices, po, pl, arrivals, 0.088, config), rep=200) / 1000
 
 
 def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device) -> float:

@@ -75,9 +75,11 @@ class MLAScene:
     def decode(self, config: DecodeConfig, max_kv_splits: int):
         po = torch.empty(self.bs, self.heads, max_kv_splits, LATENT, device=self.q.device)
         pl = torch.empty(self.bs, self.heads, max_kv_splits, device=self.q.device)
+        # A counter per (request, slice of heads): at most one slice a head.
+        arrivals = torch.zeros(self.bs * self.heads, dtype=torch.int32, device=self.q.device)
         return lambda: decode_attention(self.q, self.k_buffer, self.v_buffer, self.out,
-                                        self.kv_indptr, self.kv_indices, po, pl, self.scale,
-                                        config)
+                                        self.kv_indptr, self.kv_indices, po, pl, arrivals,
+                                        self.scale, config)
 
     def tree_verify(self, config: DecodeConfig, max_kv_splits: int):
         device, n = self.q.device, self.bs * self.extend

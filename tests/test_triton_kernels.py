@@ -160,13 +160,19 @@ def test_decode_attention(num_kv_heads, group_size, head_dim, max_kv_splits):
     scene = make_scene(prefix_lens, [1] * 4, num_kv_heads, head_dim, gen)
     q = torch.randn(4, num_heads, head_dim, generator=gen).to(DEVICE)
     kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
-    out = torch.empty_like(q)
     partial_out = torch.empty(4, num_heads, max_kv_splits, head_dim, device=DEVICE)
     partial_lse = torch.empty(4, num_heads, max_kv_splits, device=DEVICE)
+    arrivals = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
-    decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
-                     partial_out, partial_lse, scale, SMALL_DECODE)
-    torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
+    outputs = []
+    for _ in range(2):  # the merge leaves its counters at zero: a second launch is the same
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                         partial_out, partial_lse, arrivals, scale, SMALL_DECODE)
+        torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
+        assert not arrivals.any()
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_decode_attention_is_batch_invariant():
@@ -177,6 +183,7 @@ def test_decode_attention_is_batch_invariant():
     q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
     partial_out = torch.empty(3, 4, 4, 16, device=DEVICE)
     partial_lse = torch.empty(3, 4, 4, device=DEVICE)
+    arrivals = torch.zeros(3 * 2, dtype=torch.int32, device=DEVICE)
 
     def run_first(bs: int) -> torch.Tensor:
         kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=DEVICE)
@@ -185,7 +192,7 @@ def test_decode_attention_is_batch_invariant():
                         kv_indices, decode_token_slots=scene.new_slots[:bs])
         out = torch.empty_like(q[:bs])
         decode_attention(q[:bs], scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
-                         partial_out, partial_lse, 0.25, SMALL_DECODE)
+                         partial_out, partial_lse, arrivals, 0.25, SMALL_DECODE)
         return out
 
     assert torch.equal(run_first(3)[0], run_first(1)[0])
@@ -587,9 +594,12 @@ def test_mla_decode_attention(num_heads, max_kv_splits, separate_values):
     out = torch.full((4, num_heads, MLA_LATENT), float("nan"), device=DEVICE)
     partial_out = torch.empty(4, num_heads, max_kv_splits, MLA_LATENT, device=DEVICE)
     partial_lse = torch.empty(4, num_heads, max_kv_splits, device=DEVICE)
+    # One counter per (request, slice of the 16-head tiles).
+    arrivals = torch.zeros(4 * -(-num_heads // 16), dtype=torch.int32, device=DEVICE)
     scale = MLA_KEY_DIM ** -0.5
     decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
-                     partial_out, partial_lse, scale, MLA_DECODE)
+                     partial_out, partial_lse, arrivals, scale, MLA_DECODE)
+    assert not arrivals.any()
     torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
 
 
@@ -606,7 +616,8 @@ def test_mla_rope_dims_change_the_scores():
         out = torch.empty(1, 16, MLA_LATENT, device=DEVICE)
         decode_attention(query, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
                          torch.empty(1, 16, 2, MLA_LATENT, device=DEVICE),
-                         torch.empty(1, 16, 2, device=DEVICE), 0.3, MLA_DECODE)
+                         torch.empty(1, 16, 2, device=DEVICE),
+                         torch.zeros(1, dtype=torch.int32, device=DEVICE), 0.3, MLA_DECODE)
         torch.testing.assert_close(out, scene_reference(scene, query, 0.3), atol=1e-4, rtol=1e-4)
         outputs.append(out)
     assert not torch.allclose(outputs[0], outputs[1], atol=1e-3)

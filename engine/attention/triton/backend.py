@@ -35,7 +35,8 @@ class TritonAttnMetadata(NamedTuple):
     custom_mask: Optional[torch.Tensor]  # [bs, max_extend, max_extend] (tree verify)
     partial_out: Optional[torch.Tensor]  # split-KV scratch, a row per query token (decode or
     partial_lse: Optional[torch.Tensor]  # split extend)
-    arrivals: Optional[torch.Tensor]     # split extend: per (request, KV head) counters, zero
+    arrivals: Optional[torch.Tensor]     # decode or split extend: per (request, KV head[, head
+                                         # slice]) split counters, zero between forwards
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -97,8 +98,8 @@ class TritonAttnBackend(AttentionBackend):
                                            device=self.device)
         self._partial_out_buf, self._partial_lse_buf = self._alloc_split_kv_scratch(
             max_batch_size * max_query_len)
-        # A split extend has one counter per (request, KV head, slice of the group's heads),
-        # at most a slice per head.
+        # A split forward (decode or short extend) has one counter per (request, KV head,
+        # slice of the group's heads), at most a slice per head.
         self._arrivals_per_req = num_kv_heads * triton.next_power_of_2(num_heads // num_kv_heads)
         self._arrivals_buf = torch.zeros(max_batch_size * self._arrivals_per_req,
                                          dtype=torch.int32, device=self.device)
@@ -143,7 +144,7 @@ class TritonAttnBackend(AttentionBackend):
                 partial_lse = self._partial_lse_buf[:num_rows]
             else:
                 partial_out, partial_lse = self._alloc_split_kv_scratch(num_rows)
-        if split_extend:  # the kernel leaves the counters at zero for the next forward
+        if is_decode or split_extend:  # the kernels leave the counters at zero for the next forward
             arrivals = (self._arrivals_buf if bs <= self.max_batch_size else
                         torch.zeros(bs * self._arrivals_per_req, dtype=torch.int32,
                                     device=self.device))
@@ -181,8 +182,8 @@ class TritonAttnBackend(AttentionBackend):
         out = q.new_empty(num_tokens, self.num_heads, self.v_head_dim)
         if metadata.is_decode:
             decode_attention(q, k_buffer, v_buffer, out, metadata.kv_indptr, metadata.kv_indices,
-                             metadata.partial_out, metadata.partial_lse, scale,
-                             self.decode_config)
+                             metadata.partial_out, metadata.partial_lse, metadata.arrivals,
+                             scale, self.decode_config)
         elif metadata.split_extend:
             short_extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr,
                                    metadata.kv_indptr, metadata.kv_indices, fb.out_cache_loc,

@@ -1,19 +1,20 @@
 """Triton kernels for paged attention over the KV pool (page size 1).
 
-Three launchers, each a thin host wrapper around one or two `@triton.jit` kernels:
+Four launchers, each a thin host wrapper around one `@triton.jit` kernel:
 
 - `fill_kv_indices`: gathers every request's prefix slots out of `req_to_token` into one flat
   `kv_indices` list with offsets `kv_indptr` (CSR). Lengths stay on the device: the host only
   supplies an upper bound for the size of `kv_indices`.
 - `decode_attention`: one query token per request; split-KV (each program covers one slice of
-  the sequence and writes a partial output and its log-sum-exp), then a reduce over the slices.
+  the sequence and writes a partial output and its log-sum-exp; the last slice to finish
+  merges them), one pass when the sequence is a single slice.
 - `extend_attention`: several new tokens per request (prefill, verify, draft-extend). The
   cached prefix is gathered through `kv_indices`; the new tokens come from their own slots
   (`new_token_slots`, i.e. `out_cache_loc`) under a causal or a custom (tree) mask.
 - `short_extend_attention`: the same for a few new tokens per request (verify and
   draft-extend), split over the prefix like decode: every new token and every query head of a
   KV group share one tile, and the prefix is cut into splits that run in parallel and are
-  merged by the decode's second stage. A 4-token verify over 32k keys otherwise runs one
+  merged as decode's are. A 4-token verify over 32k keys otherwise runs one
   program per KV head over the whole prefix.
 
 Conventions shared by all kernels:
@@ -84,7 +85,7 @@ def default_decode_config(head_dim: int, device: torch.device,
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
     # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
     # V) tile is 32 KiB, so three stages of both take 192 KiB of shared memory. Larger heads
-    # use smaller tiles. 256 tokens per split keeps the reduce cheap while a 4k-token
+    # use smaller tiles. 256 tokens per split keeps the merge cheap while a 4k-token
     # sequence still spreads over 16 programs per KV head at batch size 1.
     if head_dim <= 128:
         return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
@@ -312,8 +313,50 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
     return m_i, l_i, acc
 
 
+@triton.jit
+def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask, row_mask, split,
+                           num_splits, counter, stride_po_split, BLOCK_M: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """Finish one split's rows: a single split stores its output at once; otherwise every split
+    stores its partial result (normalised output and base-2 log-sum-exp) and counts its arrival
+    on `counter`, and the last to arrive merges them all in split order, stores the output and
+    zeroes the counter for the next launch (and the next CUDA-graph replay). A second kernel
+    for the merge would cost a launch a layer, more than the merge itself at short contexts.
+    Splits past the end of a short sequence (`split >= num_splits`) store nothing."""
+    if num_splits == 1:
+        if split == 0:
+            # Padded rows saw nothing (l = 0); they are not stored, the guard avoids 0/0.
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=tile_mask)
+    elif split < num_splits:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(po_ptrs + split * stride_po_split, acc / l_i[:, None], mask=tile_mask)
+        tl.store(pl_ptrs + split, m_i + tl.log2(l_i), mask=row_mask)
+        # Every thread's partial stores come before the arrival (a CTA barrier, then the
+        # atomic's release); the last split reads the others' after its acquire, from L2.
+        tl.debug_barrier()
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.debug_barrier()
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for s in range(0, num_splits):
+                lse = tl.load(pl_ptrs + s, mask=row_mask, other=0.0, cache_modifier=".cg")
+                part = tl.load(po_ptrs + s * stride_po_split, mask=tile_mask, other=0.0,
+                               cache_modifier=".cg")
+                m_new = tl.maximum(m_i, lse)
+                alpha = tl.exp2(m_i - m_new)
+                weight = tl.exp2(lse - m_new)
+                acc = acc * alpha[:, None] + weight[:, None] * part
+                l_i = l_i * alpha + weight
+                m_i = m_new
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=tile_mask)
+            tl.store(counter, 0)
+
+
 # ---------------------------------------------------------------------------------------------
-# Decode: split-KV, two stages
+# Decode: split-KV, merged by the last split
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -326,17 +369,20 @@ def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.con
 
 
 @triton.jit
-def _decode_partial_kernel(
-    q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, sm_scale_log2,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
+def _decode_kernel(
+    q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
+    sm_scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot,
+    stride_k_head, stride_v_slot, stride_v_head, stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
     GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
-    # is larger than BLOCK_H, as MLA's one KV head for all query heads is).
+    # is larger than BLOCK_H, as MLA's one KV head for all query heads is) over one split of
+    # the sequence. A sequence of at most MIN_KV_SPLIT_LEN tokens is one split: one pass,
+    # its program stores the output and the other splits' programs exit at once.
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
@@ -344,6 +390,7 @@ def _decode_partial_kernel(
     kv_start = tl.load(kv_indptr + req)
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
     split_len = _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN, BLOCK_N)
+    num_splits = tl.maximum(tl.cdiv(seq_len, split_len), 1)
     split_begin = split * split_len
     split_end = tl.minimum(split_begin + split_len, seq_len)
 
@@ -368,49 +415,12 @@ def _decode_partial_kernel(
         offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
         DOT_PRECISION)
 
-    # Splits past the end of a short sequence store nothing; the reduce never reads them.
-    # Their l = 0 is replaced only to keep the discarded lanes free of 0/0 and log(0).
-    store_mask = offs_h < tl.where(split_begin < split_end, GROUP_SIZE, 0)
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out_offsets = (req * stride_po_tok + heads[:, None] * stride_po_head
-                   + split * stride_po_split + offs_d[None, :])
-    tl.store(partial_out + out_offsets, acc / l_i[:, None],
-             mask=store_mask[:, None] & dim_mask[None, :])
-    tl.store(partial_lse + req * stride_pl_tok + heads * stride_pl_head + split,
-             m_i + tl.log2(l_i), mask=store_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    partial_out, partial_lse, kv_indptr, out,
-    stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
-    stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)
-    num_splits = tl.cdiv(seq_len, _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN,
-                                                 BLOCK_N))
-    offs_d = tl.arange(0, BLOCK_D)
-    dim_mask = offs_d < HEAD_DIM
-
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(0, num_splits):
-        lse = tl.load(partial_lse + req * stride_pl_tok + head * stride_pl_head + split)
-        part = tl.load(partial_out + req * stride_po_tok + head * stride_po_head
-                       + split * stride_po_split + offs_d, mask=dim_mask, other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha + weight * part
-        l_i = l_i * alpha + weight
-        m_i = m_new
-    tl.store(out + req * stride_o_tok + head * stride_o_head + offs_d,
-             (acc / l_i).to(out.dtype.element_ty), mask=dim_mask)
+    _store_or_merge_splits(
+        acc, m_i, l_i, out + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+        partial_out + req * stride_po_tok + heads[:, None] * stride_po_head + offs_d[None, :],
+        partial_lse + req * stride_pl_tok + heads * stride_pl_head,
+        head_mask[:, None] & dim_mask[None, :], head_mask, split, num_splits,
+        arrivals + req * tl.num_programs(1) + tl.program_id(1), stride_po_split, BLOCK_H, BLOCK_D)
 
 
 def _check_qkv_out(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -422,15 +432,16 @@ def _check_qkv_out(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tens
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                     partial_out: torch.Tensor, partial_lse: torch.Tensor, sm_scale: float,
-                     config: Optional[DecodeConfig] = None) -> None:
+                     partial_out: torch.Tensor, partial_lse: torch.Tensor, arrivals: torch.Tensor,
+                     sm_scale: float, config: Optional[DecodeConfig] = None) -> None:
     """out[b] = attention of q[b] over the slots `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`.
 
     q: [bs, num_heads, key_dim]; k_buffer: [slots, num_kv_heads, key_dim]; v_buffer: [slots,
     num_kv_heads, value_dim] (any slot/head strides; may be a view of the key buffer, as
     MLA's latent is); out: [bs, num_heads, value_dim]. partial_out: [>= bs, num_heads,
     max_kv_splits, value_dim] fp32 and partial_lse: [>= bs, num_heads, max_kv_splits] fp32
-    are scratch; `max_kv_splits` is their third dim.
+    are scratch; `max_kv_splits` is their third dim. arrivals: int32 [>= bs * num_kv_heads *
+    `decode_head_blocks`], all zero (the kernel leaves them zero).
     """
     bs, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -438,19 +449,18 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= bs and partial_out.shape[1:3] == partial_lse.shape[1:]
     layout = _head_layout(q, k_buffer, v_buffer)
-    if bs == 0:
-        return
     config = config or default_decode_config(key_dim, q.device, layout.main_dim)
     group_size = num_heads // num_kv_heads
-    # tl.dot needs at least 16 rows on tensor cores; padded head rows are masked out.
-    block_h = min(max(16, triton.next_power_of_2(group_size)), max(16, config.block_h))
-    head_blocks = triton.cdiv(group_size, block_h)
+    block_h, head_blocks = _decode_head_tiling(group_size, config)
+    assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads * head_blocks
+    if bs == 0:
+        return
     max_kv_splits = partial_out.shape[2]
-    _decode_partial_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
+    _decode_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
+        q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
         sm_scale * LOG2_E,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_buffer.stride(0),
+        k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP_SIZE=group_size, BLOCK_H=block_h, HEAD_BLOCKS=head_blocks,
@@ -460,14 +470,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         DOT_PRECISION=_dot_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _decode_reduce_kernel[(bs, num_heads)](
-        partial_out, partial_lse, kv_indptr, out,
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=layout.main_dim, BLOCK_D=layout.block_d, BLOCK_N=config.block_n,
-        MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
-        num_warps=4 if layout.main_dim >= 128 else 2, num_stages=1,
-    )
+
+
+def _decode_head_tiling(group_size: int, config: DecodeConfig) -> tuple[int, int]:
+    """(query heads per program, programs per KV head) of the decode kernel."""
+    # tl.dot needs at least 16 rows on tensor cores; padded head rows are masked out.
+    block_h = min(max(16, triton.next_power_of_2(group_size)), max(16, config.block_h))
+    return block_h, triton.cdiv(group_size, block_h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,41 +691,14 @@ def _short_extend_kernel(
         stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
         MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
 
-    out_ptrs = out + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
-    if num_splits == 1:
-        if split == 0:
-            # Padded rows saw nothing (l = 0); they are not stored, the guard avoids 0/0.
-            l_i = tl.where(l_i == 0.0, 1.0, l_i)
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=tile_mask)
-    elif split < num_splits:
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        po_ptrs = (partial_out + rows[:, None] * stride_po_tok + heads[:, None] * stride_po_head
-                   + offs_d[None, :])
-        pl_ptrs = partial_lse + rows * stride_pl_tok + heads * stride_pl_head
-        tl.store(po_ptrs + split * stride_po_split, acc / l_i[:, None], mask=tile_mask)
-        tl.store(pl_ptrs + split, m_i + tl.log2(l_i), mask=row_mask)
-        # Every thread's partial stores come before the arrival (a CTA barrier, then the
-        # atomic's release); the last split reads the others' after its acquire, from L2.
-        tl.debug_barrier()
-        counter = arrivals + req * (NUM_KV_HEADS * HEAD_BLOCKS) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.debug_barrier()
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for s in range(0, num_splits):
-                lse = tl.load(pl_ptrs + s, mask=row_mask, other=0.0, cache_modifier=".cg")
-                part = tl.load(po_ptrs + s * stride_po_split, mask=tile_mask, other=0.0,
-                               cache_modifier=".cg")
-                m_new = tl.maximum(m_i, lse)
-                alpha = tl.exp2(m_i - m_new)
-                weight = tl.exp2(lse - m_new)
-                acc = acc * alpha[:, None] + weight[:, None] * part
-                l_i = l_i * alpha + weight
-                m_i = m_new
-            l_i = tl.where(l_i == 0.0, 1.0, l_i)
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=tile_mask)
-            tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
+    _store_or_merge_splits(
+        acc, m_i, l_i,
+        out + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+        partial_out + rows[:, None] * stride_po_tok + heads[:, None] * stride_po_head
+        + offs_d[None, :],
+        partial_lse + rows * stride_pl_tok + heads * stride_pl_head, tile_mask, row_mask, split,
+        num_splits, arrivals + req * (NUM_KV_HEADS * HEAD_BLOCKS) + tl.program_id(1),
+        stride_po_split, BLOCK_M, BLOCK_D)
 
 
 def short_extend_tiling(group_size: int, max_extend_len: int,
