@@ -67,3 +67,19 @@ def test_expand_kernel_matches_the_torch_step(bs, k, s):
             torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, msg=name)
         else:
             assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("D,chain", [(2, True), (4, True), (8, False), (9, False), (16, False)])
+def test_build_tree_kernel_matches_the_torch_layout(D, chain):
+    bs = 12
+    rng = random.Random(D)
+    parents = torch.tensor([[i - 1 if chain else rng.randrange(0, i) for i in range(1, D)] for _ in range(bs)])
+    tokens = torch.randint(0, 300, (bs, D - 1), generator=torch.Generator().manual_seed(D))
+    bonus, S = torch.arange(bs) + 500, torch.randint(0, 50, (bs,), generator=torch.Generator().manual_seed(1))
+    shape = tree_ops.TreeShape(1 if chain else 2, D - 1, D)
+    want = tree_ops.build_tree(tree_ops.DraftNodes(tokens, parents), bonus, S, shape)
+    got = tree_kernels.build_tree(*(t.to(DEVICE) for t in (tokens, parents, bonus, S)), not chain)
+    for name, a, b in zip(want._fields, got, want):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert torch.equal(a.cpu(), b), name

@@ -169,6 +169,10 @@ class Tree(NamedTuple):
 
 
 def build_tree(nodes: DraftNodes, bonus: torch.Tensor, S: torch.Tensor, shape: TreeShape) -> Tree:
+    """The verify layout of drafted nodes (parents before children) under the bonus token.
+    On CUDA one Triton kernel (tree_kernels.build_tree)."""
+    if tree_kernels.use_kernel(bonus):
+        return Tree(*tree_kernels.build_tree(nodes.tokens, nodes.parents, bonus, S, shape.is_tree))
     bs = bonus.shape[0]
     D = shape.num_draft_tokens
     device = bonus.device

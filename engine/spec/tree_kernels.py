@@ -2,9 +2,10 @@
 
 In torch this work is a cluster of tiny kernels of a few microseconds each, launched per
 tree level: the acceptance walk costs about ten per level (children of the current node,
-their tokens against the target's, the first match, advance), and growing the tree about
+their tokens against the target's, the first match, advance), growing the tree about
 eight per draft step (child scores, their parents, the top-k, the new frontier's ids,
-tokens, hidden rows and ancestry). Here a program loads its request's few values once and
+tokens, hidden rows and ancestry), and laying out the verify tree (nodes after the bonus,
+depths, ancestor mask) about twenty. Here a program loads its request's few values once and
 does the level in registers. Results equal the torch code in `tree.py`, which stays the path
 off CUDA (for ties in the top-k: torch.topk does not specify which of equal scores comes
 first; these kernels take the lower index).
@@ -151,3 +152,55 @@ def expand(frontier_scores: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor
                               BLOCK_C=triton.next_power_of_2(k * k), BLOCK_K=triton.next_power_of_2(k),
                               S=s, BLOCK_S=triton.next_power_of_2(max(s, 1)), num_warps=1)
     return out
+
+
+
+if triton is not None:
+    @triton.jit
+    def _build_tree_kernel(node_tokens, node_parents, bonus, S, tokens_out, parents_out, positions_out,
+                           chain_pos_out, mask_out, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                           TREE: tl.constexpr):
+        b = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_D)
+        valid = offs < D
+        is_node = valid & (offs > 0)
+        base = b.to(tl.int64) * D
+        node_base = b.to(tl.int64) * (D - 1)
+        tok = tl.load(node_tokens + node_base + offs - 1, mask=is_node, other=0)
+        tok = tl.where(offs == 0, tl.load(bonus + b), tok)
+        par = tl.load(node_parents + node_base + offs - 1, mask=is_node, other=-1)
+        start = tl.load(S + b)
+        tl.store(tokens_out + base + offs, tok, mask=valid)
+        tl.store(parents_out + base + offs, par, mask=valid)
+        tl.store(chain_pos_out + base + offs, start + offs, mask=valid)
+        if TREE:
+            # Parents come before their children: node i's row is its parent's plus itself.
+            rows = offs[:, None]
+            cols = offs[None, :]
+            anc = rows == cols
+            depth = tl.zeros([BLOCK_D], dtype=tl.int64)
+            for i in tl.static_range(1, D):
+                p = tl.sum(tl.where(offs == i, par, 0), axis=0)
+                parent_row = tl.sum(tl.where(rows == p, anc.to(tl.int32), 0), axis=0) > 0
+                anc = tl.where(rows == i, parent_row[None, :] | (cols == i), anc)
+                depth = tl.where(offs == i, tl.sum(tl.where(offs == p, depth, 0), axis=0) + 1, depth)
+            tl.store(positions_out + base + offs, start + depth, mask=valid)
+            cell = valid[:, None] & valid[None, :]
+            tl.store(mask_out + b.to(tl.int64) * D * D + rows * D + cols, anc, mask=cell)
+
+
+def build_tree(node_tokens: torch.Tensor, node_parents: torch.Tensor, bonus: torch.Tensor, S: torch.Tensor,
+               tree: bool):
+    """(tokens, parents, positions, chain positions, mask or None) of `tree.build_tree` in one
+    kernel: node_tokens / node_parents [bs, D - 1] (parents before children), bonus and S [bs]."""
+    bs, D = node_tokens.shape[0], node_tokens.shape[1] + 1
+    device = bonus.device
+    tokens, parents, chain_pos = (torch.empty(bs, D, dtype=torch.int64, device=device) for _ in range(3))
+    positions = torch.empty(bs, D, dtype=torch.int64, device=device) if tree else chain_pos
+    mask = torch.empty(bs, D, D, dtype=torch.bool, device=device) if tree else None
+    if bs:
+        _build_tree_kernel[(bs,)](node_tokens.contiguous(), node_parents.contiguous(), bonus.contiguous(),
+                                  S.contiguous(), tokens, parents, positions, chain_pos,
+                                  mask if tree else tokens, D=D, BLOCK_D=triton.next_power_of_2(D),
+                                  TREE=tree, num_warps=1)
+    return tokens, parents, positions, chain_pos, mask
