@@ -83,3 +83,25 @@ def test_build_tree_kernel_matches_the_torch_layout(D, chain):
         assert (a is None) == (b is None), name
         if b is not None:
             assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("k,steps,D", [(2, 3, 6), (4, 5, 8), (8, 2, 10), (4, 4, 16)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_keep_best_kernel_matches_the_stable_sort(k, steps, D, ties):
+    """A grown tree's candidates kept as nodes: the D - 1 best by path probability, ties to
+    the earlier candidate, parents before children (scores quantised for ties)."""
+    gen = torch.Generator().manual_seed(k * 31 + D)
+    bs = 5
+    builder = tree_ops.DraftTreeBuilder(tree_ops.TreeShape(k, steps, D), torch.rand(bs, k, generator=gen),
+                                        torch.randint(0, 500, (bs, k), generator=gen), torch.zeros(bs, 2))
+    for _ in range(steps - 1):
+        probs = torch.rand(bs * k, k, generator=gen)
+        if ties:
+            probs = (probs * 4).round() / 4  # many equal path probabilities
+        builder.expand(probs.sort(dim=1, descending=True).values, torch.randint(0, 500, (bs * k, k), generator=gen),
+                       torch.zeros(bs * k, 2))
+    want = builder.finish()
+    scores, tokens, parents = (torch.cat(x, dim=1) for x in (builder.scores, builder.tokens, builder.parents))
+    got = tree_kernels.keep_best(scores.to(DEVICE), tokens.to(DEVICE), parents.to(DEVICE), D - 1)
+    for name, a, b in zip(want._fields, got, want):
+        assert torch.equal(a.cpu(), b), name

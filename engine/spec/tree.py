@@ -142,6 +142,8 @@ class DraftTreeBuilder:
         parents = torch.cat(self.parents, dim=1)
         keep = self.shape.num_draft_tokens - 1
         scores = torch.cat(self.scores, dim=1)
+        if tree_kernels.use_kernel(scores):
+            return DraftNodes(*tree_kernels.keep_best(scores, tokens, parents, keep))
         # Stable sort: on equal scores the earlier candidate (a parent before its child) wins.
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
         chosen = torch.sort(order, dim=1).values                        # parents before children

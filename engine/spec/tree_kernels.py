@@ -4,7 +4,8 @@ In torch this work is a cluster of tiny kernels of a few microseconds each, laun
 tree level: the acceptance walk costs about ten per level (children of the current node,
 their tokens against the target's, the first match, advance), growing the tree about
 eight per draft step (child scores, their parents, the top-k, the new frontier's ids,
-tokens, hidden rows and ancestry), and laying out the verify tree (nodes after the bonus,
+tokens, hidden rows and ancestry), keeping the best D - 1 candidates as nodes about fifteen,
+and laying out the verify tree (nodes after the bonus,
 depths, ancestor mask) about twenty. Here a program loads its request's few values once and
 does the level in registers. Results equal the torch code in `tree.py`, which stays the path
 off CUDA (for ties in the top-k: torch.topk does not specify which of equal scores comes
@@ -204,3 +205,49 @@ def build_tree(node_tokens: torch.Tensor, node_parents: torch.Tensor, bonus: tor
                                   mask if tree else tokens, D=D, BLOCK_D=triton.next_power_of_2(D),
                                   TREE=tree, num_warps=1)
     return tokens, parents, positions, chain_pos, mask
+
+
+
+if triton is not None:
+    @triton.jit
+    def _keep_best_kernel(scores, tokens, parents, node_tokens_out, node_parents_out, C: tl.constexpr,
+                          KEEP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_C)
+        valid = offs < C
+        base = b.to(tl.int64) * C
+        sc = tl.load(scores + base + offs, mask=valid, other=0.0)
+        # The KEEP best, ties to the earlier candidate (a stable descending sort's first KEEP).
+        left = valid
+        chosen = offs < 0
+        for _ in tl.static_range(KEEP):
+            top = tl.max(tl.where(left, sc, float("-inf")), axis=0)
+            pick = tl.min(tl.where(left & (sc == top), offs, BLOCK_C), axis=0)
+            chosen = chosen | (offs == pick)
+            left = left & (offs != pick)
+        # Kept candidates in id order (parents first) are nodes 1..KEEP; others map to 0 (root).
+        node_of = tl.where(chosen, tl.cumsum(chosen.to(tl.int32), axis=0), 0)
+        tok = tl.load(tokens + base + offs, mask=valid, other=0)
+        par = tl.load(parents + base + offs, mask=valid, other=-1)
+        nodes = tl.arange(0, BLOCK_K)
+        is_node = (node_of[None, :] == nodes[:, None] + 1) & chosen[None, :]         # [node, candidate]
+        node_tok = tl.sum(tl.where(is_node, tok[None, :], 0), axis=1)
+        cand_parent = tl.sum(tl.where(is_node, par[None, :], 0), axis=1)
+        parent_node = tl.sum(tl.where(offs[None, :] == cand_parent[:, None], node_of[None, :], 0), axis=1)
+        keep = nodes < KEEP
+        tl.store(node_tokens_out + b.to(tl.int64) * KEEP + nodes, node_tok, mask=keep)
+        tl.store(node_parents_out + b.to(tl.int64) * KEEP + nodes,
+                 tl.where(cand_parent < 0, 0, parent_node).to(tl.int64), mask=keep)
+
+
+def keep_best(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, keep: int):
+    """(node tokens, node parents) [bs, keep] of `DraftTreeBuilder.finish` in one kernel:
+    candidates' scores, tokens and parent candidate ids (-1: the root) [bs, C]."""
+    bs, C = scores.shape
+    node_tokens = torch.empty(bs, keep, dtype=tokens.dtype, device=tokens.device)
+    node_parents = torch.empty(bs, keep, dtype=torch.int64, device=tokens.device)
+    if bs:
+        _keep_best_kernel[(bs,)](scores.float().contiguous(), tokens.contiguous(), parents.contiguous(),
+                                 node_tokens, node_parents, C=C, KEEP=keep, BLOCK_C=triton.next_power_of_2(C),
+                                 BLOCK_K=triton.next_power_of_2(keep), num_warps=1)
+    return node_tokens, node_parents
