@@ -136,8 +136,8 @@ def use_tree_kernels() -> None:
         return launch
 
     tree_kernels.use_kernel = lambda t: True
-    tree_kernels.accept_walk = counted(tree_kernels.accept_walk)
-    tree_kernels.expand = counted(tree_kernels.expand)
+    for name in ("accept_walk", "expand", "keep_best", "build_tree"):
+        setattr(tree_kernels, name, counted(getattr(tree_kernels, name)))
 
 
 def measure(mode: str, bs: int, steps: int, root: str, backend: str) -> dict:
