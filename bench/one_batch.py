@@ -186,7 +186,8 @@ def main():
                          "flashinfer alone is the host-synced plan, never graphed)")
     ap.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes (GPUs per engine)")
     ap.add_argument("--variants", default="default",
-                    help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph")
+                    help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph, "
+                         "no-skinny-gemm (cuBLAS for every GEMM)")
     ap.add_argument("--draft", default="eagle3", choices=["eagle3", "nextn"],
                     help="the speculative rows' draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
@@ -224,7 +225,7 @@ def main():
                                cuda_graph=BACKEND_ROWS[backend].cuda_graph and variant != "no-graph",
                                mem_fraction=0.5,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
-                               tp_size=tp)
+                               skinny_gemm=variant != "no-skinny-gemm", tp_size=tp)
             engine = Engine(cfg)
             weights = weight_bytes(engine)
             limit = bandwidth / weights  # per-rank shard: tp GPUs read in parallel

@@ -22,7 +22,7 @@ from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
 from specserve.engine.kvcache.radix_cache import RadixCache
 from specserve.engine.layers.moe import experts_capturable
-from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range
+from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range, set_skinny_gemm
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
@@ -143,6 +143,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     else:
         load_llama(model, model_path)
     model.eval()
+    set_skinny_gemm(model, config.skinny_gemm)
 
     ctx = DeviceContext.for_device(device)
     num_rows = config.max_running_requests
@@ -187,6 +188,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool,
                                    attention_backend(dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim))
+    if draft_runner is not None:
+        set_skinny_gemm(draft_runner.model, config.skinny_gemm)
     backends = [attn, None if draft_runner is None else draft_runner.attn_backend]
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,

@@ -208,6 +208,9 @@ class EngineConfig:
     # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
     # model, the draft's KV too); False prefills every prompt from scratch.
     enable_prefix_cache: bool = True
+    # Decode-sized GEMMs (<= 16 rows) on CUDA in the Triton skinny GEMM where its per-shape
+    # rule picks it (engine/layers/skinny_gemm.py); False keeps cuBLAS everywhere (an A/B).
+    skinny_gemm: bool = True
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -225,6 +228,8 @@ class EngineConfig:
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
         _require(isinstance(self.enable_prefix_cache, bool), "enable_prefix_cache",
                  f"must be True or False, got {self.enable_prefix_cache!r}")
+        _require(isinstance(self.skinny_gemm, bool), "skinny_gemm",
+                 f"must be True or False, got {self.skinny_gemm!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 

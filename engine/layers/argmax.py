@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.engine.pdl import launch_options, wait_for_predecessor
+
 try:
     import triton
     import triton.language as tl
@@ -31,7 +33,9 @@ def argmax_last_dim(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     @triton.jit
     def _chunk_max_kernel(x, chunk_max, chunk_index, num_cols, stride_row,
-                          CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+                          CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        wait_for_predecessor(PDL)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         begin = chunk * CHUNK
@@ -52,7 +56,8 @@ if triton is not None:
 
     @triton.jit
     def _pick_chunk_kernel(chunk_max, chunk_index, out, NUM_CHUNKS: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+                           BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        wait_for_predecessor(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_C)
         valid = offs < NUM_CHUNKS
@@ -76,7 +81,8 @@ def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     _chunk_max_kernel[(rows, num_chunks)](x, chunk_max, chunk_index, cols, x.stride(0),
                                           CHUNK=chunk, NUM_CHUNKS=num_chunks, BLOCK=BLOCK,
-                                          num_warps=4)
+                                          num_warps=4, **launch_options(x.device))
     _pick_chunk_kernel[(rows,)](chunk_max, chunk_index, out, NUM_CHUNKS=num_chunks,
-                                BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+                                BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+                                **launch_options(x.device))
     return out

@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.engine.pdl import launch_options, wait_for_predecessor
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -41,7 +44,8 @@ def add_rmsnorm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     if x2.shape[0]:
         _add_rmsnorm_kernel[(x2.shape[0],)](
             x2, res_in, weight, out, res_out, shape[-1], eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 2048 else 8)
+            BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 2048 else 8,
+            **launch_options(x.device))
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -69,7 +73,9 @@ def _rope_heads(src, dst, n_heads, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, loc_ptr, pos_ptr,
                  cos_ptr, sin_ptr, q_stride, k_stride, v_stride, num_q_heads, num_k_heads,
-                 STORE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 STORE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -112,7 +118,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     if T:
         _rope_kernel[(T,)](q, k, k, q_out, k_out, k_out, positions, positions, cos, sin,
                            q.stride(0), k.stride(0), 0, hq, hk, STORE_KV=False,
-                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4)
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4,
+                           **launch_options(q.device))
     return q_out, k_out
 
 
@@ -129,12 +136,14 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if T:
         _rope_kernel[(T,)](q, k, v, q_out, k_cache, v_cache, loc, positions, cos, sin,
                            q.stride(0), k.stride(0), v.stride(0), hq, hk, STORE_KV=True,
-                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4)
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4,
+                           **launch_options(q.device))
     return q_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -151,5 +160,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4,
+                                                            **launch_options(gate_up.device))
     return out

@@ -5,6 +5,10 @@ by rows), row-parallel layers split their input features and all-reduce the outp
 embedding and the LM head split the vocabulary. With one rank every layer is a plain layer
 and no collective runs. Each parameter records which slice of the checkpoint tensor it holds
 (`param.shards`), so the loader reads only that slice.
+
+The linear layers run decode-sized batches (<= 16 rows) on CUDA through the Triton skinny GEMM
+(engine/layers/skinny_gemm.py) where its per-shape rule picks it; `set_skinny_gemm` turns that
+off in a model (EngineConfig.skinny_gemm, for an A/B in one process).
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from specserve.engine.layers.skinny_gemm import linear, linear_silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows split; `parts` are the fused checkpoint tensors' row ranges
     this rank holds (e.g. its q heads, its k heads, its v heads)."""
 
+    skinny_gemm = True  # see set_skinny_gemm
+
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool):
         super().__init__()
         out = sum(end - start for start, end in parts)
@@ -75,11 +83,18 @@ class ColumnParallelLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.skinny_gemm)
+
+    def forward_silu_and_mul(self, x):
+        """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one
+        kernel where the skinny GEMM runs."""
+        return linear_silu_and_mul(x, self.weight, self.bias, self.skinny_gemm)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T): the input features are split."""
+
+    skinny_gemm = True  # see set_skinny_gemm
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
         super().__init__()
@@ -89,7 +104,14 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x):
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.skinny_gemm))
+
+
+def set_skinny_gemm(model: nn.Module, enabled: bool) -> None:
+    """Whether the model's linear layers may use the skinny GEMM (else cuBLAS everywhere)."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.skinny_gemm = enabled
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -6,7 +6,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorParallel,
@@ -63,7 +62,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.engine.pdl import launch_options, wait_for_predecessor
+
 LOG2_E = math.log2(math.e)
 
 
@@ -124,7 +126,9 @@ def _fill_kv_indices_kernel(
     req_to_token, req_pool_indices, prefix_lens, kv_indptr, kv_indices, new_token_slots,
     stride_table_row,
     APPEND_NEW_TOKEN: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     req = tl.program_id(0)
     row = tl.load(req_pool_indices + req).to(tl.int64)
     num_prefix = tl.load(prefix_lens + req)
@@ -161,6 +165,7 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
         decode_token_slots if decode_token_slots is not None else kv_indices,  # unused then
         req_to_token.stride(0),
         APPEND_NEW_TOKEN=decode_token_slots is not None, BLOCK=block,
+        **launch_options(kv_indices.device),
     )
 
 
@@ -378,11 +383,13 @@ def _decode_kernel(
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
     # is larger than BLOCK_H, as MLA's one KV head for all query heads is) over one split of
     # the sequence. A sequence of at most MIN_KV_SPLIT_LEN tokens is one split: one pass,
     # its program stores the output and the other splits' programs exit at once.
+    wait_for_predecessor(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
@@ -468,7 +475,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
         DOT_PRECISION=_dot_input_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
 
 
@@ -501,11 +508,13 @@ def _extend_attention_kernel(
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Row r of the program's tile is (new token r // HEADS_PER_TILE, query head
     # r % HEADS_PER_TILE of this program's slice of the KV head's group): all those heads
     # share every K/V tile the program loads. The slice is the whole group unless the group
     # is larger than a tile (MLA).
+    wait_for_predecessor(PDL)
     TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     req = tl.program_id(0)
     if HEAD_BLOCKS == 1:
@@ -615,7 +624,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_M=block_m,
         BLOCK_N=config.block_n, USE_CUSTOM_MASK=custom_mask is not None,
         DOT_PRECISION=_dot_input_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
 
 
@@ -635,6 +644,7 @@ def _short_extend_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
     MIN_KV_SPLIT_LEN: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Row r of the tile is (new token r // HEADS_PER_TILE, query head r % HEADS_PER_TILE of
     # the program's slice of the group; the whole group unless it exceeds a tile, as MLA's
@@ -643,6 +653,7 @@ def _short_extend_kernel(
     # all). A request with one split writes its output at once. Otherwise every split stores
     # its partial result and counts its arrival; the last to arrive merges them (no second
     # kernel: at short contexts its launch would cost more than the splits save).
+    wait_for_predecessor(PDL)
     req = tl.program_id(0)
     if HEAD_BLOCKS == 1:
         kv_head = tl.program_id(1)
@@ -763,5 +774,5 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         BLOCK_N=config.block_n, MAX_KV_SPLITS=max_kv_splits,
         MIN_KV_SPLIT_LEN=config.min_kv_split_len, USE_CUSTOM_MASK=custom_mask is not None,
         DOT_PRECISION=_dot_input_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )

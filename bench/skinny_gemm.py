@@ -1,0 +1,227 @@
+"""The skinny GEMM against cuBLAS at Llama's decode shapes: microseconds and % of copy bandwidth.
+
+    python bench/skinny_gemm.py --out bench_skinny_gemm.json
+    python bench/skinny_gemm.py --sweep --rows 1,4,16 --out bench_skinny_gemm_sweep.json
+
+For each weight of Llama-3.1-8B and Llama-3.2-1B (bf16, one rank) and each M (rows: decode
+batch size), the kernels run as the engine runs them, replayed from one CUDA graph of at least
+20 calls: cuBLAS is F.linear (for gate_up F.linear, then the fused silu_and_mul kernel it
+replaces), the skinny kernel runs with `default_config` (what the engine uses). The calls cycle
+through enough copies of the weight (>= 128 MiB together) that none is still in L2 when it is
+read again, so a row is a read of the weight from HBM: `copy%` is weight bytes / time over the
+device-to-device copy bandwidth measured in this run (bench/one_batch.py's bs=1 limit).
+`--sweep` also searches launch configs per (shape, M) and prints the best of each: the numbers
+to retune `default_config` and `prefers_skinny` (engine/layers/skinny_gemm.py) from. The search
+is a coordinate descent from the default config (one parameter at a time over `SWEEP_AXES`,
+keeping the best, `--sweep-rounds` passes), about 25 configs per (shape, M) a pass; each new
+config compiles once (about a second), so split a long sweep over several runs with
+`--shapes` / `--rows`.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from one_batch import copy_bandwidth  # bench/ is this script's folder
+from specserve.engine.layers.activation import silu_and_mul
+from specserve.engine.layers.skinny_gemm import (
+    PARTIAL_CAPACITY, SkinnyConfig, default_config, skinny_gemm)
+
+SHAPES = {  # name: (N, K) of the weight; gate_up is the fused [2I, K] gate/up weight
+    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+    "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048), "1b.down": (2048, 8192),
+}
+ROTATION_BYTES = 128 << 20   # weight copies cycled through: more than an H100/H200's 50 MiB L2
+MIN_CALLS = 20               # calls per graph
+SWEEP_AXES = {"block_n": (16, 32, 64, 128, 256), "block_k": (32, 64, 128, 256, 512),
+              "split_k": (1, 2, 4, 8, 16, 32), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5, 6),
+              "dot": (True, False)}
+MAX_NODOT_REGS = 128         # fp32 accumulator values per thread of the multiply-and-sum path
+
+
+def time_per_call(calls: list[Callable[[], object]], replays: int = 30) -> float:
+    """Seconds per call: the calls captured in one CUDA graph, the median replay / len(calls)."""
+    for call in calls:  # compiles, and makes the skinny workspace outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+class Scene:
+    """Weight copies and inputs for one (shape, M): call i reads copy i % copies."""
+
+    def __init__(self, n: int, k: int, m: int, device):
+        weight_bytes = n * k * 2
+        copies = max(1, -(-ROTATION_BYTES // weight_bytes))
+        self.weights = [(torch.randn(n, k, device=device) * 0.02).bfloat16() for _ in range(copies)]
+        self.num_calls = max(MIN_CALLS, copies)
+        self.inputs = [torch.randn(m, k, device=device).bfloat16() for _ in range(self.num_calls)]
+        self.weight_bytes = weight_bytes
+
+    def calls(self, op: Callable[[torch.Tensor, torch.Tensor], object]) -> list[Callable[[], object]]:
+        return [lambda i=i: op(self.inputs[i], self.weights[i % len(self.weights)])
+                for i in range(self.num_calls)]
+
+
+def cublas_op(silu: bool):
+    if silu:
+        return lambda x, w: silu_and_mul(F.linear(x, w))
+    return F.linear
+
+
+def skinny_op(silu: bool, config: Optional[SkinnyConfig] = None):
+    return lambda x, w: skinny_gemm(x, w, silu_mul=silu, config=config)
+
+
+def config_name(c: SkinnyConfig) -> str:
+    return (f"n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+            f"{'' if c.dot else ' nodot'}")
+
+
+def launchable(c: SkinnyConfig, m: int, n: int, k: int, silu: bool) -> bool:
+    """Configs worth timing: every split gets K, the partials fit the workspace, and the
+    multiply-and-sum path's [M, BLOCK_N, BLOCK_K] accumulators fit in registers."""
+    halves = 2 if silu else 1
+    m_pad = 1 << (m - 1).bit_length()
+    return (k // c.split_k >= c.block_k and c.split_k * m * n * halves <= PARTIAL_CAPACITY
+            and (c.dot or m_pad * c.block_n * c.block_k * halves <= MAX_NODOT_REGS * 32 * c.num_warps))
+
+
+def sweep(start: SkinnyConfig, m: int, n: int, k: int, silu: bool, rounds: int,
+          time_config: Callable[[SkinnyConfig], Optional[float]]) -> dict[SkinnyConfig, float]:
+    """Coordinate descent over SWEEP_AXES from `start`: every config timed (seconds)."""
+    timed: dict[SkinnyConfig, float] = {}
+    best = start
+    for _ in range(rounds):
+        for field, values in SWEEP_AXES.items():
+            for value in values:
+                c = best._replace(**{field: value})
+                if c in timed or not launchable(c, m, n, k, silu):
+                    continue
+                seconds = time_config(c)
+                if seconds is None:
+                    continue
+                timed[c] = seconds
+                if best not in timed or seconds < timed[best]:
+                    best = c
+    return timed
+
+
+def print_tables(rows: list[dict], swept: list[dict]) -> None:
+    """The two tables of engine/layers/skinny_gemm.py, from this run: the best config per
+    (shape, M), and per weight the largest M up to which the skinny kernel (at its best config)
+    beats cuBLAS."""
+    best: dict[tuple[str, int], dict] = {}
+    for r in swept:
+        key = (r["shape"], r["m"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    print("\nTUNED_CONFIGS = {")
+    for (name, m), r in best.items():
+        n_out = r["n"] // 2 if name.endswith("gate_up") else r["n"]
+        print(f"    ({m}, {n_out}, {r['k']}, {name.endswith('gate_up')}): "
+              f"SkinnyConfig({', '.join(f'{f}={v}' for f, v in r['config'].items())}),  "
+              f"# {name}: {r['us']:.2f} us")
+    print("}")
+    cublas = {(r["shape"], r["m"]): r["us"] for r in rows if r["kernel"] == "cublas"}
+    print("SKINNY_MAX_ROWS = {  # only weights where cuBLAS wins at some M")
+    for name in dict.fromkeys(name for name, _ in best):
+        ms = sorted(m for shape, m in best if shape == name)
+        wins = [m for m in ms if best[name, m]["us"] < cublas.get((name, m), float("inf"))]
+        loses = [m for m in ms if m not in wins]
+        if loses:
+            limit = max([m for m in wins if m < min(loses)], default=0)
+            print(f"    {SHAPES[name]}: {limit},  # {name}: cuBLAS faster at M = {loses}")
+    print("}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="1,2,4,8,16", help="M values (decode batch sizes)")
+    ap.add_argument("--sweep", action="store_true", help="also search launch configs per shape and M")
+    ap.add_argument("--sweep-rounds", type=int, default=2)
+    ap.add_argument("--out", default="bench_skinny_gemm.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows, swept = [], []
+    for name, m in itertools.product(args.shapes.split(","), (int(r) for r in args.rows.split(","))):
+        n, k = SHAPES[name]
+        silu = name.endswith("gate_up")
+        n_out = n // 2 if silu else n
+        scene = Scene(n, k, m, device)
+
+        def record(kernel: str, op, config: Optional[SkinnyConfig]) -> Optional[float]:
+            try:
+                seconds = time_per_call(scene.calls(op))
+            except Exception as e:  # a swept config the compiler refuses (shared memory)
+                print(f"{name} m={m} {kernel}: {type(e).__name__}: {str(e)[:120]}")
+                return None
+            row = dict(shape=name, n=n, k=k, m=m, kernel=kernel, us=seconds * 1e6,
+                       weight_GBps=scene.weight_bytes / seconds / 1e9,
+                       fraction_of_copy=scene.weight_bytes / seconds / bandwidth,
+                       config=None if config is None else config._asdict())
+            (rows if kernel in ("cublas", "skinny") else swept).append(row)
+            print(json.dumps(row), flush=True)
+            return seconds
+
+        default = default_config(m, n_out, k, silu, device)
+        record("cublas", cublas_op(silu), None)
+        record("skinny", skinny_op(silu), default)
+        if args.sweep:
+            sweep(default, m, n_out, k, silu, args.sweep_rounds,
+                  lambda c: record(f"sweep {config_name(c)}", skinny_op(silu, c), c))
+        del scene
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows,
+              "swept": swept}
+    json.dump(result, open(args.out, "w"), indent=1)
+    print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s  (bf16, one weight read per call)")
+    by_key = {(r["shape"], r["m"], r["kernel"]): r for r in rows}
+    if swept:
+        print(f"\nbest swept configs (3 per shape and M)\n{'shape':12} {'M':>3} {'us':>8} {'copy%':>6} "
+              f"{'vs cuBLAS':>9}  config")
+        for name, m in dict.fromkeys((r["shape"], r["m"]) for r in swept):
+            cub = by_key.get((name, m, "cublas"))
+            for r in sorted((r for r in swept if (r["shape"], r["m"]) == (name, m)), key=lambda r: r["us"])[:3]:
+                ratio = f"{cub['us'] / r['us']:9.2f}" if cub else f"{'-':>9}"
+                print(f"{name:12} {m:3} {r['us']:8.2f} {100 * r['fraction_of_copy']:6.1f} {ratio}  "
+                      f"{r['kernel'][len('sweep '):]}")
+    if swept:
+        print_tables(rows, swept)
+    print(f"\n{'shape':12} {'N':>6} {'K':>6} {'M':>3} {'cuBLAS us':>10} {'copy%':>6} {'skinny us':>10} "
+          f"{'copy%':>6} {'speedup':>8}  default config")
+    for name, m in dict.fromkeys((r["shape"], r["m"]) for r in rows):
+        cub, sk = by_key.get((name, m, "cublas")), by_key.get((name, m, "skinny"))
+        if cub is None or sk is None:
+            continue
+        print(f"{name:12} {cub['n']:6} {cub['k']:6} {m:3} {cub['us']:10.2f} {100 * cub['fraction_of_copy']:6.1f} "
+              f"{sk['us']:10.2f} {100 * sk['fraction_of_copy']:6.1f} {cub['us'] / sk['us']:8.2f}  "
+              f"{config_name(SkinnyConfig(**sk['config']))}")
+
+
+if __name__ == "__main__":
+    main()
