@@ -15,7 +15,9 @@ reported as one group each: they are the same in a plain step). Host syncs (`ite
 `--cuda-kernels` takes the draft tree's CUDA paths (the Triton kernels of
 engine/spec/tree_kernels.py, run by the Triton interpreter) and counts each launch as one op,
 as a GPU would; without it the torch code those kernels replace is counted (what runs off
-CUDA). The greedy argmax (torch.argmax here) is two kernels on CUDA either way.
+CUDA). The greedy argmax (torch.argmax here) is two kernels on CUDA either way. The profiler
+then records the interpreter's Python too, which is slow and memory-hungry: use it at bs=1
+with few steps (`--cuda-kernels --batch-sizes 1 --steps 2`).
 """
 from __future__ import annotations
 
