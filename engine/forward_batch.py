@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
 import torch
 
+from specserve.engine.aranges import arange
+
 if TYPE_CHECKING:
     from specserve.engine.kvcache.pools import TokenToKVPool
 
@@ -35,7 +37,7 @@ class KVRows(NamedTuple):
 
     @staticmethod
     def by_batch_index(table: torch.Tensor) -> "KVRows":
-        return KVRows(table, torch.arange(table.shape[0], device=table.device))
+        return KVRows(table, arange(table.shape[0], table.device))
 
     def padded(self, width: int) -> torch.Tensor:
         """[bs, width] slots of every request's first `width` tokens (past a request's end:

@@ -66,6 +66,25 @@ def test_gpu_spec_matches_plain(pair, make_engine, prompts, shape, backend, grap
     assert engine.metrics.mean_accept_length > 1.5
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_tree_kernels_draft_and_accept_as_the_torch_code(pair, make_engine, prompts, shape, graphs, monkeypatch):
+    """The tree's Triton kernels (accept walk, draft step growth) against the torch code they
+    replace on CUDA, in the engine: same outputs and the same verify steps per request (a
+    kernel that drafted or accepted differently would change the acceptance, not the tokens)."""
+    from specserve.engine.spec import tree_kernels
+
+    def run():
+        engine = make_engine(pair[0], device="cuda", attention_backend="triton", cuda_graph=graphs,
+                             spec=SpecConfig(algorithm="eagle", draft_model=pair[1], **shape))
+        outs = engine.generate(prompt_token_ids=prompts, sampling=GREEDY)
+        return [(o.token_ids, o.num_verify_steps) for o in outs]
+
+    with_kernels = run()
+    monkeypatch.setattr(tree_kernels, "use_kernel", lambda t: False)
+    assert with_kernels == run()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_only_path_has_no_blocking_sync(pair, make_engine, graphs):
     target, head = pair

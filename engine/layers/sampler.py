@@ -195,6 +195,17 @@ def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positio
     return TokenChoice(tokens, logprobs, top_ids, top)
 
 
+def draft_topk(logits: torch.Tensor, k: int, with_probs: bool = True):
+    """A draft head's k most likely next tokens: (probabilities [n, k] or None, ids [n, k]).
+
+    With k = 1 and no probabilities asked for (chain drafting), the argmax of the logits,
+    which is the softmax's own argmax, without the softmax over the draft vocabulary."""
+    if k == 1 and not with_probs:
+        return None, argmax_last_dim(logits).unsqueeze(1)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return probs.topk(k, dim=-1) if k > 1 else probs.max(dim=-1, keepdim=True)
+
+
 def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
     """Prompt scoring: the log-probability of each row's target token under the model's own
     distribution (no sampling rules), and the k most likely tokens (None when k is 0)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.rotary import RotaryEmbedding
+from specserve.engine.layers.sampler import draft_topk
 from specserve.engine.models.llama import MLP, Attention
 from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_module_weights
 from specserve.engine.models.model_config import ModelConfig
@@ -91,10 +92,9 @@ class Eagle3Head(nn.Module):
         x = h + m.self_attn(x, fb.positions, fb)
         return x + m.mlp(m.post_attention_layernorm(x))
 
-    def topk(self, hidden: torch.Tensor, k: int):
-        """(probabilities [n, k], target token ids [n, k]) of the draft's next token."""
-        probs = torch.softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
-        p, idx = probs.topk(k, dim=-1) if k > 1 else probs.max(dim=-1, keepdim=True)
+    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True):
+        """(probabilities [n, k] or None, target token ids [n, k]) of the draft's next token."""
+        p, idx = draft_topk(self.lm_head(self.norm(hidden)), k, with_probs)
         return p, self.hot_token_ids[idx]
 
 
@@ -125,9 +125,8 @@ class Eagle1Head(nn.Module):
         x = x + layer.self_attn(x, fb.positions, fb)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def topk(self, hidden: torch.Tensor, k: int):
-        probs = torch.softmax(self.target_lm_head[0](hidden).float(), dim=-1)
-        return probs.topk(k, dim=-1) if k > 1 else probs.max(dim=-1, keepdim=True)
+    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True):
+        return draft_topk(self.target_lm_head[0](hidden), k, with_probs)
 
 
 def load_draft_head(path: str, algorithm: str, target_model: nn.Module, max_position: int,

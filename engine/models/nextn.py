@@ -27,6 +27,7 @@ from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ParallelLMHead, TensorParallel, VocabParallelEmbedding
 from specserve.engine.layers.rotary import RotaryEmbedding
+from specserve.engine.layers.sampler import draft_topk
 from specserve.engine.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM, DeepseekMoE, MLAAttention
 from specserve.engine.models.llama import MLP
 from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_module_weights
@@ -78,10 +79,9 @@ class NextNHead(nn.Module):
         out, _ = self.shared_head.norm(x, residual)
         return out
 
-    def topk(self, hidden: torch.Tensor, k: int):
-        """(probabilities [n, k], token ids [n, k]) of the draft's next token."""
-        probs = torch.softmax(self.shared_head.head(hidden).float(), dim=-1)
-        return probs.topk(k, dim=-1) if k > 1 else probs.max(dim=-1, keepdim=True)
+    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True):
+        """(probabilities [n, k] or None, token ids [n, k]) of the draft's next token."""
+        return draft_topk(self.shared_head.head(hidden), k, with_probs)
 
 
 class NextNLayout(NamedTuple):

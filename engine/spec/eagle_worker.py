@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, TokenHistory, sample
@@ -58,7 +59,8 @@ class Verified(NamedTuple):
 
     inputs: SpecDecodeInputs
     kv: KVRows                        # the snapshot of the batch's rows, by batch index
-    loc: torch.Tensor                 # [bs, D] the verify nodes' KV slots
+    chain_pos: torch.Tensor           # [bs, D] S + i: the row positions of the verify nodes' KV
+    loc: torch.Tensor                 # [bs, D] the verify nodes' KV slots (at chain_pos)
     accept: tree_ops.Accept
     choice: TokenChoice               # the target's token per node [bs, D] (logprobs, top)
     feats: torch.Tensor               # [bs * D, F] the target features the draft reads
@@ -156,9 +158,9 @@ class EagleWorker:
         logits = self.target.model.compute_logits(hidden)
         choice = self._target_tokens(logits, tree, s.rows, s.info)
         target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
-        accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len)
+        accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len, self.tree.num_steps)
         self.future_map.publish(s.rows, s.S + accept.lengths)
-        return Verified(s, kv, loc, accept, choice, aux if self.aux_layers else hidden)
+        return Verified(s, kv, tree.slot_positions, loc, accept, choice, aux if self.aux_layers else hidden)
 
     def _extend_half(self, v: Verified) -> StepResult:
         """Compact the accepted path (tree), draft-extend over it, stash the next draft input."""
@@ -169,15 +171,15 @@ class EagleWorker:
             feats = tree_ops.compact_rows(feats.view(bs, D, -1), accept.path).reshape(bs * D, -1)
             self.target.runner.kv_pool.move_kv_cache(*tree_ops.compaction_moves(v.loc, accept))
         path_tokens = accept.tokens  # [bs, D]: tokens emitted along the path, then padding
-        chain_pos = s.S[:, None] + torch.arange(D, device=s.rows.device)
+        # The accepted path now sits at the verify nodes' row positions and slots (compacted).
         fb = ForwardBatch(
             mode=ForwardMode.DRAFT_EXTEND, input_ids=path_tokens.reshape(-1),
-            positions=chain_pos.reshape(-1), kv_rows=v.kv, prefix_lens=s.S,
-            extend_lens_cpu=[D] * bs, out_cache_loc=v.kv.table.gather(1, chain_pos).reshape(-1),
+            positions=v.chain_pos.reshape(-1), kv_rows=v.kv, prefix_lens=s.S,
+            extend_lens_cpu=[D] * bs, out_cache_loc=v.loc.reshape(-1),
             seq_lens_cpu=_plus(s.seq_lens_cpu, D), max_seq_len=s.width)
         ext_hidden = self.draft.forward(fb, feats).view(bs, D, -1)
         last = accept.lengths - 1
-        self._stash_draft_state(s.rows, ext_hidden[torch.arange(bs, device=s.rows.device), last])
+        self._stash_draft_state(s.rows, ext_hidden[arange(bs, s.rows.device), last])
         self.future_map.stash_tokens(s.rows, path_tokens.gather(1, last[:, None]).squeeze(1))
         if s.info.any_penalty:
             for j in range(D):
@@ -191,19 +193,21 @@ class EagleWorker:
         is the tree: the draft runs on every rank)."""
         bonus = self.future_map.resolve_input_ids(-s.rows)
         state = self.future_map.gather_draft_state(s.rows)
-        builder = tree_ops.DraftTreeBuilder(self.tree, state.topk_p, state.topk_index, state.hidden)
-        S = s.S
-        branches = S.shape[0] * self.tree.topk
-        batch_of_branch = torch.arange(S.shape[0], device=S.device).repeat_interleave(self.tree.topk)
+        builder = tree_ops.draft_builder(self.tree, state.topk_p, state.topk_index, state.hidden)
+        S, k = s.S, self.tree.topk
+        branch_S = S.repeat_interleave(k) if self.tree.is_tree else S
+        branches = branch_S.shape[0]
         for step in range(1, self.tree.num_steps):
             tokens, parent_hidden = builder.frontier()
-            branch_kv, kv_lens, loc = tree_ops.draft_step_kv(kv.table, S, step, self.tree, builder)
+            branch_kv, loc = builder.step_kv(kv.table, S, branch_S, step)
+            positions = branch_S + (step - 1)  # also the KV length before this token
             fb = ForwardBatch(
-                mode=ForwardMode.DECODE, input_ids=tokens, positions=S[batch_of_branch] + step - 1,
-                kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=kv_lens - 1,
+                mode=ForwardMode.DECODE, input_ids=tokens, positions=positions,
+                kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
                 extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
             out_hidden = self.draft.forward(fb, parent_hidden)
-            builder.expand(*self.draft.model.topk(out_hidden, self.tree.topk), out_hidden)
+            # A chain needs only each step's argmax, not its probability.
+            builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree), out_hidden)
         nodes = builder.finish()
         tp = self.target.model.tp
         nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
@@ -224,11 +228,13 @@ class EagleWorker:
         """The token the target itself picks at every node (greedy or seeded sample), with
         its logprobs; per node [bs, D] (top alternatives [bs, D, K])."""
         bs, D = tree.tokens.shape
-        node_req = torch.arange(bs, device=logits.device).repeat_interleave(D)
-        history = None
+        node_req = positions = history = None  # read by per-token rules only
+        if info.per_token_rules:
+            node_req = arange(bs, logits.device).repeat_interleave(D)
+            positions = tree.positions.reshape(-1) + 1
         if info.any_penalty:
             history = tree_ops.node_history(self.target.history.of_rows(rows), tree)
-        choice = sample(logits, info, node_req, tree.positions.reshape(-1) + 1, history)
+        choice = sample(logits, info, node_req, positions, history)
         return TokenChoice(*(None if t is None else t.view(bs, D, *t.shape[1:]) for t in choice))
 
     def _stash_draft_state(self, rows, last_hidden):

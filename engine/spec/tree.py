@@ -17,7 +17,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from specserve.engine.aranges import arange
 from specserve.engine.layers.sampler import TokenHistory
+from specserve.engine.spec import tree_kernels
 
 
 class TreeShape(NamedTuple):
@@ -35,6 +37,35 @@ class DraftNodes(NamedTuple):
     parents: torch.Tensor   # [bs, D - 1] parent node index (0 = root)
 
 
+class DraftChainBuilder:
+    """topk = 1: each draft step appends the argmax of the last one. The frontier is the
+    draft forward's output itself and a branch's ancestry is the request's own row (step s
+    writes row position S + s - 1), so nothing is selected or gathered."""
+
+    def __init__(self, shape: TreeShape, topk_index, hidden):
+        self.shape = shape
+        self.tokens = [topk_index]
+        self.frontier_tokens = topk_index
+        self.frontier_hidden = hidden
+
+    def frontier(self):
+        return self.frontier_tokens.reshape(-1), self.frontier_hidden
+
+    def step_kv(self, table: torch.Tensor, S: torch.Tensor, branch_S: torch.Tensor, step: int):
+        """(kv [bs, W], own slots [bs]) of draft step `step` (1-based)."""
+        return table, table.gather(1, (S + (step - 1)).unsqueeze(1)).squeeze(1)
+
+    def expand(self, probs: Optional[torch.Tensor], ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
+        self.tokens.append(ids)
+        self.frontier_tokens = ids
+        self.frontier_hidden = out_hidden
+
+    def finish(self) -> DraftNodes:
+        tokens = torch.cat(self.tokens, dim=1)
+        bs, keep = tokens.shape
+        return DraftNodes(tokens, arange(keep, tokens.device).expand(bs, keep))
+
+
 class DraftTreeBuilder:
     """Accumulates candidates level by level; `finish` keeps the D - 1 best by path probability."""
 
@@ -47,11 +78,12 @@ class DraftTreeBuilder:
         self.parents = [torch.full_like(topk_index, -1)]
         self.scores = [topk_p]
         # The frontier: the nodes the next draft forward reads.
-        self.frontier_ids = torch.arange(k, device=topk_index.device).expand(bs, k)  # candidate ids
+        self.frontier_ids = arange(k, topk_index.device).expand(bs, k)  # candidate ids
         self.frontier_tokens = topk_index
         self.frontier_scores = topk_p
         self.frontier_hidden = hidden.repeat_interleave(k, dim=0)      # [bs * k, H]
         self.path_slots = topk_index.new_zeros((bs, k, 0))              # draft KV of the ancestry
+        self.branch_kv: Optional[torch.Tensor] = None                   # per-branch KV rows (step_kv)
         self.num_candidates = k
 
     def frontier(self):
@@ -62,42 +94,72 @@ class DraftTreeBuilder:
         self.path_slots = torch.cat([self.path_slots, own_slots.unsqueeze(2)], dim=2)
         return self.path_slots
 
+    def step_kv(self, table: torch.Tensor, S: torch.Tensor, branch_S: torch.Tensor, step: int):
+        """KV indices of draft step `step` (1-based): every branch sees the prefix and its
+        ancestry. Branch f writes row position S + (step - 1) * k + f. `branch_S` is S per
+        branch (S repeated k times).
+
+        Returns (kv [bs * k, W], own slots [bs * k])."""
+        k = self.shape.topk
+        offsets = arange(self.shape.num_steps * k, S.device)[(step - 1) * k:step * k]
+        own = table.gather(1, S.unsqueeze(1) + offsets)                  # [bs, k]
+        path = self.record_slots(own)                                    # [bs, k, step]
+        if step == 1:
+            self.branch_kv = table.repeat_interleave(k, dim=0)          # [bs * k, W]
+        # Rewritten in place each step: this step rewrites every ancestry column the last
+        # one wrote (branches are reordered), and the last forward read it before (stream order).
+        cols = branch_S.unsqueeze(1) + arange(step, S.device)
+        self.branch_kv.scatter_(1, cols, path.reshape(-1, step))
+        return self.branch_kv, own.reshape(-1)
+
     def expand(self, probs: torch.Tensor, ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
-        """Children of the frontier from the draft forward's top-k; the best k become the next frontier."""
-        bs, k = self.bs, self.shape.topk
-        child_scores = (self.frontier_scores.unsqueeze(2) * probs.view(bs, k, k)).view(bs, k * k)
-        child_tokens = ids.view(bs, k * k)
-        child_parents = self.frontier_ids.repeat_interleave(k, dim=1)
+        """Children of the frontier from the draft forward's top-k; the best k become the next
+        frontier. On CUDA the index work is one Triton kernel (tree_kernels.expand)."""
         base = self.num_candidates
-        self.tokens.append(child_tokens)
-        self.parents.append(child_parents)
-        self.scores.append(child_scores)
-        self.num_candidates += k * k
-        best_scores, best = child_scores.topk(k, dim=1) if k > 1 else (child_scores, torch.zeros_like(child_tokens))
+        self.num_candidates += self.shape.topk ** 2
+        grown = tree_kernels.expand if tree_kernels.use_kernel(ids) else self._expand_torch
+        e = grown(self.frontier_scores, probs, ids, self.frontier_ids, self.path_slots, base)
+        self.tokens.append(ids.view(self.bs, -1))
+        self.parents.append(e.child_parents)
+        self.scores.append(e.child_scores)
+        self.frontier_ids, self.frontier_tokens, self.frontier_scores = e.frontier_ids, e.frontier_tokens, e.best_scores
+        self.frontier_hidden = out_hidden[e.hidden_rows]
+        self.path_slots = e.path_slots
+
+    def _expand_torch(self, frontier_scores, probs, ids, frontier_ids, path_slots, base: int) -> tree_kernels.Expanded:
+        bs, k = self.bs, self.shape.topk
+        child_scores = (frontier_scores.unsqueeze(2) * probs.view(bs, k, k)).view(bs, k * k)
+        best_scores, best = child_scores.topk(k, dim=1)
         parent_pos = best // k                         # frontier position of each new node's parent
-        self.frontier_ids = base + best
-        self.frontier_tokens = child_tokens.gather(1, best)
-        self.frontier_scores = best_scores
-        rows = (torch.arange(bs, device=ids.device).unsqueeze(1) * k + parent_pos).reshape(-1)
-        self.frontier_hidden = out_hidden[rows]
-        self.path_slots = self.path_slots.gather(1, parent_pos.unsqueeze(2).expand(-1, -1, self.path_slots.shape[2]))
+        first_branch = arange(bs * k, ids.device).view(bs, k)[:, :1]   # b * k
+        return tree_kernels.Expanded(
+            child_scores, frontier_ids.repeat_interleave(k, dim=1), best_scores, base + best,
+            ids.view(bs, k * k).gather(1, best), (first_branch + parent_pos).reshape(-1),
+            path_slots.gather(1, parent_pos.unsqueeze(2).expand(-1, -1, path_slots.shape[2])))
 
     def finish(self) -> DraftNodes:
         tokens = torch.cat(self.tokens, dim=1)
         parents = torch.cat(self.parents, dim=1)
         keep = self.shape.num_draft_tokens - 1
-        if self.shape.topk == 1:  # a chain: every candidate is kept, already in order
-            return DraftNodes(tokens, torch.arange(keep, device=tokens.device).expand(self.bs, keep))
         scores = torch.cat(self.scores, dim=1)
+        if tree_kernels.use_kernel(scores):
+            return DraftNodes(*tree_kernels.keep_best(scores, tokens, parents, keep))
         # Stable sort: on equal scores the earlier candidate (a parent before its child) wins.
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
         chosen = torch.sort(order, dim=1).values                        # parents before children
         # Candidate id -> node index (1-based; the root is node 0).
         node_of = torch.zeros_like(scores, dtype=torch.int64)
-        node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=chosen.device).expand(self.bs, keep))
+        node_of.scatter_(1, chosen, arange(keep + 1, chosen.device)[1:].expand(self.bs, keep))
         cand_parent = parents.gather(1, chosen)
         node_parent = torch.where(cand_parent < 0, 0, node_of.gather(1, cand_parent.clamp(min=0)))
         return DraftNodes(tokens.gather(1, chosen), node_parent)
+
+
+def draft_builder(shape: TreeShape, topk_p, topk_index, hidden):
+    """The builder of a draft tree, or of a chain when topk = 1 (which needs no scores)."""
+    if shape.is_tree:
+        return DraftTreeBuilder(shape, topk_p, topk_index, hidden)
+    return DraftChainBuilder(shape, topk_index, hidden)
 
 
 class Tree(NamedTuple):
@@ -109,22 +171,26 @@ class Tree(NamedTuple):
 
 
 def build_tree(nodes: DraftNodes, bonus: torch.Tensor, S: torch.Tensor, shape: TreeShape) -> Tree:
+    """The verify layout of drafted nodes (parents before children) under the bonus token.
+    On CUDA one Triton kernel (tree_kernels.build_tree)."""
+    if tree_kernels.use_kernel(bonus):
+        return Tree(*tree_kernels.build_tree(nodes.tokens, nodes.parents, bonus, S, shape.is_tree))
     bs = bonus.shape[0]
     D = shape.num_draft_tokens
     device = bonus.device
     tokens = torch.cat([bonus.unsqueeze(1), nodes.tokens], dim=1)
     parents = torch.cat([torch.full((bs, 1), -1, device=device, dtype=torch.int64), nodes.parents], dim=1)
-    chain_pos = S.unsqueeze(1) + torch.arange(D, device=device)
+    chain_pos = S.unsqueeze(1) + arange(D, device)
     if not shape.is_tree:
         return Tree(tokens, parents, chain_pos, chain_pos, None)
-    eye = torch.eye(D, dtype=torch.bool, device=device)
-    anc = eye.expand(bs, D, D).clone()
-    depth = torch.zeros((bs, D), dtype=torch.int64, device=device)
-    for i in range(1, D):  # parents come first, so their rows are complete
-        p = parents[:, i]
-        anc[:, i] |= anc[torch.arange(bs, device=device), p]
-        depth[:, i] = depth.gather(1, p.unsqueeze(1)).squeeze(1) + 1
-    return Tree(tokens, parents, S.unsqueeze(1) + depth, chain_pos, anc)
+    # Ancestor-or-self by path doubling: `reach` starts as node -> itself and its parent; each
+    # squaring doubles the distance it covers, until it covers any depth (D - 1).
+    nodes_ids = arange(D, device)
+    reach = ((parents.unsqueeze(2) == nodes_ids) | (nodes_ids.unsqueeze(1) == nodes_ids)).float()
+    for _ in range(max(1, D - 2).bit_length()):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)  # 0/1 counts: exact in any float format
+    depth = reach.sum(2).long() - 1
+    return Tree(tokens, parents, S.unsqueeze(1) + depth, chain_pos, reach > 0)
 
 
 class Accept(NamedTuple):
@@ -138,25 +204,31 @@ class Accept(NamedTuple):
         return per_node.gather(1, index)
 
 
-def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = None) -> Accept:
+def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = None,
+           max_depth: Optional[int] = None) -> Accept:
     """Walk from the root, at each node taking the child whose token is the target's own
     choice there. `force_len` (benchmarks on random weights only) takes the first child
-    regardless, so exactly `force_len` tokens are emitted where the tree is deep enough."""
+    regardless, so exactly `force_len` tokens are emitted where the tree is deep enough.
+    `max_depth` bounds the tree's depth when the caller knows it (a drafted tree has a level
+    per draft step); by default D - 1. On CUDA the walk is one Triton kernel (tree_kernels.accept_walk)."""
     bs, D = tree.tokens.shape
+    depth_bound = min(max_depth or D - 1, D - 1)
+    if tree_kernels.use_kernel(target_tokens):
+        return Accept(*tree_kernels.accept_walk(tree.tokens, tree.parents, target_tokens, depth_bound, force_len))
+    if tree.mask is None:
+        return _accept_chain(tree, target_tokens, force_len, depth_bound)
     device = tree.tokens.device
-    ar = torch.arange(bs, device=device)
     cur = torch.zeros(bs, dtype=torch.int64, device=device)
     alive = torch.ones(bs, dtype=torch.bool, device=device)
     path = [cur]
     lengths = torch.ones(bs, dtype=torch.int64, device=device)
-    node_ids = torch.arange(D, device=device)
-    max_depth = min(tree.positions.shape[1] - 1, int(D - 1))
-    for depth in range(1, max_depth + 1):
+    node_ids = arange(D, device)
+    for depth in range(1, depth_bound + 1):
         is_child = tree.parents == cur.unsqueeze(1)
         if force_len is not None:
             ok = is_child & (depth < force_len)
         else:
-            ok = is_child & (tree.tokens == target_tokens[ar, cur].unsqueeze(1))
+            ok = is_child & (tree.tokens == target_tokens.gather(1, cur.unsqueeze(1)))
         found = ok.any(dim=1) & alive
         child = torch.where(ok, node_ids, D).min(dim=1).values  # first matching child
         cur = torch.where(found, child, cur)
@@ -169,6 +241,20 @@ def accept(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int] = N
     return Accept(path, lengths, target_tokens.gather(1, path))
 
 
+def _accept_chain(tree: Tree, target_tokens: torch.Tensor, force_len: Optional[int], max_depth: int) -> Accept:
+    """The walk along a chain in closed form: node j + 1 is accepted while every draft up to
+    it equals the target's token at its parent j, so the path is 0 .. n (then n repeated)."""
+    bs, D = tree.tokens.shape
+    depth = arange(D, tree.tokens.device)
+    if force_len is not None:
+        matches = (depth[1:max_depth + 1] < force_len).expand(bs, max_depth)
+    else:
+        matches = tree.tokens[:, 1:max_depth + 1] == target_tokens[:, :max_depth]
+    accepted = matches.cumprod(dim=1).sum(dim=1)          # leading matches
+    path = torch.minimum(depth, accepted.unsqueeze(1))
+    return Accept(path, accepted + 1, target_tokens.gather(1, path))
+
+
 def compact_rows(per_node: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     """[bs, D, F] rows reordered so the accepted path comes first (a copy)."""
     return per_node.gather(1, path.unsqueeze(2).expand(-1, -1, per_node.shape[2]))
@@ -177,20 +263,6 @@ def compact_rows(per_node: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
 def compaction_moves(loc: torch.Tensor, acc: Accept) -> tuple[torch.Tensor, torch.Tensor]:
     """(target slots, source slots) that move path node j's KV to row position S + j."""
     return loc.reshape(-1), loc.gather(1, acc.path).reshape(-1)
-
-
-def draft_step_kv(table: torch.Tensor, S: torch.Tensor, step: int, shape: TreeShape, builder: DraftTreeBuilder):
-    """KV indices of draft step `step` (1-based): every branch sees the prefix and its ancestry.
-
-    Returns (kv [bs * k, W], kv_lens [bs * k], own slots [bs * k])."""
-    k = shape.topk
-    own_pos = S.unsqueeze(1) + (step - 1) * k + torch.arange(k, device=S.device)
-    own = table.gather(1, own_pos)                                   # [bs, k]
-    path = builder.record_slots(own)                                 # [bs, k, step]
-    kv = table.repeat_interleave(k, dim=0)                           # [bs * k, W]
-    cols = (S.unsqueeze(1) + torch.arange(step, device=S.device)).repeat_interleave(k, dim=0)
-    kv.scatter_(1, cols, path.reshape(-1, step))
-    return kv, (S + step).repeat_interleave(k), own.reshape(-1)
 
 
 def node_history(rows: TokenHistory, tree: Tree) -> TokenHistory:
