@@ -274,17 +274,18 @@ def test_qkv_rope_needs_whole_tiles_in_half_a_head():
         assert not can_fuse_qkv_rope(x, w, head_dim=6)
 
 
-def _greedy_with_fused_qkv_rope(make_engine, model: str, **engine_kwargs) -> list[list[int]]:
+def _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model: str,
+                                **engine_kwargs) -> list[list[int]]:
     """Greedy tokens of an engine whose attention layers must take the fused q/k/v + RoPE
-    kernel at decode (the test fails if none does)."""
+    kernel at decode (the test fails if none does). The spy goes in before the engine is
+    built: a CUDA graph captures the kernel then, and replays run no Python."""
     prompts = random_prompts(3, seed=8, max_len=12)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    engine = make_engine(model, **engine_kwargs)
     calls = []
-    for attn in (layer.self_attn for layer in engine.core.runner.model.layers):
-        proj = attn.qkv_proj
-        proj.forward_qkv_rope = (lambda *a, _real=proj.forward_qkv_rope, **kw:
-                                 calls.append(1) or _real(*a, **kw))
+    real = ColumnParallelLinear.forward_qkv_rope
+    monkeypatch.setattr(ColumnParallelLinear, "forward_qkv_rope",
+                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    engine = make_engine(model, **engine_kwargs)
     tokens = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=sampling)]
     assert calls, "the fused q/k/v + RoPE kernel never ran"
     return tokens
@@ -297,7 +298,7 @@ def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, 
     model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
     monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
     prompts = random_prompts(3, seed=8, max_len=12)
-    assert _greedy_with_fused_qkv_rope(make_engine, model) == hf_greedy(model, prompts, 6)
+    assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model) == hf_greedy(model, prompts, 6)
 
 
 # --- the layers' dispatch ------------------------------------------------------------------------
@@ -447,11 +448,12 @@ def test_gpu_spec_engine_with_skinny_matches_plain(tmp_path, make_engine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
-def test_gpu_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, graphs):
+def test_gpu_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch,
+                                                             graphs):
     """head_dim 64 (the rule's 32-column tiles in half a head), fp32 on the GPU, with and
     without CUDA graphs: the fused q/k/v + RoPE + KV store kernel gives transformers' tokens."""
     model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=256, intermediate_size=256)
     prompts = random_prompts(3, seed=8, max_len=12)
-    tokens = _greedy_with_fused_qkv_rope(make_engine, model, device="cuda",
+    tokens = _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model, device="cuda",
                                          attention_backend="triton", cuda_graph=graphs)
     assert tokens == hf_greedy(model, prompts, 6)
