@@ -127,6 +127,8 @@ def test_future_map_resolves_sentinels_in_one_kernel():
         expected = torch.where(ids < 0, table[(-ids).clamp(min=0)], ids)
         assert torch.equal(resolve_sentinels(ids, table), expected)
     assert resolve_sentinels(torch.empty(0, dtype=torch.int64), table).numel() == 0
+    strided = torch.tensor([-3, 99, 7, 99, -1, 99])[::2]
+    assert resolve_sentinels(strided, table).tolist() == [103, 7, 101]
 
 
 def test_future_map_debug_detects_a_second_read(monkeypatch):

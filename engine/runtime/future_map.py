@@ -129,6 +129,7 @@ if triton is not None:
 def resolve_sentinels(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """`table[-id]` where an id is negative, else the id: `resolve_input_ids` without the debug
     checks, in one Triton kernel (any device Triton runs on)."""
+    ids = ids.contiguous()  # the kernel walks it flat
     out = torch.empty_like(ids)
     n = ids.numel()
     if n:
