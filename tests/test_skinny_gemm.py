@@ -301,6 +301,27 @@ def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, 
     assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model) == hf_greedy(model, prompts, 6)
 
 
+@pytest.mark.parametrize("arch,options", [("deepseek_v2", dict(q_lora_rank=16, yarn=True)),
+                                          ("deepseek_v3", {})])
+def test_deepseek_engine_through_the_skinny_gemm_matches_transformers(tmp_path, make_engine,
+                                                                      monkeypatch, arch, options):
+    """DeepSeek's MLA projections (uneven widths such as the 40-wide latent+rope projection)
+    and its shared-expert MLPs through the skinny kernel (the interpreter, allowed on CPU
+    tensors): transformers' greedy tokens. Counts the calls, so the path is really taken."""
+    model = make_tiny_checkpoint(str(tmp_path), arch, num_layers=3, seed=7, **options)
+    calls = []
+    real = skinny_module.skinny_gemm
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "skinny_gemm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts = random_prompts(2, seed=6, max_len=12)
+    engine = make_engine(model)
+    outs = engine.generate(prompt_token_ids=prompts,
+                           sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    assert calls
+    assert [o.token_ids for o in outs] == hf_greedy(model, prompts, 6)
+
+
 # --- the layers' dispatch ------------------------------------------------------------------------
 
 def _linears(model):
