@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from attention_kernels import copy_bandwidth  # bench/ is this script's folder
 from specserve.engine.attention.triton.kernels import (
     DecodeConfig, decode_attention, default_decode_config, fill_kv_indices, short_extend_attention,
     short_extend_tiling)
@@ -35,12 +36,6 @@ from specserve.engine.layers.fused_moe_triton import (
 LATENT, ROPE = 512, 64
 KEY_DIM = LATENT + ROPE
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 64, 6, 2048, 1408
-
-
-def copy_bandwidth(device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    seconds = triton.testing.do_bench(lambda: torch.empty_like(src).copy_(src), rep=200) / 1000
-    return 2 * (1 << 30) / seconds
 
 
 def bench(fn, graph: bool = True) -> float:

@@ -197,6 +197,17 @@ def assert_no_leaks(engine) -> None:
         assert held == 0, f"KV leak: {held} slots held"
 
 
+def cached_prefix_slots(engine, tokens: list[int]) -> torch.Tensor:
+    """The KV slots the engine's prefix cache holds for the whole of `tokens` (asserted),
+    looked up without keeping a reference."""
+    cache = engine.core.scheduler.slots.cache
+    keys = cache.keys(tokens, len(tokens))
+    match = cache.acquire(keys)
+    cache.release(match)
+    assert match.length == len(keys)
+    return match.slots
+
+
 def steady_state_steps(engine, prompt, n_steps=12):
     """Steps of one long request past its start, with any blocking host sync an error (CUDA)."""
     from specserve.engine import SamplingParams

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from helpers import VOCAB, make_tiny_checkpoint, random_prompts, run_aborting, steady_state_steps
+from helpers import (VOCAB, cached_prefix_slots, make_tiny_checkpoint, random_prompts, run_aborting,
+                     steady_state_steps)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -359,12 +360,8 @@ def test_prefix_cache_hit_keeps_exact_draft_latents(predictable, make_engine, sh
     assert fresh.generate(prompt_token_ids=[follow_up], sampling=greedy[2])[0].cached_tokens == 0
     latents = []
     for engine in (warm, fresh):
-        cache = engine.core.scheduler.slots.cache
-        keys = cache.keys(follow_up, len(follow_up))
-        match = cache.acquire(keys)
-        cache.release(match)
-        assert match.length == len(keys)
-        latents.append([r.kv_pool.kv_all[:, match.slots] for r in (engine.core.runner, engine.core.draft_runner)])
+        slots = cached_prefix_slots(engine, follow_up)
+        latents.append([r.kv_pool.kv_all[:, slots] for r in (engine.core.runner, engine.core.draft_runner)])
     for ours, fresh_prefill in zip(*latents):
         torch.testing.assert_close(ours, fresh_prefill, rtol=1e-4, atol=1e-5)
 

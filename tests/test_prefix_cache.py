@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from helpers import VOCAB, assert_slot_accounting, make_predictable_pair
+from helpers import VOCAB, assert_slot_accounting, cached_prefix_slots, make_predictable_pair
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.kvcache.pools import TokenSlotAllocator
@@ -218,13 +218,9 @@ def test_kv_of_a_cache_hit_equals_a_fresh_prefill(pair, make_engine, mode, chunk
 
     pools = []
     for engine in (warm, fresh):
-        cache = engine.core.scheduler.slots.cache
-        keys = cache.keys(follow_up, len(follow_up))
-        match = cache.acquire(keys)
-        cache.release(match)
-        assert match.length == len(keys)
+        slots = cached_prefix_slots(engine, follow_up)
         runners = [engine.core.runner] + ([engine.core.draft_runner] if spec else [])
-        pools.append([(r.kv_pool.k_all[:, match.slots], r.kv_pool.v_all[:, match.slots]) for r in runners])
+        pools.append([(r.kv_pool.k_all[:, slots], r.kv_pool.v_all[:, slots]) for r in runners])
     for (k_hit, v_hit), (k_new, v_new) in zip(*pools):
         torch.testing.assert_close(k_hit, k_new, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v_hit, v_new, rtol=1e-4, atol=1e-5)

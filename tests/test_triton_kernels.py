@@ -479,15 +479,38 @@ def test_backend_empty_batch():
 # ---------------------------------------------------------------------------------------------
 
 GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_MAX_CONTEXT = 32, 8, 128, 4096
-GPU_CASES = {
-    "decode": BackendCase(ForwardMode.DECODE, [4095, 1000, 0, 2999, 4000, 17], [1] * 6,
-                          False, False),
-    "extend": BackendCase(ForwardMode.EXTEND, [3584, 0, 1000], [512, 300, 77], False, True),
-    "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [4088, 100, 2048, 0], [8] * 4,
-                                 True, False),
-    "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [4092, 1, 3000], [4] * 3,
-                                False, False),
-}
+
+
+def real_shape_cases(max_context: int) -> dict[str, BackendCase]:
+    """Each forward mode with one request filling `max_context` and a ragged rest."""
+    return {
+        "decode": BackendCase(ForwardMode.DECODE, [max_context - 1, 1000, 0, 2999, 4000, 17],
+                              [1] * 6, False, False),
+        "extend": BackendCase(ForwardMode.EXTEND, [3584, 0, 1000], [512, 300, 77], False, True),
+        "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [max_context - 8, 100, 2048, 0],
+                                     [8] * 4, True, False),
+        "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [max_context - 4, 1, 3000], [4] * 3,
+                                    False, False),
+    }
+
+
+GPU_CASES = real_shape_cases(GPU_MAX_CONTEXT)
+
+
+def forward_without_host_sync(backend, fb, q, k, v) -> torch.Tensor:
+    """Metadata and attention for a steady-state step, with any wait on the device an error
+    (the first forward compiles, outside the checked region)."""
+    backend.init_forward_metadata(fb)
+    backend.forward(q, k, v, LAYER_ID, fb, 0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, LAYER_ID, fb, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return out
 
 
 @pytest.mark.gpu
@@ -514,16 +537,7 @@ def test_backend_has_no_host_sync_gpu(case_name):
                                 torch.Generator().manual_seed(8), torch.bfloat16)
     qkv = random_qkv(fb.num_tokens, GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM,
                      torch.Generator().manual_seed(9), torch.bfloat16)
-    backend.init_forward_metadata(fb)
-    backend.forward(*qkv, LAYER_ID, fb, 0.1)  # compile outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        backend.init_forward_metadata(fb)
-        backend.forward(*qkv, LAYER_ID, fb, 0.1)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    forward_without_host_sync(backend, fb, *qkv)
 
 
 @pytest.mark.gpu
@@ -723,15 +737,7 @@ def test_mla_backend_rejects_wider_values():
         TritonAttnBackend(16, 1, 48, 64, DEVICE, v_head_dim=64)
 
 
-MLA_GPU_CASES = {
-    "decode": BackendCase(ForwardMode.DECODE, [8191, 1000, 0, 2999, 4000, 17], [1] * 6,
-                          False, False),
-    "extend": BackendCase(ForwardMode.EXTEND, [3584, 0, 1000], [512, 300, 77], False, True),
-    "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [8184, 100, 2048, 0], [8] * 4,
-                                 True, False),
-    "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [8188, 1, 3000], [4] * 3,
-                                False, False),
-}
+MLA_GPU_CASES = real_shape_cases(8192)
 
 
 @pytest.mark.gpu
@@ -768,14 +774,5 @@ def test_mla_backend_has_no_host_sync_gpu(case_name):
                                 torch.Generator().manual_seed(27), torch.bfloat16)
     fb.kv_pool.v_buffer = [k_buffer[..., :512] for k_buffer in fb.kv_pool.k_buffer]
     q = torch.randn(fb.num_tokens, 128, 576, device=DEVICE, dtype=torch.bfloat16)
-    backend.init_forward_metadata(fb)
-    backend.forward(q, None, None, LAYER_ID, fb, 0.1)  # compile outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        backend.init_forward_metadata(fb)
-        out = backend.forward(q, None, None, LAYER_ID, fb, 0.1)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    out = forward_without_host_sync(backend, fb, q, None, None)
     assert out.shape == (fb.num_tokens, 128 * 512)

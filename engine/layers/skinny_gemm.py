@@ -19,8 +19,9 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   program holds the same dims of both halves of one head, rotates q and k heads, and writes q
   to its output and k and v to their KV slots, so the RoPE kernel disappears from decode.
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
-  tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two; the
-  default for M = 1, where a 16-row MMA wastes 15/16 of its work).
+  tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two). The
+  H100 sweep found tl.dot faster at every M, so the rule always picks it; the interpreter tests
+  use the other path to check 16-bit roundings.
 
 Workspace: the partials and the arrival counters of one device are shared by every call site
 (`workspace_for`), sized once, never reallocated (CUDA graphs keep its addresses). Two skinny
@@ -445,6 +446,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return y.view(*x.shape[:-1], n_cols)
 
 
+@functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
 def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int,
                      device: torch.device) -> Optional[SkinnyConfig]:
     """The rule's config for the paired columns of a q/k/v projection, its column tiles cut to

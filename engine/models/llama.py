@@ -37,13 +37,18 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self._project(x, positions, fb)
+        return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale))
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch):
+        """The rotated q, and k and v for the backend to store: None where a fused kernel has
+        already written the new tokens' K/V to the pool."""
+        k_cache, v_cache = fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id]
         if self.q_norm is None and self.qkv_proj.fuses_qkv_rope(x, self.head_dim):
             # One kernel: the projection with RoPE and the KV store in its epilogue.
-            q = self.qkv_proj.forward_qkv_rope(
-                x, self.num_heads, self.num_kv_heads, self.rotary, positions,
-                fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id],
-                fb.out_cache_loc)
-            return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
+            q = self.qkv_proj.forward_qkv_rope(x, self.num_heads, self.num_kv_heads, self.rotary,
+                                               positions, k_cache, v_cache, fb.out_cache_loc)
+            return q, None, None
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -51,14 +56,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary.stores_kv:  # the new tokens' K/V go to the pool inside the RoPE kernel
-            q = self.rotary.rotate_and_store_kv(
-                positions, q, k, v, fb.kv_pool.k_buffer[self.layer_id],
-                fb.kv_pool.v_buffer[self.layer_id], fb.out_cache_loc)
-            k = v = None
-        else:
-            q, k = self.rotary(positions, q, k)
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)
-        return self.o_proj(out)
+            return self.rotary.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache,
+                                                   fb.out_cache_loc), None, None
+        q, k = self.rotary(positions, q, k)
+        return q, k, v
 
 
 class MLP(nn.Module):

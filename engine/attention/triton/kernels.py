@@ -455,7 +455,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     MLA's latent is); out: [bs, num_heads, value_dim]. partial_out: [>= bs, num_heads,
     max_kv_splits, value_dim] fp32 and partial_lse: [>= bs, num_heads, max_kv_splits] fp32
     are scratch; `max_kv_splits` is their third dim. arrivals: int32 [>= bs * num_kv_heads *
-    `decode_head_blocks`], all zero (the kernel leaves them zero).
+    tiles per KV head (at most the group size rounded up to a power of two)], all zero (the
+    kernel leaves them zero).
     """
     bs, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -465,7 +466,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     layout = _head_layout(q, k_buffer, v_buffer)
     config = config or default_decode_config(key_dim, q.device, layout.main_dim)
     group_size = num_heads // num_kv_heads
-    block_h, head_blocks = _decode_head_tiling(group_size, config)
+    heads_per_tile, head_blocks = _head_tiling(group_size, max(16, config.block_h))
+    block_h = max(16, heads_per_tile)  # tl.dot needs at least 16 rows; padded rows are masked
     assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads * head_blocks
     if bs == 0:
         return
@@ -485,17 +487,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
 
-
-def _decode_head_tiling(group_size: int, config: DecodeConfig) -> tuple[int, int]:
-    """(query heads per program, programs per KV head) of the decode kernel."""
-    # tl.dot needs at least 16 rows on tensor cores; padded head rows are masked out.
-    block_h = min(max(16, triton.next_power_of_2(group_size)), max(16, config.block_h))
-    return block_h, triton.cdiv(group_size, block_h)
-
-
-# ---------------------------------------------------------------------------------------------
-# Extend: cached prefix, then the new tokens under a causal or custom mask
-# ---------------------------------------------------------------------------------------------
 
 def _head_tiling(group_size: int, max_rows: int, tokens_pad: int = 1) -> tuple[int, int]:
     """(heads per tile, tiles per KV head) for tiles of `tokens_pad` tokens: the whole group
