@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
 from specserve.engine.layers.moe import run_experts, select_experts
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
@@ -139,9 +140,17 @@ class Experts(nn.Module):
         # `shards` convention: (part, dim, start, end) per expert).
         self.w13.stacked_experts = (num_experts, [("gate_proj", 0, start, end), ("up_proj", 0, start, end)])
         self.w2.stacked_experts = (num_experts, [("down_proj", 1, start, end)])
+        self.w13_scale = self.w2_scale = None
+
+    def use_fp8(self, block_n: int, block_k: int) -> None:
+        """FP8 experts (the loader calls it when the checkpoint's are): both stacks."""
+        self.w13, self.w2 = fp8_parameter(self.w13), fp8_parameter(self.w2)
+        self.w13_scale = scale_parameter(self.w13, block_n, block_k)
+        self.w2_scale = scale_parameter(self.w2, block_n, block_k)
 
     def forward(self, x, topk_weights, topk_ids):
-        return run_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
+                           weight_scale(self.w13_scale), weight_scale(self.w2_scale))
 
 
 class DeepseekMoE(nn.Module):
