@@ -26,7 +26,7 @@ from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_ran
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
-from specserve.engine.models.loader import init_dummy_weights, load_llama
+from specserve.engine.models.loader import init_dummy_weights, load_llama, use_fp8_everywhere
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.device import DeviceContext
@@ -43,6 +43,9 @@ from specserve.engine.spec.eagle_worker import EagleWorker
 from specserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.engine")
+
+
+DUMMY_FP8_BLOCK = (128, 128)  # random FP8 weights are block-wise, as DeepSeek-V3 ships them
 
 
 def demo_models_dir() -> Path:
@@ -138,9 +141,19 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     logger.info("loading %s: %s, %d layers, %s on %s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
                 device)
+    dummy_fp8_block = None
+    if config.load_format == "dummy" and (config.quantization == "fp8" or cfg.quantization is not None):
+        dummy_fp8_block = cfg.quantization.weight_block if cfg.quantization is not None \
+            and cfg.quantization.weight_block else DUMMY_FP8_BLOCK
     if config.load_format == "dummy":
+        if dummy_fp8_block is not None:
+            use_fp8_everywhere(model, dummy_fp8_block)
         init_dummy_weights(model, config.seed)
     else:
+        if config.quantization == "fp8" and cfg.quantization is None:
+            raise ValueError(f"quantization: 'fp8' asks for FP8 weights, but {model_path} has no "
+                             f"quantization_config (a 16-bit checkpoint; quantising at load is not "
+                             f"supported)")
         load_llama(model, model_path)
     model.eval()
     set_skinny_gemm(model, config.skinny_gemm)
@@ -176,7 +189,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if spec is not None and spec.algorithm == "nextn":
         # Its own one-layer latent pool, addressed by the target's slots like any draft's.
         head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
-                               dummy=config.load_format == "dummy")
+                               dummy=config.load_format == "dummy", fp8_block=dummy_fp8_block)
         mla = head.config.mla
         draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool, attention_backend(
