@@ -81,6 +81,7 @@ class EngineCore:
     needs_cpu_seq_lens: bool
     uses_cuda_graphs: bool
     tp_group: Optional[TPGroup]
+    weight_format: str            # the linear weights: the dtype's name, or the FP8 format
 
     @property
     def kv_pool(self) -> TokenToKVPool | MLATokenToKVPool:
@@ -138,13 +139,16 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     model_class = DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM
     with torch.device(device):
         model = model_class(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
-    logger.info("loading %s: %s, %d layers, %s on %s", "random weights" if config.load_format == "dummy"
+    logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
-                device)
+                device, "" if cfg.quantization is None else f", {cfg.quantization.name} weights")
     dummy_fp8_block = None
     if config.load_format == "dummy" and (config.quantization == "fp8" or cfg.quantization is not None):
         dummy_fp8_block = cfg.quantization.weight_block if cfg.quantization is not None \
             and cfg.quantization.weight_block else DUMMY_FP8_BLOCK
+    weight_format = cfg.quantization.name if cfg.quantization is not None else \
+        f"fp8 (block {dummy_fp8_block[0]}x{dummy_fp8_block[1]})" if dummy_fp8_block is not None else \
+        str(dtype).replace("torch.", "")
     if config.load_format == "dummy":
         if dummy_fp8_block is not None:
             use_fp8_everywhere(model, dummy_fp8_block)
@@ -234,7 +238,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         max_context_len=max_context_len, context_capped_by_pool=max_context_len < model_context,
         spec=spec, ctx=ctx, req_to_token=req_to_token, allocator=allocator, runner=runner,
         draft_runner=draft_runner, worker=worker, scheduler=scheduler,
-        needs_cpu_seq_lens=needs_cpu_seq_lens, uses_cuda_graphs=uses_cuda_graphs, tp_group=tp_group)
+        needs_cpu_seq_lens=needs_cpu_seq_lens, uses_cuda_graphs=uses_cuda_graphs, tp_group=tp_group,
+        weight_format=weight_format)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -248,3 +248,33 @@ def test_random_fp8_weights_for_benchmarks(tiny_model, make_engine):
     assert layer.mlp.gate_up_proj.weight_scale.scale_block == (128, 128)
     out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_new_tokens
+
+
+# --- served through both fronts -------------------------------------------------------------
+@pytest.mark.parametrize("fmt,block,weight_dtype", [("block", (16, 32), "fp8 (block 16x32)"),
+                                                    ("ct-channel", None, "fp8 (per-channel)")])
+def test_served_through_grpc_and_http(quantized, make_engine, fmt, block, weight_dtype):
+    import httpx
+    from server_harness import ServerProcess, free_port
+
+    fp8, _ = quantized("llama", fmt, block)
+    prompt = random_prompts(1, seed=11, max_len=16)[0]
+    expected = make_engine(fp8).generate(prompt_token_ids=[prompt], sampling=GREEDY)[0].token_ids
+    server = ServerProcess(fp8, "--http-port", str(free_port()))
+    try:
+        http_url = "http://" + server.wait_for_log(r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
+        with server.client() as client:
+            info = client.model_info()
+            assert (info.weight_dtype, info.kv_cache_dtype, info.dtype) == (weight_dtype, "float32", "float32")
+            result = client.generate(prompt_token_ids=prompt, max_new_tokens=GREEDY.max_new_tokens,
+                                     temperature=0, ignore_eos=True)
+            assert list(result.token_ids) == expected
+        models = httpx.get(http_url + "/v1/models").json()["data"][0]
+        assert (models["weight_dtype"], models["kv_cache_dtype"]) == (weight_dtype, "float32")
+        body = httpx.post(http_url + "/v1/completions", json={
+            "model": os.path.basename(fp8), "prompt": prompt, "max_tokens": GREEDY.max_new_tokens,
+            "temperature": 0, "ignore_eos": True, "logprobs": 0}).json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == GREEDY.max_new_tokens
+    finally:
+        assert server.stop() == 0
