@@ -110,6 +110,8 @@ def weight_bytes(engine: Engine, tokens: int = 1) -> float:
         moe = model.config.moe
         picked = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
         total += sum(picked * (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size() for m in experts)
+        total += sum(picked * (s[0].numel() * s.element_size()) for m in experts
+                     for s in (m.w13_scale, m.w2_scale) if s is not None)
     return total
 
 
@@ -194,6 +196,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--max-context-len", type=int, default=4096)
+    ap.add_argument("--quantizations", default="auto",
+                    help="comma list of: auto (the checkpoint's, bf16 for random shapes), fp8 (random "
+                         "block-wise FP8 weights; the draft stays bf16)")
     ap.add_argument("--out", default="bench_one_batch.json")
     args = ap.parse_args()
 
@@ -206,9 +211,9 @@ def main():
             target, draft, load_format = None, str(demo_models_dir() / "demo-draft"), "auto"
         else:
             (target, draft), load_format = write_shape(root, model_name), "dummy"
-        for mode, backend, variant, tp in itertools.product(
-                args.modes.split(","), args.backends.split(","), args.variants.split(","),
-                [int(t) for t in args.tp_sizes.split(",")]):
+        for quantization, mode, backend, variant, tp in itertools.product(
+                args.quantizations.split(","), args.modes.split(","), args.backends.split(","),
+                args.variants.split(","), [int(t) for t in args.tp_sizes.split(",")]):
             spec = None
             if mode != "plain":
                 force = None if model_name == "demo" else args.accept_len
@@ -225,7 +230,8 @@ def main():
                                cuda_graph=BACKEND_ROWS[backend].cuda_graph and variant != "no-graph",
                                mem_fraction=0.5,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
-                               skinny_gemm=variant != "no-skinny-gemm", tp_size=tp)
+                               skinny_gemm=variant != "no-skinny-gemm", tp_size=tp,
+                               quantization=quantization)
             engine = Engine(cfg)
             weights = weight_bytes(engine)
             limit = bandwidth / weights  # per-rank shard: tp GPUs read in parallel
@@ -234,7 +240,7 @@ def main():
                 kv_read = bs * (args.prompt_len + args.steps / 2) * kv_bytes_per_token(engine)
                 step_limit_ms = 1000 * (weight_bytes(engine, bs) + kv_read) / bandwidth
                 label = mode if spec is None or args.draft == "eagle3" else f"{mode}-{args.draft}"
-                r.update(model=model_name, mode=label, variant=variant, backend=backend, tp=tp, batch_size=bs,
+                r.update(model=model_name, weights=engine.core.weight_format, mode=label, variant=variant, backend=backend, tp=tp, batch_size=bs,
                          prompt_len=args.prompt_len, bs1_limit_tokens_per_s=limit,
                          fraction_of_limit=r["decode_tokens_per_s"] / limit,
                          plain_step_limit_ms=step_limit_ms,
@@ -249,10 +255,10 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':16} {'mode':12} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
+    print(f"{'model':16} {'weights':20} {'mode':12} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
           f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:16} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
+        print(f"{r['model']:16} {r['weights']:20} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")
