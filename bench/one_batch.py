@@ -24,6 +24,7 @@ import itertools
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -79,18 +80,26 @@ SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
               "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
 
 
-def write_shape(root: str, name: str) -> tuple[str, str]:
-    """config.json folders for the target shape and an EAGLE-3 head of the same width."""
+def write_shape(root: str, name: str, tokenizer_dir: Optional[str] = None) -> tuple[str, str]:
+    """config.json folders for the target shape and an EAGLE-3 head of the same width. With
+    `tokenizer_dir` (the demo pair's) the target gets that tokenizer and its vocabulary size,
+    so that servers of the shape take and return text."""
     target = os.path.join(root, name)
     os.makedirs(target, exist_ok=True)
     cfg = dict(dict(architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
                     rope_theta=500000.0, rope_scaling=ROPE), **SHAPES[name], bos_token_id=1, eos_token_id=2)
+    if tokenizer_dir is not None:
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_dir, file), target)
+        vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
+        cfg.update(vocab_size=vocab, bos_token_id=0, eos_token_id=1)
     if "kv_lora_rank" in cfg:  # DeepSeek: a V3-style NextN layer after the last one (--draft nextn)
         cfg["num_nextn_predict_layers"] = 1
     json.dump(cfg, open(os.path.join(target, "config.json"), "w"))
     draft = os.path.join(root, name + "-eagle3")
     os.makedirs(draft, exist_ok=True)
-    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=32000,
+    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                draft_vocab_size=min(32000, cfg["vocab_size"]),
                 tie_word_embeddings=False, **DRAFT_OVERRIDES.get(name, {}))
     json.dump(dcfg, open(os.path.join(draft, "config.json"), "w"))
     return target, draft
