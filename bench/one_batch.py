@@ -56,10 +56,24 @@ SHAPES = {
         rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                           "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                                           "beta_slow": 1}),
+    # DeepSeek-V3 with its first 4 layers (3 dense + 1 MoE of 256 experts top-8): the layer
+    # group that repeats, small enough for one GPU in bf16 (~27 GB) and in FP8.
+    "deepseek-v3-4l": dict(
+        architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+        topk_method="noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", vocab_size=129280, tie_word_embeddings=False, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
 }
 # EAGLE-3 heads of the DeepSeek shapes: a Llama layer of the target's width.
 DRAFT_OVERRIDES = {"deepseek-v2-lite": dict(num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
-                                            max_position_embeddings=131072, rope_scaling=None)}
+                                            max_position_embeddings=131072, rope_scaling=None),
+                   "deepseek-v3-4l": dict(num_attention_heads=56, num_key_value_heads=8, intermediate_size=18432,
+                                          max_position_embeddings=131072, rope_scaling=None)}
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
 
