@@ -323,3 +323,19 @@ def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, 
         ours = make_engine(fp8, device="cuda", dtype="bfloat16").prompt_logits(prompt).float()
         theirs = make_engine(ref, device="cuda", dtype="bfloat16").prompt_logits(prompt).float()
         assert ((ours - theirs).norm() / theirs.norm()).item() < 2e-2
+
+
+def test_missing_scale_tensor_is_named(tmp_path, quantized):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specserve.engine import Engine, EngineConfig
+
+    fp8, _ = quantized("llama", "block", (16, 32))
+    path = shutil.copytree(fp8, tmp_path / "m")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.down_proj.weight_scale_inv'"):
+        Engine(EngineConfig(model=str(path), device="cpu", spec=None))
