@@ -92,8 +92,9 @@ class EngineCore:
         rank 0 after telling the followers to stop)."""
         with self.ctx.schedule_context():
             self.scheduler.drain()
-        if self.worker.graphs is not None:
-            self.worker.graphs.release()
+        for graphs in (self.worker.graphs, self.worker.extend_graphs):
+            if graphs is not None:
+                graphs.release()
         self.ctx.close()
         if self.tp_group is not None:
             if self.rank == 0:

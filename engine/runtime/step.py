@@ -83,6 +83,7 @@ class Worker(Protocol):
     """What the scheduler and the engine need of a worker (NormalWorker, EagleWorker)."""
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
+    extend_graphs: Any  # the captured short extends (runtime/short_extend.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)
 
     def slots_per_request(self) -> int:

@@ -19,6 +19,9 @@ from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHis
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.short_extend import (
+    MAX_SHORT_EXTEND, SHORT_EXTEND_BUCKETS, ShortExtendInputs, fits_short_extend, load_short_extend,
+    make_short_extend_inputs, pack_short_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 
 
@@ -211,6 +214,30 @@ class TargetModel:
                                      score.top_k)
         return Sampled(choice, hidden, aux, prompt)
 
+    def short_extend(self, s: ShortExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
+        """A captured short extend (runtime/short_extend.py): one request's chunk, padded; the
+        greedy token of its last real position. Returns (tokens [1], hidden, aux hidden)."""
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=s.ids, positions=s.positions,
+            kv_rows=KVRows(self.req_to_token.table, s.row), prefix_lens=s.prefix_len,
+            extend_lens_cpu=[s.ids.shape[0]], out_cache_loc=s.loc, max_seq_len=width,
+            aux_hidden_layers=aux_hidden_layers)
+        hidden, aux = self.runner.forward(fb)
+        tokens = self.model.tp.broadcast(argmax_last_dim(self.model.compute_logits(hidden[s.last])))
+        self.future_map.stash_tokens(s.row, tokens)
+        return tokens, hidden, aux
+
+    def capture_short_extends(self, parts, width: int):
+        """GraphedStep of `parts` over the short-extend buckets (tokens, not batch sizes)."""
+        from specserve.engine.runtime.cuda_graph import GraphedStep
+
+        device = self.ctx.device
+        graphs = GraphedStep(parts, lambda length: make_short_extend_inputs(length, device), pad={},
+                             max_batch_size=min(MAX_SHORT_EXTEND, width), device=device,
+                             buckets=SHORT_EXTEND_BUCKETS)
+        graphs.capture_all()
+        return graphs
+
     def prompt_logits(self, token_ids: list[int], row: int, slots: torch.Tensor) -> torch.Tensor:
         """Float32 logits [len, vocab] of one sequence prefilled into `row` / `slots`."""
         n = len(token_ids)
@@ -239,14 +266,30 @@ class NormalWorker:
     def __init__(self, target: TargetModel):
         self.target = target
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
+        self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
         return 1
 
     def launch_extend(self, step: ExtendStep) -> Launched:
+        if self.extend_graphs is not None and fits_short_extend(step):
+            return self._replay_short_extend(step)
         inputs = self.target.extend_inputs(step)
         return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
+
+    def _replay_short_extend(self, step: ExtendStep) -> Launched:
+        start, end = step.chunks[0]
+        captured = self.extend_graphs.static_for(end - start)
+        packed = pack_short_extend(step, captured.inputs.ids.shape[0], next_tokens=False)
+
+        def replay(read_done) -> StepResult:
+            load_short_extend(captured.inputs, packed, step.out_cache_loc)
+            tokens = self.extend_graphs.replay(captured, 0)
+            read_done.record()
+            return StepResult(tokens)
+
+        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
 
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)
@@ -291,6 +334,11 @@ class NormalWorker:
         self.graphs = GraphedStep([decode_step], make_inputs, pad={}, max_batch_size=max_batch_size,
                                   device=device)
         self.graphs.capture_all()
+        self.extend_graphs = target.capture_short_extends(self.short_extend_parts(width), width)
+
+    def short_extend_parts(self, width: int) -> list:
+        """What a captured short extend runs: the target forward and its greedy token."""
+        return [lambda s: self.target.short_extend(s, width)[0]]
 
 
 def graphable(graphs, info: SamplingInfo, bs: int) -> bool:

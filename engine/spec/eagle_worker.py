@@ -31,6 +31,8 @@ from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, TokenHistory, sample
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.short_extend import (
+    ShortExtendInputs, fits_short_extend, load_short_extend, pack_short_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
 from specserve.engine.spec import tree as tree_ops
@@ -42,6 +44,14 @@ class EagleExtendInputs(NamedTuple):
     # last row of a chunk takes the next prompt token or, at the end, the sampled token.
     shifted_ids: torch.Tensor   # [T]
     samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
+
+
+class ShortExtendHalf(NamedTuple):
+    """What a captured short extend's target half hands its draft half."""
+
+    inputs: ShortExtendInputs
+    tokens: torch.Tensor      # [1] the sampled token
+    feats: torch.Tensor       # the target features the draft reads
 
 
 class SpecDecodeInputs(NamedTuple):
@@ -76,6 +86,8 @@ class EagleWorker:
         self.aux_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
+        self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
+        self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
         self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
                                              next(head.parameters()).dtype)
@@ -85,6 +97,8 @@ class EagleWorker:
 
     # --- prefill ---------------------------------------------------------------------------
     def launch_extend(self, step: ExtendStep) -> Launched:
+        if self.extend_graphs is not None and fits_short_extend(step):
+            return self._replay_short_extend(step)
         target = self.target.extend_inputs(step)
         shifted = []
         for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
@@ -111,6 +125,39 @@ class EagleWorker:
             return sampled.step_result()
 
         return launch_forward(self.target.ctx, inputs, body)
+
+    def _replay_short_extend(self, step: ExtendStep) -> Launched:
+        """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
+        start, end = step.chunks[0]
+        captured = self.extend_graphs.static_for(end - start)
+        packed = pack_short_extend(step, captured.inputs.ids.shape[0], next_tokens=True)
+        publish_ready = self.future_map.new_publish_event()
+
+        def replay(read_done) -> StepResult:
+            load_short_extend(captured.inputs, packed, step.out_cache_loc)
+            self.extend_graphs.replay(captured, 0)
+            publish_ready.record()
+            tokens = self.extend_graphs.replay(captured, 1)
+            read_done.record()  # the draft half reads the request table too
+            return StepResult(tokens)
+
+        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
+
+    def _short_extend_target_half(self, s: ShortExtendInputs) -> ShortExtendHalf:
+        tokens, hidden, aux = self.target.short_extend(s, self.width, self.aux_layers)
+        self.future_map.publish(s.row, s.seq_len)
+        return ShortExtendHalf(s, tokens, aux if self.aux_layers else hidden)
+
+    def _short_extend_draft_half(self, half: ShortExtendHalf) -> torch.Tensor:
+        s = half.inputs
+        shifted = s.shifted.index_copy(0, s.last, half.tokens)
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted, positions=s.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, s.row), prefix_lens=s.prefix_len,
+            extend_lens_cpu=[s.ids.shape[0]], out_cache_loc=s.loc, max_seq_len=self.width)
+        draft_hidden = self.draft.forward(fb, half.feats)
+        self._stash_draft_state(s.row, draft_hidden[s.last])
+        return half.tokens
 
     # --- decode ----------------------------------------------------------------------------
     def launch_decode(self, step: DecodeStep) -> Launched:
@@ -257,6 +304,12 @@ class EagleWorker:
         self.graphs = GraphedStep([self._verify_half, self._extend_half], make_inputs,
                                   pad={"rows": 0, "S": 1}, max_batch_size=max_batch_size, device=device)
         self.graphs.capture_all()
+        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
+
+    def short_extend_parts(self, width: int) -> list:
+        """What a captured short extend runs: the target half (then `publish_ready`), the draft half."""
+        self.width = width
+        return [self._short_extend_target_half, self._short_extend_draft_half]
 
 
 def _plus(seq_lens_cpu: Optional[list[int]], n: int) -> Optional[list[int]]:
