@@ -210,3 +210,91 @@ def test_skinny_fp8_refuses_a_grid_that_does_not_cover_the_weight():
     w8, scale = fp8_weight(N, K, (1, 128), seed=8)
     with pytest.raises(AssertionError, match="does not cover"):
         skinny_gemm(dense_rows(1, K, seed=0), w8, scale=scale._replace(block_n=2), workspace=_workspace())
+
+
+# --- activation quantiser and the large-M W8A8 GEMM ---------------------------------------------
+
+def test_activation_quantiser_matches_torch():
+    """Per token per 128-column group (a partial last group, an all-zero group): scales to the
+    bit; the FP8 values to the bit where they are exact (x = e4m3 values times a power of two,
+    the group's largest 448 times it). Random inputs are checked on a GPU (the interpreter
+    rounds fp32 to FP8 wrongly near powers of two)."""
+    gen = torch.Generator().manual_seed(9)
+    k = 300
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = dense_rows(5, k, seed=3).to(dtype)
+        x[2, 128:256] = 0
+        x8, scales = quantize_activations(x)
+        ref8, ref_scales = quantize_activations_reference(x)
+        assert x8.shape == (5, k) and x8.dtype == FP8_DTYPE and scales.shape == (5, 3)
+        assert torch.equal(scales, ref_scales)
+        assert not x8[2, 128:256].float().any()
+        values = (torch.randn(5, k, generator=gen) * 64).clamp(-448, 448).to(FP8_DTYPE).float()
+        values[:, ::ACT_GROUP] = 448.0  # every group's largest: the scale is a power of two
+        exact = (values * 2.0 ** -torch.randint(-4, 5, (5, 1), generator=gen)).to(DEVICE, dtype)
+        x8, scales = quantize_activations(exact)
+        assert torch.equal(x8.float(), quantize_activations_reference(exact)[0].float())
+        assert torch.equal(x8.float() * scales.repeat_interleave(ACT_GROUP, 1)[:, :k], exact.float())
+
+
+SMALL_SCALED = BlockScaledConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, group_m=2)
+
+
+@pytest.mark.parametrize("block", ["128x128", "1x128", "channel", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_block_scaled_matmul_matches_quantised_reference(block, dtype):
+    """M, N, K no multiples of the tiles (masked tails, the row-tile groups' ragged end), with a
+    bias: the product of the quantised operands in float64, within fp32 sums (fp16: within
+    one rounding of the output)."""
+    m = 37
+    w8, scale = fp8_weight(N, K, BLOCKS[block], seed=11)
+    x = dense_rows(m, K, seed=12).to(dtype)
+    bias = dense_rows(1, N, seed=13)[0].to(dtype)
+    out = block_scaled_matmul(x, w8, scale, bias, config=SMALL_SCALED)
+    assert out.dtype == dtype and out.shape == (m, N)
+    expected = w8a8_reference(*quantize_activations(x), w8, scale, bias, dtype)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, expected, **tol)
+    assert block_scaled_matmul(x[:0], w8, scale, config=SMALL_SCALED).shape == (0, N)
+
+
+def test_block_scaled_matmul_refuses_steps_across_k_blocks():
+    w8, scale = fp8_weight(N, K, (16, 24), seed=14)
+    with pytest.raises(AssertionError, match="k-block"):
+        block_scaled_matmul(dense_rows(2, K, seed=0), w8, scale, config=SMALL_SCALED)
+
+
+# --- fused MoE with FP8 experts ---------------------------------------------------------------------
+
+def _moe_case(case: str, num_experts: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids) for 9 tokens, top-2."""
+    if case == "random":
+        ids = torch.rand(9, num_experts, generator=gen).topk(2, dim=1).indices
+    elif case == "one_expert":  # every token's first choice is expert 1; 3 experts get nothing
+        ids = torch.stack([torch.full((9,), 1), torch.tensor([0, 2] * 4 + [0])], dim=1)
+    else:  # "repeats": a token picking one expert twice, the rest on two experts
+        ids = torch.tensor([[3, 3]] + [[0, 3]] * 8)
+    return torch.rand(9, 2, generator=gen).softmax(-1).to(DEVICE), ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("case", ["random", "one_expert", "repeats"])
+@pytest.mark.parametrize("block", [(128, 128), (16, 24), (1, 128)])
+def test_fused_moe_fp8_matches_torch_path(case, block):
+    """The Triton grouped GEMM with FP8 experts against the torch path with the same scales
+    (fp32): hidden 40, intermediate 24 (16-wide tiles; a 16-row scale block spans the gate/up
+    boundary), 16x24 blocks gather one scale per element."""
+    from specserve.engine.layers.fused_moe_triton import MoEConfig, fused_experts
+    from specserve.engine.layers.moe import fused_experts as torch_fused_experts
+
+    num_experts, hidden, inter = 6, 40, 24
+    gen = torch.Generator().manual_seed(15)
+    w13, w13_scale = fp8_weight(2 * inter, hidden, block, seed=16, experts=(num_experts,))
+    w2, w2_scale = fp8_weight(hidden, inter, block, seed=17, experts=(num_experts,))
+    x = dense_rows(9, hidden, seed=18)
+    topk_weights, topk_ids = _moe_case(case, num_experts, gen)
+    small = MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, small, w13_scale=w13_scale, w2_scale=w2_scale)
+    expected = torch_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    # The same dequantised weights; fp32 sums in other orders and another sigmoid: errors of
+    # fp32's order relative to the terms' size (outputs up to ~1e3), not to a cancelled sum.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
