@@ -143,7 +143,7 @@ class _ExpertScales(NamedTuple):
     """The grouped GEMM's `fp8` argument: the stacked scale grids [E, rows, k-blocks] of FP8
     experts (any tensor and 1s for 16-bit experts: never read)."""
 
-    values: torch.Tensor
+    grid: torch.Tensor  # (not `values`: a Triton tuple's own attribute)
     stride_expert: int
     stride_n: int
     block_n: int
@@ -178,7 +178,7 @@ def _grouped_gemm_kernel(
               + offs_k[:, None] * stride_w_k)
     # The expert's scale grid and the offsets of the columns' grid rows, [1, BLOCK_N] against
     # the K steps (columns past N take the last one: never stored).
-    scales = fp8.values + expert * fp8.stride_expert
+    scales = fp8.grid + expert * fp8.stride_expert
     cols = tl.minimum(offs_n, N - 1)
     scale_rows = ((cols // fp8.block_n) * fp8.stride_n)[None, :]
     up_scale_rows = (((N + cols) // fp8.block_n) * fp8.stride_n)[None, :]

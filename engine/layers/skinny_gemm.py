@@ -152,14 +152,14 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
     """`config` for an FP8 weight whose scale grid's k-blocks are `scale_block_k` wide: K steps
     cut to the widest power of two (16 at least) that divides a k-block, so that each step
     reads one scale per row (`k_uniform`) instead of gathering one per element; with
-    `fp8_activations` also to at most one activation group."""
-    block_k = config.block_k
-    if config.fp8_activations:
-        block_k = min(block_k, ACT_GROUP)
+    `fp8_activations` also to at most one activation group, and column tiles of 64 at least."""
+    block_k, block_n = config.block_k, config.block_n
+    if config.fp8_activations:  # FP8 tensor cores take 64 weight rows (see `_sum_tiles`)
+        block_k, block_n = min(block_k, ACT_GROUP), max(block_n, 64)
     if not (scale_block_k >= k or scale_block_k % block_k == 0):
         step = scale_block_k & -scale_block_k  # the largest power of two dividing it
         block_k = step if step >= 16 else block_k
-    return config._replace(block_k=block_k)
+    return config._replace(block_k=block_k, block_n=block_n)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale] = None) -> bool:
@@ -219,10 +219,10 @@ if triton is not None:
                          FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
                          FP8_ACT: tl.constexpr):
         """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`."""
-        if FP8_ACT:
-            acc = scaled_dot(acc, x_tile, w_tile,
-                             activation_scales(fp8.x_scale, offs_m, m_mask, fp8.stride_xsm, k),
-                             weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True))
+        if FP8_ACT:  # acc [BLOCK_N, BLOCK_M]: W x^T (see _sum_tiles)
+            acc = scaled_dot(acc, w_tile, x_tile,
+                             weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True),
+                             activation_scales(fp8.x_scale, offs_m, m_mask, fp8.stride_xsm, k))
         else:
             if FP8_WEIGHT:
                 w_tile = dequantize_tile(
@@ -254,7 +254,11 @@ if triton is not None:
         each weight tile is dequantised into x's dtype before the product (`dequantize_tile`;
         K_UNIFORM: one scale per row a step, else per element). FP8_ACT (W8A8, DOT and
         K_UNIFORM only, BLOCK_K dividing ACT_GROUP): x is FP8 too, with per-row group scales,
-        and each step's FP8 product is scaled in fp32 (`scaled_dot`)."""
+        and each step's FP8 product is scaled in fp32 (`scaled_dot`). The product is taken
+        transposed, W x^T ([BLOCK_N, BLOCK_M], transposed once after the loop): FP8 tensor
+        cores (wgmma) want 64 rows or more on the left, and x has 16 at most, the weight
+        tile BLOCK_N (64 in `fp8_weight_config`). With x on the left Triton would convert
+        both operands to fp16 for 16-row mma instead."""
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -263,7 +267,10 @@ if triton is not None:
         # Offsets of the rows' scale-grid rows (unused for a 16-bit weight).
         scale_rows = (rows // fp8.block_n) * fp8.stride_wsn
         partner_scale_rows = (partner_rows // fp8.block_n) * fp8.stride_wsn
-        if DOT:
+        if FP8_ACT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        elif DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
@@ -287,7 +294,10 @@ if triton is not None:
                 acc_up = _accumulate_step(acc_up, x_tile, up_tile, fp8, partner_scale_rows, offs_m,
                                           m_mask, k, offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT,
                                           K_UNIFORM, FP8_ACT)
-        if not DOT:
+        if FP8_ACT:
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
+        elif not DOT:
             acc = tl.sum(acc, axis=2)
             acc_up = tl.sum(acc_up, axis=2)
         return acc, acc_up

@@ -175,8 +175,10 @@ if triton is not None:
         grid, shaped like `scale_rows`; else one scale per element (columns past K read the
         last one: their weights are zeros)."""
         if K_UNIFORM:
-            return tl.load(scale + scale_rows + k // scale_block_k)
-        return tl.load(scale + scale_rows + tl.minimum(k + offs_k, K - 1) // scale_block_k)
+            cols = k // scale_block_k
+        else:
+            cols = tl.minimum(k + offs_k, K - 1) // scale_block_k
+        return tl.load(scale + scale_rows + cols)
 
     @triton.jit
     def dequantize_tile(w_tile, scales, dtype: tl.constexpr):
@@ -190,10 +192,11 @@ if triton is not None:
         return tl.load(x_scales + rows * stride_row + k // _ACT_GROUP, mask=row_mask, other=0.0)
 
     @triton.jit
-    def scaled_dot(acc, x8_tile, w8_tile, x_scales, w_scales):
-        """W8A8: one K step's FP8 product [BM, BN] in fp32, times its rows' activation scales
-        and its columns' weight scales, added to acc (the step lies in one group and block)."""
-        return acc + tl.dot(x8_tile, tl.trans(w8_tile)) * x_scales[:, None] * w_scales[None, :]
+    def scaled_dot(acc, a_tile, b_tile, a_scales, b_scales):
+        """W8A8: one K step's FP8 product a b^T ([rows of a, rows of b], both K-major as FP8
+        tensor cores want them) in fp32, times the scales of a's rows and of b's rows, added to
+        acc (the step lies in one activation group and one weight k-block)."""
+        return acc + tl.dot(a_tile, tl.trans(b_tile)) * a_scales[:, None] * b_scales[None, :]
 
     @triton.jit
     def _quantize_groups_kernel(x, x8, scales, K, num_groups, stride_xm, GROUP: tl.constexpr,
