@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from test_skinny_gemm import (  # noqa: E402  (the 16-bit tests' q/k/v + RoPE reference)
     HEAD_DIM, KV_HEADS, Q_HEADS, SLOTS, _qkv_rope_reference)
 
+from specserve.engine.layers import skinny_gemm as skinny_module  # noqa: E402
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from specserve.engine.layers.skinny_gemm import (  # noqa: E402
@@ -177,8 +178,7 @@ def test_skinny_w8a8_option(block, split_k):
     assert not ws.arrivals.any()
 
 
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,split_k", [(1, 1), (3, 3)])
 @pytest.mark.parametrize("block", ["128x128", "1x128", "16x24"])
 def test_skinny_fp8_qkv_rope(m, split_k, block):
     """The q/k/v + RoPE + KV-store epilogue on an FP8 weight: the reference projection
@@ -406,3 +406,166 @@ def test_fp8_kernels_compile_for_hopper():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 8
+
+
+# --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------
+
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, WeightScale]:
+    """A checkpoint's FP8 form of w [..., N, K]: per (block_n, block_k) block, scale = amax / 448."""
+    from specserve.engine.quantization.fp8 import expand_scale
+
+    n, k = w.shape[-2:]
+    gn, gk = scale_grid_shape(n, k, *block)
+    padded = F.pad(w.float(), (0, gk * block[1] - k, 0, gn * block[0] - n))
+    blocks = padded.view(*w.shape[:-2], gn, block[0], gk, block[1])
+    scale = WeightScale(blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448, *block)
+    w8 = (w.float() / expand_scale(scale, n, k)).clamp(-448, 448).to(FP8_DTYPE)
+    return w8, scale
+
+
+def _gpu_fp8_weight(n: int, k: int, seed: int, block=(128, 128)):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02, block)
+
+
+def _gpu_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_skinny_fp8_llama_shapes(shape, m):
+    """W8A16 against the reference's bf16 weight summed exactly (a bf16 rounding apart, a few
+    with SiLU-and-mul) and against the 16-bit skinny kernel on that weight with the same
+    config (the same products in the same order); the W8A8 option against the product of its
+    quantised operands, and within FP8's error of the reference."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w8, scale = _gpu_fp8_weight(n, k, seed=m)
+    x = _gpu_rows(m, k, seed=100 + m)
+    out = skinny_gemm(x, w8, silu_mul=silu, scale=scale)
+    tol = dict(rtol=2e-2 if silu else 1e-2, atol=1e-2)
+    torch.testing.assert_close(out, exact_reference(x, w8, scale, silu=silu), **tol)
+    config = fp8_weight_config(default_config(m, n // 2 if silu else n, k, silu, x.device), 128, k)
+    sixteen = skinny_gemm(x, dequantize(w8, scale, torch.bfloat16), silu_mul=silu, config=config)
+    torch.testing.assert_close(out, sixteen, rtol=1e-2, atol=1e-3)
+    assert torch.equal(out, skinny_gemm(x, w8, silu_mul=silu, scale=scale))  # deterministic split-K
+    if not silu:
+        w8a8 = skinny_gemm(x, w8, config=config._replace(fp8_activations=True), scale=scale)
+        torch.testing.assert_close(w8a8, w8a8_reference(*quantize_activations(x), w8, scale,
+                                                        dtype=torch.bfloat16), rtol=1e-2, atol=1e-2)
+        assert _relative_error(w8a8, fp8_linear_reference(x, w8, scale)) < 0.04
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_skinny_fp8_qkv_rope_llama_8b(m):
+    """Llama 8B's q/k/v (32 q heads, 8 KV heads of 128) from an FP8 weight: q, k and v as the
+    16-bit fused kernel makes them from the dequantised weight with the same config."""
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
+    w8, scale = _gpu_fp8_weight(6144, 4096, seed=3)
+    x = _gpu_rows(m, 4096, seed=4)
+    positions = torch.randint(0, 4096, (m,), device="cuda")
+    loc = torch.randperm(64, device="cuda")[:m]
+    config = fp8_weight_config(skinny_module._qkv_rope_config(m, 6144, 4096, 128, x.device), 128, 4096)
+    outs = []
+    for weight, sc in ((w8, scale), (dequantize(w8, scale, torch.bfloat16), None)):
+        k_cache = torch.zeros(64, 8, 128, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, weight, None, 32, 8, positions, rotary.cos, rotary.sin, k_cache,
+                            v_cache, loc, config=config, scale=sc)
+        outs.append((q, k_cache, v_cache))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_activation_quantiser_is_torchs():
+    x = _gpu_rows(64, 14336 + 40, seed=5) * 3
+    x8, scales = quantize_activations(x)
+    ref8, ref_scales = quantize_activations_reference(x)
+    assert torch.equal(scales, ref_scales) and torch.equal(x8.float(), ref8.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [17, 512, 4096])
+def test_gpu_block_scaled_matmul_llama_shapes(shape, m):
+    """The large-M W8A8 GEMM, through `fp8_matmul` (and `linear` above the skinny range):
+    the product of its quantised operands within a bf16 rounding; within FP8's error of the
+    reference."""
+    from specserve.engine.layers.skinny_gemm import linear
+    from specserve.engine.quantization.fp8_gemm import fp8_matmul, runs_block_scaled
+
+    n, k = LLAMA_8B[shape]
+    w8, scale = _gpu_fp8_weight(n, k, seed=6)
+    x = _gpu_rows(m, k, seed=7)
+    assert runs_block_scaled(x, w8, scale)
+    out = fp8_matmul(x, w8, scale)
+    expected = w8a8_reference(*quantize_activations(x), w8, scale, dtype=torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    assert _relative_error(out, fp8_linear_reference(x, w8, scale)) < 0.04
+    assert torch.equal(linear(x, w8, None, True, scale), out)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_moe_fp8_deepseek_shape():
+    """256 experts top-8, hidden 2048 (scaled from 7168), intermediate 2048, 128x128 blocks:
+    the kernel against the torch path with the same scales."""
+    from specserve.engine.layers.fused_moe_triton import fused_experts
+    from specserve.engine.layers.moe import fused_experts as torch_fused_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    num_experts, hidden, inter = 256, 2048, 2048
+    w13, w13_scale = quantize_weight(torch.randn(num_experts, 2 * inter, hidden, device="cuda",
+                                                 generator=gen) * hidden ** -0.5, (128, 128))
+    w2, w2_scale = quantize_weight(torch.randn(num_experts, hidden, inter, device="cuda",
+                                               generator=gen) * inter ** -0.5, (128, 128))
+    for tokens in (1, 16, 300):
+        x = _gpu_rows(tokens, hidden, seed=tokens)
+        topk_ids = torch.rand(tokens, num_experts, device="cuda", generator=gen).topk(8, dim=1).indices
+        topk_weights = torch.rand(tokens, 8, device="cuda", generator=gen).softmax(-1)
+        out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+        expected = torch_fused_experts(x.float(), w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        assert _relative_error(out, expected) < 0.02  # bf16 activations against fp32 ones
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_kernels_in_a_cuda_graph():
+    """W8A16 skinny GEMMs (split-K on), the W8A8 option, the large-M kernel with its quantiser,
+    captured once and replayed with new inputs: eager's bits every replay, counters at zero."""
+    from specserve.engine.quantization.fp8_gemm import fp8_matmul
+
+    weights = {name: _gpu_fp8_weight(n, k, seed=i) for i, (name, (n, k)) in enumerate(LLAMA_8B.items())}
+    small = {name: torch.zeros(4, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in LLAMA_8B.items()}
+    large = torch.zeros(300, 4096, device="cuda", dtype=torch.bfloat16)
+    w8a8 = SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=3, fp8_activations=True)
+
+    def run():
+        outs = [skinny_gemm(small[name], w8, silu_mul=name == "gate_up", scale=scale)
+                for name, (w8, scale) in weights.items()]
+        outs.append(skinny_gemm(small["o"], weights["o"][0], config=w8a8, scale=weights["o"][1]))
+        outs.append(fp8_matmul(large, *weights["qkv"]))
+        return outs
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    for seed in range(3):
+        for i, x in enumerate([*small.values(), large]):
+            x.copy_(_gpu_rows(x.shape[0], x.shape[1], seed=10 * seed + i))
+        graph.replay()
+        for got, want in zip(static_out, run()):
+            assert torch.equal(got, want)
+        assert not workspace_for(large.device).arrivals.any()
