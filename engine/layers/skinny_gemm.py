@@ -616,9 +616,9 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device)
-    assert config is not None and (head_dim // 2) % config.block_n == 0, \
-        "a column tile must lie within half a head"
-    config = _config_for(config, scale, k)
+    assert config is not None, "a column tile must lie within half a head"
+    config = _config_for(config, scale, k)  # (FP8 activations widen the tiles to 64)
+    assert (head_dim // 2) % config.block_n == 0, "a column tile must lie within half a head"
     q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, scale, unused=q)
     _skinny_qkv_rope_kernel[launch.grid](
