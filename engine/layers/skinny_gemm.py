@@ -18,6 +18,11 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   work, engine/layers/fused.py) in the epilogue. Its columns are paired like gate and up: a
   program holds the same dims of both halves of one head, rotates q and k heads, and writes q
   to its output and k and v to their KV slots, so the RoPE kernel disappears from decode.
+- FP8 weights (`scale=`, a `WeightScale`): W8A16, the weight tile dequantised in fp32 and
+  rounded to the activation dtype before the product (the reference's weight, so the results
+  are the 16-bit kernel's on the dequantised weight), or with `SkinnyConfig.fp8_activations`
+  W8A8 on FP8 tensor cores; the shared main loop serves all three kernels
+  (docs/architecture.md, "FP8 weight kernels").
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
   tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two). The
   H100 sweep found tl.dot faster at every M, so the rule always picks it; the interpreter tests
