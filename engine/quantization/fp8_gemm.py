@@ -1,9 +1,11 @@
 """FP8-weight matrix products outside the skinny GEMM's range (prefill, large batches, the CPU),
 and the Triton pieces every FP8 kernel shares.
 
-- CPU (and CUDA without FP8 support, or a scale grid the kernel does not take): dequantise the
-  weight and run F.linear in the activation dtype (exactly `fp8_linear_reference`).
-- CUDA, compute capability 8.9 or newer: W8A8 on FP8 tensor cores, the DeepSeek-V3 recipe.
+- CPU (and CUDA without FP8 support, fp32 activations, or a scale grid the kernel does not
+  take): dequantise the weight and run F.linear in the activation dtype (exactly
+  `fp8_linear_reference`).
+- CUDA, compute capability 8.9 or newer, 16-bit activations: W8A8 on FP8 tensor cores, the
+  DeepSeek-V3 recipe.
   `quantize_activations` (one small kernel) quantises x per token per 128-column group,
   dynamically: scale = amax(|group|) / 448, x8 = x / scale rounded to float8_e4m3fn. Then
   `_block_scaled_gemm_kernel` takes 128-wide K steps (one activation group, and within one
@@ -148,10 +150,12 @@ def block_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: WeightScal
 
 
 def runs_block_scaled(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale) -> bool:
-    """Whether `fp8_matmul` takes the W8A8 kernel: CUDA with FP8, a 2-D contiguous weight, and
-    a scale grid whose k-blocks are whole 128-column steps (or one block over all of K)."""
+    """Whether `fp8_matmul` takes the W8A8 kernel: CUDA with FP8, 16-bit activations (an fp32
+    engine, the exact mode tests compare with transformers, keeps the reference), a 2-D
+    contiguous weight, and a scale grid whose k-blocks are whole 128-column steps (or one
+    block over all of K)."""
     return (x.is_cuda and fp8_supported(x.device) and weight.dim() == 2 and weight.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.dtype in (torch.bfloat16, torch.float16)
             and k_uniform(scale, weight.shape[1], ACT_GROUP))
 
 
