@@ -213,6 +213,55 @@ def test_skinny_fp8_refuses_a_grid_that_does_not_cover_the_weight():
         skinny_gemm(dense_rows(1, K, seed=0), w8, scale=scale._replace(block_n=2), workspace=_workspace())
 
 
+def test_fp8_layers_take_the_skinny_kernels(monkeypatch):
+    """FP8 ColumnParallelLinear/RowParallelLinear layers (after `use_fp8`) through the skinny
+    kernels (allowed on CPU tensors here): forward, gate/up with SiLU-and-mul, and the fused
+    q/k/v + RoPE + KV store, each the reference's result; the kernels really run."""
+    from specserve.engine.layers import parallel
+    from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear
+
+    calls = []
+    real_gemm, real_qkv = skinny_module.skinny_gemm, skinny_module.skinny_qkv_rope
+    monkeypatch.setattr(skinny_module, "can_use",
+                        lambda x, w, scale=None: x.numel() // w.shape[1] <= skinny_module.MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "skinny_gemm",
+                        lambda *a, **kw: calls.append(("gemm", kw["scale"] is not None)) or real_gemm(*a, **kw))
+    monkeypatch.setattr(parallel, "skinny_qkv_rope",  # (imported there by name)
+                        lambda *a, **kw: calls.append(("qkv", kw["scale"] is not None)) or real_qkv(*a, **kw))
+
+    def fp8_layer(layer, block, seed):
+        layer.use_fp8(*block)
+        w8, scale = fp8_weight(*layer.weight.shape, block, seed=seed)
+        layer.weight.data.copy_(w8)
+        layer.weight_scale.data.copy_(scale.values)
+        return layer.to(DEVICE)
+
+    x = dense_rows(3, 64, seed=20)
+    up = fp8_layer(ColumnParallelLinear(64, [(0, 48), (48, 96)], bias=False), (16, 32), seed=21)
+    down = fp8_layer(RowParallelLinear(48, 64, SINGLE), (1, 48), seed=22)
+    torch.testing.assert_close(up(x), fp8_linear_reference(x, up.weight, up.scale), rtol=1e-5, atol=1e-4)
+    hidden = up.forward_silu_and_mul(x)
+    torch.testing.assert_close(hidden, silu_and_mul(fp8_linear_reference(x, up.weight, up.scale)),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(down(hidden), fp8_linear_reference(hidden, down.weight, down.scale),
+                               rtol=1e-5, atol=1e-4)
+
+    head_dim = 32  # 2 q heads, 1 KV head: half a head is a whole 16-column tile
+    qkv = fp8_layer(ColumnParallelLinear(64, [(0, 64), (64, 96), (96, 128)], bias=False), (128, 128), seed=23)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+    positions, loc = torch.tensor([3, 9, 60], device=DEVICE), torch.tensor([4, 0, 7], device=DEVICE)
+    assert qkv.fuses_qkv_rope(x, head_dim)
+    k_cache = torch.zeros(8, 1, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = qkv.forward_qkv_rope(x, 2, 1, rotary, positions, k_cache, v_cache, loc)
+    ref = fp8_linear_reference(x, qkv.weight, qkv.scale)
+    ref_q, ref_k = rotary(positions, ref[:, :64].reshape(3, 2, head_dim), ref[:, 64:96].reshape(3, 1, head_dim))
+    torch.testing.assert_close(q, ref_q, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(k_cache[loc], ref_k, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(v_cache[loc], ref[:, 96:].reshape(3, 1, head_dim), rtol=1e-5, atol=1e-4)
+    assert calls == [("gemm", True)] * 3 + [("qkv", True)]
+
+
 # --- activation quantiser and the large-M W8A8 GEMM ---------------------------------------------
 
 def test_activation_quantiser_matches_torch():
