@@ -3,6 +3,7 @@ copy bandwidth, TFLOP/s, and each FP8 variant's error.
 
     python bench/fp8_gemm.py --out bench_fp8_gemm.json
     python bench/fp8_gemm.py --shapes 8b.qkv,8b.down --rows 1,16 --no-moe --out quick.json
+    python bench/fp8_gemm.py --sweep --shapes 8b.qkv --rows 1,16 --no-moe --out sweep.json
 
 Dense weights (one rank, 128x128 FP8 blocks as DeepSeek-style checkpoints have them), for each
 M (rows: decode batch sizes up to 16, prefill chunks above), the variants that apply:
@@ -29,6 +30,9 @@ The MoE part: DeepSeek-V3's routed experts (256 experts, top-8, hidden 7168, int
 random routing each call; bytes are the experts a call touches.
 
 A variant that fails prints its error and the rest go on. The last table summarises.
+`--sweep` (long: split it over runs with --shapes/--rows) also searches W8A16 skinny configs
+at M <= 16 (bench/skinny_gemm.py's coordinate descent from the FP8 default) and prints the
+best three per shape and M: the data for FP8 entries of the skinny rule.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from one_batch import copy_bandwidth  # bench/ is this script's folder
-from skinny_gemm import MIN_CALLS, ROTATION_BYTES, time_per_call
+from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_call
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.skinny_gemm import (
     MAX_ROWS, default_config, fp8_weight_config, skinny_gemm)
@@ -155,9 +159,36 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
                            TFLOPs=2 * m * n * k / seconds / 1e12, rel_err=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if args.sweep and m <= MAX_ROWS:
+                sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
             del inputs
         del weights
         torch.cuda.empty_cache()
+
+
+def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
+                num_calls: int, bandwidth: float, rows: list[dict]) -> None:
+    n, k = weights.n, weights.k
+    total = n * k + weights.scale_bytes + m * k * 2 + m * n * 2
+
+    def time_config(c) -> float | None:
+        calls = [lambda i=i: skinny_gemm(inputs[i % len(inputs)], weights.fp8[i % len(weights.fp8)][0],
+                                         config=c, scale=weights.fp8[i % len(weights.fp8)][1])
+                 for i in range(num_calls)]
+        try:
+            seconds = time_per_call(calls)
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            print(f"{name} m={m} {config_name(c)}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"sweep {config_name(c)}",
+                         config=c._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
+                         fraction_of_copy=total / seconds / bandwidth))
+        return seconds
+
+    start = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda")), BLOCK[1], k)
+    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
+    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
+        print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
 
 
 def random_fp8_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, WeightScale]:
@@ -234,6 +265,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,4,16,64,512,4096", help="M values")
     ap.add_argument("--no-moe", action="store_true", help="skip DeepSeek-V3's routed experts")
+    ap.add_argument("--sweep", action="store_true", help="also search W8A16 skinny configs (M <= 16)")
+    ap.add_argument("--sweep-rounds", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args()
@@ -252,7 +285,7 @@ def main():
               "seconds": time.time() - started, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print_table(rows, bandwidth)
+    print_table([r for r in rows if r["part"] != "sweep"], bandwidth)
 
 
 if __name__ == "__main__":
