@@ -108,7 +108,7 @@ def test_skinny_fp8_fp32_matches_reference(block, split_k):
     w8, scale = fp8_weight(N, K, BLOCKS[block], seed=1)
     bias = dense_rows(1, N, seed=2)[0]
     ws = _workspace()
-    for m in (1, 5, 16):
+    for m in (1, 16):
         x = dense_rows(m, K, seed=m)
         for b in (None, bias):
             out = skinny_gemm(x, w8, b, config=config(split_k=split_k), workspace=ws, scale=scale)
@@ -127,7 +127,7 @@ def test_skinny_fp8_fp16_rounds_as_the_reference(block, epilogue):
     n_rows = 2 * N if silu else N
     w8, scale = fp8_weight(n_rows, K, BLOCKS[block] if block != "tensor" else (n_rows, K), seed=3)
     bias = (torch.randint(-8, 9, (n_rows,)) / 4).to(DEVICE, torch.float16) if epilogue == "bias" else None
-    for m, split_k in ((1, 1), (3, 3), (7, 1)):
+    for m, split_k in ((1, 1), (7, 3)):
         x = sparse_rows(m, K, torch.float16, seed=m)
         out = skinny_gemm(x, w8, bias, silu_mul=silu, config=config(split_k=split_k, dot=False),
                           workspace=_workspace(), scale=scale)
