@@ -138,8 +138,8 @@ def test_skinny_fp8_fp16_rounds_as_the_reference(block, epilogue):
 def test_fp8_configs_take_whole_scale_blocks():
     """K steps cut to the widest power of two dividing a k-block (one scale per row a step);
     a step already inside a block, or one k-block over all of K, keeps the config's."""
-    base = config(block_k=256)
-    assert fp8_weight_config(base, 128, 4096).block_k == 128
+    base = config(block_k=256)._replace(num_stages=3)
+    assert fp8_weight_config(base, 128, 4096)[1:5] == (128, 1, 4, 6)  # K in flight kept: 2x stages
     assert fp8_weight_config(base, 4096, 4096).block_k == 256      # per-channel / per-tensor
     assert fp8_weight_config(config(block_k=64), 128, 4096).block_k == 64
     assert fp8_weight_config(base, 48, 4096).block_k == 16

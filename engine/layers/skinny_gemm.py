@@ -157,14 +157,19 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
     """`config` for an FP8 weight whose scale grid's k-blocks are `scale_block_k` wide: K steps
     cut to the widest power of two (16 at least) that divides a k-block, so that each step
     reads one scale per row (`k_uniform`) instead of gathering one per element; with
-    `fp8_activations` also to at most one activation group, and column tiles of 64 at least."""
+    `fp8_activations` also to at most one activation group, and column tiles of 64 at least.
+    Where steps are cut, stages are added (up to 8) to keep the config's K elements in
+    flight per row: a decode GEMM is a stream of weight rows, and the rule measured for 16-bit
+    weights wanted 768 in flight (half the bytes in FP8). Not yet measured for FP8:
+    `bench/fp8_gemm.py --sweep`."""
     block_k, block_n = config.block_k, config.block_n
     if config.fp8_activations:  # FP8 tensor cores take 64 weight rows (see `_sum_tiles`)
         block_k, block_n = min(block_k, ACT_GROUP), max(block_n, 64)
     if not (scale_block_k >= k or scale_block_k % block_k == 0):
         step = scale_block_k & -scale_block_k  # the largest power of two dividing it
         block_k = step if step >= 16 else block_k
-    return config._replace(block_k=block_k, block_n=block_n)
+    stages = min(8, max(config.num_stages, config.num_stages * config.block_k // block_k))
+    return config._replace(block_k=block_k, block_n=block_n, num_stages=stages)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale] = None) -> bool:
