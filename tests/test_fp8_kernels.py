@@ -590,20 +590,38 @@ def test_gpu_fused_moe_fp8_deepseek_shape():
 
 @pytest.mark.gpu
 def test_gpu_fp8_kernels_in_a_cuda_graph():
-    """W8A16 skinny GEMMs (split-K on), the W8A8 option, the large-M kernel with its quantiser,
-    captured once and replayed with new inputs: eager's bits every replay, counters at zero."""
+    """W8A16 skinny GEMMs (split-K on) and the fused q/k/v + RoPE, the W8A8 option, the large-M
+    kernel with its quantiser, FP8 experts: captured once and replayed with new inputs:
+    eager's bits every replay, counters at zero."""
+    from specserve.engine.layers.fused_moe_triton import fused_experts
     from specserve.engine.quantization.fp8_gemm import fp8_matmul
 
     weights = {name: _gpu_fp8_weight(n, k, seed=i) for i, (name, (n, k)) in enumerate(LLAMA_8B.items())}
     small = {name: torch.zeros(4, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in LLAMA_8B.items()}
     large = torch.zeros(300, 4096, device="cuda", dtype=torch.bfloat16)
     w8a8 = SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=3, fp8_activations=True)
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
+    positions = torch.tensor([5, 900, 17, 4000], device="cuda")
+    loc = torch.tensor([3, 0, 9, 6], device="cuda")
+    k_cache = torch.zeros(16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    gen = torch.Generator(device="cuda").manual_seed(30)
+    w13, w13_scale = quantize_weight(torch.randn(16, 2 * 1408, 2048, device="cuda", generator=gen) * 0.02, (128, 128))
+    w2, w2_scale = quantize_weight(torch.randn(16, 2048, 1408, device="cuda", generator=gen) * 0.02, (128, 128))
+    moe_x = torch.zeros(6, 2048, device="cuda", dtype=torch.bfloat16)
+    topk_ids = torch.zeros(6, 4, device="cuda", dtype=torch.int64)
+    topk_weights = torch.zeros(6, 4, device="cuda")
 
     def run():
         outs = [skinny_gemm(small[name], w8, silu_mul=name == "gate_up", scale=scale)
                 for name, (w8, scale) in weights.items()]
+        outs.append(skinny_qkv_rope(small["qkv"], weights["qkv"][0], None, 32, 8, positions,
+                                    rotary.cos, rotary.sin, k_cache, v_cache, loc,
+                                    scale=weights["qkv"][1]))
         outs.append(skinny_gemm(small["o"], weights["o"][0], config=w8a8, scale=weights["o"][1]))
         outs.append(fp8_matmul(large, *weights["qkv"]))
+        outs.append(fused_experts(moe_x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                  w2_scale=w2_scale))
         return outs
 
     run()
@@ -612,9 +630,13 @@ def test_gpu_fp8_kernels_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         static_out = run()
     for seed in range(3):
-        for i, x in enumerate([*small.values(), large]):
+        for i, x in enumerate([*small.values(), large, moe_x]):
             x.copy_(_gpu_rows(x.shape[0], x.shape[1], seed=10 * seed + i))
+        topk_ids.copy_(torch.rand(6, 16, device="cuda", generator=gen).topk(4, dim=1).indices)
+        topk_weights.copy_(torch.rand(6, 4, device="cuda", generator=gen).softmax(-1))
         graph.replay()
-        for got, want in zip(static_out, run()):
+        replayed = [out.clone() for out in static_out] + [k_cache[loc].clone(), v_cache[loc].clone()]
+        eager = run() + [k_cache[loc], v_cache[loc]]
+        for got, want in zip(replayed, eager):
             assert torch.equal(got, want)
         assert not workspace_for(large.device).arrivals.any()
