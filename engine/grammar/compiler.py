@@ -18,6 +18,21 @@ from specserve.engine.config import GrammarSpec
 MAX_CACHED_GRAMMARS = 256
 
 
+# xgrammar 0.2.8 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets raw
+# control characters (invalid in JSON) through; its unbounded strings exclude \0-\x1f as JSON
+# requires. Outputs must parse, so the class is narrowed in the grammar's text (a round trip).
+_LOOSE_JSON_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def _strict_json_strings(grammar):
+    import xgrammar as xgr
+
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_JSON_CHARS, _JSON_CHARS)) \
+        if _LOOSE_JSON_CHARS in text else grammar
+
+
 def parse_grammar(spec: GrammarSpec) -> Any:
     """The xgrammar Grammar of a spec, without a tokenizer: what validating it needs (the
     server runs this to refuse a bad schema, regex or grammar by name). ValueError naming
@@ -35,7 +50,7 @@ def parse_grammar(spec: GrammarSpec) -> Any:
                 raise ValueError(f"{field}: not valid JSON ({e})") from None
             # One-line JSON with ", " and ": " between items: free whitespace lets a model
             # pad for ever, and the draft predicts the compact form well.
-            return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+            return _strict_json_strings(xgr.Grammar.from_json_schema(spec.source, any_whitespace=False))
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.source)
         return xgr.Grammar.from_ebnf(spec.source)

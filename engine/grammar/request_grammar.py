@@ -79,7 +79,8 @@ class RequestGrammar:
             if not gate:
                 gate = token == self._after
                 continue
-            if not self.matcher.accept_token(token):
+            # A terminated matcher (past a stop token) takes nothing more.
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
                 ok = False
                 break
             walked += 1
