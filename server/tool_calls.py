@@ -63,94 +63,103 @@ def _call_from_json(obj: Any, arguments_key: str) -> Optional[ToolCall]:
 
 def parse_tool_calls(text: str, parser: str) -> ParsedOutput:
     """The calls in a whole output and the text around them; an output that is not a
-    well-formed call stays content (the model answered in text)."""
-    if parser == "hermes":
-        content, calls, rest = [], [], text
-        while True:
-            start = rest.find(HERMES_START)
-            end = rest.find(HERMES_END, start + len(HERMES_START)) if start >= 0 else -1
-            if end < 0:
-                content.append(rest)
-                break
-            try:
-                call = _call_from_json(json.loads(rest[start + len(HERMES_START):end]), "arguments")
-            except ValueError:
-                call = None
-            if call is None:
-                content.append(rest[:end + len(HERMES_END)])
-            else:
-                content.append(rest[:start])
-                calls.append(call)
-            rest = rest[end + len(HERMES_END):]
-        return ParsedOutput("".join(content).strip() if calls else text, calls)
+    well-formed call stays content (the model answered in text). The same parse as a stream's."""
+    stream = ToolCallStream(parser)
+    content, calls = stream.feed(text)
+    more, late = stream.finish()
+    return ParsedOutput(content + more, calls + late)
+
+
+def _parse_llama(text: str) -> list[ToolCall]:
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].strip()
     calls = []
+    # Calls are separated by ";" (one inside a string value would split a call: not parsed).
     for part in body.split(";") if body.startswith("{") else []:
         try:
             call = _call_from_json(json.loads(part), "parameters")
         except ValueError:
             call = None
         if call is None:
-            return ParsedOutput(text, [])
+            return []
         calls.append(call)
-    return ParsedOutput("" if calls else text, calls)
+    return calls
 
 
 class ToolCallStream:
-    """One choice's streamed text: content passes through until a tool call may have begun,
-    then is held; each complete call comes out once."""
+    """One choice's text as it arrives: content outside calls passes through (held back while
+    it may be the start of one), and each complete call comes out once. A block that is not a
+    well-formed call stays content."""
 
     def __init__(self, parser: str):
         self.parser = parser
         self._text = ""          # everything seen
-        self._sent_content = 0   # characters of _text already sent as content
-        self._sent_calls = 0
-        self._decided_llama: Optional[bool] = None  # llama3_json: the output is a call
+        self._pos = 0            # hermes: where the unparsed text starts
+        self._in_call = False    # hermes: inside a <tool_call> block
+        self._is_call: Optional[bool] = None  # llama3_json: the whole output is a call
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._text += text
-        if self.parser == "llama3_json":
-            return self._feed_llama()
-        parsed = parse_tool_calls(self._text, "hermes")
-        calls = parsed.calls[self._sent_calls:]
-        self._sent_calls = len(parsed.calls)
-        # Content is sent up to the first unfinished call block (or a possible start of one).
-        unfinished = self._text.rfind(HERMES_START)
-        if unfinished >= 0 and self._text.find(HERMES_END, unfinished) >= 0:
-            unfinished = -1
-        safe = len(self._text) if unfinished < 0 else unfinished
-        safe -= _partial_suffix(self._text[:safe], HERMES_START)
-        content = ""
-        if not parsed.calls and safe > self._sent_content:
-            content = self._text[self._sent_content:safe]
-            self._sent_content = safe
+        return self._feed_llama() if self.parser == "llama3_json" else self._feed_hermes()
+
+    def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
+        content, calls = "", []
+        while True:
+            rest = self._text[self._pos:]
+            if self._in_call:
+                end = rest.find(HERMES_END)
+                if end < 0:
+                    break
+                self._pos += end + len(HERMES_END)
+                self._in_call = False
+                try:
+                    call = _call_from_json(json.loads(rest[:end]), "arguments")
+                except ValueError:
+                    call = None
+                if call is None:
+                    content += HERMES_START + rest[:end + len(HERMES_END)]
+                else:
+                    calls.append(call)
+                continue
+            start = rest.find(HERMES_START)
+            if start >= 0:
+                content += rest[:start]
+                self._pos += start + len(HERMES_START)
+                self._in_call = True
+                continue
+            safe = len(rest) - _partial_suffix(rest, HERMES_START)
+            content += rest[:safe]
+            self._pos += safe
+            break
         return content, calls
 
     def _feed_llama(self) -> tuple[str, list[ToolCall]]:
-        if self._decided_llama is None:
+        if self._is_call is None:
             stripped = self._text.lstrip()
             if not stripped or PYTHON_TAG.startswith(stripped):
                 return "", []
-            self._decided_llama = stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
-        if self._decided_llama:
-            return "", []   # the call is parsed when the output ends
-        content = self._text[self._sent_content:]
-        self._sent_content = len(self._text)
+            self._is_call = stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
+        if self._is_call:
+            return "", []   # parsed when the output ends
+        content = self._text[self._pos:]
+        self._pos = len(self._text)
         return content, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left once the output ended: held text, and calls not sent yet."""
-        parsed = parse_tool_calls(self._text, self.parser)
-        calls = parsed.calls[self._sent_calls:]
-        self._sent_calls = len(parsed.calls)
-        content = "" if parsed.calls else self._text[self._sent_content:]
-        self._sent_content = len(self._text)
-        return content, calls
+        """What is left once the output ended: held text, and calls known only at the end."""
+        rest = self._text[self._pos:]
+        self._pos = len(self._text)
+        if self.parser == "llama3_json":
+            if not self._is_call:
+                return rest, []
+            calls = _parse_llama(self._text)
+            return ("", calls) if calls else (self._text, [])
+        return (HERMES_START + rest if self._in_call else rest), []
 
 
 def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -158,9 +167,9 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 # --- forced calls: tool_choice "required" or a named function -----------------------------------
-def required_calls_schema(tools: list[dict]) -> dict:
-    """One or more calls of the given functions, as a JSON list."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+def required_calls_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """One or more calls of the given functions, as a JSON list (one with parallel False)."""
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
         {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
          "properties": {"name": {"type": "string", "enum": [t["name"]]},
                         "parameters": t.get("parameters") or {"type": "object"}}}

@@ -304,6 +304,7 @@ class ChatCompletionRequest(GenerationBody):
     tools: Optional[list[ToolBody]] = None
     # Unset: "auto" with tools, "none" without.
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True   # False: tool_choice "required" makes exactly one call
 
     PROMPT_FIELD = "messages"
     IS_CHAT = True
@@ -346,7 +347,8 @@ class ChatCompletionRequest(GenerationBody):
             fn = next(t.function for t in self.tools if t.function.name == choice.function.name)
             schema = fn.parameters or {"type": "object"}
         elif choice == "required":
-            schema = required_calls_schema([t.function.model_dump(exclude_none=True) for t in self.tools])
+            schema = required_calls_schema([t.function.model_dump(exclude_none=True) for t in self.tools],
+                                           self.parallel_tool_calls)
         else:
             return None
         self._grammar_field = "tools"

@@ -110,7 +110,9 @@ class ResponseFormat:
             return {"role": "assistant", "content": text}
         out = self._outputs[index]
         d = _merge(out.feed(text), out.finish())
-        message: dict = {"role": "assistant", "content": d.content if d.content or not d.calls else None}
+        # Nothing but calls or reasoning: content is null, as OpenAI's (and vLLM's) API has it.
+        message: dict = {"role": "assistant",
+                         "content": d.content if d.content or not (d.calls or d.reasoning) else None}
         if self.chat_mode.reasoning_parser:
             message["reasoning_content"] = d.reasoning or None
         if d.calls:
