@@ -244,3 +244,16 @@ def test_a_grammar_failing_in_the_engine_aborts_only_its_request(pair, make_engi
         SamplingParams(max_new_tokens=4, grammar=GrammarSpec("regex", "a(b")),
         SamplingParams(max_new_tokens=4, temperature=0.0)])
     assert outs[0].finish_reason == "abort" and outs[1].finish_reason == "length"
+
+
+def test_draft_vocabulary_without_an_allowed_token_stays_unmasked():
+    from specserve.engine.grammar.bitmask import apply_token_bitmask
+
+    logits = torch.zeros(2, 4)
+    bitmask = torch.zeros(2, 1, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5          # row 0 allows token 5, row 1 only token 9
+    bitmask[1, 0] = 1 << 9
+    hot = torch.tensor([2, 5, 7, 8])  # a draft vocabulary: columns -> token ids
+    out = apply_token_bitmask(logits, bitmask, hot)
+    assert out[0].tolist() == [float("-inf"), 0.0, float("-inf"), float("-inf")]
+    assert out[1].tolist() == [0.0] * 4

@@ -31,4 +31,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         allowed = allowed_tokens(bitmask, logits.shape[-1])
     else:
         allowed = allowed_tokens(bitmask, int(bitmask.shape[1]) * 32)[:, token_ids]
+        # A draft vocabulary may hold none of the allowed tokens: that row stays unmasked (its
+        # drafts are refused by the verify) rather than all -inf, whose softmax is NaN.
+        allowed = allowed | ~allowed.any(dim=1, keepdim=True)
     return logits.masked_fill(~allowed, float("-inf"))
