@@ -2,6 +2,7 @@
 
     python bench/structured.py acceptance            # CPU is fine: acceptance on held-out text
     python bench/structured.py steps --device cuda   # GPU: step times and blocking syncs
+    python bench/structured.py masks                 # host cost of a step's masks (CPU)
 
 acceptance: mean accept length (tokens per verify) of JSON-schema requests vs the same prompts
 unconstrained, greedy, over prompts cut from models/demo-heldout.txt (text the pair never saw).
@@ -12,6 +13,10 @@ debug mode counts them) of an unconstrained batch and of a mixed batch (half con
 constrained batch runs without overlap (engine/scheduler/scheduler.py): its syncs per step are
 the result wait plus one per draft step and one for the verify masks; an unconstrained batch
 keeps zero.
+
+masks: the host time of a constrained chain step's mask work, per batch size: the committed
+masks (first draft level) and the verify masks of a 4-node chain (the draft steps' masks walk
+the same paths), on the demo tokenizer with a JSON schema.
 """
 from __future__ import annotations
 
@@ -133,9 +138,44 @@ def steps(args) -> dict:
     return results
 
 
+def masks(args) -> dict:
+    from specserve.engine.grammar.batch import GrammarBatch
+    from specserve.engine.grammar.compiler import GrammarCompiler
+    from specserve.engine.grammar.request_grammar import RequestGrammar
+
+    engine_dir = os.path.join(demo_models_dir(), "demo-target")
+    compiler = GrammarCompiler(os.path.join(engine_dir, "tokenizer.json"), 8192, [1])
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    from specserve.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(engine_dir, [1])
+    prefix = tok.encode('{"function": "parse", "arguments": [], "summary": "Reads', add_special_tokens=False)
+    words = tok.encode(" the file and", add_special_tokens=False)[:3]
+    results = {}
+    for bs in args.batch_sizes:
+        grammars = [RequestGrammar(compiler.compile(spec), [1], None) for _ in range(bs)]
+        for g in grammars:
+            g.advance(prefix)
+        batch = GrammarBatch(grammars, 8192, "cpu")
+        tokens = torch.tensor([[prefix[-1]] + words] * bs)
+        parents = torch.tensor([[-1, 0, 1, 2]] * bs)
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            batch.next_token_masks()
+        t1 = time.perf_counter()
+        for _ in range(reps):
+            batch.tree_masks(tokens, parents)
+        t2 = time.perf_counter()
+        results[f"bs{bs}"] = {"committed_ms": round((t1 - t0) / reps * 1e3, 3),
+                              "verify_chain4_ms": round((t2 - t1) / reps * 1e3, 3)}
+    compiler.close()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["acceptance", "steps"])
+    parser.add_argument("what", choices=["acceptance", "steps", "masks"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=96)
@@ -146,7 +186,7 @@ def main() -> None:
     parser.add_argument("--hint", default=JSON_HINT, help="text after each held-out prompt ('' for none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = acceptance(args) if args.what == "acceptance" else steps(args)
+    results = {"acceptance": acceptance, "steps": steps, "masks": masks}[args.what](args)
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

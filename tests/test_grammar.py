@@ -133,7 +133,8 @@ def constrained_reference(pair):
 
     prompts = random_prompts(6, seed=11, max_len=12)
     schema = json.dumps(_schema(random.Random(5)))
-    params = [SamplingParams(max_new_tokens=28, temperature=0.0,
+    # Request 4 also has a penalty (its draft nodes see their own ancestors, masks or not).
+    params = [SamplingParams(max_new_tokens=28, temperature=0.0, presence_penalty=0.5 if i == 4 else 0.0,
                              grammar=GrammarSpec("json_schema", schema) if i % 3 else None)
               for i in range(6)]
     with Engine(EngineConfig(model=pair[0], device="cpu", dtype="float32", spec=None)) as engine:
@@ -152,6 +153,16 @@ def test_greedy_constrained_parity_with_plain_decoding(pair, constrained_referen
     constrained = [o for o, p in zip(outs, params) if p.grammar is not None]
     # Masked drafts keep acceptance up (the predictable pair accepts ~3 of 3 unconstrained).
     assert sum(o.num_accepted_drafts for o in constrained) / sum(o.num_verify_steps for o in constrained) > 1.0
+
+
+def test_constrained_requests_survive_retraction(pair, constrained_reference, make_engine):
+    """A retracted request is prefilled again over prompt + outputs; its matcher stays where its
+    outputs put it, so the output is unchanged."""
+    prompts, params, expected = constrained_reference
+    engine = make_engine(pair[0], spec=_spec(pair[1]), max_total_tokens=140)
+    outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    assert engine.metrics.num_retractions > 0
+    assert [o.token_ids for o in outs] == expected
 
 
 def test_plain_decoding_overlap_and_normal_agree(pair, constrained_reference, make_engine):

@@ -55,10 +55,9 @@ class GrammarBatch:
         M = len(which[0]) if which else 0
         host = self._host(len(self.grammars) * M)
         for b, g in enumerate(self.grammars):
-            if g is None:
-                continue
-            for m, node in enumerate(which[b]):
-                g.fill_path_mask(host, b * M + m, _path(tokens[b], parents[b], node))
+            if g is not None:
+                g.fill_tree_masks(host, {node: b * M + m for m, node in enumerate(which[b])},
+                                  tokens[b], parents[b])
         return self._to_device(host)
 
     def tree_masks(self, tree_tokens: torch.Tensor, tree_parents: torch.Tensor) -> torch.Tensor:
@@ -69,12 +68,3 @@ class GrammarBatch:
         # Node i > 0 is candidate i - 1; its parent node p is candidate p - 1 (-1: the root).
         return self.path_masks(tree_tokens[:, 1:], tree_parents[:, 1:] - 1, which)
 
-
-def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
-    """The tokens from the root's child down to candidate `node` (empty for the root, -1)."""
-    path = []
-    while node >= 0:
-        path.append(tokens[node])
-        node = parents[node]
-    path.reverse()
-    return path

@@ -1,7 +1,7 @@
 """One sequence's grammar state: an xgrammar matcher at the tokens the sequence has committed,
 and the masks for tokens it may generate next, at the current state or after a draft path.
 
-Paths are walked on the matcher and rolled back, so its state only ever moves by committed
+Draft trees are walked on the matcher and rolled back, so its state only ever moves by committed
 tokens (`advance`): a speculative step's rejected drafts never touch it. With a reasoning gate
 (`GrammarSpec.after_token_id`) the grammar starts after the first end-of-thinking token; the
 gate is part of the state a path walks through."""
@@ -69,24 +69,45 @@ class RequestGrammar:
         else:
             bitmask[row] = ALL_ALLOWED
 
-    def fill_path_mask(self, bitmask: torch.Tensor, row: int, path: Sequence[int]) -> None:
-        """Row `row`: the tokens allowed after the committed tokens and then `path` (a draft
-        path). A path the grammar refuses is never accepted (its first refused token is not the
-        target's choice, which the mask keeps inside the grammar), so its row allows every
-        token: any mask would do, and an empty one would make the sampler's softmax NaN."""
-        gate, walked, ok = self._gate_open, 0, True
-        for token in path:
+    def fill_tree_masks(self, bitmask: torch.Tensor, rows: dict[int, int], tokens: Sequence[int],
+                        parents: Sequence[int]) -> None:
+        """Masks of several nodes of one draft tree: row rows[c] of `bitmask` gets the tokens
+        allowed after candidate c's path (c = -1: the committed state). Candidates are walked
+        depth first, each token accepted once on the way down and rolled back on the way up, so
+        a path shared by several nodes is walked once (the same masks as walking each path on its own)."""
+        children: dict[int, list[int]] = {}
+        for c, p in enumerate(parents):
+            children.setdefault(p, []).append(c)
+        if -1 in rows:
+            self.fill_mask(bitmask, rows[-1])
+        # (candidate, gate open before it). A candidate the grammar refuses ends its subtree,
+        # whose rows stay all-allowed (the caller's default): such a path is never accepted (its
+        # first refused token is not the target's choice, which the mask keeps inside the
+        # grammar), so any mask would do, and an empty one would make the softmax NaN.
+        stack = [(c, self._gate_open) for c in reversed(children.get(-1, ()))]
+        walked: list[bool] = []   # per depth on the current path: did the matcher take a token
+        depth_of = {-1: 0}
+        while stack:
+            c, gate = stack.pop()
+            depth = depth_of[parents[c]] + 1
+            while len(walked) >= depth:   # climb back to c's parent
+                if walked.pop():
+                    self.matcher.rollback(1)
+            token = tokens[c]
             if not gate:
+                walked.append(False)
                 gate = token == self._after
+            elif self.matcher.is_terminated() or not self.matcher.accept_token(token):
                 continue
-            # A terminated matcher (past a stop token) takes nothing more.
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
-                ok = False
-                break
-            walked += 1
-        if not ok or not gate or self.matcher.is_terminated():
-            bitmask[row] = ALL_ALLOWED
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-        if walked:
-            self.matcher.rollback(walked)
+            else:
+                walked.append(True)
+            depth_of[c] = depth
+            if c in rows:
+                if gate and not self.matcher.is_terminated():
+                    self.matcher.fill_next_token_bitmask(bitmask, rows[c])
+                else:
+                    bitmask[rows[c]] = ALL_ALLOWED
+            stack.extend((child, gate) for child in reversed(children.get(c, ())))
+        rolled = sum(walked)
+        if rolled:
+            self.matcher.rollback(rolled)
