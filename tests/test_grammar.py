@@ -90,8 +90,7 @@ def test_tree_masks_equal_the_matcher_walked_node_by_node(compiler):
         assert torch.equal(masks[i], _matcher_mask(compiled, committed + path)), i
         assert torch.equal(masks[D + i], torch.full((10,), -1, dtype=torch.int32))  # unconstrained row
     # Walking the tree left the matcher where the committed tokens put it.
-    after = torch.zeros(1, 10, dtype=torch.int32)
-    g.fill_mask(after, 0)
+    after = GrammarBatch([g], 320, "cpu").next_token_masks()
     assert torch.equal(after[0], _matcher_mask(compiled, committed))
 
 
@@ -121,8 +120,7 @@ def test_partial_acceptance_leaves_the_matcher_where_plain_decoding_would(compil
     batch.tree_masks(torch.tensor([[chain[0]] + chain[1:] + [ord("a")]]),
                      torch.tensor([[-1, 0, 1, 2, 3]]))
     g.advance(chain[:3])
-    mask = torch.zeros(1, 10, dtype=torch.int32)
-    g.fill_mask(mask, 0)
+    mask = GrammarBatch([g], 320, "cpu").next_token_masks()
     assert torch.equal(mask[0], _matcher_mask(compiled, chain[:3]))
 
 

@@ -24,6 +24,8 @@ class GrammarBatch:
         self.grammars = list(grammars)
         self.width = bitmask_width(vocab_size)
         self.device = torch.device(device)
+        # Per request, the masks made during this step by path (drafts, then the verify).
+        self._memos: list[dict] = [{} for _ in self.grammars]
 
     @staticmethod
     def of(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int,
@@ -43,7 +45,7 @@ class GrammarBatch:
         host = self._host(len(self.grammars))
         for b, g in enumerate(self.grammars):
             if g is not None:
-                g.fill_mask(host, b)
+                g.fill_tree_masks(host, {-1: b}, (), (), self._memos[b])
         return self._to_device(host)
 
     def path_masks(self, tokens: torch.Tensor, parents: torch.Tensor,
@@ -57,7 +59,7 @@ class GrammarBatch:
         for b, g in enumerate(self.grammars):
             if g is not None:
                 g.fill_tree_masks(host, {node: b * M + m for m, node in enumerate(which[b])},
-                                  tokens[b], parents[b])
+                                  tokens[b], parents[b], self._memos[b])
         return self._to_device(host)
 
     def tree_masks(self, tree_tokens: torch.Tensor, tree_parents: torch.Tensor) -> torch.Tensor:

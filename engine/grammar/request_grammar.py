@@ -62,35 +62,33 @@ class RequestGrammar:
         return self._gate_open and self.matcher.is_terminated()
 
     # --- masks -------------------------------------------------------------------------------
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of a host int32 bitmask: the tokens allowed next."""
-        if self._gate_open and not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-        else:
-            bitmask[row] = ALL_ALLOWED
-
     def fill_tree_masks(self, bitmask: torch.Tensor, rows: dict[int, int], tokens: Sequence[int],
-                        parents: Sequence[int]) -> None:
+                        parents: Sequence[int], memo: Optional[dict] = None) -> None:
         """Masks of several nodes of one draft tree: row rows[c] of `bitmask` gets the tokens
         allowed after candidate c's path (c = -1: the committed state). Candidates are walked
         depth first, each token accepted once on the way down and rolled back on the way up, so
-        a path shared by several nodes is walked once (the same masks as walking each path on its own)."""
+        a path shared by several nodes is walked once (the same masks as walking each path on
+        its own). `memo` (path -> mask row) keeps the masks of one speculative step: the verify
+        tree's nodes are paths the draft steps masked already, and a fill costs more than a walk."""
+        memo = {} if memo is None else memo
         children: dict[int, list[int]] = {}
         for c, p in enumerate(parents):
             children.setdefault(p, []).append(c)
         if -1 in rows:
-            self.fill_mask(bitmask, rows[-1])
+            self._fill_memo(bitmask, rows[-1], (), self._gate_open, memo)
         # (candidate, gate open before it). A candidate the grammar refuses ends its subtree,
         # whose rows stay all-allowed (the caller's default): such a path is never accepted (its
         # first refused token is not the target's choice, which the mask keeps inside the
         # grammar), so any mask would do, and an empty one would make the softmax NaN.
         stack = [(c, self._gate_open) for c in reversed(children.get(-1, ()))]
-        walked: list[bool] = []   # per depth on the current path: did the matcher take a token
+        path: list[int] = []      # the tokens of the current path
+        walked: list[bool] = []   # per token of it: did the matcher take it (not the reasoning)
         depth_of = {-1: 0}
         while stack:
             c, gate = stack.pop()
             depth = depth_of[parents[c]] + 1
             while len(walked) >= depth:   # climb back to c's parent
+                path.pop()
                 if walked.pop():
                     self.matcher.rollback(1)
             token = tokens[c]
@@ -101,13 +99,22 @@ class RequestGrammar:
                 continue
             else:
                 walked.append(True)
+            path.append(token)
             depth_of[c] = depth
             if c in rows:
-                if gate and not self.matcher.is_terminated():
-                    self.matcher.fill_next_token_bitmask(bitmask, rows[c])
-                else:
-                    bitmask[rows[c]] = ALL_ALLOWED
+                self._fill_memo(bitmask, rows[c], tuple(path), gate, memo)
             stack.extend((child, gate) for child in reversed(children.get(c, ())))
         rolled = sum(walked)
         if rolled:
             self.matcher.rollback(rolled)
+
+    def _fill_memo(self, bitmask: torch.Tensor, row: int, path: tuple, gate: bool, memo: dict) -> None:
+        """Row `row`: the mask at the matcher's current state (reached by `path`)."""
+        known = memo.get(path)
+        if known is not None:
+            bitmask[row] = known
+        elif gate and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            memo[path] = bitmask[row].clone()
+        else:
+            bitmask[row] = ALL_ALLOWED
