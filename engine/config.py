@@ -253,6 +253,9 @@ class EngineConfig:
     # Decode-sized GEMMs (<= 16 rows) on CUDA in the Triton skinny GEMM where its per-shape
     # rule picks it (engine/layers/skinny_gemm.py); False keeps cuBLAS everywhere (an A/B).
     skinny_gemm: bool = True
+    # Weight format: "auto" serves the checkpoint as it is stored (its quantization_config);
+    # "fp8" requires FP8 weights (with load_format="dummy": random block-wise FP8 weights).
+    quantization: str = "auto"
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -272,6 +275,8 @@ class EngineConfig:
                  f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(isinstance(self.skinny_gemm, bool), "skinny_gemm",
                  f"must be True or False, got {self.skinny_gemm!r}")
+        _require(self.quantization in ("auto", "fp8"), "quantization",
+                 f"must be 'auto' or 'fp8', got {self.quantization!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 

@@ -19,10 +19,12 @@ class EngineInfo:
     architecture: str
     vocab_size: int
     max_context_len: int
-    dtype: str
+    dtype: str                   # activations (and 16-bit weights)
     device: str
     eos_token_ids: tuple[int, ...]
     spec: Optional[SpecConfig]   # the speculative configuration, its draft_model a name too
+    weight_dtype: str = ""       # the target's linear weights: dtype, or e.g. "fp8 (block 128x128)"
+    kv_cache_dtype: str = ""     # what the KV pool stores
 
 
 @dataclass

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.quantization.fp8 import WeightScale, dequantize
+
 _triton_fused_experts = None
 if torch.cuda.is_available():
     try:
@@ -64,8 +66,10 @@ def _group_mask(group_scores: torch.Tensor, topk_groups: int, per_group: int) ->
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
+                  w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts; x: [T, H].
+    With scales the stacked weights are FP8 (quantization/fp8.py), dequantised per expert.
 
     Experts run one after another over their tokens and add in ascending expert order, as
     transformers does, so fp32 results match it bit for bit. The per-expert token counts are
@@ -82,10 +86,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         picks = order[start:start + n]
         start += n
         tokens = picks // k
-        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e])
+        gate, up = F.linear(x[tokens], _expert(w13, w13_scale, e, x.dtype)).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, _expert(w2, w2_scale, e, x.dtype))
         out.index_add_(0, tokens, (h * topk_weights.reshape(-1)[picks, None]).to(x.dtype))
     return out
+
+
+def _expert(w: torch.Tensor, scale: Optional[WeightScale], e: int, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[e]
+    return dequantize(w[e], scale._replace(values=scale.values[e]), dtype)
 
 
 def experts_capturable() -> bool:
@@ -95,8 +105,10 @@ def experts_capturable() -> bool:
 
 
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+                topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
+                w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
     """The Triton kernel on CUDA when available, else the torch loop (same signature)."""
     if x.is_cuda and _triton_fused_experts is not None:
-        return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts(x, w13, w2, topk_weights, topk_ids)
+        return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                     w2_scale=w2_scale)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

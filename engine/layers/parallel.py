@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
 from specserve.engine.layers.skinny_gemm import (
     can_fuse_qkv_rope, linear, linear_silu_and_mul, skinny_qkv_rope)
 
@@ -64,11 +65,28 @@ def _mark(param: nn.Parameter, shards: list[tuple[int, int, int]]) -> None:
     param.shards = shards
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows split; `parts` are the fused checkpoint tensors' row ranges
-    this rank holds (e.g. its q heads, its k heads, its v heads)."""
+class QuantizableLinear(nn.Module):
+    """A linear layer whose weight is 16-bit, or FP8 with a scale grid after `use_fp8` (the
+    loader calls it for weights the checkpoint stores in FP8)."""
 
     skinny_gemm = True  # see set_skinny_gemm
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("weight_scale", None)
+
+    def use_fp8(self, block_n: int, block_k: int) -> None:
+        self.weight = fp8_parameter(self.weight)
+        self.weight_scale = scale_parameter(self.weight, block_n, block_k)
+
+    @property
+    def scale(self):
+        return weight_scale(self.weight_scale)
+
+
+class ColumnParallelLinear(QuantizableLinear):
+    """y = x W^T with W's rows split; `parts` are the fused checkpoint tensors' row ranges
+    this rank holds (e.g. its q heads, its k heads, its v heads)."""
 
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool):
         super().__init__()
@@ -84,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.skinny_gemm)
+        return linear(x, self.weight, self.bias, self.skinny_gemm, self.scale)
 
     def fuses_qkv_rope(self, x: torch.Tensor, head_dim: int) -> bool:
         """Whether `forward_qkv_rope` runs here (the skinny GEMM with its RoPE epilogue)."""
@@ -101,13 +119,11 @@ class ColumnParallelLinear(nn.Module):
     def forward_silu_and_mul(self, x):
         """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one
         kernel where the skinny GEMM runs."""
-        return linear_silu_and_mul(x, self.weight, self.bias, self.skinny_gemm)
+        return linear_silu_and_mul(x, self.weight, self.bias, self.skinny_gemm, self.scale)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """y = all_reduce(x_local W_local^T): the input features are split."""
-
-    skinny_gemm = True  # see set_skinny_gemm
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
         super().__init__()
@@ -117,13 +133,13 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x):
-        return self.tp.all_reduce(linear(x, self.weight, None, self.skinny_gemm))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.skinny_gemm, self.scale))
 
 
 def set_skinny_gemm(model: nn.Module, enabled: bool) -> None:
     """Whether the model's linear layers may use the skinny GEMM (else cuBLAS everywhere)."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, QuantizableLinear):
             module.skinny_gemm = enabled
 
 

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.quantization.fp8 import WeightScale
+from specserve.engine.quantization.fp8_gemm import fp8_matmul
 
 try:
     import triton
@@ -152,21 +154,23 @@ def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           skinny: bool = True) -> torch.Tensor:
+           skinny: bool = True, scale: Optional[WeightScale] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the skinny GEMM where `can_use` picks it and `skinny`
-    allows it (the layers' A/B switch)."""
+    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (quantization/fp8.py)."""
     if skinny and can_use(x, weight):
         return skinny_gemm(x, weight, bias)
+    if scale is not None:
+        return fp8_matmul(x, weight, scale, bias)
     return F.linear(x, weight, bias)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                        skinny: bool = True) -> torch.Tensor:
+                        skinny: bool = True, scale: Optional[WeightScale] = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) for a fused [2I, K] gate/up weight: one kernel
     where the skinny GEMM runs, else the GEMM and then the activation kernel."""
     if skinny and can_use(x, weight):
         return skinny_gemm(x, weight, bias, silu_mul=True)
-    return silu_and_mul(F.linear(x, weight, bias))
+    return silu_and_mul(linear(x, weight, bias, False, scale))
 
 
 if triton is not None:

@@ -15,12 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
 from specserve.engine.layers.moe import run_experts, select_experts
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
 from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.quantization.fp8 import dequantize
 
 
 def _replicated(in_features: int, out_features: int) -> ColumnParallelLinear:
@@ -63,6 +65,15 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * mla.v_head_dim, hidden, tp)
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
+        self.kv_b_dense = None  # kv_b_proj's weight in 16 bits when the checkpoint's is FP8
+
+    def after_loading(self) -> None:
+        """The absorbed products read W_UK and W_UV as batched matrices (no skinny GEMM), so an
+        FP8 kv_b_proj is kept dequantised for them, as SGLang does: a small matrix
+        (kv_lora_rank x heads x (nope + v)), a few percent of a layer."""
+        scale = self.kv_b_proj.scale
+        if scale is not None:
+            self.kv_b_dense = dequantize(self.kv_b_proj.weight, scale, self.kv_a_layernorm.weight.dtype)
 
     @property
     def kv_head_dim(self) -> int:
@@ -72,7 +83,8 @@ class MLAAttention(nn.Module):
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, latent] and W_UV [H, v, latent]: views of kv_b_proj's weight."""
         m = self.mla
-        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w = self.kv_b_proj.weight if self.kv_b_dense is None else self.kv_b_dense
+        w = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
     def _rope(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor):
@@ -139,9 +151,17 @@ class Experts(nn.Module):
         # `shards` convention: (part, dim, start, end) per expert).
         self.w13.stacked_experts = (num_experts, [("gate_proj", 0, start, end), ("up_proj", 0, start, end)])
         self.w2.stacked_experts = (num_experts, [("down_proj", 1, start, end)])
+        self.w13_scale = self.w2_scale = None
+
+    def use_fp8(self, block_n: int, block_k: int) -> None:
+        """FP8 experts (the loader calls it when the checkpoint's are): both stacks."""
+        self.w13, self.w2 = fp8_parameter(self.w13), fp8_parameter(self.w2)
+        self.w13_scale = scale_parameter(self.w13, block_n, block_k)
+        self.w2_scale = scale_parameter(self.w2, block_n, block_k)
 
     def forward(self, x, topk_weights, topk_ids):
-        return run_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
+                           weight_scale(self.w13_scale), weight_scale(self.w2_scale))
 
 
 class DeepseekMoE(nn.Module):

@@ -1,0 +1,143 @@
+"""A checkpoint's `quantization_config`, parsed into the one scheme the engine implements (FP8
+weights with per-block, per-channel or per-tensor scales), or refused by name.
+
+Formats served, as their tools write them:
+- `quant_method: "fp8"` with `weight_block_size` [bn, bk] (DeepSeek-V3/R1, transformers'
+  FineGrainedFP8): float8_e4m3fn weights, `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] fp32
+  (multiplied in despite the name: W = W_fp8 * scale_inv), dynamic activations.
+- `quant_method: "fp8"` without a block size: a per-tensor `weight_scale` (and, with
+  `activation_scheme: "static"`, an `input_scale`).
+- `quant_method: "compressed-tensors"`, `format: "float-quantized"` (llm-compressor's FP8,
+  FP8_DYNAMIC and FP8_BLOCK schemes): 8-bit float weights, strategy tensor / channel / block,
+  `weight_scale` ([1], [N, 1] or [ceil(N/bn), ceil(K/bk)]).
+
+Activations stay 16-bit (W8A16): every kernel dequantises the weight tile it reads. Static
+`input_scale`s are therefore read as part of the checkpoint and not applied (as vLLM's W8A16
+path does on GPUs without FP8 matrix units): the product is the dequantised weight's, which is
+closer to the unquantised model than the calibrated W8A8 one.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+SUPPORTED = ("fp8 (block-wise, DeepSeek-V3 style, or per-tensor) and compressed-tensors "
+             "float-quantized FP8 (per-tensor, per-channel or block-wise weights)")
+
+
+class UnsupportedQuantization(ValueError):
+    """A checkpoint whose quantization the engine does not implement."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the checkpoint's quantized linear weights are stored.
+
+    granularity: "block" (scale per weight_block tile), "channel" (per output row) or
+    "tensor" (one per checkpoint tensor). scale_name: the tensor beside `<module>.weight`
+    that holds the scales. ignored: module-name patterns the tool left in 16 bits (the
+    checkpoint's weight dtypes decide in the end; these are only reported)."""
+
+    method: str                               # "fp8" | "compressed-tensors"
+    granularity: str                          # "block" | "channel" | "tensor"
+    weight_block: Optional[tuple[int, int]]   # (bn, bk) for "block"
+    scale_name: str                           # "weight_scale_inv" | "weight_scale"
+    activation_scheme: str                    # "dynamic" | "static" | "none" (not applied: W8A16)
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """What GetModelInfo and the logs call the weight format."""
+        if self.granularity == "block":
+            return f"fp8 (block {self.weight_block[0]}x{self.weight_block[1]})"
+        return f"fp8 (per-{self.granularity})"
+
+    def ignores(self, hf_module: str) -> bool:
+        for pattern in self.ignored:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], hf_module):
+                    return True
+            elif hf_module == pattern or hf_module.endswith("." + pattern):
+                return True
+        return False
+
+
+def parse_quantization_config(qc: Optional[dict]) -> Optional[QuantConfig]:
+    """None for an unquantized checkpoint; else the scheme, or UnsupportedQuantization naming
+    `quantization_config` and what is supported."""
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise _refuse(f"is {type(qc).__name__}, not an object")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _hf_fp8(qc)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise _refuse(f"quant_method {method!r} is not supported")
+
+
+def _refuse(why: str) -> UnsupportedQuantization:
+    return UnsupportedQuantization(f"model: quantization_config {why}; supported: {SUPPORTED}")
+
+
+def _hf_fp8(qc: dict) -> QuantConfig:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _refuse(f"fmt {fmt!r} is not supported (e4m3 is)")
+    activation = qc.get("activation_scheme", "dynamic")
+    if activation not in ("dynamic", "static"):
+        raise _refuse(f"activation_scheme {activation!r} is not supported")
+    ignored = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    block = qc.get("weight_block_size")
+    if block is None:
+        return QuantConfig("fp8", "tensor", None, "weight_scale", activation, ignored)
+    block = _block(block, "weight_block_size")
+    if activation != "dynamic":
+        raise _refuse("block-wise fp8 with static activation scales is not supported")
+    return QuantConfig("fp8", "block", block, "weight_scale_inv", activation, ignored)
+
+
+def _block(value, what: str) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and v > 0 for v in value)):
+        raise _refuse(f"{what} {value!r} is not two positive integers")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(qc: dict) -> QuantConfig:
+    fmt = qc.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _refuse(f"compressed-tensors format {fmt!r} is not supported (float-quantized is)")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse(f"compressed-tensors with {len(groups)} config_groups is not supported (one is)")
+    group = next(iter(groups.values()))
+    targets = group.get("targets") or ["Linear"]
+    if targets != ["Linear"]:
+        raise _refuse(f"compressed-tensors targets {targets!r} are not supported (['Linear'] is)")
+    weights = group.get("weights") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise _refuse(f"compressed-tensors weights of type {weights.get('type')!r} with "
+                      f"{weights.get('num_bits')} bits are not supported (8-bit float is)")
+    if weights.get("dynamic") or weights.get("symmetric") is False:
+        raise _refuse("compressed-tensors dynamic or asymmetric weight scales are not supported")
+    strategy = weights.get("strategy")
+    activations = group.get("input_activations")
+    if activations:
+        if activations.get("type") != "float" or activations.get("num_bits") != 8:
+            raise _refuse("compressed-tensors input activations other than 8-bit float are not supported")
+        activation = "dynamic" if activations.get("dynamic") else "static"
+    else:
+        activation = "none"
+    if group.get("output_activations"):
+        raise _refuse("compressed-tensors output activation quantization is not supported")
+    ignored = tuple(qc.get("ignore") or ())
+    if strategy == "block":
+        block = _block(weights.get("block_structure"), "weights.block_structure")
+        return QuantConfig("compressed-tensors", "block", block, "weight_scale", activation, ignored)
+    if strategy in ("channel", "tensor"):
+        return QuantConfig("compressed-tensors", strategy, None, "weight_scale", activation, ignored)
+    raise _refuse(f"compressed-tensors weight strategy {strategy!r} is not supported "
+                  f"(tensor, channel and block are)")
