@@ -161,6 +161,17 @@ def test_grpc_structured_output_and_refusal(served):
         assert e.value.details().startswith("structured_output.regex:")
 
 
+def test_sdk_structured_output(served):
+    server, _ = served
+    with server.client() as client:
+        got = client.generate("x", max_new_tokens=20, temperature=0,
+                              structured_output={"json_schema": SCHEMA})
+        if got.finish_reason == "stop":
+            jsonschema.validate(json.loads(got.text), SCHEMA)
+        assert client.generate("x", max_new_tokens=8, temperature=0,
+                               structured_output={"regex": "(yes|no)!"}).text in ("yes!", "no!")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_named_and_required(oai, stream):
     _, content, calls, finish = _chat(oai, stream, tools=[WEATHER, TIME], tool_choice={
