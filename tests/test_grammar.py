@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from helpers import make_predictable_pair, random_prompts
+from helpers import make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, random_prompts
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 
@@ -178,6 +178,21 @@ def test_seeded_constrained_sampling_parity(pair, make_engine, shape):
     spec = make_engine(pair[0], spec=_spec(pair[1], **shape)).generate(prompt_token_ids=prompts,
                                                                        sampling=params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_eagle3_draft_vocabulary_parity(tmp_path, make_engine):
+    """An EAGLE-3 head drafts over a subset of the vocabulary (hot tokens): its masks are the
+    grammar's mapped onto that subset."""
+    target = make_tiny_checkpoint(str(tmp_path / "target"), "llama", num_layers=3, seed=5)
+    head = make_eagle3_head(str(tmp_path / "head"), target_layers=3)
+    prompts = random_prompts(3, seed=14, max_len=10)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0,
+                            grammar=GrammarSpec("json_schema", json.dumps(_schema(random.Random(9)))))
+    plain = make_engine(target).generate(prompt_token_ids=prompts, sampling=params)
+    for shape in (CHAIN, TREE):
+        spec = make_engine(target, spec=SpecConfig(algorithm="eagle3", draft_model=head, **shape))
+        assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling=params)] == \
+            [o.token_ids for o in plain]
 
 
 def test_random_schemas_stop_only_on_valid_output(pair, make_engine):
