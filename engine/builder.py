@@ -18,6 +18,7 @@ import torch
 from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+from specserve.engine.grammar.compiler import GrammarCompiler
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
 from specserve.engine.kvcache.radix_cache import RadixCache
@@ -92,6 +93,8 @@ class EngineCore:
         rank 0 after telling the followers to stop)."""
         with self.ctx.schedule_context():
             self.scheduler.drain()
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.close()
         for graphs in (self.worker.graphs, self.worker.extend_graphs):
             if graphs is not None:
                 graphs.release()
@@ -222,7 +225,10 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                chunked_prefill_size=config.chunked_prefill_size,
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
-        enable_overlap=config.enable_overlap, speculative=spec is not None)
+        enable_overlap=config.enable_overlap, speculative=spec is not None,
+        # Structured outputs need the tokenizer's vocabulary (xgrammar loads it lazily).
+        grammars=GrammarCompiler(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size, eos_token_ids)
+        if tokenizer is not None else None)
     logger.info("KV pool: %d slots; max_context_len %d; %s attention; prefix cache %s; %s", num_slots,
                 max_context_len, type(attn).__name__, "on" if cache is not None else "off",
                 "plain decoding" if spec is None else

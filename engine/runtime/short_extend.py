@@ -63,12 +63,13 @@ def make_short_extend_inputs(length: int, device: torch.device) -> ShortExtendIn
                              torch.zeros(length, dtype=torch.int64, device=device), packed)
 
 
-def fits_short_extend(step: ExtendStep, constrained: bool = False) -> bool:
-    """One request ending its prefill with a short chunk, greedy, no prompt logprobs."""
+def fits_short_extend(step: ExtendStep) -> bool:
+    """One request ending its prefill with a short chunk, greedy, no prompt logprobs, no grammar."""
     if len(step.rows) != 1 or not step.samples[0] or step.prompt_spans[0] is not None:
         return False
     start, end = step.chunks[0]
-    return end - start <= MAX_SHORT_EXTEND and not step.sampling.per_token_rules and not constrained
+    return (end - start <= MAX_SHORT_EXTEND and not step.sampling.per_token_rules
+            and step.grammar is None)
 
 
 def pack_short_extend(step: ExtendStep, bucket: int, next_tokens: bool) -> torch.Tensor:

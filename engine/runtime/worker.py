@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.kvcache.pools import ReqToTokenPool
 from specserve.engine.layers.argmax import argmax_last_dim
 from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
@@ -62,6 +63,7 @@ class ForwardInputs(NamedTuple):
     stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
     history_init: Optional[HistoryInit] = None
     prompt_score: Optional[PromptScore] = None
+    grammar_mask: Optional[torch.Tensor] = None  # [bs, W] packed allowed tokens (structured outputs)
 
 
 class Sampled(NamedTuple):
@@ -168,7 +170,8 @@ class TargetModel:
             seq_lens_cpu=self.host_lens(seq_lens), max_seq_len=max(seq_lens),
             sample_rows=self.to_device(sample_rows), sampling_info=step.sampling,
             stash_rows=self.to_device([r if s else 0 for r, s in zip(step.rows, step.samples)]),
-            history_init=history_init, prompt_score=prompt_score)
+            history_init=history_init, prompt_score=prompt_score,
+            grammar_mask=step.grammar.next_token_masks() if step.grammar is not None else None)
 
     def decode_inputs(self, step: DecodeStep) -> ForwardInputs:
         """The fed token sits at index committed_len - 1 (the host committed it at schedule
@@ -181,7 +184,8 @@ class TargetModel:
             extend_lens=torch.ones_like(rows), out_cache_loc=step.out_cache_loc,
             seq_lens_cpu=self.host_lens(step.committed_lens), max_seq_len=max(step.committed_lens),
             sample_rows=torch.arange(len(step.rows), device=self.ctx.device),
-            sampling_info=step.sampling, stash_rows=rows)
+            sampling_info=step.sampling, stash_rows=rows,
+            grammar_mask=step.grammar.next_token_masks() if step.grammar is not None else None)
 
     # --- forward side -------------------------------------------------------------------------
     def forward_and_sample(self, inputs: ForwardInputs, read_done,
@@ -196,6 +200,8 @@ class TargetModel:
             max_seq_len=inputs.max_seq_len, aux_hidden_layers=aux_hidden_layers)
         hidden, aux = self.runner.forward(fb, read_done=read_done)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if inputs.grammar_mask is not None:
+            logits = apply_token_bitmask(logits, inputs.grammar_mask)
         batch_index = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
         history = None
         if info.any_penalty:
@@ -294,7 +300,8 @@ class NormalWorker:
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)
         bs = len(step.rows)
-        if not (self.graphs is not None and graphable(self.graphs, inputs.sampling_info, bs)):
+        if not (self.graphs is not None and graphable(self.graphs, inputs.sampling_info, bs,
+                                                      constrained=step.grammar is not None)):
             return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
 
         def replay(read_done) -> StepResult:
@@ -341,9 +348,9 @@ class NormalWorker:
         return [lambda s: self.target.short_extend(s, width)[0]]
 
 
-def graphable(graphs, info: SamplingInfo, bs: int) -> bool:
-    """Graphs cover greedy steps without per-token rules; the rest runs eagerly."""
-    return not info.per_token_rules and graphs.bucket_for(bs) is not None
+def graphable(graphs, info: SamplingInfo, bs: int, constrained: bool = False) -> bool:
+    """Graphs cover greedy steps without per-token rules or grammars; the rest runs eagerly."""
+    return not info.per_token_rules and not constrained and graphs.bucket_for(bs) is not None
 
 
 def greedy_sampling_info(bs: int, vocab_size: int, device) -> SamplingInfo:

@@ -28,6 +28,8 @@ import torch
 from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.grammar.batch import GrammarBatch
+from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, TokenHistory, sample
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
@@ -62,6 +64,7 @@ class SpecDecodeInputs(NamedTuple):
     seq_lens_cpu: Optional[list[int]]  # the same on the host, when a backend reads it
     width: int                        # host bound on every row's KV length (its allocated slots)
     info: SamplingInfo
+    grammar: Optional[GrammarBatch] = None  # a constrained batch: masks drafts and verify (eager only)
 
 
 class Verified(NamedTuple):
@@ -165,10 +168,12 @@ class EagleWorker:
         them on the device, and the over-reserved slots cover whatever they turn out to be."""
         rows = self.target.to_device(step.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
-        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling,
+                                  step.grammar)
         publish_ready = self.future_map.new_publish_event()
         bs = len(step.rows)
-        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs)
+        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs,
+                                                          constrained=step.grammar is not None)
 
         def body(read_done) -> StepResult:
             if use_graph:
@@ -193,6 +198,8 @@ class EagleWorker:
         if read_done is not None:
             read_done.record()
         tree = self._draft(kv, s)
+        # Structured outputs: node i may only become the target's choice allowed after its path.
+        node_masks = s.grammar.tree_masks(tree.tokens, tree.parents) if s.grammar is not None else None
         loc = kv.table.gather(1, tree.slot_positions)
         fb = ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
@@ -203,6 +210,8 @@ class EagleWorker:
             aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.runner.forward(fb)
         logits = self.target.model.compute_logits(hidden)
+        if node_masks is not None:
+            logits = apply_token_bitmask(logits, node_masks)
         choice = self._target_tokens(logits, tree, s.rows, s.info)
         target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len, self.tree.num_steps)
@@ -240,8 +249,13 @@ class EagleWorker:
         is the tree: the draft runs on every rank)."""
         bonus = self.future_map.resolve_input_ids(-s.rows)
         state = self.future_map.gather_draft_state(s.rows)
-        builder = tree_ops.draft_builder(self.tree, state.topk_p, state.topk_index, state.hidden)
-        S, k = s.S, self.tree.topk
+        S, k, grammar = s.S, self.tree.topk, s.grammar
+        topk_p, topk_index = state.topk_p, state.topk_index
+        if grammar is not None:
+            # The stashed first level was drafted before the last step's tokens reached the
+            # matchers: draft it again from the stashed hidden state, under the committed masks.
+            topk_p, topk_index = self.draft.model.topk(state.hidden, k, bitmask=grammar.next_token_masks())
+        builder = tree_ops.draft_builder(self.tree, topk_p, topk_index, state.hidden)
         branch_S = S.repeat_interleave(k) if self.tree.is_tree else S
         branches = branch_S.shape[0]
         for step in range(1, self.tree.num_steps):
@@ -253,8 +267,11 @@ class EagleWorker:
                 kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
                 extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
             out_hidden = self.draft.forward(fb, parent_hidden)
+            # Structured outputs: each frontier node drafts from the tokens its path allows.
+            bitmask = grammar.path_masks(*builder.candidates()) if grammar is not None else None
             # A chain needs only each step's argmax, not its probability.
-            builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree), out_hidden)
+            builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree, bitmask=bitmask),
+                           out_hidden)
         nodes = builder.finish()
         tp = self.target.model.tp
         nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
