@@ -1,8 +1,10 @@
-"""Mixture of experts: DeepSeek's routing and the routed experts' computation.
+"""Mixture of experts: routing and the routed experts' computation.
 
-Routing reproduces transformers' DeepSeek-V2 (softmax scores, greedy or group-limited by each
-group's best score) and V3 (sigmoid scores; the correction bias steers which experts are
-chosen, not their weights; groups ranked by the sum of their two best) exactly, in fp32.
+Routing reproduces transformers exactly, in fp32: DeepSeek-V2 (softmax scores, greedy or
+group-limited by each group's best score), V3 (sigmoid scores; the correction bias steers which
+experts are chosen, not their weights; groups ranked by the sum of their two best), and
+Qwen3-MoE / Mixtral (softmax over all experts, top-k, renormalised over the k when
+norm_topk_prob; Mixtral always renormalises).
 
 Expert weights are stacked: `w13[e]` is expert e's gate rows then up rows ([E, 2I, H]),
 `w2[e]` its down projection ([E, H, I]). `fused_experts` here is the torch computation (the
@@ -32,8 +34,10 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
                    correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] int64) from fp32 router logits [T, E].
 
-    softmax (V2): group-limited when num_groups > 1 (a group ranks by its best expert; the
-    experts outside the best topk_groups groups score 0). sigmoid (V3): the choice ranks
+    softmax (V2, Qwen3-MoE, Mixtral): group-limited when num_groups > 1 (a group ranks by its
+    best expert; the experts outside the best topk_groups groups score 0); norm_topk_prob
+    divides the k probabilities by their sum (no epsilon, as transformers' Qwen3-MoE and
+    Mixtral: softmax probabilities are positive). sigmoid (V3): the choice ranks
     scores + correction_bias, groups by the sum of their two best, the weights are the
     unbiased scores (renormalised over the k when norm_topk_prob)."""
     num_tokens, num_experts = router_logits.shape
@@ -44,6 +48,8 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
             group_scores = scores.view(num_tokens, num_groups, per_group).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, per_group), 0.0)
         weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     elif scoring == "sigmoid":
         scores = router_logits.sigmoid()
         choice = scores if correction_bias is None else scores + correction_bias.float()
