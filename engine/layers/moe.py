@@ -9,7 +9,9 @@ norm_topk_prob; Mixtral always renormalises).
 Expert weights are stacked: `w13[e]` is expert e's gate rows then up rows ([E, 2I, H]),
 `w2[e]` its down projection ([E, H, I]). `fused_experts` here is the torch computation (the
 CPU path and reference); on CUDA `run_experts` dispatches to the Triton kernel of the same
-signature and layout (`fused_moe_triton.fused_experts`) when it is importable.
+signature and layout (`fused_moe_triton.fused_experts`) when it is importable, and for at most
+16 tokens with 16-bit experts to the decode kernel (`moe_decode.decode_fused_experts`: each
+picked expert's weights read once, no sort launch).
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ import torch.nn.functional as F
 
 from specserve.engine.quantization.fp8 import WeightScale, dequantize
 
-_triton_fused_experts = None
+_triton_fused_experts = _decode_fused_experts = None
+MAX_DECODE_TOKENS = 0  # the decode kernel's bound, set where it imports
 if torch.cuda.is_available():
     try:
         from specserve.engine.layers.fused_moe_triton import fused_experts as _triton_fused_experts
+        from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
+        from specserve.engine.layers.moe_decode import decode_fused_experts as _decode_fused_experts
     except ImportError:  # no triton (or no kernel yet): the torch loop runs on the GPU too
-        _triton_fused_experts = None
+        _triton_fused_experts = _decode_fused_experts = None
 
 
 def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num_groups: int = 1,
@@ -113,8 +118,11 @@ def experts_capturable() -> bool:
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
                 w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
-    """The Triton kernel on CUDA when available, else the torch loop (same signature)."""
+    """The Triton kernels on CUDA when available (decode-sized 16-bit batches: the decode
+    kernel; else the grouped one, which also takes FP8 scales), else the torch loop."""
     if x.is_cuda and _triton_fused_experts is not None:
+        if w13_scale is None and x.shape[0] <= MAX_DECODE_TOKENS:
+            return _decode_fused_experts(x, w13, w2, topk_weights, topk_ids)
         return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
                                      w2_scale=w2_scale)
     return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
