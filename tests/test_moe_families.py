@@ -132,6 +132,7 @@ def test_router_and_experts_match_transformers(arch, opts):
     torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
     out = fused_experts(x, hf_experts.gate_up_proj.data, hf_experts.down_proj.data, weights, ids)
     torch.testing.assert_close(out, hf_experts(x, ref_ids, ref_w), atol=1e-6, rtol=1e-5)
+    assert router.to(torch.bfloat16).weight.dtype == torch.float32  # read as is, never cast per step
 
 
 # --- speculative decoding on the MoE families ----------------------------------------------

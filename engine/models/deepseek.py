@@ -115,7 +115,9 @@ class MLAAttention(nn.Module):
 
 
 class Router(nn.Module):
-    """Router logits in fp32; V3's correction bias stays fp32 whatever the model's dtype."""
+    """Router logits in fp32. The weight (and V3's correction bias) stay fp32 whatever the
+    model's dtype: a 16-bit checkpoint's values convert exactly, and a decode step then reads
+    the weight as it is instead of casting it at every layer (a launch and a copy each)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,14 +129,14 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        bias = self.e_score_correction_bias
-        if bias is not None and bias.dtype != torch.float32:
-            bias.data = bias.data.float()
+        for param in (self.weight, self.e_score_correction_bias):
+            if param is not None and param.dtype != torch.float32:
+                param.data = param.data.float()
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight)
         return select_experts(logits, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
                               topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
                               routed_scaling_factor=moe.routed_scaling_factor,
