@@ -8,8 +8,10 @@ hidden 2048, intermediate 1408) and Qwen3-30B-A3B (128 experts top-8, hidden 204
 intermediate 768), at M = 1, 4, 16 tokens. Bandwidth = bytes of the distinct experts the M
 tokens picked (each read once: gate, up and down rows) / time, against the device-to-device
 copy bandwidth measured in this run. Kernels are replayed from CUDA graphs, as the engine runs
-them. The router rows time `Router` (deepseek.py) as the models run it: the fp32 logits of the
-bf16 hidden state and weight, softmax and top-k (renormalised for Qwen3), per layer.
+them. The router rows time `Router` (deepseek.py) as the models run it (the fp32 logits of
+the bf16 hidden state against its fp32 weight, then `moe_router.softmax_topk`: softmax, top-k,
+renormalised for Qwen3, in one launch), and the torch ops it replaced (the bf16 weight cast
+at every call, softmax, top-k, sum, division, scaling), per layer.
 
 `--sweep` adds decode-kernel launch configurations (N/K tiles, warps, stages) to choose the
 default from.
@@ -22,6 +24,7 @@ import json
 import time
 
 import torch
+import torch.nn.functional as F
 import triton.testing
 
 from attention_kernels import copy_bandwidth  # bench/ is this script's folder
@@ -57,6 +60,15 @@ def router(shape: str, device) -> Router:
     return module
 
 
+def torch_router(x: torch.Tensor, weight: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing before moe_router.py: a bf16 weight cast per call, then five torch ops."""
+    logits = F.linear(x.float(), weight.float())
+    weights, ids = torch.topk(logits.softmax(dim=-1, dtype=torch.float32), k=moe.top_k, dim=-1, sorted=False)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * moe.routed_scaling_factor, ids
+
+
 def rows_for(shape: str, tokens: list[int], sweep: bool, bandwidth: float, device) -> list[dict]:
     num_experts, top_k, hidden, inter, _ = SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -65,6 +77,7 @@ def rows_for(shape: str, tokens: list[int], sweep: bool, bandwidth: float, devic
     w2 = torch.randn(num_experts, hidden, inter, generator=gen, device=device,
                      dtype=torch.bfloat16) * inter ** -0.5
     gate = router(shape, device)
+    weight_bf16 = gate.weight.to(torch.bfloat16)
     expert_bytes = 3 * hidden * inter * 2
     rows = []
     for num_tokens in tokens:
@@ -94,12 +107,13 @@ def rows_for(shape: str, tokens: list[int], sweep: bool, bandwidth: float, devic
                              us=seconds * 1e6, GBps=read / seconds / 1e9,
                              fraction_of_copy=read / seconds / bandwidth))
             print(json.dumps(rows[-1]), flush=True)
-        seconds = bench(lambda: gate(x))
         read = gate.weight.numel() * gate.weight.element_size()
-        rows.append(dict(shape=shape, kernel="router (fp32 logits, softmax, top-k)", tokens=num_tokens,
-                         experts_touched=None, config=None, us=seconds * 1e6, GBps=read / seconds / 1e9,
-                         fraction_of_copy=read / seconds / bandwidth))
-        print(json.dumps(rows[-1]), flush=True)
+        for name, fn in (("router", lambda: gate(x)),
+                         ("router, torch ops (before)", lambda: torch_router(x, weight_bf16, gate.moe))):
+            seconds = bench(fn)
+            rows.append(dict(shape=shape, kernel=name, tokens=num_tokens, experts_touched=None, config=None,
+                             us=seconds * 1e6, GBps=read / seconds / 1e9, fraction_of_copy=read / seconds / bandwidth))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -1,6 +1,7 @@
-"""The decode MoE kernel (`layers/moe_decode.py`) against the torch path (`layers/moe.py`) in
-fp32: in the interpreter on the CPU (tiny shapes) and, marked `gpu`, at Qwen3-30B-A3B and
-DeepSeek-V2-Lite shapes in bf16 and under CUDA-graph replay."""
+"""The decode MoE kernels against the torch path (`layers/moe.py`) in fp32: the experts
+(`layers/moe_decode.py`) and the softmax top-k router (`layers/moe_router.py`), in the
+interpreter on the CPU (tiny shapes) and, marked `gpu`, at Qwen3-30B-A3B and DeepSeek-V2-Lite
+shapes in bf16 and under CUDA-graph replay."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,10 @@ pytest.importorskip("triton")
 
 from test_fused_moe import random_moe, reference_experts  # noqa: E402
 
+from specserve.engine.layers.moe import select_experts  # noqa: E402
 from specserve.engine.layers.moe_decode import (  # noqa: E402
     MAX_DECODE_TOKENS, DecodeMoEConfig, decode_fused_experts)
+from specserve.engine.layers.moe_router import softmax_topk  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # N/K tiles smaller than the tiny dims (hidden 40, intermediate 24) so loops and tails run.
@@ -52,6 +55,34 @@ def test_default_config_and_rejections():
     with pytest.raises(ValueError, match="at most 16"):
         decode_fused_experts(*random_moe(MAX_DECODE_TOKENS + 1, 4, 2, 32, 16, gen))
     assert decode_fused_experts(*random_moe(0, 4, 2, 32, 16, gen)).shape == (0, 32)
+
+
+def assert_same_routing(got, expected):
+    """Same experts per token (in any order) with the same weights."""
+    (weights, ids), (ref_weights, ref_ids) = got, expected
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values.cpu(), ref_order.values.cpu())
+    torch.testing.assert_close(weights.gather(1, order.indices).cpu(),
+                               ref_weights.gather(1, ref_order.indices).cpu(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling", [
+    (1, 4, 1, False, 1.0), (5, 60, 6, False, 1.5), (16, 128, 8, True, 1.0), (3, 8, 2, True, 2.0)])
+def test_softmax_topk_matches_select_experts(num_tokens, num_experts, top_k, renormalize, scaling):
+    """60 experts: a non-power-of-two count (padded lanes are never picked)."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 3
+    weights, ids = softmax_topk(logits.to(DEVICE), top_k, renormalize, scaling)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert (weights[:, :-1] >= weights[:, 1:]).all()  # largest first
+    expected = select_experts(logits, top_k=top_k, scoring="softmax", norm_topk_prob=renormalize,
+                              routed_scaling_factor=scaling)  # CPU: the torch path
+    assert_same_routing((weights, ids), expected)
+
+
+def test_softmax_topk_edges():
+    assert softmax_topk(torch.zeros(0, 8, device=DEVICE), 2, True)[1].shape == (0, 2)
+    with pytest.raises(ValueError, match="top_k 9"):
+        softmax_topk(torch.zeros(2, 8, device=DEVICE), 9, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,3 +153,14 @@ def test_cuda_graph_replays_any_routing_without_sync_gpu(gpu_weights):
         graph.replay()
         torch.testing.assert_close(out, decode_fused_experts(x, w13, w2, topk_weights, topk_ids),
                                    atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("shape,renormalize", [("qwen3_30b_a3b", True), ("v2_lite", False)])
+def test_router_on_cuda_matches_the_torch_path_gpu(num_tokens, shape, renormalize):
+    """select_experts on CUDA (the Triton router) routes as the torch path does on the CPU."""
+    num_experts, top_k, _, _ = GPU_SHAPES[shape]
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(top_k=top_k, scoring="softmax", norm_topk_prob=renormalize)
+    assert_same_routing(select_experts(logits.cuda(), **kwargs), select_experts(logits, **kwargs))

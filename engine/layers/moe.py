@@ -22,15 +22,16 @@ import torch.nn.functional as F
 
 from specserve.engine.quantization.fp8 import WeightScale, dequantize
 
-_triton_fused_experts = _decode_fused_experts = None
+_triton_fused_experts = _decode_fused_experts = _softmax_topk = None
 MAX_DECODE_TOKENS = 0  # the decode kernel's bound, set where it imports
 if torch.cuda.is_available():
     try:
         from specserve.engine.layers.fused_moe_triton import fused_experts as _triton_fused_experts
         from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
         from specserve.engine.layers.moe_decode import decode_fused_experts as _decode_fused_experts
-    except ImportError:  # no triton (or no kernel yet): the torch loop runs on the GPU too
-        _triton_fused_experts = _decode_fused_experts = None
+        from specserve.engine.layers.moe_router import softmax_topk as _softmax_topk
+    except ImportError:  # no triton (or no kernel yet): the torch loops run on the GPU too
+        _triton_fused_experts = _decode_fused_experts = _softmax_topk = None
 
 
 def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num_groups: int = 1,
@@ -44,9 +45,14 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
     divides the k probabilities by their sum (no epsilon, as transformers' Qwen3-MoE and
     Mixtral: softmax probabilities are positive). sigmoid (V3): the choice ranks
     scores + correction_bias, groups by the sum of their two best, the weights are the
-    unbiased scores (renormalised over the k when norm_topk_prob)."""
+    unbiased scores (renormalised over the k when norm_topk_prob).
+
+    On CUDA, softmax routing without groups is one Triton launch (`moe_router.softmax_topk`,
+    the same values up to the last bits of the softmax)."""
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // num_groups
+    if scoring == "softmax" and num_groups == 1 and router_logits.is_cuda and _softmax_topk is not None:
+        return _softmax_topk(router_logits, top_k, norm_topk_prob, routed_scaling_factor)
     if scoring == "softmax":
         scores = router_logits.softmax(dim=-1, dtype=torch.float32)
         if num_groups > 1:

@@ -211,7 +211,7 @@ def _check_silu_no_mlp_bias(arch: str, cfg: dict) -> None:
 
 
 def _softmax_topk(num_experts: int, top_k: int, moe_intermediate_size: int, norm_topk_prob: bool,
-                  **layers) -> MoEConfig:
+                  sparse_step: int = 1, mlp_only_layers: tuple[int, ...] = ()) -> MoEConfig:
     """Qwen3-MoE's and Mixtral's routing: softmax over every expert's logit, the top k of those
     probabilities, renormalised over the k when norm_topk_prob (always for Mixtral)."""
     if not 0 < top_k <= num_experts:
@@ -219,7 +219,7 @@ def _softmax_topk(num_experts: int, top_k: int, moe_intermediate_size: int, norm
     return MoEConfig(num_experts=num_experts, top_k=top_k, moe_intermediate_size=moe_intermediate_size,
                      num_shared_experts=0, first_k_dense_replace=0, scoring="softmax", num_groups=1,
                      topk_groups=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0,
-                     has_correction_bias=False, **layers)
+                     has_correction_bias=False, sparse_step=sparse_step, mlp_only_layers=mlp_only_layers)
 
 
 def _qwen3_moe_parts(cfg: dict) -> Optional[MoEConfig]:
