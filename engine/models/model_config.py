@@ -162,11 +162,7 @@ def _scaling(rope: dict, rope_type: str, cfg: dict) -> dict:
 
 def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig]]:
     v3 = arch == "DeepseekV3ForCausalLM"
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"model: {flag}=true is not supported for {arch}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu is)")
+    _require_silu_without(arch, cfg, ("attention_bias", "mlp_bias"))
     mla = MLAConfig(
         q_lora_rank=cfg.get("q_lora_rank"),
         kv_lora_rank=cfg["kv_lora_rank"],
@@ -203,9 +199,11 @@ def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig
     return mla, moe
 
 
-def _check_silu_no_mlp_bias(arch: str, cfg: dict) -> None:
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"model: mlp_bias=true is not supported for {arch}")
+def _require_silu_without(arch: str, cfg: dict, biases: tuple[str, ...]) -> None:
+    """Refuse, by name, the bias flags set in `biases` and an activation other than SiLU."""
+    for flag in biases:
+        if cfg.get(flag):
+            raise ValueError(f"model: {flag}=true is not supported for {arch}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu is)")
 
@@ -224,9 +222,8 @@ def _softmax_topk(num_experts: int, top_k: int, moe_intermediate_size: int, norm
 
 def _qwen3_moe_parts(cfg: dict) -> Optional[MoEConfig]:
     arch = "Qwen3MoeForCausalLM"
-    _check_silu_no_mlp_bias(arch, cfg)
-    if cfg.get("attention_bias"):  # transformers also gives o_proj a bias then; ours has none
-        raise ValueError(f"model: attention_bias=true is not supported for {arch}")
+    # attention_bias: transformers gives o_proj a bias too then, which our attention lacks.
+    _require_silu_without(arch, cfg, ("attention_bias", "mlp_bias"))
     # Qwen2-MoE's shared expert (and its sigmoid gate) is not part of Qwen3-MoE: a config that
     # asks for one is some other model under this name.
     if cfg.get("shared_expert_intermediate_size"):
@@ -243,7 +240,7 @@ def _qwen3_moe_parts(cfg: dict) -> Optional[MoEConfig]:
 
 def _mixtral_parts(cfg: dict) -> MoEConfig:
     arch = "MixtralForCausalLM"
-    _check_silu_no_mlp_bias(arch, cfg)
+    _require_silu_without(arch, cfg, ("mlp_bias",))
     # Every layer is MoE, and each expert is intermediate_size wide (Mixtral has no dense MLP).
     return _softmax_topk(cfg.get("num_local_experts") or cfg["num_experts"], cfg["num_experts_per_tok"],
                          cfg["intermediate_size"], norm_topk_prob=True)
