@@ -98,6 +98,39 @@ def test_greedy_matches_transformers_generate(checkpoints, make_engine, name, ov
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("name", ["qwen3-4x2-unnormed-step2", "mixtral-4x1"])
+def test_engine_through_the_decode_kernels_matches_transformers(checkpoints, make_engine, monkeypatch, name):
+    """The decode experts kernel (steps of at most 16 tokens) and the Triton router, run by the
+    interpreter on CPU tensors in place of the torch paths that CPU engines take (CUDA engines
+    dispatch to them in run_experts and select_experts): transformers' greedy tokens. Counts
+    the calls, so the kernels really ran."""
+    from specserve.engine.layers.moe import fused_experts
+    from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS, decode_fused_experts
+    from specserve.engine.layers.moe_router import softmax_topk
+    from specserve.engine.models import deepseek
+
+    calls = {"experts": 0, "router": 0}
+
+    def run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+        if x.shape[0] > MAX_DECODE_TOKENS:
+            return fused_experts(x, w13, w2, topk_weights, topk_ids)
+        calls["experts"] += 1
+        return decode_fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+    def select_experts(logits, *, top_k, norm_topk_prob, routed_scaling_factor, **ungrouped_softmax):
+        calls["router"] += 1
+        return softmax_topk(logits, top_k, norm_topk_prob, routed_scaling_factor)
+
+    monkeypatch.setattr(deepseek, "run_experts", run_experts)
+    monkeypatch.setattr(deepseek, "select_experts", select_experts)
+    path = checkpoints(name)
+    prompts = random_prompts(2, seed=6, max_len=12)
+    outs = make_engine(path).generate(prompt_token_ids=prompts,
+                                      sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    assert calls["experts"] and calls["router"]
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 6)
+
+
 @pytest.mark.parametrize("arch,opts", [
     ("qwen3_moe", dict(norm_topk_prob=False)), ("qwen3_moe", dict(norm_topk_prob=True, top_k=3)),
     ("mixtral", {}), ("mixtral", dict(top_k=1))])

@@ -40,8 +40,8 @@ class DecodeMoEConfig(NamedTuple):
 
 
 def default_decode_config(device: torch.device) -> DecodeMoEConfig:
-    if torch.device(device).type != "cuda":
-        return DecodeMoEConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)
+    if torch.device(device).type != "cuda":  # the interpreter: few, wide programs run fastest
+        return DecodeMoEConfig(block_n=64, block_k=64, num_warps=4, num_stages=1)
     # Narrow N tiles: at M = 1 only k experts are live, and 64 experts x I/32 tiles (or
     # fewer) must still fill every SM. Not yet tuned on a device: bench/moe_decode.py --sweep.
     return DecodeMoEConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
