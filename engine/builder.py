@@ -29,6 +29,7 @@ from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.loader import init_dummy_weights, load_llama, use_fp8_everywhere
 from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
@@ -140,7 +141,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     step_slots = 1 if spec is None else spec.kv_reserve_per_request
     row_width = model_context + (0 if spec is None else spec.kv_reserve_per_request) + 1
 
-    model_class = DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM
+    model_class = MOE_FAMILY_CLASSES.get(cfg.architecture) or \
+        (DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM)
     with torch.device(device):
         model = model_class(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
     logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
