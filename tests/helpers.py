@@ -137,6 +137,15 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     tok.save(os.path.join(path, "tokenizer.json"))
 
 
+def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [len, vocab] of one sequence."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding effects), fp32."""
     import transformers as tf

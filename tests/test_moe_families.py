@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_quantizer import FP8, quantize_checkpoint
-from helpers import (
-    hf_greedy, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, moe_family_config, random_prompts)
+from helpers import (hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint,
+                     moe_family_config, random_prompts)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -26,13 +26,6 @@ CONFIGS = {
     "mixtral-4x1": ("mixtral", dict(num_experts=4, top_k=1), [1, 1, 1]),
 }
 
-
-def _hf_logits(path, ids):
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def test_logits_match_transformers(checkpoints, make_engine, name):
     model = engine.core.runner.model
     assert [isinstance(layer.mlp, DeepseekMoE) for layer in model.layers] == [bool(m) for m in CONFIGS[name][2]]
     ids = torch.randint(3, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_config_is_read(checkpoints, make_engine):
@@ -243,7 +236,7 @@ def test_fp8_experts_match_dequantized_reference(checkpoints, make_engine, tmp_p
     experts = engine.core.runner.model.layers[1].mlp.experts
     assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8 and experts.w13_scale.scale_block == (16, 16)
     ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(2)).tolist()
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
 
 
 # --- refusals ----------------------------------------------------------------------------------
