@@ -69,7 +69,8 @@ class Engine:
             dtype=str(core.dtype).replace("torch.", ""), device=str(core.device),
             eos_token_ids=core.eos_token_ids,
             spec=None if spec is None else dataclasses.replace(
-                spec, draft_model=_folder_name(spec.draft_model)))
+                spec, draft_model=_folder_name(spec.draft_model)),
+            kv_cache_dtype=str(core.kv_pool.k_buffer[0].dtype).replace("torch.", ""))
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:

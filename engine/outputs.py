@@ -23,6 +23,9 @@ class EngineInfo:
     device: str
     eos_token_ids: tuple[int, ...]
     spec: Optional[SpecConfig]   # the speculative configuration, its draft_model a name too
+    # The target KV pool's storage dtype ("float8_e4m3fn" with kv_cache_dtype fp8_e4m3, else
+    # `dtype`); "" where unknown: the wire's ModelInfo does not carry it yet.
+    kv_cache_dtype: str = ""
 
 
 @dataclass

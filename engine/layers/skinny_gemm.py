@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, wait_for_predecessor
 from specserve.engine.quantization.fp8 import WeightScale
@@ -49,6 +50,8 @@ from specserve.engine.quantization.fp8_gemm import fp8_matmul
 try:
     import triton
     import triton.language as tl
+
+    from specserve.engine.layers.fused import store_kv  # the KV pool's store, FP8 included
 except ImportError:  # the CPU build needs no Triton
     triton = None
 
@@ -322,8 +325,9 @@ if triton is not None:
     @triton.jit
     def _skinny_qkv_rope_kernel(
         x, w, bias, q_out, k_cache, v_cache, loc, positions, cos, sin, partials, arrivals,
-        M, K, k_per_split, stride_xm, stride_wn,
+        M, K, k_per_split, stride_xm, stride_wn, k_scale_inv, v_scale_inv,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        KV_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -331,7 +335,8 @@ if triton is not None:
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
         # head (HALF % BLOCK_N == 0); q heads are rotated into q_out [M, Hq, 2 HALF], k heads
-        # rotated into k_cache[loc[m]], v heads copied into v_cache[loc[m]].
+        # rotated into k_cache[loc[m]], v heads copied into v_cache[loc[m]] (quantised with
+        # KV_FP8, as `rope_and_store_kv` stores them).
         wait_for_predecessor(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -373,17 +378,20 @@ if triton is not None:
                 o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
                 if head < NUM_Q_HEADS:
                     dst = q_out + m64 * (NUM_Q_HEADS * 2 * HALF) + head * (2 * HALF) + d
+                    tl.store(dst, o1.to(dtype), mask=out_mask)
+                    tl.store(dst + HALF, o2.to(dtype), mask=out_mask)
                 else:
                     slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
                     dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
                            + (head - NUM_Q_HEADS) * (2 * HALF) + d)
+                    store_kv(dst, o1.to(dtype), out_mask, k_scale_inv, KV_FP8)
+                    store_kv(dst + HALF, o2.to(dtype), out_mask, k_scale_inv, KV_FP8)
             else:
-                o1, o2 = x1, x2
                 slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
                 dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
                        + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
-            tl.store(dst, o1.to(dtype), mask=out_mask)
-            tl.store(dst + HALF, o2.to(dtype), mask=out_mask)
+                store_kv(dst, x1.to(dtype), out_mask, v_scale_inv, KV_FP8)
+                store_kv(dst + HALF, x2.to(dtype), out_mask, v_scale_inv, KV_FP8)
 
 
 class _Launch(NamedTuple):
@@ -478,11 +486,13 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, loc: torch.Tensor,
                     config: Optional[SkinnyConfig] = None,
-                    workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
+                    workspace: Optional[SkinnyWorkspace] = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
     x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
     (neox) of q and k at `positions` from the fp32 `cos`/`sin` tables [positions, D], k and v
-    written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each). Returns q [M, Hq, D].
+    written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each; an FP8 cache stores
+    them quantised with `k_scale` and `v_scale`). Returns q [M, Hq, D].
     One kernel instead of the GEMM and the RoPE kernel, with the same roundings."""
     n_rows, k = weight.shape
     assert weight.is_contiguous() and x.shape[-1] == k and x.dtype == weight.dtype
@@ -502,6 +512,7 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     _skinny_qkv_rope_kernel[launch.grid](
         x2, weight, bias if bias is not None else weight, q, k_cache, v_cache, loc, positions,
         cos, sin, launch.partials, launch.arrivals, m, k, launch.k_per_split, x2.stride(0),
-        weight.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        HALF=head_dim // 2, **launch.meta)
+        weight.stride(0), 1.0 / k_scale, 1.0 / v_scale, NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, KV_FP8=is_fp8(k_cache.dtype),
+        **launch.meta)
     return q
