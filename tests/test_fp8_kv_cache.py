@@ -472,7 +472,7 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path, make_engine):
     path = make_tiny_checkpoint(str(tmp_path), "llama")
     file = f"{path}/model.safetensors"
     weights = load_file(file)
-    scales = KVScales((0.03, 0.04), (0.02, 0.05))
+    scales = KVScales((0.03125, 0.046875), (0.015625, 0.0625))  # exact in fp32
     for i in range(2):
         weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(scales.k[i])
         weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(scales.v[i])
@@ -485,8 +485,21 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path, make_engine):
     assert fp8.scales == scales
     slots = cached_prefix_slots(engines[0], prompt)
     assert torch.equal(slots, cached_prefix_slots(engines[1], prompt))
-    assert torch.equal(bits(fp8.k_buffer[0][slots]), bits(quantize(full.k_buffer[0][slots], 0.03)))
-    assert torch.equal(bits(fp8.v_buffer[0][slots]), bits(quantize(full.v_buffer[0][slots], 0.02)))
+    assert torch.equal(bits(fp8.k_buffer[0][slots]), bits(quantize(full.k_buffer[0][slots], scales.k[0])))
+    assert torch.equal(bits(fp8.v_buffer[0][slots]), bits(quantize(full.v_buffer[0][slots], scales.v[0])))
+
+
+def test_fp8_engine_through_the_fused_qkv_rope_store(tmp_path, make_engine, monkeypatch,
+                                                    exact_fp8_casts):
+    """Decode's K/V stored into the FP8 pool by the skinny q/k/v+RoPE epilogue (interpreter,
+    allowed on CPU tensors) give the tokens of the torch path's `set_kv`."""
+    from test_skinny_gemm import MAX_ROWS, _greedy_with_fused_qkv_rope, skinny_module
+
+    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
+    want = _generate(make_engine(model, kv_cache_dtype=FP8), random_prompts(3, seed=8, max_len=12),
+                     greedy(6))
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
+    assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model, kv_cache_dtype=FP8) == want
 
 
 # --- GPU: compiled kernels, CUDA graphs ------------------------------------------------------
