@@ -489,6 +489,8 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path, make_engine):
     assert torch.equal(bits(fp8.v_buffer[0][slots]), bits(quantize(full.v_buffer[0][slots], scales.v[0])))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs the "
+                    "interpreter (no CUDA); the gpu test below takes the kernel on CUDA")
 def test_fp8_engine_through_the_fused_qkv_rope_store(tmp_path, make_engine, monkeypatch,
                                                     exact_fp8_casts):
     """Decode's K/V stored into the FP8 pool by the skinny q/k/v+RoPE epilogue (interpreter,
@@ -519,18 +521,36 @@ def test_triton_backend_bf16_fp8_pool_gpu(case_name):
                                atol=2e-2, rtol=2e-2)
 
 
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory):
+    """head_dim 32: half a head is a whole 16-column tile, so decode takes the skinny q/k/v +
+    RoPE kernel on CUDA (and the RoPE+store kernel elsewhere)."""
+    return make_predictable_pair(str(tmp_path_factory.mktemp("fp8_wide")), hidden_size=128,
+                                 intermediate_size=128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_fp8_spec_equals_plain_cuda_graphs_gpu(pair, make_engine, shape, overlap):
-    """On CUDA with graphs (Triton kernels, fused RoPE+store and skinny q/k/v epilogue
-    storing FP8): speculative = plain, token for token, and no host sync in the steady state."""
-    target, head = pair
+def test_fp8_spec_equals_plain_cuda_graphs_gpu(wide_pair, make_engine, monkeypatch, shape,
+                                               overlap):
+    """On CUDA with graphs (Triton kernels; the RoPE+store kernel and the skinny q/k/v
+    epilogue storing FP8): speculative = plain, token for token; no host sync in the steady
+    state. The spy goes in before the engines are built (graphs capture the kernel)."""
+    from specserve.engine.layers.parallel import ColumnParallelLinear
+
+    calls = []
+    real = ColumnParallelLinear.forward_qkv_rope
+    monkeypatch.setattr(ColumnParallelLinear, "forward_qkv_rope",
+                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    target, head = wide_pair
     prompts = random_prompts(5, seed=51, max_len=40)
     kw = dict(device="cuda", dtype="bfloat16", kv_cache_dtype=FP8, enable_overlap=overlap,
               cuda_graph=True, max_total_tokens=4096)
     plain = make_engine(target, **kw)
     spec = make_engine(target, spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **kw)
-    assert plain.core.uses_cuda_graphs and spec.core.uses_cuda_graphs
+    assert plain.core.uses_cuda_graphs and spec.core.uses_cuda_graphs and calls
+    assert plain.core.kv_pool.k_all.dtype == FP8_KV_DTYPE
     assert _generate(spec, prompts, greedy(24)) == _generate(plain, prompts, greedy(24))
+    assert spec.metrics.mean_accept_length > 1.3
     steady_state_steps(spec, prompts[0])
