@@ -107,8 +107,7 @@ def main():
                                                   (int(b) for b in args.batch_sizes.split(",")),
                                                   args.kv_dtypes.split(",")):
         kv_dtype = KV_DTYPES[kv_name]
-        # K and V of one token
-        kv_bytes_per_token = 2 * KV_HEADS * HEAD_DIM * torch.empty((), dtype=kv_dtype).element_size()
+        kv_bytes_per_token = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize  # K and V of one token
         kernels = {"decode": lambda: time_decode(bs, context, default_decode_config(HEAD_DIM, device),
                                                  args.max_kv_splits, device, kv_dtype),
                    "verify-chain-4": lambda: time_verify(bs, context, 4, False, args.max_kv_splits, device,

@@ -66,7 +66,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                 if getattr(args, name) is not None}
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend,
-                        kv_cache_dtype=args.kv_cache_dtype, enable_overlap=not args.disable_overlap, tp_size=args.tp,
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        enable_overlap=not args.disable_overlap, tp_size=args.tp,
                         enable_prefix_cache=not args.disable_prefix_cache, spec=_spec_config_from_args(args), **optional)
 
 

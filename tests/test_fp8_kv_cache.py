@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -348,8 +351,8 @@ def test_rope_and_store_kv_quantises_as_set_kv(dtype, exact_fp8_casts):
 def test_skinny_qkv_rope_quantises_as_set_kv(m, split_k, exact_fp8_casts):
     """fp16 through multiply-and-sum (exact sums, test_skinny_gemm's operands), so the stored
     fp8 bits must equal the unfused projection, RoPE and `set_kv`'s."""
-    from test_skinny_gemm import KV_HEADS, HEAD_DIM, Q_HEADS, SLOTS, _operands, _qkv_rope_reference, \
-        _workspace
+    from test_skinny_gemm import (KV_HEADS, HEAD_DIM, Q_HEADS, SLOTS, _operands,
+                                  _qkv_rope_reference, _workspace)
 
     from specserve.engine.layers.rotary import RotaryEmbedding
     from specserve.engine.layers.skinny_gemm import SkinnyConfig, skinny_qkv_rope
@@ -370,6 +373,85 @@ def test_skinny_qkv_rope_quantises_as_set_kv(m, split_k, exact_fp8_casts):
     assert torch.equal(q, q_ref)
     for got, want, scale in ((k_cache, k_ref, scales[0]), (v_cache, v_ref, scales[1])):
         assert torch.equal(bits(got), bits(quantize(want, scale)))
+
+
+# The Triton compiler checks what the interpreter does not (a variable two branches assign
+# with different pointer types, as the skinny epilogue's q and FP8 K stores would). Every kernel
+# that touches an FP8 pool is compiled here for an H100 without one, in a child process
+# without TRITON_INTERPRET, at the 8B (and V2-Lite MLA) shapes.
+_COMPILE_FP8_FOR_SM90 = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import torch
+from specserve.engine.attention.triton import kernels as A
+from specserve.engine.layers import fused, skinny_gemm as S
+
+FLOATS = {"sm_scale_log2", "v_scale", "k_scale_inv", "v_scale_inv"}
+
+
+def build(fn, pointers, consts, warps, stages):
+    '''Compile `fn` for sm_90: `pointers` types its pointer args, other runtime args are i32
+    (fp32 for the scales); ints and pointers 16-divisible as real shapes specialise.'''
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOATS else "i32")
+           for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
+                           if n not in consts and n not in FLOATS})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+
+
+attn = dict(q="*bf16", out="*bf16", k_buffer="*fp8e4nv", v_buffer="*fp8e4nv", kv_indptr="*i64",
+            kv_indices="*i32", partial_out="*fp32", partial_lse="*fp32", arrivals="*i32",
+            qo_indptr="*i64", new_token_slots="*i64", custom_mask="*u8")
+llama = dict(MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="key_strides",
+             DOT_PRECISION="tf32", PDL=True)
+mla = dict(MAIN_DIM=512, ROPE_DIM=64, BLOCK_D=512, BLOCK_DPE=64, VALUES="key_prefix",
+           DOT_PRECISION="tf32", PDL=True)
+split = dict(MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=256)
+ptx = {
+    "decode": build(A._decode_kernel, attn, dict(GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=128,
+                                                  **split, **llama), 4, 3),
+    "mla decode": build(A._decode_kernel, attn, dict(GROUP_SIZE=16, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=32,
+                                                      **split, **mla), 4, 2),
+    "verify": build(A._short_extend_kernel, attn, dict(
+        NUM_KV_HEADS=8, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, BLOCK_N=128,
+        USE_CUSTOM_MASK=True, **split, **llama), 4, 3),
+    "extend": build(A._extend_attention_kernel, attn, dict(
+        GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=128, BLOCK_N=64, USE_CUSTOM_MASK=False,
+        **llama), 8, 2),
+    "rope store": build(fused._rope_kernel, dict(
+        q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", q_out_ptr="*bf16", k_out_ptr="*fp8e4nv",
+        v_out_ptr="*fp8e4nv", loc_ptr="*i64", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"),
+        dict(STORE_KV=True, KV_FP8=True, HALF=64, BLOCK_H=32, PDL=True), 4, 1),
+}
+c = S.default_config(1, 3072, 4096, True, torch.device("cpu"))
+c = c._replace(block_n=min(c.block_n, 64))  # within half a head, as _qkv_rope_config cuts it
+ptx["skinny qkv store"] = build(S._skinny_qkv_rope_kernel, dict(
+    x="*bf16", w="*bf16", bias="*bf16", q_out="*bf16", k_cache="*fp8e4nv", v_cache="*fp8e4nv",
+    loc="*i64", positions="*i64", cos="*fp32", sin="*fp32", partials="*fp32", arrivals="*i32"),
+    dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, BLOCK_M=16, BLOCK_N=c.block_n,
+         BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
+         DOT_PRECISION="tf32", PDL=True), c.num_warps, c.num_stages)
+for name, text in ptx.items():
+    # Loads convert e4m3 pairs (then to the query's bf16); stores round to nearest even with
+    # saturation, as torch's cast of a clamped value does (the interpreter tests' bits).
+    want = "cvt.rn.satfinite.e4m3x2.f32" if "store" in name else "cvt.rn.f16x2.e4m3x2"
+    assert want in text, name
+    assert "griddepcontrol.wait" in text, name  # programmatic dependent launch (engine/pdl.py)
+    print("compiled", name)
+"""
+
+
+def test_fp8_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 6
 
 
 # --- engines -------------------------------------------------------------------------------
@@ -485,8 +567,9 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path, make_engine):
     assert fp8.scales == scales
     slots = cached_prefix_slots(engines[0], prompt)
     assert torch.equal(slots, cached_prefix_slots(engines[1], prompt))
-    assert torch.equal(bits(fp8.k_buffer[0][slots]), bits(quantize(full.k_buffer[0][slots], scales.k[0])))
-    assert torch.equal(bits(fp8.v_buffer[0][slots]), bits(quantize(full.v_buffer[0][slots], scales.v[0])))
+    for stored, full_kv, scale in ((fp8.k_buffer[0], full.k_buffer[0], scales.k[0]),
+                                   (fp8.v_buffer[0], full.v_buffer[0], scales.v[0])):
+        assert torch.equal(bits(stored[slots]), bits(quantize(full_kv[slots], scale)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs the "

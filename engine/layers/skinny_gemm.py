@@ -376,22 +376,24 @@ if triton is not None:
                 sin2 = tl.load(sin + table + HALF, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
                 o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
                 o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+                # Each branch stores through its own pointer: an FP8 cache's pointer type
+                # differs from q_out's, and a variable both branches assign must not.
                 if head < NUM_Q_HEADS:
-                    dst = q_out + m64 * (NUM_Q_HEADS * 2 * HALF) + head * (2 * HALF) + d
-                    tl.store(dst, o1.to(dtype), mask=out_mask)
-                    tl.store(dst + HALF, o2.to(dtype), mask=out_mask)
+                    q_dst = q_out + m64 * (NUM_Q_HEADS * 2 * HALF) + head * (2 * HALF) + d
+                    tl.store(q_dst, o1.to(dtype), mask=out_mask)
+                    tl.store(q_dst + HALF, o2.to(dtype), mask=out_mask)
                 else:
                     slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
-                    dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
-                           + (head - NUM_Q_HEADS) * (2 * HALF) + d)
-                    store_kv(dst, o1.to(dtype), out_mask, k_scale_inv, KV_FP8)
-                    store_kv(dst + HALF, o2.to(dtype), out_mask, k_scale_inv, KV_FP8)
+                    k_dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
+                             + (head - NUM_Q_HEADS) * (2 * HALF) + d)
+                    store_kv(k_dst, o1.to(dtype), out_mask, k_scale_inv, KV_FP8)
+                    store_kv(k_dst + HALF, o2.to(dtype), out_mask, k_scale_inv, KV_FP8)
             else:
                 slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
-                dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
-                       + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
-                store_kv(dst, x1.to(dtype), out_mask, v_scale_inv, KV_FP8)
-                store_kv(dst + HALF, x2.to(dtype), out_mask, v_scale_inv, KV_FP8)
+                v_dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
+                         + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
+                store_kv(v_dst, x1.to(dtype), out_mask, v_scale_inv, KV_FP8)
+                store_kv(v_dst + HALF, x2.to(dtype), out_mask, v_scale_inv, KV_FP8)
 
 
 class _Launch(NamedTuple):
