@@ -538,6 +538,20 @@ def test_fp8_mla(deepseek_pair, make_engine, backend, shape):
     assert _generate(other, prompts, greedy(8)) == _generate(ref, prompts, greedy(8))
 
 
+def test_fp8_nextn_equals_fp8_plain(tmp_path, make_engine):
+    """DeepSeek-V3's NextN module drafting over an FP8 target pool (its own one-layer latent
+    pool keeps the model dtype): tree speculation equals plain decoding."""
+    from test_nextn import make_deepseek_v3_with_nextn
+
+    target = make_deepseek_v3_with_nextn(str(tmp_path), predicts=True, attn_scale=0.3)
+    prompts = random_prompts(3, seed=47, max_len=16)
+    plain = make_engine(target, kv_cache_dtype=FP8)
+    spec = make_engine(target, kv_cache_dtype=FP8, spec=SpecConfig(algorithm="nextn", **TREE))
+    assert spec.core.draft_runner.kv_pool.kv_all.dtype == torch.float32
+    assert _generate(spec, prompts, greedy(12)) == _generate(plain, prompts, greedy(12))
+    assert spec.metrics.mean_accept_length > 1.3
+
+
 def test_fp8_tp2_equals_tp1(pair, make_engine):
     target, _ = pair
     prompts = random_prompts(3, seed=45, max_len=20)
