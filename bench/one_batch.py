@@ -24,6 +24,7 @@ import itertools
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -55,10 +56,24 @@ SHAPES = {
         rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                           "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                                           "beta_slow": 1}),
+    # DeepSeek-V3 with its first 4 layers (3 dense + 1 MoE of 256 experts top-8): the layer
+    # group that repeats, small enough for one GPU in bf16 (~27 GB) and in FP8.
+    "deepseek-v3-4l": dict(
+        architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+        topk_method="noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", vocab_size=129280, tie_word_embeddings=False, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
 }
 # EAGLE-3 heads of the DeepSeek shapes: a Llama layer of the target's width.
 DRAFT_OVERRIDES = {"deepseek-v2-lite": dict(num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
-                                            max_position_embeddings=131072, rope_scaling=None)}
+                                            max_position_embeddings=131072, rope_scaling=None),
+                   "deepseek-v3-4l": dict(num_attention_heads=56, num_key_value_heads=8, intermediate_size=18432,
+                                          max_position_embeddings=131072, rope_scaling=None)}
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
 
@@ -79,18 +94,26 @@ SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
               "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
 
 
-def write_shape(root: str, name: str) -> tuple[str, str]:
-    """config.json folders for the target shape and an EAGLE-3 head of the same width."""
+def write_shape(root: str, name: str, tokenizer_dir: Optional[str] = None) -> tuple[str, str]:
+    """config.json folders for the target shape and an EAGLE-3 head of the same width. With
+    `tokenizer_dir` (the demo pair's) the target gets that tokenizer and its vocabulary size,
+    so that servers of the shape take and return text."""
     target = os.path.join(root, name)
     os.makedirs(target, exist_ok=True)
     cfg = dict(dict(architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
                     rope_theta=500000.0, rope_scaling=ROPE), **SHAPES[name], bos_token_id=1, eos_token_id=2)
+    if tokenizer_dir is not None:
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_dir, file), target)
+        vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
+        cfg.update(vocab_size=vocab, bos_token_id=0, eos_token_id=1)
     if "kv_lora_rank" in cfg:  # DeepSeek: a V3-style NextN layer after the last one (--draft nextn)
         cfg["num_nextn_predict_layers"] = 1
     json.dump(cfg, open(os.path.join(target, "config.json"), "w"))
     draft = os.path.join(root, name + "-eagle3")
     os.makedirs(draft, exist_ok=True)
-    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=32000,
+    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                draft_vocab_size=min(32000, cfg["vocab_size"]),
                 tie_word_embeddings=False, **DRAFT_OVERRIDES.get(name, {}))
     json.dump(dcfg, open(os.path.join(draft, "config.json"), "w"))
     return target, draft
@@ -110,6 +133,8 @@ def weight_bytes(engine: Engine, tokens: int = 1) -> float:
         moe = model.config.moe
         picked = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
         total += sum(picked * (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size() for m in experts)
+        total += sum(picked * (s[0].numel() * s.element_size()) for m in experts
+                     for s in (m.w13_scale, m.w2_scale) if s is not None)
     return total
 
 
@@ -194,6 +219,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--max-context-len", type=int, default=4096)
+    ap.add_argument("--quantizations", default="auto",
+                    help="comma list of: auto (the checkpoint's, bf16 for random shapes), fp8 (random "
+                         "block-wise FP8 weights; the draft stays bf16)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="comma list of the target's KV pool dtypes: auto (the model's), fp8_e4m3 "
                          "(1.0 scales on random weights); auto,fp8_e4m3 is an A/B in one run")
@@ -209,9 +237,10 @@ def main():
             target, draft, load_format = None, str(demo_models_dir() / "demo-draft"), "auto"
         else:
             (target, draft), load_format = write_shape(root, model_name), "dummy"
-        for mode, backend, variant, tp, kv_dtype in itertools.product(
-                args.modes.split(","), args.backends.split(","), args.variants.split(","),
-                [int(t) for t in args.tp_sizes.split(",")], args.kv_cache_dtype.split(",")):
+        for quantization, mode, backend, variant, tp, kv_dtype in itertools.product(
+                args.quantizations.split(","), args.modes.split(","), args.backends.split(","),
+                args.variants.split(","), [int(t) for t in args.tp_sizes.split(",")],
+                args.kv_cache_dtype.split(",")):
             spec = None
             if mode != "plain":
                 force = None if model_name == "demo" else args.accept_len
@@ -229,7 +258,7 @@ def main():
                                mem_fraction=0.5,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
                                skinny_gemm=variant != "no-skinny-gemm", tp_size=tp,
-                               kv_cache_dtype=kv_dtype)
+                               quantization=quantization, kv_cache_dtype=kv_dtype)
             engine = Engine(cfg)
             weights = weight_bytes(engine)
             limit = bandwidth / weights  # per-rank shard: tp GPUs read in parallel
@@ -238,7 +267,7 @@ def main():
                 kv_read = bs * (args.prompt_len + args.steps / 2) * kv_bytes_per_token(engine)
                 step_limit_ms = 1000 * (weight_bytes(engine, bs) + kv_read) / bandwidth
                 label = mode if spec is None or args.draft == "eagle3" else f"{mode}-{args.draft}"
-                r.update(model=model_name, mode=label, variant=variant, backend=backend, tp=tp, batch_size=bs,
+                r.update(model=model_name, weights=engine.core.weight_format, mode=label, variant=variant, backend=backend, tp=tp, batch_size=bs,
                          kv_cache_dtype=kv_dtype,
                          prompt_len=args.prompt_len, bs1_limit_tokens_per_s=limit,
                          fraction_of_limit=r["decode_tokens_per_s"] / limit,
@@ -254,10 +283,10 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':16} {'mode':12} {'backend':19} {'variant':10} {'kv':8} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
+    print(f"{'model':16} {'weights':20} {'mode':12} {'backend':19} {'variant':10} {'kv':8} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
           f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:16} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['kv_cache_dtype']:8} {r['tp']:>2} {r['batch_size']:>3} "
+        print(f"{r['model']:16} {r['weights']:20} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['kv_cache_dtype']:8} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")

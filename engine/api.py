@@ -70,7 +70,7 @@ class Engine:
             eos_token_ids=core.eos_token_ids,
             spec=None if spec is None else dataclasses.replace(
                 spec, draft_model=_folder_name(spec.draft_model)),
-            kv_cache_dtype=str(core.kv_pool.k_buffer[0].dtype).replace("torch.", ""))
+            weight_dtype=core.weight_format, kv_cache_dtype=str(core.kv_pool.k_buffer[0].dtype).replace("torch.", ""))
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:

@@ -27,7 +27,8 @@ from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_ran
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
-from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_llama
+from specserve.engine.models.loader import (CheckpointReader, init_dummy_weights, load_llama,
+                                             use_fp8_everywhere)
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.device import DeviceContext
@@ -44,6 +45,9 @@ from specserve.engine.spec.eagle_worker import EagleWorker
 from specserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.engine")
+
+
+DUMMY_FP8_BLOCK = (128, 128)  # random FP8 weights are block-wise, as DeepSeek-V3 ships them
 
 
 def demo_models_dir() -> Path:
@@ -79,6 +83,7 @@ class EngineCore:
     needs_cpu_seq_lens: bool
     uses_cuda_graphs: bool
     tp_group: Optional[TPGroup]
+    weight_format: str            # the linear weights: the dtype's name, or the FP8 format
 
     @property
     def kv_pool(self) -> TokenToKVPool | MLATokenToKVPool:
@@ -136,12 +141,25 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     model_class = DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM
     with torch.device(device):
         model = model_class(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
-    logger.info("loading %s: %s, %d layers, %s on %s", "random weights" if config.load_format == "dummy"
+    logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
-                device)
+                device, "" if cfg.quantization is None else f", {cfg.quantization.name} weights")
+    dummy_fp8_block = None
+    if config.load_format == "dummy" and (config.quantization == "fp8" or cfg.quantization is not None):
+        dummy_fp8_block = cfg.quantization.weight_block if cfg.quantization is not None \
+            and cfg.quantization.weight_block else DUMMY_FP8_BLOCK
+    weight_format = cfg.quantization.name if cfg.quantization is not None else \
+        f"fp8 (block {dummy_fp8_block[0]}x{dummy_fp8_block[1]})" if dummy_fp8_block is not None else \
+        str(dtype).replace("torch.", "")
     if config.load_format == "dummy":
+        if dummy_fp8_block is not None:
+            use_fp8_everywhere(model, dummy_fp8_block)
         init_dummy_weights(model, config.seed)
     else:
+        if config.quantization == "fp8" and cfg.quantization is None:
+            raise ValueError(f"quantization: 'fp8' asks for FP8 weights, but {model_path} has no "
+                             f"quantization_config (a 16-bit checkpoint; quantising at load is not "
+                             f"supported)")
         load_llama(model, model_path)
     model.eval()
     set_skinny_gemm(model, config.skinny_gemm)
@@ -181,7 +199,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if spec is not None and spec.algorithm == "nextn":
         # Its own one-layer latent pool, addressed by the target's slots like any draft's.
         head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
-                               dummy=config.load_format == "dummy")
+                               dummy=config.load_format == "dummy", fp8_block=dummy_fp8_block)
         mla = head.config.mla
         draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool, attention_backend(
@@ -227,7 +245,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         max_context_len=max_context_len, context_capped_by_pool=max_context_len < model_context,
         spec=spec, ctx=ctx, req_to_token=req_to_token, allocator=allocator, runner=runner,
         draft_runner=draft_runner, worker=worker, scheduler=scheduler,
-        needs_cpu_seq_lens=needs_cpu_seq_lens, uses_cuda_graphs=uses_cuda_graphs, tp_group=tp_group)
+        needs_cpu_seq_lens=needs_cpu_seq_lens, uses_cuda_graphs=uses_cuda_graphs, tp_group=tp_group,
+        weight_format=weight_format)
 
 
 def resolve_device(name: str) -> torch.device:

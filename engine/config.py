@@ -218,6 +218,9 @@ class EngineConfig:
     # with per-layer K and V scales from the checkpoint (else 1.0), half the bytes per token
     # (engine/kvcache/fp8.py). The draft's one-layer pool keeps the model's dtype.
     kv_cache_dtype: str = "auto"
+    # Weight format: "auto" serves the checkpoint as it is stored (its quantization_config);
+    # "fp8" requires FP8 weights (with load_format="dummy": random block-wise FP8 weights).
+    quantization: str = "auto"
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -244,6 +247,8 @@ class EngineConfig:
         _require(self.kv_cache_dtype == "auto" or self.attention_backend != "flashinfer",
                  "kv_cache_dtype", f"{self.kv_cache_dtype} is not supported by the flashinfer "
                  "attention backend; use attention_backend 'triton' (or 'auto', 'torch')")
+        _require(self.quantization in ("auto", "fp8"), "quantization",
+                 f"must be 'auto' or 'fp8', got {self.quantization!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
 

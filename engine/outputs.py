@@ -19,13 +19,12 @@ class EngineInfo:
     architecture: str
     vocab_size: int
     max_context_len: int
-    dtype: str
+    dtype: str                   # activations (and 16-bit weights)
     device: str
     eos_token_ids: tuple[int, ...]
     spec: Optional[SpecConfig]   # the speculative configuration, its draft_model a name too
-    # The target KV pool's storage dtype ("float8_e4m3fn" with kv_cache_dtype fp8_e4m3, else
-    # `dtype`); "" where unknown: the wire's ModelInfo does not carry it yet.
-    kv_cache_dtype: str = ""
+    weight_dtype: str = ""       # the target's linear weights: dtype, or e.g. "fp8 (block 128x128)"
+    kv_cache_dtype: str = ""     # what the KV pool stores
 
 
 @dataclass

@@ -47,7 +47,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 def info_to_proto(info: EngineInfo) -> pb.ModelInfo:
     msg = pb.ModelInfo(model=info.model, architecture=info.architecture,
                        vocab_size=info.vocab_size, max_context_len=info.max_context_len,
-                       dtype=info.dtype, device=info.device, eos_token_ids=info.eos_token_ids)
+                       dtype=info.dtype, device=info.device, eos_token_ids=info.eos_token_ids,
+                       weight_dtype=info.weight_dtype, kv_cache_dtype=info.kv_cache_dtype)
     if info.spec is not None:
         msg.spec.CopyFrom(pb.SpecConfig(**{name: getattr(info.spec, name) for name in _SPEC_FIELDS}))
     return msg
@@ -58,7 +59,8 @@ def info_from_proto(msg: pb.ModelInfo) -> EngineInfo:
         if msg.HasField("spec") else None
     return EngineInfo(model=msg.model, architecture=msg.architecture, vocab_size=msg.vocab_size,
                       max_context_len=msg.max_context_len, dtype=msg.dtype, device=msg.device,
-                      eos_token_ids=tuple(msg.eos_token_ids), spec=spec)
+                      eos_token_ids=tuple(msg.eos_token_ids), spec=spec, weight_dtype=msg.weight_dtype,
+                      kv_cache_dtype=msg.kv_cache_dtype)
 
 
 # --- per-step outputs -------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the normal scheduler loop instead of the overlap loop")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+                   help="weight format: auto (default) serves the checkpoint's own "
+                        "(its quantization_config: FP8 block-wise, per-channel or per-tensor); "
+                        "fp8 requires an FP8 checkpoint")
     g.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (no radix prefix cache)")
     s = parser.add_argument_group("speculative decoding (default: on with the demo model pair)")
@@ -68,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         attention_backend=args.attention_backend,
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
+                        quantization=args.quantization,
                         enable_prefix_cache=not args.disable_prefix_cache, spec=_spec_config_from_args(args), **optional)
 
 

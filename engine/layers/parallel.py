@@ -70,7 +70,10 @@ class QuantizableLinear(nn.Module):
     loader calls it for weights the checkpoint stores in FP8)."""
 
     skinny_gemm = True  # see set_skinny_gemm
-    weight_scale = None
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("weight_scale", None)
 
     def use_fp8(self, block_n: int, block_k: int) -> None:
         self.weight = fp8_parameter(self.weight)

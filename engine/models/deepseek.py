@@ -22,6 +22,7 @@ from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowPa
 from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
 from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.quantization.fp8 import dequantize
 
 
 def _replicated(in_features: int, out_features: int) -> ColumnParallelLinear:
@@ -64,6 +65,15 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * mla.v_head_dim, hidden, tp)
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
+        self.kv_b_dense = None  # kv_b_proj's weight in 16 bits when the checkpoint's is FP8
+
+    def after_loading(self) -> None:
+        """The absorbed products read W_UK and W_UV as batched matrices (no skinny GEMM), so an
+        FP8 kv_b_proj is kept dequantised for them, as SGLang does: a small matrix
+        (kv_lora_rank x heads x (nope + v)), a few percent of a layer."""
+        scale = self.kv_b_proj.scale
+        if scale is not None:
+            self.kv_b_dense = dequantize(self.kv_b_proj.weight, scale, self.kv_a_layernorm.weight.dtype)
 
     @property
     def kv_head_dim(self) -> int:
@@ -73,7 +83,8 @@ class MLAAttention(nn.Module):
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, latent] and W_UV [H, v, latent]: views of kv_b_proj's weight."""
         m = self.mla
-        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w = self.kv_b_proj.weight if self.kv_b_dense is None else self.kv_b_dense
+        w = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
     def _rope(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor):

@@ -24,6 +24,7 @@ from specserve.engine.layers.sampler import draft_topk
 from specserve.engine.models.llama import MLP, Attention
 from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_module_weights
 from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.quantization.config import parse_quantization_config
 from specserve.engine.forward_batch import ForwardBatch
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -156,7 +157,8 @@ def load_draft_head(path: str, algorithm: str, target_model: nn.Module, max_posi
     if not has_embed:  # share the target's (vocabulary-parallel) embedding module
         head.embed_tokens = target_model.embed_tokens
     load_module_weights(head, reader, lambda name: name,
-                        optional=lambda name: name == "embed_tokens.weight" and not has_embed)
+                        optional=lambda name: name == "embed_tokens.weight" and not has_embed,
+                        quant=parse_quantization_config(raw.get("quantization_config")))
     if algorithm == "eagle3" and "d2t" in reader:
         d2t = reader.get("d2t").to(device=device, dtype=torch.int64)
         head.hot_token_ids = torch.arange(d2t.shape[0], device=device) + d2t

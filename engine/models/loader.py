@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from specserve.engine.layers.parallel import QuantizableLinear
+from specserve.engine.models.fp8_loading import (
+    PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
+from specserve.engine.quantization.config import QuantConfig
 
 # our fused name part -> checkpoint parts, concatenated along dim 0 in this order
 FUSED_PARTS = {
@@ -49,6 +54,13 @@ class CheckpointReader:
     def get(self, key: str) -> torch.Tensor:
         return self._handles[self._where[key]].get_tensor(key)
 
+    def dtype(self, key: str) -> str:
+        """The stored dtype's safetensors name (e.g. "BF16", "F8_E4M3"), read from the header."""
+        return self._handles[self._where[key]].get_slice(key).get_dtype()
+
+    def shape(self, key: str) -> list[int]:
+        return self._handles[self._where[key]].get_slice(key).get_shape()
+
     def get_shard(self, key: str, dim: int, start: int, end: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, end) of a tensor, reading only those."""
         view = self._handles[self._where[key]].get_slice(key)
@@ -57,14 +69,20 @@ class CheckpointReader:
 
 def load_module_weights(module: nn.Module, reader: CheckpointReader,
                         to_checkpoint_name: Callable[[str], str],
-                        optional: Callable[[str], bool] = lambda name: False) -> None:
+                        optional: Callable[[str], bool] = lambda name: False,
+                        quant: Optional[QuantConfig] = None) -> None:
     """Fill every parameter of `module` from the checkpoint.
 
     `to_checkpoint_name` maps our (unfused) parameter name to the checkpoint key; parameters
     for which `optional(name)` is True may be absent (e.g. a tied lm_head). A missing
-    tensor or a shape mismatch is an error that names it.
+    tensor or a shape mismatch is an error that names it. Layers whose checkpoint weights are
+    FP8 become FP8 layers first (`quant` says how the checkpoint scales them); an FP8 tensor
+    for a layer that cannot hold one is refused, never converted.
     """
+    _adopt_fp8_layers(module, reader, to_checkpoint_name, quant)
     for name, param in module.named_parameters(remove_duplicate=True):
+        if hasattr(param, "scale_block"):  # an FP8 weight's scales: loaded by _adopt_fp8_layers
+            continue
         if hasattr(param, "stacked_experts"):
             _load_stacked_experts(param, reader, to_checkpoint_name(name))
             continue
@@ -75,6 +93,7 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
             if optional(name):
                 continue
             raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r} (for {name})")
+        _refuse_fp8_into_16_bits(reader, keys, param, name)
         shards = getattr(param, "shards", None)
         if shards is None:
             pieces = [reader.get(k) for k in keys]
@@ -88,6 +107,68 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
         with torch.no_grad():
             param.zero_()  # a vocabulary shard's padding rows stay zero
             param[:tensor.shape[0]].copy_(tensor.to(param.dtype))
+    finish_loading(module)
+
+
+def _refuse_fp8_into_16_bits(reader: CheckpointReader, keys: list[str], param: nn.Parameter,
+                             name: str) -> None:
+    fp8 = [k for k in keys if is_fp8(reader, k)]
+    if fp8 and param.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"model: checkpoint tensor {fp8[0]!r} is float8, but {name} is not a "
+                         f"quantizable layer here; FP8 is served for the linear layers and experts")
+
+
+def _adopt_fp8_layers(module: nn.Module, reader: CheckpointReader, to_checkpoint_name: Callable[[str], str],
+                      quant: Optional[QuantConfig]) -> None:
+    """Every linear layer (and expert stack) the checkpoint stores in FP8 becomes an FP8 layer
+    with its scale grid loaded (engine/models/fp8_loading.py)."""
+    for mod_name, sub in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(sub, QuantizableLinear):
+            keys = [to_checkpoint_name(p) for p in _checkpoint_parts(prefix + "weight")]
+            if not all(k in reader for k in keys):
+                continue  # reported (or optional) when the weight itself is loaded
+            groups = [weight_parts(sub.weight, lambda: keys, reader)]
+            targets = [("weight", "weight_scale")]
+        elif hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of routed experts
+            groups, targets = [], [("w13", "w13_scale"), ("w2", "w2_scale")]
+            for param_name, _ in targets:
+                stack = getattr(sub, param_name)
+                key_prefix = to_checkpoint_name(prefix + param_name).rsplit(".", 1)[0]
+                groups.append([[PartSlice(f"{key_prefix}.{e}.{part}.weight", dim, start, end)
+                                for part, dim, start, end in stack.stacked_experts[1]]
+                               for e in range(stack.stacked_experts[0])])
+            if not all(p.key in reader for g in groups for e in g for p in e):
+                continue
+        else:
+            continue
+        fp8 = [is_fp8(reader, p.key) for g in groups for p in _flat(g)]
+        if not any(fp8):
+            continue
+        if not all(fp8):
+            raise ValueError(f"model: {prefix}: some checkpoint tensors are float8 and some not "
+                             f"({[p.key for g in groups for p in _flat(g)]}); one layer needs one format")
+        quant = require_quant_config(quant, _flat(groups[0])[0].key)
+        first = [g if isinstance(g[0], PartSlice) else g[0] for g in groups]
+        blocks = {scale_block(parts, reader, quant, prefix.rstrip(".")) for parts in first}
+        # One grid form for both expert stacks: row scales wherever one needs them; per-row
+        # (channel, tensor) scales span the wider stack's K, one column each.
+        block = (min(b[0] for b in blocks), max(b[1] for b in blocks))
+        sub.use_fp8(*block)
+        with torch.no_grad():
+            for (_, scale_name), group in zip(targets, groups):
+                grids = [load_scale(reader, parts, quant, block) for parts in
+                         ([group] if isinstance(group[0], PartSlice) else group)]
+                grid = grids[0] if isinstance(group[0], PartSlice) else torch.stack(grids)
+                target = getattr(sub, scale_name)
+                if grid.shape != target.shape:
+                    raise ValueError(f"model: {prefix}{scale_name}: checkpoint scales give shape "
+                                     f"{tuple(grid.shape)}, expected {tuple(target.shape)}")
+                target.copy_(grid)
+
+
+def _flat(group: list) -> list[PartSlice]:
+    return group if isinstance(group[0], PartSlice) else [p for e in group for p in e]
 
 
 def _load_stacked_experts(param: nn.Parameter, reader: CheckpointReader, key: str) -> None:
@@ -104,6 +185,9 @@ def _load_stacked_experts(param: nn.Parameter, reader: CheckpointReader, key: st
                     raise ValueError(f"model: checkpoint is missing tensor {k!r}")
                 pieces.append(reader.get_shard(k, dim, start, end))
             tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+            if tensor.dtype == torch.float8_e4m3fn and param.dtype != tensor.dtype:
+                raise ValueError(f"model: checkpoint tensor {prefix}.{e}.{parts[0][0]}.weight is float8 "
+                                 f"but the expert stack was not made FP8")
             if tensor.shape != param.shape[1:]:
                 raise ValueError(f"model: tensor {prefix}.{e}.{parts[0][0]}.weight gives shape "
                                  f"{tuple(tensor.shape)}, expected {tuple(param.shape[1:])}")
@@ -126,13 +210,40 @@ def load_llama(model: nn.Module, path: str) -> None:
         return name if name.startswith("lm_head.") else "model." + name
 
     # A tied lm_head shares embed_tokens' parameter, so named_parameters() never yields it.
-    load_module_weights(model, reader, to_hf)
+    load_module_weights(model, reader, to_hf, quant=model.config.quantization)
+
+
+DUMMY_STD = 0.02
+DUMMY_FP8_SCALE = DUMMY_STD / 64  # random FP8 values of std 64 stand for weights of std 0.02
 
 
 def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks on model shapes that are not on disk (norms stay 1)."""
+    """Random weights for benchmarks on model shapes that are not on disk (norms stay 1); FP8
+    layers get FP8 values and a constant scale grid of the same magnitude."""
     gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.02, generator=gen)
+            if hasattr(param, "scale_block"):
+                param.fill_(DUMMY_FP8_SCALE)
+            elif param.dtype == torch.float8_e4m3fn:
+                values = torch.empty(param.shape, device=param.device).normal_(
+                    0.0, DUMMY_STD / DUMMY_FP8_SCALE, generator=gen)
+                param.copy_(values.clamp(-448, 448).to(param.dtype))
+            elif "norm" not in name:
+                param.normal_(0.0, DUMMY_STD, generator=gen)
+    finish_loading(module)
+
+
+def use_fp8_everywhere(module: nn.Module, block: tuple[int, int]) -> None:
+    """Every linear layer and expert stack in FP8 with `block` scales (random-weight benchmarks
+    of FP8 shapes; a checkpoint's own layout comes from `load_module_weights`)."""
+    for sub in module.modules():
+        if isinstance(sub, QuantizableLinear) or (hasattr(sub, "w13") and hasattr(sub, "use_fp8")):
+            sub.use_fp8(*block)
+
+
+def finish_loading(module: nn.Module) -> None:
+    """Layers that derive tensors from their weights (MLA's absorbed projections) make them."""
+    for sub in module.modules():
+        if hasattr(sub, "after_loading"):
+            sub.after_loading()

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from specserve.engine.quantization.config import QuantConfig, parse_quantization_config
+
 # Architecture name -> (qkv bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
@@ -77,6 +79,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     mla: Optional[MLAConfig] = None
     moe: Optional[MoEConfig] = None
+    quantization: Optional[QuantConfig] = None  # how quantized weights are stored (None: 16-bit)
 
     @staticmethod
     def from_dict(cfg: dict) -> "ModelConfig":
@@ -86,6 +89,7 @@ class ModelConfig:
             raise ValueError(f"model: unsupported architecture {archs!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        quantization = parse_quantization_config(cfg.get("quantization_config"))
         mla = moe = None
         if arch in DEEPSEEK_ARCHITECTURES:
             mla, moe = _deepseek_parts(arch, cfg)
@@ -126,6 +130,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             mla=mla,
             moe=moe,
+            quantization=quantization,
         )
 
     @staticmethod
@@ -145,9 +150,6 @@ def _scaling(rope: dict, rope_type: str, cfg: dict) -> dict:
 
 def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig]]:
     v3 = arch == "DeepseekV3ForCausalLM"
-    if cfg.get("quantization_config"):  # e.g. V3's fp8 release: block scales we do not apply
-        raise ValueError(f"model: quantized checkpoints ({cfg['quantization_config'].get('quant_method')}) "
-                         f"are not supported for {arch}; use a bf16 conversion")
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise ValueError(f"model: {flag}=true is not supported for {arch}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.layers.sampler import draft_topk
 from specserve.engine.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM, DeepseekMoE, MLAAttention
 from specserve.engine.models.llama import MLP
-from specserve.engine.models.loader import CheckpointReader, init_dummy_weights, load_module_weights
+from specserve.engine.models.loader import (
+    CheckpointReader, init_dummy_weights, load_module_weights, use_fp8_everywhere)
 from specserve.engine.models.model_config import DEEPSEEK_ARCHITECTURES, ModelConfig
 
 
@@ -128,8 +129,10 @@ def read_nextn_layout(path: str, dummy: bool = False) -> NextNLayout:
 
 
 def load_nextn_head(path: str, target_model: nn.Module, max_position: int, dtype: torch.dtype,
-                    device: torch.device, dummy: bool = False) -> NextNHead:
-    """Build and load the NextN module of `path` on the target's tensor-parallel group."""
+                    device: torch.device, dummy: bool = False,
+                    fp8_block: Optional[tuple[int, int]] = None) -> NextNHead:
+    """Build and load the NextN module of `path` on the target's tensor-parallel group
+    (`fp8_block`: random FP8 weights in those blocks, with `dummy`)."""
     layout = read_nextn_layout(path, dummy)
     cfg, target = layout.config, target_model.config
     for key in ("hidden_size", "vocab_size"):
@@ -144,13 +147,15 @@ def load_nextn_head(path: str, target_model: nn.Module, max_position: int, dtype
             else target_model.lm_head
         head = NextNHead(cfg, max_position, embed, head_out, tp).to(dtype)
     if dummy:  # benchmarks: random weights for the module's own parts, the target's vocabulary ends
+        if fp8_block is not None:  # an FP8 target's module is FP8 too, as DeepSeek-V3 ships it
+            use_fp8_everywhere(head.decoder, fp8_block)
         for part in (head.eh_proj, head.decoder):
             init_dummy_weights(part, seed=1)
         return head.eval()
     shared = {name for name, own in (("embed_tokens.weight", layout.has_embed),
                                      ("shared_head.head.weight", layout.has_head)) if not own}
     load_module_weights(head, CheckpointReader(path), lambda name: layout.prefix + name.removeprefix("decoder."),
-                        optional=lambda name: name in shared)
+                        optional=lambda name: name in shared, quant=cfg.quantization)
     # DeepSeek-V3 stores copies of the trunk's embedding and head here: keep one of each.
     if layout.has_embed and _same(head.embed_tokens, target_model.embed_tokens):
         head.embed_tokens = target_model.embed_tokens

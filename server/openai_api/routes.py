@@ -141,7 +141,8 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
         info = core.check_available().info
         return {"object": "list", "data": [{
             "id": info.model, "object": "model", "created": 0, "owned_by": "specserve",
-            "max_model_len": info.max_context_len}]}
+            "max_model_len": info.max_context_len, "weight_dtype": info.weight_dtype,
+            "kv_cache_dtype": info.kv_cache_dtype}]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

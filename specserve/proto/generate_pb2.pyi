@@ -183,7 +183,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_context_len", "dtype", "device", "eos_token_ids", "spec", "max_prompt_tokens", "max_new_tokens_cap")
+    __slots__ = ("model", "architecture", "vocab_size", "max_context_len", "dtype", "device", "eos_token_ids", "spec", "max_prompt_tokens", "max_new_tokens_cap", "weight_dtype", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,8 @@ class ModelInfo(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_CAP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -204,7 +206,9 @@ class ModelInfo(_message.Message):
     spec: SpecConfig
     max_prompt_tokens: int
     max_new_tokens_cap: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SpecConfig, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ...) -> None: ...
+    weight_dtype: str
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SpecConfig, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class SpecConfig(_message.Message):
     __slots__ = ("algorithm", "draft_model", "num_steps", "topk", "num_draft_tokens")

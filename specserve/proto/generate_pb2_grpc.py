@@ -72,7 +72,7 @@ class GenerationServiceServicer(object):
     def Generate(self, request, context):
         """Streams the generated tokens of one request. Every response is a GenerateChunk; the last one
         has `finish` set. One chunk may carry several tokens (one speculative verify step can accept
-        several drafts).
+        several drafts; a reader slower than the engine gets every step since its previous chunk).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
