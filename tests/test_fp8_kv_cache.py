@@ -601,6 +601,31 @@ def test_fp8_engine_through_the_fused_qkv_rope_store(tmp_path, make_engine, monk
     assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model, kv_cache_dtype=FP8) == want
 
 
+def test_fp8_checkpoint_with_kv_scales_spec_equals_plain(pair, tmp_path, make_engine):
+    """FP8 weights and an FP8 KV cache together, as a ModelOpt-style checkpoint ships them
+    (block-wise weights plus per-layer k_scale / v_scale): the scales are read, and chain
+    speculation equals plain decoding."""
+    from safetensors.torch import load_file, save_file
+    from fp8_quantizer import quantize_checkpoint
+
+    target, head = pair
+    fp8_target = quantize_checkpoint(target, str(tmp_path / "fp8"), "block", (16, 32))
+    file = f"{fp8_target}/model.safetensors"
+    weights = load_file(file)
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.0625)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.03125)
+    save_file(weights, file, metadata={"format": "pt"})
+    prompts = random_prompts(4, seed=48, max_len=20)
+    plain = make_engine(fp8_target, kv_cache_dtype=FP8)
+    assert plain.core.kv_pool.scales == KVScales((0.0625,) * 2, (0.03125,) * 2)
+    assert plain.info.weight_dtype.startswith("fp8")
+    spec = make_engine(fp8_target, kv_cache_dtype=FP8,
+                       spec=SpecConfig(algorithm="eagle", draft_model=head, **CHAIN))
+    assert _generate(spec, prompts, greedy(12)) == _generate(plain, prompts, greedy(12))
+    assert spec.metrics.mean_accept_length > 1.3
+
+
 # --- GPU: compiled kernels, CUDA graphs ------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ["decode", "target_verify", "extend"])
