@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import subprocess
 import sys
 
@@ -380,62 +379,55 @@ def test_skinny_qkv_rope_quantises_as_set_kv(m, split_k, exact_fp8_casts):
 # that touches an FP8 pool is compiled here for an H100 without one, in a child process
 # without TRITON_INTERPRET, at the 8B (and V2-Lite MLA) shapes.
 _COMPILE_FP8_FOR_SM90 = """
-import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import torch
 from specserve.engine.attention.triton import kernels as A
-from specserve.engine.layers import fused, skinny_gemm as S
+from specserve.engine.layers import fused, skinny_gemm as sk
+from sm90_compile import compile_sm90, t
 
-FLOATS = {"sm_scale_log2", "v_scale", "k_scale_inv", "v_scale_inv"}
-
-
-def build(fn, pointers, consts, warps, stages):
-    '''Compile `fn` for sm_90: `pointers` types its pointer args, other runtime args are i32
-    (fp32 for the scales); ints and pointers 16-divisible as real shapes specialise.'''
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOATS else "i32")
-           for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
-                           if n not in consts and n not in FLOATS})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
-
-
-attn = dict(q="*bf16", out="*bf16", k_buffer="*fp8e4nv", v_buffer="*fp8e4nv", kv_indptr="*i64",
-            kv_indices="*i32", partial_out="*fp32", partial_lse="*fp32", arrivals="*i32",
-            qo_indptr="*i64", new_token_slots="*i64", custom_mask="*u8")
-llama = dict(MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="key_strides",
-             DOT_PRECISION="tf32", PDL=True)
-mla = dict(MAIN_DIM=512, ROPE_DIM=64, BLOCK_D=512, BLOCK_DPE=64, VALUES="key_prefix",
-           DOT_PRECISION="tf32", PDL=True)
-split = dict(MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=256)
+bf16, f32, i32, i64, u8, fp8 = (torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.uint8,
+                                torch.float8_e4m3fn)
+# One layer's launch arguments by name (strides of the 8B shape: 8 KV heads of 128 dims).
+attn = dict(q=t(bf16), out=t(bf16), k_buffer=t(fp8), v_buffer=t(fp8), kv_indptr=t(i64),
+            kv_indices=t(i32), partial_out=t(f32), partial_lse=t(f32), arrivals=t(i32),
+            qo_indptr=t(i64), new_token_slots=t(i64), custom_mask=t(u8), sm_scale_log2=0.1,
+            v_scale=0.02, stride_q_tok=4096, stride_q_head=128, stride_o_tok=4096,
+            stride_o_head=128, stride_k_slot=1024, stride_k_head=128, stride_v_slot=1024,
+            stride_v_head=128, stride_mask_req=64, stride_mask_row=8, stride_po_tok=65536,
+            stride_po_head=2048, stride_po_split=128, stride_pl_tok=512, stride_pl_head=16,
+            MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=256, DOT_PRECISION="tf32", PDL=True, NUM_KV_HEADS=8)
+llama = dict(attn, MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="key_strides")
+# V2-Lite's MLA: one latent || rope head (576 dims), the latent a view of it.
+mla = dict(attn, MAIN_DIM=512, ROPE_DIM=64, BLOCK_D=512, BLOCK_DPE=64, VALUES="key_prefix",
+           stride_k_slot=576, stride_k_head=576, stride_v_slot=576, stride_v_head=576)
 ptx = {
-    "decode": build(A._decode_kernel, attn, dict(GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=128,
-                                                  **split, **llama), 4, 3),
-    "mla decode": build(A._decode_kernel, attn, dict(GROUP_SIZE=16, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=32,
-                                                      **split, **mla), 4, 2),
-    "verify": build(A._short_extend_kernel, attn, dict(
-        NUM_KV_HEADS=8, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, BLOCK_N=128,
-        USE_CUSTOM_MASK=True, **split, **llama), 4, 3),
-    "extend": build(A._extend_attention_kernel, attn, dict(
-        GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=128, BLOCK_N=64, USE_CUSTOM_MASK=False,
-        **llama), 8, 2),
-    "rope store": build(fused._rope_kernel, dict(
-        q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", q_out_ptr="*bf16", k_out_ptr="*fp8e4nv",
-        v_out_ptr="*fp8e4nv", loc_ptr="*i64", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"),
-        dict(STORE_KV=True, KV_FP8=True, HALF=64, BLOCK_H=32, PDL=True), 4, 1),
+    "decode": compile_sm90(A._decode_kernel, dict(llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1,
+                                                  BLOCK_N=128), 4, 3),
+    "mla decode": compile_sm90(A._decode_kernel, dict(mla, GROUP_SIZE=16, BLOCK_H=16, HEAD_BLOCKS=1,
+                                                      BLOCK_N=32), 4, 2),
+    "verify": compile_sm90(A._short_extend_kernel, dict(
+        llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, BLOCK_N=128,
+        USE_CUSTOM_MASK=True), 4, 3),
+    "extend": compile_sm90(A._extend_attention_kernel, dict(
+        llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=128, BLOCK_N=64,
+        USE_CUSTOM_MASK=False), 8, 2),
+    "rope store": compile_sm90(fused._rope_kernel, dict(
+        q_ptr=t(bf16), k_ptr=t(bf16), v_ptr=t(bf16), q_out_ptr=t(bf16), k_out_ptr=t(fp8),
+        v_out_ptr=t(fp8), loc_ptr=t(i64), pos_ptr=t(i64), cos_ptr=t(f32), sin_ptr=t(f32),
+        q_stride=6144, k_stride=6144, v_stride=6144, num_q_heads=32, num_k_heads=8,
+        k_scale_inv=50.0, v_scale_inv=40.0, STORE_KV=True, KV_FP8=True, HALF=64, BLOCK_H=32,
+        PDL=True), 4, 1),
 }
-c = S.default_config(1, 3072, 4096, True, torch.device("cpu"))
+c = sk.default_config(1, 3072, 4096, True, torch.device("cpu"))
 c = c._replace(block_n=min(c.block_n, 64))  # within half a head, as _qkv_rope_config cuts it
-ptx["skinny qkv store"] = build(S._skinny_qkv_rope_kernel, dict(
-    x="*bf16", w="*bf16", bias="*bf16", q_out="*bf16", k_cache="*fp8e4nv", v_cache="*fp8e4nv",
-    loc="*i64", positions="*i64", cos="*fp32", sin="*fp32", partials="*fp32", arrivals="*i32"),
-    dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, BLOCK_M=16, BLOCK_N=c.block_n,
-         BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
-         DOT_PRECISION="tf32", PDL=True), c.num_warps, c.num_stages)
+ptx["skinny qkv store"] = compile_sm90(sk._skinny_qkv_rope_kernel, dict(
+    x=t(bf16), w=t(bf16), bias=t(bf16), q_out=t(bf16), k_cache=t(fp8), v_cache=t(fp8),
+    loc=t(i64), positions=t(i64), cos=t(f32), sin=t(f32), partials=t(f32), arrivals=t(i32), M=1,
+    K=4096, k_per_split=4096 // c.split_k, stride_xm=4096, stride_wn=4096,
+    fp8=sk._Fp8Args(t(f32), t(f32), 32, 32, 128, 128), k_scale_inv=50.0, v_scale_inv=40.0,
+    NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, BLOCK_M=16, BLOCK_N=c.block_n,
+    BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
+    DOT_PRECISION="tf32", FP8_WEIGHT=False, K_UNIFORM=True, FP8_ACT=False, PDL=True),
+    c.num_warps, c.num_stages)
 for name, text in ptx.items():
     # Loads convert e4m3 pairs (then to the query's bf16); stores round to nearest even with
     # saturation, as torch's cast of a clamped value does (the interpreter tests' bits).
@@ -447,8 +439,9 @@ for name, text in ptx.items():
 
 
 def test_fp8_kernels_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=env,
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 6
@@ -597,7 +590,8 @@ def test_fp8_engine_through_the_fused_qkv_rope_store(tmp_path, make_engine, monk
     model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
     want = _generate(make_engine(model, kv_cache_dtype=FP8), random_prompts(3, seed=8, max_len=12),
                      greedy(6))
-    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "can_use",
+                        lambda x, w, scale=None: x.numel() // w.shape[1] <= MAX_ROWS)
     assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model, kv_cache_dtype=FP8) == want
 
 
