@@ -510,7 +510,7 @@ def test_fp8_triton_engine_matches_torch(pair, make_engine, shape):
     torch backend does: the same greedy tokens."""
     target, head = pair
     spec = None if shape is None else SpecConfig(algorithm="eagle", draft_model=head, **shape)
-    prompts = random_prompts(3, seed=43, max_len=12)
+    prompts = random_prompts(2, seed=43, max_len=12)  # the interpreter is slow: two suffice
     outs = [_generate(make_engine(target, kv_cache_dtype=FP8, spec=spec, attention_backend=b,
                                   max_context_len=64), prompts, greedy(8))
             for b in ("torch", "triton")]
