@@ -8,6 +8,8 @@ verify and an 8-token tree verify, each with the backend's default launch config
 sweep of decode configs (`--sweep`) to choose the defaults from. Kernels are replayed from a
 CUDA graph, as the engine runs them: timed with eager launches, a short decode measures the
 host's launch cost (about 70 us for the two kernels), not the kernels.
+`--kv-dtypes bf16,fp8` times every row over a bf16 and an FP8 pool (`kv_cache_dtype="fp8_e4m3"`:
+half the bytes, non-unit scales); the sweep then picks configs for each.
 """
 from __future__ import annotations
 
@@ -21,8 +23,11 @@ import triton.testing
 
 from specserve.engine.attention.triton.kernels import (
     DecodeConfig, decode_attention, default_decode_config, fill_kv_indices, short_extend_attention)
+from specserve.engine.kvcache.fp8 import FP8_KV_DTYPE, quantize
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE}
+FP8_SCALE = 1 / 64  # randn / scale stays within e4m3's +-448; not 1.0, so the scaling runs
 
 
 def copy_bandwidth(device) -> float:
@@ -31,19 +36,25 @@ def copy_bandwidth(device) -> float:
     return 2 * (1 << 30) / seconds
 
 
-def scene(bs: int, context: int, extend: int, device):
-    """Pool, slot table and device offsets for `bs` requests of `context` cached tokens."""
+def scene(bs: int, context: int, extend: int, device, kv_dtype: torch.dtype):
+    """Pool, slot table, device offsets and the kernels' scales for `bs` requests of `context`
+    cached tokens."""
     num_slots = bs * (context + extend) + 1
     k = torch.randn(num_slots, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    scales = {}
+    if kv_dtype == FP8_KV_DTYPE:
+        k, v = quantize(k, FP8_SCALE), quantize(v, FP8_SCALE)
+        scales = dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
     table = (torch.randperm(num_slots - 1, device=device) + 1).view(bs, context + extend)
     rows = torch.arange(bs, device=device)
     prefix = torch.full((bs,), context, device=device)
-    return k, v, table, rows, prefix
+    return k, v, table, rows, prefix, scales
 
 
-def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device) -> float:
-    k, v, table, rows, prefix = scene(bs, context, 1, device)
+def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
+                kv_dtype: torch.dtype) -> float:
+    k, v, table, rows, prefix, scales = scene(bs, context, 1, device, kv_dtype)
     kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
     kv_indices = torch.empty(bs * (context + 1), dtype=torch.int32, device=device)
     fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices, decode_token_slots=table[:, context])
@@ -53,11 +64,13 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device) -
     pl = torch.empty(bs, HEADS, max_kv_splits, device=device)
     arrivals = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device=device)
     return triton.testing.do_bench_cudagraph(lambda: decode_attention(
-        q, k, v, out, kv_indptr, kv_indices, po, pl, arrivals, 0.088, config), rep=200) / 1000
+        q, k, v, out, kv_indptr, kv_indices, po, pl, arrivals, 0.088, config, **scales),
+        rep=200) / 1000
 
 
-def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device) -> float:
-    k, v, table, rows, prefix = scene(bs, context, extend, device)
+def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device,
+                kv_dtype: torch.dtype) -> float:
+    k, v, table, rows, prefix, scales = scene(bs, context, extend, device, kv_dtype)
     kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
     kv_indices = torch.empty(bs * context, dtype=torch.int32, device=device)
     fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices)
@@ -71,7 +84,7 @@ def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device
     mask = torch.ones(bs, extend, extend, dtype=torch.bool, device=device).tril() if tree else None
     return triton.testing.do_bench_cudagraph(lambda: short_extend_attention(
         q, k, v, out, qo_indptr, kv_indptr, kv_indices, new_slots, extend, 0.088, po, pl,
-        arrivals, custom_mask=mask), rep=200) / 1000
+        arrivals, custom_mask=mask, **scales), rep=200) / 1000
 
 
 def main():
@@ -84,18 +97,23 @@ def main():
     ap.add_argument("--sweep-splits", default="16,32,64")
     ap.add_argument("--sweep-stages", default="2,3,4")
     ap.add_argument("--sweep-warps", default="4,8")
+    ap.add_argument("--kv-dtypes", default="bf16", help="comma list of: " + ", ".join(KV_DTYPES))
     ap.add_argument("--out", default="bench_attention_kernels.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    kv_bytes_per_token = 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
     rows = []
-    for context, bs in itertools.product((int(c) for c in args.contexts.split(",")),
-                                         (int(b) for b in args.batch_sizes.split(","))):
+    for context, bs, kv_name in itertools.product((int(c) for c in args.contexts.split(",")),
+                                                  (int(b) for b in args.batch_sizes.split(",")),
+                                                  args.kv_dtypes.split(",")):
+        kv_dtype = KV_DTYPES[kv_name]
+        kv_bytes_per_token = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize  # K and V of one token
         kernels = {"decode": lambda: time_decode(bs, context, default_decode_config(HEAD_DIM, device),
-                                                 args.max_kv_splits, device),
-                   "verify-chain-4": lambda: time_verify(bs, context, 4, False, args.max_kv_splits, device),
-                   "verify-tree-8": lambda: time_verify(bs, context, 8, True, args.max_kv_splits, device)}
+                                                 args.max_kv_splits, device, kv_dtype),
+                   "verify-chain-4": lambda: time_verify(bs, context, 4, False, args.max_kv_splits, device,
+                                                         kv_dtype),
+                   "verify-tree-8": lambda: time_verify(bs, context, 8, True, args.max_kv_splits, device,
+                                                        kv_dtype)}
         if args.sweep:
             grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
                     for name in ("block_n", "splits", "stages", "warps")]
@@ -103,7 +121,7 @@ def main():
                 config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=warps,
                                       num_stages=stages)
                 kernels[f"decode n{block_n} s{splits} st{stages} w{warps}"] = \
-                    (lambda c=config, s=splits: time_decode(bs, context, c, s, device))
+                    (lambda c=config, s=splits: time_decode(bs, context, c, s, device, kv_dtype))
         for name, run in kernels.items():
             try:
                 seconds = run()
@@ -111,7 +129,8 @@ def main():
                 print(f"{name}: {type(e).__name__}")
                 continue
             kv_read = bs * context * kv_bytes_per_token
-            rows.append(dict(kernel=name, context=context, batch_size=bs, us=seconds * 1e6,
+            rows.append(dict(kernel=f"{name} [{kv_name}]", kv_dtype=kv_name, context=context,
+                             batch_size=bs, us=seconds * 1e6,
                              kv_GBps=kv_read / seconds / 1e9,
                              fraction_of_copy=kv_read / seconds / bandwidth))
             print(json.dumps(rows[-1]), flush=True)
@@ -119,9 +138,9 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s (one layer)")
-    print(f"{'kernel':34} {'ctx':>6} {'bs':>3} {'us':>8} {'KV GB/s':>8} {'copy%':>6}")
+    print(f"{'kernel':40} {'ctx':>6} {'bs':>3} {'us':>8} {'KV GB/s':>8} {'copy%':>6}")
     for r in sorted(rows, key=lambda r: (r["context"], r["batch_size"], r["us"])):
-        print(f"{r['kernel']:34} {r['context']:6} {r['batch_size']:3} {r['us']:8.1f} "
+        print(f"{r['kernel']:40} {r['context']:6} {r['batch_size']:3} {r['us']:8.1f} "
               f"{r['kv_GBps']:8.0f} {100 * r['fraction_of_copy']:6.1f}")
 
 

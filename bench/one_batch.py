@@ -239,6 +239,9 @@ def main():
     ap.add_argument("--quantizations", default="auto",
                     help="comma list of: auto (the checkpoint's, bf16 for random shapes), fp8 (random "
                          "block-wise FP8 weights; the draft stays bf16)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma list of the target's KV pool dtypes: auto (the model's), fp8_e4m3 "
+                         "(1.0 scales on random weights); auto,fp8_e4m3 is an A/B in one run")
     ap.add_argument("--out", default="bench_one_batch.json")
     args = ap.parse_args()
 
@@ -251,9 +254,10 @@ def main():
             target, draft, load_format = None, str(demo_models_dir() / "demo-draft"), "auto"
         else:
             (target, draft), load_format = write_shape(root, model_name), "dummy"
-        for quantization, mode, backend, variant, tp in itertools.product(
+        for quantization, mode, backend, variant, tp, kv_dtype in itertools.product(
                 args.quantizations.split(","), args.modes.split(","), args.backends.split(","),
-                args.variants.split(","), [int(t) for t in args.tp_sizes.split(",")]):
+                args.variants.split(","), [int(t) for t in args.tp_sizes.split(",")],
+                args.kv_cache_dtype.split(",")):
             spec = None
             if mode != "plain":
                 force = None if model_name == "demo" else args.accept_len
@@ -271,7 +275,7 @@ def main():
                                mem_fraction=0.5,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
                                skinny_gemm=variant != "no-skinny-gemm", tp_size=tp,
-                               quantization=quantization)
+                               quantization=quantization, kv_cache_dtype=kv_dtype)
             engine = Engine(cfg)
             weights = weight_bytes(engine)
             limit = bandwidth / weights  # per-rank shard: tp GPUs read in parallel
@@ -281,6 +285,7 @@ def main():
                 step_limit_ms = 1000 * (weight_bytes(engine, bs) + kv_read) / bandwidth
                 label = mode if spec is None or args.draft == "eagle3" else f"{mode}-{args.draft}"
                 r.update(model=model_name, weights=engine.core.weight_format, mode=label, variant=variant, backend=backend, tp=tp, batch_size=bs,
+                         kv_cache_dtype=kv_dtype,
                          prompt_len=args.prompt_len, bs1_limit_tokens_per_s=limit,
                          fraction_of_limit=r["decode_tokens_per_s"] / limit,
                          plain_step_limit_ms=step_limit_ms,
@@ -295,10 +300,10 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':16} {'weights':20} {'mode':12} {'backend':19} {'variant':10} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
+    print(f"{'model':16} {'weights':20} {'mode':12} {'backend':19} {'variant':10} {'kv':8} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
           f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
     for r in rows:
-        print(f"{r['model']:16} {r['weights']:20} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['tp']:>2} {r['batch_size']:>3} "
+        print(f"{r['model']:16} {r['weights']:20} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['kv_cache_dtype']:8} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
               f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")

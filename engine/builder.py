@@ -19,6 +19,7 @@ from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_s
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
 from specserve.engine.grammar.compiler import GrammarCompiler
+from specserve.engine.kvcache.fp8 import KVScales, is_fp8, kv_cache_dtype, resolve_kv_scales
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
 from specserve.engine.kvcache.radix_cache import RadixCache
@@ -27,7 +28,8 @@ from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_ran
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
-from specserve.engine.models.loader import init_dummy_weights, load_llama, use_fp8_everywhere
+from specserve.engine.models.loader import (CheckpointReader, init_dummy_weights, load_llama,
+                                             use_fp8_everywhere)
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
@@ -171,7 +173,10 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     ctx = DeviceContext.for_device(device)
     num_rows = config.max_running_requests
     attn_layer = model.layers[0].self_attn  # this rank's heads
-    num_slots = _num_kv_slots(config, cfg, attn_layer, dtype, device, num_rows, spec,
+    # The target's pool may be FP8 (with the checkpoint's scales); drafts keep the model dtype.
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+    kv_scales = _kv_scales(config, model_path, cfg.num_layers) if is_fp8(kv_dtype) else None
+    num_slots = _num_kv_slots(config, cfg, attn_layer, dtype, kv_dtype, device, num_rows, spec,
                               model_context, step_slots)
     max_context_len = fit_context_to_pool(model_context, num_slots, step_slots)
     req_to_token = ReqToTokenPool(num_rows, row_width, device)
@@ -189,10 +194,11 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 
     if cfg.mla is not None:  # MQA over one latent || rope head; V is the latent
         kv_pool = MLATokenToKVPool(num_slots, cfg.num_layers, cfg.mla.kv_lora_rank,
-                                   cfg.mla.qk_rope_head_dim, dtype, device)
+                                   cfg.mla.qk_rope_head_dim, kv_dtype, device, kv_scales)
         attn = attention_backend(attn_layer.num_heads, 1, attn_layer.kv_head_dim, cfg.mla.kv_lora_rank)
     else:
-        kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim, dtype, device)
+        kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim,
+                                kv_dtype, device, kv_scales)
         attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
     runner = ModelRunner(model, kv_pool, attn)
     draft_runner = None
@@ -231,8 +237,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         # Structured outputs need the tokenizer's vocabulary (xgrammar loads it lazily).
         grammars=GrammarCompiler(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size, eos_token_ids)
         if tokenizer is not None else None)
-    logger.info("KV pool: %d slots; max_context_len %d; %s attention; prefix cache %s; %s", num_slots,
-                max_context_len, type(attn).__name__, "on" if cache is not None else "off",
+    logger.info("KV pool: %d slots of %s; max_context_len %d; %s attention; prefix cache %s; %s",
+                num_slots, str(kv_dtype).replace("torch.", ""), max_context_len,
+                type(attn).__name__, "on" if cache is not None else "off",
                 "plain decoding" if spec is None else
                 f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
     uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)
@@ -322,21 +329,32 @@ def fit_context_to_pool(context_len: int, num_slots: int, step_slots: int) -> in
     return context_len
 
 
+def _kv_scales(config: EngineConfig, model_path: str, num_layers: int) -> KVScales:
+    """An FP8 pool's scales: the checkpoint's, else 1.0 (random weights have no checkpoint)."""
+    reader = None if config.load_format == "dummy" else CheckpointReader(model_path)
+    return resolve_kv_scales(reader, num_layers)
+
+
 def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: torch.dtype,
-                  device: torch.device, num_rows: int, spec: Optional[SpecConfig], context_len: int,
-                  step_slots: int) -> int:
+                  kv_dtype: torch.dtype, device: torch.device, num_rows: int,
+                  spec: Optional[SpecConfig], context_len: int, step_slots: int) -> int:
+    """Slots of the memory budget, at the target pool's bytes (`kv_dtype`: FP8 counts one byte
+    an element) plus the draft's one layer (the model's `dtype`)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     if cfg.mla is not None:
         per_slot = MLATokenToKVPool.bytes_per_slot(cfg.num_layers, cfg.mla.kv_lora_rank,
-                                                   cfg.mla.qk_rope_head_dim, dtype)
+                                                   cfg.mla.qk_rope_head_dim, kv_dtype)
         if spec is not None and spec.algorithm == "nextn":  # one latent layer of its own
             per_slot += MLATokenToKVPool.bytes_per_slot(1, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, dtype)
         elif spec is not None:  # an EAGLE head's one layer: at most full MHA of the hidden width
             per_slot += TokenToKVPool.bytes_per_slot(1, 1, cfg.hidden_size, dtype)
     else:
-        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers + (spec is not None),
-                                                attn_layer.num_kv_heads, cfg.head_dim, dtype)
+        per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers, attn_layer.num_kv_heads,
+                                                cfg.head_dim, kv_dtype)
+        if spec is not None:  # an EAGLE head's one layer of the target's KV shape
+            per_slot += TokenToKVPool.bytes_per_slot(1, attn_layer.num_kv_heads, cfg.head_dim,
+                                                     dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * config.mem_fraction) // per_slot

@@ -26,6 +26,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOP_LOGPROBS = 20
 # Most sequences one request may ask for (n).
 MAX_N = 64
+# EngineConfig.kv_cache_dtype: "auto" (the model's dtype) or an FP8 format
+# (engine/kvcache/fp8.py maps the names to torch dtypes; this module stays free of torch).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -253,6 +256,10 @@ class EngineConfig:
     # Decode-sized GEMMs (<= 16 rows) on CUDA in the Triton skinny GEMM where its per-shape
     # rule picks it (engine/layers/skinny_gemm.py); False keeps cuBLAS everywhere (an A/B).
     skinny_gemm: bool = True
+    # The target's KV pool: "auto" stores the model's dtype; "fp8_e4m3" stores float8_e4m3fn
+    # with per-layer K and V scales from the checkpoint (else 1.0), half the bytes per token
+    # (engine/kvcache/fp8.py). The draft's one-layer pool keeps the model's dtype.
+    kv_cache_dtype: str = "auto"
     # Weight format: "auto" serves the checkpoint as it is stored (its quantization_config);
     # "fp8" requires FP8 weights (with load_format="dummy": random block-wise FP8 weights).
     quantization: str = "auto"
@@ -275,6 +282,13 @@ class EngineConfig:
                  f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(isinstance(self.skinny_gemm, bool), "skinny_gemm",
                  f"must be True or False, got {self.skinny_gemm!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        # FlashInfer's kernels are not given the pool's scales here; the Triton and torch
+        # backends dequantise.
+        _require(self.kv_cache_dtype == "auto" or self.attention_backend != "flashinfer",
+                 "kv_cache_dtype", f"{self.kv_cache_dtype} is not supported by the flashinfer "
+                 "attention backend; use attention_backend 'triton' (or 'auto', 'torch')")
         _require(self.quantization in ("auto", "fp8"), "quantization",
                  f"must be 'auto' or 'fp8', got {self.quantization!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),

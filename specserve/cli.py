@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Optional
 
-from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+from specserve.engine.config import DEFAULT, KV_CACHE_DTYPES, EngineConfig, SpecConfig
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV-cache slots")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache storage: auto (the model's dtype) or fp8_e4m3 (half the bytes "
+                        "per token; per-layer scales from the checkpoint, else 1.0)")
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the normal scheduler loop instead of the overlap loop")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
@@ -67,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                 if getattr(args, name) is not None}
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
                         quantization=args.quantization,
                         enable_prefix_cache=not args.disable_prefix_cache, spec=_spec_config_from_args(args), **optional)

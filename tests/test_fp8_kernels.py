@@ -357,41 +357,12 @@ def test_fused_moe_fp8_matches_torch_path(case, block):
 # TRITON_INTERPRET from its real launch arguments (every parameter by name; pointers, and ints
 # that are multiples of 16, marked 16-divisible as the launcher marks real shapes).
 _COMPILE_FP8_FOR_SM90 = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 from specserve.engine.layers import fused_moe_triton as moe, skinny_gemm as sk
 from specserve.engine.quantization import fp8_gemm as q
 from specserve.engine.quantization.fp8 import FP8_DTYPE
+from sm90_compile import compile_sm90, t
 
-TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
-         FP8_DTYPE: "fp8e4nv"}
-
-def compile_sm90(kernel, args, num_warps, num_stages):
-    sig, consts, attrs = {}, {}, {}
-    def mark(path, v):
-        if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0 and v > 0):
-            attrs[path] = [["tt.divisibility", 16]]
-        if isinstance(v, tuple):
-            for j, e in enumerate(v):
-                mark(path + (j,), e)
-    def ty(v):
-        if isinstance(v, torch.Tensor):
-            return "*" + TYPES[v.dtype]
-        if isinstance(v, tuple):
-            return type(v)(*(ty(e) for e in v))
-        return "i32"
-    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        if param.is_constexpr:
-            sig[name], consts[(i,)] = "constexpr", args[name]
-        else:
-            sig[name] = ty(args[name])
-            mark((i,), args[name])
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
-
-t = lambda dtype, *shape: torch.empty(shape or (1,), dtype=dtype)
 bf16, f32, i32, fp8 = torch.bfloat16, torch.float32, torch.int32, FP8_DTYPE
 cpu = torch.device("cpu")
 
@@ -407,7 +378,8 @@ def skinny(m, n_rows, k, silu, act, uniform, qkv=False):
                 stride_wn=k, stride_ym=n_cols, fp8=fp8_args, BLOCK_M=16, BLOCK_N=c.block_n,
                 BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, SILU_MUL=silu, DOT=True,
                 EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True, K_UNIFORM=uniform,
-                FP8_ACT=act, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64)
+                FP8_ACT=act, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0,
+                v_scale_inv=1.0, KV_FP8=False)
     kernel = sk._skinny_qkv_rope_kernel if qkv else sk._skinny_gemm_kernel
     return compile_sm90(kernel, args, c.num_warps, c.num_stages)
 
@@ -446,13 +418,13 @@ check("moe gated w8a16", compile_sm90(moe._grouped_gemm_kernel, dict(
 
 
 def test_fp8_kernels_compile_for_hopper():
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=env, capture_output=True,
-                          text=True, timeout=600)
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 8
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from specserve.engine.attention.base import AttentionBackend
 from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.kvcache.fp8 import dequantize
 
 
 class _Metadata(NamedTuple):
@@ -60,11 +61,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         md: _Metadata = fb.attn_metadata
         bs, max_q = fb.batch_size, fb.max_extend_len
         num_heads, head_dim = q.shape[1], q.shape[2]
-        keys = fb.kv_pool.k_buffer[layer_id][md.kv_indices]     # [bs, W, Hk, D]
-        values = fb.kv_pool.v_buffer[layer_id][md.kv_indices]
+        pool = fb.kv_pool
+        # [bs, W, Hk, D] in q's dtype (an FP8 pool's values times their scale)
+        keys = dequantize(pool.k_buffer[layer_id][md.kv_indices], pool.scales.k[layer_id], q.dtype)
+        values = dequantize(pool.v_buffer[layer_id][md.kv_indices], pool.scales.v[layer_id],
+                            q.dtype)
         group = num_heads // keys.shape[2]
-        keys = keys.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [bs, H, W, D]
-        values = values.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [.., Dv]
+        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [bs, H, W, D]
+        values = values.repeat_interleave(group, dim=2).transpose(1, 2)  # [.., Dv]
         padded_q = q.new_zeros(bs * max_q, num_heads, head_dim)
         padded_q[md.token_rows] = q
         padded_q = padded_q.view(bs, max_q, num_heads, head_dim).transpose(1, 2)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.pdl import launch_options, wait_for_predecessor
 
 
@@ -52,12 +53,23 @@ def add_rmsnorm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
 
 
 @triton.jit
-def _rope_heads(src, dst, n_heads, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
-                BLOCK_H: tl.constexpr):
-    """Rotate the heads of one token: src and dst point at its first head (heads contiguous)."""
+def store_kv(ptr, x, mask, scale_inv, KV_FP8: tl.constexpr):
+    """Store `x` (the model's k or v, in the activation dtype) into the KV pool at `ptr` as
+    the pool's `set_kv` would: as is, or for an FP8 pool times 1/scale (`scale_inv`), clamped
+    to e4m3's +-448 and rounded to nearest even (engine/kvcache/fp8.py's `quantize`)."""
+    if KV_FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * scale_inv, -448.0), 448.0)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_heads(src, dst, n_heads, cos1, cos2, sin1, sin2, scale_inv, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr):
+    """Rotate the heads of one token: src and dst point at its first head (heads contiguous).
+    With KV_FP8, dst is an FP8 pool's row, written through `store_kv`."""
     d = tl.arange(0, HALF)
     heads = tl.arange(0, BLOCK_H)
-    dtype = dst.dtype.element_ty
+    dtype = src.dtype.element_ty
     hmask = heads[:, None] < n_heads
     base = src + heads[:, None] * (2 * HALF)
     x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(tl.float32)
@@ -66,15 +78,15 @@ def _rope_heads(src, dst, n_heads, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
     o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
     out = dst + heads[:, None] * (2 * HALF)
-    tl.store(out + d[None, :], o1.to(dtype), mask=hmask)
-    tl.store(out + HALF + d[None, :], o2.to(dtype), mask=hmask)
+    store_kv(out + d[None, :], o1.to(dtype), hmask, scale_inv, KV_FP8)
+    store_kv(out + HALF + d[None, :], o2.to(dtype), hmask, scale_inv, KV_FP8)
 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, loc_ptr, pos_ptr,
                  cos_ptr, sin_ptr, q_stride, k_stride, v_stride, num_q_heads, num_k_heads,
-                 STORE_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 PDL: tl.constexpr):
+                 k_scale_inv, v_scale_inv, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     wait_for_predecessor(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -93,14 +105,15 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, loc_ptr, 
     else:
         k_row = token
     _rope_heads(q_ptr + token * q_stride, q_out_ptr + token * num_q_heads * 2 * HALF, num_q_heads,
-                cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+                cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :], 1.0, HALF, BLOCK_H,
+                False)
     _rope_heads(k_ptr + token * k_stride, k_out_ptr + k_row * kv_row, num_k_heads,
-                cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :], HALF, BLOCK_H)
+                cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :], k_scale_inv, HALF,
+                BLOCK_H, KV_FP8)
     if STORE_KV:
         cols = tl.arange(0, BLOCK_H * 2 * HALF)
         v = tl.load(v_ptr + token * v_stride + cols, mask=cols < kv_row, other=0.0)
-        tl.store(v_out_ptr + k_row * kv_row + cols, v.to(v_out_ptr.dtype.element_ty),
-                 mask=cols < kv_row)
+        store_kv(v_out_ptr + k_row * kv_row + cols, v, cols < kv_row, v_scale_inv, KV_FP8)
 
 
 def _check_heads(*xs: torch.Tensor) -> None:
@@ -117,7 +130,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     _check_heads(q, k)
     if T:
         _rope_kernel[(T,)](q, k, k, q_out, k_out, k_out, positions, positions, cos, sin,
-                           q.stride(0), k.stride(0), 0, hq, hk, STORE_KV=False,
+                           q.stride(0), k.stride(0), 0, hq, hk, 1.0, 1.0, STORE_KV=False,
+                           KV_FP8=False,
                            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4,
                            **launch_options(q.device))
     return q_out, k_out
@@ -125,9 +139,11 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
 
 def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+                      v_cache: torch.Tensor, loc: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """`rope`, with the rotated k and the v written to `k_cache[loc]` and `v_cache[loc]`
-    ([slots, Hk, D] each) instead of returned. Returns the rotated q."""
+    ([slots, Hk, D] each) instead of returned. Returns the rotated q. An FP8 cache stores
+    them quantised with its layer's `k_scale` and `v_scale` (engine/kvcache/fp8.py)."""
     T, hq, dim = q.shape
     hk = k.shape[1]
     q_out = torch.empty((T, hq, dim), dtype=q.dtype, device=q.device)
@@ -135,7 +151,8 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == k.shape[1:]
     if T:
         _rope_kernel[(T,)](q, k, v, q_out, k_cache, v_cache, loc, positions, cos, sin,
-                           q.stride(0), k.stride(0), v.stride(0), hq, hk, STORE_KV=True,
+                           q.stride(0), k.stride(0), v.stride(0), hq, hk, 1.0 / k_scale,
+                           1.0 / v_scale, STORE_KV=True, KV_FP8=is_fp8(k_cache.dtype),
                            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), num_warps=4,
                            **launch_options(q.device))
     return q_out

@@ -110,11 +110,14 @@ class ColumnParallelLinear(QuantizableLinear):
 
     def forward_qkv_rope(self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                          rotary: nn.Module, positions: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+                         v_cache: torch.Tensor, loc: torch.Tensor, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
         """For a q/k/v layer (its q heads, k heads, v heads) where `fuses_qkv_rope`: the
-        projection, RoPE of q and k, and k and v stored at `loc`, in one kernel; returns q."""
+        projection, RoPE of q and k, and k and v stored at `loc` (with an FP8 pool's scales),
+        in one kernel; returns q."""
         return skinny_qkv_rope(x, self.weight, self.bias, num_q_heads, num_kv_heads, positions,
-                               rotary.cos, rotary.sin, k_cache, v_cache, loc, scale=self.scale)
+                               rotary.cos, rotary.sin, k_cache, v_cache, loc, scale=self.scale,
+                               k_scale=k_scale, v_scale=v_scale)
 
     def forward_silu_and_mul(self, x):
         """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one

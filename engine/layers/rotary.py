@@ -99,10 +99,13 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            loc: torch.Tensor) -> torch.Tensor:
-        """RoPE of q and k, with k and v written to the caches' rows `loc`; returns q.
+                            loc: torch.Tensor, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
+        """RoPE of q and k, with k and v written to the caches' rows `loc` (quantised with
+        `k_scale`, `v_scale` when the caches are FP8); returns q.
         One kernel instead of RoPE plus two indexed copies (only where `stores_kv`)."""
-        return fused.rope_and_store_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, loc)
+        return fused.rope_and_store_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache,
+                                       loc, k_scale, v_scale)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

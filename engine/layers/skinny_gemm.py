@@ -46,6 +46,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, wait_for_predecessor
 from specserve.engine.quantization.fp8 import FP8_DTYPE, WeightScale
@@ -55,6 +56,8 @@ from specserve.engine.quantization.fp8_gemm import (
 try:
     import triton
     import triton.language as tl
+
+    from specserve.engine.layers.fused import store_kv  # the KV pool's store, FP8 included
 except ImportError:  # the CPU build needs no Triton
     triton = None
 
@@ -404,8 +407,9 @@ if triton is not None:
     @triton.jit
     def _skinny_qkv_rope_kernel(
         x, w, bias, q_out, k_cache, v_cache, loc, positions, cos, sin, partials, arrivals,
-        M, K, k_per_split, stride_xm, stride_wn, fp8,
+        M, K, k_per_split, stride_xm, stride_wn, fp8, k_scale_inv, v_scale_inv,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        KV_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
@@ -414,7 +418,8 @@ if triton is not None:
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
         # head (HALF % BLOCK_N == 0); q heads are rotated into q_out [M, Hq, 2 HALF], k heads
-        # rotated into k_cache[loc[m]], v heads copied into v_cache[loc[m]].
+        # rotated into k_cache[loc[m]], v heads copied into v_cache[loc[m]] (quantised with
+        # KV_FP8, as `rope_and_store_kv` stores them).
         wait_for_predecessor(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -455,19 +460,24 @@ if triton is not None:
                 sin2 = tl.load(sin + table + HALF, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
                 o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
                 o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+                # Each branch stores through its own pointer: an FP8 cache's pointer type
+                # differs from q_out's, and a variable both branches assign must not.
                 if head < NUM_Q_HEADS:
-                    dst = q_out + m64 * (NUM_Q_HEADS * 2 * HALF) + head * (2 * HALF) + d
+                    q_dst = q_out + m64 * (NUM_Q_HEADS * 2 * HALF) + head * (2 * HALF) + d
+                    tl.store(q_dst, o1.to(dtype), mask=out_mask)
+                    tl.store(q_dst + HALF, o2.to(dtype), mask=out_mask)
                 else:
                     slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
-                    dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
-                           + (head - NUM_Q_HEADS) * (2 * HALF) + d)
+                    k_dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
+                             + (head - NUM_Q_HEADS) * (2 * HALF) + d)
+                    store_kv(k_dst, o1.to(dtype), out_mask, k_scale_inv, KV_FP8)
+                    store_kv(k_dst + HALF, o2.to(dtype), out_mask, k_scale_inv, KV_FP8)
             else:
-                o1, o2 = x1, x2
                 slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
-                dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
-                       + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
-            tl.store(dst, o1.to(dtype), mask=out_mask)
-            tl.store(dst + HALF, o2.to(dtype), mask=out_mask)
+                v_dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
+                         + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
+                store_kv(v_dst, x1.to(dtype), out_mask, v_scale_inv, KV_FP8)
+                store_kv(v_dst + HALF, x2.to(dtype), out_mask, v_scale_inv, KV_FP8)
 
 
 class _Fp8Args(NamedTuple):
@@ -608,11 +618,13 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     v_cache: torch.Tensor, loc: torch.Tensor,
                     config: Optional[SkinnyConfig] = None,
                     workspace: Optional[SkinnyWorkspace] = None,
-                    scale: Optional[WeightScale] = None) -> torch.Tensor:
+                    scale: Optional[WeightScale] = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
     x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
     (neox) of q and k at `positions` from the fp32 `cos`/`sin` tables [positions, D], k and v
-    written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each). Returns q [M, Hq, D].
+    written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each; an FP8 cache stores
+    them quantised with `k_scale` and `v_scale`). Returns q [M, Hq, D].
     One kernel instead of the GEMM and the RoPE kernel, with the same roundings. With `scale`
     the weight is FP8, as in `skinny_gemm`."""
     n_rows, k = weight.shape
@@ -634,6 +646,7 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     _skinny_qkv_rope_kernel[launch.grid](
         launch.x, weight, bias if bias is not None else weight, q, k_cache, v_cache, loc,
         positions, cos, sin, launch.partials, launch.arrivals, m, k, launch.k_per_split,
-        launch.x.stride(0), weight.stride(0), launch.fp8, NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, **launch.meta)
+        launch.x.stride(0), weight.stride(0), launch.fp8, 1.0 / k_scale, 1.0 / v_scale,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+        KV_FP8=is_fp8(k_cache.dtype), **launch.meta)
     return q

@@ -43,11 +43,15 @@ class Attention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch):
         """The rotated q, and k and v for the backend to store: None where a fused kernel has
         already written the new tokens' K/V to the pool."""
-        k_cache, v_cache = fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id]
+        pool, layer = fb.kv_pool, self.layer_id
+        k_cache, v_cache = pool.k_buffer[layer], pool.v_buffer[layer]
+        # The layer's scales (1.0 unless the pool is FP8), for the kernels that store K/V.
+        scales = dict(k_scale=pool.scales.k[layer], v_scale=pool.scales.v[layer])
         if self.q_norm is None and self.qkv_proj.fuses_qkv_rope(x, self.head_dim):
             # One kernel: the projection with RoPE and the KV store in its epilogue.
             q = self.qkv_proj.forward_qkv_rope(x, self.num_heads, self.num_kv_heads, self.rotary,
-                                               positions, k_cache, v_cache, fb.out_cache_loc)
+                                               positions, k_cache, v_cache, fb.out_cache_loc,
+                                               **scales)
             return q, None, None
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -57,7 +61,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary.stores_kv:  # the new tokens' K/V go to the pool inside the RoPE kernel
             return self.rotary.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache,
-                                                   fb.out_cache_loc), None, None
+                                                   fb.out_cache_loc, **scales), None, None
         q, k = self.rotary(positions, q, k)
         return q, k, v
 

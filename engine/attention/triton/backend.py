@@ -179,19 +179,23 @@ class TritonAttnBackend(AttentionBackend):
             fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buffer = fb.kv_pool.k_buffer[layer_id]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
+        # An FP8 pool's scales (1.0 otherwise): host floats, so graphs capture them as is.
+        scales = dict(k_scale=fb.kv_pool.scales.k[layer_id], v_scale=fb.kv_pool.scales.v[layer_id])
         out = q.new_empty(num_tokens, self.num_heads, self.v_head_dim)
         if metadata.is_decode:
             decode_attention(q, k_buffer, v_buffer, out, metadata.kv_indptr, metadata.kv_indices,
                              metadata.partial_out, metadata.partial_lse, metadata.arrivals,
-                             scale, self.decode_config)
+                             scale, self.decode_config, **scales)
         elif metadata.split_extend:
             short_extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr,
                                    metadata.kv_indptr, metadata.kv_indices, fb.out_cache_loc,
                                    metadata.max_extend_len, scale, metadata.partial_out,
                                    metadata.partial_lse, metadata.arrivals,
-                                   custom_mask=metadata.custom_mask, config=self.decode_config)
+                                   custom_mask=metadata.custom_mask, config=self.decode_config,
+                                   **scales)
         else:
             extend_attention(q, k_buffer, v_buffer, out, metadata.qo_indptr, metadata.kv_indptr,
                              metadata.kv_indices, fb.out_cache_loc, metadata.max_extend_len,
-                             scale, custom_mask=metadata.custom_mask, config=self.extend_config)
+                             scale, custom_mask=metadata.custom_mask, config=self.extend_config,
+                             **scales)
         return out.view(num_tokens, self.num_heads * self.v_head_dim)

@@ -29,6 +29,12 @@ Conventions shared by all kernels:
   block (the value's dims) plus a rope block, so 512 + 64 is not padded to 1024; a value
   buffer that is a view of the key buffer's leading dims is loaded once for both.
 - Scores live in base 2 (`sm_scale * log2(e)` folded into the scale) so softmax uses `exp2`.
+- The K/V buffers may be an FP8 pool (float8_e4m3fn, `engine/kvcache/fp8.py`: stored value =
+  x / scale). Tiles are loaded as stored and converted to the query's dtype (exact: every e4m3
+  value is a bf16/fp16 value); the launchers fold `k_scale` into the softmax scale (a score is
+  linear in its key) and the kernels multiply their output by `v_scale` (an output is a convex
+  combination of values; split partials are merged before it). Both are 1.0 for other pools,
+  which leaves every result bit-identical.
 - The last dimension of q, out and the K/V buffers must be contiguous.
 
 The Triton interpreter (TRITON_INTERPRET=1) runs these kernels on the CPU, but its `tl.dot`
@@ -327,19 +333,21 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
 
 @triton.jit
 def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask, row_mask, split,
-                           num_splits, counter, stride_po_split, BLOCK_M: tl.constexpr,
+                           num_splits, counter, stride_po_split, v_scale, BLOCK_M: tl.constexpr,
                            BLOCK_D: tl.constexpr):
     """Finish one split's rows: a single split stores its output at once; otherwise every split
     stores its partial result (normalised output and base-2 log-sum-exp) and counts its arrival
     on `counter`, and the last to arrive merges them all in split order, stores the output and
     zeroes the counter for the next launch (and the next CUDA-graph replay). A second kernel
     for the merge would cost a launch a layer, more than the merge itself at short contexts.
-    Splits past the end of a short sequence (`split >= num_splits`) store nothing."""
+    Splits past the end of a short sequence (`split >= num_splits`) store nothing. Partials
+    are unscaled; `v_scale` (the FP8 pool's V scale, else 1.0) scales the output."""
     if num_splits == 1:
         if split == 0:
             # Padded rows saw nothing (l = 0); they are not stored, the guard avoids 0/0.
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=tile_mask)
+            tl.store(out_ptrs, (acc / l_i[:, None] * v_scale).to(out_ptrs.dtype.element_ty),
+                     mask=tile_mask)
     elif split < num_splits:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(po_ptrs + split * stride_po_split, acc / l_i[:, None], mask=tile_mask)
@@ -363,7 +371,8 @@ def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask,
                 l_i = l_i * alpha + weight
                 m_i = m_new
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=tile_mask)
+            tl.store(out_ptrs, (acc / l_i[:, None] * v_scale).to(out_ptrs.dtype.element_ty),
+                     mask=tile_mask)
             tl.store(counter, 0)
 
 
@@ -383,7 +392,7 @@ def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.con
 @triton.jit
 def _decode_kernel(
     q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
-    sm_scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot,
+    sm_scale_log2, v_scale, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot,
     stride_k_head, stride_v_slot, stride_v_head, stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
     GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
@@ -434,7 +443,8 @@ def _decode_kernel(
         partial_out + req * stride_po_tok + heads[:, None] * stride_po_head + offs_d[None, :],
         partial_lse + req * stride_pl_tok + heads * stride_pl_head,
         head_mask[:, None] & dim_mask[None, :], head_mask, split, num_splits,
-        arrivals + req * tl.num_programs(1) + tl.program_id(1), stride_po_split, BLOCK_H, BLOCK_D)
+        arrivals + req * tl.num_programs(1) + tl.program_id(1), stride_po_split, v_scale, BLOCK_H,
+        BLOCK_D)
 
 
 def _check_qkv_out(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -447,7 +457,8 @@ def _check_qkv_out(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tens
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, arrivals: torch.Tensor,
-                     sm_scale: float, config: Optional[DecodeConfig] = None) -> None:
+                     sm_scale: float, config: Optional[DecodeConfig] = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[b] = attention of q[b] over the slots `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`.
 
     q: [bs, num_heads, key_dim]; k_buffer: [slots, num_kv_heads, key_dim]; v_buffer: [slots,
@@ -456,7 +467,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     max_kv_splits, value_dim] fp32 and partial_lse: [>= bs, num_heads, max_kv_splits] fp32
     are scratch; `max_kv_splits` is their third dim. arrivals: int32 [>= bs * num_kv_heads *
     tiles per KV head (at most the group size rounded up to a power of two)], all zero (the
-    kernel leaves them zero).
+    kernel leaves them zero). `k_scale`, `v_scale`: an FP8 pool's scales (stored = x / scale).
     """
     bs, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -474,7 +485,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     max_kv_splits = partial_out.shape[2]
     _decode_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
         q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
-        sm_scale * LOG2_E,
+        sm_scale * LOG2_E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_buffer.stride(0),
         k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -499,7 +510,7 @@ def _head_tiling(group_size: int, max_rows: int, tokens_pad: int = 1) -> tuple[i
 @triton.jit
 def _extend_attention_kernel(
     q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
-    custom_mask, sm_scale_log2,
+    custom_mask, sm_scale_log2, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head, stride_mask_req, stride_mask_row,
     GROUP_SIZE: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
@@ -569,7 +580,7 @@ def _extend_attention_kernel(
     # Padded rows saw nothing (l = 0); they are not stored, the guard only avoids 0/0.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(out + (qo_start + tokens)[:, None] * stride_o_tok + heads[:, None] * stride_o_head
-             + offs_d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+             + offs_d[None, :], (acc / l_i[:, None] * v_scale).to(out.dtype.element_ty),
              mask=row_mask[:, None] & dim_mask[None, :])
 
 
@@ -578,7 +589,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      kv_indices: torch.Tensor, new_token_slots: torch.Tensor,
                      max_extend_len: int, sm_scale: float,
                      custom_mask: Optional[torch.Tensor] = None,
-                     config: Optional[ExtendConfig] = None) -> None:
+                     config: Optional[ExtendConfig] = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attention of the new tokens of each request over its prefix and its new tokens.
 
     Request b's new tokens are rows `qo_indptr[b]:qo_indptr[b+1]` of q/out and their K/V sit
@@ -586,7 +598,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. New token j sees the whole prefix and new
     token k when k <= j, or when `custom_mask[b, j, k]` if a mask is given
     ([bs, >= max_extend_len, >= max_extend_len], bool or uint8). `max_extend_len` (host)
-    must bound every request's number of new tokens. Shapes as in `decode_attention`.
+    must bound every request's number of new tokens. Shapes and `k_scale`, `v_scale` as in
+    `decode_attention`.
     """
     num_tokens, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -612,7 +625,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _extend_attention_kernel[grid](
         q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
         custom_mask if custom_mask is not None else qo_indptr,  # unused without a mask
-        sm_scale * LOG2_E,
+        sm_scale * LOG2_E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         custom_mask.stride(0) if custom_mask is not None else 0,
@@ -633,7 +646,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 @triton.jit
 def _short_extend_kernel(
     q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots, custom_mask,
-    partial_out, partial_lse, arrivals, sm_scale_log2,
+    partial_out, partial_lse, arrivals, sm_scale_log2, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head, stride_mask_req, stride_mask_row, stride_po_tok,
     stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
@@ -707,7 +720,7 @@ def _short_extend_kernel(
         + offs_d[None, :],
         partial_lse + rows * stride_pl_tok + heads * stride_pl_head, tile_mask, row_mask, split,
         num_splits, arrivals + req * (NUM_KV_HEADS * HEAD_BLOCKS) + tl.program_id(1),
-        stride_po_split, BLOCK_M, BLOCK_D)
+        stride_po_split, v_scale, BLOCK_M, BLOCK_D)
 
 
 def short_extend_tiling(group_size: int, max_extend_len: int,
@@ -725,7 +738,8 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
                            max_extend_len: int, sm_scale: float, partial_out: torch.Tensor,
                            partial_lse: torch.Tensor, arrivals: torch.Tensor,
                            custom_mask: Optional[torch.Tensor] = None,
-                           config: Optional[DecodeConfig] = None) -> None:
+                           config: Optional[DecodeConfig] = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """`extend_attention`'s result for short extends, split over the prefix like decode.
 
     The arguments are `extend_attention`'s, plus the split scratch of `decode_attention`
@@ -734,7 +748,7 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     `arrivals`, int32 [>= bs * num_kv_heads * tiles per KV head (`short_extend_tiling`;
     at most the group size rounded up to a power of two)], all zero (the kernel leaves them
     zero). A request's splits depend on its own prefix length only (batch invariance, as in
-    decode).
+    decode). `k_scale`, `v_scale` as in `decode_attention`.
     """
     num_tokens, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -757,7 +771,7 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     _short_extend_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
         q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
         custom_mask if custom_mask is not None else qo_indptr,  # unused without a mask
-        partial_out, partial_lse, arrivals, sm_scale * LOG2_E,
+        partial_out, partial_lse, arrivals, sm_scale * LOG2_E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         custom_mask.stride(0) if custom_mask is not None else 0,
