@@ -66,7 +66,8 @@ class ReplicaHost:
             gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0)
             ranks = [TPRankActor.options(
                 num_cpus=1, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank),
             ).remote() for rank in range(1, config.tp_size)]
             for rank, actor in enumerate(ranks, start=1):
                 actor.run.remote(config, rank, init_method)
@@ -206,7 +207,7 @@ def place_replicas(cluster: ClusterConfig, config: EngineConfig) -> list[RayLaun
         first = bundles[0]
         host = ReplicaHostActor.options(
             num_cpus=first.get("CPU", 0), num_gpus=first.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle_index=0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         ).remote(i)
         launchers.append(RayLauncher(i, host, rank_actors, bind_host))
     logger.info("placed %d replicas on Ray (%s, bundles %s, %s)", cluster.data_parallel,
