@@ -211,18 +211,19 @@ def test_a_killed_replica_fails_its_calls_the_other_serves_and_it_returns(dp_ser
     with dp_server.client() as client:
         streams = [client.generate_stream(prompt_token_ids=[3 + i] * 40, max_new_tokens=400,
                                           ignore_eos=True, temperature=0.0) for i in range(4)]
-        for stream in streams:
-            next(iter(stream))  # every call has started generating
+        chunks = [iter(stream) for stream in streams]  # iterated once (a dropped one cancels)
+        for it in chunks:
+            next(it)  # every call has started generating
         rows = client.server_load().replicas
-        assert all(row.num_active_streams >= 1 for row in rows)  # both replicas have calls
+        assert all(row.num_active_streams >= 1 for row in rows), rows  # both have calls
         victim = rows[0]
         line = dp_server.wait_for_log(r"engine process started \(replica 0: pid \d+ on [\d.]+, "
                                       r"actor pid (\d+)\)")
         os.kill(int(line.group(1)), signal.SIGKILL)  # the replica's Ray actor, engine with it
         failed, finished = 0, 0
-        for stream in streams:
+        for it in chunks:
             try:
-                for _ in stream:
+                for _ in it:
                     pass
                 finished += 1
             except Unavailable:
@@ -234,3 +235,21 @@ def test_a_killed_replica_fails_its_calls_the_other_serves_and_it_returns(dp_ser
                                timeout=60)
         assert wait_until(lambda: _idle(client), timeout=120, interval=0.5)
         assert [row.restarts for row in client.server_load().replicas] == [1, 0]
+
+
+def test_tp2_with_its_ranks_on_two_ray_nodes_equals_one_engine(ray_cluster,
+                                                               single_engine_outputs):
+    """Rank 0 (the engine process of the replica's actor) and rank 1 (a Ray actor) in a
+    STRICT_SPREAD placement group: two nodes, gloo between them."""
+    prompts, expected = single_engine_outputs
+    server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address, "--tp", "2",
+                           "--tp-placement", "spread", speculative=True)
+    try:
+        nodes = server.wait_for_log(r"tp ranks on nodes (\w+), (\w+)\)").groups()
+        assert nodes[0] != nodes[1]
+        with server.client() as client:
+            assert [client.generate(prompt_token_ids=p, **GREEDY).token_ids
+                    for p in prompts] == expected
+            assert wait_until(lambda: _idle(client), timeout=20)
+    finally:
+        assert server.stop() == 0

@@ -42,6 +42,7 @@ class EngineStarted:
     pid: int
     host_pid: int
     node_ip: str
+    rank_nodes: tuple[str, ...]  # with rank actors: the Ray node id of each rank, 0 first
 
 
 class ReplicaHost:
@@ -60,6 +61,7 @@ class ReplicaHost:
                      start_engine: Optional[StartEngine], rank_actors: bool) -> EngineStarted:
         self.kill_engine()  # a leftover of an engine the server gave up on
         node_ip = ray.util.get_node_ip_address()
+        rank_nodes: tuple[str, ...] = ()
         if rank_actors and config.tp_size > 1:
             init_method = f"tcp://{node_ip}:{_free_port(node_ip)}"
             group = ray.util.get_current_placement_group()
@@ -71,6 +73,8 @@ class ReplicaHost:
             ).remote() for rank in range(1, config.tp_size)]
             for rank, actor in enumerate(ranks, start=1):
                 actor.run.remote(config, rank, init_method)
+            rank_nodes = (ray.get_runtime_context().get_node_id(),
+                          *ray.get([actor.node_id.remote() for actor in ranks]))
             start_engine = functools.partial(start_engine or start_warm_engine,
                                              tp_init_method=init_method)
         else:
@@ -82,7 +86,7 @@ class ReplicaHost:
         process.start()
         with self._lock:
             self._process, self._ranks = process, ranks
-        return EngineStarted(process.pid, os.getpid(), node_ip)
+        return EngineStarted(process.pid, os.getpid(), node_ip, rank_nodes)
 
     def wait_engine(self) -> Optional[int]:
         """Block until the current engine process exits; its exit code."""
@@ -104,7 +108,11 @@ class ReplicaHost:
 
 
 class TPRank:
-    """A follower rank (> 0) of a replica's tp group, on whichever node its bundle is."""
+    """A follower rank (> 0) of a replica's tp group, on whichever node its bundle is.
+    Threaded, so that node_id answers while run holds a thread for the engine's life."""
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def run(self, config: EngineConfig, rank: int, init_method: str) -> None:
         from specserve.engine.tp import run_follower  # torch only where a rank runs
@@ -112,7 +120,7 @@ class TPRank:
         run_follower(config, rank, init_method, local_ranks=False)
 
 
-TPRankActor = ray.remote(max_restarts=0)(TPRank)
+TPRankActor = ray.remote(max_restarts=0, max_concurrency=2)(TPRank)
 # Threads: wait_engine holds one for the engine's life; start/kill take others.
 ReplicaHostActor = ray.remote(max_restarts=-1, max_concurrency=4)(ReplicaHost)
 
@@ -142,6 +150,8 @@ class RayEngine(EngineHandle):
             started: EngineStarted = await self._started
             self.description = (f"replica {self.index}: pid {started.pid} on {started.node_ip}, "
                                 f"actor pid {started.host_pid}")
+            if started.rank_nodes:
+                self.description += f", tp ranks on nodes {', '.join(started.rank_nodes)}"
             logger.info("engine process started (%s)", self.description)
             code = await self.host.wait_engine.remote()
             reason = f"engine process exited with code {code}"
