@@ -6,6 +6,7 @@ what to install."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server_harness import ServerProcess, wait_until
+from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve import cli
 from specserve.server.cluster.routing import (PrefixRouter, ReplicaState, RoutingConfig,
                                               block_hashes)
@@ -165,9 +166,16 @@ def _prompts() -> list[list[int]]:
 def dp_server(ray_cluster):
     server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
                            "--data-parallel", "2", "--engine-heartbeat-timeout", "2",
-                           speculative=True)
+                           "--metrics-port", str(free_port()), speculative=True)
     yield server
     assert server.stop() == 0
+
+
+def _metrics(server: ServerProcess) -> str:
+    port = server.wait_for_log(r"metrics and health on http://[\d.]+:(\d+)").group(1)
+    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    assert status == 200
+    return body
 
 
 def test_data_parallel_greedy_equals_one_engine_and_affinity_hits(dp_server,
@@ -196,6 +204,12 @@ def test_data_parallel_greedy_equals_one_engine_and_affinity_hits(dp_server,
         seqs = client.generate(prompt_token_ids=prompts[1], n=2, **GREEDY)
         assert [s.token_ids for s in seqs] == [expected[1]] * 2
         assert wait_until(lambda: _idle(client), timeout=20)
+    metrics = _metrics(dp_server)
+    for replica in ("0", "1"):
+        assert f'specserve_replica_serving{{replica="{replica}"}} 1.0' in metrics
+        assert f'specserve_replica_watchdog{{replica="{replica}",state="ok"}} 1.0' in metrics
+    assert 'specserve_replica_routed_requests_total{reason="affinity"' in metrics
+    assert "specserve_kv_total_tokens 16384.0" in metrics  # the totals: both replicas
 
 
 def _idle(client) -> bool:
@@ -253,3 +267,23 @@ def test_tp2_with_its_ranks_on_two_ray_nodes_equals_one_engine(ray_cluster,
             assert wait_until(lambda: _idle(client), timeout=20)
     finally:
         assert server.stop() == 0
+
+
+def test_a_frozen_replica_is_killed_and_restarted(dp_server):
+    """SIGSTOP on replica 1's engine: its watchdog (2 s) takes it out of routing and kills it,
+    the set starts a new engine in the same actor; replica 0 serves throughout."""
+    with dp_server.client() as client:
+        restarts = client.server_load().replicas[1].restarts
+        pids = [int(m) for m in re.findall(r"engine process started \(replica 1: pid (\d+)",
+                                           "\n".join(dp_server.log))]
+        os.kill(pids[-1], signal.SIGSTOP)
+        dp_server.wait_for_log(r"replica 1 left routing: engine process unresponsive", timeout=30)
+        assert client.health() == "SERVING"
+        assert client.generate("frozen", max_new_tokens=3).usage.completion_tokens == 3
+        assert wait_until(lambda: client.server_load().replicas[1].restarts == restarts + 1 and
+                          _idle(client), timeout=120, interval=0.5)
+
+
+def test_the_image_can_run_as_a_ray_node():
+    dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
+    assert 'pip install ".[triton,ray]"' in dockerfile
