@@ -108,6 +108,9 @@ class SpecserveServer:
             self.engine.on_recovery(self._on_engine_recovery)
         self.http = HttpEndpoint(self.metrics.registry, lambda: self.health.serving)
         self.core = GenerationCore(self.engine, engine_config, server_config, self.metrics)
+        if cluster is not None:  # admission covers every replica's running requests
+            self.core.max_active_streams += ((cluster.data_parallel - 1)
+                                             * engine_config.max_running_requests)
         self.servicer = GenerationServicer(self.core)
         self.http_api = None  # the OpenAI-compatible front (HttpApiServer), with --http-port
         self.grpc_server = grpc.aio.server(options=_server_options(server_config))

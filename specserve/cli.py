@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where a replica's --tp ranks run: node (default: one node, spawned "
                         "there), pack (one Ray actor per rank, across nodes when one is not "
                         "enough), spread (each rank on a node of its own)")
+    c.add_argument("--routing", default=None, choices=["prefix", "round-robin"],
+                   help="prefix (default): the replica holding the longest cached prefix unless "
+                        "it is much busier; round-robin: each replica in turn")
+    c.add_argument("--gpus-per-rank", type=float, default=None,
+                   help="GPUs Ray reserves per tp rank (default 1 on GPUs); 0.5 puts two small "
+                        "replicas on one GPU (size their KV with --max-total-tokens)")
 
     generate = commands.add_parser("generate", help="generate once, offline or through a server")
     _add_engine_args(generate)
@@ -167,11 +173,12 @@ def _server_config_from_args(args: argparse.Namespace):
 def _cluster_config_from_args(args: argparse.Namespace):
     """The ClusterConfig the cluster flags describe, or None (one engine process, no Ray).
     Raises ValueError naming the flag, also when Ray is not installed."""
-    given = [flag for flag in ("data_parallel", "ray_address", "tp_placement")
-             if getattr(args, flag) is not None]
+    given = [flag for flag in ("data_parallel", "ray_address", "tp_placement", "routing",
+                               "gpus_per_rank") if getattr(args, flag) is not None]
     if not given:
         return None
     from specserve.server.cluster.config import ClusterConfig, TPPlacement, require_ray
+    from specserve.server.cluster.routing import RoutingConfig, RoutingPolicy
 
     try:
         require_ray()
@@ -179,7 +186,9 @@ def _cluster_config_from_args(args: argparse.Namespace):
         raise ValueError(f"{_flag_names(given)}: {e}") from None
     return ClusterConfig(data_parallel=1 if args.data_parallel is None else args.data_parallel,
                          ray_address=args.ray_address,
-                         tp_placement=TPPlacement(args.tp_placement or "node"))
+                         tp_placement=TPPlacement(args.tp_placement or "node"),
+                         routing=RoutingConfig(policy=RoutingPolicy(args.routing or "prefix")),
+                         gpus_per_rank=args.gpus_per_rank)
 
 
 def _serve(engine_config: EngineConfig, server_config, cluster, log_level: str) -> int:

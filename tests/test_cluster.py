@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve import cli
 from specserve.server.cluster.routing import (PrefixRouter, ReplicaState, RoutingConfig,
-                                              block_hashes)
+                                              RoutingPolicy, block_hashes)
 
 DEMO_TARGET = str(Path(__file__).resolve().parents[1] / "models" / "demo-target")
 GREEDY = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -73,6 +73,12 @@ def test_least_loaded_round_robins_ties_and_skips_dead_replicas():
         router.route([1], [])
 
 
+def test_round_robin_ignores_prefixes_and_load():
+    router = PrefixRouter(2, RoutingConfig(policy=RoutingPolicy.ROUND_ROBIN, block_size=1))
+    routes = [router.route([1, 2, 3], _states(9, 0)) for _ in range(4)]
+    assert [(r.replica, r.reason) for r in routes] == [(0, "round_robin"), (1, "round_robin")] * 2
+
+
 def test_each_replica_remembers_a_bounded_number_of_blocks():
     router = PrefixRouter(1, RoutingConfig(block_size=1, max_blocks_per_replica=5))
     router.route(list(range(20)), _states(0))
@@ -81,7 +87,7 @@ def test_each_replica_remembers_a_bounded_number_of_blocks():
 
 def test_routing_config_errors_name_the_field():
     for field, value in (("block_size", 0), ("max_blocks_per_replica", 0),
-                         ("max_load_imbalance", -1)):
+                         ("max_load_imbalance", -1), ("policy", "prefix")):
         with pytest.raises(ValueError, match=f"^{field}"):
             RoutingConfig(**{field: value})
 

@@ -29,6 +29,10 @@ class ClusterConfig:
     ray_address: Optional[str] = None  # None: start a local Ray (or join RAY_ADDRESS if set)
     tp_placement: TPPlacement = TPPlacement.NODE
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # GPUs Ray reserves per tp rank; None: 1 when the cluster has GPUs and the device is not
+    # cpu, else 0. A fraction puts several small replicas on one GPU (then give each engine a
+    # KV pool that fits its share: EngineConfig.max_total_tokens).
+    gpus_per_rank: Optional[float] = None
     # A replica that died is started again after this long (then doubled per restart in a row
     # without serving, up to max_restart_backoff_s), so a crash loop does not spin.
     restart_backoff_s: float = 1.0
@@ -40,6 +44,8 @@ class ClusterConfig:
         if not isinstance(self.tp_placement, TPPlacement):
             raise ValueError(f"tp_placement: one of {[p.value for p in TPPlacement]}, "
                              f"got {self.tp_placement!r}")
+        if self.gpus_per_rank is not None and not self.gpus_per_rank >= 0:
+            raise ValueError(f"gpus_per_rank: must be >= 0, got {self.gpus_per_rank}")
         if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
             raise ValueError(f"restart_backoff_s: must be > 0 and <= max_restart_backoff_s, got "
                              f"{self.restart_backoff_s}")

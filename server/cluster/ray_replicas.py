@@ -196,7 +196,9 @@ def place_replicas(cluster: ClusterConfig, config: EngineConfig) -> list[RayLaun
     if not ray.is_initialized():
         ray.init(address=cluster.ray_address, namespace=RAY_NAMESPACE, include_dashboard=False,
                  log_to_driver=True)
-    gpus_per_rank = 0 if config.device == "cpu" or not ray.cluster_resources().get("GPU") else 1
+    gpus_per_rank = cluster.gpus_per_rank
+    if gpus_per_rank is None:
+        gpus_per_rank = 0 if config.device == "cpu" or not ray.cluster_resources().get("GPU") else 1
     rank_actors = cluster.tp_placement is not TPPlacement.NODE
     if rank_actors:
         bundles = [{"CPU": 1, "GPU": gpus_per_rank}] * config.tp_size

@@ -23,14 +23,21 @@ choice among a few replicas, is this small, testable function of what the server
 from __future__ import annotations
 
 import collections
+import enum
 import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 
+class RoutingPolicy(enum.Enum):
+    PREFIX = "prefix"            # prefix affinity bounded by load (above)
+    ROUND_ROBIN = "round-robin"  # the next live replica in turn (the baseline in benchmarks)
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
+    policy: RoutingPolicy = RoutingPolicy.PREFIX
     block_size: int = 32           # tokens per hashed block (a partial last block is not hashed)
     max_blocks_per_replica: int = 8192  # LRU bound of each replica's remembered chain hashes
     max_load_imbalance: int = 8    # affinity yields once its replica is this much busier
@@ -39,6 +46,9 @@ class RoutingConfig:
         for name in ("block_size", "max_blocks_per_replica"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.policy, RoutingPolicy):
+            raise ValueError(f"policy: one of {[p.value for p in RoutingPolicy]}, got "
+                             f"{self.policy!r}")
         if self.max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance: must be >= 0, got {self.max_load_imbalance}")
 
@@ -55,7 +65,7 @@ class ReplicaState:
 class Route:
     replica: int
     matched_tokens: int  # the prompt tokens the chosen replica is expected to hold cached
-    reason: str          # "affinity" | "least_loaded" (for the metrics)
+    reason: str          # "affinity" | "least_loaded" | "round_robin" (for the metrics)
 
 
 def block_hashes(prompt: Sequence[int], block_size: int) -> list[bytes]:
@@ -82,6 +92,8 @@ class PrefixRouter:
         the prompt's blocks."""
         if not replicas:
             raise ValueError("replicas: no live replica to route to")
+        if self.config.policy is RoutingPolicy.ROUND_ROBIN:
+            return Route(replicas[next(self._tie_break) % len(replicas)].index, 0, "round_robin")
         hashes = block_hashes(prompt, self.config.block_size)
         matched = {r.index: self._matched_blocks(r.index, hashes) for r in replicas}
         least = min(r.load for r in replicas)
