@@ -5,11 +5,13 @@ replica whose ranks are Ray actors on two nodes (= tp=1). Without Ray, --data-pa
 what to install."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,10 @@ def test_affinity_yields_to_load_beyond_the_bound():
     moved = router.route(prompt, _states(*loads))
     assert (moved.replica, moved.reason) == (other, "least_loaded")
     assert router.route(prompt, _states(5, 5)).reason == "affinity"
+    full = [ReplicaState(home, 0, kv_use=0.95), ReplicaState(other, 4)]  # its KV nearly full
+    assert router.route(prompt, full).replica == other
+    all_full = [ReplicaState(home, 0, kv_use=0.95), ReplicaState(other, 0, kv_use=0.99)]
+    assert router.route(prompt, all_full).replica == home
 
 
 def test_least_loaded_round_robins_ties_and_skips_dead_replicas():
@@ -87,7 +93,7 @@ def test_each_replica_remembers_a_bounded_number_of_blocks():
 
 def test_routing_config_errors_name_the_field():
     for field, value in (("block_size", 0), ("max_blocks_per_replica", 0),
-                         ("max_load_imbalance", -1), ("policy", "prefix")):
+                         ("max_load_imbalance", -1), ("policy", "prefix"), ("max_kv_use", 0)):
         with pytest.raises(ValueError, match=f"^{field}"):
             RoutingConfig(**{field: value})
 
@@ -172,9 +178,10 @@ def _prompts() -> list[list[int]]:
 def dp_server(ray_cluster):
     server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
                            "--data-parallel", "2", "--engine-heartbeat-timeout", "2",
-                           "--metrics-port", str(free_port()), speculative=True)
+                           "--metrics-port", str(free_port()), "--http-port", "0",
+                           speculative=True)
     yield server
-    assert server.stop() == 0
+    assert server.stop() == 0, "\n".join(server.log[-30:])
 
 
 def _metrics(server: ServerProcess) -> str:
@@ -210,6 +217,17 @@ def test_data_parallel_greedy_equals_one_engine_and_affinity_hits(dp_server,
         seqs = client.generate(prompt_token_ids=prompts[1], n=2, **GREEDY)
         assert [s.token_ids for s in seqs] == [expected[1]] * 2
         assert wait_until(lambda: _idle(client), timeout=20)
+    # The OpenAI front goes through the same replicas.
+    port = dp_server.wait_for_log(r"OpenAI-compatible API on http://[\d.]+:(\d+)").group(1)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "demo-target", "prompt": prompts[0], "max_tokens": 8,
+                         "temperature": 0, "ignore_eos": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = json.loads(response.read())
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
     metrics = _metrics(dp_server)
     for replica in ("0", "1"):
         assert f'specserve_replica_serving{{replica="{replica}"}} 1.0' in metrics

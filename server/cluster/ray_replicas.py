@@ -225,3 +225,10 @@ def place_replicas(cluster: ClusterConfig, config: EngineConfig) -> list[RayLaun
     logger.info("placed %d replicas on Ray (%s, bundles %s, %s)", cluster.data_parallel,
                 ray.get_runtime_context().gcs_address, bundles, strategy)
     return launchers
+
+
+def disconnect() -> None:
+    """Leave Ray (stopping it if this process started it): the replica actors go with this
+    driver. Explicit, before the event loop closes, so that no Ray callback is left to fire into
+    it while the interpreter exits."""
+    ray.shutdown()

@@ -142,6 +142,10 @@ class ReplicaSet:
         await asyncio.gather(*(r.client.shutdown() for r in self.replicas if r.client is not None))
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineUnavailable("the server is shutting down"))
+        if self.replicas:
+            from specserve.server.cluster.ray_replicas import disconnect
+
+            await asyncio.to_thread(disconnect)
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, rid: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -150,8 +154,10 @@ class ReplicaSet:
         live = self._serving()
         if not live:
             self.check_available()  # raises, saying why
-        route = self.router.route(prompt_token_ids,
-                                  [ReplicaState(r.index, r.active_streams) for r in live])
+        kv_use = {row.replica: row.load.kv_used_tokens / row.load.kv_total_tokens
+                  for row in self.last_rows if row.load is not None}
+        route = self.router.route(prompt_token_ids, [
+            ReplicaState(r.index, r.active_streams, kv_use.get(r.index, 0.0)) for r in live])
         replica = self.replicas[route.replica]
         stream = replica.client.submit(rid, prompt_token_ids, sampling, outputs)
         replica.active_streams += 1

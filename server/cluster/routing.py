@@ -9,11 +9,16 @@ block-hash indexes). Each replica keeps an LRU set of the chain hashes it was se
 about what its KV cache holds; the longest run of a prompt's leading chain hashes found in a
 replica's set is that replica's expected hit.
 
-Load bounds the affinity: the replica with the longest hit is chosen only if its load (requests
-in flight through this server plus the engine's waiting queue, the latest polled) is at most
+Load bounds the affinity: the replica with the longest hit is chosen only if its load (the
+requests in flight to it through this server: exact and current, where the engines' own
+queue figures are polled and lag by seconds) is at most
 `max_load_imbalance` above the least loaded live replica; otherwise the least loaded replica
 (ties broken by the longer hit, then round robin) gets the request, and caches the prefix in
 turn, so a hot system prompt spreads over replicas as load demands instead of flooding one.
+
+KV use bounds it too: a replica whose KV pool was more than `max_kv_use` full at the latest
+poll is passed over while another is not (its cache is about to be evicted, or its requests
+retracted).
 
 A plain policy of our own rather than Ray Serve's router: our fronts (gRPC + OpenAI HTTP) and
 their streaming, cancellation and watchdog live in one server process that talks to engines
@@ -41,6 +46,7 @@ class RoutingConfig:
     block_size: int = 32           # tokens per hashed block (a partial last block is not hashed)
     max_blocks_per_replica: int = 8192  # LRU bound of each replica's remembered chain hashes
     max_load_imbalance: int = 8    # affinity yields once its replica is this much busier
+    max_kv_use: float = 0.9        # ... or once its KV pool is fuller than this
 
     def __post_init__(self):
         for name in ("block_size", "max_blocks_per_replica"):
@@ -51,6 +57,8 @@ class RoutingConfig:
                              f"{self.policy!r}")
         if self.max_load_imbalance < 0:
             raise ValueError(f"max_load_imbalance: must be >= 0, got {self.max_load_imbalance}")
+        if not 0 < self.max_kv_use <= 1:
+            raise ValueError(f"max_kv_use: must be in (0, 1], got {self.max_kv_use}")
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,8 @@ class ReplicaState:
     """What the router knows of one replica when it routes."""
 
     index: int
-    load: int  # requests in flight to it plus its engine's waiting queue
+    load: int              # requests in flight to it
+    kv_use: float = 0.0    # its KV pool's used fraction at the latest poll
 
 
 @dataclass(frozen=True)
@@ -95,13 +104,14 @@ class PrefixRouter:
         if self.config.policy is RoutingPolicy.ROUND_ROBIN:
             return Route(replicas[next(self._tie_break) % len(replicas)].index, 0, "round_robin")
         hashes = block_hashes(prompt, self.config.block_size)
-        matched = {r.index: self._matched_blocks(r.index, hashes) for r in replicas}
-        least = min(r.load for r in replicas)
-        best = max(replicas, key=lambda r: (matched[r.index], -r.load))
+        roomy = [r for r in replicas if r.kv_use <= self.config.max_kv_use] or replicas
+        matched = {r.index: self._matched_blocks(r.index, hashes) for r in roomy}
+        least = min(r.load for r in roomy)
+        best = max(roomy, key=lambda r: (matched[r.index], -r.load))
         if matched[best.index] > 0 and best.load <= least + self.config.max_load_imbalance:
             chosen, reason = best, "affinity"
         else:
-            idle = [r for r in replicas if r.load == least]
+            idle = [r for r in roomy if r.load == least]
             longest = max(matched[r.index] for r in idle)
             idle = [r for r in idle if matched[r.index] == longest]
             chosen, reason = idle[next(self._tie_break) % len(idle)], "least_loaded"
