@@ -51,7 +51,7 @@ def run_server_and_load(engine_config, cluster, port: int, workloads) -> list[di
     """Start a server (cluster None: one engine, no Ray), run each (prompts, rate, concurrency,
     max_new_tokens) load against it, stop it."""
     server = multiprocessing.get_context("spawn").Process(
-        target=serve_launched, args=(engine_config, port, cluster))
+        target=serve_launched, args=(engine_config, port, None, cluster))
     server.start()
     try:
         return [asyncio.run(run_load(f"127.0.0.1:{port}", prompts, rate, concurrency,

@@ -24,6 +24,7 @@ import itertools
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -55,10 +56,24 @@ SHAPES = {
         rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                           "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                                           "beta_slow": 1}),
+    # DeepSeek-V3 with its first 4 layers (3 dense + 1 MoE of 256 experts top-8): the layer
+    # group that repeats, small enough for one GPU in bf16 (~27 GB) and in FP8.
+    "deepseek-v3-4l": dict(
+        architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+        topk_method="noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", vocab_size=129280, tie_word_embeddings=False, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
 }
 # EAGLE-3 heads of the DeepSeek shapes: a Llama layer of the target's width.
 DRAFT_OVERRIDES = {"deepseek-v2-lite": dict(num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
-                                            max_position_embeddings=131072, rope_scaling=None)}
+                                            max_position_embeddings=131072, rope_scaling=None),
+                   "deepseek-v3-4l": dict(num_attention_heads=56, num_key_value_heads=8, intermediate_size=18432,
+                                          max_position_embeddings=131072, rope_scaling=None)}
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
 
@@ -79,18 +94,26 @@ SPEC_MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
               "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
 
 
-def write_shape(root: str, name: str) -> tuple[str, str]:
-    """config.json folders for the target shape and an EAGLE-3 head of the same width."""
+def write_shape(root: str, name: str, tokenizer_dir: Optional[str] = None) -> tuple[str, str]:
+    """config.json folders for the target shape and an EAGLE-3 head of the same width. With
+    `tokenizer_dir` (the demo pair's) the target gets that tokenizer and its vocabulary size,
+    so that servers of the shape take and return text."""
     target = os.path.join(root, name)
     os.makedirs(target, exist_ok=True)
     cfg = dict(dict(architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
                     rope_theta=500000.0, rope_scaling=ROPE), **SHAPES[name], bos_token_id=1, eos_token_id=2)
+    if tokenizer_dir is not None:
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_dir, file), target)
+        vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
+        cfg.update(vocab_size=vocab, bos_token_id=0, eos_token_id=1)
     if "kv_lora_rank" in cfg:  # DeepSeek: a V3-style NextN layer after the last one (--draft nextn)
         cfg["num_nextn_predict_layers"] = 1
     json.dump(cfg, open(os.path.join(target, "config.json"), "w"))
     draft = os.path.join(root, name + "-eagle3")
     os.makedirs(draft, exist_ok=True)
-    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=32000,
+    dcfg = dict(cfg, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                draft_vocab_size=min(32000, cfg["vocab_size"]),
                 tie_word_embeddings=False, **DRAFT_OVERRIDES.get(name, {}))
     json.dump(dcfg, open(os.path.join(draft, "config.json"), "w"))
     return target, draft

@@ -9,8 +9,16 @@
 `--launch` starts the server (`run_server`, as `specserve serve --device cuda` runs it) in a
 child process with the engine `bench/one_batch.py` measures: the demo pair, or the llama-1b /
 llama-8b shape with random bf16 weights and an EAGLE-3 head whose accept length is forced to
-`--accept-len` (random weights accept nothing). The shapes have no tokenizer, so their prompts
-are random token ids and the server streams ids only (no detokenising).
+`--accept-len` (random weights accept nothing). The shapes have no tokenizer of their own: their
+prompts are random token ids and the server streams ids only, unless `--text` gives them the
+demo pair's tokenizer (and its 8192-token vocabulary), so that requests carry held-out text in
+and detokenised text out, as users send them.
+
+`--api openai` drives the OpenAI front (`--launch` starts it on `--http-port`) with streamed
+`/v1/completions` (SSE, usage in the last chunk); the token count of a chunk is not on the wire
+there, so its ITL spreads a request's completion tokens evenly over its chunks.
+With `--launch`, each row also reports the server process's CPU time per output token (user +
+system, from /proc; the engine process not included).
 
 Requests arrive as a Poisson process at each rate (`inf`: all at once), with at most
 `concurrency` in flight. Prompts are held-out code from the demo pair's sample
@@ -39,9 +47,11 @@ import multiprocessing
 import random
 import statistics
 import tempfile
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from specserve.clients import AsyncClient
 
@@ -55,6 +65,33 @@ def make_prompts(n: int, seed: int, words: int, vocab: int, token_ids: bool = Fa
         starts = [rng.randrange(0, len(text) - words) for _ in range(n)]
         return [{"prompt": " ".join(text[s:s + words])} for s in starts]
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(words)]} for _ in range(n)]
+
+
+async def one_request_openai(http, base_url: str, model: str, request: dict, max_new_tokens: int) -> dict:
+    """One streamed /v1/completions request (the same measurements as one_request)."""
+    body = {"model": model, "prompt": request.get("prompt", request.get("prompt_token_ids")),
+            "max_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps, usage = [], None
+    async with http.stream("POST", base_url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if any(c.get("text") for c in chunk.get("choices", ())):
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else len(stamps)
+    per_chunk = tokens / max(len(stamps), 1)
+    itl = [(b - a) / per_chunk for a, b in zip(stamps, stamps[1:])]
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft": stamps[0] - start if stamps else end - start, "tpot": (end - stamps[0]) / max(tokens - 1, 1)
+            if stamps else 0.0, "itl": itl, "tokens": tokens, "latency": end - start, "cached": cached,
+            "token_ids": [], "accept": 1.0}
 
 
 async def one_request(client: AsyncClient, request: dict, max_new_tokens: int) -> dict:
@@ -103,21 +140,29 @@ async def conversation(client: AsyncClient, limit: asyncio.Semaphore, segments: 
 
 
 async def run_requests(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
-                       seed: int, start_at: float = 0.0) -> tuple[list[dict], float, float]:
+                       seed: int, start_at: float = 0.0,
+                       http_url: Optional[str] = None) -> tuple[list[dict], float, float]:
     """The per-request results, and the wall-clock (time.time) start and end of the run; the run
     starts at `start_at` if that is later (client processes start together). `prompts`: request
-    dicts, or conversations (lists of token segments, see above)."""
+    dicts, or conversations (lists of token segments, see above). With `http_url` the requests
+    go to the OpenAI front there (the gRPC server still flushes the cache and names the model)."""
+    import httpx
+
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
-    async with AsyncClient(server) as client:
+    async with AsyncClient(server) as client, httpx.AsyncClient(timeout=None, limits=httpx.Limits(
+            max_connections=concurrency + 4)) as http:
         await client.wait_until_serving()
         await client.flush_cache()  # every run starts with a cold prefix cache
+        model = (await client.model_info()).model
         await asyncio.sleep(max(0.0, start_at - time.time()))
 
         async def bounded(request):
             if isinstance(request, list):
                 return await conversation(client, limit, request, max_new_tokens)
             async with limit:
+                if http_url is not None:
+                    return [await one_request_openai(http, http_url, model, request, max_new_tokens)]
                 return [await one_request(client, request, max_new_tokens)]
 
         tasks, start = [], time.time()
@@ -130,17 +175,29 @@ async def run_requests(server: str, prompts: list, rate: float, concurrency: int
 
 
 def _client_process(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
-                    seed: int, start_at: float) -> tuple[list[dict], float, float]:
-    return asyncio.run(run_requests(server, prompts, rate, concurrency, max_new_tokens, seed, start_at))
+                    seed: int, start_at: float, http_url: Optional[str]) -> tuple[list[dict], float, float]:
+    return asyncio.run(run_requests(server, prompts, rate, concurrency, max_new_tokens, seed, start_at,
+                                    http_url))
+
+
+def process_cpu_seconds(pid: Optional[int]) -> float:
+    """User + system CPU time of a process so far (Linux /proc); 0 when unknown."""
+    if pid is None or not os.path.exists(f"/proc/{pid}/stat"):
+        return 0.0
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run_load(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
-                   seed: int, client_procs: int = 1) -> dict:
+                   seed: int, client_procs: int = 1, http_url: Optional[str] = None,
+                   server_pid: Optional[int] = None) -> dict:
     """One load run. `client_procs` > 1 splits the requests, the concurrency and the rate over
     that many client processes, so that a Python client's per-chunk cost does not cap the
     measurement at high concurrency."""
+    cpu0 = process_cpu_seconds(server_pid)
     if client_procs <= 1:
-        results, start, end = await run_requests(server, prompts, rate, concurrency, max_new_tokens, seed)
+        results, start, end = await run_requests(server, prompts, rate, concurrency, max_new_tokens, seed,
+                                                 http_url=http_url)
     else:
         loop = asyncio.get_running_loop()
         start_at = time.time() + 5.0  # spawned clients import grpc and connect meanwhile
@@ -148,11 +205,12 @@ async def run_load(server: str, prompts: list, rate: float, concurrency: int, ma
             parts = await asyncio.gather(*(
                 loop.run_in_executor(pool, _client_process, server, prompts[i::client_procs],
                                      rate / client_procs, concurrency // client_procs + (i < concurrency % client_procs),
-                                     max_new_tokens, seed + i, start_at)
+                                     max_new_tokens, seed + i, start_at, http_url)
                 for i in range(min(client_procs, concurrency, len(prompts)))))
         results = [r for part in parts for r in part[0]]
         start, end = min(p[1] for p in parts), max(p[2] for p in parts)
     elapsed = end - start
+    server_cpu = process_cpu_seconds(server_pid) - cpu0
 
     def pct(values, q):
         values = sorted(values)
@@ -168,11 +226,13 @@ async def run_load(server: str, prompts: list, rate: float, concurrency: int, ma
             "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
             "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
             "accept_length": statistics.mean(r["accept"] for r in results),
-            "cached_tokens_mean": statistics.mean(r["cached"] for r in results)}
+            "cached_tokens_mean": statistics.mean(r["cached"] for r in results),
+            "server_cpu_us_per_token": 1e6 * server_cpu / max(tokens, 1) if server_pid else None}
 
 
 def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
-                           max_context_len: int, device: str = "cuda", prefix_cache: bool = True):
+                           max_context_len: int, device: str = "cuda", prefix_cache: bool = True,
+                           text: bool = False):
     """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
     from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
 
@@ -182,7 +242,8 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
     if model == "demo":
         target, draft, load_format, force = None, str(demo_models_dir() / "demo-draft"), "auto", None
     else:
-        (target, draft), load_format, force = write_shape(tempfile.mkdtemp(), model), "dummy", accept_len
+        tokenizer = str(demo_models_dir() / "demo-target") if text else None
+        (target, draft), load_format, force = write_shape(tempfile.mkdtemp(), model, tokenizer), "dummy", accept_len
     spec_config = None if spec == "plain" else SpecConfig(
         algorithm="eagle3", draft_model=draft, bench_force_accept_len=force, **SPEC_MODES[spec])
     return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
@@ -191,13 +252,13 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
                         max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
 
 
-def serve_launched(engine_config, port: int, cluster=None) -> None:
+def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None) -> None:
     """The --launch server process (cluster: a ClusterConfig, for bench/data_parallel.py)."""
     from specserve.server.app import run_server
     from specserve.server.config import ServerConfig
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port),
+    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port),
                                 cluster=cluster))
 
 
@@ -225,16 +286,22 @@ def main():
     ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
     ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
     ap.add_argument("--disable-prefix-cache", action="store_true", help="with --launch: the cache off")
+    ap.add_argument("--text", action="store_true",
+                    help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
+    ap.add_argument("--api", choices=["grpc", "openai"], default="grpc")
+    ap.add_argument("--http-port", type=int, default=8071, help="the OpenAI front's port (--api openai)")
     args = ap.parse_args()
+    http_url = f"http://127.0.0.1:{args.http_port}" if args.api == "openai" else None
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     server = None
     if args.launch is not None:
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
                                                args.max_context_len, args.device,
-                                               prefix_cache=not args.disable_prefix_cache)
+                                               prefix_cache=not args.disable_prefix_cache, text=args.text)
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
-            target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2])))
+            target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2]),
+                                         args.http_port if args.api == "openai" else None))
         server.start()
     rows = []
     try:
@@ -242,14 +309,16 @@ def main():
             num_requests = args.num_requests or concurrency
             if args.workload == "random":
                 prompts = make_prompts(num_requests, args.seed, args.prompt_words, args.vocab,
-                                       token_ids=args.launch not in (None, "demo"))
+                                       token_ids=args.launch not in (None, "demo") and not args.text)
             else:
                 prompts = shared_prefix_workload(args.workload, num_requests, args.seed, args.prompt_words,
                                                  args.vocab, args.system_prompt_tokens, args.turns)
             for rate in (float(r) for r in args.rates.split(",")):
-                rows.append(dict(workload=args.workload, label=args.label,
+                rows.append(dict(workload=args.workload, label=args.label, api=args.api,
+                                 text=args.launch in (None, "demo") or args.text,
                                  **asyncio.run(run_load(args.server, prompts, rate, concurrency,
-                                                        args.max_new_tokens, args.seed, args.client_procs))))
+                                                        args.max_new_tokens, args.seed, args.client_procs,
+                                                        http_url, server.pid if server is not None else None))))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if server is not None:
@@ -258,12 +327,14 @@ def main():
     json.dump({"server": args.server, "launch": args.launch, "spec": args.spec if args.launch else None,
                "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{'label':>10} {'conc':>4} {'rate':>5} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p99':>7} "
-          f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'accept':>6} {'cached':>7}")
+          f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'accept':>6} {'cached':>7} {'api':>6} "
+          f"{'cpu us/tok':>10}")
     for r in rows:
         print(f"{r['label']:>10} {r['concurrency']:>4} {r['rate']:>5} {r['output_tokens_per_s']:8.1f} "
               f"{r['requests_per_s']:6.2f} {r['ttft_ms_p50']:9.1f} {r['ttft_ms_p99']:7.1f} "
               f"{r['tpot_ms_p50']:9.2f} {r['tpot_ms_p99']:7.2f} {r['itl_ms_p50']:8.2f} {r['itl_ms_p99']:7.2f} "
-              f"{r['accept_length']:6.2f} {r['cached_tokens_mean']:7.1f}")
+              f"{r['accept_length']:6.2f} {r['cached_tokens_mean']:7.1f} {r['api']:>6} "
+              f"{r['server_cpu_us_per_token'] or 0:10.1f}")
 
 
 if __name__ == "__main__":

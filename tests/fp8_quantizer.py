@@ -32,7 +32,7 @@ FORMATS = ("block", "ct-block", "ct-channel", "ct-tensor", "hf-tensor")
 
 
 def quantizes(name: str) -> bool:
-    return name.endswith(".weight") and name.split(".")[-2] in QUANTIZED and ".layers." in name
+    return name.endswith(".weight") and name.split(".")[-2] in QUANTIZED and "layers." in name
 
 
 def quantize_block(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -278,3 +278,64 @@ def test_served_through_grpc_and_http(quantized, make_engine, fmt, block, weight
         assert body["usage"]["completion_tokens"] == GREEDY.max_new_tokens
     finally:
         assert server.stop() == 0
+
+
+def test_fp8_eagle_head_beside_an_fp8_target(fp8_pair, fp8_plain, make_engine, tmp_path):
+    """An EAGLE-1 head may be FP8 too (its decoder layer; fc and the embedding stay 16-bit)."""
+    head = quantize_checkpoint(fp8_pair[1], str(tmp_path / "head"), "ct-channel")
+    prompts, params, expected = fp8_plain
+    engine = make_engine(fp8_pair[0], spec=SpecConfig(algorithm="eagle", draft_model=head, **CHAIN))
+    layer = engine.core.draft_runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == FP8 and engine.core.draft_runner.model.fc.weight.dtype != FP8
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    assert engine.metrics.mean_accept_length > 1.3
+
+
+# --- on a GPU: the kernels that read FP8 weights, under CUDA graphs -----------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,block", [("llama", (16, 32)), ("deepseek_v3", (16, 16))])
+@pytest.mark.parametrize("spec", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+def test_gpu_fp8_graphs_match_eager_and_spec_matches_plain(quantized, make_engine, tmp_path, arch, block, spec):
+    """fp32 activations on CUDA: the skinny GEMM, the large-M path and the fused MoE read FP8
+    weights; graphs replay exactly what eager runs, and speculation keeps plain's tokens."""
+    fp8, _ = quantized(arch, "block", block)
+    prompts = random_prompts(6, seed=17, max_len=40)
+    head = None
+    if spec is not None:
+        from helpers import make_eagle3_head
+        head = make_eagle3_head(str(tmp_path / "head"), target_layers=3 if arch.startswith("deepseek") else 2)
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle3", draft_model=head, **spec)
+    kwargs = dict(device="cuda", attention_backend="triton", max_total_tokens=4096, max_running_requests=8)
+    outs = [[o.token_ids for o in make_engine(fp8, cuda_graph=graphs, spec=s, **kwargs).generate(
+        prompt_token_ids=prompts, sampling=GREEDY)] for graphs, s in ((False, spec_cfg), (True, spec_cfg), (True, None))]
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,fmt,block", [("llama", "block", (16, 32)), ("llama", "ct-channel", None),
+                                            ("deepseek_v3", "block", (16, 16))])
+def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, arch, fmt, block):
+    """bf16 activations: the FP8 kernels against the dequantized weights run by the same engine
+    in bf16 (cuBLAS), within bf16 rounding (METHOD.md: bf16 operands give 1e-3..1e-2 relative)."""
+    fp8, ref = quantized(arch, fmt, block)
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    for prompt in (ids, ids[:5]):  # prefill (large M) and a short one (skinny GEMM rows)
+        ours = make_engine(fp8, device="cuda", dtype="bfloat16").prompt_logits(prompt).float()
+        theirs = make_engine(ref, device="cuda", dtype="bfloat16").prompt_logits(prompt).float()
+        assert ((ours - theirs).norm() / theirs.norm()).item() < 2e-2
+
+
+def test_missing_scale_tensor_is_named(tmp_path, quantized):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specserve.engine import Engine, EngineConfig
+
+    fp8, _ = quantized("llama", "block", (16, 32))
+    path = shutil.copytree(fp8, tmp_path / "m")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.down_proj.weight_scale_inv'"):
+        Engine(EngineConfig(model=str(path), device="cpu", spec=None))

@@ -69,7 +69,11 @@ def load_scale(reader, parts: list[PartSlice], quant: QuantConfig, block: tuple[
     """The fp32 scale grid of a layer assembled from its parts' scale tensors."""
     pieces = []
     for part in parts:
-        scale = reader.get(scale_key(part.key, quant)).float()
+        key = scale_key(part.key, quant)
+        if key not in reader:
+            raise ValueError(f"model: checkpoint is missing tensor {key!r} (the scales of the FP8 "
+                             f"weight {part.key!r}, as quantization_config's format stores them)")
+        scale = reader.get(key).float()
         rows, cols = reader.shape(part.key)
         pieces.append(_part_scale(scale, part, rows, cols, quant, block))
     return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
