@@ -36,7 +36,8 @@ IDLE_POLL_MS = 500
 
 @dataclass(frozen=True)
 class ServerLink:
-    """Where the engine process meets the server: the ipc:// addresses the server bound."""
+    """Where the engine process meets the server: the addresses the server bound (ipc:// paths;
+    tcp:// on its node's IP for an engine that may run on another host)."""
 
     requests: str
     outputs: str

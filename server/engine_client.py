@@ -1,13 +1,13 @@
 """EngineClient: the server's handle on the engine process.
 
 Starts `specserve.engine.process.run_engine_process` in a spawned child (or, through an
-`EngineLauncher`, anywhere else: server/cluster runs it in a Ray replica actor, over tcp://),
-talks to it over two ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one
-RequestStream per request (through an OutputReader thread: server/output_router.py). If the
-child dies, every waiting caller gets EngineUnavailable at once (the child's process sentinel
-is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
-child is found by the watchdog (server/watchdog.py) from the heartbeats on a third socket; it is
-then killed and handled as dead.
+`EngineLauncher`, anywhere else: server/cluster runs it in a Ray replica actor), talks to it over
+two ZeroMQ PUSH/PULL sockets on ipc:// paths (tcp:// ports for an engine on another host), and
+routes the engine's per-step outputs to one RequestStream per request (through an OutputReader
+thread: server/output_router.py). If the child dies, every waiting caller gets EngineUnavailable
+at once (the child's process sentinel is watched on the event loop, so nothing waits for a
+timeout). A frozen or stuck child is found by the watchdog (server/watchdog.py) from the
+heartbeats on a third socket; it is then killed and handled as dead.
 """
 from __future__ import annotations
 

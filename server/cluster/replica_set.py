@@ -151,9 +151,8 @@ class ReplicaSet:
     def submit(self, rid: str, prompt_token_ids: list[int], sampling: SamplingParams,
                outputs: list[OutputStream]) -> RequestStream:
         """As EngineClient.submit, on the replica the router picks (all n sequences there)."""
+        self.check_available()
         live = self._serving()
-        if not live:
-            self.check_available()  # raises, saying why
         kv_use = {row.replica: row.load.kv_used_tokens / row.load.kv_total_tokens
                   for row in self.last_rows if row.load is not None}
         route = self.router.route(prompt_token_ids, [
@@ -180,14 +179,14 @@ class ReplicaSet:
 
     async def load(self, flush_prefix_cache: bool = False) -> EngineLoad:
         """The totals over the serving replicas (each flushed first if asked)."""
-        rows = self.last_rows = await self.replica_loads(flush_prefix_cache)
+        rows = self.last_rows = await self._query_rows(flush_prefix_cache)
         loads = [row.load for row in rows if row.load is not None]
         if not loads:
             self.check_available()
             raise EngineUnavailable("no replica reported its load")
         return _total(loads)
 
-    async def replica_loads(self, flush_prefix_cache: bool = False) -> list[ReplicaLoad]:
+    async def _query_rows(self, flush_prefix_cache: bool = False) -> list[ReplicaLoad]:
         """One row per replica, serving or not (queried concurrently)."""
         async def row(replica: _Replica) -> ReplicaLoad:
             load = None
@@ -207,11 +206,11 @@ class ReplicaSet:
         """Raise EngineUnavailable (saying why) unless some replica takes requests now."""
         if self._closing:
             raise EngineUnavailable("the server is shutting down")
-        if self._serving():
-            return
-        if self.info is None:
+        if self.info is None:  # the server serves once every replica is ready, as with one
             raise EngineUnavailable("the engine replicas are still starting (placing, loading "
                                     "and warming up)")
+        if self._serving():
+            return
         raise EngineUnavailable(f"no engine replica serves now (all {len(self.replicas)} are "
                                 f"restarting)")
 
