@@ -36,9 +36,9 @@ class Engine:
             init_method = tp_init_method or ""
             if config.tp_size > 1:
                 check_tp_divides(ModelConfig.from_dir(target_path(config)), config.tp_size)
-            if config.tp_size > 1 and tp_init_method is None:
-                init_method = free_init_method()
-                self._followers = spawn_followers(config, init_method)
+                if tp_init_method is None:
+                    init_method = free_init_method()
+                    self._followers = spawn_followers(config, init_method)
             self.core: Optional[EngineCore] = build_engine(config, 0, init_method,
                                                            local_ranks=tp_init_method is None)
         except BaseException:  # a failed start leaves no follower process behind

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -52,9 +53,8 @@ class ClusterConfig:
 
 
 def require_ray() -> None:
-    """Raise ImportError saying what to install unless Ray can be imported."""
-    try:
-        import ray  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"data-parallel replicas run on Ray, which is not installed ({e}); "
-                          f"{INSTALL_HINT}") from None
+    """Raise ImportError saying what to install unless Ray is installed (found, not imported:
+    ray_replicas.py sets Ray's environment before the import)."""
+    if importlib.util.find_spec("ray") is None:
+        raise ImportError(f"data-parallel replicas run on Ray, which is not installed; "
+                          f"{INSTALL_HINT}")

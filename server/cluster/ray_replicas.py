@@ -21,14 +21,18 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import ray
-from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+# Read when Ray is imported: Ray's handler for fatal signals would otherwise log SIGTERM, the
+# server's ordinary stop (it drains), as a crash with a stack trace.
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+import ray  # noqa: E402
+from ray.util.placement_group import placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.process import ServerLink, StartEngine, run_engine_process, start_warm_engine
 from specserve.server.cluster.config import ClusterConfig, TPPlacement
-from specserve.server.engine_client import (SHUTDOWN_TIMEOUT_S, EngineHandle, EngineLauncher)
+from specserve.server.engine_client import SHUTDOWN_TIMEOUT_S, EngineHandle, EngineLauncher
 
 logger = logging.getLogger("specserve.server.cluster")
 
