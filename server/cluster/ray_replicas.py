@@ -75,21 +75,21 @@ class ReplicaHost:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=rank),
             ).remote() for rank in range(1, config.tp_size)]
+            with self._lock:  # killed with the engine from now on, even if it fails to spawn
+                self._ranks = ranks
             for rank, actor in enumerate(ranks, start=1):
                 actor.run.remote(config, rank, init_method)
             rank_nodes = (ray.get_runtime_context().get_node_id(),
                           *ray.get([actor.node_id.remote() for actor in ranks]))
             start_engine = functools.partial(start_engine or start_warm_engine,
                                              tp_init_method=init_method)
-        else:
-            ranks = []
         # spawn: this actor runs Ray's threads; the engine's ppid check ties it to this actor.
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_process, args=(config, link, start_engine),
             name=f"specserve-engine-{self.index}")
         process.start()
         with self._lock:
-            self._process, self._ranks = process, ranks
+            self._process = process
         return EngineStarted(process.pid, os.getpid(), node_ip, rank_nodes)
 
     def wait_engine(self) -> Optional[int]:
@@ -144,7 +144,7 @@ class RayEngine(EngineHandle):
         self.description = f"replica {index}, starting"
         self._started = started
         self._exited = asyncio.Event()
-        self._waiter: Optional[asyncio.Task] = None
+        self._waiter: Optional[asyncio.Task] = None  # held, or the loop may collect it
 
     def watch_exit(self, on_exit: Callable[[str], None]) -> None:
         self._waiter = asyncio.get_running_loop().create_task(self._wait(on_exit))
