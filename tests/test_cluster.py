@@ -275,16 +275,18 @@ def test_a_killed_replica_fails_its_calls_the_other_serves_and_it_returns(dp_ser
         assert [row.restarts for row in client.server_load().replicas] == [1, 0]
 
 
-def test_tp2_with_its_ranks_on_two_ray_nodes_equals_one_engine(ray_cluster,
-                                                               single_engine_outputs):
-    """Rank 0 (the engine process of the replica's actor) and rank 1 (a Ray actor) in a
-    STRICT_SPREAD placement group: two nodes, gloo between them."""
+@pytest.mark.parametrize("placement", ["spread", "node"])
+def test_tp2_replica_equals_one_engine(ray_cluster, single_engine_outputs, placement):
+    """spread: rank 0 (the engine process of the replica's actor) and rank 1 (a Ray actor) in a
+    STRICT_SPREAD placement group, on two nodes with gloo between them; node: one bundle of two
+    CPUs, the engine spawns rank 1 beside it (as without Ray)."""
     prompts, expected = single_engine_outputs
     server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address, "--tp", "2",
-                           "--tp-placement", "spread", speculative=True)
+                           "--tp-placement", placement, speculative=True)
     try:
-        nodes = server.wait_for_log(r"tp ranks on nodes (\w+), (\w+)\)").groups()
-        assert nodes[0] != nodes[1]
+        if placement == "spread":
+            nodes = server.wait_for_log(r"tp ranks on nodes (\w+), (\w+)\)").groups()
+            assert nodes[0] != nodes[1]
         with server.client() as client:
             assert [client.generate(prompt_token_ids=p, **GREEDY).token_ids
                     for p in prompts] == expected
