@@ -2,8 +2,8 @@
 
     python bench/one_batch.py --models llama-8b --batch-sizes 1 --modes plain,chain --out out.json
 
-Models are Llama shapes or the DeepSeek-V2-Lite shape (MLA + 64 experts top-6) with random
-bf16 weights built in memory (`load_format="dummy"`), or the bundled demo pair. Speculative rows on random weights force the accept length with the
+Models are Llama shapes, the DeepSeek-V2-Lite shape (MLA + 64 experts top-6), Qwen3-30B-A3B
+(128 experts top-8) or Mixtral-8x7B (8 experts top-2) with random bf16 weights built in memory (`load_format="dummy"`), or the bundled demo pair. Speculative rows on random weights force the accept length with the
 bench-only `SpecConfig.bench_force_accept_len` (real acceptance needs real weights).
 The draft is an EAGLE-3 head of the target's width, or with `--draft nextn` (DeepSeek shapes)
 the target's own V3-style multi-token-prediction layer (MLA + MoE of the target's shape):
@@ -68,8 +68,25 @@ SHAPES = {
         rms_norm_eps=1e-6, rope_theta=10000.0,
         rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
                       "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    # Qwen3-30B-A3B (random weights): GQA with per-head q/k norm, 128 routed experts top-8
+    # renormalised, every layer MoE.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=None),
+    # Mixtral-8x7B (random weights): 8 experts top-2 of width 14336. 93 GB of bf16 weights:
+    # --tp-sizes 2 on 80 GB cards.
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, rope_scaling=None, sliding_window=None),
 }
-# EAGLE-3 heads of the DeepSeek shapes: a Llama layer of the target's width.
+# EAGLE-3 heads of the DeepSeek shapes: a Llama layer of the target's width. Qwen3-MoE's and
+# Mixtral's heads take the target's own attention fields and its intermediate_size (Qwen3's
+# dense width, 6144; Mixtral's expert width) as they are: no override.
 DRAFT_OVERRIDES = {"deepseek-v2-lite": dict(num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
                                             max_position_embeddings=131072, rope_scaling=None),
                    "deepseek-v3-4l": dict(num_attention_heads=56, num_key_value_heads=8, intermediate_size=18432,

@@ -83,7 +83,8 @@ class Client:
         max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
         seed, stop, stop_token_ids, ignore_eos, logprobs, top_logprobs, prompt_logprobs,
         presence_penalty, frequency_penalty, logit_bias ({token id: bias}), n (sequences; the
-        chunks name theirs in Chunk.index); see
+        chunks name theirs in Chunk.index), structured_output (one of {"json_object": True},
+        {"json_schema": schema dict or JSON text}, {"regex": ...}, {"ebnf": ...}); see
         docs/grpc-api.md for their meaning. `timeout` (seconds) is the deadline.
         A value of the wrong type or out of its field's range raises InvalidArgument here."""
         request = build_request(prompt, prompt_token_ids, sampling, messages,

@@ -1,6 +1,7 @@
 """Shared by Client and AsyncClient: request building, response conversion, channel setup."""
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -113,7 +114,25 @@ _SAMPLING_CHECKS: dict[str, _Check] = {
     "presence_penalty": _float32, "frequency_penalty": _float32, "logit_bias": _logit_bias,
     "n": _uint32,
 }
-SAMPLING_OPTIONS = tuple(_SAMPLING_CHECKS)
+_GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+def _structured_output(value: object) -> pb.StructuredOutput:
+    """{"json_schema": schema (a dict or JSON text)} | {"regex": str} | {"ebnf": str} |
+    {"json_object": True}: GenerateRequest.structured_output."""
+    if not isinstance(value, Mapping) or len(value) != 1 or next(iter(value)) not in _GRAMMAR_KINDS:
+        raise _BadValue(f"expected a dict with one of {', '.join(_GRAMMAR_KINDS)}, got {value!r}")
+    kind, source = next(iter(value.items()))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=_bool(source))
+    if kind == "json_schema" and isinstance(source, Mapping):
+        source = json.dumps(source)
+    return pb.StructuredOutput(**{kind: _utf8_str(source)})
+
+
+# Options of generate()/generate_stream() that are request fields rather than sampling ones.
+_REQUEST_CHECKS: dict[str, _Check] = {"structured_output": _structured_output}
+SAMPLING_OPTIONS = tuple(_SAMPLING_CHECKS) + tuple(_REQUEST_CHECKS)
 _token_ids = _list_of(_uint32)
 
 
@@ -176,6 +195,9 @@ def build_request(prompt: Optional[str], prompt_token_ids: Optional[Sequence[int
         request.add_special_tokens = _checked("add_special_tokens", add_special_tokens, _bool)
     for name, value in sampling.items():
         if value is None:
+            continue
+        if name in _REQUEST_CHECKS:
+            getattr(request, name).CopyFrom(_checked(name, value, _REQUEST_CHECKS[name]))
             continue
         value = _checked(name, value, _SAMPLING_CHECKS[name])
         if isinstance(value, list):  # a repeated field

@@ -3,10 +3,10 @@
 `Engine` is imported on first use, so that `from specserve.engine import SamplingParams`
 (the server, the CLI) does not load torch.
 """
-from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.config import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.outputs import GenerateOutput, StepOutput
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "SpecConfig", "GenerateOutput", "StepOutput"]
+__all__ = ["Engine", "EngineConfig", "GrammarSpec", "SamplingParams", "SpecConfig", "GenerateOutput", "StepOutput"]
 
 
 def __getattr__(name):

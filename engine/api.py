@@ -101,6 +101,8 @@ class Engine:
         bad_bias = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
+        if sampling.grammar is not None and core.scheduler.grammars is None:
+            raise ValueError("structured_output: this model has no tokenizer.json, which grammars need")
         if core.scheduler.has_request(rid):
             raise ValueError(f"rid: request id {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)

@@ -18,6 +18,7 @@ import torch
 from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+from specserve.engine.grammar.compiler import GrammarCompiler
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
 from specserve.engine.kvcache.radix_cache import RadixCache
@@ -28,6 +29,7 @@ from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.loader import init_dummy_weights, load_llama, use_fp8_everywhere
 from specserve.engine.models.model_config import ModelConfig
+from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
@@ -92,8 +94,11 @@ class EngineCore:
         rank 0 after telling the followers to stop)."""
         with self.ctx.schedule_context():
             self.scheduler.drain()
-        if self.worker.graphs is not None:
-            self.worker.graphs.release()
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.close()
+        for graphs in (self.worker.graphs, self.worker.extend_graphs):
+            if graphs is not None:
+                graphs.release()
         self.ctx.close()
         if self.tp_group is not None:
             if self.rank == 0:
@@ -139,7 +144,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     step_slots = 1 if spec is None else spec.kv_reserve_per_request
     row_width = model_context + (0 if spec is None else spec.kv_reserve_per_request) + 1
 
-    model_class = DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM
+    model_class = MOE_FAMILY_CLASSES.get(cfg.architecture) or \
+        (DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM)
     with torch.device(device):
         model = model_class(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
     logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
@@ -224,7 +230,10 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                chunked_prefill_size=config.chunked_prefill_size,
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
-        enable_overlap=config.enable_overlap, speculative=spec is not None)
+        enable_overlap=config.enable_overlap, speculative=spec is not None,
+        # Structured outputs need the tokenizer's vocabulary (xgrammar loads it lazily).
+        grammars=GrammarCompiler(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size, eos_token_ids)
+        if tokenizer is not None else None)
     logger.info("KV pool: %d slots; max_context_len %d; %s attention; prefix cache %s; %s", num_slots,
                 max_context_len, type(attn).__name__, "on" if cache is not None else "off",
                 "plain decoding" if spec is None else

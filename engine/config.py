@@ -33,6 +33,36 @@ def _require(cond: bool, field_name: str, message: str) -> None:
         raise ValueError(f"{field_name}: {message}")
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+# Longest grammar source (a JSON schema, regex or EBNF text) a request may carry.
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (structured outputs): any JSON object, a JSON schema,
+    a regex or an EBNF grammar (xgrammar's dialect), as `source` text. With
+    `after_token_id` set (a reasoning model's end-of-thinking token), the grammar applies only
+    to the tokens after the first such token the request generates. The source is checked when
+    it is compiled (engine/grammar); the server parses it first to refuse a bad one by name."""
+
+    kind: str
+    source: str = ""
+    after_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        _require(self.kind in GRAMMAR_KINDS, "structured_output",
+                 f"must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        _require(isinstance(self.source, str) and len(self.source) <= MAX_GRAMMAR_CHARS,
+                 f"structured_output.{self.kind}",
+                 f"must be text of at most {MAX_GRAMMAR_CHARS} characters")
+        _require(self.kind == "json_object" or bool(self.source), f"structured_output.{self.kind}",
+                 "must not be empty")
+        _require(self.after_token_id is None or (isinstance(self.after_token_id, int)
+                                                 and self.after_token_id >= 0),
+                 "structured_output.after_token_id", "must be a token id")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping rules (the same defaults as the gRPC API documents)."""
@@ -63,6 +93,8 @@ class SamplingParams:
     # Sequences generated from the prompt, each with its own seed (sequence_seed); the prompt
     # is prefilled once and its KV shared.
     n: int = 1
+    # Structured outputs: the grammar every generated token must keep the output inside of.
+    grammar: Optional[GrammarSpec] = None
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, list):
@@ -107,6 +139,16 @@ class SamplingParams:
                  "seed", f"must be a non-negative 63-bit integer, got {self.seed!r}")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "must be non-negative integers")
+        _require(self.grammar is None or isinstance(self.grammar, GrammarSpec), "structured_output",
+                 f"must be a GrammarSpec, got {self.grammar!r}")
+        if self.grammar is not None:
+            # A grammar ends on a stop token: with none it could never end, and banning them
+            # for min_new_tokens could leave a finished grammar nothing to generate.
+            _require(not self.ignore_eos or bool(self.stop_token_ids), "ignore_eos",
+                     "a structured output ends on EOS or a stop token; with ignore_eos set, "
+                     "give stop_token_ids")
+            _require(self.min_new_tokens == 0, "min_new_tokens",
+                     "is not supported with a structured output (the grammar decides the end)")
 
     def _normalise_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.wire import info_to_proto, load_to_proto, output_to_proto, sampling_from_proto
+from specserve.engine.wire import info_to_proto, load_to_proto, output_to_proto, sampling_from_add_request
 from specserve.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
@@ -174,7 +174,7 @@ class _EngineLoop:
     def _add(self, add: ipc.AddRequest) -> None:
         try:
             self.engine.add_request(add.rid, list(add.prompt_token_ids),
-                                    sampling_from_proto(add.sampling))
+                                    sampling_from_add_request(add))
         except ValueError as e:  # the engine names the field; the server maps it to INVALID_ARGUMENT
             self._send(ipc.EngineToServer(rejected=ipc.RequestRejected(rid=add.rid, message=str(e))))
             return

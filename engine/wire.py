@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from specserve.engine.config import SamplingParams, SpecConfig
+import dataclasses
+
+from specserve.engine.config import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput, TopLogprobs
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
@@ -41,6 +43,46 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
             del values[name]
     return pb.SamplingParams(stop_token_ids=params.stop_token_ids, logit_bias=dict(params.logit_bias),
                              **values)
+
+
+# --- structured outputs and requests ------------------------------------------------------------
+def grammar_from_proto(msg: pb.StructuredOutput,
+                       after_token_id: Optional[int] = None) -> Optional[GrammarSpec]:
+    """None when no grammar is set; ValueError naming the field for a bad one (sizes and
+    emptiness here; the source itself is parsed by engine.grammar.compiler.parse_grammar)."""
+    kind = msg.WhichOneof("grammar")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise ValueError("structured_output.json_object: set it to true (or leave "
+                             "structured_output unset)")
+        return GrammarSpec(kind, after_token_id=after_token_id)
+    return GrammarSpec(kind, getattr(msg, kind), after_token_id)
+
+
+def grammar_to_proto(spec: GrammarSpec) -> pb.StructuredOutput:
+    if spec.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{spec.kind: spec.source})
+
+
+def add_request_to_proto(rid: str, prompt_token_ids, sampling: SamplingParams) -> ipc.AddRequest:
+    msg = ipc.AddRequest(rid=rid, prompt_token_ids=prompt_token_ids,
+                         sampling=sampling_to_proto(sampling))
+    if sampling.grammar is not None:
+        msg.structured_output.CopyFrom(grammar_to_proto(sampling.grammar))
+        if sampling.grammar.after_token_id is not None:
+            msg.grammar_after_token_id = sampling.grammar.after_token_id
+    return msg
+
+
+def sampling_from_add_request(msg: ipc.AddRequest) -> SamplingParams:
+    """The request's SamplingParams with its grammar; ValueError naming the field."""
+    sampling = sampling_from_proto(msg.sampling)
+    after = msg.grammar_after_token_id if msg.HasField("grammar_after_token_id") else None
+    grammar = grammar_from_proto(msg.structured_output, after)
+    return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar)
 
 
 # --- what the engine serves ------------------------------------------------------------------------

@@ -60,11 +60,12 @@ class ChatTemplate:
         return cls(source, getattr(tokenizer, "special_tokens", {}))
 
     def render(self, messages: Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = True) -> str:
-        """The prompt text; InvalidRequest naming `messages` if the template refuses them."""
+               add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
+        """The prompt text; InvalidRequest naming `messages` if the template refuses them.
+        `tools`: the OpenAI tool definitions (templates that support tools render them)."""
         try:
             return self._template.render(messages=list(messages),
                                          add_generation_prompt=add_generation_prompt,
-                                         **self._special_tokens)
+                                         tools=tools, **self._special_tokens)
         except jinja2.exceptions.TemplateError as e:  # raise_exception and sandbox violations
             raise InvalidRequest(f"messages: the model's chat template refused them: {e}") from None

@@ -35,8 +35,18 @@ class ServerConfig:
     # deadlock, a hung collective or GPU). Must exceed the longest legitimate step (the first
     # compile of a kernel for a new shape, the largest prefill); None: off.
     engine_stall_timeout_s: Optional[float] = 300.0
+    # Chat outputs: "deepseek-r1" | "qwen3" puts <think>...</think> in reasoning_content (and a
+    # grammar applies after it); None: off. Tool-call format "hermes" | "llama3_json"; None:
+    # chosen from the model's chat template (server/tool_calls.py).
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
 
     def __post_init__(self):
+        from specserve.server.reasoning import check_reasoning_parser
+        from specserve.server.tool_calls import check_tool_call_parser
+
+        check_reasoning_parser(self.reasoning_parser)
+        check_tool_call_parser(self.tool_call_parser)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert/tls_key: give both or neither")
         if self.max_queue < 0:

@@ -29,7 +29,7 @@ import zmq.asyncio
 from specserve.engine.config import EngineConfig, SamplingParams
 from specserve.engine.outputs import EngineInfo, EngineLoad
 from specserve.engine.process import ServerLink, StartEngine, run_engine_process
-from specserve.engine.wire import info_from_proto, load_from_proto, sampling_to_proto
+from specserve.engine.wire import add_request_to_proto, info_from_proto, load_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.output_router import OutputReader, RequestStream, Routed, StreamUpdate
 from specserve.server.output_stream import OutputStream
@@ -217,8 +217,7 @@ class EngineClient:
         stream = RequestStream(outputs)
         self._streams[rid] = stream
         self._unfinished[rid] = set(range(sampling.n))
-        self._send(ipc.ServerToEngine(add=ipc.AddRequest(
-            rid=rid, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))))
+        self._send(ipc.ServerToEngine(add=add_request_to_proto(rid, prompt_token_ids, sampling)))
         return stream
 
     def abort(self, rid: str, index: Optional[int] = None) -> None:

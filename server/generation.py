@@ -25,6 +25,8 @@ from specserve.server.engine_client import EngineClient, EngineUnavailable, Requ
 from specserve.server.logprobs import TokenTexts
 from specserve.server.metrics import ServerMetrics
 from specserve.server.output_stream import OutputStream
+from specserve.server.reasoning import THINK_END
+from specserve.server.tool_calls import default_tool_call_parser
 from specserve.server.request_record import RequestRecord, finish_reason_name
 from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
                                          ValidatedRequest)
@@ -70,6 +72,8 @@ class Served:
     limits: RequestLimits
     validator: RequestValidator  # it holds the chat template
     token_texts: TokenTexts      # each token's own text, for top and prompt logprobs
+    reasoning_parser: Optional[str] = None   # chat: where the thinking ends (server/reasoning.py)
+    tool_call_parser: str = "hermes"         # chat: the model's tool-call format
 
 
 Prepare = Callable[[Served], ValidatedRequest]
@@ -96,9 +100,15 @@ class GenerationCore:
             vocab_size=info.vocab_size,
             max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
             max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
-        self.served = Served(info, tokenizer, limits,
-                             RequestValidator(tokenizer, limits, ChatTemplate.of(tokenizer)),
-                             TokenTexts(tokenizer))
+        config = self.server_config
+        template = ChatTemplate.of(tokenizer)
+        self.served = Served(
+            info, tokenizer, limits,
+            RequestValidator(tokenizer, limits, template,
+                             reasoning_end_id=_reasoning_end_id(tokenizer, config.reasoning_parser),
+                             reasoning=config.reasoning_parser is not None),
+            TokenTexts(tokenizer), config.reasoning_parser,
+            config.tool_call_parser or default_tool_call_parser(getattr(tokenizer, "chat_template", None)))
 
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
@@ -240,3 +250,17 @@ class GenerationCore:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def _reasoning_end_id(tokenizer: Any, reasoning_parser: Optional[str]) -> Optional[int]:
+    """The token a chat grammar starts after: </think>, when it is one token (reasoning models
+    have it as one); None without a reasoning parser or such a token (the validator then refuses
+    a grammar on a chat request, which could not wait for the thinking to end)."""
+    if reasoning_parser is None or tokenizer is None:
+        return None
+    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+    if len(ids) != 1:
+        logger.warning("reasoning parser %s: %s is not one token of this tokenizer; structured "
+                       "outputs on chat requests are refused", reasoning_parser, THINK_END)
+        return None
+    return ids[0]

@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Uni
 
 from google.protobuf.message import DecodeError, Message
 
-from specserve.engine.config import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
-from specserve.engine.wire import sampling_from_proto
+import dataclasses
+
+from specserve.engine.config import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from specserve.engine.grammar.compiler import parse_grammar
+from specserve.engine.wire import grammar_from_proto, sampling_from_proto
 from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
 from specserve.proto import generate_pb2 as pb
 
@@ -88,13 +91,20 @@ class RequestValidator:
     that Tokenize gives exactly the ids Generate would), on both fronts."""
 
     def __init__(self, tokenizer: Any, limits: RequestLimits,
-                 chat_template: Optional["ChatTemplate"] = None):
+                 chat_template: Optional["ChatTemplate"] = None,
+                 reasoning_end_id: Optional[int] = None, reasoning: bool = False):
         self.tokenizer = tokenizer
         self.limits = limits
         self.chat_template = chat_template
+        # With a reasoning parser, a chat request's grammar starts after this token (None: it
+        # is not one token, and such requests are refused).
+        self.reasoning = reasoning
+        self.reasoning_end_id = reasoning_end_id
 
-    def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
-        """Check sizes, then tokenize and check every field; slow for a long text prompt."""
+    def validate(self, request: pb.GenerateRequest, chat: bool = False) -> ValidatedRequest:
+        """Check sizes, then tokenize and check every field; slow for a long text prompt.
+        `chat`: the prompt is a conversation the caller rendered (the OpenAI chat API); a
+        messages prompt is one too."""
         self._check_sizes(request)
         prompt_ids = self._prompt_ids(request)
         sampling = request.sampling
@@ -111,7 +121,35 @@ class RequestValidator:
                 sampling, default_max_new_tokens=min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens_cap))
         except ValueError as e:  # SamplingParams names the field first
             raise InvalidRequest(str(e)) from None
+        if request.HasField("structured_output"):
+            params = self._with_grammar(params, request.structured_output,
+                                        chat or request.WhichOneof("prompt") == "messages")
         return ValidatedRequest(prompt_ids, params, stop_strings)
+
+    def _with_grammar(self, params: SamplingParams, msg: pb.StructuredOutput,
+                      chat: bool) -> SamplingParams:
+        """The request's grammar, parsed (a bad schema, regex or grammar is refused here, by
+        name, rather than in the engine); on a chat request with a reasoning parser it starts
+        after the end of the thinking."""
+        kind = msg.WhichOneof("grammar")
+        if kind is not None and len(getattr(msg, kind) if kind != "json_object" else "") > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"structured_output.{kind}: longer than {MAX_GRAMMAR_CHARS} characters")
+        if self.tokenizer is None:
+            raise InvalidRequest("structured_output: this model has no tokenizer, which grammars need")
+        after = None
+        if chat and self.reasoning:
+            if self.reasoning_end_id is None:
+                raise InvalidRequest("structured_output: the reasoning parser's </think> is not one "
+                                     "token of this model, so a grammar cannot start after it")
+            after = self.reasoning_end_id
+        try:
+            grammar = grammar_from_proto(msg, after)
+            if grammar is None:
+                return params
+            parse_grammar(grammar)
+            return dataclasses.replace(params, grammar=grammar)
+        except ValueError as e:  # names the field (structured_output.*, ignore_eos, ...)
+            raise InvalidRequest(str(e)) from None
 
     def _check_sizes(self, request: pb.GenerateRequest) -> None:
         """Refuse oversized fields from their lengths alone, before any per-element work."""
@@ -191,7 +229,8 @@ class RequestValidator:
         return self.tokenize_prompt(prompt, _optional_bool(request, "add_special_tokens"),
                                     generation_prompt is not False)
 
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    tools: Optional[list] = None) -> str:
         """A conversation rendered with the model's chat template; sizes are checked before and
         after rendering (a template can add text), all refusals name `messages`."""
         if not conversation:
@@ -200,7 +239,7 @@ class RequestValidator:
             raise InvalidRequest("messages: this model has no chat template (no chat_template "
                                  "in its tokenizer_config.json); send text")
         self._check_conversation_size(conversation)
-        text = self.chat_template.render(conversation, add_generation_prompt)
+        text = self.chat_template.render(conversation, add_generation_prompt, tools)
         self._check_text_size("messages", text)
         return text
 

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-stall-timeout", type=float, default=None,
                    help="seconds the engine may spend in one step before it counts as stuck "
                         "(default 300; 0: never); must exceed the longest legitimate step")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek-r1", "qwen3"],
+                   help="chat: put <think>...</think> in reasoning_content (a grammar applies after it)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="chat: the model's tool-call format (default: from its chat template)")
     g.add_argument("--log-level", default="INFO")
     c = serve.add_argument_group("cluster (Ray; needs the `ray` extra)")
     c.add_argument("--data-parallel", type=int, default=None, metavar="N",
@@ -157,7 +161,8 @@ def _server_config_from_args(args: argparse.Namespace):
         ("max_new_tokens_cap", "max_new_tokens_cap"), ("max_message_bytes", "max_message_bytes"),
         ("drain_timeout_s", "drain_timeout"), ("stats_log_interval_s", "stats_log_interval"),
         ("engine_heartbeat_timeout_s", "engine_heartbeat_timeout"),
-        ("engine_stall_timeout_s", "engine_stall_timeout")) if getattr(args, flag) is not None}
+        ("engine_stall_timeout_s", "engine_stall_timeout"), ("reasoning_parser", "reasoning_parser"),
+        ("tool_call_parser", "tool_call_parser")) if getattr(args, flag) is not None}
     if optional.get("engine_stall_timeout_s") == 0:
         optional["engine_stall_timeout_s"] = None
     port = args.port

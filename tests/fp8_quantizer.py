@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
-             "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+             "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3")  # Mixtral's experts: w1/w3/w2
 FORMATS = ("block", "ct-block", "ct-channel", "ct-tensor", "hf-tensor")
 
 

@@ -12,9 +12,10 @@ VOCAB = 320
 def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_layers: int = 2,
                          tie: bool = False, sharded: bool = False, vocab_size: int = VOCAB,
                          max_position: int = 512, with_tokenizer: bool = True, num_kv_heads: int = 2,
-                         hidden_size: int = 64, intermediate_size: int = 128, **deepseek) -> str:
+                         hidden_size: int = 64, intermediate_size: int = 128, **moe) -> str:
     """Save a random tiny model of `arch` with `save_pretrained`, plus a byte-level tokenizer.
-    `deepseek`: options of `deepseek_config` for the deepseek_v2/v3 archs."""
+    `moe`: options of `deepseek_config` for the deepseek_v2/v3 archs, of `moe_family_config`
+    for qwen3_moe and mixtral."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -43,13 +44,16 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", *, seed: int = 0, num_l
         cfg = tf.Qwen3Config(**common, head_dim=32)
         model_cls = tf.Qwen3ForCausalLM
     elif arch in DEEPSEEK_ARCHS:
-        cfg = deepseek_config(arch, **deepseek, **common)
+        cfg = deepseek_config(arch, **moe, **common)
         model_cls = tf.DeepseekV3ForCausalLM if arch == "deepseek_v3" else tf.DeepseekV2ForCausalLM
+    elif arch in MOE_FAMILY_ARCHS:
+        cfg = moe_family_config(arch, **moe, **common)
+        model_cls = tf.Qwen3MoeForCausalLM if arch == "qwen3_moe" else tf.MixtralForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = model_cls(cfg)
-    if arch in DEEPSEEK_ARCHS:
+    if arch in DEEPSEEK_ARCHS + MOE_FAMILY_ARCHS:
         _spread_routing(model)
     # Spread the logits so greedy argmax has clear margins (no fp32 near-ties).
     with torch.no_grad():
@@ -87,11 +91,29 @@ def deepseek_config(arch: str, *, q_lora_rank=None, yarn: bool = False, num_expe
                                topk_method="group_limited_greedy" if group_limited else "greedy")
 
 
+MOE_FAMILY_ARCHS = ("qwen3_moe", "mixtral")
+
+
+def moe_family_config(arch: str, *, num_experts: int = 8, top_k: int = 2, norm_topk_prob: bool = True,
+                      sparse_step: int = 1, mlp_only_layers=(), **common):
+    """A tiny Qwen3-MoE (head_dim 32, per-head q/k norm) or Mixtral (experts as wide as
+    intermediate_size) config: `num_experts` top-`top_k`; Qwen3-MoE's experts are 32 wide, its
+    dense layers (mlp_only_layers, sparse_step) intermediate_size. `common` as
+    make_tiny_checkpoint's."""
+    import transformers as tf
+
+    if arch == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=num_experts, num_experts_per_tok=top_k)
+    return tf.Qwen3MoeConfig(**common, head_dim=32, num_experts=num_experts, num_experts_per_tok=top_k,
+                             moe_intermediate_size=32, norm_topk_prob=norm_topk_prob,
+                             decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only_layers))
+
+
 def _spread_routing(model) -> None:
     """Router logits (and V3's correction bias) far apart: no near-ties in the expert choice."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(".gate.weight"):  # the routers (dense MLPs name theirs gate_proj)
                 param.normal_(0.0, 0.5)
         for module in model.modules():
             bias = getattr(module, "e_score_correction_bias", None)
@@ -113,6 +135,15 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     tok.train_from_iterator(corpus, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     tok.save(os.path.join(path, "tokenizer.json"))
+
+
+def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [len, vocab] of one sequence."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -310,7 +341,7 @@ def make_eagle1_head(path: str, *, hidden_size: int = 64, vocab_size: int = VOCA
 def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, num_layers: int = 2,
                           vocab_size: int = VOCAB, hidden_size: int = 64,
                           intermediate_size: int = 128, max_position: int = 512,
-                          arch: str = "llama", **deepseek) -> tuple[str, str]:
+                          arch: str = "llama", **moe) -> tuple[str, str]:
     """A target whose next token mostly depends on the current one, and an EAGLE-1 head that
     knows that dependency: real, partial acceptance on random weights.
 
@@ -324,11 +355,12 @@ def make_predictable_pair(root: str, *, attn_scale: float = 0.3, seed: int = 0, 
     target = make_tiny_checkpoint(os.path.join(root, "target"), arch, seed=seed, num_layers=num_layers,
                                   vocab_size=vocab_size, hidden_size=hidden_size,
                                   intermediate_size=intermediate_size, max_position=max_position,
-                                  **deepseek)
+                                  **moe)
     file = os.path.join(target, "model.safetensors")
     weights = load_file(file)
     for name in list(weights):
-        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+        # o_proj, and the dense MLPs' and experts' down projections (Mixtral's are w2)
+        if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
             weights[name] = weights[name] * attn_scale
     save_file(weights, file, metadata={"format": "pt"})
     head = make_eagle1_head(os.path.join(root, "head"), vocab_size=vocab_size, seed=seed + 1,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import deepseek_config, hf_greedy, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import (deepseek_config, hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair,
+                     make_tiny_checkpoint, random_prompts)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -13,13 +14,6 @@ GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
 
-
-def _hf_logits(path, ids):
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 # (arch, options): q LoRA on/off, dense-first layers, shared experts, greedy and group-limited
@@ -57,7 +51,7 @@ def test_logits_match_transformers(checkpoints, make_engine, name):
     engine = make_engine(path)
     cfg = engine.core.model_config
     assert cfg.mla is not None and cfg.moe is not None
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_config_is_read(checkpoints, make_engine):

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 from fp8_quantizer import FP8, quantize_checkpoint
-from helpers import hf_greedy, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import hf_greedy, hf_logits, make_predictable_pair, make_tiny_checkpoint, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -29,13 +29,6 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 LLAMA_CASES = [("block", (128, 128)), ("block", (16, 32)), ("block", (24, 40)), ("ct-block", (16, 32)),
                ("ct-channel", None), ("ct-tensor", None), ("hf-tensor", None)]
 
-
-def _hf_logits(path, ids):
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +62,7 @@ def test_llama_logits_match_dequantized_reference(quantized, make_engine, fmt, b
     expected_block = {(128, 128): (1, 128), (16, 32): (16, 32), (24, 40): (1, 40), None: (1, 64)}[block]
     assert attn.qkv_proj.weight_scale.scale_block == expected_block
     ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_llama_greedy_matches_dequantized_generate(quantized, make_engine):
@@ -94,7 +87,7 @@ def test_deepseek_logits_match_dequantized_reference(quantized, make_engine, arc
     # (24, 24) cuts the 32-row gate and up parts mid-block: one scale row per output row.
     assert experts.w13_scale.scale_block == {(16, 16): (16, 16), (24, 24): (1, 24), None: (1, 64)}[block]
     ids = torch.randint(3, 300, (80,), generator=torch.Generator().manual_seed(2)).tolist()
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_deepseek_greedy_matches_dequantized_generate(quantized, make_engine):

@@ -7,15 +7,8 @@ import os
 import pytest
 import torch
 
-from helpers import ARCHS, make_tiny_checkpoint
+from helpers import ARCHS, hf_logits, make_tiny_checkpoint
 
-
-def _hf_logits(path, ids):
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 @pytest.mark.parametrize("arch,tie,sharded", [(a, False, False) for a in ARCHS]
@@ -27,7 +20,7 @@ def test_logits_match_transformers(tmp_path, make_engine, arch, tie, sharded):
     ids = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     engine = make_engine(path)
     ours = engine.prompt_logits(ids)
-    ref = _hf_logits(path, ids)
+    ref = hf_logits(path, ids)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
@@ -37,7 +30,7 @@ def test_llama3_rope_scaling_is_applied(tmp_path, make_engine):
     engine = make_engine(path)
     assert engine.core.model_config.rope_scaling["rope_type"] == "llama3"
     ids = list(range(3, 203))
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_yarn_rope_scaling_is_applied(tmp_path, make_engine):
@@ -46,7 +39,7 @@ def test_yarn_rope_scaling_is_applied(tmp_path, make_engine):
     engine = make_engine(path)
     assert engine.core.model_config.rope_scaling["rope_type"] == "yarn"
     ids = list(range(3, 203))
-    torch.testing.assert_close(engine.prompt_logits(ids), _hf_logits(path, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_unsupported_architecture_is_named(tmp_path):

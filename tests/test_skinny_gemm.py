@@ -173,7 +173,7 @@ _COMPILE_FOR_SM90 = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from specserve.engine.layers.skinny_gemm import _skinny_gemm_kernel, default_config
+from specserve.engine.layers.skinny_gemm import _Fp8Args, _skinny_gemm_kernel, default_config
 import torch
 cpu = torch.device("cpu")
 for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 2048, 2048, False, False, "bf16"),
@@ -182,11 +182,12 @@ for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 20
     c = default_config(m, n, k, silu, cpu)
     sig = dict(x=f"*{dtype}", w=f"*{dtype}", bias=f"*{dtype}", y=f"*{dtype}", partials="*fp32",
                arrivals="*i32", M="i32", n_cols="i32", K="i32", k_per_split="i32", stride_xm="i32",
-               stride_wn="i32", stride_ym="i32")
+               stride_wn="i32", stride_ym="i32",
+               fp8=_Fp8Args("*fp32", "*fp32", "i32", "i32", "i32", "i32"))
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(m)) if c.dot else triton.next_power_of_2(m),
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=bias, SILU_MUL=silu,
                   DOT=c.dot, EVEN_K=k % c.block_k == 0, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-                  PDL=True)
+                  FP8_WEIGHT=False, K_UNIFORM=False, FP8_ACT=False, PDL=True)
     names = list(sig) + list(consts)
     sig.update({name: "constexpr" for name in consts})
     aligned = [name for name in ("x", "w", "bias", "y", "partials", "arrivals", "stride_xm", "stride_wn",
@@ -296,7 +297,7 @@ def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, 
     on CPU tensors: q/k/v projection, RoPE and the KV store in one kernel at decode, the same
     greedy tokens as transformers, every KV slot freed after (make_engine checks)."""
     model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
-    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w, scale=None: x.numel() // w.shape[1] <= MAX_ROWS)
     prompts = random_prompts(3, seed=8, max_len=12)
     assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model) == hf_greedy(model, prompts, 6)
 
@@ -311,7 +312,7 @@ def test_deepseek_engine_through_the_skinny_gemm_matches_transformers(tmp_path, 
     model = make_tiny_checkpoint(str(tmp_path), arch, num_layers=3, seed=7, **options)
     calls = []
     real = skinny_module.skinny_gemm
-    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.numel() // w.shape[1] <= MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w, scale=None: x.numel() // w.shape[1] <= MAX_ROWS)
     monkeypatch.setattr(skinny_module, "skinny_gemm",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompts = random_prompts(2, seed=6, max_len=12)
@@ -340,7 +341,7 @@ def test_mlp_runs_the_fused_kernel_where_the_rule_picks_it(monkeypatch):
     expected = mlp(x)
     calls = []
     real = skinny_module.skinny_gemm
-    monkeypatch.setattr(skinny_module, "can_use", lambda x, w: x.shape[0] <= MAX_ROWS)
+    monkeypatch.setattr(skinny_module, "can_use", lambda x, w, scale=None: x.shape[0] <= MAX_ROWS)
     monkeypatch.setattr(skinny_module, "skinny_gemm",
                         lambda *a, **kw: calls.append(kw.get("silu_mul", False)) or real(*a, **kw))
     assert torch.equal(mlp(x), expected)  # the switch is off: cuBLAS's path, no kernel

@@ -17,7 +17,10 @@
    the epilogue; the k rows of a token are then summed.
 
 Weights stay in their checkpoint layout: w13 [E, 2I, H] (gate rows, then up rows) and
-w2 [E, H, I], read as [K, N] tiles through their strides.
+w2 [E, H, I], read as [K, N] tiles through their strides. FP8 experts (W8A16): each weight
+tile is dequantised in fp32 with its expert's scale grid (quantization/fp8.py) and rounded to
+the activation dtype before the dot, as the torch path's `dequantize` does; one scale per
+column a K step where the step lies in one k-block of the grid, else one per element.
 """
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+
+from specserve.engine.quantization.fp8 import WeightScale
+from specserve.engine.quantization.fp8_gemm import (
+    check_weight, dequantize_tile, k_uniform, weight_scales)
 
 
 class MoEConfig(NamedTuple):
@@ -132,18 +139,30 @@ def align_entries_by_expert(topk_ids: torch.Tensor, num_experts: int,
     return ExpertAlignment(sorted_entries, block_experts, num_padded)
 
 
+class _ExpertScales(NamedTuple):
+    """The grouped GEMM's `fp8` argument: the stacked scale grids [E, rows, k-blocks] of FP8
+    experts (any tensor and 1s for 16-bit experts: never read)."""
+
+    grid: torch.Tensor  # (not `values`: a Triton tuple's own attribute)
+    stride_expert: int
+    stride_n: int
+    block_n: int
+    block_k: int
+
+
 @triton.jit
 def _grouped_gemm_kernel(
     a, w, out, sorted_entries, block_experts, num_padded, topk_weights, num_entries, N, K,
-    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_out_row,
+    stride_a_row, stride_w_expert, stride_w_n, stride_w_k, stride_out_row, fp8,
     ENTRIES_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
 ):
     """out[entry, n] for the entries of one row block and BLOCK_N output columns:
     A row `entry // ENTRIES_PER_A_ROW` times the block's expert's weight rows. GATED: the
     expert has 2N rows (gate, then up) and the result is silu(gate) * up. WEIGHTED: the
-    result is scaled by `topk_weights[entry]`."""
+    result is scaled by `topk_weights[entry]`. FP8_WEIGHT: the weight tiles are dequantised
+    with the expert's scales `fp8` (K_UNIFORM: a K step lies in one k-block)."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded):
         return
@@ -157,6 +176,12 @@ def _grouped_gemm_kernel(
     a_ptrs = a + a_rows[:, None] * stride_a_row + offs_k[None, :]
     w_ptrs = (w + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_n
               + offs_k[:, None] * stride_w_k)
+    # The expert's scale grid and the offsets of the columns' grid rows, [1, BLOCK_N] against
+    # the K steps (columns past N take the last one: never stored).
+    scales = fp8.grid + expert * fp8.stride_expert
+    cols = tl.minimum(offs_n, N - 1)
+    scale_rows = ((cols // fp8.block_n) * fp8.stride_n)[None, :]
+    up_scale_rows = (((N + cols) // fp8.block_n) * fp8.stride_n)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -164,11 +189,18 @@ def _grouped_gemm_kernel(
         k_mask = offs_k < K - k_start
         a_tile = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        acc = tl.dot(a_tile, tl.load(w_ptrs, mask=w_mask, other=0.0), acc,
-                     input_precision=DOT_PRECISION)
+        w_tile = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if FP8_WEIGHT:
+            w_tile = dequantize_tile(w_tile, weight_scales(scales, scale_rows, k_start, offs_k[:, None],
+                                                           K, fp8.block_k, K_UNIFORM), a_tile.dtype)
+        acc = tl.dot(a_tile, w_tile, acc, input_precision=DOT_PRECISION)
         if GATED:
-            acc_up = tl.dot(a_tile, tl.load(w_ptrs + N * stride_w_n, mask=w_mask, other=0.0),
-                            acc_up, input_precision=DOT_PRECISION)
+            up_tile = tl.load(w_ptrs + N * stride_w_n, mask=w_mask, other=0.0)
+            if FP8_WEIGHT:
+                up_tile = dequantize_tile(up_tile, weight_scales(scales, up_scale_rows, k_start,
+                                                                 offs_k[:, None], K, fp8.block_k,
+                                                                 K_UNIFORM), a_tile.dtype)
+            acc_up = tl.dot(a_tile, up_tile, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
     if GATED:
@@ -182,26 +214,34 @@ def _grouped_gemm_kernel(
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, alignment: ExpertAlignment,
                   topk_weights: Optional[torch.Tensor], entries_per_a_row: int, gated: bool,
-                  config: MoEConfig) -> None:
+                  config: MoEConfig, scale: Optional[WeightScale]) -> None:
     num_n = w.shape[1] // 2 if gated else w.shape[1]
     grid = (alignment.block_experts.shape[0], triton.cdiv(num_n, config.block_n))
+    fp8 = _ExpertScales(a, 1, 1, 1, 1)
+    if scale is not None:
+        fp8 = _ExpertScales(scale.values, scale.values.stride(0), scale.values.stride(1),
+                            scale.block_n, scale.block_k)
     _grouped_gemm_kernel[grid](
         a, w, out, alignment.sorted_entries, alignment.block_experts, alignment.num_padded,
         topk_weights if topk_weights is not None else a,  # unused unless weighted
         out.shape[0], num_n, w.shape[2],
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), fp8,
         ENTRIES_PER_A_ROW=entries_per_a_row, GATED=gated, WEIGHTED=topk_weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         # fp32 operands would run as TF32 on tensor cores; keep an fp32 engine exact.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        FP8_WEIGHT=scale is not None,
+        K_UNIFORM=scale is not None and k_uniform(scale, w.shape[2], config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  config: Optional[MoEConfig] = None) -> torch.Tensor:
+                  config: Optional[MoEConfig] = None, *, w13_scale: Optional[WeightScale] = None,
+                  w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
     """Routed experts' output [T, H] for x [T, H], w13 [E, 2I, H] (gate rows then up rows),
-    w2 [E, H, I], topk_weights [T, k] (fp32) and topk_ids [T, k] (distinct experts a token)."""
+    w2 [E, H, I], topk_weights [T, k] (fp32) and topk_ids [T, k] (distinct experts a token).
+    With scales, w13 and w2 are FP8 (both or neither; quantization/fp8.py, a grid per expert)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -212,14 +252,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids "
                          f"{tuple(topk_ids.shape)} must both be [{num_tokens}, k]")
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert (w13_scale is None) == (w2_scale is None), "FP8 experts carry both scale grids"
+    if w13_scale is not None:
+        check_weight(w13, w13_scale)
+        check_weight(w2, w2_scale)
+    else:
+        assert w13.dtype == w2.dtype == x.dtype, "16-bit experts are in x's dtype"
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
     config = config or default_moe_config(num_tokens, top_k, num_experts, x.device)
     alignment = align_entries_by_expert(topk_ids.contiguous(), num_experts, config.block_m)
     num_entries = num_tokens * top_k
     intermediate = x.new_empty(num_entries, two_inter // 2)
-    _grouped_gemm(x, w13, intermediate, alignment, None, top_k, True, config)
+    _grouped_gemm(x, w13, intermediate, alignment, None, top_k, True, config, w13_scale)
     weighted = x.new_empty(num_entries, hidden)
     _grouped_gemm(intermediate, w2, weighted, alignment, topk_weights.contiguous(), 1, False,
-                  config)
+                  config, w2_scale)
     return weighted.view(num_tokens, top_k, hidden).sum(1)

@@ -1,13 +1,17 @@
-"""Mixture of experts: DeepSeek's routing and the routed experts' computation.
+"""Mixture of experts: routing and the routed experts' computation.
 
-Routing reproduces transformers' DeepSeek-V2 (softmax scores, greedy or group-limited by each
-group's best score) and V3 (sigmoid scores; the correction bias steers which experts are
-chosen, not their weights; groups ranked by the sum of their two best) exactly, in fp32.
+Routing reproduces transformers exactly, in fp32: DeepSeek-V2 (softmax scores, greedy or
+group-limited by each group's best score), V3 (sigmoid scores; the correction bias steers which
+experts are chosen, not their weights; groups ranked by the sum of their two best), and
+Qwen3-MoE / Mixtral (softmax over all experts, top-k, renormalised over the k when
+norm_topk_prob; Mixtral always renormalises).
 
 Expert weights are stacked: `w13[e]` is expert e's gate rows then up rows ([E, 2I, H]),
 `w2[e]` its down projection ([E, H, I]). `fused_experts` here is the torch computation (the
 CPU path and reference); on CUDA `run_experts` dispatches to the Triton kernel of the same
-signature and layout (`fused_moe_triton.fused_experts`) when it is importable.
+signature and layout (`fused_moe_triton.fused_experts`) when it is importable, and for at most
+16 tokens with 16-bit experts to the decode kernel (`moe_decode.decode_fused_experts`: each
+picked expert's weights read once, no sort launch).
 """
 from __future__ import annotations
 
@@ -18,12 +22,16 @@ import torch.nn.functional as F
 
 from specserve.engine.quantization.fp8 import WeightScale, dequantize
 
-_triton_fused_experts = None
+_triton_fused_experts = _decode_fused_experts = _softmax_topk = None
+MAX_DECODE_TOKENS = 0  # the decode kernel's bound, set where it imports
 if torch.cuda.is_available():
     try:
         from specserve.engine.layers.fused_moe_triton import fused_experts as _triton_fused_experts
-    except ImportError:  # no triton (or no kernel yet): the torch loop runs on the GPU too
-        _triton_fused_experts = None
+        from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
+        from specserve.engine.layers.moe_decode import decode_fused_experts as _decode_fused_experts
+        from specserve.engine.layers.moe_router import softmax_topk as _softmax_topk
+    except ImportError:  # no triton (or no kernel yet): the torch loops run on the GPU too
+        _triton_fused_experts = _decode_fused_experts = _softmax_topk = None
 
 
 def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num_groups: int = 1,
@@ -32,18 +40,27 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
                    correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] int64) from fp32 router logits [T, E].
 
-    softmax (V2): group-limited when num_groups > 1 (a group ranks by its best expert; the
-    experts outside the best topk_groups groups score 0). sigmoid (V3): the choice ranks
+    softmax (V2, Qwen3-MoE, Mixtral): group-limited when num_groups > 1 (a group ranks by its
+    best expert; the experts outside the best topk_groups groups score 0); norm_topk_prob
+    divides the k probabilities by their sum (no epsilon, as transformers' Qwen3-MoE and
+    Mixtral: softmax probabilities are positive). sigmoid (V3): the choice ranks
     scores + correction_bias, groups by the sum of their two best, the weights are the
-    unbiased scores (renormalised over the k when norm_topk_prob)."""
+    unbiased scores (renormalised over the k when norm_topk_prob).
+
+    On CUDA, softmax routing without groups is one Triton launch (`moe_router.softmax_topk`,
+    the same values up to the last bits of the softmax)."""
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // num_groups
+    if scoring == "softmax" and num_groups == 1 and router_logits.is_cuda and _softmax_topk is not None:
+        return _softmax_topk(router_logits, top_k, norm_topk_prob, routed_scaling_factor)
     if scoring == "softmax":
         scores = router_logits.softmax(dim=-1, dtype=torch.float32)
         if num_groups > 1:
             group_scores = scores.view(num_tokens, num_groups, per_group).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, per_group), 0.0)
         weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     elif scoring == "sigmoid":
         scores = router_logits.sigmoid()
         choice = scores if correction_bias is None else scores + correction_bias.float()
@@ -107,8 +124,11 @@ def experts_capturable() -> bool:
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
                 w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
-    """The Triton kernel on CUDA when available, else the torch loop (same signature)."""
+    """The Triton kernels on CUDA when available (decode-sized 16-bit batches: the decode
+    kernel; else the grouped one, which also takes FP8 scales), else the torch loop."""
     if x.is_cuda and _triton_fused_experts is not None:
+        if w13_scale is None and x.shape[0] <= MAX_DECODE_TOKENS:
+            return _decode_fused_experts(x, w13, w2, topk_weights, topk_ids)
         return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
                                      w2_scale=w2_scale)
     return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

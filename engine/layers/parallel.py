@@ -106,7 +106,7 @@ class ColumnParallelLinear(QuantizableLinear):
 
     def fuses_qkv_rope(self, x: torch.Tensor, head_dim: int) -> bool:
         """Whether `forward_qkv_rope` runs here (the skinny GEMM with its RoPE epilogue)."""
-        return self.skinny_gemm and can_fuse_qkv_rope(x, self.weight, head_dim)
+        return self.skinny_gemm and can_fuse_qkv_rope(x, self.weight, head_dim, self.scale)
 
     def forward_qkv_rope(self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                          rotary: nn.Module, positions: torch.Tensor, k_cache: torch.Tensor,
@@ -114,7 +114,7 @@ class ColumnParallelLinear(QuantizableLinear):
         """For a q/k/v layer (its q heads, k heads, v heads) where `fuses_qkv_rope`: the
         projection, RoPE of q and k, and k and v stored at `loc`, in one kernel; returns q."""
         return skinny_qkv_rope(x, self.weight, self.bias, num_q_heads, num_kv_heads, positions,
-                               rotary.cos, rotary.sin, k_cache, v_cache, loc)
+                               rotary.cos, rotary.sin, k_cache, v_cache, loc, scale=self.scale)
 
     def forward_silu_and_mul(self, x):
         """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one

@@ -18,6 +18,11 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   work, engine/layers/fused.py) in the epilogue. Its columns are paired like gate and up: a
   program holds the same dims of both halves of one head, rotates q and k heads, and writes q
   to its output and k and v to their KV slots, so the RoPE kernel disappears from decode.
+- FP8 weights (`scale=`, a `WeightScale`): W8A16, the weight tile dequantised in fp32 and
+  rounded to the activation dtype before the product (the reference's weight, so the results
+  are the 16-bit kernel's on the dequantised weight), or with `SkinnyConfig.fp8_activations`
+  W8A8 on FP8 tensor cores; the shared main loop serves all three kernels
+  (docs/architecture.md, "FP8 weight kernels").
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
   tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two). The
   H100 sweep found tl.dot faster at every M, so the rule always picks it; the interpreter tests
@@ -43,8 +48,9 @@ import torch.nn.functional as F
 
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, wait_for_predecessor
-from specserve.engine.quantization.fp8 import WeightScale
-from specserve.engine.quantization.fp8_gemm import fp8_matmul
+from specserve.engine.quantization.fp8 import FP8_DTYPE, WeightScale
+from specserve.engine.quantization.fp8_gemm import (
+    ACT_GROUP, check_weight, fp8_matmul, fp8_supported, k_uniform, quantize_activations)
 
 try:
     import triton
@@ -66,6 +72,10 @@ class SkinnyConfig(NamedTuple):
     num_warps: int
     num_stages: int
     dot: bool = True  # tl.dot on rows padded to 16; False: multiply-and-sum (small M)
+    # With an FP8 weight: W8A8 (x quantised per token per 128-column group, FP8 products,
+    # needs dot) instead of W8A16 (the weight dequantised into x's dtype). To be chosen per
+    # shape from bench/fp8_gemm.py's measurements.
+    fp8_activations: bool = False
 
 
 class SkinnyWorkspace:
@@ -142,11 +152,36 @@ def _scratch_values(split_k: int, m: int, n: int, paired: bool) -> int:
     return split_k * m * n * (2 if paired else 1)
 
 
-def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `skinny_gemm(x, weight)` runs here and the per-shape rule picks it."""
+@functools.lru_cache(maxsize=None)
+def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> SkinnyConfig:
+    """`config` for an FP8 weight whose scale grid's k-blocks are `scale_block_k` wide: K steps
+    cut to the widest power of two (16 at least) that divides a k-block, so that each step
+    reads one scale per row (`k_uniform`) instead of gathering one per element; with
+    `fp8_activations` also to at most one activation group, and column tiles of 64 at least.
+    Where steps are cut, stages are added (up to 8) to keep the config's K elements in
+    flight per row: a decode GEMM is a stream of weight rows, and the rule measured for 16-bit
+    weights wanted 768 in flight (half the bytes in FP8). Not yet measured for FP8:
+    `bench/fp8_gemm.py --sweep`."""
+    block_k, block_n = config.block_k, config.block_n
+    if config.fp8_activations:  # FP8 tensor cores take 64 weight rows (see `_sum_tiles`)
+        block_k, block_n = min(block_k, ACT_GROUP), max(block_n, 64)
+    if not (scale_block_k >= k or scale_block_k % block_k == 0):
+        step = scale_block_k & -scale_block_k  # the largest power of two dividing it
+        block_k = step if step >= 16 else block_k
+    stages = min(8, max(config.num_stages, config.num_stages * config.block_k // block_k))
+    return config._replace(block_k=block_k, block_n=block_n, num_stages=stages)
+
+
+def can_use(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale] = None) -> bool:
+    """Whether `skinny_gemm(x, weight, scale=scale)` runs here and the per-shape rule picks it
+    (with `scale`, weight is FP8: CUDA with FP8 conversions)."""
     if triton is None or not x.is_cuda or weight.dim() != 2 or not weight.is_contiguous():
         return False
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if weight.dtype != (x.dtype if scale is None else FP8_DTYPE):
+        return False
+    if scale is not None and not fp8_supported(x.device):
         return False
     n, k = weight.shape
     m = x.numel() // k if k else 0
@@ -156,9 +191,10 @@ def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            skinny: bool = True, scale: Optional[WeightScale] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the skinny GEMM where `can_use` picks it and `skinny`
-    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (quantization/fp8.py)."""
-    if skinny and can_use(x, weight):
-        return skinny_gemm(x, weight, bias)
+    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (quantization/fp8.py):
+    the skinny GEMM reads it as it is, else `fp8_matmul`."""
+    if skinny and can_use(x, weight, scale):
+        return skinny_gemm(x, weight, bias, scale=scale)
     if scale is not None:
         return fp8_matmul(x, weight, scale, bias)
     return F.linear(x, weight, bias)
@@ -168,12 +204,15 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
                         skinny: bool = True, scale: Optional[WeightScale] = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) for a fused [2I, K] gate/up weight: one kernel
     where the skinny GEMM runs, else the GEMM and then the activation kernel."""
-    if skinny and can_use(x, weight):
-        return skinny_gemm(x, weight, bias, silu_mul=True)
+    if skinny and can_use(x, weight, scale):
+        return skinny_gemm(x, weight, bias, silu_mul=True, scale=scale)
     return silu_and_mul(linear(x, weight, bias, False, scale))
 
 
 if triton is not None:
+    from specserve.engine.quantization.fp8_gemm import (
+        activation_scales, dequantize_tile, scaled_dot, weight_scales)
+
     @triton.jit
     def _accumulate(acc, x_tile, w_tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
         if DOT:  # acc [BLOCK_M, BLOCK_N]
@@ -182,6 +221,24 @@ if triton is not None:
             # acc [BLOCK_M, BLOCK_N, BLOCK_K]: products summed per lane, reduced over K once
             # after the loop (no cross-thread reduction per step).
             acc += x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+        return acc
+
+    @triton.jit
+    def _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k, K,
+                         DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
+                         FP8_ACT: tl.constexpr):
+        """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`."""
+        if FP8_ACT:  # acc [BLOCK_N, BLOCK_M]: W x^T (see _sum_tiles)
+            acc = scaled_dot(acc, w_tile, x_tile,
+                             weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True),
+                             activation_scales(fp8.x_scale, offs_m, m_mask, fp8.stride_xsm, k))
+        else:
+            if FP8_WEIGHT:
+                w_tile = dequantize_tile(
+                    w_tile, weight_scales(fp8.w_scale, scale_rows[:, None], k, offs_k[None, :], K,
+                                          fp8.block_k, K_UNIFORM), x_tile.dtype)
+            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
         return acc
 
     @triton.jit
@@ -196,17 +253,34 @@ if triton is not None:
 
     @triton.jit
     def _sum_tiles(x, w, M, K, k_begin, k_end, offs_m, rows, partner_rows, stride_xm, stride_wn,
-                   PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   fp8, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr,
+                   K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr):
         """x[:, k_begin:k_end] against the weight rows `rows` (and `partner_rows` when PAIRED):
-        the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED)."""
+        the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED).
+
+        FP8_WEIGHT: w is float8_e4m3fn with the scale grid `fp8` describes. W8A16 (x 16/32-bit):
+        each weight tile is dequantised into x's dtype before the product (`dequantize_tile`;
+        K_UNIFORM: one scale per row a step, else per element). FP8_ACT (W8A8, DOT and
+        K_UNIFORM only, BLOCK_K dividing ACT_GROUP): x is FP8 too, with per-row group scales,
+        and each step's FP8 product is scaled in fp32 (`scaled_dot`). The product is taken
+        transposed, W x^T ([BLOCK_N, BLOCK_M], transposed once after the loop): FP8 tensor
+        cores (wgmma) want 64 rows or more on the left, and x has 16 at most, the weight
+        tile BLOCK_N (64 in `fp8_weight_config`). With x on the left Triton would convert
+        both operands to fp16 for 16-row mma instead."""
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         w_ptrs = w + rows[:, None] * stride_wn + offs_k[None, :]
         partner_ptrs = w + partner_rows[:, None] * stride_wn + offs_k[None, :]
-        if DOT:
+        # Offsets of the rows' scale-grid rows (unused for a 16-bit weight).
+        scale_rows = (rows // fp8.block_n) * fp8.stride_wsn
+        partner_scale_rows = (partner_rows // fp8.block_n) * fp8.stride_wsn
+        if FP8_ACT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        elif DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
@@ -220,14 +294,20 @@ if triton is not None:
                 k_mask = (k + offs_k) < K
                 x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
+            acc = _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k,
+                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, K_UNIFORM, FP8_ACT)
             if PAIRED:
                 if EVEN_K:
                     up_tile = tl.load(partner_ptrs + k)
                 else:
                     up_tile = tl.load(partner_ptrs + k, mask=k_mask[None, :], other=0.0)
-                acc_up = _accumulate(acc_up, x_tile, up_tile, DOT, DOT_PRECISION)
-        if not DOT:
+                acc_up = _accumulate_step(acc_up, x_tile, up_tile, fp8, partner_scale_rows, offs_m,
+                                          m_mask, k, offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT,
+                                          K_UNIFORM, FP8_ACT)
+        if FP8_ACT:
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
+        elif not DOT:
             acc = tl.sum(acc, axis=2)
             acc_up = tl.sum(acc_up, axis=2)
         return acc, acc_up
@@ -288,10 +368,11 @@ if triton is not None:
     @triton.jit
     def _skinny_gemm_kernel(
         x, w, bias, y, partials, arrivals, M, n_cols, K, k_per_split,
-        stride_xm, stride_wn, stride_ym,
+        stride_xm, stride_wn, stride_ym, fp8,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-        DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr, PDL: tl.constexpr,
     ):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
         wait_for_predecessor(PDL)
@@ -306,8 +387,9 @@ if triton is not None:
             partner_rows = rows
         k_begin = split * k_per_split
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
-                                 offs_m, rows, partner_rows, stride_xm, stride_wn, SILU_MUL,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION)
+                                 offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, SILU_MUL,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
+                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT)
         out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
         last = True
         if SPLIT_K > 1:
@@ -322,11 +404,12 @@ if triton is not None:
     @triton.jit
     def _skinny_qkv_rope_kernel(
         x, w, bias, q_out, k_cache, v_cache, loc, positions, cos, sin, partials, arrivals,
-        M, K, k_per_split, stride_xm, stride_wn,
+        M, K, k_per_split, stride_xm, stride_wn, fp8,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
+        FP8_ACT: tl.constexpr, PDL: tl.constexpr,
     ):
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
@@ -341,8 +424,9 @@ if triton is not None:
         rows, partner_rows = _pair_rows(offs_n, n_cols, HALF)
         k_begin = split * k_per_split
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
-                                 offs_m, rows, partner_rows, stride_xm, stride_wn, True,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION)
+                                 offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
+                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT)
         m_mask = offs_m < M
         out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
         last = True
@@ -386,14 +470,29 @@ if triton is not None:
             tl.store(dst + HALF, o2.to(dtype), mask=out_mask)
 
 
+class _Fp8Args(NamedTuple):
+    """The kernels' `fp8` argument: an FP8 weight's scale grid and, with FP8 activations, x's
+    group scales (any tensor and 1s for what a launch does not use: never read)."""
+
+    x_scale: torch.Tensor  # fp32 [M, ceil(K / ACT_GROUP)]
+    w_scale: torch.Tensor  # fp32 [ceil(N / block_n), ceil(K / block_k)]
+    stride_xsm: int
+    stride_wsn: int
+    block_n: int
+    block_k: int
+
+
 class _Launch(NamedTuple):
     """What both kernels' launches share: the grid, K per split, the split-K scratch (any
-    tensor without split-K: the kernel never touches it) and the common meta-parameters."""
+    tensor without split-K: the kernel never touches it), x as the kernel reads it (quantised
+    with FP8 activations), the FP8 arguments and the common meta-parameters."""
 
     grid: tuple[int, int]
     k_per_split: int
     partials: torch.Tensor
     arrivals: torch.Tensor
+    x: torch.Tensor
+    fp8: _Fp8Args
     meta: dict
 
 
@@ -404,9 +503,33 @@ def _rows_of(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale]) -> None:
+    assert weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+    if scale is None:
+        assert x.dtype == weight.dtype, "a 16-bit weight is in x's dtype"
+    else:
+        check_weight(weight, scale)
+
+
+def _config_for(config: SkinnyConfig, scale: Optional[WeightScale], k: int) -> SkinnyConfig:
+    return config if scale is None else fp8_weight_config(config, scale.block_k, k)
+
+
 def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: SkinnyConfig,
-          workspace: Optional[SkinnyWorkspace], unused: torch.Tensor) -> _Launch:
+          workspace: Optional[SkinnyWorkspace], scale: Optional[WeightScale],
+          unused: torch.Tensor) -> _Launch:
     m, k = x2.shape
+    x_in, fp8 = x2, _Fp8Args(unused, unused, 1, 1, 1, 1)
+    if scale is not None:
+        assert config.dot or not config.fp8_activations, "FP8 activations need tl.dot"
+        x_scale, stride_xsm = unused, 1
+        if config.fp8_activations:
+            assert ACT_GROUP % config.block_k == 0 and k_uniform(scale, k, config.block_k), \
+                "with FP8 activations a K step lies in one activation group and one k-block"
+            x_in, x_scale = quantize_activations(x2)
+            stride_xsm = x_scale.stride(0)
+        fp8 = _Fp8Args(x_scale, scale.values, stride_xsm, scale.values.stride(0), scale.block_n,
+                       scale.block_k)
     tiles = triton.cdiv(n_cols, config.block_n)
     partials = arrivals = unused
     if config.split_k > 1:
@@ -420,19 +543,24 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
         HAS_BIAS=has_bias, DOT=config.dot, EVEN_K=k % config.block_k == 0,
         # fp32 operands would silently run as TF32 on tensor cores; keep them exact.
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        FP8_WEIGHT=scale is not None,
+        K_UNIFORM=scale is not None and k_uniform(scale, k, config.block_k),
+        FP8_ACT=scale is not None and config.fp8_activations,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device))
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    return _Launch((tiles, config.split_k), k_per_split, partials, arrivals, meta)
+    return _Launch((tiles, config.split_k), k_per_split, partials, arrivals, x_in, fp8, meta)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 silu_mul: bool = False, config: Optional[SkinnyConfig] = None,
-                workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
+                workspace: Optional[SkinnyWorkspace] = None,
+                scale: Optional[WeightScale] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] with at most `MAX_ROWS` rows, or with
     `silu_mul` `silu_and_mul(F.linear(x, weight, bias))` (weight [2I, K]: gate rows, then up
-    rows; the result [..., I]). `weight` contiguous, x's last dimension contiguous, one dtype."""
+    rows; the result [..., I]). `weight` contiguous, x's last dimension contiguous, one dtype;
+    or with `scale` an FP8 weight (`config` then passes through `fp8_weight_config`)."""
     n_rows, k = weight.shape
-    assert weight.is_contiguous() and x.shape[-1] == k and x.dtype == weight.dtype
+    _check_operands(x, weight, scale)
     x2 = _rows_of(x, k, "skinny_gemm")
     m = x2.shape[0]
     if silu_mul:
@@ -440,13 +568,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     n_cols = n_rows // 2 if silu_mul else n_rows
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
-    config = config or default_config(m, n_cols, k, silu_mul, x.device)
+    config = _config_for(config or default_config(m, n_cols, k, silu_mul, x.device), scale, k)
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
-    launch = _plan(x2, n_cols, silu_mul, bias is not None, config, workspace, unused=y)
+    launch = _plan(x2, n_cols, silu_mul, bias is not None, config, workspace, scale, unused=y)
     _skinny_gemm_kernel[launch.grid](
-        x2, weight, bias if bias is not None else weight, y, launch.partials, launch.arrivals,
-        m, n_cols, k, launch.k_per_split, x2.stride(0), weight.stride(0), y.stride(0),
-        SILU_MUL=silu_mul, **launch.meta)
+        launch.x, weight, bias if bias is not None else weight, y, launch.partials,
+        launch.arrivals, m, n_cols, k, launch.k_per_split, launch.x.stride(0), weight.stride(0),
+        y.stride(0), launch.fp8, SILU_MUL=silu_mul, **launch.meta)
     return y.view(*x.shape[:-1], n_cols)
 
 
@@ -464,10 +592,11 @@ def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int,
     return config._replace(block_n=block_n)
 
 
-def can_fuse_qkv_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+def can_fuse_qkv_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int,
+                      scale: Optional[WeightScale] = None) -> bool:
     """Whether `skinny_qkv_rope` runs for this projection: `can_use`, and a config whose
     column tiles lie within half a head."""
-    if not can_use(x, weight):
+    if not can_use(x, weight, scale):
         return False
     n_rows, k = weight.shape
     return _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device) is not None
@@ -478,14 +607,16 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, loc: torch.Tensor,
                     config: Optional[SkinnyConfig] = None,
-                    workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
+                    workspace: Optional[SkinnyWorkspace] = None,
+                    scale: Optional[WeightScale] = None) -> torch.Tensor:
     """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
     x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
     (neox) of q and k at `positions` from the fp32 `cos`/`sin` tables [positions, D], k and v
     written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each). Returns q [M, Hq, D].
-    One kernel instead of the GEMM and the RoPE kernel, with the same roundings."""
+    One kernel instead of the GEMM and the RoPE kernel, with the same roundings. With `scale`
+    the weight is FP8, as in `skinny_gemm`."""
     n_rows, k = weight.shape
-    assert weight.is_contiguous() and x.shape[-1] == k and x.dtype == weight.dtype
+    _check_operands(x, weight, scale)
     head_dim = n_rows // (num_q_heads + 2 * num_kv_heads)
     assert head_dim * (num_q_heads + 2 * num_kv_heads) == n_rows and head_dim % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -495,13 +626,14 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device)
-    assert config is not None and (head_dim // 2) % config.block_n == 0, \
-        "a column tile must lie within half a head"
+    assert config is not None, "a column tile must lie within half a head"
+    config = _config_for(config, scale, k)  # (FP8 activations widen the tiles to 64)
+    assert (head_dim // 2) % config.block_n == 0, "a column tile must lie within half a head"
     q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
-    launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, unused=q)
+    launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, scale, unused=q)
     _skinny_qkv_rope_kernel[launch.grid](
-        x2, weight, bias if bias is not None else weight, q, k_cache, v_cache, loc, positions,
-        cos, sin, launch.partials, launch.arrivals, m, k, launch.k_per_split, x2.stride(0),
-        weight.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        HALF=head_dim // 2, **launch.meta)
+        launch.x, weight, bias if bias is not None else weight, q, k_cache, v_cache, loc,
+        positions, cos, sin, launch.partials, launch.arrivals, m, k, launch.k_per_split,
+        launch.x.stride(0), weight.stride(0), launch.fp8, NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, **launch.meta)
     return q

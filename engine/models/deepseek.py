@@ -10,6 +10,8 @@ o_proj) and every expert's intermediate dimension; the latent path is replicated
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,7 +115,9 @@ class MLAAttention(nn.Module):
 
 
 class Router(nn.Module):
-    """Router logits in fp32; V3's correction bias stays fp32 whatever the model's dtype."""
+    """Router logits in fp32. The weight (and V3's correction bias) stay fp32 whatever the
+    model's dtype: a 16-bit checkpoint's values convert exactly, and a decode step then reads
+    the weight as it is instead of casting it at every layer (a launch and a copy each)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -125,32 +129,44 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        bias = self.e_score_correction_bias
-        if bias is not None and bias.dtype != torch.float32:
-            bias.data = bias.data.float()
+        for param in (self.weight, self.e_score_correction_bias):
+            if param is not None and param.dtype != torch.float32:
+                param.data = param.data.float()
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight)
         return select_experts(logits, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
                               topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
                               routed_scaling_factor=moe.routed_scaling_factor,
                               correction_bias=self.e_score_correction_bias)
 
 
+class ExpertParts(NamedTuple):
+    """A checkpoint's names for an expert's three projections (`<experts>.<e>.<name>.weight`)."""
+
+    gate: str
+    up: str
+    down: str
+
+
+HF_EXPERT_PARTS = ExpertParts("gate_proj", "up_proj", "down_proj")  # DeepSeek, Qwen3-MoE
+
+
 class Experts(nn.Module):
     """Every routed expert's weights, stacked; this rank's slice of each intermediate dim."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
+                 parts: ExpertParts = HF_EXPERT_PARTS):
         super().__init__()
         start, end = tp.split(intermediate_size, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * (end - start), hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, end - start))
         # The loader assembles them from the checkpoint's per-expert tensors (parallel.py's
         # `shards` convention: (part, dim, start, end) per expert).
-        self.w13.stacked_experts = (num_experts, [("gate_proj", 0, start, end), ("up_proj", 0, start, end)])
-        self.w2.stacked_experts = (num_experts, [("down_proj", 1, start, end)])
+        self.w13.stacked_experts = (num_experts, [(parts.gate, 0, start, end), (parts.up, 0, start, end)])
+        self.w2.stacked_experts = (num_experts, [(parts.down, 1, start, end)])
         self.w13_scale = self.w2_scale = None
 
     def use_fp8(self, block_n: int, block_k: int) -> None:
@@ -165,12 +181,15 @@ class Experts(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+    """Router, routed experts and DeepSeek's shared experts (Qwen3-MoE and Mixtral have none,
+    and their checkpoints may name the expert parts otherwise: `parts`)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, parts: ExpertParts = HF_EXPERT_PARTS):
         super().__init__()
         moe = cfg.moe
         self.tp = tp
         self.gate = Router(cfg)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp, parts)
         self.shared_experts = MLP(cfg.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, tp) \
             if moe.num_shared_experts else None
 

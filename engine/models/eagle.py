@@ -18,6 +18,7 @@ import os
 import torch
 from torch import nn
 
+from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.layers.sampler import draft_topk
@@ -93,9 +94,13 @@ class Eagle3Head(nn.Module):
         x = h + m.self_attn(x, fb.positions, fb)
         return x + m.mlp(m.post_attention_layernorm(x))
 
-    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True):
-        """(probabilities [n, k] or None, target token ids [n, k]) of the draft's next token."""
-        p, idx = draft_topk(self.lm_head(self.norm(hidden)), k, with_probs)
+    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True, bitmask=None):
+        """(probabilities [n, k] or None, target token ids [n, k]) of the draft's next token;
+        `bitmask` (packed, over the target vocabulary) bans tokens (structured outputs)."""
+        logits = self.lm_head(self.norm(hidden))
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask, self.hot_token_ids)
+        p, idx = draft_topk(logits, k, with_probs)
         return p, self.hot_token_ids[idx]
 
 
@@ -126,8 +131,11 @@ class Eagle1Head(nn.Module):
         x = x + layer.self_attn(x, fb.positions, fb)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True):
-        return draft_topk(self.target_lm_head[0](hidden), k, with_probs)
+    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True, bitmask=None):
+        logits = self.target_lm_head[0](hidden)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
+        return draft_topk(logits, k, with_probs)
 
 
 def load_draft_head(path: str, algorithm: str, target_model: nn.Module, max_position: int,

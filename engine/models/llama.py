@@ -110,6 +110,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     layer_class = DecoderLayer  # a subclass with other blocks (DeepSeek) swaps these two
+    # (ours, checkpoint's) substrings of parameter names where a checkpoint names a module
+    # otherwise (Mixtral's block_sparse_moe); the loader applies them.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     @staticmethod
     def make_rotary(cfg: ModelConfig, max_position: int) -> RotaryEmbedding:

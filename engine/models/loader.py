@@ -202,11 +202,13 @@ def _checkpoint_parts(name: str) -> list[str]:
 
 
 def load_llama(model: nn.Module, path: str) -> None:
-    """Our LlamaForCausalLM (and DeepseekForCausalLM) names are HF's without the `model.`
-    prefix on the trunk."""
+    """Our LlamaForCausalLM (and its subclasses') names are HF's without the `model.` prefix on
+    the trunk, after the model's `checkpoint_renames`."""
     reader = CheckpointReader(path)
 
     def to_hf(name: str) -> str:
+        for ours, theirs in model.checkpoint_renames:
+            name = name.replace(ours, theirs)
         return name if name.startswith("lm_head.") else "model." + name
 
     # A tied lm_head shares embed_tokens' parameter, so named_parameters() never yields it.

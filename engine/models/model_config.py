@@ -1,5 +1,6 @@
 """ModelConfig: the parts of a Hugging Face config.json that our forwards need (the Llama family,
-and DeepSeek-V2/V3 with their MLA and MoE settings)."""
+DeepSeek-V2/V3 with their MLA and MoE settings, and the Llama-attention MoE families Qwen3-MoE
+and Mixtral)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True),
     "DeepseekV2ForCausalLM": (False, False),
     "DeepseekV3ForCausalLM": (False, False),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -39,7 +42,9 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts (DeepSeek style): which layers, how tokens pick experts, shared experts."""
+    """Routed experts: which layers, how tokens pick experts, shared experts. DeepSeek's layers
+    [0, first_k_dense_replace) are dense; Qwen3-MoE's are dense where listed in mlp_only_layers
+    or where (layer + 1) is not a multiple of sparse_step; Mixtral's are all MoE."""
 
     num_experts: int
     top_k: int
@@ -52,9 +57,12 @@ class MoEConfig:
     norm_topk_prob: bool
     routed_scaling_factor: float
     has_correction_bias: bool    # V3: e_score_correction_bias steers the choice, not the weight
+    sparse_step: int = 1         # Qwen3-MoE's decoder_sparse_step
+    mlp_only_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return (layer >= self.first_k_dense_replace and layer not in self.mlp_only_layers
+                and (layer + 1) % self.sparse_step == 0)
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,10 @@ class ModelConfig:
         mla = moe = None
         if arch in DEEPSEEK_ARCHITECTURES:
             mla, moe = _deepseek_parts(arch, cfg)
+        elif arch == "Qwen3MoeForCausalLM":
+            moe = _qwen3_moe_parts(cfg)
+        elif arch == "MixtralForCausalLM":
+            moe = _mixtral_parts(cfg)
         qkv_bias = qkv_bias or bool(cfg.get("attention_bias", False))
         num_heads = cfg["num_attention_heads"]
         # DeepSeek configs carry head_dim = the rope dims; an MLA head's q/k width is nope + rope.
@@ -150,11 +162,7 @@ def _scaling(rope: dict, rope_type: str, cfg: dict) -> dict:
 
 def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig]]:
     v3 = arch == "DeepseekV3ForCausalLM"
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"model: {flag}=true is not supported for {arch}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu is)")
+    _require_silu_without(arch, cfg, ("attention_bias", "mlp_bias"))
     mla = MLAConfig(
         q_lora_rank=cfg.get("q_lora_rank"),
         kv_lora_rank=cfg["kv_lora_rank"],
@@ -189,3 +197,50 @@ def _deepseek_parts(arch: str, cfg: dict) -> tuple[MLAConfig, Optional[MoEConfig
         raise ValueError(f"model: n_group {moe.num_groups} / topk_group {moe.topk_groups} do not "
                          f"fit n_routed_experts {moe.num_experts}")
     return mla, moe
+
+
+def _require_silu_without(arch: str, cfg: dict, biases: tuple[str, ...]) -> None:
+    """Refuse, by name, the bias flags set in `biases` and an activation other than SiLU."""
+    for flag in biases:
+        if cfg.get(flag):
+            raise ValueError(f"model: {flag}=true is not supported for {arch}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu is)")
+
+
+def _softmax_topk(num_experts: int, top_k: int, moe_intermediate_size: int, norm_topk_prob: bool,
+                  sparse_step: int = 1, mlp_only_layers: tuple[int, ...] = ()) -> MoEConfig:
+    """Qwen3-MoE's and Mixtral's routing: softmax over every expert's logit, the top k of those
+    probabilities, renormalised over the k when norm_topk_prob (always for Mixtral)."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"model: num_experts_per_tok {top_k} does not fit {num_experts} experts")
+    return MoEConfig(num_experts=num_experts, top_k=top_k, moe_intermediate_size=moe_intermediate_size,
+                     num_shared_experts=0, first_k_dense_replace=0, scoring="softmax", num_groups=1,
+                     topk_groups=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0,
+                     has_correction_bias=False, sparse_step=sparse_step, mlp_only_layers=mlp_only_layers)
+
+
+def _qwen3_moe_parts(cfg: dict) -> Optional[MoEConfig]:
+    arch = "Qwen3MoeForCausalLM"
+    # attention_bias: transformers gives o_proj a bias too then, which our attention lacks.
+    _require_silu_without(arch, cfg, ("attention_bias", "mlp_bias"))
+    # Qwen2-MoE's shared expert (and its sigmoid gate) is not part of Qwen3-MoE: a config that
+    # asks for one is some other model under this name.
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"model: shared_expert_intermediate_size (a shared expert) is not supported "
+                         f"for {arch}")
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 saves the latter
+    if not num_experts:
+        return None  # every layer dense (transformers' num_experts == 0)
+    step = cfg.get("decoder_sparse_step") or 1
+    return _softmax_topk(num_experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                         bool(cfg.get("norm_topk_prob", False)), sparse_step=step,
+                         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+
+
+def _mixtral_parts(cfg: dict) -> MoEConfig:
+    arch = "MixtralForCausalLM"
+    _require_silu_without(arch, cfg, ("mlp_bias",))
+    # Every layer is MoE, and each expert is intermediate_size wide (Mixtral has no dense MLP).
+    return _softmax_topk(cfg.get("num_local_experts") or cfg["num_experts"], cfg["num_experts_per_tok"],
+                         cfg["intermediate_size"], norm_topk_prob=True)

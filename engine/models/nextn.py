@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ParallelLMHead, TensorParallel, VocabParallelEmbedding
 from specserve.engine.layers.rotary import RotaryEmbedding
@@ -80,9 +81,13 @@ class NextNHead(nn.Module):
         out, _ = self.shared_head.norm(x, residual)
         return out
 
-    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True):
-        """(probabilities [n, k] or None, token ids [n, k]) of the draft's next token."""
-        return draft_topk(self.shared_head.head(hidden), k, with_probs)
+    def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True, bitmask=None):
+        """(probabilities [n, k] or None, token ids [n, k]) of the draft's next token;
+        `bitmask` (packed) bans tokens (structured outputs)."""
+        logits = self.shared_head.head(hidden)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
+        return draft_topk(logits, k, with_probs)
 
 
 class NextNLayout(NamedTuple):

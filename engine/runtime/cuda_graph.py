@@ -29,12 +29,13 @@ class GraphedStep:
     `make_inputs(bs)` builds a NamedTuple of static inputs; `load` refills its tensors."""
 
     def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[int], NamedTuple],
-                 pad: dict, max_batch_size: int, device: torch.device):
+                 pad: dict, max_batch_size: int, device: torch.device,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS):
         self.parts = parts
         self.make_inputs = make_inputs
         self.pad = pad
         self.device = device
-        self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch_size] + [max_batch_size]
+        self.buckets = [b for b in buckets if b < max_batch_size] + [max_batch_size]
         self.pool = None
         self.captured: dict[int, _Captured] = {}
 
@@ -77,6 +78,10 @@ class GraphedStep:
             graphs.append(graph)
             outputs.append(x)
         self.captured[bs] = _Captured(graphs, inputs, outputs)
+
+    def static_for(self, size: int) -> _Captured:
+        """The captured bucket for `size` (its static inputs to fill by hand, then replay)."""
+        return self.captured[self.bucket_for(size)]
 
     def load(self, **live: torch.Tensor) -> _Captured:
         """Copy the live inputs (batch size = their length) into a bucket's static buffers."""

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
+from specserve.engine.grammar.batch import GrammarBatch
 from specserve.engine.layers.sampler import SamplingInfo
 from specserve.engine.runtime.device import DeviceContext
 
@@ -30,6 +31,7 @@ class ExtendStep(NamedTuple):
     # position i - 1), or None; and how many alternatives each request wants.
     prompt_spans: list[Optional[tuple[int, int]]]
     prompt_top_k: list[int]
+    grammar: Optional[GrammarBatch] = None  # the batch has a constrained request
 
 
 class DecodeStep(NamedTuple):
@@ -42,6 +44,7 @@ class DecodeStep(NamedTuple):
     allocated_lens: list[int]         # slots each request's row holds after this step's reservation
     out_cache_loc: torch.Tensor       # the slots reserved by this step, in order
     sampling: SamplingInfo
+    grammar: Optional[GrammarBatch] = None  # the batch has a constrained request
 
 
 class StepResult(NamedTuple):
@@ -83,6 +86,7 @@ class Worker(Protocol):
     """What the scheduler and the engine need of a worker (NormalWorker, EagleWorker)."""
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
+    extend_graphs: Any  # the captured short extends (runtime/short_extend.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)
 
     def slots_per_request(self) -> int:

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.kvcache.pools import ReqToTokenPool
 from specserve.engine.layers.argmax import argmax_last_dim
 from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
@@ -19,6 +20,9 @@ from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHis
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.short_extend import (
+    MAX_SHORT_EXTEND, SHORT_EXTEND_BUCKETS, ShortExtendInputs, fits_short_extend, load_short_extend,
+    make_short_extend_inputs, pack_short_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 
 
@@ -59,6 +63,7 @@ class ForwardInputs(NamedTuple):
     stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
     history_init: Optional[HistoryInit] = None
     prompt_score: Optional[PromptScore] = None
+    grammar_mask: Optional[torch.Tensor] = None  # [bs, W] packed allowed tokens (structured outputs)
 
 
 class Sampled(NamedTuple):
@@ -165,7 +170,8 @@ class TargetModel:
             seq_lens_cpu=self.host_lens(seq_lens), max_seq_len=max(seq_lens),
             sample_rows=self.to_device(sample_rows), sampling_info=step.sampling,
             stash_rows=self.to_device([r if s else 0 for r, s in zip(step.rows, step.samples)]),
-            history_init=history_init, prompt_score=prompt_score)
+            history_init=history_init, prompt_score=prompt_score,
+            grammar_mask=step.grammar.next_token_masks() if step.grammar is not None else None)
 
     def decode_inputs(self, step: DecodeStep) -> ForwardInputs:
         """The fed token sits at index committed_len - 1 (the host committed it at schedule
@@ -178,7 +184,8 @@ class TargetModel:
             extend_lens=torch.ones_like(rows), out_cache_loc=step.out_cache_loc,
             seq_lens_cpu=self.host_lens(step.committed_lens), max_seq_len=max(step.committed_lens),
             sample_rows=torch.arange(len(step.rows), device=self.ctx.device),
-            sampling_info=step.sampling, stash_rows=rows)
+            sampling_info=step.sampling, stash_rows=rows,
+            grammar_mask=step.grammar.next_token_masks() if step.grammar is not None else None)
 
     # --- forward side -------------------------------------------------------------------------
     def forward_and_sample(self, inputs: ForwardInputs, read_done,
@@ -193,6 +200,8 @@ class TargetModel:
             max_seq_len=inputs.max_seq_len, aux_hidden_layers=aux_hidden_layers)
         hidden, aux = self.runner.forward(fb, read_done=read_done)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if inputs.grammar_mask is not None:
+            logits = apply_token_bitmask(logits, inputs.grammar_mask)
         batch_index = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
         history = None
         if info.any_penalty:
@@ -210,6 +219,30 @@ class TargetModel:
             prompt = scored_logprobs(self.model.compute_logits(hidden[score.rows]), score.targets,
                                      score.top_k)
         return Sampled(choice, hidden, aux, prompt)
+
+    def short_extend(self, s: ShortExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
+        """A captured short extend (runtime/short_extend.py): one request's chunk, padded; the
+        greedy token of its last real position. Returns (tokens [1], hidden, aux hidden)."""
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=s.ids, positions=s.positions,
+            kv_rows=KVRows(self.req_to_token.table, s.row), prefix_lens=s.prefix_len,
+            extend_lens_cpu=[s.ids.shape[0]], out_cache_loc=s.loc, max_seq_len=width,
+            aux_hidden_layers=aux_hidden_layers)
+        hidden, aux = self.runner.forward(fb)
+        tokens = self.model.tp.broadcast(argmax_last_dim(self.model.compute_logits(hidden[s.last])))
+        self.future_map.stash_tokens(s.row, tokens)
+        return tokens, hidden, aux
+
+    def capture_short_extends(self, parts, width: int):
+        """GraphedStep of `parts` over the short-extend buckets (tokens, not batch sizes)."""
+        from specserve.engine.runtime.cuda_graph import GraphedStep
+
+        device = self.ctx.device
+        graphs = GraphedStep(parts, lambda length: make_short_extend_inputs(length, device), pad={},
+                             max_batch_size=min(MAX_SHORT_EXTEND, width), device=device,
+                             buckets=SHORT_EXTEND_BUCKETS)
+        graphs.capture_all()
+        return graphs
 
     def prompt_logits(self, token_ids: list[int], row: int, slots: torch.Tensor) -> torch.Tensor:
         """Float32 logits [len, vocab] of one sequence prefilled into `row` / `slots`."""
@@ -239,19 +272,36 @@ class NormalWorker:
     def __init__(self, target: TargetModel):
         self.target = target
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
+        self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
         return 1
 
     def launch_extend(self, step: ExtendStep) -> Launched:
+        if self.extend_graphs is not None and fits_short_extend(step):
+            return self._replay_short_extend(step)
         inputs = self.target.extend_inputs(step)
         return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
+
+    def _replay_short_extend(self, step: ExtendStep) -> Launched:
+        start, end = step.chunks[0]
+        captured = self.extend_graphs.static_for(end - start)
+        packed = pack_short_extend(step, captured.inputs.ids.shape[0], next_tokens=False)
+
+        def replay(read_done) -> StepResult:
+            load_short_extend(captured.inputs, packed, step.out_cache_loc)
+            tokens = self.extend_graphs.replay(captured, 0)
+            read_done.record()
+            return StepResult(tokens)
+
+        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
 
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)
         bs = len(step.rows)
-        if not (self.graphs is not None and graphable(self.graphs, inputs.sampling_info, bs)):
+        if not (self.graphs is not None and graphable(self.graphs, inputs.sampling_info, bs,
+                                                      constrained=step.grammar is not None)):
             return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
 
         def replay(read_done) -> StepResult:
@@ -291,11 +341,16 @@ class NormalWorker:
         self.graphs = GraphedStep([decode_step], make_inputs, pad={}, max_batch_size=max_batch_size,
                                   device=device)
         self.graphs.capture_all()
+        self.extend_graphs = target.capture_short_extends(self.short_extend_parts(width), width)
+
+    def short_extend_parts(self, width: int) -> list:
+        """What a captured short extend runs: the target forward and its greedy token."""
+        return [lambda s: self.target.short_extend(s, width)[0]]
 
 
-def graphable(graphs, info: SamplingInfo, bs: int) -> bool:
-    """Graphs cover greedy steps without per-token rules; the rest runs eagerly."""
-    return not info.per_token_rules and graphs.bucket_for(bs) is not None
+def graphable(graphs, info: SamplingInfo, bs: int, constrained: bool = False) -> bool:
+    """Graphs cover greedy steps without per-token rules or grammars; the rest runs eagerly."""
+    return not info.per_token_rules and not constrained and graphs.bucket_for(bs) is not None
 
 
 def greedy_sampling_info(bs: int, vocab_size: int, device) -> SamplingInfo:

@@ -77,6 +77,8 @@ class AdmissionPolicy:
                 continue  # another sequence of its request is prefilling the shared prompt
             if req.num_inflight_tokens:   # retracted with a result still in flight
                 break
+            if req.waits_for_grammar:
+                continue
             # It prefills prompt + outputs so far, past what its row can map (a cached or a
             # shared prefix).
             cached = self.slots.peek_prefix(req)

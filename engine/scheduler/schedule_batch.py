@@ -9,6 +9,7 @@ import torch
 
 from specserve.engine.config import SamplingParams
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.grammar.request_grammar import RequestGrammar
 from specserve.engine.kvcache.radix_cache import PrefixMatch
 from specserve.engine.outputs import TopLogprobs
 from specserve.engine.runtime.step import Launched
@@ -95,6 +96,12 @@ class Req:
     num_bypassed: int = 0        # later arrivals admitted before it (the prefix-match order's aging)
     prefix_keys: Optional[tuple[int, list[int]]] = None  # (seq_len, cache keys) memo for admission
     serial: int = 0              # set by the scheduler: unique for the engine's lifetime, unlike a rid
+    grammar: Optional[RequestGrammar] = None  # structured output: set by the scheduler when it is added
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its grammar is still compiling: it is not admitted yet (others are)."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def key(self) -> tuple[str, int]:

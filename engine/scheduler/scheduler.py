@@ -8,14 +8,26 @@ result is processed. A request that finished in N is still in N+1: its result is
 
 The jobs are split: `AdmissionPolicy` decides what runs, `RequestSlots` maps KV slots,
 the worker builds device inputs and launches, `OutputProcessor` turns results into outputs.
+
+Structured outputs: a batch with a constrained request runs without overlap. Its masks come
+from matchers that must already hold the request's previous tokens, so the step that contains
+it is processed (matchers advanced) before the next one is scheduled; and a speculative
+step's draft and verify masks read the draft tokens on the host mid-forward. Batches without
+one keep the overlap and the sync-free forward; since every batch with a constrained request
+is processed at once, no batch in flight holds one when a constrained batch is launched.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import logging
 import time
 from typing import Optional
 
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.grammar.batch import GrammarBatch
+from specserve.engine.grammar.compiler import GrammarCompiler
+from specserve.engine.grammar.request_grammar import RequestGrammar
 from specserve.engine.layers.sampler import SamplingInfo
 from specserve.engine.outputs import StepOutput
 from specserve.engine.runtime.step import Launched, Worker
@@ -23,6 +35,10 @@ from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, InflightBatch, Req, ReqStatus
+
+logger = logging.getLogger("specserve.engine")
+# How long an otherwise idle step waits for a grammar being compiled (instead of spinning).
+GRAMMAR_WAIT_SECONDS = 0.005
 
 
 class SchedulerMetrics:
@@ -45,7 +61,7 @@ class SchedulerMetrics:
 class Scheduler:
     def __init__(self, *, worker: Worker, slots: RequestSlots, policy: AdmissionPolicy,
                  outputs: OutputProcessor, vocab_size: int, eos_ids, enable_overlap: bool,
-                 speculative: bool):
+                 speculative: bool, grammars: Optional[GrammarCompiler] = None):
         self.worker = worker
         self.slots = slots
         self.policy = policy
@@ -61,6 +77,8 @@ class Scheduler:
         self.metrics = SchedulerMetrics(policy)
         self._sampling_key, self._sampling = None, None
         self._serial = 0
+        self.grammars = grammars          # None: the model has no tokenizer for grammars
+        self._compiling: list[Req] = []   # waiting for their grammar to compile
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -69,6 +87,10 @@ class Scheduler:
         req.serial = self._serial
         self.reqs[req.key] = req
         self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
+        spec = req.sampling.grammar
+        if spec is not None:  # Engine.add_request refused it when there is no compiler
+            req.grammar = RequestGrammar(self.grammars.compile(spec), req.stop_ids, spec.after_token_id)
+            self._compiling.append(req)
         self.policy.add(req)
 
     def has_request(self, rid: str) -> bool:
@@ -96,10 +118,18 @@ class Scheduler:
 
     # --- one iteration: schedule -> launch -> process ----------------------------------------
     def step(self) -> list[StepOutput]:
+        if self._compiling:
+            self._check_grammars()
         decision = self.policy.schedule(nothing_in_flight=not self.inflight)
+        constrained = False
         if decision is not None:
-            self.inflight.append(InflightBatch(decision, self._launch(decision)))
-        keep = 1 if (self.enable_overlap and decision is not None) else 0
+            launched, constrained = self._launch(decision)
+            self.inflight.append(InflightBatch(decision, launched))
+        elif self._compiling and not self.inflight:
+            concurrent.futures.wait([r.grammar.future for r in self._compiling],
+                                    timeout=GRAMMAR_WAIT_SECONDS,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        keep = 1 if (self.enable_overlap and decision is not None and not constrained) else 0
         while len(self.inflight) > keep:
             self._process(self.inflight.popleft())
         self.metrics.num_steps += decision is not None
@@ -111,15 +141,31 @@ class Scheduler:
         while self.inflight:
             self._process(self.inflight.popleft())
 
-    def _launch(self, decision: Decision) -> Launched:
+    def _check_grammars(self) -> None:
+        """Requests whose grammar compiled may be admitted now; one that failed to compile ends
+        (the server parses grammars before sending them, so this is rare)."""
+        still = []
+        for req in self._compiling:
+            if not req.grammar.ready:
+                still.append(req)
+            elif req.grammar.error is not None and req.status is not ReqStatus.FINISHED:
+                logger.warning("request %s: its grammar failed to compile: %s", req.rid, req.grammar.error)
+                self._finish(req, "abort")
+        self._compiling = still
+
+    def _launch(self, decision: Decision) -> tuple[Launched, bool]:
+        """The launched batch, and whether it has a constrained request."""
         sampling = self._sampling_info(decision.reqs)
+        grammar = GrammarBatch.of([r.grammar for r in decision.reqs], self.vocab_size,
+                                  self.slots.ctx.device)
         if decision.mode is ForwardMode.EXTEND:
-            launched = self.worker.launch_extend(self.slots.extend_step(decision, sampling))
+            step = self.slots.extend_step(decision, sampling)._replace(grammar=grammar)
+            launched = self.worker.launch_extend(step)
         else:
             step = self.slots.decode_step(decision.reqs, sampling, commit_fed_token=not self.speculative)
-            launched = self.worker.launch_decode(step)
+            launched = self.worker.launch_decode(step._replace(grammar=grammar))
         self.slots.last_read_done = launched.read_done
-        return launched
+        return launched, grammar is not None
 
     def _sampling_info(self, reqs: list[Req]) -> SamplingInfo:
         """Rebuilt only when the batch's requests change (its tensors are read-only, so batches
@@ -151,6 +197,7 @@ class Scheduler:
             if req.status is ReqStatus.FINISHED:
                 continue
             k = req.sampling.top_logprobs
+            num_before = len(req.output_ids)
             if lengths is None:
                 reason = self.outputs.deliver(req, [tokens[i]], None if logprobs is None else [logprobs[i]],
                                               None if top is None else [top[i][:k]])
@@ -165,6 +212,8 @@ class Scheduler:
                                               None if logprobs is None else logprobs[i][:n],
                                               None if top is None else [t[:k] for t in top[i][:n]],
                                               num_drafts=n - 1)
+            if req.grammar is not None:
+                req.grammar.advance(req.output_ids[num_before:])
             if reason is not None:
                 self._finish(req, reason)
             else:

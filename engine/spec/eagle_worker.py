@@ -28,9 +28,13 @@ import torch
 from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.grammar.batch import GrammarBatch
+from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, TokenHistory, sample
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.short_extend import (
+    ShortExtendInputs, fits_short_extend, load_short_extend, pack_short_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
 from specserve.engine.spec import tree as tree_ops
@@ -44,6 +48,14 @@ class EagleExtendInputs(NamedTuple):
     samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
 
 
+class ShortExtendHalf(NamedTuple):
+    """What a captured short extend's target half hands its draft half."""
+
+    inputs: ShortExtendInputs
+    tokens: torch.Tensor      # [1] the sampled token
+    feats: torch.Tensor       # the target features the draft reads
+
+
 class SpecDecodeInputs(NamedTuple):
     """One iteration's inputs (also the static inputs of its CUDA graphs)."""
 
@@ -52,6 +64,7 @@ class SpecDecodeInputs(NamedTuple):
     seq_lens_cpu: Optional[list[int]]  # the same on the host, when a backend reads it
     width: int                        # host bound on every row's KV length (its allocated slots)
     info: SamplingInfo
+    grammar: Optional[GrammarBatch] = None  # a constrained batch: masks drafts and verify (eager only)
 
 
 class Verified(NamedTuple):
@@ -76,6 +89,8 @@ class EagleWorker:
         self.aux_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
+        self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
+        self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
         self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
                                              next(head.parameters()).dtype)
@@ -85,6 +100,8 @@ class EagleWorker:
 
     # --- prefill ---------------------------------------------------------------------------
     def launch_extend(self, step: ExtendStep) -> Launched:
+        if self.extend_graphs is not None and fits_short_extend(step):
+            return self._replay_short_extend(step)
         target = self.target.extend_inputs(step)
         shifted = []
         for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
@@ -112,16 +129,51 @@ class EagleWorker:
 
         return launch_forward(self.target.ctx, inputs, body)
 
+    def _replay_short_extend(self, step: ExtendStep) -> Launched:
+        """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
+        start, end = step.chunks[0]
+        captured = self.extend_graphs.static_for(end - start)
+        packed = pack_short_extend(step, captured.inputs.ids.shape[0], next_tokens=True)
+        publish_ready = self.future_map.new_publish_event()
+
+        def replay(read_done) -> StepResult:
+            load_short_extend(captured.inputs, packed, step.out_cache_loc)
+            self.extend_graphs.replay(captured, 0)
+            publish_ready.record()
+            tokens = self.extend_graphs.replay(captured, 1)
+            read_done.record()  # the draft half reads the request table too
+            return StepResult(tokens)
+
+        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
+
+    def _short_extend_target_half(self, s: ShortExtendInputs) -> ShortExtendHalf:
+        tokens, hidden, aux = self.target.short_extend(s, self.width, self.aux_layers)
+        self.future_map.publish(s.row, s.seq_len)
+        return ShortExtendHalf(s, tokens, aux if self.aux_layers else hidden)
+
+    def _short_extend_draft_half(self, half: ShortExtendHalf) -> torch.Tensor:
+        s = half.inputs
+        shifted = s.shifted.index_copy(0, s.last, half.tokens)
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted, positions=s.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, s.row), prefix_lens=s.prefix_len,
+            extend_lens_cpu=[s.ids.shape[0]], out_cache_loc=s.loc, max_seq_len=self.width)
+        draft_hidden = self.draft.forward(fb, half.feats)
+        self._stash_draft_state(s.row, draft_hidden[s.last])
+        return half.tokens
+
     # --- decode ----------------------------------------------------------------------------
     def launch_decode(self, step: DecodeStep) -> Launched:
         """The host does not know the lengths after the in-flight verify: the FutureMap has
         them on the device, and the over-reserved slots cover whatever they turn out to be."""
         rows = self.target.to_device(step.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
-        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling,
+                                  step.grammar)
         publish_ready = self.future_map.new_publish_event()
         bs = len(step.rows)
-        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs)
+        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs,
+                                                          constrained=step.grammar is not None)
 
         def body(read_done) -> StepResult:
             if use_graph:
@@ -146,6 +198,8 @@ class EagleWorker:
         if read_done is not None:
             read_done.record()
         tree = self._draft(kv, s)
+        # Structured outputs: node i may only become the target's choice allowed after its path.
+        node_masks = s.grammar.tree_masks(tree.tokens, tree.parents) if s.grammar is not None else None
         loc = kv.table.gather(1, tree.slot_positions)
         fb = ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
@@ -156,6 +210,8 @@ class EagleWorker:
             aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.runner.forward(fb)
         logits = self.target.model.compute_logits(hidden)
+        if node_masks is not None:
+            logits = apply_token_bitmask(logits, node_masks)
         choice = self._target_tokens(logits, tree, s.rows, s.info)
         target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len, self.tree.num_steps)
@@ -193,8 +249,13 @@ class EagleWorker:
         is the tree: the draft runs on every rank)."""
         bonus = self.future_map.resolve_input_ids(-s.rows)
         state = self.future_map.gather_draft_state(s.rows)
-        builder = tree_ops.draft_builder(self.tree, state.topk_p, state.topk_index, state.hidden)
-        S, k = s.S, self.tree.topk
+        S, k, grammar = s.S, self.tree.topk, s.grammar
+        topk_p, topk_index = state.topk_p, state.topk_index
+        if grammar is not None:
+            # The stashed first level was drafted before the last step's tokens reached the
+            # matchers: draft it again from the stashed hidden state, under the committed masks.
+            topk_p, topk_index = self.draft.model.topk(state.hidden, k, bitmask=grammar.next_token_masks())
+        builder = tree_ops.draft_builder(self.tree, topk_p, topk_index, state.hidden)
         branch_S = S.repeat_interleave(k) if self.tree.is_tree else S
         branches = branch_S.shape[0]
         for step in range(1, self.tree.num_steps):
@@ -206,8 +267,11 @@ class EagleWorker:
                 kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
                 extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
             out_hidden = self.draft.forward(fb, parent_hidden)
+            # Structured outputs: each frontier node drafts from the tokens its path allows.
+            bitmask = grammar.path_masks(*builder.candidates()) if grammar is not None else None
             # A chain needs only each step's argmax, not its probability.
-            builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree), out_hidden)
+            builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree, bitmask=bitmask),
+                           out_hidden)
         nodes = builder.finish()
         tp = self.target.model.tp
         nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
@@ -257,6 +321,12 @@ class EagleWorker:
         self.graphs = GraphedStep([self._verify_half, self._extend_half], make_inputs,
                                   pad={"rows": 0, "S": 1}, max_batch_size=max_batch_size, device=device)
         self.graphs.capture_all()
+        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
+
+    def short_extend_parts(self, width: int) -> list:
+        """What a captured short extend runs: the target half (then `publish_ready`), the draft half."""
+        self.width = width
+        return [self._short_extend_target_half, self._short_extend_draft_half]
 
 
 def _plus(seq_lens_cpu: Optional[list[int]], n: int) -> Optional[list[int]]:

@@ -55,6 +55,14 @@ class DraftChainBuilder:
         """(kv [bs, W], own slots [bs]) of draft step `step` (1-based)."""
         return table, table.gather(1, (S + (step - 1)).unsqueeze(1)).squeeze(1)
 
+    def candidates(self):
+        """(tokens [bs, C], parent candidate [bs, C] (-1: the root), frontier candidates [bs, 1]):
+        what a grammar walks to mask the next draft step (structured outputs)."""
+        tokens = torch.cat(self.tokens, dim=1)
+        n = tokens.shape[1]
+        parents = (arange(n, tokens.device) - 1).expand_as(tokens)
+        return tokens, parents, parents[:, -1:] + 1
+
     def expand(self, probs: Optional[torch.Tensor], ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
         self.tokens.append(ids)
         self.frontier_tokens = ids
@@ -111,6 +119,11 @@ class DraftTreeBuilder:
         cols = branch_S.unsqueeze(1) + arange(step, S.device)
         self.branch_kv.scatter_(1, cols, path.reshape(-1, step))
         return self.branch_kv, own.reshape(-1)
+
+    def candidates(self):
+        """(tokens [bs, C], parent candidate [bs, C] (-1: the root), frontier candidates [bs, k]):
+        what a grammar walks to mask the next draft step (structured outputs)."""
+        return torch.cat(self.tokens, dim=1), torch.cat(self.parents, dim=1), self.frontier_ids
 
     def expand(self, probs: torch.Tensor, ids: torch.Tensor, out_hidden: torch.Tensor) -> None:
         """Children of the frontier from the draft forward's top-k; the best k become the next

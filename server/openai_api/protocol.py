@@ -6,17 +6,48 @@ carried the value (max_new_tokens -> max_tokens, text -> prompt, ...).
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional, Union
+import json
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from specserve.proto import generate_pb2 as pb
 from specserve.server.generation import Served
+from specserve.server.openai_api.chat_outputs import ChatOutputMode
+from specserve.server.tool_calls import required_calls_schema
 from specserve.server.validation import InvalidRequest, ValidatedRequest
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormatBody(BaseModel):
+    """OpenAI's response_format: text (the default), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's structured_outputs extra: one of json (a schema), regex, grammar (EBNF) or
+    json_object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
 
 
 class GenerationBody(BaseModel):
@@ -45,8 +76,52 @@ class GenerationBody(BaseModel):
     min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
+    # Structured outputs: OpenAI's response_format, SGLang's regex / ebnf extras, vLLM's
+    # structured_outputs; at most one of them.
+    response_format: Optional[ResponseFormatBody] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
 
     PROMPT_FIELD: ClassVar[str]  # the field that holds the prompt, for error messages
+    IS_CHAT: ClassVar[bool] = False
+    # The request field whose grammar the request carries (for errors naming it).
+    _grammar_field: str = PrivateAttr(default="response_format")
+
+    def structured_output(self) -> Optional[pb.StructuredOutput]:
+        """The grammar this body asks for, as the gRPC API's message (None: free text)."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                given.append(("response_format", pb.StructuredOutput(json_object=True)))
+            else:
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise InvalidRequest("response_format: json_schema.schema is required for "
+                                         "type json_schema")
+                given.append(("response_format", pb.StructuredOutput(
+                    json_schema=json.dumps(fmt.json_schema.schema_))))
+        if self.regex is not None:
+            given.append(("regex", pb.StructuredOutput(regex=self.regex)))
+        if self.ebnf is not None:
+            given.append(("ebnf", pb.StructuredOutput(ebnf=self.ebnf)))
+        so = self.structured_outputs
+        if so is not None:
+            options = [pb.StructuredOutput(json_schema=so.json_ if isinstance(so.json_, str)
+                                           else json.dumps(so.json_))] if so.json_ is not None else []
+            options += [pb.StructuredOutput(regex=so.regex)] if so.regex is not None else []
+            options += [pb.StructuredOutput(ebnf=so.grammar)] if so.grammar is not None else []
+            options += [pb.StructuredOutput(json_object=True)] if so.json_object else []
+            if len(options) > 1:
+                raise InvalidRequest("structured_outputs: give one of json, regex, grammar or json_object")
+            given += [("structured_outputs", o) for o in options]
+        if len(given) > 1:
+            raise InvalidRequest(f"{given[1][0]}: only one of response_format, regex, ebnf and "
+                                 f"structured_outputs may be given")
+        if not given:
+            return None
+        self._grammar_field = given[0][0]
+        return given[0][1]
 
     def check_supported(self) -> None:
         """Refuse, by name, what the server does not implement (rather than ignore it)."""
@@ -106,6 +181,8 @@ class GenerationBody(BaseModel):
 
     def api_field(self, field: str) -> str:
         """The OpenAI field for a gRPC field name."""
+        if field.startswith("structured_output"):
+            return self._grammar_field
         return {"max_new_tokens": self.max_tokens_field(), "min_new_tokens": "min_tokens",
                 "text": self.PROMPT_FIELD, "token_ids": self.PROMPT_FIELD}.get(field, field)
 
@@ -113,7 +190,7 @@ class GenerationBody(BaseModel):
         """The validated request (runs in a prepare thread: templating and tokenizing)."""
         try:
             self.check_supported()
-            return served.validator.validate(self.generate_request(served))
+            return served.validator.validate(self.generate_request(served), chat=self.IS_CHAT)
         except InvalidRequest as e:
             field, _, rest = str(e).partition(":")
             raise InvalidRequest(f"{self.api_field(field)}:{rest}") from None
@@ -166,9 +243,11 @@ class CompletionRequest(GenerationBody):
         return self._echo_text
 
     def generate_request(self, served: Served) -> pb.GenerateRequest:
+        grammar = self.structured_output()
         if isinstance(self.prompt, str):
-            return pb.GenerateRequest(text=self.prompt, sampling=self.sampling())
-        request = pb.GenerateRequest(sampling=self.sampling())
+            return pb.GenerateRequest(text=self.prompt, sampling=self.sampling(),
+                                      structured_output=grammar)
+        request = pb.GenerateRequest(sampling=self.sampling(), structured_output=grammar)
         try:
             request.token_ids.ids.extend(self.prompt)
         except (ValueError, TypeError):
@@ -195,13 +274,85 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ToolBody(BaseModel):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    tools: Optional[list[ToolBody]] = None
+    # Unset: "auto" with tools, "none" without.
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True   # False: tool_choice "required" makes exactly one call
 
     PROMPT_FIELD = "messages"
+    IS_CHAT = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise InvalidRequest("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and \
+                choice.function.name not in {t.function.name for t in self.tools}:
+            raise InvalidRequest(f"tool_choice: no tool is named {choice.function.name!r}")
+        if self.forces_calls and self.structured_output() is not None:
+            raise InvalidRequest(f"{self._grammar_field}: cannot be combined with tool_choice "
+                                 f"required or a named function (the calls' schema is the grammar)")
+
+    @property
+    def effective_tool_choice(self):
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forces_calls(self) -> bool:
+        return self.effective_tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def chat_mode(self, served: Served) -> ChatOutputMode:
+        """How the choices' text becomes reasoning, content and tool calls."""
+        choice = self.effective_tool_choice
+        return ChatOutputMode(
+            reasoning_parser=served.reasoning_parser,
+            tool_call_parser=served.tool_call_parser if choice == "auto" else None,
+            forced_calls=self.forces_calls,
+            forced_name=choice.function.name if isinstance(choice, NamedToolChoice) else None)
+
+    def _forced_grammar(self) -> Optional[pb.StructuredOutput]:
+        """tool_choice required or named: the calls' JSON schema."""
+        choice = self.effective_tool_choice
+        if isinstance(choice, NamedToolChoice):
+            fn = next(t.function for t in self.tools if t.function.name == choice.function.name)
+            schema = fn.parameters or {"type": "object"}
+        elif choice == "required":
+            schema = required_calls_schema([t.function.model_dump(exclude_none=True) for t in self.tools],
+                                           self.parallel_tool_calls)
+        else:
+            return None
+        self._grammar_field = "tools"
+        return pb.StructuredOutput(json_schema=json.dumps(schema))
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -218,8 +369,12 @@ class ChatCompletionRequest(GenerationBody):
         # Rendered here rather than sent as GenerateRequest.messages: OpenAI messages carry more
         # than role and content (name, tool_calls, ...), and templates read those too. The text
         # carries the template's special tokens (a BOS) already.
-        text = served.validator.chat_prompt([m.for_template() for m in self.messages])
-        return pb.GenerateRequest(text=text, add_special_tokens=False, sampling=self.sampling())
+        # The template sees the tools unless tool_choice is "none" (the model is not to call any).
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] \
+            if self.tools and self.effective_tool_choice != "none" else None
+        text = served.validator.chat_prompt([m.for_template() for m in self.messages], tools=tools)
+        return pb.GenerateRequest(text=text, add_special_tokens=False, sampling=self.sampling(),
+                                  structured_output=self._forced_grammar() or self.structured_output())
 
 
 class TokenizeRequest(BaseModel):

@@ -8,6 +8,7 @@ from typing import Optional
 
 from specserve.proto import generate_pb2 as pb
 from specserve.server.logprobs import TokenTexts
+from specserve.server.openai_api.chat_outputs import ChatChoiceOutput, ChatDelta, ChatOutputMode
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}
@@ -31,9 +32,13 @@ class ResponseFormat:
     prompt once and the completions of every choice."""
 
     def __init__(self, rid: str, model: str, chat: bool, *, n: int = 1,
-                 token_texts: Optional[TokenTexts] = None, echo_text: Optional[str] = None):
+                 token_texts: Optional[TokenTexts] = None, echo_text: Optional[str] = None,
+                 chat_mode: ChatOutputMode = ChatOutputMode()):
         self.chat = chat
         self.n = n
+        # Chat: reasoning and tool calls parsed out of each choice's text (plain: text as is).
+        self.chat_mode = chat_mode
+        self._outputs = [ChatChoiceOutput(chat_mode) for _ in range(n)]
         # Set when the request asked for logprobs: a token's text is its own decoding (cached).
         self.token_texts = token_texts
         self.echo_text = echo_text   # completions with echo: the prompt, before the completion
@@ -56,7 +61,7 @@ class ResponseFormat:
             choice: dict = {"index": index, "finish_reason": finish_reason(own[-1])}
             logprobs = self._logprobs(own) if self.token_texts is not None else None
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = self._message(index, text, choice)
             else:
                 choice["text"] = (self.echo_text or "") + text
             choice["logprobs"] = logprobs
@@ -80,11 +85,16 @@ class ResponseFormat:
         if self.echo_text is not None and chunk.index not in self._echoed:
             self._echoed.add(chunk.index)
             text = self.echo_text + text
-        if not text and reason is None and not (logprobs and _has_tokens(logprobs)):
+        delta: dict = {"content": text} if text else {}
+        if self.chat and not self.chat_mode.plain:
+            delta = self._delta(chunk.index, text, final=reason is not None)
+            if reason == "stop" and self._outputs[chunk.index].num_calls:
+                reason = "tool_calls"
+        if not delta and reason is None and not (logprobs and _has_tokens(logprobs)):
             return None
         choice: dict = {"index": chunk.index, "logprobs": logprobs, "finish_reason": reason}
         if self.chat:
-            choice["delta"] = {"content": text} if text else {}
+            choice["delta"] = delta
         else:
             choice["text"] = text
         return self._chunk(choice)
@@ -94,6 +104,39 @@ class ResponseFormat:
         return {**self._chunk(None), "choices": [], "usage": self._usage()}
 
     # --- internals -------------------------------------------------------------------------
+    def _message(self, index: int, text: str, choice: dict) -> dict:
+        """A whole chat choice's message; a stop that made tool calls is "tool_calls"."""
+        if self.chat_mode.plain:
+            return {"role": "assistant", "content": text}
+        out = self._outputs[index]
+        d = _merge(out.feed(text), out.finish())
+        # Nothing but calls or reasoning: content is null, as OpenAI's (and vLLM's) API has it.
+        message: dict = {"role": "assistant",
+                         "content": d.content if d.content or not (d.calls or d.reasoning) else None}
+        if self.chat_mode.reasoning_parser:
+            message["reasoning_content"] = d.reasoning or None
+        if d.calls:
+            message["tool_calls"] = [c.to_openai() for c in d.calls]
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+        return message
+
+    def _delta(self, index: int, text: str, final: bool) -> dict:
+        """A stream chunk's delta: reasoning, content and the tool calls completed in it."""
+        out = self._outputs[index]
+        first_call = out.num_calls
+        d = out.feed(text)
+        if final:
+            d = _merge(d, out.finish())
+        delta: dict = {}
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.content:
+            delta["content"] = d.content
+        if d.calls:
+            delta["tool_calls"] = [c.to_openai(index=first_call + k) for k, c in enumerate(d.calls)]
+        return delta
+
     def _count(self, chunk: pb.GenerateChunk) -> None:
         if chunk.HasField("finish"):
             self._prompt_tokens = chunk.finish.usage.prompt_tokens
@@ -143,6 +186,10 @@ class ResponseFormat:
         return {**self._head,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [] if choice is None else [choice]}
+
+
+def _merge(a: ChatDelta, b: ChatDelta) -> ChatDelta:
+    return ChatDelta(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
 
 
 def _has_tokens(logprobs: dict) -> bool:

@@ -21,6 +21,7 @@ from specserve.server.generation import GenerationCore, RefusalKind, Refused, Se
 from specserve.server.openai_api.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest,
                                                   GenerationBody)
+from specserve.server.openai_api.chat_outputs import ChatOutputMode
 from specserve.server.openai_api.responses import (SSE_DONE, ResponseFormat, error_body, sse)
 
 T = TypeVar("T")
@@ -113,7 +114,8 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
         def shape() -> ResponseFormat:  # after the first chunk: prepare has run (echo text)
             return ResponseFormat(rid, served.info.model, chat, n=body.num_choices,
                                   token_texts=served.token_texts if body.wants_logprobs else None,
-                                  echo_text=body.echo_text)
+                                  echo_text=body.echo_text,
+                                  chat_mode=body.chat_mode(served) if chat else ChatOutputMode())
 
         try:
             if not body.stream:

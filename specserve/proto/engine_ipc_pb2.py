@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import generate_pb2 as specserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecserve/v1/engine_ipc.proto\x12\x10specserve.v1.ipc\x1a\x1bspecserve/v1/generate.proto\"\xd9\x01\n\x0eServerToEngine\x12+\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1c.specserve.v1.ipc.AddRequestH\x00\x12/\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1e.specserve.v1.ipc.AbortRequestH\x00\x12\x31\n\nload_query\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.ipc.LoadQueryH\x00\x12.\n\x08shutdown\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ipc.ShutdownH\x00\x42\x06\n\x04kind\"c\n\nAddRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"9\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"9\n\tLoadQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x66lush_prefix_cache\x18\x02 \x01(\x08\"\n\n\x08Shutdown\"\x8f\x02\n\x0e\x45ngineToServer\x12.\n\x05ready\x18\x01 \x01(\x0b\x32\x1d.specserve.v1.ipc.EngineReadyH\x00\x12.\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.ipc.BatchOutputH\x00\x12\x35\n\x08rejected\x18\x03 \x01(\x0b\x32!.specserve.v1.ipc.RequestRejectedH\x00\x12,\n\x04load\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.ipc.LoadReportH\x00\x12\x30\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\x1e.specserve.v1.ipc.EngineFailedH\x00\x42\x06\n\x04kind\"N\n\x0b\x45ngineReady\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.specserve.v1.ModelInfo\x12\x18\n\x10tokenizer_pickle\x18\x02 \x01(\x0c\"?\n\x0b\x42\x61tchOutput\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.specserve.v1.ipc.RequestOutput\"\xb8\x03\n\rRequestOutput\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05index\x18\r \x01(\r\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x14\n\x0cnew_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12(\n\x04spec\x18\t \x01(\x0b\x32\x1a.specserve.v1.ipc.SpecInfo\x12\x33\n\x10new_top_logprobs\x18\n \x03(\x0b\x32\x19.specserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0b \x03(\x02\x12\x36\n\x13prompt_top_logprobs\x18\x0c \x03(\x0b\x32\x19.specserve.v1.TopLogprobs\x12\x15\n\rcached_tokens\x18\x0e \x01(\rB\x18\n\x16_matched_stop_token_id\"A\n\x08SpecInfo\x12\x18\n\x10num_verify_steps\x18\x01 \x01(\r\x12\x1b\n\x13num_accepted_drafts\x18\x02 \x01(\r\"/\n\x0fRequestRejected\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\nLoadReport\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.specserve.v1.ServerLoad\"$\n\tHeartbeat\x12\x17\n\x0floop_iterations\x18\x01 \x01(\x04\"\x1f\n\x0c\x45ngineFailed\x12\x0f\n\x07message\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecserve/v1/engine_ipc.proto\x12\x10specserve.v1.ipc\x1a\x1bspecserve/v1/generate.proto\"\xd9\x01\n\x0eServerToEngine\x12+\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1c.specserve.v1.ipc.AddRequestH\x00\x12/\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1e.specserve.v1.ipc.AbortRequestH\x00\x12\x31\n\nload_query\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.ipc.LoadQueryH\x00\x12.\n\x08shutdown\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ipc.ShutdownH\x00\x42\x06\n\x04kind\"\xde\x01\n\nAddRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x39\n\x11structured_output\x18\x04 \x01(\x0b\x32\x1e.specserve.v1.StructuredOutput\x12#\n\x16grammar_after_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_grammar_after_token_id\"9\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"9\n\tLoadQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x66lush_prefix_cache\x18\x02 \x01(\x08\"\n\n\x08Shutdown\"\x8f\x02\n\x0e\x45ngineToServer\x12.\n\x05ready\x18\x01 \x01(\x0b\x32\x1d.specserve.v1.ipc.EngineReadyH\x00\x12.\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.ipc.BatchOutputH\x00\x12\x35\n\x08rejected\x18\x03 \x01(\x0b\x32!.specserve.v1.ipc.RequestRejectedH\x00\x12,\n\x04load\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.ipc.LoadReportH\x00\x12\x30\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\x1e.specserve.v1.ipc.EngineFailedH\x00\x42\x06\n\x04kind\"N\n\x0b\x45ngineReady\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.specserve.v1.ModelInfo\x12\x18\n\x10tokenizer_pickle\x18\x02 \x01(\x0c\"?\n\x0b\x42\x61tchOutput\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.specserve.v1.ipc.RequestOutput\"\xb8\x03\n\rRequestOutput\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05index\x18\r \x01(\r\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x14\n\x0cnew_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12(\n\x04spec\x18\t \x01(\x0b\x32\x1a.specserve.v1.ipc.SpecInfo\x12\x33\n\x10new_top_logprobs\x18\n \x03(\x0b\x32\x19.specserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0b \x03(\x02\x12\x36\n\x13prompt_top_logprobs\x18\x0c \x03(\x0b\x32\x19.specserve.v1.TopLogprobs\x12\x15\n\rcached_tokens\x18\x0e \x01(\rB\x18\n\x16_matched_stop_token_id\"A\n\x08SpecInfo\x12\x18\n\x10num_verify_steps\x18\x01 \x01(\r\x12\x1b\n\x13num_accepted_drafts\x18\x02 \x01(\r\"/\n\x0fRequestRejected\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\nLoadReport\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.specserve.v1.ServerLoad\"$\n\tHeartbeat\x12\x17\n\x0floop_iterations\x18\x01 \x01(\x04\"\x1f\n\x0c\x45ngineFailed\x12\x0f\n\x07message\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SERVERTOENGINE']._serialized_start=81
   _globals['_SERVERTOENGINE']._serialized_end=298
-  _globals['_ADDREQUEST']._serialized_start=300
-  _globals['_ADDREQUEST']._serialized_end=399
-  _globals['_ABORTREQUEST']._serialized_start=401
-  _globals['_ABORTREQUEST']._serialized_end=458
-  _globals['_LOADQUERY']._serialized_start=460
-  _globals['_LOADQUERY']._serialized_end=517
-  _globals['_SHUTDOWN']._serialized_start=519
-  _globals['_SHUTDOWN']._serialized_end=529
-  _globals['_ENGINETOSERVER']._serialized_start=532
-  _globals['_ENGINETOSERVER']._serialized_end=803
-  _globals['_ENGINEREADY']._serialized_start=805
-  _globals['_ENGINEREADY']._serialized_end=883
-  _globals['_BATCHOUTPUT']._serialized_start=885
-  _globals['_BATCHOUTPUT']._serialized_end=948
-  _globals['_REQUESTOUTPUT']._serialized_start=951
-  _globals['_REQUESTOUTPUT']._serialized_end=1391
-  _globals['_SPECINFO']._serialized_start=1393
-  _globals['_SPECINFO']._serialized_end=1458
-  _globals['_REQUESTREJECTED']._serialized_start=1460
-  _globals['_REQUESTREJECTED']._serialized_end=1507
-  _globals['_LOADREPORT']._serialized_start=1509
-  _globals['_LOADREPORT']._serialized_end=1579
-  _globals['_HEARTBEAT']._serialized_start=1581
-  _globals['_HEARTBEAT']._serialized_end=1617
-  _globals['_ENGINEFAILED']._serialized_start=1619
-  _globals['_ENGINEFAILED']._serialized_end=1650
+  _globals['_ADDREQUEST']._serialized_start=301
+  _globals['_ADDREQUEST']._serialized_end=523
+  _globals['_ABORTREQUEST']._serialized_start=525
+  _globals['_ABORTREQUEST']._serialized_end=582
+  _globals['_LOADQUERY']._serialized_start=584
+  _globals['_LOADQUERY']._serialized_end=641
+  _globals['_SHUTDOWN']._serialized_start=643
+  _globals['_SHUTDOWN']._serialized_end=653
+  _globals['_ENGINETOSERVER']._serialized_start=656
+  _globals['_ENGINETOSERVER']._serialized_end=927
+  _globals['_ENGINEREADY']._serialized_start=929
+  _globals['_ENGINEREADY']._serialized_end=1007
+  _globals['_BATCHOUTPUT']._serialized_start=1009
+  _globals['_BATCHOUTPUT']._serialized_end=1072
+  _globals['_REQUESTOUTPUT']._serialized_start=1075
+  _globals['_REQUESTOUTPUT']._serialized_end=1515
+  _globals['_SPECINFO']._serialized_start=1517
+  _globals['_SPECINFO']._serialized_end=1582
+  _globals['_REQUESTREJECTED']._serialized_start=1584
+  _globals['_REQUESTREJECTED']._serialized_end=1631
+  _globals['_LOADREPORT']._serialized_start=1633
+  _globals['_LOADREPORT']._serialized_end=1703
+  _globals['_HEARTBEAT']._serialized_start=1705
+  _globals['_HEARTBEAT']._serialized_end=1741
+  _globals['_ENGINEFAILED']._serialized_start=1743
+  _globals['_ENGINEFAILED']._serialized_end=1774
 # @@protoc_insertion_point(module_scope)

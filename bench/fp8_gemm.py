@@ -1,0 +1,292 @@
+"""FP8-weight GEMMs against bf16 at Llama-8B and DeepSeek-V3 shapes: microseconds, GB/s, % of
+copy bandwidth, TFLOP/s, and each FP8 variant's error.
+
+    python bench/fp8_gemm.py --out bench_fp8_gemm.json
+    python bench/fp8_gemm.py --shapes 8b.qkv,8b.down --rows 1,16 --no-moe --out quick.json
+    python bench/fp8_gemm.py --sweep --shapes 8b.qkv --rows 1,16 --no-moe --out sweep.json
+
+Dense weights (one rank, 128x128 FP8 blocks as DeepSeek-style checkpoints have them), for each
+M (rows: decode batch sizes up to 16, prefill chunks above), the variants that apply:
+
+- `cublas_bf16`     F.linear on the bf16 weight (the FP8 weight dequantised)
+- `skinny_bf16`     the 16-bit skinny GEMM on that weight (M <= 16)
+- `w8a16_skinny`    the skinny GEMM reading the FP8 weight and its scales (M <= 16; the engine's)
+- `w8a8_skinny`     its `fp8_activations` option: x quantised per 128-column group, FP8 dot
+- `w8a8_triton`     the large-M block-scaled kernel, quantiser included (`fp8_matmul` on CUDA)
+- `scaled_mm_block` torch._scaled_mm with 1x128 activation and 128x128 weight scales, the
+                    quantiser included (where this torch/cuBLAS supports it)
+- `scaled_mm_row`   torch._scaled_mm rowwise: the weight re-quantised per channel, x per token
+                    in torch (another checkpoint format: its error is not comparable)
+
+Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
+cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
+bench/skinny_gemm.py). Bytes = weight + scales + x + y; `copy%` is GB/s over the device copy
+bandwidth measured in this run. `err` is the relative (Frobenius) error of one call's output
+against the fp32 product of x and the dequantised FP8 weight (the bf16 variants: against the
+same, i.e. their own rounding); W8A16 and W8A8 are compared at equal accuracy by it.
+
+The MoE part: DeepSeek-V3's routed experts (256 experts, top-8, hidden 7168, intermediate
+2048; 11 GB in FP8), the Triton fused MoE with bf16 experts against FP8 (W8A16) experts, new
+random routing each call; bytes are the experts a call touches.
+
+A variant that fails prints its error and the rest go on. The last table summarises.
+`--sweep` (long: split it over runs with --shapes/--rows) also searches W8A16 skinny configs
+at M <= 16 (bench/skinny_gemm.py's coordinate descent from the FP8 default) and prints the
+best three per shape and M: the data for FP8 entries of the skinny rule.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from one_batch import copy_bandwidth  # bench/ is this script's folder
+from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_call
+from specserve.engine.layers.fused_moe_triton import fused_experts
+from specserve.engine.layers.skinny_gemm import (
+    MAX_ROWS, default_config, fp8_weight_config, skinny_gemm)
+from specserve.engine.quantization.fp8 import (
+    FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
+from specserve.engine.quantization.fp8_gemm import block_scaled_matmul, quantize_activations
+
+SHAPES = {  # name: (N, K) of the weight
+    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+    # DeepSeek-V3: a shared expert's (and each routed expert's) gate/up and down, the MLA q_b
+    "v3.expert_gate_up": (4096, 7168), "v3.expert_down": (7168, 2048), "v3.q_b": (24576, 1536),
+}
+BLOCK = (128, 128)
+MOE = dict(experts=256, top_k=8, hidden=7168, inter=2048)
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, WeightScale]:
+    """w [N, K] -> FP8 in (block_n, block_k) blocks, scale = amax / 448."""
+    n, k = w.shape
+    gn, gk = scale_grid_shape(n, k, *block)
+    padded = F.pad(w.float(), (0, gk * block[1] - k, 0, gn * block[0] - n))
+    amax = padded.view(gn, block[0], gk, block[1]).abs().amax(dim=(1, 3))
+    scale = WeightScale(amax.clamp(min=1e-12) / FP8_MAX, *block)
+    return (w.float() / expand_scale(scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (token or channel) scales [rows, 1] in torch: _scaled_mm's rowwise operands."""
+    s = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+
+
+class Weights:
+    """Copies of one FP8 weight (and its bf16 dequantisation) cycled through by the calls."""
+
+    def __init__(self, n: int, k: int, device, with_rowwise: bool):
+        copies = max(1, -(-ROTATION_BYTES // (n * k)))  # FP8 bytes; bf16 copies are twice that
+        self.fp8, self.bf16, self.rowwise = [], [], []
+        for _ in range(copies):
+            w8, scale = quantize_blocks(torch.randn(n, k, device=device) * 0.02, BLOCK)
+            self.fp8.append((w8, scale))
+            self.bf16.append(dequantize(w8, scale, torch.bfloat16))
+            if with_rowwise:
+                w8_row, s_row = quantize_rows_torch(self.bf16[-1])
+                self.rowwise.append((w8_row.t(), s_row.t().contiguous()))  # [K, N] column-major
+        self.n, self.k = n, k
+        self.scale_bytes = self.fp8[0][1].values.numel() * 4
+
+
+def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
+    """name -> (weight kind, op(x, weight)) for the variants that apply at this M."""
+    ops: dict[str, tuple[str, Callable]] = {"cublas_bf16": ("bf16", lambda x, w: F.linear(x, w))}
+    if m <= MAX_ROWS:
+        w8a8 = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda"))
+                                 ._replace(fp8_activations=True), BLOCK[1], k)
+        ops["skinny_bf16"] = ("bf16", lambda x, w: skinny_gemm(x, w))
+        ops["w8a16_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], scale=w[1]))
+        ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
+    ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
+    ops["scaled_mm_block"] = ("fp8", scaled_mm_block)
+    ops["scaled_mm_row"] = ("rowwise", scaled_mm_row)
+    return ops
+
+
+def scaled_mm_block(x: torch.Tensor, w) -> torch.Tensor:
+    """cuBLAS's blockwise FP8 GEMM: scale_a [M, K/128] (column-major, as cuBLAS reads it),
+    scale_b [K/128, N/128] (the weight grid transposed)."""
+    w8, scale = w
+    x8, x_scales = quantize_activations(x)
+    return torch._scaled_mm(x8, w8.t(), scale_a=x_scales.t().contiguous().t(),
+                            scale_b=scale.values.t(), out_dtype=torch.bfloat16)
+
+
+def scaled_mm_row(x: torch.Tensor, w) -> torch.Tensor:
+    w8_t, s_w = w
+    x8, s_x = quantize_rows_torch(x)
+    return torch._scaled_mm(x8, w8_t, scale_a=s_x, scale_b=s_w, out_dtype=torch.bfloat16)
+
+
+def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
+    device = torch.device("cuda")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        weights = Weights(n, k, device, with_rowwise=True)
+        for m in (int(r) for r in args.rows.split(",")):
+            num_calls = max(MIN_CALLS, len(weights.fp8))
+            num_inputs = max(1, min(num_calls, ROTATION_BYTES // (m * k * 2)))
+            inputs = [torch.randn(m, k, device=device).bfloat16() for _ in range(num_inputs)]
+            x0 = inputs[0]
+            reference = x0.float() @ dequantize(*weights.fp8[0], torch.float32).t()
+            for variant, (kind, op) in dense_variants(m, n, k).items():
+                pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise}[kind]
+                weight_bytes = n * k * (2 if kind == "bf16" else 1)
+                extra = weights.scale_bytes if kind == "fp8" else (4 * n if kind == "rowwise" else 0)
+                calls = [lambda i=i: op(inputs[i % num_inputs], pool[i % len(pool)])
+                         for i in range(num_calls)]
+                row = dict(part="dense", shape=name, n=n, k=k, m=m, variant=variant)
+                try:
+                    err = float((op(x0, pool[0]).float() - reference).norm() / reference.norm())
+                    seconds = time_per_call(calls)
+                except Exception as e:  # an unsupported variant (torch build, device): go on
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    print(json.dumps(row), flush=True)
+                    if args.verbose:
+                        traceback.print_exc()
+                    continue
+                total = weight_bytes + extra + m * k * 2 + m * n * 2
+                row.update(us=seconds * 1e6, GBps=total / seconds / 1e9,
+                           fraction_of_copy=total / seconds / bandwidth,
+                           TFLOPs=2 * m * n * k / seconds / 1e12, rel_err=err)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if args.sweep and m <= MAX_ROWS:
+                sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+            del inputs
+        del weights
+        torch.cuda.empty_cache()
+
+
+def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
+                num_calls: int, bandwidth: float, rows: list[dict]) -> None:
+    n, k = weights.n, weights.k
+    total = n * k + weights.scale_bytes + m * k * 2 + m * n * 2
+
+    def time_config(c) -> float | None:
+        calls = [lambda i=i: skinny_gemm(inputs[i % len(inputs)], weights.fp8[i % len(weights.fp8)][0],
+                                         config=c, scale=weights.fp8[i % len(weights.fp8)][1])
+                 for i in range(num_calls)]
+        try:
+            seconds = time_per_call(calls)
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            print(f"{name} m={m} {config_name(c)}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"sweep {config_name(c)}",
+                         config=c._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
+                         fraction_of_copy=total / seconds / bandwidth))
+        return seconds
+
+    start = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda")), BLOCK[1], k)
+    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
+    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
+        print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+
+
+def random_fp8_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, WeightScale]:
+    """Random FP8 experts (values of a unit normal, 128x128 scales about 0.02 / 3), made one
+    expert at a time (the fp32 of all of them would not fit)."""
+    w8 = torch.empty(e, n, k, dtype=FP8_DTYPE, device=device)
+    for i in range(e):
+        w8[i] = torch.randn(n, k, device=device, dtype=torch.bfloat16).to(FP8_DTYPE)
+    grid = scale_grid_shape(n, k, *BLOCK)
+    values = (0.5 + torch.rand(e, *grid, device=device)) * 0.02 / 3
+    return w8, WeightScale(values, *BLOCK)
+
+
+def bench_moe(args, bandwidth: float, rows: list[dict]) -> None:
+    device = torch.device("cuda")
+    e, top_k, hidden, inter = (MOE[key] for key in ("experts", "top_k", "hidden", "inter"))
+    w13, s13 = random_fp8_experts(e, 2 * inter, hidden, device)
+    w2, s2 = random_fp8_experts(e, hidden, inter, device)
+    # The bf16 experts are the FP8 ones dequantised (one expert at a time, for memory).
+    b13 = torch.empty(w13.shape, dtype=torch.bfloat16, device=device)
+    b2 = torch.empty(w2.shape, dtype=torch.bfloat16, device=device)
+    for i in range(e):
+        b13[i] = dequantize(w13[i], s13._replace(values=s13.values[i]), torch.bfloat16)
+        b2[i] = dequantize(w2[i], s2._replace(values=s2.values[i]), torch.bfloat16)
+    expert_bytes = 3 * inter * hidden
+    scale_bytes = (s13.values[0].numel() + s2.values[0].numel()) * 4
+    variants = {"moe_bf16": lambda x, w, ids: fused_experts(x, b13, b2, w, ids),
+                "moe_w8a16": lambda x, w, ids: fused_experts(x, w13, w2, w, ids, w13_scale=s13,
+                                                             w2_scale=s2)}
+    for m in (int(r) for r in args.rows.split(",")):
+        routings = []
+        for _ in range(MIN_CALLS):
+            ids = torch.rand(m, e, device=device).topk(top_k, dim=1).indices
+            routings.append((torch.randn(m, hidden, device=device).bfloat16(),
+                             torch.rand(m, top_k, device=device).softmax(-1), ids))
+        touched = sum(len(torch.unique(ids)) for *_, ids in routings) / len(routings)
+        reference = variants["moe_bf16"](*routings[0]).float()
+        for variant, op in variants.items():
+            row = dict(part="moe", shape="v3.routed_experts", m=m, variant=variant, experts_touched=touched)
+            try:
+                err = float((op(*routings[0]).float() - reference).norm() / reference.norm())
+                seconds = time_per_call([lambda r=r: op(*r) for r in routings])
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                print(json.dumps(row), flush=True)
+                continue
+            per_expert = expert_bytes * (2 if variant == "moe_bf16" else 1)
+            total = touched * (per_expert + (scale_bytes if variant != "moe_bf16" else 0)) + 2 * m * hidden * 2
+            row.update(us=seconds * 1e6, GBps=total / seconds / 1e9, fraction_of_copy=total / seconds / bandwidth,
+                       TFLOPs=2 * m * top_k * expert_bytes / seconds / 1e12, rel_err_vs_bf16=err)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    del w13, w2, b13, b2
+    torch.cuda.empty_cache()
+
+
+def print_table(rows: list[dict], bandwidth: float) -> None:
+    print(f"\n{torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e9:.0f} GB/s  "
+          f"(err: relative to the fp32 product with the dequantised FP8 weight; MoE: to bf16 experts)")
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    print(f"{'shape':18} {'M':>5}  " + "  ".join(f"{v:>22}" for v in variants))
+    for shape, m in dict.fromkeys((r["shape"], r["m"]) for r in rows):
+        cells = []
+        for v in variants:
+            r = next((r for r in rows if (r["shape"], r["m"], r["variant"]) == (shape, m, v)), None)
+            err = None if r is None else r.get("rel_err", r.get("rel_err_vs_bf16"))
+            cells.append(f"{'-':>22}" if r is None else
+                         f"{r['us']:8.1f}us {100 * r['fraction_of_copy']:4.0f}% {err:6.1e}")
+        print(f"{shape:18} {m:5}  " + "  ".join(cells))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="1,4,16,64,512,4096", help="M values")
+    ap.add_argument("--no-moe", action="store_true", help="skip DeepSeek-V3's routed experts")
+    ap.add_argument("--sweep", action="store_true", help="also search W8A16 skinny configs (M <= 16)")
+    ap.add_argument("--sweep-rounds", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
+    ap.add_argument("--out", default="bench_fp8_gemm.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows: list[dict] = []
+    started = time.time()
+    bench_dense(args, bandwidth, rows)
+    if not args.no_moe:
+        try:
+            bench_moe(args, bandwidth, rows)
+        except Exception as e:  # e.g. out of memory on a smaller card
+            print(f"moe: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "seconds": time.time() - started, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table([r for r in rows if r["part"] != "sweep"], bandwidth)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Structured outputs: what a constrained request costs, on the demo pair (EAGLE-3, chain).
+
+    python bench/structured.py acceptance            # CPU is fine: acceptance on held-out text
+    python bench/structured.py steps --device cuda   # GPU: step times and blocking syncs
+    python bench/structured.py masks                 # host cost of a step's masks (CPU)
+
+acceptance: mean accept length (tokens per verify) of JSON-schema requests vs the same prompts
+unconstrained, greedy, over prompts cut from models/demo-heldout.txt (text the pair never saw).
+
+steps: steady-state decode step time (wall, per engine.step) of a batch of JSON-schema requests
+vs an unconstrained batch, at bs=1 and 16; and the blocking host syncs per step (CUDA's sync
+debug mode counts them) of an unconstrained batch and of a mixed batch (half constrained). A
+constrained batch runs without overlap (engine/scheduler/scheduler.py): its syncs per step are
+the result wait plus one per draft step and one for the verify masks; an unconstrained batch
+keeps zero.
+
+masks: the host time of a constrained chain step's mask work (num_steps 3), per batch size:
+the committed masks (first draft level), two draft steps' frontier masks and the verify masks of
+the 4-node chain, on the demo tokenizer with a JSON schema, inside a free-text string (the
+costliest state to mask).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+import torch
+
+from specserve.engine import Engine, EngineConfig, GrammarSpec, SamplingParams, SpecConfig
+from specserve.engine.builder import demo_models_dir
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["function", "arguments", "summary"],
+          "properties": {"function": {"type": "string", "maxLength": 40},
+                         "arguments": {"type": "array", "maxItems": 4,
+                                       "items": {"type": "string", "maxLength": 24}},
+                         "summary": {"type": "string", "maxLength": 160}}}
+CHAIN = SpecConfig(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=4)
+
+
+# Both runs get the same prompts: held-out code, then a line asking for what the schema holds.
+JSON_HINT = "\n\n# The code above, summarised as JSON:\n"
+
+
+def heldout_prompts(tokenizer, n: int, length: int, hint: str = JSON_HINT) -> list[list[int]]:
+    with open(os.path.join(demo_models_dir(), "demo-heldout.txt")) as f:
+        ids = tokenizer.encode(f.read(), add_special_tokens=False)
+    stride = max(length, (len(ids) - length) // n)
+    tail = tokenizer.encode(hint, add_special_tokens=False) if hint else []
+    return [[0] + ids[i * stride:i * stride + length] + tail for i in range(n)]
+
+
+def _accept_length(outs) -> float:
+    verify = sum(o.num_verify_steps for o in outs)
+    return (verify + sum(o.num_accepted_drafts for o in outs)) / max(verify, 1)
+
+
+def acceptance(args) -> dict:
+    engine = Engine(EngineConfig(device=args.device, spec=CHAIN))
+    prompts = heldout_prompts(engine.tokenizer, args.prompts, args.prompt_len, args.hint)
+    free = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0,
+                                 grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    results = {}
+    for name, params in (("unconstrained", free), ("json_schema", constrained)):
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+        results[name] = {"accept_length": round(_accept_length(outs), 3),
+                         "tokens": sum(len(o.token_ids) for o in outs),
+                         "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length")}}
+        if name == "json_schema":
+            results[name]["valid_json"] = sum(_parses(o.text) for o in outs if o.finish_reason == "stop")
+    engine.shutdown()
+    ratio = results["json_schema"]["accept_length"] / results["unconstrained"]["accept_length"]
+    results["ratio"] = round(ratio, 3)
+    results["within_15_percent"] = abs(1 - ratio) <= 0.15
+    return results
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _steady_steps(engine: Engine, prompts, params, warmup: int, steps: int):
+    """(mean seconds per step, blocking syncs per step) once every request decodes."""
+    for i, (p, s) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, s)
+    for _ in range(warmup):
+        engine.step()
+    if engine.core.device.type == "cuda":
+        torch.cuda.synchronize()
+    syncs = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if engine.core.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if engine.core.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("default")
+        elapsed = time.perf_counter() - t0
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    for i in range(len(prompts)):
+        engine.abort(str(i))
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / steps, syncs / steps
+
+
+def steps(args) -> dict:
+    engine = Engine(EngineConfig(device=args.device, spec=CHAIN))
+    # A string longer than the run: every request stays in the batch for all measured steps.
+    grammar = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
+        "text": {"type": "string", "minLength": 100000}}, "required": ["text"]}))
+    long = dict(max_new_tokens=4 * (args.warmup + args.steps) + 64, temperature=0.0)
+    free = SamplingParams(ignore_eos=True, **long)
+    constrained = SamplingParams(grammar=grammar, **long)
+    results = {}
+    # Warm-up (allocations, first kernels, the grammar's compilation), not reported.
+    _steady_steps(engine, heldout_prompts(engine.tokenizer, 2, args.prompt_len), [free, constrained],
+                  args.warmup, args.warmup)
+    for bs in args.batch_sizes:
+        prompts = heldout_prompts(engine.tokenizer, bs, args.prompt_len)
+        for name, params in (("unconstrained", [free] * bs), ("json_schema", [constrained] * bs),
+                             ("mixed", [constrained if i % 2 else free for i in range(bs)])):
+            if name == "mixed" and bs == 1:
+                continue
+            t, syncs = _steady_steps(engine, prompts, params, args.warmup, args.steps)
+            results[f"bs{bs}/{name}"] = {"step_ms": round(t * 1e3, 3), "syncs_per_step": round(syncs, 2)}
+    engine.shutdown()
+    return results
+
+
+def masks(args) -> dict:
+    from specserve.engine.grammar.batch import GrammarBatch
+    from specserve.engine.grammar.compiler import GrammarCompiler
+    from specserve.engine.grammar.request_grammar import RequestGrammar
+    from specserve.engine.tokenizer import Tokenizer
+
+    target = os.path.join(demo_models_dir(), "demo-target")
+    compiler = GrammarCompiler(os.path.join(target, "tokenizer.json"), 8192, [1])
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    tok = Tokenizer(target, [1])
+    prefix = tok.encode('{"function": "parse", "arguments": [], "summary": "Reads', add_special_tokens=False)
+    words = tok.encode(" the file and", add_special_tokens=False)[:3]
+    results = {}
+    for bs in args.batch_sizes:
+        grammars = [RequestGrammar(compiler.compile(spec), [1], None) for _ in range(bs)]
+        for g in grammars:
+            g.advance(prefix)
+        drafted = torch.tensor([words] * bs)
+        chain = torch.arange(-1, 2).expand(bs, 3)
+        tree_tokens = torch.tensor([[prefix[-1]] + words] * bs)
+        tree_parents = torch.arange(-1, 3).expand(bs, 4)
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            # One chain step (3 draft steps): the first level under the committed masks, two
+            # draft steps' frontier masks, then the verify's 4 nodes (3 of them known by then).
+            batch = GrammarBatch(grammars, 8192, "cpu")
+            batch.next_token_masks()
+            for step in (1, 2):
+                batch.path_masks(drafted[:, :step], chain[:, :step], chain[:, step:step + 1] + 1)
+            batch.tree_masks(tree_tokens, tree_parents)
+        t1 = time.perf_counter()
+        results[f"bs{bs}"] = {"host_ms_per_chain_step": round((t1 - t0) / reps * 1e3, 3)}
+    compiler.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["acceptance", "steps", "masks"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--hint", default=JSON_HINT, help="text after each held-out prompt ('' for none)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = {"acceptance": acceptance, "steps": steps, "masks": masks}[args.what](args)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Grammar compilation with xgrammar, off the engine's step: a request's grammar compiles in a
+thread of its own while the scheduler keeps stepping (the request waits for it, others do not),
+and compiled grammars are cached by (kind, source), least recently used first out.
+
+The compile cost is mostly xgrammar's per-token mask cache for the grammar's states (a few ms
+for a JSON schema over an 8k vocabulary, more for big schemas and vocabularies)."""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from specserve.engine.config import GrammarSpec
+
+# Compiled grammars kept (each holds masks per grammar state: tens of kB to a few MB).
+MAX_CACHED_GRAMMARS = 256
+
+
+# xgrammar 0.2.8 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets raw
+# control characters (invalid in JSON) through; its unbounded strings exclude \0-\x1f as JSON
+# requires. Outputs must parse, so the class is narrowed in the grammar's text (a round trip).
+_LOOSE_JSON_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def _strict_json_strings(grammar):
+    import xgrammar as xgr
+
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_JSON_CHARS, _JSON_CHARS)) \
+        if _LOOSE_JSON_CHARS in text else grammar
+
+
+def parse_grammar(spec: GrammarSpec) -> Any:
+    """The xgrammar Grammar of a spec, without a tokenizer: what validating it needs (the
+    server runs this to refuse a bad schema, regex or grammar by name). ValueError naming
+    `structured_output.<kind>`."""
+    import xgrammar as xgr
+
+    field = f"structured_output.{spec.kind}"
+    try:
+        if spec.kind == "json_object":  # OpenAI's json_object: any JSON object
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "json_schema":
+            try:
+                json.loads(spec.source)
+            except ValueError as e:
+                raise ValueError(f"{field}: not valid JSON ({e})") from None
+            # One-line JSON with ", " and ": " between items: free whitespace lets a model
+            # pad for ever, and the draft predicts the compact form well.
+            return _strict_json_strings(xgr.Grammar.from_json_schema(spec.source, any_whitespace=False))
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.source)
+        return xgr.Grammar.from_ebnf(spec.source)
+    except ValueError:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError with its parser's message
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # "[time] file.cc:line: Check failed: ...: reason": keep the reason.
+        raise ValueError(f"{field}: {message.rpartition(': ')[2] or message}") from None
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one tokenizer; `compile` returns at once with a Future."""
+
+    def __init__(self, tokenizer_file: str, vocab_size: int, eos_ids, max_cached: int = MAX_CACHED_GRAMMARS):
+        self._tokenizer_file = tokenizer_file
+        self._vocab_size = vocab_size
+        self._eos_ids = list(eos_ids)
+        self._max_cached = max_cached
+        self._cache: collections.OrderedDict[GrammarSpec, Future] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-grammar")
+        self._compiler = None  # built in the pool's thread by the first compile (xgrammar import)
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """Future of the CompiledGrammar (or of the ValueError naming the bad field). Specs that
+        differ only in after_token_id share one compilation."""
+        key = GrammarSpec(spec.kind, spec.source)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, key)
+            self._cache[key] = future
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, spec: GrammarSpec):
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=self._tokenizer_file)
+            # Each request's matcher overrides the stop tokens with its own (RequestGrammar).
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
+                                                      stop_token_ids=self._eos_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler.compile_grammar(parse_grammar(spec))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,249 @@
+"""Structured outputs, tool calls and reasoning output through real speculative servers (a
+draft tree), with the official `openai` client (streamed and not) and the gRPC API."""
+from __future__ import annotations
+
+import json
+import os
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from helpers import make_predictable_pair, save_byte_tokenizer
+from server_harness import ServerProcess, free_port
+
+from specserve.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2_grpc as pb_grpc
+
+# A Hermes-style template: it renders the tools and the calls and tool results in the history.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}; call with <tool_call>{json}</tool_call>\n{% endif %}{% for m in messages %}"
+    "<|{{ m['role'] }}|>{% if m['content'] %}{{ m['content'] }}{% endif %}{% if m['tool_calls'] %}"
+    "{% for c in m['tool_calls'] %}<tool_call>{{ c['function']['name'] }}</tool_call>{% endfor %}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "c"\}\}</tool_call>'
+LLAMA_CALL = r'\{"name": "get_time", "parameters": \{"zone": "utc"\}\}'
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The predictable pair with <think> and </think> as tokens 320 and 321."""
+    from tokenizers import Tokenizer
+
+    target, head = make_predictable_pair(str(tmp_path_factory.mktemp("pair")), vocab_size=324)
+    save_byte_tokenizer(target, 320)
+    file = os.path.join(target, "tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(file)
+    with open(os.path.join(target, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": CHAT_TEMPLATE}, f)
+    return target, head
+
+
+def _serve(pair, *args):
+    target, head = pair
+    server = ServerProcess(target, "--draft-model", head, "--speculative-algorithm", "eagle",
+                           "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                           "--speculative-num-draft-tokens", "6", "--http-port", str(free_port()),
+                           *args, speculative=True)
+    url = "http://" + server.wait_for_log(r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
+    return server, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served(pair):
+    server, oai = _serve(pair)
+    yield server, oai
+    oai.close()
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return served[1]
+
+
+def _chat(oai, stream: bool, **kwargs):
+    """(reasoning, content, tool calls as (name, arguments), finish_reason) of one choice."""
+    kwargs = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+              **kwargs}
+    if not stream:
+        r = oai.chat.completions.create(model=_model(oai), **kwargs)
+        m = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        return getattr(m, "reasoning_content", None), m.content, calls, r.choices[0].finish_reason
+    reasoning = content = ""
+    calls, finish = {}, None
+    for chunk in oai.chat.completions.create(model=_model(oai), stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            calls.setdefault(c.index, [c.function.name, ""])[1] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning or None, content or None, [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+def _model(oai):
+    return oai.models.list().data[0].id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(oai, stream):
+    _, content, calls, finish = _chat(oai, stream, response_format={
+        "type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+    assert not calls and finish in ("stop", "length")
+    if finish == "stop":
+        jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_json_object_and_regex_extras(oai):
+    _, content, _, finish = _chat(oai, False, response_format={"type": "json_object"})
+    assert content.startswith("{") and finish in ("stop", "length")
+    if finish == "stop":
+        assert isinstance(json.loads(content), dict)
+    got = oai.completions.create(model=_model(oai), prompt="x", max_tokens=10, temperature=0,
+                                 extra_body={"regex": "(yes|no)!"})
+    assert got.choices[0].text in ("yes!", "no!") and got.choices[0].finish_reason == "stop"
+    got = oai.completions.create(model=_model(oai), prompt="x", max_tokens=10, temperature=0,
+                                 extra_body={"ebnf": 'root ::= "a" [0-9] "b"'})
+    assert got.choices[0].text[0] == "a" and got.choices[0].text[-1] == "b"
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(oai):
+    got = oai.completions.create(model=_model(oai), prompt="x", max_tokens=4, temperature=0,
+                                 extra_body={"regex": "z{9}"})
+    assert got.choices[0].text == "zzzz" and got.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"regex": "a(b"}, "regex"),
+    ({"ebnf": "root ::= nothing"}, "ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_grammars_are_refused_by_name(oai, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=_model(oai), messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4, extra_body=body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_grpc_structured_output_and_refusal(served):
+    server, _ = served
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        chunks = list(stub.Generate(pb.GenerateRequest(
+            text="x", sampling=pb.SamplingParams(max_new_tokens=20, temperature=0),
+            structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMA)))))
+        text = "".join(c.text for c in chunks)
+        if chunks[-1].finish.reason == pb.FINISH_REASON_STOP:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        assert chunks[-1].finish.spec.verify_steps > 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(text="x", structured_output=pb.StructuredOutput(regex="a("))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("structured_output.regex:")
+
+
+def test_sdk_structured_output(served):
+    server, _ = served
+    with server.client() as client:
+        got = client.generate("x", max_new_tokens=20, temperature=0,
+                              structured_output={"json_schema": SCHEMA})
+        if got.finish_reason == "stop":
+            jsonschema.validate(json.loads(got.text), SCHEMA)
+        assert client.generate("x", max_new_tokens=8, temperature=0,
+                               structured_output={"regex": "(yes|no)!"}).text in ("yes!", "no!")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_named_and_required(oai, stream):
+    _, content, calls, finish = _chat(oai, stream, tools=[WEATHER, TIME], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})
+    assert finish == "tool_calls" and content is None and [c[0] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+    _, content, calls, finish = _chat(oai, stream, tools=[WEATHER, TIME], tool_choice="required",
+                                      max_tokens=80, parallel_tool_calls=False)
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0][0] in ("get_weather", "get_time")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_parses_hermes_calls(oai, stream):
+    # The model's own choice is forced with a regex, so that the parser has a call to find.
+    _, content, calls, finish = _chat(oai, stream, tools=[WEATHER], max_tokens=120,
+                                      extra_body={"regex": r"Sure\." + HERMES_CALL})
+    assert finish == "tool_calls" and content == "Sure."
+    assert calls == [("get_weather", '{"city": "Oslo", "unit": "c"}')]
+    _, content, calls, finish = _chat(oai, stream, tools=[WEATHER], extra_body={"regex": "no call"})
+    assert (content, calls, finish) == ("no call", [], "stop")
+
+
+def test_tool_choice_none_and_tool_results_in_history(oai):
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = oai.chat.completions.create(model=_model(oai), messages=messages, tools=[WEATHER],
+                                    tool_choice="none", max_tokens=120, temperature=0,
+                                    extra_body={"regex": HERMES_CALL})
+    # With tool_choice none nothing is parsed as a call, even text in the call format.
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content.startswith("<tool_call>")
+
+
+@pytest.fixture(scope="module")
+def llama_oai(pair):
+    server, oai = _serve(pair, "--tool-call-parser", "llama3_json")
+    yield oai
+    oai.close()
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def reasoning_oai(pair):
+    server, oai = _serve(pair, "--reasoning-parser", "deepseek-r1")
+    yield oai
+    oai.close()
+    assert server.stop() == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_json_tool_call_parser(llama_oai, stream):
+    _, content, calls, finish = _chat(llama_oai, stream, tools=[TIME], max_tokens=80,
+                                      extra_body={"regex": LLAMA_CALL})
+    assert (content, calls, finish) == (None, [("get_time", '{"zone": "utc"}')], "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_split_and_grammar_after_it(reasoning_oai, stream):
+    oai = reasoning_oai
+    # The output starts inside the thinking (deepseek-r1: the template opened it), so without
+    # a </think> everything is reasoning.
+    reasoning, content, _, _ = _chat(oai, stream, max_tokens=5, extra_body={"ignore_eos": True})
+    assert reasoning and content is None
+    # logit_bias makes the model end the thinking at once (</think> is token 321); what follows
+    # is content, a later </think> included.
+    reasoning, content, _, _ = _chat(oai, stream, max_tokens=3, logit_bias={"321": 100},
+                                     extra_body={"ignore_eos": True})
+    assert (reasoning, content) == (None, "</think></think>")
+    # The grammar waits for the end of the thinking, then applies (it bans a second </think>).
+    reasoning, content, _, finish = _chat(oai, stream, max_tokens=12, logit_bias={"321": 100},
+                                          extra_body={"regex": "(yes|no)"})
+    assert reasoning is None and content in ("yes", "no") and finish == "stop"
