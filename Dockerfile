@@ -1,6 +1,8 @@
 # specserve on the NVIDIA container runtime:
 #   docker build -t specserve .
 #   docker run --gpus all -p 50051:50051 -v /path/to/model:/model specserve --model /model
+# As a Ray node (docs/deployment.md): --entrypoint ray specserve start --head --block, or
+# start --address=HEAD:6379 --block on a worker.
 # Arguments after the image name go to `specserve serve` (see `specserve serve --help`). The
 # port is SPECSERVE_PORT (-e SPECSERVE_PORT=6000 -p 6000:6000), not --port: the HEALTHCHECK
 # probes SPECSERVE_PORT.
@@ -24,9 +26,10 @@ COPY specserve/ specserve/
 COPY engine/ engine/
 COPY server/ server/
 COPY clients/ clients/
-# Version ranges live in pyproject.toml.
+# Version ranges live in pyproject.toml. The `ray` extra: the image also runs as a Ray head or
+# worker (`ray start ...` as the command, as KubeRay does) for --data-parallel and multi-node tp.
 # hadolint ignore=DL3013
-RUN pip install ".[triton]"
+RUN pip install ".[triton,ray]"
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
 ENV DEBIAN_FRONTEND=noninteractive

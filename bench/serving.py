@@ -252,13 +252,14 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
                         max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
 
 
-def serve_launched(engine_config, port: int, http_port: Optional[int]) -> None:
-    """The --launch server process."""
+def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None) -> None:
+    """The --launch server process (cluster: a ClusterConfig, for bench/data_parallel.py)."""
     from specserve.server.app import run_server
     from specserve.server.config import ServerConfig
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port)))
+    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port),
+                                cluster=cluster))
 
 
 def main():

@@ -26,16 +26,21 @@ from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, Requ
 class Engine:
     """Offline engine. `Engine(EngineConfig(model=DIR))`; also a context manager."""
 
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    def __init__(self, config: EngineConfig = EngineConfig(), tp_init_method: Optional[str] = None):
+        """tp_init_method: the other tp ranks were started elsewhere (server/cluster: Ray actors,
+        possibly on other nodes, each on its own GPU) and meet rank 0 there; None: spawn them
+        here."""
         self._followers: list = []
         self._changes: list[RequestChange] = []  # for the other ranks, sent at the next step
         try:
-            init_method = ""
+            init_method = tp_init_method or ""
             if config.tp_size > 1:
                 check_tp_divides(ModelConfig.from_dir(target_path(config)), config.tp_size)
-                init_method = free_init_method()
-                self._followers = spawn_followers(config, init_method)
-            self.core: Optional[EngineCore] = build_engine(config, 0, init_method)
+                if tp_init_method is None:
+                    init_method = free_init_method()
+                    self._followers = spawn_followers(config, init_method)
+            self.core: Optional[EngineCore] = build_engine(config, 0, init_method,
+                                                           local_ranks=tp_init_method is None)
         except BaseException:  # a failed start leaves no follower process behind
             for p in self._followers:
                 p.kill()

@@ -110,18 +110,21 @@ class EngineCore:
             self.tp_group.close()
 
 
-def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "") -> EngineCore:
+def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
+                 local_ranks: bool = True) -> EngineCore:
     """One rank's engine. With tp_size > 1 every rank calls this (rank 0 after spawning the
-    others); a failure leaves no process group behind."""
+    others); a failure leaves no process group behind. local_ranks: every rank runs on this
+    host and sees all its GPUs (rank r takes cuda:r); False: each rank was placed on its own
+    GPU by a cluster scheduler (Ray sets CUDA_VISIBLE_DEVICES per actor), which is its cuda:0."""
     model_path = target_path(config)
     device = resolve_device(config.device)
     cfg = ModelConfig.from_dir(model_path)
     tp_group = None
     if config.tp_size > 1:  # rank 0 checked that the model splits before spawning the others
         if device.type == "cuda":
-            device = torch.device("cuda", rank)
+            device = torch.device("cuda", rank if local_ranks else 0)
             torch.cuda.set_device(device)
-        tp_group = TPGroup(config.tp_size, rank, init_method, device)
+        tp_group = TPGroup(config.tp_size, rank, init_method, device, local_ranks)
     try:
         return _build(config, rank, model_path, device, cfg, tp_group)
     except BaseException:

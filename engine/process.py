@@ -36,7 +36,8 @@ IDLE_POLL_MS = 500
 
 @dataclass(frozen=True)
 class ServerLink:
-    """Where the engine process meets the server: the ipc:// addresses the server bound."""
+    """Where the engine process meets the server: the addresses the server bound (ipc:// paths;
+    tcp:// on its node's IP for an engine that may run on another host)."""
 
     requests: str
     outputs: str
@@ -69,7 +70,7 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
     server_pid = os.getppid()
     engine = heartbeat = None
     try:
-        engine = (start_engine or _start_engine)(config)
+        engine = (start_engine or start_warm_engine)(config)
         loop = _EngineLoop(engine, requests, outputs, server_pid)
         # Watched from the moment the server hears "ready", so beating starts before that.
         heartbeat = HeartbeatThread(context, link, loop)
@@ -91,11 +92,12 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         context.term()
 
 
-def _start_engine(config: EngineConfig):
+def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None):
+    """The real Engine, warmed up; tp_init_method as for Engine (the default StartEngine)."""
     # Imported here so that importing this module (e.g. by the server) does not load torch.
     from specserve.engine import Engine
 
-    engine = Engine(config)
+    engine = Engine(config, tp_init_method)
     # Short generations before reporting ready, so that the first real request finds every
     # lazily built piece (kernels, graphs, allocator) in place. On a GPU the attention kernels
     # specialise on their tile height (a prompt's tokens x the query heads of a KV group), so

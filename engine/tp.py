@@ -1,5 +1,7 @@
 """Tensor-parallel ranks: spawning the followers, the control messages rank 0 sends them at
-the start of each step, and the loop a follower runs (runtime/tp_group.py has the design)."""
+the start of each step, and the loop a follower runs (runtime/tp_group.py has the design).
+Followers are local processes here; server/cluster starts them as Ray actors instead (other
+nodes included) and points rank 0 at them with `Engine(config, tp_init_method=...)`."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Union
@@ -57,16 +59,18 @@ RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache]
 
 def spawn_followers(config: EngineConfig, init_method: str) -> list:
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_follower_main, args=(config, rank, init_method), daemon=True)
+    procs = [ctx.Process(target=run_follower, args=(config, rank, init_method), daemon=True)
              for rank in range(1, config.tp_size)]
     for p in procs:
         p.start()
     return procs
 
 
-def _follower_main(config: EngineConfig, rank: int, init_method: str) -> None:
-    """Ranks > 0: mirror rank 0's steps until it stops."""
-    core = build_engine(config, rank, init_method)
+def run_follower(config: EngineConfig, rank: int, init_method: str,
+                 local_ranks: bool = True) -> None:
+    """Ranks > 0: mirror rank 0's steps until it stops. local_ranks: as for build_engine (False
+    for a rank that a cluster scheduler placed, e.g. a Ray actor on another node)."""
+    core = build_engine(config, rank, init_method, local_ranks)
     while True:
         changes = core.tp_group.exchange([])
         if any(isinstance(change, Stop) for change in changes):

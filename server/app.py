@@ -21,6 +21,9 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.process import StartEngine
+from specserve.server.cluster.config import ClusterConfig
+from specserve.server.cluster.metrics import ReplicaCollector
+from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable
 from specserve.server.generation import GenerationCore
@@ -87,15 +90,27 @@ def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
 
 class SpecserveServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
-                 start_engine: Optional[StartEngine] = None):
+                 start_engine: Optional[StartEngine] = None,
+                 cluster: Optional[ClusterConfig] = None):
+        """cluster: data-parallel engine replicas on Ray (server/cluster) instead of one engine
+        process; the set stands where the EngineClient does."""
         self.server_config = server_config
-        self.engine = EngineClient(engine_config, EngineWatchdog(
-            server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s),
-            start_engine)
+        if cluster is None:
+            self.engine = EngineClient(engine_config, EngineWatchdog(
+                server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s),
+                start_engine)
+        else:
+            self.engine = ReplicaSet(engine_config, server_config, cluster, start_engine)
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
+        if cluster is not None:
+            self.metrics.registry.register(ReplicaCollector(self.engine))
+            self.engine.on_recovery(self._on_engine_recovery)
         self.http = HttpEndpoint(self.metrics.registry, lambda: self.health.serving)
         self.core = GenerationCore(self.engine, engine_config, server_config, self.metrics)
+        if cluster is not None:  # admission covers every replica's running requests
+            self.core.max_active_streams += ((cluster.data_parallel - 1)
+                                             * engine_config.max_running_requests)
         self.servicer = GenerationServicer(self.core)
         self.http_api = None  # the OpenAI-compatible front (HttpApiServer), with --http-port
         self.grpc_server = grpc.aio.server(options=_server_options(server_config))
@@ -127,7 +142,8 @@ class SpecserveServer:
             loop.add_signal_handler(sig, self.stopping.set)
         self.engine.on_death(self._on_engine_death)
         self.engine.start()
-        logger.info("engine process started (pid %d)", self.engine.process.pid)
+        if isinstance(self.engine, EngineClient):
+            logger.info("engine process started (%s)", self.engine.handle.description)
         exit_code = await self._until_stopped()
         await self._drain()
         return exit_code
@@ -174,6 +190,12 @@ class SpecserveServer:
     def _on_engine_death(self, reason: str) -> None:
         self._health_update = asyncio.get_running_loop().create_task(
             self.health.set_serving(False))
+
+    def _on_engine_recovery(self) -> None:
+        """A replica serves again after none did (data-parallel replicas only)."""
+        if not self.core.draining:
+            self._health_update = asyncio.get_running_loop().create_task(
+                self.health.set_serving(True))
 
     async def _until_stopped(self) -> int:
         ready = asyncio.ensure_future(self.engine.wait_ready())
@@ -244,11 +266,13 @@ class SpecserveServer:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
-               start_engine: Optional[StartEngine] = None) -> int:
+               start_engine: Optional[StartEngine] = None,
+               cluster: Optional[ClusterConfig] = None) -> int:
     """Run the server on uvloop when it is installed; returns the process exit status.
-    start_engine: a stand-in for the engine (benchmarks of the server alone)."""
+    start_engine: a stand-in for the engine (benchmarks of the server alone); cluster:
+    data-parallel replicas on Ray."""
     async def main() -> int:
-        return await SpecserveServer(engine_config, server_config, start_engine).run()
+        return await SpecserveServer(engine_config, server_config, start_engine, cluster).run()
 
     try:
         import uvloop

@@ -1,15 +1,17 @@
 """EngineClient: the server's handle on the engine process.
 
-Starts `specserve.engine.process.run_engine_process` in a spawned child, talks to it over two
-ZeroMQ PUSH/PULL sockets on ipc:// paths, and routes the engine's per-step outputs to one
-RequestStream per request (through an OutputReader thread: server/output_router.py). If the
-child dies, every waiting caller gets EngineUnavailable at once (the child's process sentinel
-is watched on the event loop, so nothing waits for a timeout). A frozen or stuck
-child is found by the watchdog (server/watchdog.py) from the heartbeats on a third socket; it is
-then killed and handled as dead.
+Starts `specserve.engine.process.run_engine_process` in a spawned child (or, through an
+`EngineLauncher`, anywhere else: server/cluster runs it in a Ray replica actor), talks to it over
+two ZeroMQ PUSH/PULL sockets on ipc:// paths (tcp:// ports for an engine on another host), and
+routes the engine's per-step outputs to one RequestStream per request (through an OutputReader
+thread: server/output_router.py). If the child dies, every waiting caller gets EngineUnavailable
+at once (the child's process sentinel is watched on the event loop, so nothing waits for a
+timeout). A frozen or stuck child is found by the watchdog (server/watchdog.py) from the
+heartbeats on a third socket; it is then killed and handled as dead.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
@@ -47,15 +49,93 @@ class RequestRejected(Exception):
     """The engine refused a request; the message names the field (engine ValueError)."""
 
 
+class EngineHandle(abc.ABC):
+    """A started engine, wherever it runs: what the client needs to watch and stop it."""
+
+    description: str  # for log lines, e.g. "pid 1234"
+
+    @abc.abstractmethod
+    def watch_exit(self, on_exit: Callable[[str], None]) -> None:
+        """Call on_exit(reason) on the event loop once the engine has exited."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """The engine was asked to shut down: wait for it, and force it past a timeout."""
+
+    @abc.abstractmethod
+    async def kill(self) -> None:
+        """Kill the engine now (it is frozen or stuck) and wait until it is gone."""
+
+
+class EngineLauncher(abc.ABC):
+    """Starts the engine process for a client, given the addresses the client bound."""
+
+    # None: the engine runs on this host and the sockets are ipc:// paths; else the engine may
+    # run on another host and the client binds tcp:// ports on this address.
+    bind_host: Optional[str] = None
+
+    @abc.abstractmethod
+    def launch(self, config: EngineConfig, link: ServerLink,
+               start_engine: Optional[StartEngine]) -> EngineHandle:
+        """Start the engine (returns at once: the engine reports ready over the link)."""
+
+
+class LocalProcess(EngineHandle):
+    """The engine in a spawned child process of the server (the default)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self.process = process
+        self.description = f"pid {process.pid}"
+
+    def watch_exit(self, on_exit: Callable[[str], None]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(self.process.sentinel)
+            self.process.join(0)
+            on_exit(f"engine process exited with code {self.process.exitcode}")
+
+        loop.add_reader(self.process.sentinel, exited)
+
+    async def stop(self) -> None:
+        if not self.process.is_alive():
+            return
+        await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
+        if self.process.is_alive():
+            logger.warning("engine process did not exit; terminating it")
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join)
+
+    async def kill(self) -> None:
+        self.process.kill()
+        await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)  # reap it
+
+
+class LocalLauncher(EngineLauncher):
+    def launch(self, config: EngineConfig, link: ServerLink,
+               start_engine: Optional[StartEngine]) -> EngineHandle:
+        # spawn, not fork: the server process runs gRPC threads and an event loop.
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(config, link, start_engine),
+            name="specserve-engine")
+        process.start()
+        return LocalProcess(process)
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, watchdog: EngineWatchdog,
-                 start_engine: Optional[StartEngine] = None):
+                 start_engine: Optional[StartEngine] = None,
+                 launcher: EngineLauncher = LocalLauncher()):
         self.config = config
         self.watchdog = watchdog
         self.start_engine = start_engine  # None: the real Engine (see run_engine_process)
+        self.launcher = launcher
         self.info: Optional[EngineInfo] = None
         self.tokenizer: Any = None  # the engine's tokenizer (encode/decode), once ready; or None
-        self.process: Optional[multiprocessing.process.BaseProcess] = None
+        self.handle: Optional[EngineHandle] = None
         self._dead_reason: Optional[str] = None
         self._closing = False
         self._ipc_dir = tempfile.mkdtemp(prefix="specserve-ipc-")
@@ -80,21 +160,22 @@ class EngineClient:
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Bind the sockets and spawn the engine process (returns at once; see wait_ready)."""
+        """Bind the sockets and start the engine process (returns at once; see wait_ready)."""
         loop = asyncio.get_running_loop()
-        link = ServerLink(*(f"ipc://{os.path.join(self._ipc_dir, name)}"
-                            for name in ("requests", "outputs", "heartbeats")),
-                          heartbeat_interval_s=self.watchdog.heartbeat_interval_s)
-        self._to_engine.bind(link.requests)
-        self._from_engine.bind(link.outputs)
-        self._heartbeats.bind(link.heartbeats)
+        sockets = (self._to_engine, self._from_engine, self._heartbeats)
+        host = self.launcher.bind_host
+        if host is None:
+            addresses = [f"ipc://{os.path.join(self._ipc_dir, name)}"
+                         for name in ("requests", "outputs", "heartbeats")]
+            for sock, address in zip(sockets, addresses):
+                sock.bind(address)
+        else:
+            addresses = [f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+                         for sock in sockets]
+        link = ServerLink(*addresses, heartbeat_interval_s=self.watchdog.heartbeat_interval_s)
         self._ready = loop.create_future()
-        # spawn, not fork: the server process runs gRPC threads and an event loop.
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(self.config, link, self.start_engine),
-            name="specserve-engine")
-        self.process.start()
-        loop.add_reader(self.process.sentinel, self._on_process_exit)
+        self.handle = self.launcher.launch(self.config, link, self.start_engine)
+        self.handle.watch_exit(self._on_process_exit)
         self._reader = OutputReader(self._from_engine, self._streams, loop, self._on_routed)
         self._reader.start()
 
@@ -111,16 +192,9 @@ class EngineClient:
         self._closing = True
         if self._watcher is not None:
             self._watcher.cancel()
-        if self.process is not None and self.process.is_alive():
+        if self.handle is not None:
             self._send(ipc.ServerToEngine(shutdown=ipc.Shutdown()), quiet=True)
-            await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
-            if self.process.is_alive():
-                logger.warning("engine process did not exit; terminating it")
-                self.process.terminate()
-                await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
-            if self.process.is_alive():
-                self.process.kill()
-                await asyncio.to_thread(self.process.join)
+            await self.handle.stop()
         self._fail_all(EngineUnavailable("the server is shutting down"))
         if self._reader is not None:
             self._reader.stop()
@@ -262,16 +336,12 @@ class EngineClient:
                 self._mark_dead(reason)
                 # A frozen or stuck engine may hold the GPU and could resume and act on requests
                 # that the server has already failed; it must be gone for good.
-                logger.error("killing the engine process (pid %d)", self.process.pid)
-                self.process.kill()
-                await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)  # reap it
+                logger.error("killing the engine process (%s)", self.handle.description)
+                await self.handle.kill()
 
-    def _on_process_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        if self._closing:
-            return
-        self.process.join(0)
-        self._mark_dead(f"engine process exited with code {self.process.exitcode}")
+    def _on_process_exit(self, reason: str) -> None:
+        if not self._closing:
+            self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is not None or self._closing:

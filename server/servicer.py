@@ -10,6 +10,7 @@ import grpc
 
 from specserve.engine.wire import info_to_proto, load_to_proto
 from specserve.proto import generate_pb2 as pb
+from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.engine_client import EngineUnavailable
 from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
 from specserve.server.health import GENERATION_SERVICE
@@ -117,6 +118,8 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.core.metrics.observe_load(load)
         reply = load_to_proto(load)
+        if isinstance(self.core.engine, ReplicaSet):
+            reply.replicas.extend(row.to_proto() for row in self.core.engine.last_rows)
         reply.num_active_streams = self.core.num_active_streams
         reply.max_active_streams = self.core.max_active_streams
         return reply

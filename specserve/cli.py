@@ -1,6 +1,7 @@
 """The `specserve` command: `specserve serve ...` and `specserve generate ...`.
 
     specserve serve --model DIR --port 50051          # the gRPC server
+    specserve serve --model DIR --data-parallel 2     # two engine replicas, placed by Ray
     specserve generate --server 127.0.0.1:50051 --prompt "def add(a, b):"
     specserve generate --model DIR --prompt "..."     # offline, in this process
 """
@@ -114,6 +115,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="chat: the model's tool-call format (default: from its chat template)")
     g.add_argument("--log-level", default="INFO")
+    c = serve.add_argument_group("cluster (Ray; needs the `ray` extra)")
+    c.add_argument("--data-parallel", type=int, default=None, metavar="N",
+                   help="serve N engine replicas (each --tp GPUs) placed by Ray, one request "
+                        "routed to the replica holding its longest cached prefix unless it is "
+                        "much busier than the others")
+    c.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, or HOST:6379); default: a local Ray "
+                        "started on demand")
+    c.add_argument("--tp-placement", default=None, choices=["node", "pack", "spread"],
+                   help="where a replica's --tp ranks run: node (default: one node, spawned "
+                        "there), pack (one Ray actor per rank, across nodes when one is not "
+                        "enough), spread (each rank on a node of its own)")
+    c.add_argument("--routing", default=None, choices=["prefix", "round-robin"],
+                   help="prefix (default): the replica holding the longest cached prefix unless "
+                        "it is much busier; round-robin: each replica in turn")
+    c.add_argument("--gpus-per-rank", type=float, default=None,
+                   help="GPUs Ray reserves per tp rank (default 1 on GPUs); 0.5 puts two small "
+                        "replicas on one GPU (size their KV with --max-total-tokens)")
 
     generate = commands.add_parser("generate", help="generate once, offline or through a server")
     _add_engine_args(generate)
@@ -160,12 +179,33 @@ def _server_config_from_args(args: argparse.Namespace):
     return ServerConfig(host=args.host, port=port, reflection=not args.no_reflection, **optional)
 
 
-def _serve(engine_config: EngineConfig, server_config, log_level: str) -> int:
+def _cluster_config_from_args(args: argparse.Namespace):
+    """The ClusterConfig the cluster flags describe, or None (one engine process, no Ray).
+    Raises ValueError naming the flag, also when Ray is not installed."""
+    given = [flag for flag in ("data_parallel", "ray_address", "tp_placement", "routing",
+                               "gpus_per_rank") if getattr(args, flag) is not None]
+    if not given:
+        return None
+    from specserve.server.cluster.config import ClusterConfig, TPPlacement, require_ray
+    from specserve.server.cluster.routing import RoutingConfig, RoutingPolicy
+
+    try:
+        require_ray()
+    except ImportError as e:
+        raise ValueError(f"{_flag_names(given)}: {e}") from None
+    return ClusterConfig(data_parallel=1 if args.data_parallel is None else args.data_parallel,
+                         ray_address=args.ray_address,
+                         tp_placement=TPPlacement(args.tp_placement or "node"),
+                         routing=RoutingConfig(policy=RoutingPolicy(args.routing or "prefix")),
+                         gpus_per_rank=args.gpus_per_rank)
+
+
+def _serve(engine_config: EngineConfig, server_config, cluster, log_level: str) -> int:
     from specserve.server.app import run_server
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_server(engine_config, server_config)
+    return run_server(engine_config, server_config, cluster=cluster)
 
 
 # `generate` flags that only a server call uses: the offline engine has no channel to secure
@@ -239,7 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command == "serve":
             # Configuration errors (ValueError naming the field) are usage errors.
-            configs = engine_config_from_args(args), _server_config_from_args(args)
+            configs = (engine_config_from_args(args), _server_config_from_args(args),
+                       _cluster_config_from_args(args))
         elif args.server is None:
             return _generate_offline(args)
     except ValueError as e:

@@ -49,7 +49,9 @@ class ServerProcess:
         self._log_changed = threading.Condition()
         threading.Thread(target=self._read_log, daemon=True).start()
         self.port = int(self.wait_for_log(r"serving on [\d.]+:(\d+)").group(1))
-        self.engine_pid = int(self.wait_for_log(r"engine process started \(pid (\d+)\)").group(1))
+        # One engine: "(pid N)"; a data-parallel replica: "(replica i: pid N on HOST, ...)".
+        self.engine_pid = int(self.wait_for_log(
+            r"engine process started \((?:replica \d+: )?pid (\d+)").group(1))
         self.address = f"127.0.0.1:{self.port}"
         if wait_serving:
             self.wait_for_log(r"SERVING")

@@ -93,3 +93,19 @@ def test_the_sdk_imports_neither_server_nor_engine():
             "(['specserve', 'server'], ['specserve', 'engine']) or m == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_ray_stays_outside_the_engine_and_the_single_engine_server():
+    """Ray is the optional `ray` extra: the engine never imports it, and neither does the server
+    until --data-parallel (server/cluster/ray_replicas.py is the one module that does)."""
+    import subprocess
+    import sys
+
+    for path in ENGINE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "ray" for n in names), path
+    code = "import sys, specserve.cli, specserve.server.app; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

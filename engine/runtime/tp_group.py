@@ -30,9 +30,10 @@ def free_init_method() -> str:
 
 
 class TPGroup:
-    def __init__(self, size: int, rank: int, init_method: str, device: torch.device):
+    def __init__(self, size: int, rank: int, init_method: str, device: torch.device,
+                 local_ranks: bool = True):
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and torch.cuda.device_count() < size:
+        if local_ranks and device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tp_size: {size} ranks but only {torch.cuda.device_count()} GPUs")
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
         self.model = TensorParallel(size, rank, dist.new_group(list(range(size)), backend=backend))

@@ -243,7 +243,7 @@ class GetServerLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_active_streams", "max_active_streams", "num_retractions", "kv_cached_tokens", "prefix_cache_hit_rate")
+    __slots__ = ("num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "mean_accept_length", "num_active_streams", "max_active_streams", "num_retractions", "kv_cached_tokens", "prefix_cache_hit_rate", "replicas")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class ServerLoad(_message.Message):
     NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_used_tokens: int
@@ -264,7 +265,32 @@ class ServerLoad(_message.Message):
     num_retractions: int
     kv_cached_tokens: int
     prefix_cache_hit_rate: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., max_active_streams: _Optional[int] = ..., num_retractions: _Optional[int] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaLoad]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., max_active_streams: _Optional[int] = ..., num_retractions: _Optional[int] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ...) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("replica", "serving", "num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "kv_cached_tokens", "prefix_cache_hit_rate", "num_active_streams", "restarts")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    serving: bool
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    kv_cached_tokens: int
+    prefix_cache_hit_rate: float
+    num_active_streams: int
+    restarts: int
+    def __init__(self, replica: _Optional[int] = ..., serving: bool = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
     __slots__ = ()
