@@ -19,7 +19,8 @@ run() {  # name, command...
   echo "== $name rc=$? $((SECONDS - t0))s"; tail -${TAIL:-14} "$LOGS/$name.log"
 }
 for phase in $1; do case $phase in
-  tests)  run pytest pytest -q -p no:cacheprovider -m gpu -x --timeout 300 $PWD/tests/${TESTS:-test_fp8_checkpoints.py} ;;
+  tests)  run pytest pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
+              $(for t in ${TESTS:-test_fp8_checkpoints.py}; do echo "$PWD/tests/$t"; done) ;;
   kernels) run fp8_gemm python $PWD/bench/fp8_gemm.py --out $LOGS/fp8_gemm.json ;;
   llama)  run llama8b $B --models llama-8b --batch-sizes 1,16,64 --modes plain,chain --quantizations auto,fp8 \
               --out $LOGS/llama8b.json ;;
