@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# A device session of several phases, each within one 10-minute call; logs and JSON in one
-# tarball under $OUT (the device tool brings back at most 8 files).
+# A device session of several phases, each within one 10-minute call; each phase's log and
+# JSON go straight to $OUT (kept if the call runs out of time; the device tool brings back at
+# most 8 files, so run few phases a call).
 #   bash bench/device_session.sh "phase phase ..."     (carry: wheels)
 # Phases: tests, kernels, llama, longctx, moe, accuracy, serving, frontend (see below).
 set -uo pipefail
-OUT=${OUT:-out}; LOGS=$(mktemp -d); mkdir -p "$OUT"
+OUT=${OUT:-out}; LOGS=$OUT; mkdir -p "$OUT"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
 python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
-    > "$LOGS/pip.log" 2>&1 || echo "wheel install failed"
+    > /tmp/pip.log 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site
-python -m pip install -q --no-deps --no-build-isolation . >> "$LOGS/pip.log" 2>&1 || echo "install failed"
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$LOGS/gpu.txt" 2>&1
-B="python bench/one_batch.py --steps 48"
+python -m pip install -q --no-deps --no-build-isolation . >> /tmp/pip.log 2>&1 || { echo "install failed"; tail /tmp/pip.log; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+B="python $PWD/bench/one_batch.py --steps 48"
 run() {  # name, command...
   local name=$1; shift
   local t0=$SECONDS
-  (cd /tmp && "$@") > "$LOGS/$name.log" 2>&1
+  (cd /tmp && timeout "${PHASE_S:-560}" "$@") > "$LOGS/$name.log" 2>&1
   echo "== $name rc=$? $((SECONDS - t0))s"; tail -${TAIL:-14} "$LOGS/$name.log"
 }
 for phase in $1; do case $phase in
@@ -25,7 +26,7 @@ for phase in $1; do case $phase in
   llama)  run llama8b $B --models llama-8b --batch-sizes 1,16,64 --modes plain,chain --quantizations auto,fp8 \
               --out $LOGS/llama8b.json ;;
   longctx) run longctx $B --models llama-8b --batch-sizes 1 --modes plain,chain --prompt-len 32768 \
-              --max-context-len 33500 --kv-cache-dtypes auto,fp8_e4m3 --out $LOGS/longctx.json ;;
+              --max-context-len 33500 --kv-cache-dtype auto,fp8_e4m3 --out $LOGS/longctx.json ;;
   moe)    run dsv2 $B --models deepseek-v2-lite --batch-sizes 1,64 --modes plain,chain --quantizations auto,fp8 \
               --draft nextn --out $LOGS/dsv2.json
           run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
@@ -33,4 +34,3 @@ for phase in $1; do case $phase in
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
   *) echo "unknown phase $phase" ;;
 esac; done
-tar -czf "$OUT/logs.tgz" -C "$LOGS" .
