@@ -309,13 +309,16 @@ def test_gpu_fp8_graphs_match_eager_and_spec_matches_plain(quantized, make_engin
                                             ("deepseek_v3", "block", (16, 16))])
 def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, arch, fmt, block):
     """bf16 activations: the FP8 kernels against the dequantized weights run by the same engine
-    in bf16 (cuBLAS), within bf16 rounding (METHOD.md: bf16 operands give 1e-3..1e-2 relative)."""
+    in bf16 (cuBLAS). Up to 16 rows the skinny GEMM dequantises the weight tile (W8A16: bf16
+    rounding, 1e-3..1e-2 relative over a model); a 64-token prefill runs W8A8, its activations
+    quantised per 128-column group (~2.6 % per GEMM, measured in fp64 on the CPU): 6e-2."""
     fp8, ref = quantized(arch, fmt, block)
     ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(3)).tolist()
-    for prompt in (ids, ids[:5]):  # prefill (large M) and a short one (skinny GEMM rows)
-        ours = make_engine(fp8, device="cuda", dtype="bfloat16").prompt_logits(prompt).float()
-        theirs = make_engine(ref, device="cuda", dtype="bfloat16").prompt_logits(prompt).float()
-        assert ((ours - theirs).norm() / theirs.norm()).item() < 2e-2
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=4)
+    ours, theirs = make_engine(fp8, **kw), make_engine(ref, **kw)
+    for prompt, tolerance in ((ids, 6e-2), (ids[:5], 2e-2)):
+        a, b = ours.prompt_logits(prompt).float(), theirs.prompt_logits(prompt).float()
+        assert ((a - b).norm() / b.norm()).item() < tolerance
 
 
 def test_missing_scale_tensor_is_named(tmp_path, quantized):

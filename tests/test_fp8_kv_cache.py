@@ -661,7 +661,9 @@ def test_fp8_spec_equals_plain_cuda_graphs_gpu(wide_pair, make_engine, monkeypat
                         lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     target, head = wide_pair
     prompts = random_prompts(5, seed=51, max_len=40)
-    kw = dict(device="cuda", dtype="bfloat16", kv_cache_dtype=FP8, enable_overlap=overlap,
+    # fp32 activations: bf16 rounds verify's (wider) GEMMs differently from decode's, and the
+    # FP8 store then magnifies that into different tokens; the comparison is of the paths.
+    kw = dict(device="cuda", dtype="float32", kv_cache_dtype=FP8, enable_overlap=overlap,
               cuda_graph=True, max_total_tokens=4096)
     plain = make_engine(target, **kw)
     spec = make_engine(target, spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **kw)
