@@ -521,19 +521,22 @@ def test_gpu_activation_quantiser_is_torchs():
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
 @pytest.mark.parametrize("m", [17, 512, 4096])
 def test_gpu_block_scaled_matmul_llama_shapes(shape, m):
-    """The large-M W8A8 GEMM, through `fp8_matmul` (and `linear` above the skinny range):
-    the product of its quantised operands within a bf16 rounding; within FP8's error of the
-    reference."""
+    """The large-M W8A8 GEMM, through `fp8_matmul` (and `linear` above the skinny range; on
+    Hopper cuBLAS's blockwise FP8 GEMM) and the Triton kernel: the product of the quantised
+    operands within a bf16 rounding; within FP8's error of the reference."""
     from specserve.engine.layers.skinny_gemm import linear
-    from specserve.engine.quantization.fp8_gemm import fp8_matmul, runs_block_scaled
+    from specserve.engine.quantization.fp8_gemm import (
+        block_scaled_matmul, fp8_matmul, runs_block_scaled, runs_cublas_blockwise)
 
     n, k = LLAMA_8B[shape]
     w8, scale = _gpu_fp8_weight(n, k, seed=6)
     x = _gpu_rows(m, k, seed=7)
     assert runs_block_scaled(x, w8, scale)
+    assert runs_cublas_blockwise(x, w8, scale) == (torch.cuda.get_device_capability() == (9, 0))
     out = fp8_matmul(x, w8, scale)
     expected = w8a8_reference(*quantize_activations(x), w8, scale, dtype=torch.bfloat16)
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(block_scaled_matmul(x, w8, scale), expected, rtol=1e-2, atol=1e-2)
     assert _relative_error(out, fp8_linear_reference(x, w8, scale)) < 0.04
     assert torch.equal(linear(x, w8, None, True, scale), out)
 
