@@ -23,6 +23,8 @@ for phase in $1; do case $phase in
   tests)  run pytest pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
               $(for t in ${TESTS:-test_fp8_checkpoints.py}; do echo "$PWD/tests/$t"; done) ;;
   kernels) run fp8_gemm python $PWD/bench/fp8_gemm.py --out $LOGS/fp8_gemm.json ;;
+  sweep)  run sweep python $PWD/bench/fp8_gemm.py --sweep --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} \
+              --rows ${ROWS:-1,16} --no-moe --out $LOGS/sweep.json ;;
   llama)  run llama8b $B --models llama-8b --batch-sizes 1,16,64 --modes plain,chain --quantizations auto,fp8 \
               --out $LOGS/llama8b.json ;;
   longctx) run longctx $B --models llama-8b --batch-sizes 1 --modes plain,chain --prompt-len 32768 \
