@@ -106,17 +106,24 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dimension contiguous) -> (x8 [M, K] float8_e4m3fn, scales
     [M, ceil(K / ACT_GROUP)] fp32): per token and 128-column group, scale = amax / 448."""
     m, k = x.shape
-    assert x.stride(-1) == 1
-    groups = triton.cdiv(k, ACT_GROUP)
     x8 = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    scales = torch.empty((m, triton.cdiv(k, ACT_GROUP)), dtype=torch.float32, device=x.device)
+    _quantize_into(x, x8, scales)
+    return x8, scales
+
+
+def _quantize_into(x: torch.Tensor, x8: torch.Tensor, scales: torch.Tensor) -> None:
+    """`quantize_activations` into x8 (rows [M, K] contiguous, at least x's rows) and scales
+    (at least [M, groups], any strides: cuBLAS reads them column-major)."""
+    m, k = x.shape
+    assert x.stride(-1) == 1 and x8.is_contiguous()
     if m:
+        groups = triton.cdiv(k, ACT_GROUP)
         grid = (m, triton.cdiv(groups, _GROUPS_PER_PROGRAM))
         _quantize_groups_kernel[grid](
-            x, x8, scales, k, groups, x.stride(0), GROUP=ACT_GROUP,
-            GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM, MIN_AMAX=_MIN_AMAX, FP8_MAX_VALUE=FP8_MAX,
-            num_warps=4, **launch_options(x.device))
-    return x8, scales
+            x, x8, scales, k, groups, x.stride(0), scales.stride(0), scales.stride(1),
+            GROUP=ACT_GROUP, GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM, MIN_AMAX=_MIN_AMAX,
+            FP8_MAX_VALUE=FP8_MAX, num_warps=4, **launch_options(x.device))
 
 
 def block_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale,
@@ -182,16 +189,24 @@ def runs_cublas_blockwise(x: torch.Tensor, weight: torch.Tensor, scale: WeightSc
             and x.numel() // k > 1)
 
 
+CUBLAS_ROW_ALIGN = 4  # cuBLAS wants the column-major activation scales' rows 16-byte aligned
+
+
 def cublas_blockwise_matmul(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale,
                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`fp8_matmul` by torch._scaled_mm: the same activation quantisation (1x128 groups) as the
     Triton kernel, cuBLAS's block-scaled FP8 GEMM. cuBLAS reads the activation scales
-    column-major and the weight grid transposed ([K/128, N/128])."""
+    column-major and the weight grid transposed ([K/128, N/128]); the rows are padded to a
+    multiple of 4 (the padding rows' products are computed from whatever the buffers hold and
+    dropped)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    x8, x_scales = quantize_activations(x2 if x2.stride(-1) == 1 else x2.contiguous())
-    y = torch._scaled_mm(x8, weight.t(), scale_a=x_scales.t().contiguous().t(),
-                         scale_b=scale.values.t(), out_dtype=x.dtype)
+    m = x2.shape[0]
+    rows = -(-m // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN
+    x8 = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((k // ACT_GROUP, rows), dtype=torch.float32, device=x.device).t()
+    _quantize_into(x2 if x2.stride(-1) == 1 else x2.contiguous(), x8, scales)
+    y = torch._scaled_mm(x8, weight.t(), scale_a=scales, scale_b=scale.values.t(), out_dtype=x.dtype)[:m]
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
@@ -232,7 +247,8 @@ if triton is not None:
         return acc + tl.dot(a_tile, tl.trans(b_tile)) * a_scales[:, None] * b_scales[None, :]
 
     @triton.jit
-    def _quantize_groups_kernel(x, x8, scales, K, num_groups, stride_xm, GROUP: tl.constexpr,
+    def _quantize_groups_kernel(x, x8, scales, K, num_groups, stride_xm, stride_sm, stride_sg,
+                                GROUP: tl.constexpr,
                                 GROUPS_PER_PROGRAM: tl.constexpr, MIN_AMAX: tl.constexpr,
                                 FP8_MAX_VALUE: tl.constexpr, PDL: tl.constexpr):
         wait_for_predecessor(PDL)
@@ -245,7 +261,7 @@ if triton is not None:
         # Correctly rounded division, as torch divides (`/` on fp32 is approximate on a GPU).
         q = tl.clamp(tl.math.div_rn(v, s[:, None]), -FP8_MAX_VALUE, FP8_MAX_VALUE)
         tl.store(x8 + row * K + cols, q.to(x8.dtype.element_ty), mask=mask)
-        tl.store(scales + row * num_groups + groups, s, mask=groups < num_groups)
+        tl.store(scales + row * stride_sm + groups * stride_sg, s, mask=groups < num_groups)
 
     @triton.jit
     def _block_scaled_gemm_kernel(
