@@ -12,8 +12,6 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
 - `skinny_bf16`     the 16-bit skinny GEMM on that weight (M <= 16)
 - `w8a16_skinny`    the skinny GEMM reading the FP8 weight and its scales (M <= 16; the engine's)
 - `w8a8_skinny`     its `fp8_activations` option: x quantised per 128-column group, FP8 dot
-- `w8a16_after_nN`  its `scale_after_dot` option (each step's FP8-value product scaled per
-                    column afterwards), with N-column tiles
 - `w8a8_triton`     the large-M block-scaled kernel, quantiser included (`fp8_matmul` on CUDA)
 - `scaled_mm_block` torch._scaled_mm with 1x128 activation and 128x128 weight scales, the
                     quantiser included (where this torch/cuBLAS supports it)
@@ -107,10 +105,6 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
         ops["skinny_bf16"] = ("bf16", lambda x, w: skinny_gemm(x, w))
         ops["w8a16_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
-        after = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda")), BLOCK[1], k)
-        for n_tile in (32, 64):
-            c = after._replace(scale_after_dot=True, block_n=n_tile)
-            ops[f"w8a16_after_n{n_tile}"] = ("fp8", lambda x, w, c=c: skinny_gemm(x, w[0], config=c, scale=w[1]))
     ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
     ops["scaled_mm_block"] = ("fp8", scaled_mm_block)
     ops["scaled_mm_row"] = ("rowwise", scaled_mm_row)

@@ -93,11 +93,9 @@ def w8a8_reference(x8: torch.Tensor, x_scales: torch.Tensor, w8: torch.Tensor, s
     return F.linear(x_deq, w, None if bias is None else bias.double()).to(dtype)
 
 
-def config(block_n=32, block_k=32, split_k=1, dot=True, fp8_activations=False,
-           scale_after_dot=False) -> SkinnyConfig:
+def config(block_n=32, block_k=32, split_k=1, dot=True, fp8_activations=False) -> SkinnyConfig:
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-                        num_stages=1, dot=dot, fp8_activations=fp8_activations,
-                        scale_after_dot=scale_after_dot)
+                        num_stages=1, dot=dot, fp8_activations=fp8_activations)
 
 
 # --- the skinny GEMM (W8A16) ----------------------------------------------------------------------
@@ -159,28 +157,6 @@ def test_skinny_fp8_silu_mul_and_default_config_fp32():
     out = skinny_gemm(x, w8, silu_mul=True, workspace=_workspace(), scale=scale)
     # Sums of 1024 terms of order 1 (results up to ~50) in two orders: fp32's 1e-6 of them.
     torch.testing.assert_close(out, silu_and_mul(fp8_linear_reference(x, w8, scale)), rtol=1e-5, atol=1e-3)
-
-
-@pytest.mark.parametrize("block", ["128x128", "channel", "1x128"])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_skinny_scale_after_dot_option(block, split_k):
-    """`scale_after_dot`: each K step's product of the FP8 values, scaled per output column
-    after it; fp32 activations: the reference's products regrouped, so within fp32 sums, on
-    the plain, SiLU-and-mul and split-K paths. A grid whose k-blocks cut a K step keeps the
-    per-element dequantisation (16x24)."""
-    k = 320
-    grid = {"128x128": (128, 128), "channel": (1, k), "1x128": (1, 128)}[block]
-    w8, scale = fp8_weight(2 * N, k, grid, seed=6)
-    ws = _workspace()
-    cfg = config(block_k=64, split_k=split_k, scale_after_dot=True)
-    for m in (1, 6):
-        x = dense_rows(m, k, seed=10 + m)
-        out = skinny_gemm(x, w8, config=cfg, workspace=ws, scale=scale)
-        torch.testing.assert_close(out, fp8_linear_reference(x, w8, scale), rtol=1e-5, atol=1e-4)
-        # gate * up of sums of order 10: fp32's ~1e-6 of the products.
-        out = skinny_gemm(x, w8, silu_mul=True, config=cfg, workspace=ws, scale=scale)
-        torch.testing.assert_close(out, silu_and_mul(fp8_linear_reference(x, w8, scale)), rtol=1e-5, atol=1e-3)
-    assert not ws.arrivals.any()
 
 
 @pytest.mark.parametrize("block", ["128x128", "channel", "1x128"])
@@ -402,7 +378,7 @@ def skinny(m, n_rows, k, silu, act, uniform, qkv=False):
                 stride_wn=k, stride_ym=n_cols, fp8=fp8_args, BLOCK_M=16, BLOCK_N=c.block_n,
                 BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, SILU_MUL=silu, DOT=True,
                 EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True, K_UNIFORM=uniform,
-                FP8_ACT=act, SCALE_AFTER=False, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0,
+                FP8_ACT=act, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0,
                 v_scale_inv=1.0, KV_FP8=False)
     kernel = sk._skinny_qkv_rope_kernel if qkv else sk._skinny_gemm_kernel
     return compile_sm90(kernel, args, c.num_warps, c.num_stages)
@@ -520,8 +496,9 @@ def test_gpu_skinny_fp8_qkv_rope_llama_8b(m):
     rotary = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
     w8, scale = _gpu_fp8_weight(6144, 4096, seed=3)
     x = _gpu_rows(m, 4096, seed=4)
-    positions = torch.randint(0, 4096, (m,), device="cuda")
-    loc = torch.randperm(64, device="cuda")[:m]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    positions = torch.randint(0, 4096, (m,), device="cuda", generator=gen)
+    loc = torch.randperm(64, device="cuda", generator=gen)[:m]
     config = fp8_weight_config(skinny_module._qkv_rope_config(m, 6144, 4096, 128, x.device), 128, 4096)
     outs = []
     for weight, sc in ((w8, scale), (dequantize(w8, scale, torch.bfloat16), None)):
@@ -530,8 +507,8 @@ def test_gpu_skinny_fp8_qkv_rope_llama_8b(m):
         q = skinny_qkv_rope(x, weight, None, 32, 8, positions, rotary.cos, rotary.sin, k_cache,
                             v_cache, loc, config=config, scale=sc)
         outs.append((q, k_cache, v_cache))
-    for got, want in zip(*outs):
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+    for got, want in zip(*outs):  # RoPE's differences of products: a few bf16 steps at worst
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3)
 
 
 @pytest.mark.gpu

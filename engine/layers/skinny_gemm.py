@@ -79,11 +79,6 @@ class SkinnyConfig(NamedTuple):
     # needs dot) instead of W8A16 (the weight dequantised into x's dtype). To be chosen per
     # shape from bench/fp8_gemm.py's measurements.
     fp8_activations: bool = False
-    # W8A16 with each K step in one scale k-block (and tl.dot): the product of the FP8 values
-    # in x's dtype (an FP8 value is exact in bf16/fp16), scaled per output column afterwards:
-    # N multiplies a step instead of a scale multiply and two conversions per weight element.
-    # Not the reference's roundings (it rounds each dequantised weight to x's dtype).
-    scale_after_dot: bool = False
 
 
 class SkinnyWorkspace:
@@ -235,15 +230,12 @@ if triton is not None:
     def _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k, K,
                          DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
-                         FP8_ACT: tl.constexpr, SCALE_AFTER: tl.constexpr):
+                         FP8_ACT: tl.constexpr):
         """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`."""
         if FP8_ACT:  # acc [BLOCK_N, BLOCK_M]: W x^T (see _sum_tiles)
             acc = scaled_dot(acc, w_tile, x_tile,
                              weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True),
                              activation_scales(fp8.x_scale, offs_m, m_mask, fp8.stride_xsm, k))
-        elif SCALE_AFTER:  # the step's product of the FP8 values (exact in x's dtype), then scaled
-            step = tl.dot(x_tile, tl.trans(w_tile.to(x_tile.dtype)), input_precision=DOT_PRECISION)
-            acc += step * weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True)[None, :]
         else:
             if FP8_WEIGHT:
                 w_tile = dequantize_tile(
@@ -267,7 +259,7 @@ if triton is not None:
                    fp8, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr,
-                   K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr, SCALE_AFTER: tl.constexpr):
+                   K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr):
         """x[:, k_begin:k_end] against the weight rows `rows` (and `partner_rows` when PAIRED):
         the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED).
 
@@ -306,8 +298,7 @@ if triton is not None:
                 x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
             acc = _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k,
-                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, K_UNIFORM, FP8_ACT,
-                                   SCALE_AFTER)
+                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, K_UNIFORM, FP8_ACT)
             if PAIRED:
                 if EVEN_K:
                     up_tile = tl.load(partner_ptrs + k)
@@ -315,7 +306,7 @@ if triton is not None:
                     up_tile = tl.load(partner_ptrs + k, mask=k_mask[None, :], other=0.0)
                 acc_up = _accumulate_step(acc_up, x_tile, up_tile, fp8, partner_scale_rows, offs_m,
                                           m_mask, k, offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT,
-                                          K_UNIFORM, FP8_ACT, SCALE_AFTER)
+                                          K_UNIFORM, FP8_ACT)
         if FP8_ACT:
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
@@ -384,8 +375,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr,
-        SCALE_AFTER: tl.constexpr, PDL: tl.constexpr,
+        FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr, PDL: tl.constexpr,
     ):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
         wait_for_predecessor(PDL)
@@ -402,7 +392,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, SILU_MUL,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT, SCALE_AFTER)
+                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT)
         out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
         last = True
         if SPLIT_K > 1:
@@ -423,7 +413,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
-        FP8_ACT: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr,
+        FP8_ACT: tl.constexpr, PDL: tl.constexpr,
     ):
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
@@ -441,7 +431,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT, SCALE_AFTER)
+                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT)
         m_mask = offs_m < M
         out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
         last = True
@@ -566,8 +556,6 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
         FP8_WEIGHT=scale is not None,
         K_UNIFORM=scale is not None and k_uniform(scale, k, config.block_k),
         FP8_ACT=scale is not None and config.fp8_activations,
-        SCALE_AFTER=(scale is not None and config.scale_after_dot and config.dot
-                     and not config.fp8_activations and k_uniform(scale, k, config.block_k)),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device))
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return _Launch((tiles, config.split_k), k_per_split, partials, arrivals, x_in, fp8, meta)
