@@ -304,15 +304,22 @@ def test_gpu_fp8_graphs_match_eager_and_spec_matches_plain(quantized, make_engin
     assert outs[0] == outs[1] == outs[2]
 
 
+GPU_BF16_CASES = [("llama", "block", (16, 32), {}), ("llama", "ct-channel", None, {}),
+                  ("deepseek_v3", "block", (16, 16), {}),
+                  # 128x128 blocks: K / 128 = 3 (the Triton W8A8 kernel) and 4 (cuBLAS's blockwise GEMM)
+                  ("llama", "block", (128, 128), dict(hidden_size=384, intermediate_size=1024)),
+                  ("llama", "block", (128, 128), dict(hidden_size=512, intermediate_size=1024))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch,fmt,block", [("llama", "block", (16, 32)), ("llama", "ct-channel", None),
-                                            ("deepseek_v3", "block", (16, 16))])
-def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, arch, fmt, block):
+@pytest.mark.parametrize("arch,fmt,block,opts", GPU_BF16_CASES,
+                         ids=[f"{a}-{f}-{b}-{o.get('hidden_size', 64)}" for a, f, b, o in GPU_BF16_CASES])
+def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, arch, fmt, block, opts):
     """bf16 activations: the FP8 kernels against the dequantized weights run by the same engine
     in bf16 (cuBLAS). Up to 16 rows the skinny GEMM dequantises the weight tile (W8A16: bf16
     rounding, 1e-3..1e-2 relative over a model); a 64-token prefill runs W8A8, its activations
     quantised per 128-column group (~2.6 % per GEMM, measured in fp64 on the CPU): 6e-2."""
-    fp8, ref = quantized(arch, fmt, block)
+    fp8, ref = quantized(arch, fmt, block, **opts)
     ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(3)).tolist()
     kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=4)
     ours, theirs = make_engine(fp8, **kw), make_engine(ref, **kw)

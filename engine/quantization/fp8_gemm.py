@@ -180,12 +180,14 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale,
 
 def runs_cublas_blockwise(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale) -> bool:
     """cuBLAS (through torch._scaled_mm) takes 1x128 activation and 128x128 weight scales on
-    Hopper, with N and K whole blocks and more than one row. Measured on an H100
+    Hopper, with N and K whole blocks, more than one row, and the weight grid's rows (read
+    transposed: K / 128 apart) 16-byte aligned: with K = 384 (the demo model) cuBLAS reads
+    the grid wrongly without an error (the demo's perplexity went from 3.06 to 1e5). Measured on an H100
     (bench/fp8_gemm.py): 1.6x faster than the bf16 GEMM at M = 4096, and faster than the
     Triton W8A8 kernel at every M it takes (8B gate_up: 873 vs 1857 us at 4096)."""
     n, k = weight.shape
     return (torch.cuda.get_device_capability(x.device) == (9, 0) and scale.block_n == ACT_GROUP
-            and scale.block_k == ACT_GROUP and n % ACT_GROUP == 0 and k % ACT_GROUP == 0
+            and scale.block_k == ACT_GROUP and n % ACT_GROUP == 0 and k % (4 * ACT_GROUP) == 0
             and x.numel() // k > 1)
 
 
