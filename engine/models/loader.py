@@ -217,6 +217,7 @@ def load_llama(model: nn.Module, path: str) -> None:
 
 DUMMY_STD = 0.02
 DUMMY_FP8_SCALE = DUMMY_STD / 64  # random FP8 values of std 64 stand for weights of std 0.02
+DUMMY_FP8_ROWS = 65536  # rows of an FP8 parameter drawn at a time
 
 
 def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
@@ -227,10 +228,11 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
         for name, param in module.named_parameters():
             if hasattr(param, "scale_block"):
                 param.fill_(DUMMY_FP8_SCALE)
-            elif param.dtype == torch.float8_e4m3fn:
-                values = torch.empty(param.shape, device=param.device).normal_(
-                    0.0, DUMMY_STD / DUMMY_FP8_SCALE, generator=gen)
-                param.copy_(values.clamp(-448, 448).to(param.dtype))
+            elif param.dtype == torch.float8_e4m3fn:  # in slices: fp32 values are 4x the bytes
+                for part in param.view(-1, param.shape[-1]).split(DUMMY_FP8_ROWS):
+                    values = torch.empty(part.shape, device=param.device).normal_(
+                        0.0, DUMMY_STD / DUMMY_FP8_SCALE, generator=gen)
+                    part.copy_(values.clamp(-448, 448).to(param.dtype))
             elif "norm" not in name:
                 param.normal_(0.0, DUMMY_STD, generator=gen)
     finish_loading(module)
