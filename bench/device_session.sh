@@ -33,6 +33,16 @@ for phase in $1; do case $phase in
               --draft nextn --out $LOGS/dsv2.json
           run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
+  dsv3)   run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
+              --out $LOGS/dsv3.json ;;
+  prefix) run prefix python $PWD/bench/prefix_cache.py --models llama-8b --modes plain,chain --prompt-len 4096 \
+              --uncached-tail 32 --repeats 3 --out $LOGS/prefix_cache.json ;;
+  structured) run structured python $PWD/bench/structured.py steps --out $LOGS/structured.json ;;
+  serving) for api in grpc openai; do
+             run serving_$api python $PWD/bench/serving.py --launch llama-8b --text --spec chain --api $api \
+                 --rates inf --concurrency 64 --num-requests 128 --max-new-tokens 128 --client-procs 4 \
+                 --server 127.0.0.1:50151 --http-port 50152 --out $LOGS/serving_$api.json
+           done ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
   *) echo "unknown phase $phase" ;;
 esac; done
