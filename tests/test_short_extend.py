@@ -59,7 +59,7 @@ def pair(tmp_path_factory):
 def _follow_ups(engine, prompts):
     """Prompts whose prefix the cache holds (a tail of 1..35 tokens), then fresh short ones."""
     first = engine.generate(prompt_token_ids=prompts, sampling=GREEDY)
-    tails = [[7], [9] * 20, [11] * (MAX_SHORT_EXTEND + 3)][:len(prompts)]  # buckets 8, 32, eager
+    tails = [[7], [9] * 20, [11] * (MAX_SHORT_EXTEND + 3)][:len(prompts)]  # buckets 8, 32; eager
     return [p + o.token_ids + t for p, o, t in zip(prompts, first, tails)] + \
         random_prompts(2, seed=5, min_len=2, max_len=14)
 
@@ -87,7 +87,7 @@ def test_padded_short_extends_equal_eager_extends(pair, make_engine, spec):
 def test_only_greedy_single_short_final_chunks_take_the_graphs(pair, make_engine):
     engine = make_engine(pair[0])
     stub = _eager_graphs(engine)
-    long_prompt = random_prompts(1, seed=6, min_len=MAX_SHORT_EXTEND + 1, max_len=60)[0]
+    long_prompt = random_prompts(1, seed=6, min_len=MAX_SHORT_EXTEND + 1, max_len=MAX_SHORT_EXTEND + 20)[0]
     engine.generate(prompt_token_ids=[long_prompt], sampling=GREEDY)  # too long: eager
     engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=SamplingParams(max_new_tokens=3, temperature=0.8))
     engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=SamplingParams(max_new_tokens=3, temperature=0.0,

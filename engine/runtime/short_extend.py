@@ -4,8 +4,9 @@
 A prompt whose prefix the radix cache holds prefills only its tail (tens of tokens), and so
 does a short prompt; eagerly that forward is hundreds of host launches (a few milliseconds for
 an 8B model, most of the time to first token of a cached 4k prompt). Each bucket of tail
-lengths (8, 16, 32 tokens) is captured once for one request: the chunk's tokens, positions and
-KV slots padded to the bucket (padding: token 0 at position 0 into the dummy KV slot 0, after
+lengths (8, 16, 32, 64 tokens: with a draft model the cache keeps one token less of a
+prompt, so a 32-token tail extends 33) is captured once for one request: the chunk's
+tokens, positions and KV slots padded to the bucket (padding: token 0 at position 0 into the dummy KV slot 0, after
 every real token, so no real token attends to it), and a 4-vector (row, prefix length, real
 length, index of the last real token) that every length-dependent step reads on the device.
 Backends that build their metadata on the device from bounds (Triton) capture the extend as
@@ -23,7 +24,7 @@ import torch
 
 from specserve.engine.runtime.step import ExtendStep
 
-SHORT_EXTEND_BUCKETS = (8, 16, 32)
+SHORT_EXTEND_BUCKETS = (8, 16, 32, 64)
 MAX_SHORT_EXTEND = SHORT_EXTEND_BUCKETS[-1]
 
 
