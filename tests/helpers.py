@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -135,6 +136,20 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     tok.train_from_iterator(corpus, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     tok.save(os.path.join(path, "tokenizer.json"))
+
+
+def cached_checkpoints(tmp_path_factory, configs: dict) -> Callable[[str], str]:
+    """name -> a 3-layer tiny checkpoint of configs[name] = (arch, options, ...), made once."""
+    made = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            arch, opts = configs[name][:2]
+            made[name] = make_tiny_checkpoint(str(tmp_path_factory.mktemp(name)), arch, num_layers=3,
+                                              seed=7, **opts)
+        return made[name]
+
+    return get
 
 
 def hf_logits(path: str, ids: list[int]) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (deepseek_config, hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair,
-                     make_tiny_checkpoint, random_prompts)
+from helpers import (cached_checkpoints, deepseek_config, hf_greedy, hf_logits, make_eagle3_head,
+                     make_predictable_pair, random_prompts)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -32,16 +32,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            arch, opts = CONFIGS[name]
-            made[name] = make_tiny_checkpoint(str(tmp_path_factory.mktemp(name)), arch, num_layers=3,
-                                              seed=7, **opts)
-        return made[name]
-
-    return get
+    return cached_checkpoints(tmp_path_factory, CONFIGS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

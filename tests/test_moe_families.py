@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_quantizer import FP8, quantize_checkpoint
-from helpers import (hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint,
+from helpers import (cached_checkpoints, hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair,
                      moe_family_config, random_prompts)
 
 from specserve.engine import SamplingParams, SpecConfig
@@ -30,16 +30,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            arch, opts, _ = CONFIGS[name]
-            made[name] = make_tiny_checkpoint(str(tmp_path_factory.mktemp(name)), arch, num_layers=3,
-                                              seed=7, **opts)
-        return made[name]
-
-    return get
+    return cached_checkpoints(tmp_path_factory, CONFIGS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

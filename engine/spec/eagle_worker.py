@@ -30,7 +30,7 @@ from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.grammar.batch import GrammarBatch
 from specserve.engine.grammar.bitmask import apply_token_bitmask
-from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, TokenHistory, sample
+from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, sample
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.short_extend import (
