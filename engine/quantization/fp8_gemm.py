@@ -69,9 +69,14 @@ def default_block_scaled_config(m: int) -> BlockScaledConfig:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # asked by every FP8 linear layer of a forward
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def fp8_supported(device: torch.device) -> bool:
     """FP8 conversions and tensor cores: CUDA compute capability 8.9 (Ada) or newer."""
-    return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return triton is not None and device.type == "cuda" and device_capability(device) >= (8, 9)
 
 
 def k_uniform(scale: WeightScale, k: int, block_k: int) -> bool:
@@ -186,7 +191,7 @@ def runs_cublas_blockwise(x: torch.Tensor, weight: torch.Tensor, scale: WeightSc
     (bench/fp8_gemm.py): 1.6x faster than the bf16 GEMM at M = 4096, and faster than the
     Triton W8A8 kernel at every M it takes (8B gate_up: 873 vs 1857 us at 4096)."""
     n, k = weight.shape
-    return (torch.cuda.get_device_capability(x.device) == (9, 0) and scale.block_n == ACT_GROUP
+    return (device_capability(x.device) == (9, 0) and scale.block_n == ACT_GROUP
             and scale.block_k == ACT_GROUP and n % ACT_GROUP == 0 and k % (4 * ACT_GROUP) == 0
             and x.numel() // k > 1)
 
