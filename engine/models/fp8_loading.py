@@ -12,7 +12,7 @@ row-parallel layer's rank) must start and end on block columns: refused otherwis
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -31,13 +31,18 @@ class PartSlice(NamedTuple):
     end: int
 
 
-def weight_parts(param: nn.Parameter, key_of: Callable[[], list[str]], reader) -> list[PartSlice]:
-    """The pieces a (non-expert) weight parameter is assembled from, whole tensors included."""
-    keys = key_of()
-    shards = getattr(param, "shards", None)
-    if shards is None:
-        return [PartSlice(k, 0, 0, reader.shape(k)[0]) for k in keys]
-    return [PartSlice(k, *shard) for k, shard in zip(keys, shards)]
+def weight_parts(param: nn.Parameter, keys: list[str]) -> list[PartSlice]:
+    """The checkpoint slices a (non-expert) weight parameter is assembled from: its layer marks
+    one (dim, start, end) `shards` entry per fused part (layers/parallel.py)."""
+    return [PartSlice(k, *shard) for k, shard in zip(keys, param.shards)]
+
+
+class Fp8Target(NamedTuple):
+    """One scale grid of an FP8 layer and the checkpoint slices of the weight it scales."""
+
+    scale_name: str                     # the layer's scale parameter
+    experts: list[list[PartSlice]]      # one list of parts per expert (a linear layer: one)
+    stacked: bool                       # the grid has a leading expert dimension
 
 
 def is_fp8(reader, key: str) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 
 from specserve.engine.layers.parallel import QuantizableLinear
 from specserve.engine.models.fp8_loading import (
-    PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
+    Fp8Target, PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
 from specserve.engine.quantization.config import QuantConfig
 
 # our fused name part -> checkpoint parts, concatenated along dim 0 in this order
@@ -124,51 +124,49 @@ def _adopt_fp8_layers(module: nn.Module, reader: CheckpointReader, to_checkpoint
     with its scale grid loaded (engine/models/fp8_loading.py)."""
     for mod_name, sub in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(sub, QuantizableLinear):
-            keys = [to_checkpoint_name(p) for p in _checkpoint_parts(prefix + "weight")]
-            if not all(k in reader for k in keys):
-                continue  # reported (or optional) when the weight itself is loaded
-            groups = [weight_parts(sub.weight, lambda: keys, reader)]
-            targets = [("weight", "weight_scale")]
-        elif hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of routed experts
-            groups, targets = [], [("w13", "w13_scale"), ("w2", "w2_scale")]
-            for param_name, _ in targets:
-                stack = getattr(sub, param_name)
-                key_prefix = to_checkpoint_name(prefix + param_name).rsplit(".", 1)[0]
-                groups.append([[PartSlice(f"{key_prefix}.{e}.{part}.weight", dim, start, end)
-                                for part, dim, start, end in stack.stacked_experts[1]]
-                               for e in range(stack.stacked_experts[0])])
-            if not all(p.key in reader for g in groups for e in g for p in e):
-                continue
-        else:
-            continue
-        fp8 = [is_fp8(reader, p.key) for g in groups for p in _flat(g)]
+        targets = _fp8_targets(sub, prefix, to_checkpoint_name)
+        parts = [p for t in targets for expert in t.experts for p in expert]
+        if not parts or not all(p.key in reader for p in parts):
+            continue  # not quantizable, or reported (or optional) when the weight is loaded
+        fp8 = [is_fp8(reader, p.key) for p in parts]
         if not any(fp8):
             continue
         if not all(fp8):
             raise ValueError(f"model: {prefix}: some checkpoint tensors are float8 and some not "
-                             f"({[p.key for g in groups for p in _flat(g)]}); one layer needs one format")
-        quant = require_quant_config(quant, _flat(groups[0])[0].key)
-        first = [g if isinstance(g[0], PartSlice) else g[0] for g in groups]
-        blocks = {scale_block(parts, reader, quant, prefix.rstrip(".")) for parts in first}
+                             f"({[p.key for p in parts]}); one layer needs one format")
+        quant = require_quant_config(quant, parts[0].key)
+        blocks = {scale_block(t.experts[0], reader, quant, prefix.rstrip(".")) for t in targets}
         # One grid form for both expert stacks: row scales wherever one needs them; per-row
         # (channel, tensor) scales span the wider stack's K, one column each.
         block = (min(b[0] for b in blocks), max(b[1] for b in blocks))
         sub.use_fp8(*block)
         with torch.no_grad():
-            for (_, scale_name), group in zip(targets, groups):
-                grids = [load_scale(reader, parts, quant, block) for parts in
-                         ([group] if isinstance(group[0], PartSlice) else group)]
-                grid = grids[0] if isinstance(group[0], PartSlice) else torch.stack(grids)
-                target = getattr(sub, scale_name)
+            for t in targets:
+                grids = [load_scale(reader, expert, quant, block) for expert in t.experts]
+                grid = torch.stack(grids) if t.stacked else grids[0]
+                target = getattr(sub, t.scale_name)
                 if grid.shape != target.shape:
-                    raise ValueError(f"model: {prefix}{scale_name}: checkpoint scales give shape "
+                    raise ValueError(f"model: {prefix}{t.scale_name}: checkpoint scales give shape "
                                      f"{tuple(grid.shape)}, expected {tuple(target.shape)}")
                 target.copy_(grid)
 
 
-def _flat(group: list) -> list[PartSlice]:
-    return group if isinstance(group[0], PartSlice) else [p for e in group for p in e]
+def _fp8_targets(sub: nn.Module, prefix: str, to_checkpoint_name: Callable[[str], str]) -> list[Fp8Target]:
+    """The scale grids an FP8 version of `sub` has and the checkpoint tensors of each: a linear
+    layer's one weight, or an expert stack's w13 and w2 (one list of parts per expert)."""
+    if isinstance(sub, QuantizableLinear):
+        keys = [to_checkpoint_name(p) for p in _checkpoint_parts(prefix + "weight")]
+        return [Fp8Target("weight_scale", [weight_parts(sub.weight, keys)], stacked=False)]
+    if hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of routed experts
+        targets = []
+        for name in ("w13", "w2"):
+            num_experts, pieces = getattr(sub, name).stacked_experts
+            key_prefix = to_checkpoint_name(prefix + name).rsplit(".", 1)[0]
+            experts = [[PartSlice(f"{key_prefix}.{e}.{part}.weight", dim, start, end)
+                        for part, dim, start, end in pieces] for e in range(num_experts)]
+            targets.append(Fp8Target(f"{name}_scale", experts, stacked=True))
+        return targets
+    return []
 
 
 def _load_stacked_experts(param: nn.Parameter, reader: CheckpointReader, key: str) -> None:
