@@ -109,14 +109,20 @@ GPU_SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(GPU_SHAPES))
-def gpu_moe_weights(request):
-    num_experts, top_k, hidden, inter = GPU_SHAPES[request.param]
+def random_gpu_experts(num_experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded bf16 expert stacks w13 [E, 2I, H] and w2 [E, H, I] on the GPU, unit-scale outputs."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device="cuda",
                       dtype=torch.bfloat16) * hidden ** -0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen, device="cuda",
                      dtype=torch.bfloat16) * inter ** -0.5
+    return w13, w2
+
+
+@pytest.fixture(scope="module", params=list(GPU_SHAPES))
+def gpu_moe_weights(request):
+    num_experts, top_k, hidden, inter = GPU_SHAPES[request.param]
+    w13, w2 = random_gpu_experts(num_experts, hidden, inter)
     return top_k, w13, w2, (w13.float(), w2.float())  # the reference's fp32 copies
 
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_fused_moe import random_moe, reference_experts  # noqa: E402
+from test_fused_moe import random_gpu_experts, random_moe, reference_experts  # noqa: E402
 
 from specserve.engine.layers.moe import select_experts  # noqa: E402
 from specserve.engine.layers.moe_decode import (  # noqa: E402
@@ -94,12 +94,7 @@ GPU_SHAPES = {"qwen3_30b_a3b": (128, 8, 2048, 768), "v2_lite": (64, 6, 2048, 140
 @pytest.fixture(scope="module", params=list(GPU_SHAPES))
 def gpu_weights(request):
     num_experts, top_k, hidden, inter = GPU_SHAPES[request.param]
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device="cuda",
-                      dtype=torch.bfloat16) * hidden ** -0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen, device="cuda",
-                     dtype=torch.bfloat16) * inter ** -0.5
-    return top_k, w13, w2
+    return (top_k, *random_gpu_experts(num_experts, hidden, inter))
 
 
 def gpu_routing(num_tokens, num_experts, top_k, hidden, seed, concentrated=False):
