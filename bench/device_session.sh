@@ -3,7 +3,8 @@
 # JSON go straight to $OUT (kept if the call runs out of time; the device tool brings back at
 # most 8 files, so run few phases a call).
 #   bash bench/device_session.sh "phase phase ..."     (carry: wheels)
-# Phases: tests, kernels, llama, longctx, moe, accuracy, serving, frontend (see below).
+# Phases: tests, kernels, sweep, llama, longctx, moe, qwen3, profile (PROFILES="model:mode:bs ..."),
+# dsv3, prefix, structured, serving, accuracy (see below).
 set -uo pipefail
 OUT=${OUT:-out}; LOGS=$OUT; mkdir -p "$OUT"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
@@ -33,6 +34,11 @@ for phase in $1; do case $phase in
               --draft nextn --out $LOGS/dsv2.json
           run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
+  qwen3)  run qwen3 $B --models qwen3-30b-a3b --batch-sizes 1,16,64 --modes plain,chain --out $LOGS/qwen3.json ;;
+  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs <<< "$m"
+             run profile_${model}_${mode}_$bs python $PWD/bench/step_profile.py --model $model --mode $mode \
+                 --batch-size $bs --out $LOGS/profile_${model}_${mode}_$bs.json
+           done ;;
   dsv3)   run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
   prefix) run prefix python $PWD/bench/prefix_cache.py --models llama-8b --modes plain,chain --prompt-len 4096 \

@@ -5,6 +5,7 @@ facade (api.py) and tensor-parallel followers (tp.py) both start from it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -110,6 +111,19 @@ class EngineCore:
             self.tp_group.close()
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Parameters made in the serving dtype: made in fp32 and cast after, a 30B model would
+    need twice its size on the device for a moment (buffers that must be exact, such as RoPE's
+    tables, ask for fp32 explicitly)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
                  local_ranks: bool = True) -> EngineCore:
     """One rank's engine. With tp_size > 1 every rank calls this (rank 0 after spawning the
@@ -148,7 +162,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 
     model_class = MOE_FAMILY_CLASSES.get(cfg.architecture) or \
         (DeepseekForCausalLM if cfg.mla is not None else LlamaForCausalLM)
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):
         model = model_class(cfg, row_width, tp_group.model if tp_group is not None else SINGLE).to(dtype)
     logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
