@@ -2,17 +2,20 @@
 
     python bench/structured.py acceptance            # CPU is fine: acceptance on held-out text
     python bench/structured.py steps --device cuda   # GPU: step times and blocking syncs
+    python bench/structured.py steps --device cuda --shape llama-8b
     python bench/structured.py masks                 # host cost of a step's masks (CPU)
 
 acceptance: mean accept length (tokens per verify) of JSON-schema requests vs the same prompts
 unconstrained, greedy, over prompts cut from models/demo-heldout.txt (text the pair never saw).
 
-steps: steady-state decode step time (wall, per engine.step) of a batch of JSON-schema requests
-vs an unconstrained batch, at bs=1 and 16; and the blocking host syncs per step (CUDA's sync
-debug mode counts them) of an unconstrained batch and of a mixed batch (half constrained). A
+steps: steady-state decode step time (wall, per engine.step) of a batch of constrained requests
+(inside an endless JSON string: the costliest state to mask, and no request leaves the batch)
+vs an unconstrained batch, at bs=1 and 16, and of a mixed batch (half constrained); then, over
+steps of their own, the blocking host syncs per step (CUDA's sync debug mode counts them). A
 constrained batch runs without overlap (engine/scheduler/scheduler.py): its syncs per step are
-the result wait plus one per draft step and one for the verify masks; an unconstrained batch
-keeps zero.
+the result wait plus one short copy per draft step and one for the verify tree, each waited
+for while the forward that needs the masks runs. `--shape llama-8b` runs a launched shape
+(random weights, the demo tokenizer) instead of the demo pair.
 
 masks: the host time of a constrained chain step's mask work (num_steps 3), per batch size:
 the committed masks (first draft level), two draft steps' frontier masks and the verify masks of
@@ -88,25 +91,32 @@ def _parses(text: str) -> bool:
 
 
 def _steady_steps(engine: Engine, prompts, params, warmup: int, steps: int):
-    """(mean seconds per step, blocking syncs per step) once every request decodes."""
+    """(mean seconds per step, blocking syncs per step) once every request decodes. The syncs
+    are counted over steps of their own: CUDA's sync debug mode writes a warning per sync,
+    which would slow the timed steps."""
     for i, (p, s) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, s)
-    for _ in range(warmup):
-        engine.step()
-    if engine.core.device.type == "cuda":
+    decoding = 0
+    while decoding < warmup:  # a constrained request waits for its grammar's compilation
+        decoding += any(o.new_token_ids for o in engine.step())
+    cuda = engine.core.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
     syncs = 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if engine.core.device.type == "cuda":
+    if cuda:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        if engine.core.device.type == "cuda":
+            for _ in range(steps):
+                engine.step()
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("default")
-        elapsed = time.perf_counter() - t0
         syncs = sum("synchroniz" in str(w.message) for w in caught)
     for i in range(len(prompts)):
         engine.abort(str(i))
@@ -115,26 +125,49 @@ def _steady_steps(engine: Engine, prompts, params, warmup: int, steps: int):
     return elapsed / steps, syncs / steps
 
 
+def _steps_engine(args) -> Engine:
+    """The demo pair, or a launched shape (random weights, the demo tokenizer) with an EAGLE-3
+    head of its width, as bench/one_batch.py writes them."""
+    if args.shape is None:
+        return Engine(EngineConfig(device=args.device, spec=CHAIN))
+    import tempfile
+
+    from one_batch import write_shape
+
+    target, draft = write_shape(tempfile.mkdtemp(), args.shape,
+                                tokenizer_dir=os.path.join(demo_models_dir(), "demo-target"))
+    spec = SpecConfig(algorithm="eagle3", draft_model=draft, num_steps=3, topk=1, num_draft_tokens=4)
+    return Engine(EngineConfig(model=target, device=args.device, dtype="bfloat16", load_format="dummy",
+                               spec=spec, max_running_requests=max(args.batch_sizes), max_context_len=4096,
+                               cuda_graph=True, mem_fraction=0.6))
+
+
+# The costliest state to mask, for as long as the run lasts: inside a JSON string that never
+# ends (a schema's string would let a request finish and leave the batch). xgrammar's mask
+# there costs what a schema's free-text string costs (see `masks`).
+ENDLESS_JSON_STRING = r'''root ::= "{\"text\": \"" body
+body ::= [^"\\\0-\x1f] body'''
+
+
 def steps(args) -> dict:
-    engine = Engine(EngineConfig(device=args.device, spec=CHAIN))
-    # A string longer than the run: every request stays in the batch for all measured steps.
-    grammar = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
-        "text": {"type": "string", "minLength": 100000}}, "required": ["text"]}))
-    long = dict(max_new_tokens=4 * (args.warmup + args.steps) + 64, temperature=0.0)
+    engine = _steps_engine(args)
+    long = dict(max_new_tokens=4 * (args.warmup + 2 * args.steps) + 64, temperature=0.0)
     free = SamplingParams(ignore_eos=True, **long)
-    constrained = SamplingParams(grammar=grammar, **long)
-    results = {}
+    constrained = SamplingParams(grammar=GrammarSpec("ebnf", ENDLESS_JSON_STRING), **long)
+    results = {"shape": args.shape or "demo pair"}
     # Warm-up (allocations, first kernels, the grammar's compilation), not reported.
     _steady_steps(engine, heldout_prompts(engine.tokenizer, 2, args.prompt_len), [free, constrained],
                   args.warmup, args.warmup)
     for bs in args.batch_sizes:
         prompts = heldout_prompts(engine.tokenizer, bs, args.prompt_len)
-        for name, params in (("unconstrained", [free] * bs), ("json_schema", [constrained] * bs),
+        for name, params in (("unconstrained", [free] * bs), ("json_string", [constrained] * bs),
                              ("mixed", [constrained if i % 2 else free for i in range(bs)])):
             if name == "mixed" and bs == 1:
                 continue
             t, syncs = _steady_steps(engine, prompts, params, args.warmup, args.steps)
             results[f"bs{bs}/{name}"] = {"step_ms": round(t * 1e3, 3), "syncs_per_step": round(syncs, 2)}
+        results[f"bs{bs}/ratio"] = round(results[f"bs{bs}/json_string"]["step_ms"]
+                                         / results[f"bs{bs}/unconstrained"]["step_ms"], 3)
     engine.shutdown()
     return results
 
@@ -168,8 +201,8 @@ def masks(args) -> dict:
             batch = GrammarBatch(grammars, 8192, "cpu")
             batch.next_token_masks()
             for step in (1, 2):
-                batch.path_masks(drafted[:, :step], chain[:, :step], chain[:, step:step + 1] + 1)
-            batch.tree_masks(tree_tokens, tree_parents)
+                batch.path_masks(batch.read_paths(drafted[:, :step], chain[:, :step], chain[:, step:step + 1] + 1))
+            batch.path_masks(batch.read_tree(tree_tokens, tree_parents))
         t1 = time.perf_counter()
         results[f"bs{bs}"] = {"host_ms_per_chain_step": round((t1 - t0) / reps * 1e3, 3)}
     compiler.close()
@@ -187,6 +220,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--hint", default=JSON_HINT, help="text after each held-out prompt ('' for none)")
+    parser.add_argument("--shape", default=None, help="steps: a bench/one_batch.py shape (llama-8b) "
+                        "with random weights instead of the demo pair")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = {"acceptance": acceptance, "steps": steps, "masks": masks}[args.what](args)

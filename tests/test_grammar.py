@@ -82,8 +82,8 @@ def test_tree_masks_equal_the_matcher_walked_node_by_node(compiler):
     for i in range(1, len(parents)):
         path = [tokens[j] for j in _ancestors(parents, i)]
         tokens.append(_allowed(compiled, committed + path, rng) if i != 4 else ord("Z"))
-    masks = GrammarBatch([g, None], 320, "cpu").tree_masks(
-        torch.tensor([tokens, tokens]), torch.tensor([parents, parents]))
+    masks = GrammarBatch([g, None], 320, "cpu").path_masks(GrammarBatch.read_tree(
+        torch.tensor([tokens, tokens]), torch.tensor([parents, parents])))
     D = len(parents)
     for i in range(D):
         path = [tokens[j] for j in _ancestors(parents, i)] + ([tokens[i]] if i else [])
@@ -117,8 +117,8 @@ def test_partial_acceptance_leaves_the_matcher_where_plain_decoding_would(compil
     g = RequestGrammar(compiler.compile(spec), [EOS], None)
     batch = GrammarBatch([g], 320, "cpu")
     # A chain draft of 4 over root chain[0]: masks walked, then 2 accepted (+ the bonus).
-    batch.tree_masks(torch.tensor([[chain[0]] + chain[1:] + [ord("a")]]),
-                     torch.tensor([[-1, 0, 1, 2, 3]]))
+    batch.path_masks(GrammarBatch.read_tree(torch.tensor([[chain[0]] + chain[1:] + [ord("a")]]),
+                                            torch.tensor([[-1, 0, 1, 2, 3]])))
     g.advance(chain[:3])
     mask = GrammarBatch([g], 320, "cpu").next_token_masks()
     assert torch.equal(mask[0], _matcher_mask(compiled, chain[:3]))

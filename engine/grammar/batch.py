@@ -2,8 +2,14 @@
 
 Built by the scheduler only for a batch with a constrained request (`GrammarBatch.of` is None
 otherwise, and nothing below runs). Rows without a grammar get all-ones rows. Masks are made on
-the host from the matchers and copied to the device; reading draft tokens for them is a host
-sync, which is why a constrained batch runs without overlap (scheduler.py).
+the host from the matchers and copied to the device. A constrained batch runs without overlap
+(scheduler.py): its masks need the matchers at the previous step's tokens.
+
+Within a step the host work hides behind the device's: the tokens a mask depends on are read
+with one copy enqueued before the forward that needs the mask (`read_paths`, `read_tree`), so
+the host waits only for that copy, then fills the masks while the forward runs; the mask is
+applied to the forward's logits after. The committed masks (`next_token_masks`) need no device
+value and are filled after the forward is enqueued too.
 
 Node layout of `path_masks`: per request, candidates 0..C-1 with a token each and a parent
 candidate (-1: the root, i.e. the committed tokens); a mask is asked for candidate c (the state
@@ -17,6 +23,30 @@ import torch
 
 from specserve.engine.grammar.bitmask import bitmask_width
 from specserve.engine.grammar.request_grammar import ALL_ALLOWED, RequestGrammar
+
+
+class HostRead:
+    """Device tensors read on the host without draining the stream: one copy into pinned
+    memory is enqueued now (before the forward that needs the result), `lists` waits for that
+    copy only."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._shapes = [t.shape for t in tensors]
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+        self._event = None
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            flat = host
+        self._host = flat
+
+    def lists(self) -> list[list]:
+        if self._event is not None:
+            self._event.synchronize()
+        sizes = [s.numel() for s in self._shapes]
+        return [part.view(shape).tolist() for part, shape in zip(self._host.split(sizes), self._shapes)]
 
 
 class GrammarBatch:
@@ -48,12 +78,26 @@ class GrammarBatch:
                 g.fill_tree_masks(host, {-1: b}, (), (), self._memos[b])
         return self._to_device(host)
 
-    def path_masks(self, tokens: torch.Tensor, parents: torch.Tensor,
-                   which: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def read_paths(tokens: torch.Tensor, parents: torch.Tensor, which: torch.Tensor) -> HostRead:
+        """Start reading a draft tree for `path_masks`: enqueue it before the forward whose
+        logits the masks apply to."""
+        return HostRead(tokens, parents, which)
+
+    @staticmethod
+    def read_tree(tree_tokens: torch.Tensor, tree_parents: torch.Tensor) -> HostRead:
+        """Start reading a verify tree (node 0 the root, the last committed token; node i the
+        state after its draft ancestors and itself) for `path_masks`."""
+        bs, D = tree_tokens.shape
+        which = torch.arange(-1, D - 1, device=tree_tokens.device).expand(bs, D)
+        # Node i > 0 is candidate i - 1; its parent node p is candidate p - 1 (-1: the root).
+        return GrammarBatch.read_paths(tree_tokens[:, 1:], tree_parents[:, 1:] - 1, which)
+
+    def path_masks(self, paths: HostRead) -> torch.Tensor:
         """[bs * M, W] on the device: for each request b and each of its M asked candidates
-        which[b, m], the tokens allowed after that candidate's path. Reads the (device) tree on
-        the host."""
-        tokens, parents, which = tokens.tolist(), parents.tolist(), which.tolist()
+        which[b, m], the tokens allowed after that candidate's path (`paths` from read_paths or
+        read_tree)."""
+        tokens, parents, which = paths.lists()
         M = len(which[0]) if which else 0
         host = self._host(len(self.grammars) * M)
         for b, g in enumerate(self.grammars):
@@ -61,12 +105,3 @@ class GrammarBatch:
                 g.fill_tree_masks(host, {node: b * M + m for m, node in enumerate(which[b])},
                                   tokens[b], parents[b], self._memos[b])
         return self._to_device(host)
-
-    def tree_masks(self, tree_tokens: torch.Tensor, tree_parents: torch.Tensor) -> torch.Tensor:
-        """[bs * D, W]: the verify masks of a draft tree (node 0 the root, the last committed
-        token; node i the state after its draft ancestors and itself)."""
-        bs, D = tree_tokens.shape
-        which = torch.arange(-1, D - 1).expand(bs, D)
-        # Node i > 0 is candidate i - 1; its parent node p is candidate p - 1 (-1: the root).
-        return self.path_masks(tree_tokens[:, 1:], tree_parents[:, 1:] - 1, which)
-

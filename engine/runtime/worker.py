@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.grammar.batch import GrammarBatch
 from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.kvcache.pools import ReqToTokenPool
 from specserve.engine.layers.argmax import argmax_last_dim
@@ -63,7 +64,8 @@ class ForwardInputs(NamedTuple):
     stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
     history_init: Optional[HistoryInit] = None
     prompt_score: Optional[PromptScore] = None
-    grammar_mask: Optional[torch.Tensor] = None  # [bs, W] packed allowed tokens (structured outputs)
+    # Structured outputs: the batch's matchers (its masks are filled once the forward is enqueued).
+    grammar: Optional[GrammarBatch] = None
 
 
 class Sampled(NamedTuple):
@@ -171,7 +173,7 @@ class TargetModel:
             sample_rows=self.to_device(sample_rows), sampling_info=step.sampling,
             stash_rows=self.to_device([r if s else 0 for r, s in zip(step.rows, step.samples)]),
             history_init=history_init, prompt_score=prompt_score,
-            grammar_mask=step.grammar.next_token_masks() if step.grammar is not None else None)
+            grammar=step.grammar)
 
     def decode_inputs(self, step: DecodeStep) -> ForwardInputs:
         """The fed token sits at index committed_len - 1 (the host committed it at schedule
@@ -185,7 +187,7 @@ class TargetModel:
             seq_lens_cpu=self.host_lens(step.committed_lens), max_seq_len=max(step.committed_lens),
             sample_rows=torch.arange(len(step.rows), device=self.ctx.device),
             sampling_info=step.sampling, stash_rows=rows,
-            grammar_mask=step.grammar.next_token_masks() if step.grammar is not None else None)
+            grammar=step.grammar)
 
     # --- forward side -------------------------------------------------------------------------
     def forward_and_sample(self, inputs: ForwardInputs, read_done,
@@ -200,8 +202,8 @@ class TargetModel:
             max_seq_len=inputs.max_seq_len, aux_hidden_layers=aux_hidden_layers)
         hidden, aux = self.runner.forward(fb, read_done=read_done)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        if inputs.grammar_mask is not None:
-            logits = apply_token_bitmask(logits, inputs.grammar_mask)
+        if inputs.grammar is not None:  # filled on the host while the forward runs
+            logits = apply_token_bitmask(logits, inputs.grammar.next_token_masks())
         batch_index = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
         history = None
         if info.any_penalty:

@@ -198,8 +198,9 @@ class EagleWorker:
         if read_done is not None:
             read_done.record()
         tree = self._draft(kv, s)
-        # Structured outputs: node i may only become the target's choice allowed after its path.
-        node_masks = s.grammar.tree_masks(tree.tokens, tree.parents) if s.grammar is not None else None
+        # Structured outputs: node i may only become the target's choice allowed after its path
+        # (the tree is read now, its masks filled while the verify forward runs).
+        tree_read = s.grammar.read_tree(tree.tokens, tree.parents) if s.grammar is not None else None
         loc = kv.table.gather(1, tree.slot_positions)
         fb = ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
@@ -210,8 +211,8 @@ class EagleWorker:
             aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.runner.forward(fb)
         logits = self.target.model.compute_logits(hidden)
-        if node_masks is not None:
-            logits = apply_token_bitmask(logits, node_masks)
+        if tree_read is not None:
+            logits = apply_token_bitmask(logits, s.grammar.path_masks(tree_read))
         choice = self._target_tokens(logits, tree, s.rows, s.info)
         target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len, self.tree.num_steps)
@@ -266,9 +267,11 @@ class EagleWorker:
                 mode=ForwardMode.DECODE, input_ids=tokens, positions=positions,
                 kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
                 extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
+            # Structured outputs: each frontier node drafts from the tokens its path allows (the
+            # paths are read before the draft forward is enqueued, masked while it runs).
+            paths = grammar.read_paths(*builder.candidates()) if grammar is not None else None
             out_hidden = self.draft.forward(fb, parent_hidden)
-            # Structured outputs: each frontier node drafts from the tokens its path allows.
-            bitmask = grammar.path_masks(*builder.candidates()) if grammar is not None else None
+            bitmask = grammar.path_masks(paths) if grammar is not None else None
             # A chain needs only each step's argmax, not its probability.
             builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree, bitmask=bitmask),
                            out_hidden)
