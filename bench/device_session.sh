@@ -43,7 +43,8 @@ for phase in $1; do case $phase in
               --out $LOGS/dsv3.json ;;
   prefix) run prefix python $PWD/bench/prefix_cache.py --models llama-8b --modes plain,chain --prompt-len 4096 \
               --uncached-tail 32 --repeats 3 --out $LOGS/prefix_cache.json ;;
-  structured) run structured python $PWD/bench/structured.py steps --out $LOGS/structured.json ;;
+  structured) run structured python $PWD/bench/structured.py steps --out $LOGS/structured.json
+          run structured_8b python $PWD/bench/structured.py steps --shape llama-8b --out $LOGS/structured_8b.json ;;
   serving) for api in grpc openai; do
              run serving_$api python $PWD/bench/serving.py --launch llama-8b --text --spec chain --api $api \
                  --rates inf --concurrency 64 --num-requests 128 --max-new-tokens 128 --client-procs 4 \
