@@ -28,8 +28,8 @@ from specserve.server.output_stream import OutputStream
 from specserve.server.reasoning import THINK_END
 from specserve.server.tool_calls import default_tool_call_parser
 from specserve.server.request_record import RequestRecord, finish_reason_name
-from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
-                                         ValidatedRequest)
+from specserve.server.errors import InvalidRequest
+from specserve.server.validation import RequestLimits, RequestValidator, ValidatedRequest
 
 logger = logging.getLogger("specserve.server")
 

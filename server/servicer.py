@@ -14,7 +14,8 @@ from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.engine_client import EngineUnavailable
 from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
 from specserve.server.health import GENERATION_SERVICE
-from specserve.server.validation import InvalidRequest, ValidatedRequest, parse_request
+from specserve.server.errors import InvalidRequest
+from specserve.server.validation import ValidatedRequest, parse_request
 
 logger = logging.getLogger("specserve.server")
 

@@ -15,7 +15,8 @@ from specserve.proto import generate_pb2 as pb
 from specserve.server.generation import Served
 from specserve.server.openai_api.chat_outputs import ChatOutputMode
 from specserve.server.tool_calls import required_calls_schema
-from specserve.server.validation import InvalidRequest, ValidatedRequest
+from specserve.server.errors import InvalidRequest
+from specserve.server.validation import ValidatedRequest
 
 
 class StreamOptions(BaseModel):
