@@ -42,8 +42,8 @@ class ServerConfig:
     tool_call_parser: Optional[str] = None
 
     def __post_init__(self):
-        from specserve.server.reasoning import check_reasoning_parser
-        from specserve.server.tool_calls import check_tool_call_parser
+        from specserve.server.text.reasoning import check_reasoning_parser
+        from specserve.server.text.tool_calls import check_tool_call_parser
 
         check_reasoning_parser(self.reasoning_parser)
         check_tool_call_parser(self.tool_call_parser)

@@ -31,9 +31,9 @@ from specserve.engine.outputs import EngineInfo, EngineLoad
 from specserve.engine.process import ServerLink, StartEngine, run_engine_process
 from specserve.engine.wire import add_request_to_proto, info_from_proto, load_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.server.ops.watchdog import EngineWatchdog
 from specserve.server.output_router import OutputReader, RequestStream, Routed, StreamUpdate
-from specserve.server.output_stream import OutputStream
-from specserve.server.watchdog import EngineWatchdog
+from specserve.server.text.output_stream import OutputStream
 
 logger = logging.getLogger("specserve.server.engine")
 

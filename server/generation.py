@@ -19,17 +19,17 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 from specserve.engine.config import EngineConfig
 from specserve.engine.outputs import EngineInfo
 from specserve.proto import generate_pb2 as pb
-from specserve.server.chat_template import ChatTemplate
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
-from specserve.server.logprobs import TokenTexts
-from specserve.server.metrics import ServerMetrics
-from specserve.server.output_stream import OutputStream
-from specserve.server.reasoning import THINK_END
-from specserve.server.tool_calls import default_tool_call_parser
-from specserve.server.request_record import RequestRecord, finish_reason_name
 from specserve.server.errors import InvalidRequest
-from specserve.server.validation import RequestLimits, RequestValidator, ValidatedRequest
+from specserve.server.ops.metrics import ServerMetrics
+from specserve.server.request_record import RequestRecord, finish_reason_name
+from specserve.server.text.chat_template import ChatTemplate
+from specserve.server.text.logprobs import TokenTexts
+from specserve.server.text.output_stream import OutputStream
+from specserve.server.text.reasoning import THINK_END
+from specserve.server.text.tool_calls import default_tool_call_parser
+from specserve.server.text.validation import RequestLimits, RequestValidator, ValidatedRequest
 
 logger = logging.getLogger("specserve.server")
 

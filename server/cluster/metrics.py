@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from specserve.server.cluster.replica_set import ReplicaSet
-from specserve.server.watchdog import WatchdogState
+from specserve.server.ops.watchdog import WatchdogState
 
 # (metric suffix, EngineLoad field, help): from the latest load query (polled every few s).
 _LOAD_GAUGES = (

@@ -17,10 +17,10 @@ import dataclasses
 from specserve.engine.config import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from specserve.engine.grammar.compiler import parse_grammar
 from specserve.engine.wire import grammar_from_proto, sampling_from_proto
-from specserve.server.chat_template import ChatTemplate
+from specserve.proto import generate_pb2 as pb
 from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
 from specserve.server.errors import InvalidRequest
-from specserve.proto import generate_pb2 as pb
+from specserve.server.text.chat_template import ChatTemplate
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256   # the stop-string matcher rescans held-back text of this length

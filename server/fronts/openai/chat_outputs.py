@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from specserve.server.reasoning import ReasoningSplitter
-from specserve.server.tool_calls import ToolCall, ToolCallStream, parse_forced_calls
+from specserve.server.text.reasoning import ReasoningSplitter
+from specserve.server.text.tool_calls import ToolCall, ToolCallStream, parse_forced_calls
 
 
 class ChatOutputMode(NamedTuple):
