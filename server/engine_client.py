@@ -6,7 +6,7 @@ two ZeroMQ PUSH/PULL sockets on ipc:// paths (tcp:// ports for an engine on anot
 routes the engine's per-step outputs to one RequestStream per request (through an OutputReader
 thread: server/output_router.py). If the child dies, every waiting caller gets EngineUnavailable
 at once (the child's process sentinel is watched on the event loop, so nothing waits for a
-timeout). A frozen or stuck child is found by the watchdog (server/watchdog.py) from the
+timeout). A frozen or stuck child is found by the watchdog (server/ops/watchdog.py) from the
 heartbeats on a third socket; it is then killed and handled as dead.
 """
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Served:
     limits: RequestLimits
     validator: RequestValidator  # it holds the chat template
     token_texts: TokenTexts      # each token's own text, for top and prompt logprobs
-    reasoning_parser: Optional[str] = None   # chat: where the thinking ends (server/reasoning.py)
+    reasoning_parser: Optional[str] = None   # chat: where the thinking ends (server/text/reasoning.py)
     tool_call_parser: str = "hermes"         # chat: the model's tool-call format
 
 

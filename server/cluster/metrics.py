@@ -1,5 +1,5 @@
 """Per-replica Prometheus metrics (label `replica`), read from the replica set when scraped;
-the server's own metrics (server/metrics.py) carry the totals."""
+the server's own metrics (server/ops/metrics.py) carry the totals."""
 from __future__ import annotations
 
 from typing import Iterator
