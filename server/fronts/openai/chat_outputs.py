@@ -1,6 +1,6 @@
 """One chat choice's output as OpenAI shapes it: reasoning_content, content and tool_calls,
 from the text the core streams (whole or in pieces). Composes the reasoning splitter and the
-tool-call parsers (server/reasoning.py, server/tool_calls.py); what a request asks for is its
+tool-call parsers (server/text/reasoning.py, server/text/tool_calls.py); what a request asks for is its
 ChatOutputMode."""
 from __future__ import annotations
 
