@@ -236,10 +236,10 @@ def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str,
     `repeats`, with a shared warm TokenTexts as in the server."""
     from specserve.engine.wire import output_to_proto
     from specserve.proto import engine_ipc_pb2 as ipc
-    from specserve.server.logprobs import TokenTexts
     from specserve.server.output_router import OutputReader, RequestStream
-    from specserve.server.output_stream import OutputStream
-    from specserve.server.validation import ValidatedRequest
+    from specserve.server.text.logprobs import TokenTexts
+    from specserve.server.text.output_stream import OutputStream
+    from specserve.server.text.validation import ValidatedRequest
 
     engine = SyntheticEngine(SyntheticShape(0.0, k, concurrency))
     sampling = SamplingParams(max_new_tokens=max_new_tokens)

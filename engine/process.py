@@ -30,7 +30,7 @@ logger = logging.getLogger("specserve.engine.process")
 # largest tiles, which these already compile).
 WARMUP_MAX_PROMPT = 256
 # How often an idle engine wakes up to check that the server process is still there. The main
-# loop thus completes an iteration at least this often when idle (server/watchdog.py relies on it).
+# loop thus completes an iteration at least this often when idle (server/ops/watchdog.py relies on it).
 IDLE_POLL_MS = 500
 
 
@@ -204,7 +204,7 @@ class HeartbeatThread(threading.Thread):
     """Sends a Heartbeat with the main loop's iteration count every heartbeat interval.
 
     A thread, so that beats go on during a long step and stop only when the whole process does
-    (the server's watchdog tells the two apart; see server/watchdog.py). It has a socket of its
+    (the server's watchdog tells the two apart; see server/ops/watchdog.py). It has a socket of its
     own: ZeroMQ sockets must not be shared between threads.
     """
 

@@ -26,13 +26,13 @@ from specserve.server.cluster.metrics import ReplicaCollector
 from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable
+from specserve.server.fronts.grpc.reflection import enable_reflection
+from specserve.server.fronts.grpc.servicer import GenerationServicer
 from specserve.server.generation import GenerationCore
-from specserve.server.health import GENERATION_SERVICE, HealthStatus
-from specserve.server.http_endpoint import HttpEndpoint
-from specserve.server.metrics import ServerMetrics
-from specserve.server.reflection import enable_reflection
-from specserve.server.servicer import GenerationServicer
-from specserve.server.watchdog import EngineWatchdog
+from specserve.server.ops.health import GENERATION_SERVICE, HealthStatus
+from specserve.server.ops.http_endpoint import HttpEndpoint
+from specserve.server.ops.metrics import ServerMetrics
+from specserve.server.ops.watchdog import EngineWatchdog
 
 logger = logging.getLogger("specserve.server")
 
@@ -180,8 +180,8 @@ class SpecserveServer:
     def _build_http_api(self):
         # Imported here: FastAPI and uvicorn are an optional dependency (the `http` extra) that
         # only --http-port needs.
-        from specserve.server.openai_api.routes import create_app
-        from specserve.server.openai_api.server import HttpApiServer
+        from specserve.server.fronts.openai.routes import create_app
+        from specserve.server.fronts.openai.server import HttpApiServer
 
         app = create_app(self.core, self.metrics.registry, lambda: self.health.serving)
         config = self.server_config

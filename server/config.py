@@ -27,7 +27,7 @@ class ServerConfig:
     stats_log_interval_s: float = 10.0  # a throughput/queue/KV log line this often while busy
     engine_start_timeout_s: float = 1800.0  # weight loading + warm-up before giving up
     reflection: bool = True         # gRPC server reflection (grpcurl without .proto files)
-    # The engine watchdog (server/watchdog.py says what each timeout catches). No heartbeat for
+    # The engine watchdog (server/ops/watchdog.py says what each timeout catches). No heartbeat for
     # this long: the engine process is frozen. Short, since the heartbeat thread beats on during
     # the longest step; 4 s plus a check interval notices a frozen engine within 5 s.
     engine_heartbeat_timeout_s: float = 4.0
@@ -37,13 +37,13 @@ class ServerConfig:
     engine_stall_timeout_s: Optional[float] = 300.0
     # Chat outputs: "deepseek-r1" | "qwen3" puts <think>...</think> in reasoning_content (and a
     # grammar applies after it); None: off. Tool-call format "hermes" | "llama3_json"; None:
-    # chosen from the model's chat template (server/tool_calls.py).
+    # chosen from the model's chat template (server/text/tool_calls.py).
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
 
     def __post_init__(self):
-        from specserve.server.reasoning import check_reasoning_parser
-        from specserve.server.tool_calls import check_tool_call_parser
+        from specserve.server.text.reasoning import check_reasoning_parser
+        from specserve.server.text.tool_calls import check_tool_call_parser
 
         check_reasoning_parser(self.reasoning_parser)
         check_tool_call_parser(self.tool_call_parser)

@@ -6,7 +6,7 @@ two ZeroMQ PUSH/PULL sockets on ipc:// paths (tcp:// ports for an engine on anot
 routes the engine's per-step outputs to one RequestStream per request (through an OutputReader
 thread: server/output_router.py). If the child dies, every waiting caller gets EngineUnavailable
 at once (the child's process sentinel is watched on the event loop, so nothing waits for a
-timeout). A frozen or stuck child is found by the watchdog (server/watchdog.py) from the
+timeout). A frozen or stuck child is found by the watchdog (server/ops/watchdog.py) from the
 heartbeats on a third socket; it is then killed and handled as dead.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ from specserve.engine.outputs import EngineInfo, EngineLoad
 from specserve.engine.process import ServerLink, StartEngine, run_engine_process
 from specserve.engine.wire import add_request_to_proto, info_from_proto, load_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.server.ops.watchdog import EngineWatchdog
 from specserve.server.output_router import OutputReader, RequestStream, Routed, StreamUpdate
-from specserve.server.output_stream import OutputStream
-from specserve.server.watchdog import EngineWatchdog
+from specserve.server.text.output_stream import OutputStream
 
 logger = logging.getLogger("specserve.server.engine")
 

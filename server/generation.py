@@ -19,17 +19,17 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 from specserve.engine.config import EngineConfig
 from specserve.engine.outputs import EngineInfo
 from specserve.proto import generate_pb2 as pb
-from specserve.server.chat_template import ChatTemplate
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
-from specserve.server.logprobs import TokenTexts
-from specserve.server.metrics import ServerMetrics
-from specserve.server.output_stream import OutputStream
-from specserve.server.reasoning import THINK_END
-from specserve.server.tool_calls import default_tool_call_parser
+from specserve.server.errors import InvalidRequest
+from specserve.server.ops.metrics import ServerMetrics
 from specserve.server.request_record import RequestRecord, finish_reason_name
-from specserve.server.validation import (InvalidRequest, RequestLimits, RequestValidator,
-                                         ValidatedRequest)
+from specserve.server.text.chat_template import ChatTemplate
+from specserve.server.text.logprobs import TokenTexts
+from specserve.server.text.output_stream import OutputStream
+from specserve.server.text.reasoning import THINK_END
+from specserve.server.text.tool_calls import default_tool_call_parser
+from specserve.server.text.validation import RequestLimits, RequestValidator, ValidatedRequest
 
 logger = logging.getLogger("specserve.server")
 
@@ -72,7 +72,7 @@ class Served:
     limits: RequestLimits
     validator: RequestValidator  # it holds the chat template
     token_texts: TokenTexts      # each token's own text, for top and prompt logprobs
-    reasoning_parser: Optional[str] = None   # chat: where the thinking ends (server/reasoning.py)
+    reasoning_parser: Optional[str] = None   # chat: where the thinking ends (server/text/reasoning.py)
     tool_call_parser: str = "hermes"         # chat: the model's tool-call format
 
 

@@ -23,8 +23,8 @@ import zmq
 from specserve.engine.wire import output_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
-from specserve.server.detokenizer import PendingTokens, decode_windows
-from specserve.server.output_stream import EngineProgress, OutputStream, merge_chunks
+from specserve.server.text.detokenizer import PendingTokens, decode_windows
+from specserve.server.text.output_stream import EngineProgress, OutputStream, merge_chunks
 
 logger = logging.getLogger("specserve.server.engine")
 

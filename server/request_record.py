@@ -1,5 +1,5 @@
 """What one request did, filled in as it runs: the source of its access-log line and of the
-per-request metrics (server/metrics.py), for the gRPC and the HTTP front alike."""
+per-request metrics (server/ops/metrics.py), for the gRPC and the HTTP front alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.server.openai_api.chat_outputs import ChatChoiceOutput, ChatOutputMode
-from specserve.server.reasoning import ReasoningSplitter
-from specserve.server.tool_calls import ToolCall, default_tool_call_parser, parse_tool_calls
+from specserve.server.fronts.openai.chat_outputs import ChatChoiceOutput, ChatOutputMode
+from specserve.server.text.reasoning import ReasoningSplitter
+from specserve.server.text.tool_calls import ToolCall, default_tool_call_parser, parse_tool_calls
 
 
 def _split(parser, pieces):

@@ -13,7 +13,7 @@ import pytest
 
 from server_harness import ServerProcess, free_port
 from specserve.clients import healthcheck
-from specserve.server.health import GENERATION_SERVICE
+from specserve.server.ops.health import GENERATION_SERVICE
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"

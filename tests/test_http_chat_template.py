@@ -9,8 +9,8 @@ import pytest
 
 from helpers import save_byte_tokenizer
 from specserve.engine.tokenizer import Tokenizer
-from specserve.server.chat_template import ChatTemplate
-from specserve.server.validation import InvalidRequest
+from specserve.server.errors import InvalidRequest
+from specserve.server.text.chat_template import ChatTemplate
 
 LLAMA3 = """{{- bos_token }}
 {%- for message in messages %}

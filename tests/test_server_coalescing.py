@@ -18,11 +18,11 @@ from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
 from specserve.server.generation import GenerationCore
-from specserve.server.metrics import ServerMetrics
+from specserve.server.ops.metrics import ServerMetrics
+from specserve.server.ops.watchdog import EngineWatchdog
 from specserve.server.output_router import OutputReader, RequestStream, StreamUpdate
-from specserve.server.output_stream import OutputStream, merge_chunks
-from specserve.server.validation import ValidatedRequest
-from specserve.server.watchdog import EngineWatchdog
+from specserve.server.text.output_stream import OutputStream, merge_chunks
+from specserve.server.text.validation import ValidatedRequest
 
 PROMPT = [5, 6, 7]
 

@@ -14,10 +14,10 @@ from helpers import VOCAB
 from specserve.engine.config import SamplingParams
 from specserve.engine.outputs import StepOutput
 from specserve.engine.tokenizer import Tokenizer
-from specserve.server.detokenizer import IncrementalDetokenizer, PendingTokens, decode_windows
-from specserve.server.logprobs import TokenTexts
-from specserve.server.output_stream import OutputStream
-from specserve.server.validation import ValidatedRequest
+from specserve.server.text.detokenizer import IncrementalDetokenizer, PendingTokens, decode_windows
+from specserve.server.text.logprobs import TokenTexts
+from specserve.server.text.output_stream import OutputStream
+from specserve.server.text.validation import ValidatedRequest
 
 WORDS = ["▁hello", "▁world", "▁the", "ing", "▁a", "b", "▁", "▁日本", "語", "✓", "é"]
 

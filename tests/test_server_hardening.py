@@ -20,11 +20,11 @@ from specserve.engine.outputs import EngineInfo, EngineLoad
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
 from specserve.server.config import ServerConfig
-from specserve.server.health import GENERATION_SERVICE
-from specserve.server.metrics import ServerMetrics
 from specserve.server.generation import GenerationCore
-from specserve.server.validation import TEXT_BYTES_PER_TOKEN
-from specserve.server.watchdog import EngineWatchdog
+from specserve.server.ops.health import GENERATION_SERVICE
+from specserve.server.ops.metrics import ServerMetrics
+from specserve.server.ops.watchdog import EngineWatchdog
+from specserve.server.text.validation import TEXT_BYTES_PER_TOKEN
 
 MAX_PROMPT_TOKENS = 24
 MAX_TEXT_BYTES = MAX_PROMPT_TOKENS * TEXT_BYTES_PER_TOKEN

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from server_harness import ServerProcess, free_port, wait_until
 from specserve.clients import Client, Unavailable, healthcheck
-from specserve.server.health import GENERATION_SERVICE
+from specserve.server.ops.health import GENERATION_SERVICE
 
 
 def test_health_is_serving_only_after_warm_up(tiny_model):

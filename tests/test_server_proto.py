@@ -11,7 +11,7 @@ import pytest
 
 from specserve.engine import SamplingParams
 from specserve.proto import generate_pb2 as pb
-from specserve.server.validation import RequestLimits, RequestValidator
+from specserve.server.text.validation import RequestLimits, RequestValidator
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "specserve" / "proto"

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import VOCAB
-from specserve.server.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from specserve.server.stop_strings import StopStringMatcher
+from specserve.server.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from specserve.server.text.stop_strings import StopStringMatcher
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from specserve.clients import InvalidArgument
 from specserve.engine.tokenizer import Tokenizer
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
-from specserve.server.validation import InvalidRequest, RequestLimits, RequestValidator
+from specserve.server.errors import InvalidRequest
+from specserve.server.text.validation import RequestLimits, RequestValidator
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -13,9 +13,9 @@ import zmq
 from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve.clients import Unavailable
 from specserve.engine.process import HeartbeatThread, ServerLink
-from specserve.server.health import GENERATION_SERVICE
 from specserve.proto import engine_ipc_pb2 as ipc
-from specserve.server.watchdog import EngineWatchdog, WatchdogState
+from specserve.server.ops.health import GENERATION_SERVICE
+from specserve.server.ops.watchdog import EngineWatchdog, WatchdogState
 
 HEARTBEAT_TIMEOUT_S = 1.0
 

@@ -1,5 +1,5 @@
 """Per-replica Prometheus metrics (label `replica`), read from the replica set when scraped;
-the server's own metrics (server/metrics.py) carry the totals."""
+the server's own metrics (server/ops/metrics.py) carry the totals."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from specserve.server.cluster.replica_set import ReplicaSet
-from specserve.server.watchdog import WatchdogState
+from specserve.server.ops.watchdog import WatchdogState
 
 # (metric suffix, EngineLoad field, help): from the latest load query (polled every few s).
 _LOAD_GAUGES = (

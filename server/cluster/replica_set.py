@@ -31,9 +31,9 @@ from specserve.server.cluster.config import ClusterConfig
 from specserve.server.cluster.routing import PrefixRouter, ReplicaState
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineLauncher, EngineUnavailable
+from specserve.server.ops.watchdog import EngineWatchdog, WatchdogReport, WatchdogState
 from specserve.server.output_router import RequestStream
-from specserve.server.output_stream import OutputStream
-from specserve.server.watchdog import EngineWatchdog, WatchdogReport, WatchdogState
+from specserve.server.text.output_stream import OutputStream
 
 logger = logging.getLogger("specserve.server.cluster")
 

@@ -5,10 +5,10 @@ from typing import Any, NamedTuple, Optional
 
 from specserve.engine.outputs import StepOutput
 from specserve.proto import generate_pb2 as pb
-from specserve.server.detokenizer import DecodedWindows, IncrementalDetokenizer
-from specserve.server.logprobs import TokenTexts
-from specserve.server.stop_strings import StopStringMatcher
-from specserve.server.validation import ValidatedRequest
+from specserve.server.text.detokenizer import DecodedWindows, IncrementalDetokenizer
+from specserve.server.text.logprobs import TokenTexts
+from specserve.server.text.stop_strings import StopStringMatcher
+from specserve.server.text.validation import ValidatedRequest
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}

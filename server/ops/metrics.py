@@ -9,8 +9,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFami
 from prometheus_client.registry import Collector
 
 from specserve.engine.outputs import EngineLoad
+from specserve.server.ops.watchdog import WatchdogReport, WatchdogState
 from specserve.server.request_record import RequestRecord
-from specserve.server.watchdog import WatchdogReport, WatchdogState
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Between tokens: a decode step takes milliseconds to a few tens of them.

@@ -17,12 +17,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from specserve.proto import generate_pb2 as pb
-from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
-from specserve.server.openai_api.protocol import (ChatCompletionRequest, CompletionRequest,
+from specserve.server.fronts.openai.chat_outputs import ChatOutputMode
+from specserve.server.fronts.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest,
                                                   GenerationBody)
-from specserve.server.openai_api.chat_outputs import ChatOutputMode
-from specserve.server.openai_api.responses import (SSE_DONE, ResponseFormat, error_body, sse)
+from specserve.server.fronts.openai.responses import (SSE_DONE, ResponseFormat, error_body, sse)
+from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
 
 T = TypeVar("T")
 

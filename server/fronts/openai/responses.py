@@ -7,8 +7,8 @@ import time
 from typing import Optional
 
 from specserve.proto import generate_pb2 as pb
-from specserve.server.logprobs import TokenTexts
-from specserve.server.openai_api.chat_outputs import ChatChoiceOutput, ChatDelta, ChatOutputMode
+from specserve.server.fronts.openai.chat_outputs import ChatChoiceOutput, ChatDelta, ChatOutputMode
+from specserve.server.text.logprobs import TokenTexts
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}

@@ -8,7 +8,7 @@ all of this off the event loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 from google.protobuf.message import DecodeError, Message
 
@@ -17,11 +17,10 @@ import dataclasses
 from specserve.engine.config import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from specserve.engine.grammar.compiler import parse_grammar
 from specserve.engine.wire import grammar_from_proto, sampling_from_proto
-from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
 from specserve.proto import generate_pb2 as pb
-
-if TYPE_CHECKING:  # chat_template.py imports InvalidRequest from here
-    from specserve.server.chat_template import ChatTemplate
+from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
+from specserve.server.errors import InvalidRequest
+from specserve.server.text.chat_template import ChatTemplate
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256   # the stop-string matcher rescans held-back text of this length
@@ -34,15 +33,6 @@ TEXT_BYTES_PER_TOKEN = 32
 
 # A chat conversation as templates read it: {"role": ..., "content": ..., and any extra keys}.
 Conversation = Sequence[Mapping[str, Any]]
-
-
-class InvalidRequest(ValueError):
-    """A request field is invalid or over a server limit; the message starts with the field
-    ("request" for a message that cannot be parsed)."""
-
-    @property
-    def field(self) -> str:
-        return str(self).partition(":")[0]
 
 
 M = TypeVar("M", bound=Message)

@@ -12,9 +12,10 @@ from specserve.engine.wire import info_to_proto, load_to_proto
 from specserve.proto import generate_pb2 as pb
 from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.engine_client import EngineUnavailable
+from specserve.server.errors import InvalidRequest
 from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
-from specserve.server.health import GENERATION_SERVICE
-from specserve.server.validation import InvalidRequest, ValidatedRequest, parse_request
+from specserve.server.ops.health import GENERATION_SERVICE
+from specserve.server.text.validation import ValidatedRequest, parse_request
 
 logger = logging.getLogger("specserve.server")
 

@@ -12,10 +12,11 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from specserve.proto import generate_pb2 as pb
+from specserve.server.errors import InvalidRequest
+from specserve.server.fronts.openai.chat_outputs import ChatOutputMode
 from specserve.server.generation import Served
-from specserve.server.openai_api.chat_outputs import ChatOutputMode
-from specserve.server.tool_calls import required_calls_schema
-from specserve.server.validation import InvalidRequest, ValidatedRequest
+from specserve.server.text.tool_calls import required_calls_schema
+from specserve.server.text.validation import ValidatedRequest
 
 
 class StreamOptions(BaseModel):

@@ -15,7 +15,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from specserve.server.validation import InvalidRequest
+from specserve.server.errors import InvalidRequest
 
 
 def _raise_exception(message: str) -> None:

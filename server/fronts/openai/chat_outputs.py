@@ -1,13 +1,13 @@
 """One chat choice's output as OpenAI shapes it: reasoning_content, content and tool_calls,
 from the text the core streams (whole or in pieces). Composes the reasoning splitter and the
-tool-call parsers (server/reasoning.py, server/tool_calls.py); what a request asks for is its
+tool-call parsers (server/text/reasoning.py, server/text/tool_calls.py); what a request asks for is its
 ChatOutputMode."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from specserve.server.reasoning import ReasoningSplitter
-from specserve.server.tool_calls import ToolCall, ToolCallStream, parse_forced_calls
+from specserve.server.text.reasoning import ReasoningSplitter
+from specserve.server.text.tool_calls import ToolCall, ToolCallStream, parse_forced_calls
 
 
 class ChatOutputMode(NamedTuple):

@@ -1,0 +1,1 @@
+"""The gRPC front: the GenerationService servicer and server reflection."""
