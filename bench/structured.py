@@ -160,8 +160,12 @@ def steps(args) -> dict:
                   args.warmup, args.warmup)
     for bs in args.batch_sizes:
         prompts = heldout_prompts(engine.tokenizer, bs, args.prompt_len)
+        # "sampled": unconstrained, temperature 1 (eager, as every non-greedy batch runs): what
+        # the eager step costs without a grammar.
+        sampled = SamplingParams(ignore_eos=True, seed=0, **dict(long, temperature=1.0))
         for name, params in (("unconstrained", [free] * bs), ("json_string", [constrained] * bs),
-                             ("mixed", [constrained if i % 2 else free for i in range(bs)])):
+                             ("mixed", [constrained if i % 2 else free for i in range(bs)]),
+                             ("sampled", [sampled] * bs)):
             if name == "mixed" and bs == 1:
                 continue
             t, syncs = _steady_steps(engine, prompts, params, args.warmup, args.steps)
