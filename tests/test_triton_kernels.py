@@ -324,8 +324,8 @@ class BackendCase(NamedTuple):
 
 BACKEND_CASES = {
     "extend": BackendCase(ForwardMode.EXTEND, [0, 21, 7], [9, 1, 14], False, True),
-    # 40 tokens x 2 heads of a group: more rows than a split extend takes (the long kernel).
-    "long_extend": BackendCase(ForwardMode.EXTEND, [0, 12], [40, 33], False, True),
+    # 70 new tokens: more than a split extend takes (the long kernel).
+    "long_extend": BackendCase(ForwardMode.EXTEND, [0, 12], [70, 33], False, True),
     "decode": BackendCase(ForwardMode.DECODE, [0, 44, 19], [1, 1, 1], False, False),
     "target_verify": BackendCase(ForwardMode.TARGET_VERIFY, [3, 30, 12], [4, 4, 4], True, False),
     "draft_extend": BackendCase(ForwardMode.DRAFT_EXTEND, [5, 40, 17], [3, 3, 3], False, False),
@@ -411,7 +411,7 @@ def test_backend_matches_reference(case_name, max_batch_size):
     case = BACKEND_CASES[case_name]
     gen = torch.Generator().manual_seed(4)
     out, expected, fb, k, v = run_backend_case(
-        case, num_heads=4, num_kv_heads=2, head_dim=16, max_context_len=64,
+        case, num_heads=4, num_kv_heads=2, head_dim=16, max_context_len=96,
         max_batch_size=max_batch_size, gen=gen, decode_config=SMALL_DECODE,
         extend_config=SMALL_EXTEND)
     assert fb.attn_metadata.is_decode == (case.mode == ForwardMode.DECODE)
@@ -721,13 +721,13 @@ def run_mla_backend_case(case: BackendCase, num_heads: int, latent: int, rope: i
 def test_mla_backend_matches_reference(case_name):
     case = BACKEND_CASES[case_name]
     out, expected, fb = run_mla_backend_case(
-        case, num_heads=16, latent=MLA_LATENT, rope=MLA_ROPE, max_context_len=64,
+        case, num_heads=16, latent=MLA_LATENT, rope=MLA_ROPE, max_context_len=96,
         gen=torch.Generator().manual_seed(24), decode_config=MLA_DECODE,
         extend_config=SMALL_EXTEND)
-    # Verify and draft-extend (up to 8 new tokens) still run split over the prefix with a
-    # group of 16 heads (the tile takes a slice of it); the 14-token extend does not.
-    assert fb.attn_metadata.split_extend == (case.mode in (ForwardMode.TARGET_VERIFY,
-                                                           ForwardMode.DRAFT_EXTEND))
+    # Every extend of up to 64 new tokens runs split over the prefix with a group of 16 heads
+    # (the tile takes a slice of it); the 70-token extend does not.
+    assert fb.attn_metadata.split_extend == (case.mode != ForwardMode.DECODE
+                                             and case_name != "long_extend")
     assert out.shape == (fb.num_tokens, 16 * MLA_LATENT)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
