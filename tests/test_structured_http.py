@@ -84,16 +84,34 @@ def _chat(oai, stream: bool, **kwargs):
         m = r.choices[0].message
         calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
         return getattr(m, "reasoning_content", None), m.content, calls, r.choices[0].finish_reason
+    reasoning, content, calls, finish, _ = _stream_chat(oai, **kwargs)
+    return reasoning, content, calls, finish
+
+
+def _stream_chat(oai, **kwargs):
+    """A streamed chat's (reasoning, content, calls, finish_reason, arguments fragments per
+    call), checking OpenAI's tool-call delta shapes: a call opens with its index, id, type and
+    name (arguments ""), then its deltas carry only the index and arguments fragments."""
     reasoning = content = ""
-    calls, finish = {}, None
+    calls, fragments, finish = {}, {}, None
     for chunk in oai.chat.completions.create(model=_model(oai), stream=True, **kwargs):
         delta = chunk.choices[0].delta
         reasoning += getattr(delta, "reasoning_content", None) or ""
         content += delta.content or ""
         for c in delta.tool_calls or []:
-            calls.setdefault(c.index, [c.function.name, ""])[1] += c.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return reasoning or None, content or None, [tuple(v) for _, v in sorted(calls.items())], finish
+            if c.index not in calls:
+                assert c.index == len(calls) and c.id.startswith("call_") and c.type == "function"
+                assert c.function.name and c.function.arguments == ""
+                calls[c.index], fragments[c.index] = [c.function.name, ""], 0
+            else:
+                assert c.id is None and c.type is None and c.function.name is None
+                assert c.function.arguments
+                calls[c.index][1] += c.function.arguments
+                fragments[c.index] += 1
+        assert finish is None   # the finish_reason comes last
+        finish = chunk.choices[0].finish_reason
+    return (reasoning or None, content or None, [tuple(v) for _, v in sorted(calls.items())], finish,
+            [n for _, n in sorted(fragments.items())])
 
 
 def _model(oai):
@@ -192,6 +210,42 @@ def test_tool_choice_auto_parses_hermes_calls(oai, stream):
     assert calls == [("get_weather", '{"city": "Oslo", "unit": "c"}')]
     _, content, calls, finish = _chat(oai, stream, tools=[WEATHER], extra_body={"regex": "no call"})
     assert (content, calls, finish) == ("no call", [], "stop")
+
+
+LONG_CALL = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "c", '
+             r'"note": "a longer argument, \\"quoted\\", and \}\]<tool_call> inside"\}\}</tool_call>')
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tools": [WEATHER], "extra_body": {"regex": r"Sure\." + LONG_CALL + r"\n" + HERMES_CALL + r" Done\."}},
+    {"tools": [WEATHER], "max_tokens": 90, "extra_body": {"regex": r"Sure\." + LONG_CALL}},   # cut in the call
+    {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False},
+], ids=["hermes", "hermes-length", "named", "required"])
+def test_streamed_tool_calls_equal_whole_ones(oai, kwargs):
+    """Streams send calls incrementally: a name, then arguments fragments that add up to the
+    non-streamed arguments (the same for a call cut by max_tokens: finish_reason "length")."""
+    kwargs = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "temperature": 0, **kwargs}
+    r = oai.chat.completions.create(model=_model(oai), **kwargs)
+    m = r.choices[0].message
+    want = (m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []],
+            r.choices[0].finish_reason)
+    _, content, calls, finish, fragments = _stream_chat(oai, **kwargs)
+    assert (content, calls, finish) == want
+    assert calls and finish == ("length" if kwargs["max_tokens"] == 90 else "tool_calls")
+    assert max(fragments) > 1   # a long call's arguments come in several deltas
+    if finish == "tool_calls":
+        for _, arguments in calls:
+            json.loads(arguments)
+
+
+def test_streamed_llama3_json_calls_equal_whole_ones(llama_oai):
+    kwargs = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 120, "temperature": 0,
+              "tools": [TIME], "extra_body": {"regex": LLAMA_CALL + "; " + LLAMA_CALL.replace("utc", "cet")}}
+    want = _chat(llama_oai, False, **kwargs)
+    assert want[2] == [("get_time", '{"zone": "utc"}'), ("get_time", '{"zone": "cet"}')]
+    _, content, calls, finish, fragments = _stream_chat(llama_oai, **kwargs)
+    assert (None, content, calls, finish) == want and fragments[0] > 1
 
 
 def test_tool_choice_none_and_tool_results_in_history(oai):

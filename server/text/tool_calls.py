@@ -10,18 +10,42 @@ mentions <|python_tag|> or "parameters" is llama3_json, else hermes.
 
 `tool_choice` "required" and a named function do not go through a format: the output is
 generated under a JSON-schema grammar (a list of {"name", "parameters"} objects, or the named
-function's parameters) and read as JSON, as vLLM does. Streams hold a call back until it is
-complete and send it as one delta (name and the whole arguments).
+function's parameters) and read as the calls (ForcedCallStream).
+
+Calls stream as they are generated, as OpenAI's API (and vLLM's) sends them. Each call object is
+followed by a small incremental scanner (_CallScanner: string, escape and nesting state and the
+object's top-level members; not a validating parser). Once its "name" string is complete the
+call's first CallDelta carries the name; later ones carry the text of its arguments value as it
+arrives, up to the last character known to belong to it: whitespace after the value, the outer
+object's "}", a "<" that may begin </tool_call>, a scalar's end are held until known. The
+arguments are the model's own text of that value, never re-serialised: an object (or any other
+non-string value) exactly as written; a string value (some models write the arguments JSON as a
+string) decoded; "{}" for an object that closes without an arguments member. A whole output is
+parsed by the same streams, fed the whole text (parse_tool_calls, parse_forced_calls), so the
+fragments of a streamed call concatenate to the non-streamed arguments, whatever pieces the text
+came in. The first "name" and the first "arguments" (or "parameters") member are the ones read.
+
+Once named, a call stands. If the output then ends ("length") or the object breaks off (a
+</tool_call>, or a character that cannot come there), its arguments are the text sent so far
+(maybe not valid JSON, maybe empty), in streamed and whole responses alike. Text before a call's
+name is known is held back; if it turns out not to be a call (no "{", an object without a
+"name" string, a block or output that ends first) it comes out as content, as written. Text
+between a hermes call's object and its </tool_call> is dropped; llama3_json text after the calls
+that does not begin another call is content. Forced outputs have content only if no call came
+(the text, at the end).
 """
 from __future__ import annotations
 
-import json
+import re
 import uuid
-from typing import Any, NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+_WS = " \t\n\r"
+_ARGUMENT_KEYS = ("arguments", "parameters")
+_SCALAR = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-.")
 
 
 class ToolCall(NamedTuple):
@@ -29,9 +53,31 @@ class ToolCall(NamedTuple):
     arguments: str   # JSON text
 
     def to_openai(self, index: Optional[int] = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        call = {"id": new_call_id(), "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class CallDelta(NamedTuple):
+    """A piece of one streamed call: its first has the name (and no arguments), the later ones
+    fragments of its arguments text."""
+    index: int            # the call's place among the output's calls
+    name: Optional[str]   # set on the call's first delta only
+    arguments: str = ""
+
+
+def assemble_calls(deltas: Iterable[CallDelta]) -> list[ToolCall]:
+    """The whole calls from their deltas."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.name is not None:
+            calls[d.index] = [d.name, ""]
+        calls[d.index][1] += d.arguments
+    return [ToolCall(name, args) for _, (name, args) in sorted(calls.items())]
 
 
 class ParsedOutput(NamedTuple):
@@ -54,108 +100,216 @@ def default_tool_call_parser(chat_template: Optional[str]) -> str:
     return "hermes"
 
 
-def _call_from_json(obj: Any, arguments_key: str) -> Optional[ToolCall]:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
 def parse_tool_calls(text: str, parser: str) -> ParsedOutput:
-    """The calls in a whole output and the text around them; an output that is not a
-    well-formed call stays content (the model answered in text). The same parse as a stream's."""
+    """The calls in a whole output and the text around them; an output that is not a call stays
+    content (the model answered in text). The stream's own parse, fed the whole text."""
     stream = ToolCallStream(parser)
-    content, calls = stream.feed(text)
+    content, deltas = stream.feed(text)
     more, late = stream.finish()
-    return ParsedOutput(content + more, calls + late)
+    return ParsedOutput(content + more, assemble_calls(deltas + late))
 
 
-def _parse_llama(text: str) -> list[ToolCall]:
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG):].strip()
-    calls = []
-    # Calls are separated by ";" (one inside a string value would split a call: not parsed).
-    for part in body.split(";") if body.startswith("{") else []:
-        try:
-            call = _call_from_json(json.loads(part), "parameters")
-        except ValueError:
-            call = None
-        if call is None:
-            return []
-        calls.append(call)
-    return calls
+def parse_forced_calls(text: str, named: Optional[str]) -> list[ToolCall]:
+    """The calls of an output generated under a forced-call grammar (a cut one: the calls begun)."""
+    stream = ForcedCallStream(named)
+    _, deltas = stream.feed(text)
+    _, late = stream.finish()
+    return assemble_calls(deltas + late)
 
 
-class ToolCallStream:
-    """One choice's text as it arrives: content outside calls passes through (held back while
-    it may be the start of one), and each complete call comes out once. A block that is not a
-    well-formed call stays content."""
+# --- incremental JSON scanning --------------------------------------------------------------------
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_ESCAPE = re.compile(r'\\(u[0-9a-fA-F]{4}|["\\/bfnrt])')
 
-    def __init__(self, parser: str):
-        self.parser = parser
-        self._text = ""          # everything seen
-        self._pos = 0            # hermes: where the unparsed text starts
-        self._in_call = False    # hermes: inside a <tool_call> block
-        self._is_call: Optional[bool] = None  # llama3_json: the whole output is a call
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._text += text
-        return self._feed_llama() if self.parser == "llama3_json" else self._feed_hermes()
+def _unescape(body: str) -> str:
+    """A JSON string's body decoded escape by escape (an invalid escape stays as written), so that
+    decoding it in pieces cut between escapes gives the same text; surrogate halves stay apart."""
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1)[1:], 16)) if m.group(1)[0] == "u"
+                       else _ESCAPES[m.group(1)], body)
 
-    def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
-        content, calls = "", []
-        while True:
-            rest = self._text[self._pos:]
-            if self._in_call:
-                end = rest.find(HERMES_END)
-                if end < 0:
-                    break
-                self._pos += end + len(HERMES_END)
-                self._in_call = False
-                try:
-                    call = _call_from_json(json.loads(rest[:end]), "arguments")
-                except ValueError:
-                    call = None
-                if call is None:
-                    content += HERMES_START + rest[:end + len(HERMES_END)]
-                else:
-                    calls.append(call)
+
+def _join_surrogates(text: str) -> str:
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+
+
+class _Value:
+    """The text of one JSON value as it arrives, a character at a time from its first. Strings,
+    escapes and nesting are followed, not the grammar: the value ends with a container's closing
+    bracket, a string's closing quote, or before the first character that cannot be in a scalar."""
+
+    def __init__(self):
+        self._raw = ""
+        self._chars: list[str] = []   # taken since raw was last asked for
+        self._len = 0
+        self.kind = ""          # "string", "container" or "scalar", from the first character
+        self.complete = False   # a string or container closed (a scalar only ends before the next)
+        self.in_string = False
+        self.safe = 0           # strings: raw[:safe] does not end inside an escape
+        self._depth = 0
+        self._escape = False
+        self._hex = 0           # \uXXXX digits still to come
+
+    def push(self, c: str) -> bool:
+        """Take the next character; False when the value ended before it."""
+        if self.complete:
+            return False
+        if not self.kind:
+            if c not in _SCALAR and c not in '"{[':
+                return False
+            self.kind = "string" if c == '"' else "container" if c in "{[" else "scalar"
+        self._chars.append(c)
+        if self.in_string:
+            self._len += 1
+            if self._escape:
+                self._escape = False
+                self._hex = 4 if c == "u" else 0
+            elif self._hex:
+                self._hex -= 1
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self.in_string = False
+                self.complete = self.kind == "string"
+                return True
+            if not (self._escape or self._hex):
+                self.safe = self._len
+            return True
+        if self.kind == "scalar" and c not in _SCALAR:
+            self._chars.pop()
+            return False
+        self._len += 1
+        if self.kind == "scalar":
+            return True
+        if c == '"':
+            self.in_string = True
+            self.safe = self._len
+        elif c in "{[":
+            self._depth += 1
+        elif c in "}]":
+            self._depth -= 1
+            self.complete = self._depth == 0
+        return True
+
+    @property
+    def raw(self) -> str:
+        """The value's text so far."""
+        if self._chars:
+            self._raw += "".join(self._chars)
+            self._chars.clear()
+        return self._raw
+
+    def string(self) -> str:
+        """A complete string value, decoded."""
+        return _join_surrogates(_unescape(self.raw[1:-1]))
+
+
+class _Arguments:
+    """A call's arguments text as it becomes known (grows only): the raw text of its value, or,
+    with `decode` and a string value, the string decoded (a trailing surrogate half held back)."""
+
+    def __init__(self, value: _Value, decode: bool = True):
+        self.value = value
+        self.decode = decode
+        self.text = ""
+        self._pos = 1        # raw position decoded up to (after the opening quote)
+        self._held = ""      # a high surrogate whose low half may follow
+
+    def known(self) -> str:
+        v = self.value
+        if v.kind != "string" or not self.decode:
+            return v.raw
+        piece = self._held + _unescape(v.raw[self._pos:v.safe])
+        self._pos = max(self._pos, v.safe)
+        piece = _join_surrogates(piece)
+        self._held = ""
+        if piece and "\ud800" <= piece[-1] <= "\udbff" and not v.complete:
+            piece, self._held = piece[:-1], piece[-1]
+        self.text += piece
+        return self.text
+
+
+class _CallScanner:
+    """One call object, {"name": ..., "arguments": ...} ("parameters" also names the arguments),
+    followed as its text arrives from where its "{" is expected: the name once its string is
+    complete, and the arguments value (`args`) as far as it is known. `ended`: nothing more
+    belongs to the object (`closed`: its "}" came; else it broke off at `i`: a character that
+    cannot come there, or `end_tag` outside a string)."""
+
+    def __init__(self, end_tag: Optional[str] = None):
+        self.end_tag = end_tag
+        self.text = ""     # the object's text so far (and whatever follows it)
+        self.i = 0         # where scanning stopped (waiting for more, or the object's end)
+        self.name: Optional[str] = None
+        self.args: Optional[_Arguments] = None
+        self.ended = False
+        self.closed = False
+        self._state = "open"   # open, first, key, colon, value, after, next
+        self._key_start = 0
+        self._key_escape = False
+        self._key = ""
+        self._value: Optional[_Value] = None
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        t, tag = self.text, self.end_tag
+        while not self.ended and self.i < len(t):
+            c, value = t[self.i], self._value
+            if c == "<" and tag and self._state != "key" and not (value and value.in_string):
+                ahead = t[self.i:self.i + len(tag)]
+                if ahead == tag:
+                    self.ended = True
+                    return
+                if tag.startswith(ahead):
+                    return   # maybe the tag: wait for more
+            if value is not None:
+                if not value.push(c):
+                    self._end_value()   # c comes after it
+                    continue
+                self.i += 1
+                if value.complete:
+                    self._end_value()
                 continue
-            start = rest.find(HERMES_START)
-            if start >= 0:
-                content += rest[:start]
-                self._pos += start + len(HERMES_START)
-                self._in_call = True
+            state = self._state
+            if state == "key":
+                self.i += 1
+                if self._key_escape:
+                    self._key_escape = False
+                elif c == "\\":
+                    self._key_escape = True
+                elif c == '"':
+                    self._key = _unescape(t[self._key_start + 1:self.i - 1])
+                    self._state = "colon"
                 continue
-            safe = len(rest) - _partial_suffix(rest, HERMES_START)
-            content += rest[:safe]
-            self._pos += safe
-            break
-        return content, calls
+            if c in _WS:
+                self.i += 1
+            elif state == "open" and c == "{":
+                self.i += 1
+                self._state = "first"
+            elif state in ("first", "next") and c == '"':
+                self._key_start = self.i
+                self.i += 1
+                self._state = "key"
+            elif state == "colon" and c == ":":
+                self.i += 1
+                self._state = "value"
+            elif state == "value":
+                self._value = _Value()
+                if self._key in _ARGUMENT_KEYS and self.args is None:
+                    self.args = _Arguments(self._value)
+            elif state == "after" and c == ",":
+                self.i += 1
+                self._state = "next"
+            elif state in ("first", "after") and c == "}":
+                self.i += 1
+                self.ended = self.closed = True
+            else:
+                self.ended = True   # not JSON: the object broke off before c
 
-    def _feed_llama(self) -> tuple[str, list[ToolCall]]:
-        if self._is_call is None:
-            stripped = self._text.lstrip()
-            if not stripped or PYTHON_TAG.startswith(stripped):
-                return "", []
-            self._is_call = stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
-        if self._is_call:
-            return "", []   # parsed when the output ends
-        content = self._text[self._pos:]
-        self._pos = len(self._text)
-        return content, []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left once the output ended: held text, and calls known only at the end."""
-        rest = self._text[self._pos:]
-        self._pos = len(self._text)
-        if self.parser == "llama3_json":
-            if not self._is_call:
-                return rest, []
-            calls = _parse_llama(self._text)
-            return ("", calls) if calls else (self._text, [])
-        return (HERMES_START + rest if self._in_call else rest), []
+    def _end_value(self) -> None:
+        value, self._value, self._state = self._value, None, "after"
+        if self._key == "name" and self.name is None and value.kind == "string" and value.complete:
+            self.name = value.string()
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -166,6 +320,228 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# --- streams ---------------------------------------------------------------------------------------
+class _CallSender:
+    """Sends the calls of one output as CallDeltas: a call's name once it is known, then each new
+    piece of its arguments text; "{}" for a call whose object closed without an arguments member."""
+
+    def __init__(self):
+        self.num_calls = 0
+        self._sent: Optional[int] = None   # the current call: arguments characters sent (None: not named)
+
+    def send(self, name: Optional[str], args: Optional[_Arguments], out: list[CallDelta],
+             ending: bool = False, closed: bool = False) -> None:
+        if name is None:
+            return
+        if self._sent is None:
+            out.append(CallDelta(self.num_calls, name))
+            self.num_calls += 1
+            self._sent = 0
+        text = args.known() if args is not None else "{}" if closed else ""
+        if len(text) > self._sent:
+            out.append(CallDelta(self.num_calls - 1, None, text[self._sent:]))
+            self._sent = len(text)
+        if ending:
+            self._sent = None
+
+    def send_scanner(self, scanner: _CallScanner, out: list[CallDelta], ending: bool = False) -> None:
+        self.send(scanner.name, scanner.args, out, ending, scanner.closed)
+
+
+class ToolCallStream:
+    """One choice's text as it arrives, in a tool-call format: content outside calls passes
+    through (held back while it may be the start of one), and calls come out as CallDeltas as
+    their text arrives (see the module's docstring)."""
+
+    def __init__(self, parser: str):
+        self.parser = parser
+        self._text = ""          # everything seen
+        self._pos = 0            # where the unread text starts
+        self._calls = _CallSender()
+        self._call: Optional[_CallScanner] = None   # the call object being read
+        self._call_start = 0     # where its text starts in _text
+        self._held_from = 0      # llama3_json: where text held back while the call is unnamed starts
+        self._search = 0         # hermes: where to look for the end tag of a call's block
+        self._mode = "start"     # llama3_json: start, call, between, content
+
+    @property
+    def num_calls(self) -> int:
+        return self._calls.num_calls
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._text += text
+        out: list[CallDelta] = []
+        content = self._feed_llama(out) if self.parser == "llama3_json" else self._feed_hermes(out)
+        return content, out
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """What is left once the output ended: held text, or the end of a cut call."""
+        out: list[CallDelta] = []
+        call, rest = self._call, self._text[self._pos:]
+        self._pos = len(self._text)
+        if call is not None and call.name is not None:
+            if not call.ended:   # cut: the call stands as sent
+                self._calls.send_scanner(call, out, ending=True)
+            return "", out
+        if call is not None:   # an unnamed call: its text is content
+            return (HERMES_START + self._text[self._call_start:] if self.parser == "hermes"
+                    else self._text[self._held_from:]), out
+        if self.parser == "llama3_json" and self._mode == "start":
+            return self._text, out
+        return rest, out
+
+    def _read_call(self, out: list[CallDelta]) -> bool:
+        """Feed the current call the unread text; True once its object is over."""
+        call = self._call
+        call.feed(self._text[self._pos:])
+        self._pos = len(self._text)
+        self._calls.send_scanner(call, out, ending=call.ended)
+        return call.ended
+
+    def _feed_hermes(self, out: list[CallDelta]) -> str:
+        content = ""
+        while True:
+            if self._call is None:   # in content
+                rest = self._text[self._pos:]
+                start = rest.find(HERMES_START)
+                if start < 0:
+                    safe = len(rest) - _partial_suffix(rest, HERMES_START)
+                    self._pos += safe
+                    return content + rest[:safe]
+                content += rest[:start]
+                self._pos += start + len(HERMES_START)
+                self._call, self._call_start, self._search = _CallScanner(HERMES_END), self._pos, -1
+            call = self._call
+            if self._search < 0:
+                if not self._read_call(out):
+                    return content
+                self._search = self._call_start + call.i
+            # The object is over: its block ends with the end tag (what comes before it is dropped).
+            end = self._text.find(HERMES_END, self._search)
+            if end < 0:
+                self._search = max(self._search, len(self._text) - len(HERMES_END) + 1)
+                self._pos = len(self._text)
+                return content
+            if call.name is None:   # not a call: the block is content, as written
+                content += HERMES_START + self._text[self._call_start:end + len(HERMES_END)]
+            self._pos = end + len(HERMES_END)
+            self._call = None
+
+    def _feed_llama(self, out: list[CallDelta]) -> str:
+        content = ""
+        while True:
+            text = self._text
+            if self._mode == "start":   # the whole output is calls, or content
+                body = text.lstrip()
+                if body.startswith(PYTHON_TAG):
+                    body = body[len(PYTHON_TAG):].lstrip()
+                elif PYTHON_TAG.startswith(body):
+                    return ""   # nothing yet, or maybe the tag
+                if not body:
+                    return ""
+                if body[0] != "{":
+                    self._mode, self._pos = "content", 0
+                    continue
+                self._mode, self._held_from = "call", 0
+                self._start_call(len(text) - len(body))
+            if self._mode == "call":
+                if not self._read_call(out):
+                    return content
+                call, self._call = self._call, None
+                if call.name is None:   # not a call: the text held for it is content
+                    self._mode, self._pos = "content", self._held_from
+                    continue
+                self._mode, self._pos = "between", self._call_start + call.i
+            if self._mode == "between":   # after a call: ";" and another, or content
+                rest = text[self._pos:]
+                body = rest.lstrip(_WS + ";")
+                if not body:
+                    self._pos = len(text)
+                    return content
+                self._pos += len(rest) - len(body)
+                if body[0] == "{":
+                    self._mode, self._held_from = "call", self._pos
+                    self._start_call(self._pos)
+                    continue
+                self._mode = "content"
+            content += text[self._pos:]
+            self._pos = len(text)
+            return content
+
+    def _start_call(self, at: int) -> None:
+        self._call, self._call_start, self._pos = _CallScanner(), at, at
+
+
+class ForcedCallStream:
+    """The output of a forced-call grammar as it arrives: with `named`, the output is that
+    function's arguments (the call is named at its first character); else a JSON list of
+    {"name", "parameters"} calls. Content only if no call came: the text, at the end."""
+
+    def __init__(self, named: Optional[str]):
+        self.named = named
+        self._text = ""
+        self._pos = 0
+        self._calls = _CallSender()
+        self._call: Optional[_CallScanner] = None
+        self._call_start = 0
+        self._value: Optional[_Value] = None   # named: the arguments
+        self._state = "start"   # list: start, list, call, done
+
+    @property
+    def num_calls(self) -> int:
+        return self._calls.num_calls
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._text += text
+        out: list[CallDelta] = []
+        if self.named is not None:
+            self._feed_named(out)
+        else:
+            self._feed_list(out)
+        return "", out
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        out: list[CallDelta] = []
+        if self._call is not None:
+            self._calls.send_scanner(self._call, out, ending=True)
+        return ("" if self.num_calls else self._text), out
+
+    def _feed_named(self, out: list[CallDelta]) -> None:
+        if self._value is None:
+            body = self._text.lstrip()
+            if not body:
+                return
+            self._value, self._pos = _Value(), len(self._text) - len(body)
+            self._args = _Arguments(self._value, decode=False)
+        while self._pos < len(self._text) and self._value.push(self._text[self._pos]):
+            self._pos += 1
+        self._pos = len(self._text)   # what follows the value (nothing, under the grammar) is dropped
+        self._calls.send(self.named, self._args, out)
+
+    def _feed_list(self, out: list[CallDelta]) -> None:
+        text = self._text
+        while self._pos < len(text) and self._state != "done":
+            if self._state == "call":
+                call = self._call
+                call.feed(text[self._pos:])
+                self._pos = len(text)
+                self._calls.send_scanner(call, out, ending=call.ended)
+                if not call.ended:
+                    return
+                self._call, self._state, self._pos = None, "list", self._call_start + call.i
+                continue
+            c = text[self._pos]
+            if c in _WS or (c == "," and self._state == "list"):
+                self._pos += 1
+            elif c == "[" and self._state == "start":
+                self._pos += 1
+                self._state = "list"
+            elif c == "{" and self._state == "list":
+                self._call, self._call_start, self._state = _CallScanner(), self._pos, "call"
+            else:
+                self._state = "done"   # "]", or not a list of calls
+
+
 # --- forced calls: tool_choice "required" or a named function -----------------------------------
 def required_calls_schema(tools: list[dict], parallel: bool = True) -> dict:
     """One or more calls of the given functions, as a JSON list (one with parallel False)."""
@@ -174,15 +550,3 @@ def required_calls_schema(tools: list[dict], parallel: bool = True) -> dict:
          "properties": {"name": {"type": "string", "enum": [t["name"]]},
                         "parameters": t.get("parameters") or {"type": "object"}}}
         for t in tools]}}
-
-
-def parse_forced_calls(text: str, named: Optional[str]) -> list[ToolCall]:
-    """The calls of an output generated under a forced-call grammar (empty if it was cut)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    if named is not None:
-        return [ToolCall(named, json.dumps(value, ensure_ascii=False))]
-    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
-            for c in value if isinstance(c, dict) and "name" in c]

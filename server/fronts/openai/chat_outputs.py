@@ -1,13 +1,14 @@
 """One chat choice's output as OpenAI shapes it: reasoning_content, content and tool_calls,
 from the text the core streams (whole or in pieces). Composes the reasoning splitter and the
 tool-call parsers (server/text/reasoning.py, server/text/tool_calls.py); what a request asks for is its
-ChatOutputMode."""
+ChatOutputMode. Tool calls come out incrementally (CallDelta: a call's name first, then fragments
+of its arguments text), streamed or not: a whole output is the same deltas, assembled."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 from specserve.server.text.reasoning import ReasoningSplitter
-from specserve.server.text.tool_calls import ToolCall, ToolCallStream, parse_forced_calls
+from specserve.server.text.tool_calls import CallDelta, ForcedCallStream, ToolCallStream
 
 
 class ChatOutputMode(NamedTuple):
@@ -24,17 +25,23 @@ class ChatOutputMode(NamedTuple):
 class ChatDelta(NamedTuple):
     reasoning: str
     content: str
-    calls: list[ToolCall]
+    calls: list[CallDelta]   # pieces of calls (tool_calls.assemble_calls makes them whole)
 
 
 class ChatChoiceOutput:
     def __init__(self, mode: ChatOutputMode):
         self.mode = mode
         self._reasoning = ReasoningSplitter(mode.reasoning_parser) if mode.reasoning_parser else None
-        self._tools = ToolCallStream(mode.tool_call_parser) \
-            if mode.tool_call_parser and not mode.forced_calls else None
-        self._forced_text = ""
-        self.num_calls = 0
+        self._tools: Optional[Union[ToolCallStream, ForcedCallStream]] = None
+        if mode.forced_calls:
+            self._tools = ForcedCallStream(mode.forced_name)
+        elif mode.tool_call_parser:
+            self._tools = ToolCallStream(mode.tool_call_parser)
+
+    @property
+    def num_calls(self) -> int:
+        """Calls begun so far (named)."""
+        return self._tools.num_calls if self._tools is not None else 0
 
     def feed(self, text: str) -> ChatDelta:
         reasoning, content = self._split(text, final=False)
@@ -54,17 +61,11 @@ class ChatChoiceOutput:
         return delta
 
     def _content(self, reasoning: str, content: str, final: bool) -> ChatDelta:
-        calls: list[ToolCall] = []
-        if self.mode.forced_calls:
-            self._forced_text += content
-            content = ""
-            if final:
-                calls = parse_forced_calls(self._forced_text, self.mode.forced_name)
-                content = "" if calls else self._forced_text   # cut short ("length"): the text
-        elif self._tools is not None:
+        # Forced calls: the output is the calls (content only if none came: the text, at the end).
+        calls: list[CallDelta] = []
+        if self._tools is not None:
             content, calls = self._tools.feed(content)
             if final:
                 more, late = self._tools.finish()
                 content, calls = content + more, calls + late
-        self.num_calls += len(calls)
         return ChatDelta(reasoning, content, calls)

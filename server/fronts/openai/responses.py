@@ -9,6 +9,7 @@ from typing import Optional
 from specserve.proto import generate_pb2 as pb
 from specserve.server.fronts.openai.chat_outputs import ChatChoiceOutput, ChatDelta, ChatOutputMode
 from specserve.server.text.logprobs import TokenTexts
+from specserve.server.text.tool_calls import CallDelta, assemble_calls, new_call_id
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}
@@ -76,8 +77,11 @@ class ResponseFormat:
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}) for i in range(self.n)]
 
-    def chunk(self, chunk: pb.GenerateChunk) -> Optional[dict]:
-        """The stream chunk for a core chunk; None when it has nothing to say."""
+    def chunks(self, chunk: pb.GenerateChunk) -> list[dict]:
+        """The stream chunks for a core chunk (none when it has nothing to say). Usually one;
+        chat tool calls take one chunk per `delta.tool_calls` entry, as OpenAI sends them: a
+        call's first (index, id, type, name, arguments "") and then its arguments' fragments.
+        The first chunk has the logprobs, the last the finish_reason."""
         self._count(chunk)
         reason = finish_reason(chunk)
         logprobs = self._logprobs([chunk]) if self.token_texts is not None else None
@@ -85,19 +89,22 @@ class ResponseFormat:
         if self.echo_text is not None and chunk.index not in self._echoed:
             self._echoed.add(chunk.index)
             text = self.echo_text + text
-        delta: dict = {"content": text} if text else {}
+        deltas: list[dict] = [{"content": text} if text else {}]
         if self.chat and not self.chat_mode.plain:
-            delta = self._delta(chunk.index, text, final=reason is not None)
+            deltas = self._deltas(chunk.index, text, final=reason is not None)
             if reason == "stop" and self._outputs[chunk.index].num_calls:
                 reason = "tool_calls"
-        if not delta and reason is None and not (logprobs and _has_tokens(logprobs)):
-            return None
-        choice: dict = {"index": chunk.index, "logprobs": logprobs, "finish_reason": reason}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        return self._chunk(choice)
+        if deltas == [{}] and reason is None and not (logprobs and _has_tokens(logprobs)):
+            return []
+        choices = [{"index": chunk.index, "logprobs": logprobs if k == 0 else None,
+                    "finish_reason": reason if k == len(deltas) - 1 else None}
+                   for k in range(len(deltas))]
+        for choice, delta in zip(choices, deltas):
+            if self.chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = text
+        return [self._chunk(choice) for choice in choices]
 
     def usage_chunk(self) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
@@ -110,21 +117,22 @@ class ResponseFormat:
             return {"role": "assistant", "content": text}
         out = self._outputs[index]
         d = _merge(out.feed(text), out.finish())
+        calls = assemble_calls(d.calls)   # the streamed deltas, whole: the same arguments text
         # Nothing but calls or reasoning: content is null, as OpenAI's (and vLLM's) API has it.
         message: dict = {"role": "assistant",
-                         "content": d.content if d.content or not (d.calls or d.reasoning) else None}
+                         "content": d.content if d.content or not (calls or d.reasoning) else None}
         if self.chat_mode.reasoning_parser:
             message["reasoning_content"] = d.reasoning or None
-        if d.calls:
-            message["tool_calls"] = [c.to_openai() for c in d.calls]
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
             if choice["finish_reason"] == "stop":
                 choice["finish_reason"] = "tool_calls"
         return message
 
-    def _delta(self, index: int, text: str, final: bool) -> dict:
-        """A stream chunk's delta: reasoning, content and the tool calls completed in it."""
+    def _deltas(self, index: int, text: str, final: bool) -> list[dict]:
+        """A core chunk's deltas: reasoning and content in the first, and one `tool_calls` entry
+        in each (a call's opening, or its arguments' new text: fragments come merged)."""
         out = self._outputs[index]
-        first_call = out.num_calls
         d = out.feed(text)
         if final:
             d = _merge(d, out.finish())
@@ -133,9 +141,10 @@ class ResponseFormat:
             delta["reasoning_content"] = d.reasoning
         if d.content:
             delta["content"] = d.content
-        if d.calls:
-            delta["tool_calls"] = [c.to_openai(index=first_call + k) for k, c in enumerate(d.calls)]
-        return delta
+        entries = _call_entries(d.calls)
+        if not entries:
+            return [delta]
+        return [{**delta, "tool_calls": [entries[0]]}] + [{"tool_calls": [e]} for e in entries[1:]]
 
     def _count(self, chunk: pb.GenerateChunk) -> None:
         if chunk.HasField("finish"):
@@ -186,6 +195,23 @@ class ResponseFormat:
         return {**self._head,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [] if choice is None else [choice]}
+
+
+def _call_entries(calls: list[CallDelta]) -> list[dict]:
+    """`delta.tool_calls` entries: a call's opening (its id made here, sent once), and its
+    arguments' fragments, those in a row merged."""
+    entries: list[dict] = []
+    for c in calls:
+        if c.name is not None:
+            entries.append({"index": c.index, "id": new_call_id(), "type": "function",
+                            "function": {"name": c.name, "arguments": ""}})
+        elif not c.arguments:
+            continue
+        elif entries and entries[-1]["index"] == c.index and "id" not in entries[-1]:
+            entries[-1]["function"]["arguments"] += c.arguments
+        else:
+            entries.append({"index": c.index, "function": {"arguments": c.arguments}})
+    return entries
 
 
 def _merge(a: ChatDelta, b: ChatDelta) -> ChatDelta:

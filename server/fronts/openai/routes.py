@@ -186,8 +186,7 @@ async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
             yield sse(opening)
         chunk, unfinished = first, shape.n
         while True:
-            payload = shape.chunk(chunk)
-            if payload is not None:
+            for payload in shape.chunks(chunk):
                 yield sse(payload)
             unfinished -= chunk.HasField("finish")
             if not unfinished:
