@@ -1,7 +1,7 @@
 """The fused MLA decode kernels (engine/layers/mla_decode.py) against `MLAAttention`'s torch
 path: the latent norm + RoPE + pool store kernel and the per-head matmul, in the interpreter on
-the CPU (tiny shapes), the DeepSeek engine through them (transformers' greedy tokens, a spec
-verify of tree drafts), and compiled for an H100."""
+the CPU (tiny shapes), the DeepSeek engine through them and the fused router (transformers'
+greedy tokens, a spec verify of tree drafts), and compiled for an H100."""
 from __future__ import annotations
 
 import subprocess
@@ -17,7 +17,8 @@ from test_fp8_kv_cache import exact_fp8_casts  # noqa: E402,F401 (a fixture)
 
 from specserve.engine import SamplingParams, SpecConfig  # noqa: E402
 from specserve.engine.kvcache.fp8 import FP8_KV_DTYPE, to_pool  # noqa: E402
-from specserve.engine.layers import mla_decode  # noqa: E402
+from specserve.engine.layers import mla_decode, moe  # noqa: E402
+from specserve.engine.layers.moe_router import MAX_ROUTER_TOKENS, router_softmax_topk  # noqa: E402
 from specserve.engine.layers.norm import RMSNorm  # noqa: E402
 from specserve.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from specserve.engine.layers.skinny_gemm import MAX_ROWS  # noqa: E402
@@ -62,7 +63,8 @@ def test_rope_norm_store_is_the_torch_path(num_tokens, interleave, dtype):
     assert torch.equal(q_out[..., LATENT:], q_pe)
     assert (q_out[..., :LATENT] == 7.0).all()
     assert torch.equal(pool[loc, 0, LATENT:], k_pe)
-    torch.testing.assert_close(pool[loc, 0, :LATENT], latent, atol=1e-6, rtol=2e-3 if dtype == torch.float16 else 1e-6)
+    torch.testing.assert_close(pool[loc, 0, :LATENT], latent, atol=1e-6,
+                               rtol=2e-3 if dtype == torch.float16 else 1e-6)
     untouched = torch.ones(SLOTS, dtype=torch.bool, device=DEVICE)
     untouched[loc] = False
     assert not pool[untouched].any()
@@ -110,7 +112,8 @@ def test_head_matmul_is_the_absorbed_products(num_tokens, dtype):
         return torch.bmm(a.float(), b.float()).to(dtype)
 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-3)
-    torch.testing.assert_close(q_abs[..., :latent], ref(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1), **tol)
+    expected = ref(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+    torch.testing.assert_close(q_abs[..., :latent], expected, **tol)
     assert (q_abs[..., latent:] == 7.0).all()
     expected = ref(attn.view(num_tokens, HEADS, latent).transpose(0, 1), w_uv.transpose(1, 2))
     torch.testing.assert_close(o_in, expected.transpose(0, 1), **tol)
@@ -126,6 +129,7 @@ def test_head_matmul_refuses_more_than_decode_rows():
 # --- the engine through the fused path ------------------------------------------------------------
 CONFIGS = {
     "v2": ("deepseek_v2", {}),
+    "v2-greedy-routing": ("deepseek_v2", dict(group_limited=False)),  # the fused router too
     "v3-qlora-neox": ("deepseek_v3", dict(q_lora_rank=16, rope_interleave=False, yarn=True)),
 }
 
@@ -137,25 +141,34 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """The fused kernels allowed on CPU tensors (the interpreter runs them); counts the forwards
-    that take them, so a test fails if none does."""
-    calls = []
+    """The fused MLA kernels and the fused router allowed on CPU tensors (the interpreter runs
+    them); returns the token counts of the MLA forwards and of the routings that took them,
+    so a test fails if none does."""
+    mla_calls, router_calls = [], []
     monkeypatch.setattr(mla_decode, "can_fuse",
-                        lambda x: calls.append(x.shape[0]) or 1 <= x.shape[0] <= MAX_ROWS)
-    return calls
+                        lambda x: 1 <= x.shape[0] <= MAX_ROWS and not mla_calls.append(x.shape[0]))
+
+    def can_fuse_router(x, scoring, num_groups):
+        fuses = scoring == "softmax" and num_groups == 1 and 1 <= x.shape[0] <= MAX_ROUTER_TOKENS
+        return fuses and not router_calls.append(x.shape[0])
+
+    monkeypatch.setattr(moe, "can_fuse_router", can_fuse_router)
+    monkeypatch.setattr(moe, "_router_softmax_topk", router_softmax_topk)
+    return mla_calls, router_calls
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_through_the_fused_kernels_matches_transformers(checkpoints, make_engine,
                                                                fused_on_cpu, name):
     """Interleaved and neox rope, q LoRA, YaRN: transformers' greedy tokens with every decode
-    step's MLA through the fused kernels."""
+    step's MLA through the fused kernels, and with greedy softmax routing the fused router."""
     path = checkpoints(name)
     prompts = random_prompts(2, seed=4, max_len=12)
     engine = make_engine(path)
     outs = engine.generate(prompt_token_ids=prompts,
                            sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-    assert any(1 <= n <= MAX_ROWS for n in fused_on_cpu)
+    mla_calls, router_calls = fused_on_cpu
+    assert mla_calls and bool(router_calls) == (name == "v2-greedy-routing")
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 6)
 
 
@@ -165,12 +178,13 @@ def test_tree_verify_through_the_fused_kernels(tmp_path, make_engine, fused_on_c
     target, draft = make_predictable_pair(str(tmp_path), arch="deepseek_v3", num_layers=3)
     prompts = random_prompts(2, seed=5, max_len=16)
     sampling = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    plain = [o.token_ids for o in make_engine(target).generate(prompt_token_ids=prompts, sampling=sampling)]
+    plain = [o.token_ids
+             for o in make_engine(target).generate(prompt_token_ids=prompts, sampling=sampling)]
     spec = make_engine(target, spec=SpecConfig(algorithm="eagle", draft_model=draft, num_steps=3,
                                                topk=2, num_draft_tokens=6))
     assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling=sampling)] == plain
     assert spec.metrics.mean_accept_length > 1.3  # really verifying drafts
-    assert any(n > 2 for n in fused_on_cpu)  # a verify of several tokens a request was fused
+    assert any(n > 2 for n in fused_on_cpu[0])  # a verify of several tokens a request was fused
 
 
 # --- compiled for an H100 ------------------------------------------------------------------------

@@ -10,16 +10,15 @@ o_proj) and every expert's intermediate dimension; the latent path is replicated
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.layers import mla_decode
 from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
-from specserve.engine.layers.moe import run_experts, select_experts
+from specserve.engine.layers.moe import route, run_experts
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -162,11 +161,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
-        logits = F.linear(x.float(), self.weight)
-        return select_experts(logits, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
-                              topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
-                              routed_scaling_factor=moe.routed_scaling_factor,
-                              correction_bias=self.e_score_correction_bias)
+        return route(x, self.weight, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
+                     topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
+                     routed_scaling_factor=moe.routed_scaling_factor,
+                     correction_bias=self.e_score_correction_bias)
 
 
 class ExpertParts(NamedTuple):
@@ -201,9 +199,10 @@ class Experts(nn.Module):
         self.w13_scale = scale_parameter(self.w13, block_n, block_k)
         self.w2_scale = scale_parameter(self.w2, block_n, block_k)
 
-    def forward(self, x, topk_weights, topk_ids):
+    def forward(self, x, topk_weights, topk_ids, residual: Optional[torch.Tensor] = None):
+        """sum_k topk_weights * expert(x), plus `residual` when given (`run_experts`)."""
         return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
-                           weight_scale(self.w13_scale), weight_scale(self.w2_scale))
+                           weight_scale(self.w13_scale), weight_scale(self.w2_scale), residual)
 
 
 class DeepseekMoE(nn.Module):
@@ -221,6 +220,11 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        if self.shared_experts is not None and self.tp.size == 1:
+            # The shared experts first, their output added in the routed experts' combine
+            # (one launch less at decode). With tensor parallelism each part is all-reduced
+            # on its own, as below.
+            return self.experts(x, topk_weights, topk_ids, residual=self.shared_experts(x))
         out = self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
