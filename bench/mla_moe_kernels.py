@@ -114,14 +114,18 @@ def mla_rows(args, bandwidth, device):
         kernels = {"mla decode": decode_scene.decode(default, args.max_kv_splits),
                    "mla verify-tree-8": verify_scene.tree_verify(default, args.max_kv_splits),
                    "mla decode (torch)": decode_scene.torch_decode()}
-        if args.sweep and context == max(contexts):  # the longest context only: it is slow
-            # More splits matter most for V2-Lite's 16 heads (one program a split at bs 1).
-            for block_h, block_n, stages, warps, splits in itertools.product(
-                    (16, 32), (16, 32, 64), (1, 2), (4, 8), (16, 64)):
-                config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=warps,
-                                      num_stages=stages, block_h=block_h)
+        if args.sweep and context in (min(contexts), max(contexts)):  # the ends: it is slow
+            # More splits matter most for V2-Lite's 16 heads (one program a split at bs 1);
+            # the shortest context shows the split length's trade (parallel tiles against
+            # the last split's merge of 16 x 512 fp32 partials a split).
+            for block_h, block_n, stages, warps, splits, split_len in itertools.product(
+                    (16, 32), (16, 32, 64), (1, 2), (4, 8), (16, 64), (32, 64, 256)):
+                if split_len < block_n:
+                    continue
+                config = DecodeConfig(block_n=block_n, min_kv_split_len=split_len,
+                                      num_warps=warps, num_stages=stages, block_h=block_h)
                 kernels[f"mla decode h{block_h} n{block_n} st{stages} w{warps} "
-                        f"splits{splits}"] = decode_scene.decode(config, splits)
+                        f"splits{splits} len{split_len}"] = decode_scene.decode(config, splits)
         for name, fn in kernels.items():
             try:
                 seconds = bench(fn)
@@ -193,7 +197,7 @@ def moe_rows(args, bandwidth, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--contexts", default="128,1024,8192,32768")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--mla-heads", default="128,16")
     ap.add_argument("--max-kv-splits", type=int, default=16)

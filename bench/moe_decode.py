@@ -8,10 +8,11 @@ hidden 2048, intermediate 1408) and Qwen3-30B-A3B (128 experts top-8, hidden 204
 intermediate 768), at M = 1, 4, 16 tokens. Bandwidth = bytes of the distinct experts the M
 tokens picked (each read once: gate, up and down rows) / time, against the device-to-device
 copy bandwidth measured in this run. Kernels are replayed from CUDA graphs, as the engine runs
-them. The router rows time `Router` (deepseek.py) as the models run it (the fp32 logits of
-the bf16 hidden state against its fp32 weight, then `moe_router.softmax_topk`: softmax, top-k,
-renormalised for Qwen3, in one launch), and the torch ops it replaced (the bf16 weight cast
-at every call, softmax, top-k, sum, division, scaling), per layer.
+them. The router rows time `Router` (deepseek.py) as the models run it (at M <= 16
+`moe_router.router_softmax_topk`: the fp32 logits of the bf16 hidden state against its fp32
+weight, softmax, top-k, renormalised for Qwen3, in one launch), the unfused form it replaced
+(x.float(), cuBLAS's fp32 gemv, then `moe_router.softmax_topk`), and the torch ops before that
+(the bf16 weight cast at every call, softmax, top-k, sum, division, scaling), per layer.
 
 `--sweep` adds decode-kernel launch configurations (N/K tiles, warps, stages) to choose the
 default from.
@@ -30,6 +31,7 @@ import triton.testing
 from attention_kernels import copy_bandwidth  # bench/ is this script's folder
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.moe_decode import DecodeMoEConfig, decode_fused_experts, default_decode_config
+from specserve.engine.layers.moe_router import softmax_topk
 from specserve.engine.models.deepseek import Router
 from specserve.engine.models.model_config import ModelConfig
 
@@ -108,7 +110,11 @@ def rows_for(shape: str, tokens: list[int], sweep: bool, bandwidth: float, devic
                              fraction_of_copy=read / seconds / bandwidth))
             print(json.dumps(rows[-1]), flush=True)
         read = gate.weight.numel() * gate.weight.element_size()
+        moe = gate.moe
         for name, fn in (("router", lambda: gate(x)),
+                         ("router, gemv then softmax_topk", lambda: softmax_topk(
+                             F.linear(x.float(), gate.weight), moe.top_k, moe.norm_topk_prob,
+                             moe.routed_scaling_factor)),
                          ("router, torch ops (before)", lambda: torch_router(x, weight_bf16, gate.moe))):
             seconds = bench(fn)
             rows.append(dict(shape=shape, kernel=name, tokens=num_tokens, experts_touched=None, config=None,

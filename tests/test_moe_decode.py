@@ -4,17 +4,23 @@ interpreter on the CPU (tiny shapes) and, marked `gpu`, at Qwen3-30B-A3B and Dee
 shapes in bf16 and under CUDA-graph replay."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from test_fused_moe import random_gpu_experts, random_moe, reference_experts  # noqa: E402
 
-from specserve.engine.layers.moe import select_experts  # noqa: E402
+from specserve.engine.layers.moe import can_fuse_router, select_experts  # noqa: E402
 from specserve.engine.layers.moe_decode import (  # noqa: E402
     MAX_DECODE_TOKENS, DecodeMoEConfig, decode_fused_experts)
-from specserve.engine.layers.moe_router import softmax_topk  # noqa: E402
+from specserve.engine.layers.moe_router import (  # noqa: E402
+    MAX_ROUTER_TOKENS, router_softmax_topk, softmax_topk)
+from specserve.engine.layers.skinny_gemm import workspace_for  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # N/K tiles smaller than the tiny dims (hidden 40, intermediate 24) so loops and tails run.
@@ -44,6 +50,21 @@ def test_every_token_on_the_same_experts_and_empty_experts():
     ids = torch.tensor([[5, 2]] * 16, device=DEVICE)
     check(x, w13, w2, topk_weights, ids.to(torch.int32))
     check(x, w13, w2, torch.ones(16, 1, device=DEVICE), ids[:, :1].contiguous())  # top-1: one slot
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (7, 3), (16, 1)])
+def test_combine_adds_the_residual_and_leaves_counters_zero(num_tokens, top_k):
+    """The down kernel's last program per N tile sums each token's k rows and adds the shared
+    experts' output (`residual`, a strided view here) as `out + residual` does; its counters
+    end at zero, so a second launch (a graph replay) combines the same."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, w13, w2, topk_weights, topk_ids = random_moe(num_tokens, 6, top_k, 40, 24, gen)
+    residual = torch.randn(num_tokens, 64, generator=gen).to(DEVICE)[:, 8:48]  # rows strided
+    expected = reference_experts(x, w13, w2, topk_weights, topk_ids) + residual
+    for _ in range(2):
+        out = decode_fused_experts(x, w13, w2, topk_weights, topk_ids, SMALL, residual=residual)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert not workspace_for(x.device).arrivals.any()
 
 
 def test_default_config_and_rejections():
@@ -83,6 +104,81 @@ def test_softmax_topk_edges():
     assert softmax_topk(torch.zeros(0, 8, device=DEVICE), 2, True)[1].shape == (0, 2)
     with pytest.raises(ValueError, match="top_k 9"):
         softmax_topk(torch.zeros(2, 8, device=DEVICE), 9, True)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling,dtype", [
+    (1, 64, 6, False, 1.0, torch.float32), (5, 60, 6, False, 1.5, torch.bfloat16),
+    (16, 128, 8, True, 1.0, torch.float32), (3, 8, 2, True, 2.0, torch.bfloat16),
+    (MAX_ROUTER_TOKENS, 4, 4, True, 1.0, torch.float32)])
+def test_router_is_the_gemv_then_softmax_topk(num_tokens, num_experts, top_k, renormalize,
+                                              scaling, dtype):
+    """The fused router against the torch path (F.linear of x.float() and the fp32 weight,
+    then select_experts) on 16-bit and fp32 hidden states: 60 experts (not a power of two),
+    128 (two a program), every expert picked (k = E); the counter left at zero, so a repeat
+    routes the same."""
+    gen = torch.Generator().manual_seed(num_experts + num_tokens)
+    hidden = 200  # not a multiple of the K step: the tail is masked
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(num_experts, hidden, generator=gen).to(DEVICE)
+    got = router_softmax_topk(x, weight, top_k, renormalize, scaling)
+    assert got[0].shape == got[1].shape == (num_tokens, top_k) and got[1].dtype == torch.int64
+    expected = select_experts(F.linear(x.float(), weight).cpu(), top_k=top_k, scoring="softmax",
+                              norm_topk_prob=renormalize, routed_scaling_factor=scaling)
+    assert_same_routing(got, expected)
+    assert not workspace_for(x.device).arrivals.any()
+    again = router_softmax_topk(x, weight, top_k, renormalize, scaling)
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
+
+
+def test_router_refusals_and_dispatch():
+    x, weight = torch.zeros(MAX_ROUTER_TOKENS + 1, 32, device=DEVICE), torch.zeros(8, 32, device=DEVICE)
+    with pytest.raises(AssertionError, match="rows"):
+        router_softmax_topk(x, weight, 2, True)
+    with pytest.raises(ValueError, match="top_k 9"):
+        router_softmax_topk(x[:1], weight, 9, True)
+    if DEVICE.type == "cuda":  # decode-sized softmax routing without groups, only
+        assert can_fuse_router(x[:16], "softmax", 1)
+        assert not can_fuse_router(x, "softmax", 1)
+        assert not can_fuse_router(x[:1], "sigmoid", 1) and not can_fuse_router(x[:1], "softmax", 4)
+
+
+_COMPILE_ROUTER_FOR_SM90 = """
+import torch
+from specserve.engine.layers import moe_decode as D, moe_router as R
+from sm90_compile import compile_sm90, t
+
+bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+# V2-Lite (64 experts top-6, hidden 2048) at M = 1 and Qwen3-30B-A3B (128 top-8) at M = 16,
+# as router_softmax_topk launches them.
+for m, experts, top_k, per_program, block_k in ((1, 64, 6, 1, 2048), (16, 128, 8, 2, 128)):
+    ptx = compile_sm90(R._router_kernel, dict(
+        x=t(bf16), w=t(f32), logits=t(f32), weights=t(f32), ids=t(i64), arrivals=t(i32), M=m,
+        num_experts=experts, K=2048, stride_xm=2048, stride_wn=2048, scaling=1.0, TOP_K=top_k,
+        RENORMALIZE=experts == 128, BLOCK_M=m, EXPERTS_PER_PROGRAM=per_program, BLOCK_K=block_k,
+        BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), 4, 1)
+    assert "griddepcontrol.wait" in ptx and "atom" in ptx
+    print("compiled router", experts)
+# The down kernel with its combine (and the shared experts' residual) at V2-Lite's shape, M = 1.
+for residual in (False, True):
+    ptx = compile_sm90(D._down_kernel, dict(
+        intermediate=t(bf16), w2=t(bf16), weighted=t(bf16), out=t(bf16), residual=t(bf16),
+        arrivals=t(i32), topk_ids=t(i64), topk_weights=t(f32), num_tokens=1, num_entries=6,
+        N=2048, K=1408, stride_inter=1408, stride_we=2048 * 1408, stride_wn=1408, stride_wk=1,
+        stride_weighted=2048, stride_out=2048, stride_res=2048, TOP_K=6, BLOCK_M=16,
+        BLOCK_TOPK=8, BLOCK_ENTRIES=8, BLOCK_N=32, BLOCK_K=128, HAS_RESIDUAL=residual,
+        DOT_PRECISION="tf32"), 4, 4)
+    assert "atom" in ptx and "mma" in ptx
+    print("compiled down", residual)
+"""
+
+
+def test_decode_kernels_compile_for_hopper():
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_ROUTER_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,18 +84,22 @@ def test_greedy_matches_transformers_generate(checkpoints, make_engine, name, ov
 
 @pytest.mark.parametrize("name", ["qwen3-4x2-unnormed-step2", "mixtral-4x1"])
 def test_engine_through_the_decode_kernels_matches_transformers(checkpoints, make_engine, monkeypatch, name):
-    """The decode experts kernel (steps of at most 16 tokens) and the Triton router, run by the
+    """The decode experts kernel (steps of at most 16 tokens, its combine adding no residual:
+    these families have no shared experts) and the Triton routers (the fused gemv + top-k at
+    most 16 tokens, the softmax top-k of the torch gemv's logits above), run by the
     interpreter on CPU tensors in place of the torch paths that CPU engines take (CUDA engines
-    dispatch to them in run_experts and select_experts): transformers' greedy tokens. Counts
-    the calls, so the kernels really ran."""
+    dispatch to them in run_experts and route): transformers' greedy tokens. Counts the
+    calls, so the kernels really ran."""
+    from specserve.engine.layers import moe
     from specserve.engine.layers.moe import fused_experts
     from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS, decode_fused_experts
-    from specserve.engine.layers.moe_router import softmax_topk
+    from specserve.engine.layers.moe_router import MAX_ROUTER_TOKENS, router_softmax_topk, softmax_topk
     from specserve.engine.models import deepseek
 
-    calls = {"experts": 0, "router": 0}
+    calls = {"experts": 0, "router": 0, "fused router": 0}
 
-    def run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+    def run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, residual=None):
+        assert residual is None
         if x.shape[0] > MAX_DECODE_TOKENS:
             return fused_experts(x, w13, w2, topk_weights, topk_ids)
         calls["experts"] += 1
@@ -105,13 +109,19 @@ def test_engine_through_the_decode_kernels_matches_transformers(checkpoints, mak
         calls["router"] += 1
         return softmax_topk(logits, top_k, norm_topk_prob, routed_scaling_factor)
 
+    def fused_router(*args):
+        calls["fused router"] += 1
+        return router_softmax_topk(*args)
+
     monkeypatch.setattr(deepseek, "run_experts", run_experts)
-    monkeypatch.setattr(deepseek, "select_experts", select_experts)
+    monkeypatch.setattr(moe, "select_experts", select_experts)
+    monkeypatch.setattr(moe, "_router_softmax_topk", fused_router)
+    monkeypatch.setattr(moe, "can_fuse_router", lambda x, *_: x.shape[0] <= MAX_ROUTER_TOKENS)
     path = checkpoints(name)
-    prompts = random_prompts(2, seed=6, max_len=12)
+    prompts = random_prompts(2, seed=6, max_len=30)  # prefills past 16 tokens: the torch gemv
     outs = make_engine(path).generate(prompt_token_ids=prompts,
                                       sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-    assert calls["experts"] and calls["router"]
+    assert calls["experts"] and calls["router"] and calls["fused router"]
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 6)
 
 

@@ -22,16 +22,18 @@ import torch.nn.functional as F
 
 from specserve.engine.quantization.fp8 import WeightScale, dequantize
 
-_triton_fused_experts = _decode_fused_experts = _softmax_topk = None
-MAX_DECODE_TOKENS = 0  # the decode kernel's bound, set where it imports
+_triton_fused_experts = _decode_fused_experts = _softmax_topk = _router_softmax_topk = None
+MAX_DECODE_TOKENS = MAX_ROUTER_TOKENS = 0  # the decode kernels' bounds, set where they import
 if torch.cuda.is_available():
     try:
         from specserve.engine.layers.fused_moe_triton import fused_experts as _triton_fused_experts
         from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
         from specserve.engine.layers.moe_decode import decode_fused_experts as _decode_fused_experts
+        from specserve.engine.layers.moe_router import MAX_ROUTER_TOKENS
+        from specserve.engine.layers.moe_router import router_softmax_topk as _router_softmax_topk
         from specserve.engine.layers.moe_router import softmax_topk as _softmax_topk
     except ImportError:  # no triton (or no kernel yet): the torch loops run on the GPU too
-        _triton_fused_experts = _decode_fused_experts = _softmax_topk = None
+        _triton_fused_experts = _decode_fused_experts = _softmax_topk = _router_softmax_topk = None
 
 
 def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num_groups: int = 1,
@@ -73,6 +75,29 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
     else:
         raise ValueError(f"scoring_func: unsupported {scoring!r} (softmax and sigmoid are)")
     return weights * routed_scaling_factor, ids
+
+
+def can_fuse_router(x: torch.Tensor, scoring: str, num_groups: int) -> bool:
+    """Whether `route` computes the logits and the routing in one launch: CUDA, softmax
+    routing without groups, a decode-sized batch."""
+    return (_router_softmax_topk is not None and x.is_cuda and scoring == "softmax"
+            and num_groups == 1 and 1 <= x.shape[0] <= MAX_ROUTER_TOKENS)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, *, top_k: int, scoring: str,
+          num_groups: int = 1, topk_groups: int = 1, norm_topk_prob: bool = False,
+          routed_scaling_factor: float = 1.0,
+          correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` of the fp32 router logits F.linear(x.float(), router_weight); where
+    `can_fuse_router`, the logits' gemv and the routing are one Triton launch
+    (`moe_router.router_softmax_topk`: the same routing up to the last bits of the sums)."""
+    if can_fuse_router(x, scoring, num_groups):
+        return _router_softmax_topk(x, router_weight, top_k, norm_topk_prob, routed_scaling_factor)
+    return select_experts(F.linear(x.float(), router_weight), top_k=top_k, scoring=scoring,
+                          num_groups=num_groups, topk_groups=topk_groups,
+                          norm_topk_prob=norm_topk_prob,
+                          routed_scaling_factor=routed_scaling_factor,
+                          correction_bias=correction_bias)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_groups: int, per_group: int) -> torch.Tensor:
@@ -123,12 +148,17 @@ def experts_capturable() -> bool:
 
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
-                w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
+                w2_scale: Optional[WeightScale] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernels on CUDA when available (decode-sized 16-bit batches: the decode
-    kernel; else the grouped one, which also takes FP8 scales), else the torch loop."""
+    kernel; else the grouped one, which also takes FP8 scales), else the torch loop. With
+    `residual` [T, H], the experts' output + residual (the decode kernel adds it in its
+    combine; the other paths with one more launch)."""
     if x.is_cuda and _triton_fused_experts is not None:
         if w13_scale is None and x.shape[0] <= MAX_DECODE_TOKENS:
-            return _decode_fused_experts(x, w13, w2, topk_weights, topk_ids)
-        return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                                     w2_scale=w2_scale)
-    return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+            return _decode_fused_experts(x, w13, w2, topk_weights, topk_ids, residual=residual)
+        out = _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                    w2_scale=w2_scale)
+    else:
+        out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return out if residual is None else out + residual

@@ -15,9 +15,11 @@ a one-program launch, then pads every expert's run to a 16-row block; here there
   of every token that picked it (16 token rows in one tl.dot; tokens that did not pick it are
   masked), silu(gate) * up stored at each picking entry's row (t*k + j) of `intermediate`.
 - `_down_kernel`: the down projection of those rows, times the entry's top-k weight, stored at
-  the same entry row; the k rows of a token are then summed (a [M, k, H] sum: deterministic,
-  unlike atomically adding experts into one output row, and the same epilogue as the grouped
-  kernel).
+  the same entry row; then every program counts its arrival on its N tile's counter (of the
+  skinny GEMM's workspace) and the last to arrive sums the tile's k rows of each token in
+  entry order (deterministic, unlike atomically adding experts into one output row; the
+  grouped kernel's [M, k, H] sum, without its launch) and adds the shared experts' output
+  when given (`residual`: DeepSeekMoE's `+ shared_experts(x)`, without its launch either).
 
 Weights stay in their checkpoint layout: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
 """
@@ -28,6 +30,8 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+
+from specserve.engine.layers.skinny_gemm import workspace_for
 
 MAX_DECODE_TOKENS = 16  # one tl.dot row block holds every token
 
@@ -108,42 +112,65 @@ def _gate_up_kernel(x, w13, intermediate, topk_ids, topk_weights, num_tokens, nu
 
 
 @triton.jit
-def _down_kernel(intermediate, w2, out, topk_ids, topk_weights, num_tokens, num_entries, N, K,
-                 stride_inter, stride_we, stride_wn, stride_wk, stride_out,
+def _down_kernel(intermediate, w2, weighted, out, residual, arrivals, topk_ids, topk_weights,
+                 num_tokens, num_entries, N, K, stride_inter, stride_we, stride_wn, stride_wk,
+                 stride_weighted, stride_out, stride_res,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                  BLOCK_ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     slot = tl.program_id(0)
-    expert, earlier = _slot_expert(topk_ids, slot, num_entries, BLOCK_ENTRIES)
-    if earlier > 0:  # another slot reads this expert's weights
-        return
-    picked, rows, weight = _token_entries(topk_ids, topk_weights, expert, num_tokens, TOP_K,
-                                          BLOCK_M, BLOCK_TOPK)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    a_ptrs = intermediate + rows[:, None].to(tl.int64) * stride_inter + offs_k[None, :]
-    w_ptrs = (w2 + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None] * stride_wk)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k_start
-        a = tl.load(a_ptrs, mask=picked[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0), acc,
-                     input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    acc = acc * weight.to(tl.float32)[:, None]
-    tl.store(out + rows[:, None].to(tl.int64) * stride_out + offs_n[None, :],
-             acc.to(out.dtype.element_ty), mask=picked[:, None] & n_mask[None, :])
+    expert, earlier = _slot_expert(topk_ids, slot, num_entries, BLOCK_ENTRIES)
+    if earlier == 0:  # else another slot reads this expert's weights
+        picked, rows, weight = _token_entries(topk_ids, topk_weights, expert, num_tokens, TOP_K,
+                                              BLOCK_M, BLOCK_TOPK)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = intermediate + rows[:, None].to(tl.int64) * stride_inter + offs_k[None, :]
+        w_ptrs = (w2 + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+                  + offs_k[:, None] * stride_wk)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k_start
+            a = tl.load(a_ptrs, mask=picked[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0),
+                         acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        acc = acc * weight.to(tl.float32)[:, None]
+        tl.store(weighted + rows[:, None].to(tl.int64) * stride_weighted + offs_n[None, :],
+                 acc.to(weighted.dtype.element_ty), mask=picked[:, None] & n_mask[None, :])
+    # Every slot (those that skipped too) counts its arrival on the N tile's counter after its
+    # stores (a CTA barrier, then the atomic's release); the last to arrive sums each token's
+    # k entry rows from L2 in entry order (deterministic) and adds the residual.
+    tl.debug_barrier()
+    counter = arrivals + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        dtype = out.dtype.element_ty
+        tile_mask = (offs_m < num_tokens)[:, None] & n_mask[None, :]
+        m64 = offs_m.to(tl.int64)[:, None]
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            total += tl.load(weighted + (m64 * TOP_K + j) * stride_weighted + offs_n[None, :],
+                             mask=tile_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = total.to(dtype)  # torch's sum over k: fp32 sums, rounded once
+        if HAS_RESIDUAL:  # then `+ residual` in the activation dtype
+            y = (y.to(tl.float32) + tl.load(residual + m64 * stride_res + offs_n[None, :],
+                                            mask=tile_mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(out + m64 * stride_out + offs_n[None, :], y, mask=tile_mask)
+        tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
 
 
 def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         config: Optional[DecodeMoEConfig] = None) -> torch.Tensor:
+                         config: Optional[DecodeMoEConfig] = None,
+                         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed experts' output [M, H] for x [M, H] (M <= MAX_DECODE_TOKENS), w13 [E, 2I, H],
     w2 [E, H, I], topk_weights [M, k] fp32 and topk_ids [M, k] (distinct experts a token):
-    `fused_moe_triton.fused_experts`'s contract, for few tokens."""
+    `fused_moe_triton.fused_experts`'s contract, for few tokens. With `residual` [M, H] (the
+    shared experts' output) the result is that sum plus `residual`, added in the same launch."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -156,6 +183,8 @@ def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids "
                          f"{tuple(topk_ids.shape)} must both be [{num_tokens}, k]")
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
     config = config or default_decode_config(x.device)
@@ -172,7 +201,15 @@ def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x, w13, intermediate, topk_ids, topk_weights, num_tokens, num_entries, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), intermediate.stride(0), **meta)
     weighted = x.new_empty(num_entries, hidden)
-    _down_kernel[(num_entries, triton.cdiv(hidden, config.block_n))](
-        intermediate, w2, weighted, topk_ids, topk_weights, num_tokens, num_entries, hidden, inter,
-        intermediate.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), weighted.stride(0), **meta)
-    return weighted.view(num_tokens, top_k, hidden).sum(1)
+    out = x.new_empty(num_tokens, hidden)
+    n_tiles = triton.cdiv(hidden, config.block_n)
+    # The combine's counters, one an N tile (zero between launches, which run in stream order).
+    arrivals = workspace_for(x.device).arrivals
+    assert n_tiles <= arrivals.numel()
+    _down_kernel[(num_entries, n_tiles)](
+        intermediate, w2, weighted, out, residual if residual is not None else x, arrivals,
+        topk_ids, topk_weights, num_tokens, num_entries, hidden, inter, intermediate.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), weighted.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, HAS_RESIDUAL=residual is not None,
+        **meta)
+    return out

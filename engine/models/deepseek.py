@@ -10,15 +10,15 @@ o_proj) and every expert's intermediate dimension; the latent path is replicated
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.layers import mla_decode
 from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
-from specserve.engine.layers.moe import run_experts, select_experts
+from specserve.engine.layers.moe import route, run_experts
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -101,6 +101,9 @@ class MLAAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if mla_decode.can_fuse(x):
+            return self._forward_fused(q.view(T, H, m.qk_head_dim), self.kv_a_proj_with_mqa(x),
+                                       positions, fb)
         q_nope, q_pe = q.view(T, H, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
@@ -112,6 +115,28 @@ class MLAAttention(nn.Module):
                                       self.layer_id, fb, self.scale)             # [T, H * latent]
         out = torch.bmm(out.view(T, H, m.kv_lora_rank).transpose(0, 1), w_uv.transpose(1, 2))
         return self.o_proj(out.transpose(0, 1).reshape(T, H * m.v_head_dim))
+
+    def _forward_fused(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                       fb: ForwardBatch) -> torch.Tensor:
+        """`forward` for decode-sized batches from q [T, H, qk_head_dim] and the kv_a
+        projection [T, latent + rope], in four launches besides the projections and the
+        attention (engine/layers/mla_decode.py): the latent's norm, both RoPEs and the pool
+        store in one; the absorbed query and o_proj's input each one per-head matmul, written
+        in place where the next launch reads them."""
+        m, T, H = self.mla, q.shape[0], self.num_heads
+        q_abs = q.new_empty(T, H, self.kv_head_dim)
+        mla_decode.rope_norm_store(
+            q, kv, q_abs, fb.kv_pool.k_buffer[self.layer_id], fb.out_cache_loc, positions,
+            self.rotary.cos, self.rotary.sin, self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps, m.qk_nope_head_dim, m.rope_interleave,
+            fb.kv_pool.scales.k[self.layer_id])
+        w_uk, w_uv = self._absorbed_weights()
+        mla_decode.head_matmul(q[..., :m.qk_nope_head_dim], w_uk.transpose(1, 2),
+                               q_abs[..., :m.kv_lora_rank])
+        out = fb.attn_backend.forward(q_abs, None, None, self.layer_id, fb, self.scale)
+        o_in = q.new_empty(T, H, m.v_head_dim)
+        mla_decode.head_matmul(out.view(T, H, m.kv_lora_rank), w_uv, o_in)
+        return self.o_proj(o_in.view(T, H * m.v_head_dim))
 
 
 class Router(nn.Module):
@@ -136,11 +161,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
-        logits = F.linear(x.float(), self.weight)
-        return select_experts(logits, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
-                              topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
-                              routed_scaling_factor=moe.routed_scaling_factor,
-                              correction_bias=self.e_score_correction_bias)
+        return route(x, self.weight, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
+                     topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
+                     routed_scaling_factor=moe.routed_scaling_factor,
+                     correction_bias=self.e_score_correction_bias)
 
 
 class ExpertParts(NamedTuple):
@@ -175,9 +199,10 @@ class Experts(nn.Module):
         self.w13_scale = scale_parameter(self.w13, block_n, block_k)
         self.w2_scale = scale_parameter(self.w2, block_n, block_k)
 
-    def forward(self, x, topk_weights, topk_ids):
+    def forward(self, x, topk_weights, topk_ids, residual: Optional[torch.Tensor] = None):
+        """sum_k topk_weights * expert(x), plus `residual` when given (`run_experts`)."""
         return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
-                           weight_scale(self.w13_scale), weight_scale(self.w2_scale))
+                           weight_scale(self.w13_scale), weight_scale(self.w2_scale), residual)
 
 
 class DeepseekMoE(nn.Module):
@@ -195,6 +220,11 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        if self.shared_experts is not None and self.tp.size == 1:
+            # The shared experts first, their output added in the routed experts' combine
+            # (one launch less at decode). With tensor parallelism each part is all-reduced
+            # on its own, as below.
+            return self.experts(x, topk_weights, topk_ids, residual=self.shared_experts(x))
         out = self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 

@@ -86,8 +86,13 @@ def default_decode_config(head_dim: int, device: torch.device,
         # 16 query heads a program (a 16 x 512 fp32 accumulator) against 32-token tiles of
         # the 576-dim key in two stages (2 x 36 KiB of shared memory); the heads of MLA's
         # single group are sliced across programs that read the same tiles (SGLang's Triton
-        # MLA decode uses the same tiling). bench/mla_moe_kernels.py --sweep times others.
-        return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2,
+        # MLA decode uses the same tiling). A split per 32-token tile: with V2-Lite's 16 heads
+        # a request is one program per split, so 256 tokens a split ran a 128-token context
+        # as one program walking 4 dependent tiles (16 us a layer on an H100, a latency
+        # chain, not bandwidth); now 4 programs of one tile each, merged by the last (as
+        # SGLang splits down to 32 tokens). Contexts from 16 x 256 = 4k tokens up get the
+        # same 16 splits as before. bench/mla_moe_kernels.py --sweep times others.
+        return DecodeConfig(block_n=32, min_kv_split_len=32, num_warps=4, num_stages=2,
                             block_h=16)
     # H100/H200: 128-token tiles in three stages keep enough gathered K/V rows in flight to
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
