@@ -12,7 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import cached_checkpoints, hf_greedy, make_predictable_pair, random_prompts  # noqa: E402
+from fp8_quantizer import quantize_checkpoint  # noqa: E402
+from helpers import (  # noqa: E402
+    cached_checkpoints, hf_greedy, make_predictable_pair, make_tiny_checkpoint, random_prompts)
 from test_fp8_kv_cache import exact_fp8_casts  # noqa: E402,F401 (a fixture)
 
 from specserve.engine import SamplingParams, SpecConfig  # noqa: E402
@@ -170,6 +172,20 @@ def test_engine_through_the_fused_kernels_matches_transformers(checkpoints, make
     mla_calls, router_calls = fused_on_cpu
     assert mla_calls and bool(router_calls) == (name == "v2-greedy-routing")
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 6)
+
+
+def test_fp8_checkpoint_through_the_fused_kernels(tmp_path, make_engine, fused_on_cpu):
+    """An FP8 DeepSeek checkpoint (block scales): FP8 projections, W_UK and W_UV from the
+    dequantised kv_b_proj; the dequantised model's greedy tokens in transformers."""
+    src = make_tiny_checkpoint(str(tmp_path / "bf16"), "deepseek_v3", seed=7, num_layers=3)
+    fp8 = quantize_checkpoint(src, str(tmp_path / "fp8"), "block", (16, 16),
+                              reference=str(tmp_path / "ref"))
+    prompts = random_prompts(2, seed=6, max_len=12)
+    outs = make_engine(fp8).generate(prompt_token_ids=prompts,
+                                     sampling=SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                             ignore_eos=True))
+    assert fused_on_cpu[0]
+    assert [o.token_ids for o in outs] == hf_greedy(str(tmp_path / "ref"), prompts, 6)
 
 
 def test_tree_verify_through_the_fused_kernels(tmp_path, make_engine, fused_on_cpu):

@@ -7,6 +7,8 @@ so each query head is (q_nope W_UK) || q_rope against the key latent || k_rope, 
 the latent itself, and W_UV maps each head's latent output to its v_head_dim output. W_UK and
 W_UV are views of the checkpoint's kv_b_proj. Tensor parallelism splits the heads (q, kv_b,
 o_proj) and every expert's intermediate dimension; the latent path is replicated.
+Decode-sized forwards on CUDA run the same math in fewer launches (`MLAAttention._forward_fused`,
+engine/layers/mla_decode.py; docs/architecture.md, "The fused MLA decode step").
 """
 from __future__ import annotations
 
