@@ -398,7 +398,7 @@ def test_gpu_graphed_constrained_steps_equal_eager(make_engine, shape):
     from specserve.engine import SpecConfig as Spec
 
     prompts, params = _mixed(n=6, tokens=48)
-    kwargs = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_running_requests=8,
+    kwargs = dict(device="cuda", attention_backend="triton", max_running_requests=8,
                   spec=None if shape is None else Spec(**shape))
     outs, replays = [], []
     for graphs in (False, True):
