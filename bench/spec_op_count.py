@@ -51,10 +51,10 @@ SYNCS = {"aten::_local_scalar_dense", "aten::nonzero"}  # the op that waits for 
 GROUPS = [("attention backend", re.compile(r"engine/attention/")),
           ("model forward", re.compile(r"engine/(models|layers/(?!sampler|argmax))(?!.*: topk$)"))]
 # Phases of the iteration: the innermost of these functions an op runs in.
-PHASES = [("draft loop", re.compile(r": _draft$")),
+PHASES = [("draft loop", re.compile(r": (_draft_start|_draft_forward|_draft_grow|_level_drafted)$")),
           ("accept (target tokens, walk)", re.compile(r"spec/tree\.py.*: accept$|: _target_tokens$")),
           ("compaction", re.compile(r": (compact_rows|compaction_moves|move_kv_cache)$")),
-          ("verify (tree, target forward)", re.compile(r": _verify_half$")),
+          ("verify (tree, target forward)", re.compile(r": _verify_(half|forward|accept)$")),
           ("draft extend + stash + outputs", re.compile(r": _extend_half$")),
           ("prefill-free forward glue", re.compile(r"runtime/step\.py.*: run$")),
           ("schedule side", re.compile(r"(scheduler/|: launch_decode$)"))]

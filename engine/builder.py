@@ -99,7 +99,7 @@ class EngineCore:
             self.scheduler.drain()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.close()
-        for graphs in (self.worker.graphs, self.worker.extend_graphs):
+        for graphs in (self.worker.graphs, self.worker.constrained_graphs, self.worker.extend_graphs):
             if graphs is not None:
                 graphs.release()
         self.ctx.close()
@@ -262,7 +262,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)
     if uses_cuda_graphs:
         logger.info("capturing CUDA graphs for batch sizes up to %d", num_rows)
-        worker.enable_cuda_graphs(num_rows, row_width)
+        # Constrained steps get graphs of their own only where requests may carry a grammar.
+        worker.enable_cuda_graphs(num_rows, row_width, constrained=scheduler.grammars is not None)
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(

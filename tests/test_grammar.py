@@ -281,3 +281,133 @@ def test_draft_vocabulary_without_an_allowed_token_stays_unmasked():
     out = apply_token_bitmask(logits, bitmask, hot)
     assert out[0].tolist() == [float("-inf"), 0.0, float("-inf"), float("-inf")]
     assert out[1].tolist() == [0.0] * 4
+
+
+# --- CUDA graphs of constrained steps ---------------------------------------------------------
+# On the CPU the captured parts run eagerly on the padded static inputs (GraphedStep's loading
+# and buckets, the masks in StepBuffers); on a GPU the real graphs do.
+TREE3 = dict(num_steps=4, topk=3, num_draft_tokens=8)
+
+
+def _eager_graphs(monkeypatch):
+    """GraphedStep with each bucket's parts run eagerly on its static inputs; replays counted."""
+    from specserve.engine.runtime import cuda_graph, worker
+    from specserve.engine.spec import eagle_worker
+
+    class EagerGraphs(cuda_graph.GraphedStep):
+        replays: list = []
+
+        def _capture(self, bs):
+            self.captured[bs] = cuda_graph._Captured([], self.make_inputs(bs), [])
+
+        def replay(self, captured, part):
+            EagerGraphs.replays.append((self, captured.inputs.rows.shape[0] if hasattr(captured.inputs, "rows")
+                                        else None, part))
+            if part == 0:
+                captured.outputs.clear()
+            captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
+            return captured.outputs[-1]
+
+    for module in (worker, eagle_worker):
+        monkeypatch.setattr(module, "GraphedStep", EagerGraphs)
+    return EagerGraphs
+
+
+def _graphed_engine(make_engine, monkeypatch, model, **kwargs):
+    engine = make_engine(model, **kwargs)
+    graphs = _eager_graphs(monkeypatch)
+    core = engine.core
+    core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width,
+                                   constrained=True)
+    return engine, graphs
+
+
+def _mixed(n: int = 6, tokens: int = 24):
+    """Greedy requests, two of three constrained (the others keep graphs in a mixed batch)."""
+    schema = json.dumps(_schema(random.Random(5)))
+    return random_prompts(n, seed=11, max_len=12), [
+        SamplingParams(max_new_tokens=tokens, temperature=0.0,
+                       grammar=GrammarSpec("json_schema", schema) if i % 3 else None)
+        for i in range(n)]
+
+
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE, TREE3], ids=["plain", "chain", "tree", "tree3"])
+def test_graphed_constrained_steps_equal_eager_ones(pair, make_engine, monkeypatch, shape):
+    """6 requests run in the bucket of 8, then smaller ones as they finish: the padded rows
+    and the unconstrained ones allow every token, the outputs are the eager constrained ones."""
+    prompts, params = _mixed()
+    spec = None if shape is None else _spec(pair[1], **shape)
+    eager = make_engine(pair[0], spec=spec).generate(prompt_token_ids=prompts, sampling=params)
+    engine, graphs = _graphed_engine(make_engine, monkeypatch, pair[0], spec=spec)
+    worker = engine.core.worker
+    constrained_steps = []
+    launch = worker.launch_decode
+    monkeypatch.setattr(worker, "launch_decode",
+                        lambda step: constrained_steps.append(step.grammar is not None) or launch(step))
+    outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    starts = [(g, bs) for g, bs, part in graphs.replays if part == 0 and bs is not None]
+    # Every decode step replayed: constrained ones the constrained graphs, the others the plain.
+    assert sum(g is worker.constrained_graphs for g, _ in starts) == sum(constrained_steps) > 0
+    assert sum(g is worker.graphs for g, _ in starts) == len(constrained_steps) - sum(constrained_steps)
+    assert {bs for g, bs in starts if g is worker.constrained_graphs} >= {8}
+    parts = len(worker.constrained_graphs.parts)
+    assert parts == (2 if shape is None else 2 * shape["num_steps"] + 2)
+    assert all(p < parts for g, _, p in graphs.replays if g is worker.constrained_graphs)
+
+
+def test_sampled_constrained_batches_stay_eager(pair, make_engine, monkeypatch):
+    prompts = random_prompts(3, seed=12, max_len=10)
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, grammar=GrammarSpec("json_object"))
+    eager = make_engine(pair[0], spec=_spec(pair[1], **TREE)).generate(prompt_token_ids=prompts, sampling=params)
+    engine, graphs = _graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair[1], **TREE))
+    outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert not [r for r in graphs.replays if r[0] is engine.core.worker.constrained_graphs]
+
+
+def test_padded_mask_rows_allow_every_token(compiler):
+    from specserve.engine.grammar.batch import GrammarBatch, StepBuffers
+    from specserve.engine.grammar.request_grammar import RequestGrammar
+
+    g = RequestGrammar(compiler.compile(GrammarSpec("json_object")), [EOS], None)
+    buffers = StepBuffers(8, 10, 64, "cpu")
+    buffers.device.zero_()  # what an earlier, larger batch left
+    batch = GrammarBatch([None, g], 320, "cpu")
+    masks = batch.next_token_masks(buffers, requests=4)
+    assert masks.data_ptr() == buffers.device.data_ptr() and masks.shape == (4, 10)
+    assert torch.equal(masks[1], _matcher_mask(compiler.compile(GrammarSpec("json_object")).result(), []))
+    for row in (0, 2, 3):
+        assert torch.equal(masks[row], torch.full((10,), -1, dtype=torch.int32))
+    # Paths read into the fixed buffer: a padded bucket of 4 requests, 2 nodes each.
+    read = GrammarBatch.read_tree(torch.full((4, 2), ord("{")), torch.tensor([[-1, 0]] * 4), into=buffers.reads)
+    read.copied()
+    masks = batch.path_masks(read, buffers)
+    assert masks.shape == (8, 10)
+    assert all(torch.equal(masks[r], torch.full((10,), -1, dtype=torch.int32)) for r in (0, 1, 4, 5, 6, 7))
+    assert torch.equal(masks[3], _matcher_mask(compiler.compile(GrammarSpec("json_object")).result(), [ord("{")]))
+
+
+# --- on a GPU: the captured graphs ------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE, dict(num_steps=5, topk=4, num_draft_tokens=8)],
+                         ids=["plain", "chain", "tree", "tree-5-4-8"])
+def test_gpu_graphed_constrained_steps_equal_eager(make_engine, shape):
+    """The demo pair: constrained greedy steps replay their graphs, token for token the eager
+    ones (mixed with unconstrained requests, padded buckets)."""
+    from specserve.engine import SpecConfig as Spec
+
+    prompts, params = _mixed(n=6, tokens=48)
+    kwargs = dict(device="cuda", attention_backend="triton", max_running_requests=8,
+                  spec=None if shape is None else Spec(**shape))
+    outs, replays = [], []
+    for graphs in (False, True):
+        engine = make_engine(None, cuda_graph=graphs, **kwargs)
+        worker = engine.core.worker
+        if graphs:
+            assert worker.constrained_graphs is not None
+            replay = worker.constrained_graphs.replay
+            worker.constrained_graphs.replay = lambda c, p: replays.append(p) or replay(c, p)
+        outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)])
+    assert outs[1] == outs[0]
+    assert replays.count(0) > 0

@@ -86,6 +86,7 @@ class Worker(Protocol):
     """What the scheduler and the engine need of a worker (NormalWorker, EagleWorker)."""
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
+    constrained_graphs: Any  # those of batches with a grammar (greedy), or None
     extend_graphs: Any  # the captured short extends (runtime/short_extend.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)
 
@@ -96,7 +97,7 @@ class Worker(Protocol):
 
     def launch_decode(self, step: DecodeStep) -> Launched: ...
 
-    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None: ...
+    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None: ...
 
 
 def launch_forward(ctx: DeviceContext, inputs: Any,

@@ -12,12 +12,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
-from specserve.engine.grammar.batch import GrammarBatch
-from specserve.engine.grammar.bitmask import apply_token_bitmask
+from specserve.engine.grammar.batch import GrammarBatch, StepBuffers
+from specserve.engine.grammar.bitmask import apply_token_bitmask, bitmask_width
 from specserve.engine.kvcache.pools import ReqToTokenPool
 from specserve.engine.layers.argmax import argmax_last_dim
 from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
                                              scored_logprobs)
+from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
@@ -237,8 +238,6 @@ class TargetModel:
 
     def capture_short_extends(self, parts, width: int):
         """GraphedStep of `parts` over the short-extend buckets (tokens, not batch sizes)."""
-        from specserve.engine.runtime.cuda_graph import GraphedStep
-
         device = self.ctx.device
         graphs = GraphedStep(parts, lambda length: make_short_extend_inputs(length, device), pad={},
                              max_batch_size=min(MAX_SHORT_EXTEND, width), device=device,
@@ -274,6 +273,8 @@ class NormalWorker:
     def __init__(self, target: TargetModel):
         self.target = target
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
+        self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar compiler)
+        self.masks: Optional[StepBuffers] = None  # the masks the constrained graphs apply
         self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
 
     def slots_per_request(self) -> int:
@@ -302,15 +303,18 @@ class NormalWorker:
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)
         bs = len(step.rows)
-        if not (self.graphs is not None and graphable(self.graphs, inputs.sampling_info, bs,
-                                                      constrained=step.grammar is not None)):
+        graphs = self.graphs if step.grammar is None else self.constrained_graphs
+        if not (graphs is not None and graphable(graphs, inputs.sampling_info, bs)):
             return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
 
         def replay(read_done) -> StepResult:
-            captured = self.graphs.load(ids=inputs.input_ids, positions=inputs.positions,
-                                        rows=inputs.rows, loc=inputs.out_cache_loc)
-            tokens = self.graphs.replay(captured, 0)
+            captured = graphs.load(ids=inputs.input_ids, positions=inputs.positions,
+                                   rows=inputs.rows, loc=inputs.out_cache_loc)
+            tokens = graphs.replay(captured, 0)
             read_done.record()
+            if step.grammar is not None:  # the masks are filled while the forward runs
+                step.grammar.next_token_masks(self.masks, captured.inputs.rows.shape[0])
+                tokens = graphs.replay(captured, 1)
             return StepResult(tokens[:bs])
 
         return launch_forward(self.target.ctx, inputs, replay)
@@ -318,17 +322,30 @@ class NormalWorker:
     def _sample(self, inputs: ForwardInputs, read_done) -> StepResult:
         return self.target.forward_and_sample(inputs, read_done).step_result()
 
-    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
-        from specserve.engine.runtime.cuda_graph import GraphedStep
+    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None:
+        """Capture the greedy decode per bucket, and with `constrained` (the engine compiles
+        grammars) a variant in two parts, forward then masked pick, in the same memory pool:
+        the unconstrained graph applies no mask."""
+        device = self.target.ctx.device
+        forward, pick, masked_pick = self.decode_parts(width)
+        self.graphs = GraphedStep([lambda s: pick(forward(s))], graph_decode_inputs(device), pad={},
+                                  max_batch_size=max_batch_size, device=device)
+        self.graphs.capture_all()
+        if constrained:
+            self.masks = StepBuffers(max_batch_size, bitmask_width(self.target.model.config.vocab_size), 0,
+                                     device)
+            self.constrained_graphs = GraphedStep([forward, masked_pick], graph_decode_inputs(device), pad={},
+                                                  max_batch_size=max_batch_size, device=device,
+                                                  pool=self.graphs.pool)
+            self.constrained_graphs.capture_all()
+        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
 
+    def decode_parts(self, width: int):
+        """(forward, pick, masked_pick) of a captured greedy decode: the forward's logits, the
+        argmax token (stashed in the FutureMap), the same under `self.masks`."""
         target = self.target
-        device = target.ctx.device
 
-        def make_inputs(bs: int) -> GraphedDecodeInputs:
-            return GraphedDecodeInputs(*(torch.zeros(bs, dtype=torch.int64, device=device)
-                                         for _ in GraphedDecodeInputs._fields))
-
-        def decode_step(s: GraphedDecodeInputs) -> torch.Tensor:
+        def forward(s: GraphedDecodeInputs) -> tuple[GraphedDecodeInputs, torch.Tensor]:
             bs = s.rows.shape[0]
             fb = ForwardBatch(
                 mode=ForwardMode.DECODE, input_ids=target.future_map.resolve_input_ids(s.ids),
@@ -336,23 +353,35 @@ class NormalWorker:
                 prefix_lens=s.positions, extend_lens_cpu=[1] * bs, out_cache_loc=s.loc,
                 max_seq_len=width)
             hidden, _ = target.runner.forward(fb)
-            tokens = target.model.tp.broadcast(argmax_last_dim(target.model.compute_logits(hidden)))
+            return s, target.model.compute_logits(hidden)
+
+        def pick(x: tuple[GraphedDecodeInputs, torch.Tensor]) -> torch.Tensor:
+            s, logits = x
+            tokens = target.model.tp.broadcast(argmax_last_dim(logits))
             target.future_map.stash_tokens(s.rows, tokens)
             return tokens
 
-        self.graphs = GraphedStep([decode_step], make_inputs, pad={}, max_batch_size=max_batch_size,
-                                  device=device)
-        self.graphs.capture_all()
-        self.extend_graphs = target.capture_short_extends(self.short_extend_parts(width), width)
+        def masked_pick(x: tuple[GraphedDecodeInputs, torch.Tensor]) -> torch.Tensor:
+            s, logits = x
+            return pick((s, apply_token_bitmask(logits, self.masks.device[:logits.shape[0]])))
+
+        return forward, pick, masked_pick
 
     def short_extend_parts(self, width: int) -> list:
         """What a captured short extend runs: the target forward and its greedy token."""
         return [lambda s: self.target.short_extend(s, width)[0]]
 
 
-def graphable(graphs, info: SamplingInfo, bs: int, constrained: bool = False) -> bool:
-    """Graphs cover greedy steps without per-token rules or grammars; the rest runs eagerly."""
-    return not info.per_token_rules and not constrained and graphs.bucket_for(bs) is not None
+def graph_decode_inputs(device):
+    """make_inputs(bs) of the captured plain decodes."""
+    return lambda bs: GraphedDecodeInputs(*(torch.zeros(bs, dtype=torch.int64, device=device)
+                                            for _ in GraphedDecodeInputs._fields))
+
+
+def graphable(graphs, info: SamplingInfo, bs: int) -> bool:
+    """Graphs cover greedy steps without per-token rules (a constrained batch's graphs apply
+    its masks); the rest runs eagerly."""
+    return not info.per_token_rules and graphs.bucket_for(bs) is not None
 
 
 def greedy_sampling_info(bs: int, vocab_size: int, device) -> SamplingInfo:

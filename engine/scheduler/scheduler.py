@@ -14,7 +14,10 @@ from matchers that must already hold the request's previous tokens, so the step 
 it is processed (matchers advanced) before the next one is scheduled; and a speculative
 step's draft and verify masks read the draft tokens on the host mid-forward. Batches without
 one keep the overlap and the sync-free forward; since every batch with a constrained request
-is processed at once, no batch in flight holds one when a constrained batch is launched.
+is processed at once, no batch in flight holds one when a constrained batch is launched, which
+is also what lets a constrained step's fixed mask buffers (grammar/batch.py `StepBuffers`) be
+refilled by the next one. Greedy constrained decode steps replay CUDA graphs like the others
+(the worker chooses; mixed batches included).
 """
 from __future__ import annotations
 

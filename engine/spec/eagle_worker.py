@@ -21,16 +21,17 @@ position, the output is exactly plain decoding's, for greedy and for seeded samp
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
-from specserve.engine.grammar.batch import GrammarBatch
-from specserve.engine.grammar.bitmask import apply_token_bitmask
+from specserve.engine.grammar.batch import GrammarBatch, HostRead, StepBuffers
+from specserve.engine.grammar.bitmask import apply_token_bitmask, bitmask_width
 from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, sample
+from specserve.engine.runtime.cuda_graph import GraphedStep, run_eagerly
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.short_extend import (
@@ -38,6 +39,10 @@ from specserve.engine.runtime.short_extend import (
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
 from specserve.engine.spec import tree as tree_ops
+
+
+# Padded rows of a captured decode step: pool row 0, length 1 (they write nowhere that matters).
+GRAPH_PAD = {"rows": 0, "S": 1}
 
 
 class EagleExtendInputs(NamedTuple):
@@ -64,7 +69,39 @@ class SpecDecodeInputs(NamedTuple):
     seq_lens_cpu: Optional[list[int]]  # the same on the host, when a backend reads it
     width: int                        # host bound on every row's KV length (its allocated slots)
     info: SamplingInfo
-    grammar: Optional[GrammarBatch] = None  # a constrained batch: masks drafts and verify (eager only)
+    # A constrained batch: where its parts read the masks of drafts and verify (GrammarBatch).
+    masks: Optional[StepBuffers] = None
+
+
+class Drafting(NamedTuple):
+    """What a part of the drafting hands the next, before draft step `step` (1-based)."""
+
+    inputs: SpecDecodeInputs
+    kv: KVRows                        # the snapshot of the batch's rows, by batch index
+    bonus: torch.Tensor               # [bs] the tree's root token
+    builder: Any                      # tree.DraftChainBuilder or DraftTreeBuilder
+    branch_S: torch.Tensor            # S per frontier branch
+    step: int
+    out_hidden: Optional[torch.Tensor] = None  # the draft forward's output, once it ran
+    read: Optional[HostRead] = None   # constrained: the drafted paths the step's masks walk
+
+
+class Drafted(NamedTuple):
+    inputs: SpecDecodeInputs
+    kv: KVRows
+    tree: tree_ops.Tree
+    read: Optional[HostRead]          # constrained: the tree the verify masks walk
+
+
+class Verifying(NamedTuple):
+    """The verify forward's outputs, before the (masked) target tokens are picked."""
+
+    inputs: SpecDecodeInputs
+    kv: KVRows
+    tree: tree_ops.Tree
+    loc: torch.Tensor                 # [bs, D] the verify nodes' KV slots
+    logits: torch.Tensor              # [bs * D, V]
+    feats: torch.Tensor               # [bs * D, F] the target features the draft reads
 
 
 class Verified(NamedTuple):
@@ -89,6 +126,8 @@ class EagleWorker:
         self.aux_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
+        self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar compiler)
+        self.masks: Optional[StepBuffers] = None  # what constrained steps' parts read and write
         self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
         self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
@@ -168,12 +207,12 @@ class EagleWorker:
         them on the device, and the over-reserved slots cover whatever they turn out to be."""
         rows = self.target.to_device(step.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
-        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling,
-                                  step.grammar)
-        publish_ready = self.future_map.new_publish_event()
         bs = len(step.rows)
-        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs,
-                                                          constrained=step.grammar is not None)
+        if step.grammar is not None:
+            return self._launch_constrained(step, rows, seq_lens, seq_lens_cpu)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling)
+        publish_ready = self.future_map.new_publish_event()
+        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs)
 
         def body(read_done) -> StepResult:
             if use_graph:
@@ -189,35 +228,172 @@ class EagleWorker:
 
         return launch_forward(self.target.ctx, inputs, body)
 
+    def _launch_constrained(self, step: DecodeStep, rows, seq_lens, seq_lens_cpu) -> Launched:
+        """A batch with a constrained request: the step's parts (`constrained_parts`), replayed
+        as graphs when greedy and a bucket fits, else run eagerly over the same buffers."""
+        bs = len(step.rows)
+        graphs = self.constrained_graphs
+        publish_ready = self.future_map.new_publish_event()
+        if graphs is not None and graphable(graphs, step.sampling, bs):
+            inputs = None
+
+            def start():
+                captured = graphs.load(rows=rows, S=seq_lens)
+                return graphs.runner(captured), captured.inputs.rows.shape[0]
+        else:
+            masks = self._step_buffers(bs)
+            inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling, masks)
+
+            def start():
+                return run_eagerly(self.constrained_parts(), inputs), bs
+
+        def body(read_done) -> StepResult:
+            run, requests = start()
+            out = self._run_constrained(step.grammar, run, requests, read_done, publish_ready)
+            return StepResult(*(None if t is None else t[:bs] for t in out))
+
+        return launch_forward(self.target.ctx, (rows, seq_lens, inputs), body)
+
+    def _run_constrained(self, grammar: GrammarBatch, run, requests: int, read_done,
+                         publish_ready) -> StepResult:
+        """The host side of a constrained step. `run(i)` is part i's output (replayed or run
+        eagerly). Each set of masks is filled while the part before the one applying it runs:
+        a draft step's paths are read by the part that drafted them, then the next draft
+        forward is enqueued and the host walks them; the verify tree's are walked during the
+        verify forward. The committed masks need only the host, so they come first."""
+        masks = self.masks
+        grammar.next_token_masks(masks, requests)
+        drafting = run(0)
+        read_done.record()
+        part = 1
+        for _ in range(1, self.tree.num_steps):
+            drafting.read.copied()
+            run(part)                      # the draft forward
+            grammar.path_masks(drafting.read, masks)
+            drafting = run(part + 1)       # the masked top-k of its output, the next read
+            part += 2
+        drafting.read.copied()
+        run(part)                          # the verify forward
+        grammar.path_masks(drafting.read, masks)
+        run(part + 1)                      # masked target tokens, accept, publish
+        publish_ready.record()
+        return run(part + 2)
+
+    def constrained_parts(self) -> list:
+        """A constrained step as parts split where the host fills masks: draft start, then per
+        draft step its forward and its masked top-k, the verify forward, the masked accept,
+        the draft extend. Composed without host work between, they are `_verify_half`."""
+        return [self._draft_start, *[self._draft_forward, self._draft_grow] * (self.tree.num_steps - 1),
+                self._verify_forward, self._verify_accept, self._extend_half]
+
+    def _step_buffers(self, bs: int) -> StepBuffers:
+        """The constrained steps' buffers for at least `bs` requests (the captured ones when
+        graphs are on: every batch fits them)."""
+        if self.masks is None or self.masks.rows < bs * self._mask_rows:
+            D, k, n = self.tree.num_draft_tokens, self.tree.topk, self.tree.num_steps
+            # The largest read: a draft level's candidates (k + (n - 2) k^2 tokens and parents,
+            # k frontier ids) or the verify tree's (D - 1 tokens and parents, D nodes).
+            read = max(2 * (k + max(n - 2, 0) * k * k) + k, 3 * D)
+            self.masks = StepBuffers(bs * self._mask_rows, bitmask_width(self.target.model.config.vocab_size),
+                                     bs * read, self.target.ctx.device)
+        return self.masks
+
+    @property
+    def _mask_rows(self) -> int:
+        """Mask rows per request: the verify's D nodes or a draft step's k frontier nodes."""
+        return max(self.tree.num_draft_tokens, self.tree.topk)
+
     def _verify_half(self, s: SpecDecodeInputs, read_done=None) -> Verified:
         """Snapshot the rows, draft, build the tree, verify, accept, publish the new lengths."""
-        bs, D = s.rows.shape[0], self.tree.num_draft_tokens
+        drafting = self._draft_start(s)
+        if read_done is not None:
+            read_done.record()
+        for _ in range(1, self.tree.num_steps):
+            drafting = self._draft_grow(self._draft_forward(drafting))
+        return self._verify_accept(self._verify_forward(drafting))
+
+    def _draft_start(self, s: SpecDecodeInputs) -> "Drafting":
+        """Snapshot the rows; the first draft level from the stash (rank 0's tree is the tree:
+        the draft runs on every rank)."""
         # The whole iteration reads the table through this snapshot, so the schedule side may
         # rewrite it as soon as the snapshot is taken.
         kv = KVRows.by_batch_index(self.target.req_to_token.table[s.rows, :s.width])
-        if read_done is not None:
-            read_done.record()
-        tree = self._draft(kv, s)
-        # Structured outputs: node i may only become the target's choice allowed after its path
-        # (the tree is read now, its masks filled while the verify forward runs).
-        tree_read = s.grammar.read_tree(tree.tokens, tree.parents) if s.grammar is not None else None
-        loc = kv.table.gather(1, tree.slot_positions)
+        bonus = self.future_map.resolve_input_ids(-s.rows)
+        state = self.future_map.gather_draft_state(s.rows)
+        k = self.tree.topk
+        topk_p, topk_index = state.topk_p, state.topk_index
+        if s.masks is not None:
+            # The stashed first level was drafted before the last step's tokens reached the
+            # matchers: draft it again from the stashed hidden state, under the committed masks.
+            topk_p, topk_index = self.draft.model.topk(state.hidden, k, bitmask=s.masks.device[:s.rows.shape[0]])
+        builder = tree_ops.draft_builder(self.tree, topk_p, topk_index, state.hidden)
+        branch_S = s.S.repeat_interleave(k) if self.tree.is_tree else s.S
+        return self._level_drafted(Drafting(s, kv, bonus, builder, branch_S, 1))
+
+    def _draft_forward(self, d: "Drafting") -> "Drafting":
+        """Draft step d.step's forward over the frontier."""
+        tokens, parent_hidden = d.builder.frontier()
+        branch_kv, loc = d.builder.step_kv(d.kv.table, d.inputs.S, d.branch_S, d.step)
+        positions = d.branch_S + (d.step - 1)  # also the KV length before this token
+        branches = d.branch_S.shape[0]
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=tokens, positions=positions,
+            kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
+            extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
+        return d._replace(out_hidden=self.draft.forward(fb, parent_hidden))
+
+    def _draft_grow(self, d: "Drafting"):
+        """The next level from the forward's top-k (structured outputs: each frontier node
+        drafts from the tokens its path allows)."""
+        masks = d.inputs.masks
+        bitmask = None if masks is None else masks.device[:d.branch_S.shape[0]]
+        # A chain needs only each step's argmax, not its probability.
+        d.builder.expand(*self.draft.model.topk(d.out_hidden, self.tree.topk, with_probs=self.tree.is_tree,
+                                                bitmask=bitmask), d.out_hidden)
+        return self._level_drafted(d._replace(step=d.step + 1, out_hidden=None))
+
+    def _level_drafted(self, d: "Drafting"):
+        """After a level: the Drafting of the next draft step, or after the last the Drafted
+        tree. Constrained, the paths the next masks walk are read (into StepBuffers.reads)."""
+        masks = d.inputs.masks
+        if d.step < self.tree.num_steps:
+            read = None if masks is None else GrammarBatch.read_paths(*d.builder.candidates(), into=masks.reads)
+            return d._replace(read=read)
+        nodes = d.builder.finish()
+        tp = self.target.model.tp
+        nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
+                                    tp.broadcast(nodes.parents.contiguous()))
+        tree = tree_ops.build_tree(nodes, d.bonus, d.inputs.S, self.tree)
+        # Node i may only become the target's choice allowed after its path.
+        read = None if masks is None else GrammarBatch.read_tree(tree.tokens, tree.parents, into=masks.reads)
+        return Drafted(d.inputs, d.kv, tree, read)
+
+    def _verify_forward(self, d: "Drafted") -> "Verifying":
+        """One target forward over the tree's nodes, and their logits."""
+        s, tree = d.inputs, d.tree
+        bs, D = s.rows.shape[0], self.tree.num_draft_tokens
+        loc = d.kv.table.gather(1, tree.slot_positions)
         fb = ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
-            positions=tree.positions.reshape(-1), kv_rows=kv, prefix_lens=s.S,
+            positions=tree.positions.reshape(-1), kv_rows=d.kv, prefix_lens=s.S,
             extend_lens_cpu=[D] * bs, out_cache_loc=loc.reshape(-1),
             seq_lens_cpu=_plus(s.seq_lens_cpu, D), max_seq_len=s.width,
             custom_mask=self._verify_mask(tree.mask),
             aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.runner.forward(fb)
-        logits = self.target.model.compute_logits(hidden)
-        if tree_read is not None:
-            logits = apply_token_bitmask(logits, s.grammar.path_masks(tree_read))
+        return Verifying(s, d.kv, tree, loc, self.target.model.compute_logits(hidden),
+                         aux if self.aux_layers else hidden)
+
+    def _verify_accept(self, v: "Verifying") -> Verified:
+        """The target's token at every node (masked: inside the grammar), accept, publish."""
+        s, tree, logits = v.inputs, v.tree, v.logits
+        if s.masks is not None:
+            logits = apply_token_bitmask(logits, s.masks.device[:logits.shape[0]])
         choice = self._target_tokens(logits, tree, s.rows, s.info)
         target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len, self.tree.num_steps)
         self.future_map.publish(s.rows, s.S + accept.lengths)
-        return Verified(s, kv, tree.slot_positions, loc, accept, choice, aux if self.aux_layers else hidden)
+        return Verified(s, v.kv, tree.slot_positions, v.loc, accept, choice, v.feats)
 
     def _extend_half(self, v: Verified) -> StepResult:
         """Compact the accepted path (tree), draft-extend over it, stash the next draft input."""
@@ -244,42 +420,6 @@ class EagleWorker:
         c = v.choice
         per_path = [None if t is None else accept.gather_path(t) for t in (c.logprobs, c.top_ids, c.top_logprobs)]
         return StepResult(path_tokens, per_path[0], accept.lengths, *per_path[1:])
-
-    def _draft(self, kv: KVRows, s: SpecDecodeInputs) -> tree_ops.Tree:
-        """num_steps - 1 draft forwards grow the stashed first level into a tree (rank 0's
-        is the tree: the draft runs on every rank)."""
-        bonus = self.future_map.resolve_input_ids(-s.rows)
-        state = self.future_map.gather_draft_state(s.rows)
-        S, k, grammar = s.S, self.tree.topk, s.grammar
-        topk_p, topk_index = state.topk_p, state.topk_index
-        if grammar is not None:
-            # The stashed first level was drafted before the last step's tokens reached the
-            # matchers: draft it again from the stashed hidden state, under the committed masks.
-            topk_p, topk_index = self.draft.model.topk(state.hidden, k, bitmask=grammar.next_token_masks())
-        builder = tree_ops.draft_builder(self.tree, topk_p, topk_index, state.hidden)
-        branch_S = S.repeat_interleave(k) if self.tree.is_tree else S
-        branches = branch_S.shape[0]
-        for step in range(1, self.tree.num_steps):
-            tokens, parent_hidden = builder.frontier()
-            branch_kv, loc = builder.step_kv(kv.table, S, branch_S, step)
-            positions = branch_S + (step - 1)  # also the KV length before this token
-            fb = ForwardBatch(
-                mode=ForwardMode.DECODE, input_ids=tokens, positions=positions,
-                kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
-                extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
-            # Structured outputs: each frontier node drafts from the tokens its path allows (the
-            # paths are read before the draft forward is enqueued, masked while it runs).
-            paths = grammar.read_paths(*builder.candidates()) if grammar is not None else None
-            out_hidden = self.draft.forward(fb, parent_hidden)
-            bitmask = grammar.path_masks(paths) if grammar is not None else None
-            # A chain needs only each step's argmax, not its probability.
-            builder.expand(*self.draft.model.topk(out_hidden, k, with_probs=self.tree.is_tree, bitmask=bitmask),
-                           out_hidden)
-        nodes = builder.finish()
-        tp = self.target.model.tp
-        nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
-                                    tp.broadcast(nodes.parents.contiguous()))
-        return tree_ops.build_tree(nodes, bonus, S, self.tree)
 
     def _verify_mask(self, mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The tree mask, copied into the target backend's preallocated verify buffer when it
@@ -309,9 +449,23 @@ class EagleWorker:
         self.future_map.stash_draft_state(rows, DraftState(topk_p, topk_index, last_hidden))
 
     # --- CUDA graphs -------------------------------------------------------------------------
-    def enable_cuda_graphs(self, max_batch_size: int, width: int) -> None:
-        from specserve.engine.runtime.cuda_graph import GraphedStep
+    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None:
+        """Capture the decode step per bucket, and with `constrained` (the engine compiles
+        grammars) the constrained step's parts too, in the same memory pool."""
+        device = self.target.ctx.device
+        self.graphs = GraphedStep([self._verify_half, self._extend_half], self.graph_inputs(width),
+                                  pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device)
+        self.graphs.capture_all()
+        if constrained:
+            masks = self._step_buffers(max_batch_size)  # every batch fits: never reallocated
+            self.constrained_graphs = GraphedStep(self.constrained_parts(), self.graph_inputs(width, masks),
+                                                  pad=GRAPH_PAD, max_batch_size=max_batch_size,
+                                                  device=device, pool=self.graphs.pool)
+            self.constrained_graphs.capture_all()
+        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
 
+    def graph_inputs(self, width: int, masks: Optional[StepBuffers] = None):
+        """make_inputs(bs) of the captured decode steps (constrained: reading `masks`)."""
         device = self.target.ctx.device
         vocab_size = self.target.model.config.vocab_size
 
@@ -319,12 +473,9 @@ class EagleWorker:
             return SpecDecodeInputs(rows=torch.zeros(bs, dtype=torch.int64, device=device),
                                     S=torch.ones(bs, dtype=torch.int64, device=device),
                                     seq_lens_cpu=None, width=width,
-                                    info=greedy_sampling_info(bs, vocab_size, device))
+                                    info=greedy_sampling_info(bs, vocab_size, device), masks=masks)
 
-        self.graphs = GraphedStep([self._verify_half, self._extend_half], make_inputs,
-                                  pad={"rows": 0, "S": 1}, max_batch_size=max_batch_size, device=device)
-        self.graphs.capture_all()
-        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
+        return make_inputs
 
     def short_extend_parts(self, width: int) -> list:
         """What a captured short extend runs: the target half (then `publish_ready`), the draft half."""
