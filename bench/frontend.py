@@ -234,7 +234,7 @@ def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str,
     """The reader's routing of every step of `concurrency` requests of `max_new_tokens`
     tokens, `k` a step (the engine process's messages, parsed as the reader does); best of
     `repeats`, with a shared warm TokenTexts as in the server."""
-    from specserve.engine.wire import output_to_proto
+    from specserve.engine.wire import encode_batch
     from specserve.proto import engine_ipc_pb2 as ipc
     from specserve.server.output_router import OutputReader, RequestStream
     from specserve.server.text.logprobs import TokenTexts
@@ -247,9 +247,9 @@ def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str,
         engine.add_request(f"r{i}", [], sampling)
     messages, stream_steps = [], 0
     while engine.has_unfinished():
-        batch = ipc.BatchOutput(outputs=[output_to_proto(out) for out in engine.step()])
+        batch = encode_batch(engine.step())
         messages.append(ipc.EngineToServer(batch=batch).SerializeToString())
-        stream_steps += len(batch.outputs)
+        stream_steps += len(batch.rids)
     tokenizer, outside_gil = engine.tokenizer, [0.0]
     decode_batch = tokenizer.decode_batch
 

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import zmq
 
-from specserve.engine.wire import output_from_proto
+from specserve.engine.wire import decode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 from specserve.server.text.detokenizer import PendingTokens, decode_windows
@@ -160,8 +160,7 @@ class OutputReader(threading.Thread):
             return [message]
         routed: list[Routed] = []
         live = []  # (engine output, its stream, its sequence's OutputStream)
-        for msg in message.batch.outputs:
-            out = output_from_proto(msg)
+        for out in decode_batch(message.batch):
             stream = self.streams.get(out.rid)
             if stream is None:  # aborted by the server meanwhile
                 continue

@@ -13,7 +13,7 @@ import zmq
 from helpers import VOCAB
 from specserve.engine.config import EngineConfig, SamplingParams
 from specserve.engine.outputs import EngineInfo, StepOutput
-from specserve.engine.wire import output_to_proto
+from specserve.engine.wire import encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
@@ -160,8 +160,7 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
         try:
             steps = {rid: _steps(rid, ids, sizes) for rid in ("a", "b", "gone")}
             for i in range(len(steps["a"])):
-                batch = ipc.BatchOutput(outputs=[output_to_proto(steps[rid][i])
-                                                 for rid in ("a", "b", "gone")])
+                batch = encode_batch([steps[rid][i] for rid in ("a", "b", "gone")])
                 push.send(ipc.EngineToServer(batch=batch).SerializeToString())
                 push.send(ipc.EngineToServer(load=ipc.LoadReport(query_id=i)).SerializeToString())
             await asyncio.wait_for(done.wait(), 60)
