@@ -16,7 +16,7 @@ With the engine faster than that cost times the concurrency, the front-end is th
 and served TPOT p50 / engine time per token shows by how much. `--profile` runs the server
 under cProfile and prints its top functions by own time.
 
-`--reader` times only the output-reader thread's work (`OutputReader.route`: the per-token
+`--reader` times only the detokenizer worker's work (`TextSteps.step`: the per-token
 detokenising, stop strings and chunk building of each step's batch) on the synthetic engine's
 steps, without a server: its cost per token, and the part of it that holds the GIL (all but
 the Rust tokenizer's `decode_batch`), which the event loop then cannot have:
@@ -234,12 +234,13 @@ def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str,
     """The reader's routing of every step of `concurrency` requests of `max_new_tokens`
     tokens, `k` a step (the engine process's messages, parsed as the reader does); best of
     `repeats`, with a shared warm TokenTexts as in the server."""
-    from specserve.engine.wire import output_to_proto
+    from specserve.engine.wire import encode_batch
     from specserve.proto import engine_ipc_pb2 as ipc
-    from specserve.server.output_router import OutputReader, RequestStream
-    from specserve.server.text.logprobs import TokenTexts
-    from specserve.server.text.output_stream import OutputStream
+    import pickle
+
+    from specserve.engine.wire import decode_batch as decode_step
     from specserve.server.text.validation import ValidatedRequest
+    from specserve.server.workers.detokenizer import TextSteps
 
     engine = SyntheticEngine(SyntheticShape(0.0, k, concurrency))
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
@@ -247,9 +248,9 @@ def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str,
         engine.add_request(f"r{i}", [], sampling)
     messages, stream_steps = [], 0
     while engine.has_unfinished():
-        batch = ipc.BatchOutput(outputs=[output_to_proto(out) for out in engine.step()])
+        batch = encode_batch(engine.step())
         messages.append(ipc.EngineToServer(batch=batch).SerializeToString())
-        stream_steps += len(batch.outputs)
+        stream_steps += len(batch.rids)
     tokenizer, outside_gil = engine.tokenizer, [0.0]
     decode_batch = tokenizer.decode_batch
 
@@ -261,17 +262,18 @@ def time_reader(concurrency: int, k: int, max_new_tokens: int, stops: tuple[str,
             outside_gil[0] += time.perf_counter() - start
 
     tokenizer.decode_batch = timed_decode_batch
-    token_texts = TokenTexts(tokenizer)
     request = ValidatedRequest([1], sampling, stops)
     best = (float("inf"), 0.0)
     for _ in range(repeats):
-        streams = {f"r{i}": RequestStream([OutputStream(tokenizer, request, True, token_texts)])
-                   for i in range(concurrency)}
-        reader = OutputReader(None, streams, None, None)  # no socket: route() only
+        # The detokenizer worker's work per step (server/workers/detokenizer.py): decode the
+        # columnar step, the per-token work, the answer pickled.
+        steps = TextSteps(tokenizer)
+        for i in range(concurrency):
+            steps.open(f"r{i}", request, True)
         outside_gil[0] = 0.0
         start = time.perf_counter()
         for message in messages:
-            reader.route(ipc.EngineToServer.FromString(message))
+            pickle.dumps(steps.step(decode_step(ipc.EngineToServer.FromString(message).batch)))
         best = min(best, (time.perf_counter() - start, outside_gil[0]))
     tokens = concurrency * max_new_tokens
     return dict(concurrency=concurrency, tokens_per_step=k, stop_strings=len(stops),

@@ -252,13 +252,16 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
                         max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
 
 
-def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None) -> None:
-    """The --launch server process (cluster: a ClusterConfig, for bench/data_parallel.py)."""
+def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None,
+                   tokenizer_workers: int = 2) -> None:
+    """The --launch server process (cluster: a ClusterConfig, for bench/data_parallel.py);
+    tokenizer_workers as `specserve serve --tokenizer-workers`."""
     from specserve.server.app import run_server
     from specserve.server.config import ServerConfig
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port),
+    raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port,
+                                                            tokenizer_workers=tokenizer_workers),
                                 cluster=cluster))
 
 
@@ -266,7 +269,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", default="127.0.0.1:50051")
     ap.add_argument("--rates", default="1,4,inf", help="requests/s (Poisson); inf: all at once")
-    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated rows, e.g. 64,256")
+    ap.add_argument("--tokenizer-workers", type=int, default=2,
+                    help="with --launch: the server's tokenizer worker processes (0: threads)")
     ap.add_argument("--num-requests", type=int, default=32, help="0: one wave of `concurrency` requests")
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -301,7 +306,8 @@ def main():
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2]),
-                                         args.http_port if args.api == "openai" else None))
+                                         args.http_port if args.api == "openai" else None,
+                                         None, args.tokenizer_workers))
         server.start()
     rows = []
     try:

@@ -2,7 +2,7 @@
 
 The gRPC server (specserve.server.engine_client) starts `run_engine_process` in a spawned child.
 Two ZeroMQ sockets connect it to the server: it PULLs ServerToEngine messages (add, abort, load
-query, shutdown) and PUSHes EngineToServer messages (ready, one BatchOutput per scheduler step,
+query, shutdown) and PUSHes EngineToServer messages (ready, one columnar BatchOutput per scheduler step,
 rejections, load reports). The loop drains incoming messages without blocking while there is
 work, runs one `engine.step()`, and blocks on the socket only when nothing is left to run.
 A third socket carries Heartbeats from a thread of their own, for the server's watchdog.
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.wire import info_to_proto, load_to_proto, output_to_proto, sampling_from_add_request
+from specserve.engine.wire import encode_batch, info_to_proto, load_to_proto, sampling_from_add_request
 from specserve.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
@@ -190,8 +190,7 @@ class _EngineLoop:
                 sequences.discard(out.index)
                 if not sequences:
                     del self.live[out.rid]
-        batch = ipc.BatchOutput(outputs=[output_to_proto(out) for out in step_outputs])
-        self._send(ipc.EngineToServer(batch=batch))
+        self._send(ipc.EngineToServer(batch=encode_batch(step_outputs)))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
         return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))

@@ -3,13 +3,16 @@
 The gRPC server and the engine process talk in the public messages (generate.proto) where
 both sides share a meaning (sampling parameters, what the model is, the load) and in the IPC
 messages (engine_ipc.proto) for the rest; this module is the one place that maps them onto
-SamplingParams, EngineInfo, StepOutput and EngineLoad, in both directions.
+SamplingParams, EngineInfo, StepOutput and EngineLoad, in both directions. A step's outputs go
+as one columnar BatchOutput (encode_batch / decode_batch).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import dataclasses
+
+import numpy as np
 
 from specserve.engine.config import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput, TopLogprobs
@@ -106,47 +109,139 @@ def info_from_proto(msg: pb.ModelInfo) -> EngineInfo:
 
 
 # --- per-step outputs -------------------------------------------------------------------------------
-def _top_to_proto(tops: Optional[list[TopLogprobs]]) -> list[pb.TopLogprobs]:
-    return [pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
-            for top in tops or []]
+FLAG_FINISHED = 1
+FLAG_MATCHED_STOP = 2
+_FINISH_CODES = {"stop": 1, "length": 2, "abort": 3}
+_FINISH_NAMES = (None, "stop", "length", "abort")
+_U32, _F32, _U8 = np.dtype("<u4"), np.dtype("<f4"), np.dtype("u1")
 
 
-def _top_from_proto(msgs) -> Optional[list[TopLogprobs]]:
-    return [[(c.token_id, c.logprob) for c in m.candidates] for m in msgs] or None
+def _ragged_lists(lists: Sequence[Optional[Sequence]]) -> tuple[list[int], list]:
+    """Counts (0 for None) and the values of optional lists, for one column pair."""
+    counts, values = [], []
+    for values_of in lists:
+        if values_of:
+            counts.append(len(values_of))
+            values += values_of
+        else:
+            counts.append(0)
+    return counts, values
 
 
-def output_to_proto(out: StepOutput) -> ipc.RequestOutput:
-    msg = ipc.RequestOutput(
-        rid=out.rid, index=out.index, new_token_ids=out.new_token_ids, new_logprobs=out.new_logprobs or [],
-        new_top_logprobs=_top_to_proto(out.new_top_logprobs),
-        prompt_logprobs=out.prompt_logprobs or [],
-        prompt_top_logprobs=_top_to_proto(out.prompt_top_logprobs),
-        finished=out.finished, finish_reason=out.finish_reason or "",
-        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-        spec=ipc.SpecInfo(num_verify_steps=out.num_verify_steps,
-                          num_accepted_drafts=out.num_accepted_drafts),
-        cached_tokens=out.cached_tokens)
-    if out.matched_stop is not None:
-        msg.matched_stop_token_id = out.matched_stop
+def _ragged_tops(tops: Sequence[Optional[list[TopLogprobs]]]):
+    """Counts per entry (positions), sizes per position, candidate ids and log-probabilities."""
+    counts, sizes, ids, logprobs = [], [], [], []
+    for top in tops:
+        if not top:
+            counts.append(0)
+            continue
+        counts.append(len(top))
+        for candidates in top:
+            sizes.append(len(candidates))
+            for token_id, logprob in candidates:
+                ids.append(token_id)
+                logprobs.append(logprob)
+    return counts, sizes, ids, logprobs
+
+
+def _bytes(values, dtype: np.dtype) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes() if len(values) else b""
+
+
+def encode_batch(outputs: Sequence[StepOutput]) -> ipc.BatchOutput:
+    """One scheduler step's outputs as one columnar BatchOutput (decode_batch reverses it)."""
+    flags, reasons, matched, counters = [], [], [], []
+    for out in outputs:
+        flags.append((FLAG_FINISHED if out.finished else 0)
+                     | (FLAG_MATCHED_STOP if out.matched_stop is not None else 0))
+        reasons.append(_FINISH_CODES.get(out.finish_reason, 0) if out.finish_reason else 0)
+        matched.append(out.matched_stop or 0)
+        counters += (out.prompt_tokens, out.completion_tokens, out.num_verify_steps,
+                     out.num_accepted_drafts, out.cached_tokens)
+    num_tokens, token_ids = _ragged_lists([out.new_token_ids for out in outputs])
+    lp_counts, lps = _ragged_lists([out.new_logprobs for out in outputs])
+    plp_counts, plps = _ragged_lists([out.prompt_logprobs for out in outputs])
+    top = _ragged_tops([out.new_top_logprobs for out in outputs])
+    ptop = _ragged_tops([out.prompt_top_logprobs for out in outputs])
+    msg = ipc.BatchOutput(
+        rids=[out.rid for out in outputs], indexes=_bytes([out.index for out in outputs], _U32),
+        num_tokens=_bytes(num_tokens, _U32), token_ids=_bytes(token_ids, _U32),
+        flags=_bytes(flags, _U8), finish_reasons=_bytes(reasons, _U8),
+        matched_stop=_bytes(matched, _U32), counters=_bytes(counters, _U32))
+    if lps:
+        msg.logprob_counts, msg.logprobs = _bytes(lp_counts, _U32), _bytes(lps, _F32)
+    if plps:
+        msg.prompt_logprob_counts = _bytes(plp_counts, _U32)
+        msg.prompt_logprobs = _bytes(plps, _F32)
+    if any(top[0]):
+        (msg.top_counts, msg.top_sizes, msg.top_ids, msg.top_logprobs) = (
+            _bytes(top[0], _U32), _bytes(top[1], _U32), _bytes(top[2], _U32),
+            _bytes(top[3], _F32))
+    if any(ptop[0]):
+        (msg.prompt_top_counts, msg.prompt_top_sizes, msg.prompt_top_ids,
+         msg.prompt_top_logprobs) = (_bytes(ptop[0], _U32), _bytes(ptop[1], _U32),
+                                     _bytes(ptop[2], _U32), _bytes(ptop[3], _F32))
     return msg
 
 
-def output_from_proto(msg: ipc.RequestOutput) -> StepOutput:
-    # Runs for every stream of every engine step, and each field read from the message costs:
-    # the repeated fields, mostly absent, are converted only when present.
-    spec = msg.spec
-    return StepOutput(
-        rid=msg.rid, index=msg.index, new_token_ids=list(msg.new_token_ids),
-        new_logprobs=list(msg.new_logprobs) if msg.new_logprobs else None,
-        new_top_logprobs=_top_from_proto(msg.new_top_logprobs) if msg.new_top_logprobs else None,
-        prompt_logprobs=list(msg.prompt_logprobs) if msg.prompt_logprobs else None,
-        prompt_top_logprobs=(_top_from_proto(msg.prompt_top_logprobs)
-                             if msg.prompt_top_logprobs else None),
-        finished=msg.finished, finish_reason=msg.finish_reason or None,
-        matched_stop=msg.matched_stop_token_id if msg.HasField("matched_stop_token_id") else None,
-        prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-        num_verify_steps=spec.num_verify_steps, num_accepted_drafts=spec.num_accepted_drafts,
-        cached_tokens=msg.cached_tokens)
+def _column(data: bytes, dtype: np.dtype) -> list:
+    return np.frombuffer(data, dtype=dtype).tolist() if data else []
+
+
+def _split(counts: list[int], values: list) -> list[Optional[list]]:
+    """The optional lists of _ragged_lists back (None for a count of 0)."""
+    out, at = [], 0
+    for count in counts:
+        if count:
+            out.append(values[at:at + count])
+            at += count
+        else:
+            out.append(None)
+    return out
+
+
+def _split_tops(n: int, counts: bytes, sizes: bytes, ids: bytes,
+                logprobs: bytes) -> list[Optional[list[TopLogprobs]]]:
+    if not counts:
+        return [None] * n
+    pairs = list(zip(_column(ids, _U32), _column(logprobs, _F32)))
+    per_position = _split(_column(sizes, _U32), pairs)
+    return [[p or [] for p in group] if group is not None else None
+            for group in _split(_column(counts, _U32), per_position)]
+
+
+def decode_batch(msg: ipc.BatchOutput) -> list[StepOutput]:
+    """The StepOutputs of a BatchOutput: a few array conversions for the step, then one
+    StepOutput per entry, made of slices."""
+    rids = list(msg.rids)
+    n = len(rids)
+    indexes = _column(msg.indexes, _U32)
+    tokens = _split(_column(msg.num_tokens, _U32), _column(msg.token_ids, _U32))
+    flags = _column(msg.flags, _U8)
+    reasons = _column(msg.finish_reasons, _U8)
+    matched = _column(msg.matched_stop, _U32)
+    counters = _column(msg.counters, _U32)
+    logprobs = (_split(_column(msg.logprob_counts, _U32), _column(msg.logprobs, _F32))
+                if msg.logprob_counts else [None] * n)
+    prompt_logprobs = (_split(_column(msg.prompt_logprob_counts, _U32),
+                              _column(msg.prompt_logprobs, _F32))
+                       if msg.prompt_logprob_counts else [None] * n)
+    tops = _split_tops(n, msg.top_counts, msg.top_sizes, msg.top_ids, msg.top_logprobs)
+    prompt_tops = _split_tops(n, msg.prompt_top_counts, msg.prompt_top_sizes,
+                              msg.prompt_top_ids, msg.prompt_top_logprobs)
+    outputs = []
+    for i in range(n):
+        c = 5 * i
+        outputs.append(StepOutput(
+            rid=rids[i], index=indexes[i], new_token_ids=tokens[i] or [],
+            new_logprobs=logprobs[i], new_top_logprobs=tops[i],
+            prompt_logprobs=prompt_logprobs[i], prompt_top_logprobs=prompt_tops[i],
+            finished=bool(flags[i] & FLAG_FINISHED), finish_reason=_FINISH_NAMES[reasons[i]],
+            matched_stop=matched[i] if flags[i] & FLAG_MATCHED_STOP else None,
+            prompt_tokens=counters[c], completion_tokens=counters[c + 1],
+            num_verify_steps=counters[c + 2], num_accepted_drafts=counters[c + 3],
+            cached_tokens=counters[c + 4]))
+    return outputs
 
 
 # --- load -----------------------------------------------------------------------------------------

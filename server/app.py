@@ -144,6 +144,7 @@ class SpecserveServer:
         self.engine.start()
         if isinstance(self.engine, EngineClient):
             logger.info("engine process started (%s)", self.engine.handle.description)
+            logger.info("detokenizer worker started (pid %d)", self.engine.text_worker_pid)
         exit_code = await self._until_stopped()
         await self._drain()
         return exit_code

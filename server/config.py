@@ -40,6 +40,9 @@ class ServerConfig:
     # chosen from the model's chat template (server/text/tool_calls.py).
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
+    # Processes that prepare requests (chat templates, tokenising, validation), out of the
+    # server's GIL (server/workers/tokenizer_pool.py); 0: threads of the server process.
+    tokenizer_workers: int = 2
 
     def __post_init__(self):
         from specserve.server.text.reasoning import check_reasoning_parser
@@ -49,6 +52,8 @@ class ServerConfig:
         check_tool_call_parser(self.tool_call_parser)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert/tls_key: give both or neither")
+        if self.tokenizer_workers < 0:
+            raise ValueError(f"tokenizer_workers: must be >= 0, got {self.tokenizer_workers}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
         for name in ("max_prompt_tokens", "max_new_tokens_cap"):

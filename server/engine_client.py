@@ -4,7 +4,8 @@ Starts `specserve.engine.process.run_engine_process` in a spawned child (or, thr
 `EngineLauncher`, anywhere else: server/cluster runs it in a Ray replica actor), talks to it over
 two ZeroMQ PUSH/PULL sockets on ipc:// paths (tcp:// ports for an engine on another host), and
 routes the engine's per-step outputs to one RequestStream per request (through an OutputReader
-thread: server/output_router.py). If the child dies, every waiting caller gets EngineUnavailable
+thread and a detokenizer worker process that does the per-token work: server/output_router.py,
+server/workers/detokenizer.py). If the child dies, every waiting caller gets EngineUnavailable
 at once (the child's process sentinel is watched on the event loop, so nothing waits for a
 timeout). A frozen or stuck child is found by the watchdog (server/ops/watchdog.py) from the
 heartbeats on a third socket; it is then killed and handled as dead.
@@ -32,8 +33,11 @@ from specserve.engine.process import ServerLink, StartEngine, run_engine_process
 from specserve.engine.wire import add_request_to_proto, info_from_proto, load_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.ops.watchdog import EngineWatchdog
-from specserve.server.output_router import OutputReader, RequestStream, Routed, StreamUpdate
-from specserve.server.text.output_stream import OutputStream
+from specserve.server.output_router import (OutputReader, RequestStream, Routed,
+                                             TextProcessingError)
+from specserve.server.text.output_stream import EngineProgress
+from specserve.server.text.validation import ValidatedRequest
+from specserve.server.workers.detokenizer import DetokenizerLink, TextUpdate, run_detokenizer
 
 logger = logging.getLogger("specserve.server.engine")
 
@@ -148,6 +152,13 @@ class EngineClient:
         self._from_engine.setsockopt(zmq.LINGER, 0)
         self._heartbeats = self._zmq.socket(zmq.PULL)
         self._heartbeats.setsockopt(zmq.LINGER, 0)
+        # The detokenizer worker's two sockets (plain ones: the OutputReader thread uses them).
+        self._to_text = self._zmq.socket(zmq.PUSH, socket_class=zmq.Socket)
+        self._to_text.setsockopt(zmq.SNDHWM, 0)
+        self._from_text = self._zmq.socket(zmq.PULL, socket_class=zmq.Socket)
+        self._text_worker: Optional[multiprocessing.process.BaseProcess] = None
+        self._engine_gone = False  # the engine process is dead: nothing more is sent to it
+        self._text_worker_died = False
         self._streams: dict[str, RequestStream] = {}
         # Per live request, its sequences (0 .. n - 1) the engine has not finished yet.
         self._unfinished: dict[str, set[int]] = {}
@@ -176,8 +187,35 @@ class EngineClient:
         self._ready = loop.create_future()
         self.handle = self.launcher.launch(self.config, link, self.start_engine)
         self.handle.watch_exit(self._on_process_exit)
-        self._reader = OutputReader(self._from_engine, self._streams, loop, self._on_routed)
+        self._start_text_worker(loop)
+        self._reader = OutputReader(self._from_engine, self._to_text, self._from_text, loop,
+                                    self._on_routed)
         self._reader.start()
+
+    def _start_text_worker(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Spawn the detokenizer worker (it gets the tokenizer once the engine is ready). If it
+        dies the server stops serving for good, as for a dead engine (docs/architecture.md)."""
+        link = DetokenizerLink(*(f"ipc://{os.path.join(self._ipc_dir, name)}"
+                                 for name in ("text-in", "text-out")))
+        self._to_text.connect(link.inbox)  # the worker binds it (see DetokenizerLink)
+        self._from_text.bind(link.outbox)
+        worker = multiprocessing.get_context("spawn").Process(
+            target=run_detokenizer, args=(link,), name="specserve-detokenizer", daemon=True)
+        worker.start()
+        self._text_worker = worker
+
+        def exited() -> None:
+            loop.remove_reader(worker.sentinel)
+            worker.join(0)
+            if not self._closing:
+                self._on_text_worker_exit(f"the detokenizer worker (pid {worker.pid}) exited "
+                                          f"with code {worker.exitcode}")
+
+        loop.add_reader(worker.sentinel, exited)
+
+    @property
+    def text_worker_pid(self) -> Optional[int]:
+        return self._text_worker.pid if self._text_worker is not None else None
 
     async def wait_ready(self) -> EngineInfo:
         """The engine's info once it is loaded and warm; EngineUnavailable if it died first."""
@@ -197,27 +235,38 @@ class EngineClient:
             await self.handle.stop()
         self._fail_all(EngineUnavailable("the server is shutting down"))
         if self._reader is not None:
+            self._reader.command(("stop",))
             self._reader.stop()
-            await asyncio.to_thread(self._reader.join)  # it closes its socket
+            await asyncio.to_thread(self._reader.join)  # it closes its sockets
         else:
-            self._from_engine.close()
+            for sock in (self._from_engine, self._to_text, self._from_text):
+                sock.close(linger=0)
+        worker = self._text_worker
+        if worker is not None and worker.is_alive():
+            await asyncio.to_thread(worker.join, 2.0)
+            if worker.is_alive():
+                worker.kill()
+                await asyncio.to_thread(worker.join, SHUTDOWN_TIMEOUT_S)
         self._to_engine.close()
         self._heartbeats.close()
         self._zmq.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # --- requests ------------------------------------------------------------------------
-    def submit(self, rid: str, prompt_token_ids: list[int], sampling: SamplingParams,
-               outputs: list[OutputStream]) -> RequestStream:
-        """Send a request to the engine; the reader thread turns the outputs of its sampling.n
-        sequences into chunks with `outputs` (one OutputStream per sequence), which arrive (or a
-        final error) on the returned stream. The stream is dropped after every sequence's
+    def submit(self, rid: str, request: ValidatedRequest, report_spec: bool) -> RequestStream:
+        """Send a request to the engine; the detokenizer worker turns the outputs of its
+        sampling.n sequences into chunks (one OutputStream per sequence there), which arrive (or
+        a final error) on the returned stream. The stream is dropped after every sequence's
         finished output or an error."""
         self.check_available()
-        stream = RequestStream(outputs)
+        sampling = request.sampling
+        stream = RequestStream(sampling.n)
         self._streams[rid] = stream
         self._unfinished[rid] = set(range(sampling.n))
-        self._send(ipc.ServerToEngine(add=add_request_to_proto(rid, prompt_token_ids, sampling)))
+        # Queued before the engine can answer: the worker opens it before its first output.
+        self._reader.command(("open", rid, request, report_spec))
+        self._send(ipc.ServerToEngine(add=add_request_to_proto(rid, request.prompt_token_ids,
+                                                               sampling)))
         return stream
 
     def abort(self, rid: str, index: Optional[int] = None) -> None:
@@ -229,14 +278,17 @@ class EngineClient:
         if index is None or unfinished == {index}:
             self._streams.pop(rid, None)
             self._unfinished.pop(rid, None)
+            self._reader.command(("close", rid))
         else:
             unfinished.discard(index)
-        if self._dead_reason is None:
+        if not self._engine_gone:
             self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid, index=index)), quiet=True)
 
     async def load(self, flush_prefix_cache: bool = False) -> EngineLoad:
-        """The engine's load, taken between steps (after flushing its prefix cache if asked)."""
-        self.check_available()
+        """The engine's load, taken between steps (after flushing its prefix cache if asked);
+        also after the detokenizer worker died (the engine still runs)."""
+        if self._engine_gone or self._dead_reason is None:
+            self.check_available()
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
         self._load_queries[query_id] = future
@@ -253,7 +305,7 @@ class EngineClient:
     def check_available(self) -> None:
         """Raise EngineUnavailable (saying why) unless the engine takes requests now."""
         if self._dead_reason is not None:
-            raise EngineUnavailable(f"the engine process is gone: {self._dead_reason}")
+            raise EngineUnavailable(self._dead_reason_message())
         if self._closing:
             raise EngineUnavailable("the server is shutting down")
         if self.info is None:
@@ -272,31 +324,36 @@ class EngineClient:
         """What the reader thread read since the last call, in order (on the loop)."""
         now = time.perf_counter()
         for item in routed:
-            if isinstance(item, StreamUpdate):
+            if isinstance(item, TextUpdate):
                 self._on_update(item, now)
             else:
                 self._on_message(item)
 
-    def _on_update(self, update: StreamUpdate, now: float) -> None:
-        if self._streams.get(update.rid) is update.stream:  # not aborted meanwhile
-            if update.error is not None:
+    def _on_update(self, update: TextUpdate, now: float) -> None:
+        stream = self._streams.get(update.rid)
+        if stream is None:  # aborted meanwhile
+            return
+        if update.error is not None:
+            del self._streams[update.rid], self._unfinished[update.rid]
+            stream.fail(TextProcessingError(update.error))
+            return
+        if update.engine_finished:
+            unfinished = self._unfinished[update.rid]
+            unfinished.discard(update.index)
+            if not unfinished:
                 del self._streams[update.rid], self._unfinished[update.rid]
-            elif update.engine_finished:
-                unfinished = self._unfinished[update.rid]
-                unfinished.discard(update.index)
-                if not unfinished:
-                    del self._streams[update.rid], self._unfinished[update.rid]
-            elif update.stopped_by_stop_string:
-                # The engine has not finished the sequence: it stops it now (alone when there
-                # are others, which go on).
-                self.abort(update.rid, update.index if len(update.stream.outputs) > 1 else None)
-        update.apply(now)
+        elif update.stopped_by_stop_string:
+            # The engine has not finished the sequence: it stops it now (alone when there are
+            # others, which go on).
+            self.abort(update.rid, update.index if stream.n > 1 else None)
+        stream.deliver(update.index, update.piece, EngineProgress(*update.progress), now)
 
     def _on_message(self, message: ipc.EngineToServer) -> None:
         kind = message.WhichOneof("kind")
         if kind == "rejected":
             stream = self._streams.pop(message.rejected.rid, None)
-            self._unfinished.pop(message.rejected.rid, None)
+            if self._unfinished.pop(message.rejected.rid, None) is not None:
+                self._reader.command(("close", message.rejected.rid))
             if stream is not None:
                 stream.fail(RequestRejected(message.rejected.message))
         elif kind == "load":
@@ -308,9 +365,11 @@ class EngineClient:
         elif kind == "failed":
             logger.error("engine failed:\n%s", message.failed.message)
             last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]
+            self._engine_gone = True
             self._mark_dead(f"engine failed: {last_line[0]}")
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:
+        self._reader.command(("init", ready.tokenizer_pickle))
         self.tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle else None
         self.info = info_from_proto(ready.info)
         if not self._ready.done():
@@ -333,6 +392,7 @@ class EngineClient:
                 self.watchdog.on_heartbeat(beat.loop_iterations)
             reason = self.watchdog.check()
             if reason is not None:
+                self._engine_gone = True
                 self._mark_dead(reason)
                 # A frozen or stuck engine may hold the GPU and could resume and act on requests
                 # that the server has already failed; it must be gone for good.
@@ -341,22 +401,40 @@ class EngineClient:
 
     def _on_process_exit(self, reason: str) -> None:
         if not self._closing:
+            self._engine_gone = True
             self._mark_dead(reason)
+
+    def _on_text_worker_exit(self, reason: str) -> None:
+        """The detokenizer worker died: no request's output can be streamed any more. Every
+        live request is aborted in the engine (its KV freed) and ends with EngineUnavailable;
+        the server stops serving for good, as for a dead engine."""
+        if not self._engine_gone:
+            for rid in list(self._unfinished):
+                self._send(ipc.ServerToEngine(abort=ipc.AbortRequest(rid=rid)), quiet=True)
+        self._text_worker_died = True
+        self._mark_dead(reason)
+
+    def _dead_reason_message(self) -> str:
+        if self._text_worker_died:
+            return f"the server cannot stream outputs: {self._dead_reason}"
+        return f"the engine process is gone: {self._dead_reason}"
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is not None or self._closing:
             return
         self._dead_reason = reason
         logger.error("%s", reason)
-        self._fail_all(EngineUnavailable(f"the engine process is gone: {reason}"))
+        self._fail_all(EngineUnavailable(self._dead_reason_message()))
         for callback in self._death_callbacks:
             callback(reason)
 
     def _fail_all(self, error: EngineUnavailable) -> None:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
-        for stream in self._streams.values():
+        for rid, stream in self._streams.items():
             stream.fail(error)
+            if self._reader is not None:
+                self._reader.command(("close", rid))
         self._streams.clear()
         self._unfinished.clear()
         for future in self._load_queries.values():

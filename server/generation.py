@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,7 +20,6 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.outputs import EngineInfo
-from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from specserve.server.errors import InvalidRequest
@@ -26,10 +27,11 @@ from specserve.server.ops.metrics import ServerMetrics
 from specserve.server.request_record import RequestRecord, finish_reason_name
 from specserve.server.text.chat_template import ChatTemplate
 from specserve.server.text.logprobs import TokenTexts
-from specserve.server.text.output_stream import OutputStream
+from specserve.server.text.output_stream import ReadyChunk
 from specserve.server.text.reasoning import THINK_END
 from specserve.server.text.tool_calls import default_tool_call_parser
 from specserve.server.text.validation import RequestLimits, RequestValidator, ValidatedRequest
+from specserve.server.workers.tokenizer_pool import PoolBroken, TokenizerPool
 
 logger = logging.getLogger("specserve.server")
 
@@ -93,34 +95,34 @@ class GenerationCore:
         self._idle.set()
         self._prepare_threads = ThreadPoolExecutor(PREPARE_THREADS,
                                                    thread_name_prefix="specserve-prepare")
+        self._pool: Optional[TokenizerPool] = None  # --tokenizer-workers > 0, once ready
 
     def on_engine_ready(self, info: EngineInfo, tokenizer: Any) -> None:
-        room = info.max_context_len - 1  # the engine needs at least one free position
-        limits = RequestLimits(
-            vocab_size=info.vocab_size,
-            max_prompt_tokens=min(self.server_config.max_prompt_tokens or room, room),
-            max_new_tokens_cap=min(self.server_config.max_new_tokens_cap or room, room))
-        config = self.server_config
-        template = ChatTemplate.of(tokenizer)
-        self.served = Served(
-            info, tokenizer, limits,
-            RequestValidator(tokenizer, limits, template,
-                             reasoning_end_id=_reasoning_end_id(tokenizer, config.reasoning_parser),
-                             reasoning=config.reasoning_parser is not None),
-            TokenTexts(tokenizer), config.reasoning_parser,
-            config.tool_call_parser or default_tool_call_parser(getattr(tokenizer, "chat_template", None)))
+        self.served = build_served(info, tokenizer, self.server_config)
+        if self.server_config.tokenizer_workers:
+            # The workers build their own Served from the same inputs (the tokenizer pickled).
+            self._pool = TokenizerPool(self.server_config.tokenizer_workers, functools.partial(
+                build_served, info, pickle.dumps(tokenizer), self.server_config))
 
     def close(self) -> None:
         self._prepare_threads.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()
 
     async def in_prepare_thread(self, fn: Callable[[Served], T], served: Served) -> T:
-        """Run fn (tokenizing, templating: slow for long inputs) off the event loop;
-        Refused(INVALID_ARGUMENT) for its InvalidRequest."""
+        """Run fn (tokenizing, templating: slow for long inputs) off the event loop: in a
+        tokenizer worker process (--tokenizer-workers; fn and its result are pickled), else in
+        a prepare thread; Refused(INVALID_ARGUMENT) for its InvalidRequest, UNAVAILABLE if a
+        worker died meanwhile."""
         try:
+            if self._pool is not None:
+                return await self._pool.run(fn)
             return await asyncio.get_running_loop().run_in_executor(self._prepare_threads, fn,
                                                                     served)
         except InvalidRequest as e:
             raise Refused.invalid(e) from None
+        except PoolBroken as e:
+            raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
 
     async def tokenizer_call(self, what: str, fn: Callable[[Served], T]) -> T:
         """A call that needs the tokenizer but not the engine (Tokenize, Detokenize): fn runs in
@@ -144,16 +146,19 @@ class GenerationCore:
 
     async def generate(self, rid: str, prepare: Prepare,
                        cancel_code: Callable[[], str] = lambda: "CANCELLED",
-                       ) -> AsyncIterator[pb.GenerateChunk]:
+                       on_prepared: Optional[Callable[[ValidatedRequest], None]] = None,
+                       ) -> AsyncIterator[ReadyChunk]:
         """Admit, prepare and run one request, streaming its chunks; raises Refused.
 
         The caller must close this generator when it stops early (contextlib.aclosing), so that
         the engine request is aborted at once. cancel_code() names how a closed stream ended
         (for the metrics): CANCELLED, or DEADLINE_EXCEEDED when the front knows it was that.
+        on_prepared(validated) runs on the loop once prepare has (in a worker process, its
+        side effects on the caller's objects are lost: it returns what it found instead).
         """
         record = RequestRecord(rid, arrived=time.perf_counter())
         try:
-            async for chunk in self._generate(record, prepare):
+            async for chunk in self._generate(record, prepare, on_prepared):
                 yield chunk
         except Refused as refusal:
             record.status = refusal.kind.value
@@ -167,8 +172,9 @@ class GenerationCore:
             self.metrics.observe_finished(record)
             logger.info("%s", record.access_log_line())
 
-    async def _generate(self, record: RequestRecord,
-                        prepare: Prepare) -> AsyncIterator[pb.GenerateChunk]:
+    async def _generate(self, record: RequestRecord, prepare: Prepare,
+                        on_prepared: Optional[Callable[[ValidatedRequest], None]] = None,
+                        ) -> AsyncIterator[ReadyChunk]:
         served = self.check_available()
         # Admitted before it is read, so that the calls waiting for a prepare thread are bounded
         # too.
@@ -183,22 +189,19 @@ class GenerationCore:
         self.metrics.active_streams.inc()
         try:
             validated = await self.in_prepare_thread(prepare, served)
+            if on_prepared is not None:
+                on_prepared(validated)
             record.prompt_tokens = len(validated.prompt_token_ids)
             spec = served.info.spec is not None
-            # One OutputStream per sequence (n > 1): each has its own text, stop strings and
-            # finish; the call ends once all have finished.
-            outputs = [OutputStream(served.tokenizer, validated, report_spec=spec,
-                                    token_texts=served.token_texts)
-                       for _ in range(validated.sampling.n)]
             try:
-                # The per-token work (detokenising, stop strings) runs in the engine client's
-                # output thread; chunks arrive here coalesced when this call falls behind.
-                stream = self.engine.submit(record.rid, validated.prompt_token_ids,
-                                            validated.sampling, outputs)
+                # The per-token work (detokenising, stop strings: one OutputStream per sequence,
+                # each with its own text and finish) runs in the detokenizer worker; chunks
+                # arrive here serialized, coalesced when this call falls behind.
+                stream = self.engine.submit(record.rid, validated, spec)
             except EngineUnavailable as e:
                 raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
             self.metrics.prompt_tokens.inc(record.prompt_tokens)
-            unfinished = len(outputs)
+            unfinished = validated.sampling.n
             while unfinished:
                 try:
                     chunks = await stream.next_chunks()
@@ -217,11 +220,11 @@ class GenerationCore:
                 record.accept_length = progress.accept_length if spec else None
                 record.cached_tokens = progress.cached_tokens
                 for chunk in chunks:
-                    if chunk.token_ids:
-                        self._on_tokens(record, len(chunk.token_ids), now)
-                    if chunk.HasField("finish"):
+                    if chunk.num_tokens:
+                        self._on_tokens(record, chunk.num_tokens, now)
+                    if chunk.finished:
                         unfinished -= 1
-                        record.finish_reason = finish_reason_name(chunk.finish.reason)
+                        record.finish_reason = finish_reason_name(chunk.finish_reason)
                     yield chunk
         finally:
             # Cancelled, past its deadline, stopped by a stop string or failed: the engine must
@@ -250,6 +253,26 @@ class GenerationCore:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def build_served(info: EngineInfo, tokenizer: Any, config: ServerConfig) -> Served:
+    """What the request path needs of the engine's model; a tokenizer worker builds its own
+    (`tokenizer` then pickled bytes)."""
+    if isinstance(tokenizer, bytes):
+        tokenizer = pickle.loads(tokenizer)
+    room = info.max_context_len - 1  # the engine needs at least one free position
+    limits = RequestLimits(
+        vocab_size=info.vocab_size,
+        max_prompt_tokens=min(config.max_prompt_tokens or room, room),
+        max_new_tokens_cap=min(config.max_new_tokens_cap or room, room))
+    template = ChatTemplate.of(tokenizer)
+    return Served(
+        info, tokenizer, limits,
+        RequestValidator(tokenizer, limits, template,
+                         reasoning_end_id=_reasoning_end_id(tokenizer, config.reasoning_parser),
+                         reasoning=config.reasoning_parser is not None),
+        TokenTexts(tokenizer), config.reasoning_parser,
+        config.tool_call_parser or default_tool_call_parser(getattr(tokenizer, "chat_template", None)))
 
 
 def _reasoning_end_id(tokenizer: Any, reasoning_parser: Optional[str]) -> Optional[int]:

@@ -1,47 +1,58 @@
-"""The engine's outputs, from its socket to each request's stream, with the per-token work off
-the event loop.
+"""The engine's outputs, from its socket to each request's stream, with the per-token work in
+the detokenizer worker process (server/workers/detokenizer.py).
 
-An `OutputReader` thread receives every EngineToServer message. For each scheduler step's
-BatchOutput (one message per step, all its requests) it runs the per-token work of every
-request in it (detokenising, stop strings, building the GenerateChunk: `OutputStream.on_output`)
-and hands the results to the event loop, which takes everything handed over since it last
-looked in one call. The loop then only merges the results into each request's
-`RequestStream`: a consumer slower than the engine (a gRPC write waiting on flow control, a
-busy loop) finds one chunk holding every step since its previous one. So a stream gets at most
-one message per engine step, and fewer, each carrying more tokens, when the server falls
-behind, instead of a backlog of one message per step.
+An `OutputReader` thread owns the sockets: it receives every EngineToServer message, forwards
+each step's BatchOutput to the worker as raw bytes (no parsing: one recv and one send per
+step), and receives the worker's answer, one message per step holding every sequence's chunk
+already serialized (`TextUpdate`s with `ChunkPiece`s). It hands those, and the engine's other
+messages (ready, rejected, load, failed), to the event loop, which takes everything handed over
+since it last looked in one call. The loop then only routes bytes into each request's
+`RequestStream`: a consumer slower than the engine (a gRPC write waiting on flow control, a busy
+loop) finds one chunk holding every step since its previous one, joined as bytes
+(`join_pieces`). So a stream gets at most one message per engine step, and fewer, each carrying
+more tokens, when the server falls behind, instead of a backlog of one message per step.
+
+Requests are opened and closed in the worker through the same thread, on the same socket as the
+steps: the loop queues the command (`OutputReader.command`) before it sends the request to the
+engine, and the reader sends the queued commands after receiving each engine message and before
+forwarding it. So the worker always knows a request before its first output.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import pickle
 import threading
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Optional, Union
 
 import zmq
 
-from specserve.engine.wire import output_from_proto
 from specserve.proto import engine_ipc_pb2 as ipc
-from specserve.proto import generate_pb2 as pb
-from specserve.server.text.detokenizer import PendingTokens, decode_windows
-from specserve.server.text.output_stream import EngineProgress, OutputStream, merge_chunks
+from specserve.server.text.output_stream import ChunkPiece, EngineProgress, ReadyChunk, join_pieces
+from specserve.server.workers.detokenizer import COMMANDS, STEP, TextUpdate
 
 logger = logging.getLogger("specserve.server.engine")
 
-POLL_MS = 100  # how often an idle reader looks whether it should stop
+POLL_MS = 100  # how often an idle reader looks whether it should stop (and sends commands)
+# An EngineToServer message whose first byte is this holds a BatchOutput (field 2,
+# length-delimited): forwarded to the worker without parsing it.
+_BATCH_TAG = 0x12
+
+
+class TextProcessingError(RuntimeError):
+    """The detokenizer worker could not process a request's output; its stream ends."""
 
 
 class RequestStream:
-    """One request's chunks as its consumer takes them; event-loop side, but for `outputs` (one
-    OutputStream per sequence), which only the reader thread touches once the request is
-    submitted."""
+    """One request's chunks as its consumer takes them (event-loop side)."""
 
-    def __init__(self, outputs: list[OutputStream]):
-        self.outputs = outputs
+    def __init__(self, n: int = 1):
+        self.n = n  # sequences
         self.first_output: Optional[float] = None  # perf_counter() of the engine's first output
-        self._progress = [EngineProgress()] * len(outputs)  # per sequence, latest delivered
+        self._progress = [EngineProgress()] * n  # per sequence, latest delivered
         self._latest = 0  # the sequence delivered last
-        self._pending: list[pb.GenerateChunk] = []  # not yet taken (merged when taken)
+        self._pending: list[tuple[int, ChunkPiece]] = []  # not yet taken (joined when taken)
         self._error: Optional[Exception] = None
         self._waiter: Optional[asyncio.Future] = None
 
@@ -55,7 +66,7 @@ class RequestStream:
                               self._progress[self._latest].accept_length,
                               min(p.cached_tokens for p in self._progress))
 
-    async def next_chunks(self) -> list[pb.GenerateChunk]:
+    async def next_chunks(self) -> list[ReadyChunk]:
         """Everything delivered since the previous call: one chunk per sequence that has
         news, each holding all of that sequence's steps since. Raises the error that ended
         the stream (RequestRejected, EngineUnavailable, ...) once the chunks delivered before
@@ -69,18 +80,21 @@ class RequestStream:
             finally:
                 self._waiter = None
         pending, self._pending = self._pending, []
-        by_sequence: dict[int, list[pb.GenerateChunk]] = {}
-        for chunk in pending:
-            by_sequence.setdefault(chunk.index, []).append(chunk)
-        return [merge_chunks(chunks) for chunks in by_sequence.values()]
+        if len(pending) == 1:
+            index, piece = pending[0]
+            return [join_pieces(index, [piece])]
+        by_sequence: dict[int, list[ChunkPiece]] = {}
+        for index, piece in pending:
+            by_sequence.setdefault(index, []).append(piece)
+        return [join_pieces(index, pieces) for index, pieces in by_sequence.items()]
 
-    def deliver(self, index: int, chunk: Optional[pb.GenerateChunk], progress: EngineProgress,
+    def deliver(self, index: int, piece: Optional[ChunkPiece], progress: EngineProgress,
                 now: float) -> None:
         if self.first_output is None:
             self.first_output = now
         self._progress[index], self._latest = progress, index
-        if chunk is not None:
-            self._pending.append(chunk)
+        if piece is not None:
+            self._pending.append((index, piece))
             self._wake()
 
     def fail(self, error: Exception) -> None:
@@ -92,58 +106,60 @@ class RequestStream:
             self._waiter.set_result(None)
 
 
-class StreamUpdate(NamedTuple):
-    """What one engine output did to one request's stream (made by the reader thread)."""
-
-    rid: str
-    index: int                      # the sequence (0 .. n - 1)
-    stream: RequestStream
-    chunk: Optional[pb.GenerateChunk]
-    progress: EngineProgress
-    engine_finished: bool           # the engine's last output for this sequence
-    stopped_by_stop_string: bool    # the chunk ends the sequence; the engine has not finished it
-    error: Optional[Exception]      # the per-token work failed; the stream ends with it
-
-    def apply(self, now: float) -> None:
-        """Deliver it to its stream (on the loop); `now`: when the loop took it."""
-        if self.error is not None:
-            self.stream.fail(self.error)
-        else:
-            self.stream.deliver(self.index, self.chunk, self.progress, now)
-
-
-# What the reader hands the loop, in the order it read them: stream updates, and the other
-# messages (ready, rejected, load, failed) for the loop to handle.
-Routed = Union[StreamUpdate, ipc.EngineToServer]
+# What the reader hands the loop, in the order it read them: the worker's updates, and the
+# engine's other messages (ready, rejected, load, failed) for the loop to handle.
+Routed = Union[TextUpdate, ipc.EngineToServer]
 
 
 class OutputReader(threading.Thread):
-    """Owns the socket the engine's outputs arrive on (ZeroMQ sockets stay in one thread)."""
+    """Owns the socket the engine's outputs arrive on and both sockets to the detokenizer
+    worker (ZeroMQ sockets stay in one thread)."""
 
-    def __init__(self, socket: zmq.Socket, streams: dict[str, RequestStream],
+    def __init__(self, socket: zmq.Socket, to_worker: zmq.Socket, from_worker: zmq.Socket,
                  loop: asyncio.AbstractEventLoop, on_routed: Callable[[list[Routed]], None]):
         super().__init__(name="specserve-outputs", daemon=True)
         self.socket = socket
-        # Written by the loop only; read here (one dict lookup: atomic in CPython). A stream
-        # removed meanwhile (aborted) may still get an update, which nobody then reads.
-        self.streams = streams
+        self.to_worker = to_worker
+        self.from_worker = from_worker
         self.loop = loop
         self.on_routed = on_routed
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._routed: list[Routed] = []  # read, not yet handed to the loop
         self._handover_scheduled = False
+        # Commands for the worker, queued by the loop (deque appends and pops are atomic).
+        self._commands: collections.deque = collections.deque()
+
+    def command(self, command: tuple) -> None:
+        """Queue a command for the worker (from the loop): sent before the next engine message
+        is forwarded, or within POLL_MS."""
+        self._commands.append(command)
 
     def stop(self) -> None:
-        """Stop reading (within POLL_MS); join() to wait for the socket to be closed."""
+        """Stop reading (within POLL_MS); join() to wait for the sockets to be closed."""
         self._stopping.set()
 
     def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.from_worker, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
-                if not self.socket.poll(POLL_MS):
-                    continue
-                self._hand_over(self.route(ipc.EngineToServer.FromString(self.socket.recv())))
+                events = dict(poller.poll(POLL_MS))
+                if self.socket in events:
+                    data = self.socket.recv()
+                    # Every command queued before this message was made (a request's open
+                    # before its first output) is queued now: send them first.
+                    self._send_commands()
+                    if data[:1] and data[0] == _BATCH_TAG:
+                        self.to_worker.send_multipart([STEP, data], copy=False)
+                    else:
+                        self._hand_over([ipc.EngineToServer.FromString(data)])
+                if self.from_worker in events:
+                    self._hand_over(pickle.loads(self.from_worker.recv()))
+                if not events:
+                    self._send_commands()
+            self._send_commands()  # a last "stop" for the worker
         except RuntimeError:  # the event loop was closed under us: the server is gone
             pass
         except Exception as e:  # a bug: no output would reach a stream again
@@ -151,41 +167,16 @@ class OutputReader(threading.Thread):
             failed = ipc.EngineFailed(message=f"the server's engine-output reader failed: {e!r}")
             self._hand_over([ipc.EngineToServer(failed=failed)])
         finally:
-            self.socket.close(linger=0)
+            for sock in (self.socket, self.to_worker, self.from_worker):
+                sock.close(linger=0)
 
-    def route(self, message: ipc.EngineToServer) -> list[Routed]:
-        """What one message from the engine does to the streams (the per-token work of a
-        step's batch), for the loop to apply."""
-        if message.WhichOneof("kind") != "batch":
-            return [message]
-        routed: list[Routed] = []
-        live = []  # (engine output, its stream, its sequence's OutputStream)
-        for msg in message.batch.outputs:
-            out = output_from_proto(msg)
-            stream = self.streams.get(out.rid)
-            if stream is None:  # aborted by the server meanwhile
-                continue
-            output = stream.outputs[out.index]
-            if output.finished:  # ended by a stop string; its aborted outputs trail in
-                continue
-            live.append((out, stream, output))
-        # The step's detokenisation, all streams in one call (see decode_windows).
-        decoded = decode_windows([PendingTokens(output.detokenizer, out.new_token_ids)
-                                  for out, _, output in live if output.detokenizer is not None])
-        decoded.reverse()  # popped in the order of `live`
-        for out, stream, output in live:
-            chunk, error = None, None
-            try:
-                chunk = output.on_output(out, decoded.pop() if output.detokenizer else None)
-            except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the server
-                logger.exception("request %s: processing the engine's output failed", out.rid)
-                error = e
-            if chunk is not None and out.index:  # (0 is the field's default)
-                chunk.index = out.index
-            routed.append(StreamUpdate(out.rid, out.index, stream, chunk, output.progress,
-                                       out.finished, output.finished and not out.finished,
-                                       error))
-        return routed
+    def _send_commands(self) -> None:
+        commands = []
+        while self._commands:
+            commands.append(self._commands.popleft())
+        if commands:
+            self.to_worker.send_multipart(
+                [COMMANDS, pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)])
 
     def _hand_over(self, routed: list[Routed]) -> None:
         """Queue for the loop; one wake-up of the loop for whatever it has not taken yet."""
@@ -202,4 +193,3 @@ class OutputReader(threading.Thread):
             routed, self._routed = self._routed, []
             self._handover_scheduled = False
         self.on_routed(routed)
-

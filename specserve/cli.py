@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: put <think>...</think> in reasoning_content (a grammar applies after it)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="chat: the model's tool-call format (default: from its chat template)")
+    g.add_argument("--tokenizer-workers", type=int, default=None, metavar="N",
+                   help="processes that prepare requests (chat templates, tokenising), out of "
+                        "the server's GIL (default 2; 0: threads of the server process)")
     g.add_argument("--log-level", default="INFO")
     c = serve.add_argument_group("cluster (Ray; needs the `ray` extra)")
     c.add_argument("--data-parallel", type=int, default=None, metavar="N",
@@ -166,7 +169,8 @@ def _server_config_from_args(args: argparse.Namespace):
         ("drain_timeout_s", "drain_timeout"), ("stats_log_interval_s", "stats_log_interval"),
         ("engine_heartbeat_timeout_s", "engine_heartbeat_timeout"),
         ("engine_stall_timeout_s", "engine_stall_timeout"), ("reasoning_parser", "reasoning_parser"),
-        ("tool_call_parser", "tool_call_parser")) if getattr(args, flag) is not None}
+        ("tool_call_parser", "tool_call_parser"),
+        ("tokenizer_workers", "tokenizer_workers")) if getattr(args, flag) is not None}
     if optional.get("engine_stall_timeout_s") == 0:
         optional["engine_stall_timeout_s"] = None
     port = args.port

@@ -134,13 +134,16 @@ def server_room(module: str) -> str:
 
 CORE = {"app", "config", "engine_client", "errors", "generation", "output_router", "request_record"}
 # What a front (or a core module other than the base ones) may import: all but the fronts and app.
-BELOW_FRONTS = (CORE - {"app"}) | {"cluster", "ops", "text"}
+BELOW_FRONTS = (CORE - {"app"}) | {"cluster", "ops", "text", "workers"}
 # Room -> the rooms it may import (besides itself). The text pipeline and ops sit below the core
 # and never see a front; config.py asks text/ whether a parser name exists (in __post_init__), and
 # text/validation.py reads config's DEFAULT_MAX_NEW_TOKENS, so config is the one core module both
 # ways (module by module there is no cycle). Nothing imports app.py, the wiring.
 SERVER_ROOM_RULES: dict[str, set[str]] = {
     "text": {"config", "errors"},
+    # The text worker processes (detokenizer, tokenizer pool): the text pipeline run elsewhere;
+    # the core starts them and routes their results, so they never import the core.
+    "workers": {"config", "errors", "text"},
     "ops": {"config", "errors", "request_record"},
     "config": {"text"},
     "errors": set(),

@@ -1,11 +1,14 @@
 """Coalesced streaming: a consumer slower than the engine gets fewer chunks whose concatenation
-is exactly the step-by-step stream (text, token ids, logprobs, finish), through RequestStream,
-the OutputReader thread and GenerationCore's cancellation (no server process needed)."""
+is exactly the step-by-step stream (text, token ids, logprobs, finish), through the detokenizer
+worker's TextSteps, RequestStream (chunks joined as bytes), the OutputReader thread with the
+worker's loop and GenerationCore's cancellation (no server process needed)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import random
+import threading
 
 import pytest
 import zmq
@@ -13,15 +16,18 @@ import zmq
 from helpers import VOCAB
 from specserve.engine.config import EngineConfig, SamplingParams
 from specserve.engine.outputs import EngineInfo, StepOutput
-from specserve.engine.wire import output_to_proto
+from specserve.engine.wire import encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
 from specserve.server.generation import GenerationCore
 from specserve.server.ops.metrics import ServerMetrics
 from specserve.server.ops.watchdog import EngineWatchdog
-from specserve.server.output_router import OutputReader, RequestStream, StreamUpdate
-from specserve.server.text.output_stream import OutputStream, merge_chunks
+from specserve.server.output_router import OutputReader, RequestStream
+from specserve.server.text.output_stream import (EngineProgress, OutputStream, chunk_piece,
+                                                 join_pieces, merge_chunks)
+from specserve.server.workers.detokenizer import (DetokenizerLink, TextSteps, TextUpdate,
+                                                  serve_detokenizer)
 from specserve.server.text.validation import ValidatedRequest
 
 PROMPT = [5, 6, 7]
@@ -75,9 +81,21 @@ def _concatenation(chunks: list[pb.GenerateChunk]) -> tuple:
             [x for c in chunks for x in c.logprobs], finish.SerializeToString())
 
 
+def _deliver(stream: RequestStream, updates: list[TextUpdate]) -> None:
+    for update in updates:
+        stream.deliver(update.index, update.piece, EngineProgress(*update.progress), 0.0)
+
+
+def _worker(tokenizer, rid: str, request: ValidatedRequest) -> TextSteps:
+    steps = TextSteps(tokenizer)
+    steps.open(rid, request, False)
+    return steps
+
+
 def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
     """Random token streams (byte-level tokens split UTF-8 characters), step sizes, stop strings
-    (matched inside coalesced steps) and consumer speeds."""
+    (matched inside coalesced steps) and consumer speeds: the worker's pieces, joined as bytes,
+    equal the in-process OutputStream's chunks merged."""
     rng = random.Random(0)
     coalesced_cases = stopped_coalesced = 0
     for case in range(300):
@@ -86,24 +104,26 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
         reference = OutputStream(tokenizer, request, report_spec=False)
         expected = [c for c in map(reference.on_output, _steps("r", ids, sizes)) if c is not None]
 
-        stream = RequestStream([OutputStream(tokenizer, request, report_spec=False)])
-        output = stream.outputs[0]
+        stream = RequestStream(1)
+        worker = _worker(tokenizer, "r", request)
         got = []
 
         async def consume():
             for out in _steps("r", ids, sizes):
-                stream.deliver(0, output.on_output(out), output.progress, 0.0)
+                _deliver(stream, worker.step([out]))
                 if rng.random() < 0.3:  # the consumer keeps up now and then
-                    got.extend(await stream.next_chunks())
+                    got.extend(c.message() for c in await stream.next_chunks())
                 if got and got[-1].HasField("finish"):
                     return
             while not (got and got[-1].HasField("finish")):
-                got.extend(await stream.next_chunks())
+                got.extend(c.message() for c in await stream.next_chunks())
 
         asyncio.run(consume())
         assert _concatenation(got) == _concatenation(expected), (case, ids, sizes, stops)
         assert all(len(c.logprobs) == len(c.token_ids) for c in got)
         assert all(not c.HasField("finish") for c in got[:-1])
+        if len(got) == len(expected):  # kept up throughout: exactly the step-by-step chunks
+            assert got == expected
         coalesced_cases += len(got) < len(expected)
         stopped_coalesced += len(got) < len(expected) and bool(got[-1].finish.matched_stop_str)
     assert coalesced_cases > 100  # the test did exercise coalescing
@@ -112,22 +132,25 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
 
 def test_an_error_comes_after_the_chunks_delivered_before_it(tokenizer):
     async def run():
-        stream = RequestStream([OutputStream(tokenizer, _request(), report_spec=False)])
+        stream = RequestStream(1)
+        worker = _worker(tokenizer, "r", _request())
         for out in _steps("r", [10, 11, 12, 13], [1, 1, 1, 1])[:2]:
-            stream.deliver(0, stream.outputs[0].on_output(out), stream.outputs[0].progress, 0.0)
+            _deliver(stream, worker.step([out]))
         stream.fail(RuntimeError("engine gone"))
         [chunk] = await stream.next_chunks()
-        assert list(chunk.token_ids) == [10, 11]
+        assert list(chunk.message().token_ids) == [10, 11]
         with pytest.raises(RuntimeError, match="engine gone"):
             await stream.next_chunks()
 
     asyncio.run(run())
 
 
-def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
-    """The reader thread does the per-token work off the loop; a consumer that reads nothing
-    until the engine is done gets one chunk; the other messages keep their order; outputs of
-    an unknown (aborted) request are dropped."""
+def test_output_reader_and_worker_coalesce_whole_steps_for_a_stream_not_read(tokenizer,
+                                                                             tmp_path):
+    """The reader thread forwards steps to the worker (its loop, here in a thread) and routes
+    its answers; a consumer that reads nothing until the engine is done gets one chunk; outputs
+    of an unknown (never opened) request are dropped; the engine's other messages reach the
+    loop."""
     rng = random.Random(1)
     ids = [rng.randrange(VOCAB) for _ in range(30)]
     sizes = [1] + [3] * 10
@@ -139,38 +162,43 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
         pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
         pull.bind("inproc://outputs")
         push.connect("inproc://outputs")
-        streams = {rid: RequestStream([OutputStream(tokenizer, _request(stops if rid == "b" else ()),
-                                                    report_spec=False)]) for rid in ("a", "b")}
-        others, done, last_load_routed = [], asyncio.Event(), asyncio.Event()
-        last_load = len(_steps("a", ids, sizes)) - 1
+        link = DetokenizerLink(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+        to_worker, from_worker = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+        to_worker.connect(link.inbox)
+        from_worker.bind(link.outbox)
+        worker = threading.Thread(target=serve_detokenizer, args=(link,), daemon=True)
+        worker.start()
+        streams = {rid: RequestStream(1) for rid in ("a", "b")}
+        others, done = [], asyncio.Event()
 
         def on_routed(routed):
             for item in routed:
-                if isinstance(item, StreamUpdate):
-                    item.apply(0.0)
-                    if item.rid == "a" and item.engine_finished:
+                if isinstance(item, TextUpdate):
+                    streams[item.rid].deliver(item.index, item.piece,
+                                              EngineProgress(*item.progress), 0.0)
+                    if all(s._pending and s._pending[-1][1].finished for s in streams.values()):
                         done.set()
                 else:
                     others.append(item.load.query_id)
-                    if item.load.query_id == last_load:
-                        last_load_routed.set()
 
-        reader = OutputReader(pull, streams, loop, on_routed)
+        reader = OutputReader(pull, to_worker, from_worker, loop, on_routed)
+        reader.command(("init", pickle.dumps(tokenizer)))
+        for rid in ("a", "b"):
+            reader.command(("open", rid, _request(stops if rid == "b" else ()), False))
         reader.start()
         try:
             steps = {rid: _steps(rid, ids, sizes) for rid in ("a", "b", "gone")}
             for i in range(len(steps["a"])):
-                batch = ipc.BatchOutput(outputs=[output_to_proto(steps[rid][i])
-                                                 for rid in ("a", "b", "gone")])
+                batch = encode_batch([steps[rid][i] for rid in ("a", "b", "gone")])
                 push.send(ipc.EngineToServer(batch=batch).SerializeToString())
                 push.send(ipc.EngineToServer(load=ipc.LoadReport(query_id=i)).SerializeToString())
             await asyncio.wait_for(done.wait(), 60)
-            # (It follows the last batch: stopping the reader before it was routed lost it.)
-            await asyncio.wait_for(last_load_routed.wait(), 60)
             chunks = {rid: await stream.next_chunks() for rid, stream in streams.items()}
         finally:
+            reader.command(("stop",))
             reader.stop()
             await asyncio.to_thread(reader.join)
+            await asyncio.to_thread(worker.join, 10)
             push.close(linger=0)
             context.term()
         assert others == list(range(len(steps["a"])))
@@ -178,9 +206,8 @@ def test_output_reader_coalesces_whole_steps_for_a_stream_not_read(tokenizer):
             reference = OutputStream(tokenizer, _request(stops if rid == "b" else ()),
                                      report_spec=False)
             expected = [c for c in map(reference.on_output, _steps(rid, ids, sizes)) if c]
-            assert _concatenation([chunk]) == _concatenation(expected)
-            assert chunk.HasField("finish")
-        assert "gone" not in streams
+            assert _concatenation([chunk.message()]) == _concatenation(expected)
+            assert chunk.finished and chunk.message().HasField("finish")
 
     asyncio.run(run())
 
@@ -190,13 +217,15 @@ class _FakeEngine:
 
     def __init__(self):
         self.streams: dict[str, RequestStream] = {}
+        self.requests: dict[str, ValidatedRequest] = {}
         self.aborted: list[str] = []
 
     def check_available(self) -> None:
         pass
 
-    def submit(self, rid, prompt_token_ids, sampling, outputs) -> RequestStream:
-        self.streams[rid] = RequestStream(outputs)
+    def submit(self, rid, request, report_spec) -> RequestStream:
+        self.streams[rid] = RequestStream(request.sampling.n)
+        self.requests[rid] = request
         return self.streams[rid]
 
     def abort(self, rid: str, index=None) -> None:
@@ -207,7 +236,8 @@ def test_cancelling_a_coalesced_stream_aborts_the_engine_request(tokenizer):
     """The consumer takes one chunk holding several steps, then leaves: the engine request is
     aborted (its KV freed; the server tests check the KV itself) and the stream released."""
     engine = _FakeEngine()
-    core = GenerationCore(engine, EngineConfig(device="cpu"), ServerConfig(),
+    # Prepared in a thread (tokenizer_workers=0): the test's prepare is a lambda.
+    core = GenerationCore(engine, EngineConfig(device="cpu"), ServerConfig(tokenizer_workers=0),
                           ServerMetrics(EngineWatchdog(4.0, None).report))
     info = EngineInfo("tiny", "LlamaForCausalLM", VOCAB, 256, "float32", "cpu", (2,), None)
     core.on_engine_ready(info, tokenizer)
@@ -219,11 +249,12 @@ def test_cancelling_a_coalesced_stream_aborts_the_engine_request(tokenizer):
             while "rid-1" not in engine.streams:
                 await asyncio.sleep(0.01)  # the prepare thread
             stream = engine.streams["rid-1"]
-            output = stream.outputs[0]
+            worker = _worker(tokenizer, "rid-1", engine.requests["rid-1"])
             for out in _steps("rid-1", list(range(10, 40)), [1, 3, 3, 3])[:4]:
-                stream.deliver(0, output.on_output(out), output.progress, 0.0)
+                _deliver(stream, worker.step([out]))
             chunk = await first
-            assert list(chunk.token_ids) == list(range(10, 20))
+            assert list(chunk.message().token_ids) == list(range(10, 20))
+            assert chunk.num_tokens == 10
             assert core.num_active_streams == 1 and engine.aborted == []
         # The core's inner generator is closed by the loop's async-generator finalizer, a
         # loop iteration or so later.
@@ -238,16 +269,15 @@ def test_cancelling_a_coalesced_stream_aborts_the_engine_request(tokenizer):
 def test_sequences_of_one_request_are_coalesced_apart(tokenizer):
     """n > 1: a slow consumer gets one chunk per sequence, each its own steps in order."""
     async def run():
-        request = _request()
-        stream = RequestStream([OutputStream(tokenizer, request, report_spec=False)
-                                for _ in range(2)])
+        request = ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=64, logprobs=True, n=2,
+                                                          temperature=1.0), ())
+        stream = RequestStream(2)
+        worker = _worker(tokenizer, "r", request)
         steps = {i: _steps("r", [20 + i, 30 + i, 40 + i, 50 + i], [1, 1, 2]) for i in (0, 1)}
         for a, b in zip(steps[0], steps[1]):
-            for index, out in ((0, a), (1, b)):
-                chunk = stream.outputs[index].on_output(out)
-                chunk.index = index
-                stream.deliver(index, chunk, stream.outputs[index].progress, 0.0)
-        chunks = await stream.next_chunks()
+            b.index = 1
+            _deliver(stream, worker.step([a, b]))
+        chunks = [c.message() for c in await stream.next_chunks()]
         assert [c.index for c in chunks] == [0, 1]
         assert [list(c.token_ids) for c in chunks] == [[20, 30, 40, 50], [21, 31, 41, 51]]
         assert all(c.HasField("finish") and len(c.logprobs) == 4 for c in chunks)
@@ -255,22 +285,44 @@ def test_sequences_of_one_request_are_coalesced_apart(tokenizer):
     asyncio.run(run())
 
 
-def test_merge_chunks_keeps_every_field():
-    def top(token_id):
-        return pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=token_id, logprob=-1.0,
-                                                          text=str(token_id))])
+def _top(token_id):
+    return pb.TopLogprobs(candidates=[pb.TokenLogprob(token_id=token_id, logprob=-1.0,
+                                                      text=str(token_id))])
 
-    first = pb.GenerateChunk(token_ids=[1], text="a", logprobs=[-0.1], top_logprobs=[top(1)],
+
+def _three_chunks():
+    first = pb.GenerateChunk(token_ids=[1], text="a\u00e9", logprobs=[-0.1], top_logprobs=[_top(1)],
                              prompt_logprobs=[pb.PromptTokenLogprob(token_id=9, text="p")],
                              index=2)
-    second = pb.GenerateChunk(token_ids=[2, 3], text="bc", logprobs=[-0.2, -0.3],
-                              top_logprobs=[top(2), top(3)], index=2)
-    last = pb.GenerateChunk(token_ids=[4], text="d", logprobs=[-0.4], top_logprobs=[top(4)],
+    second = pb.GenerateChunk(token_ids=[2, 3], text="bc" * 100, logprobs=[-0.2, -0.3],
+                              top_logprobs=[_top(2), _top(3)], index=2)
+    empty = pb.GenerateChunk(index=2)
+    last = pb.GenerateChunk(token_ids=[4], text="d", logprobs=[-0.4], top_logprobs=[_top(4)],
                             index=2, finish=pb.Finish(reason=pb.FINISH_REASON_LENGTH))
+    return [first, second, empty, last]
+
+
+def test_merge_chunks_keeps_every_field():
+    first, second, _, last = _three_chunks()
     merged = merge_chunks([first, second, last])
-    assert (list(merged.token_ids), merged.text, merged.index) == ([1, 2, 3, 4], "abcd", 2)
+    assert (list(merged.token_ids), merged.text, merged.index) == \
+        ([1, 2, 3, 4], "a\u00e9" + "bc" * 100 + "d", 2)
     assert list(merged.logprobs) == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert [t.candidates[0].token_id for t in merged.top_logprobs] == [1, 2, 3, 4]
     assert [p.token_id for p in merged.prompt_logprobs] == [9]
     assert merged.finish.reason == pb.FINISH_REASON_LENGTH
     assert merge_chunks([first]) is first
+
+
+def test_pieces_joined_as_bytes_are_the_merged_chunk():
+    """join_pieces (bytes only, on the loop) == merge_chunks (parsed messages), for every run of
+    consecutive chunks, and a single piece is its chunk."""
+    chunks = _three_chunks()
+    for start in range(len(chunks)):
+        for end in range(start + 1, len(chunks) + 1):
+            run_ = chunks[start:end]
+            pieces = [chunk_piece(pb.GenerateChunk.FromString(c.SerializeToString())) for c in run_]
+            joined = join_pieces(2, pieces)
+            assert joined.message() == merge_chunks(run_)
+            assert joined.num_tokens == sum(len(c.token_ids) for c in run_)
+            assert joined.finished == run_[-1].HasField("finish")

@@ -93,7 +93,7 @@ async def test_tokenizing_runs_off_the_event_loop():
             assert release.wait(60)
             return [5, 6]
 
-    core = GenerationCore(None, EngineConfig(), ServerConfig(),
+    core = GenerationCore(None, EngineConfig(), ServerConfig(tokenizer_workers=0),
                           ServerMetrics(EngineWatchdog(4.0, None).report))
     core.on_engine_ready(EngineInfo(
         model="m", architecture="llama", vocab_size=320, max_context_len=64, dtype="float32",

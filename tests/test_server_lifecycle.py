@@ -14,7 +14,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 
-from server_harness import ServerProcess, free_port, wait_until
+from server_harness import ServerProcess, engine_is_idle, free_port, wait_until
 from specserve.clients import Client, Unavailable, healthcheck
 from specserve.server.ops.health import GENERATION_SERVICE
 
@@ -178,3 +178,29 @@ def test_engine_that_fails_to_start_stops_the_server(tmp_path):
     assert server.process.wait(120) == 1
     server.wait_for_log("the engine failed to start")
     assert wait_until(lambda: not os.path.exists(f"/proc/{server.engine_pid}"), 10)
+
+
+def test_detokenizer_worker_death_ends_calls_and_frees_their_kv(tiny_model):
+    """The detokenizer worker process is killed mid-stream: the call ends with UNAVAILABLE, the
+    server goes NOT_SERVING for good, and the engine (still running) frees the request's KV."""
+    # Slowed forwards (about 20 ms a step): the request is far from done when the worker dies,
+    # so only the abort can free its KV within the check below.
+    server = ServerProcess(tiny_model, env={"SPECSERVE_FORWARD_DELAY": "0:40"})
+    try:
+        worker_pid = int(server.wait_for_log(r"detokenizer worker started \(pid (\d+)\)").group(1))
+        with server.client() as client:
+            stream = iter(client.generate_stream("def add", max_new_tokens=500, ignore_eos=True))
+            next(stream)
+            assert client.server_load().kv_used_tokens > 0
+            os.kill(worker_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(Unavailable, match="detokenizer worker"):
+                for _ in stream:
+                    pass
+            assert time.monotonic() - killed_at < 5.0
+            assert client.health(GENERATION_SERVICE) == "NOT_SERVING"
+            with pytest.raises(Unavailable):
+                client.generate("hi", max_new_tokens=2)
+            assert wait_until(lambda: engine_is_idle(client), 3)  # nothing leaked
+    finally:
+        assert server.stop() == 0

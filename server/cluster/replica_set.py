@@ -33,7 +33,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineLauncher, EngineUnavailable
 from specserve.server.ops.watchdog import EngineWatchdog, WatchdogReport, WatchdogState
 from specserve.server.output_router import RequestStream
-from specserve.server.text.output_stream import OutputStream
+from specserve.server.text.validation import ValidatedRequest
 
 logger = logging.getLogger("specserve.server.cluster")
 
@@ -148,17 +148,16 @@ class ReplicaSet:
             await asyncio.to_thread(disconnect)
 
     # --- requests ------------------------------------------------------------------------
-    def submit(self, rid: str, prompt_token_ids: list[int], sampling: SamplingParams,
-               outputs: list[OutputStream]) -> RequestStream:
+    def submit(self, rid: str, request: ValidatedRequest, report_spec: bool) -> RequestStream:
         """As EngineClient.submit, on the replica the router picks (all n sequences there)."""
         self.check_available()
         live = self._serving()
         kv_use = {row.replica: row.load.kv_used_tokens / row.load.kv_total_tokens
                   for row in self.last_rows if row.load is not None}
-        route = self.router.route(prompt_token_ids, [
+        route = self.router.route(request.prompt_token_ids, [
             ReplicaState(r.index, r.active_streams, kv_use.get(r.index, 0.0)) for r in live])
         replica = self.replicas[route.replica]
-        stream = replica.client.submit(rid, prompt_token_ids, sampling, outputs)
+        stream = replica.client.submit(rid, request, report_spec)
         replica.active_streams += 1
         self._routes[rid] = replica
         self.routed[replica.index, route.reason] += 1

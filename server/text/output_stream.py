@@ -171,3 +171,70 @@ class OutputStream:
         """Tokens the engine generated per verify step so far; 1.0 before any verify."""
         return (self._engine_completion_tokens / self.verify_steps if self.verify_steps
                 else 1.0)
+
+
+# --- chunks as bytes: what the detokenizer worker sends and the event loop routes -------------
+class ChunkPiece(NamedTuple):
+    """One sequence's chunk of one engine step as the detokenizer worker sends it: the
+    serialized GenerateChunk without its text (`body`), and the text as UTF-8. Pieces of one
+    sequence join into one chunk by concatenating bytes (`join_pieces`), never parsing them."""
+
+    body: bytes
+    text: bytes
+    num_tokens: int
+    finished: bool       # the chunk has a finish (the sequence's last)
+    finish_reason: int   # pb.FinishReason when finished
+
+
+class ReadyChunk(NamedTuple):
+    """A serialized GenerateChunk, ready to write (the gRPC front writes `data` as it is), with
+    what the core reads of it; `message()` parses it (the OpenAI front)."""
+
+    data: bytes
+    index: int
+    num_tokens: int
+    finished: bool
+    finish_reason: int
+
+    def message(self) -> pb.GenerateChunk:
+        return pb.GenerateChunk.FromString(self.data)
+
+
+_TEXT_TAG = b"\x12"  # GenerateChunk.text: field 2, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def chunk_piece(chunk: pb.GenerateChunk) -> ChunkPiece:
+    """The piece of a chunk (its text taken out)."""
+    text = chunk.text.encode()
+    chunk.text = ""
+    finished = chunk.HasField("finish")
+    return ChunkPiece(chunk.SerializeToString(), text, len(chunk.token_ids), finished,
+                      chunk.finish.reason if finished else 0)
+
+
+def join_pieces(index: int, pieces: list[ChunkPiece]) -> ReadyChunk:
+    """One serialized chunk for consecutive pieces of one sequence: what `merge_chunks` makes
+    of their chunks. Parsing concatenated messages merges them (repeated fields appended, the
+    one finish kept, the index repeated); the text, which would be replaced, is joined and
+    written once, after the bodies (a parser takes fields in any order)."""
+    if len(pieces) == 1:
+        piece = pieces[0]
+        data = piece.body + _TEXT_TAG + _varint(len(piece.text)) + piece.text \
+            if piece.text else piece.body
+        return ReadyChunk(data, index, piece.num_tokens, piece.finished, piece.finish_reason)
+    text = b"".join(piece.text for piece in pieces)
+    data = b"".join(piece.body for piece in pieces)
+    if text:
+        data += _TEXT_TAG + _varint(len(text)) + text
+    last = pieces[-1]
+    return ReadyChunk(data, index, sum(piece.num_tokens for piece in pieces), last.finished,
+                      last.finish_reason)

@@ -55,6 +55,9 @@ class ValidatedRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stop_strings: tuple[str, ...]
+    # The prompt's text when the caller asked for it back (OpenAI completions' echo): made
+    # where the request is prepared (a tokenizer worker), off the event loop.
+    echo_text: Optional[str] = None
 
 
 @dataclass(frozen=True)

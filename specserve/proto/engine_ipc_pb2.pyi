@@ -75,50 +75,48 @@ class EngineReady(_message.Message):
     def __init__(self, info: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., tokenizer_pickle: _Optional[bytes] = ...) -> None: ...
 
 class BatchOutput(_message.Message):
-    __slots__ = ("outputs",)
-    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
-    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
-
-class RequestOutput(_message.Message):
-    __slots__ = ("rid", "index", "new_token_ids", "new_logprobs", "finished", "finish_reason", "matched_stop_token_id", "prompt_tokens", "completion_tokens", "spec", "new_top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "cached_tokens")
-    RID_FIELD_NUMBER: _ClassVar[int]
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SPEC_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("rids", "indexes", "num_tokens", "token_ids", "flags", "finish_reasons", "matched_stop", "counters", "logprob_counts", "logprobs", "top_counts", "top_sizes", "top_ids", "top_logprobs", "prompt_logprob_counts", "prompt_logprobs", "prompt_top_counts", "prompt_top_sizes", "prompt_top_ids", "prompt_top_logprobs")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    INDEXES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_COUNTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    rid: str
-    index: int
-    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    new_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    finished: bool
-    finish_reason: str
-    matched_stop_token_id: int
-    prompt_tokens: int
-    completion_tokens: int
-    spec: SpecInfo
-    new_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
-    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
-    cached_tokens: int
-    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[float]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., spec: _Optional[_Union[SpecInfo, _Mapping]] = ..., new_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
-
-class SpecInfo(_message.Message):
-    __slots__ = ("num_verify_steps", "num_accepted_drafts")
-    NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
-    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    num_verify_steps: int
-    num_accepted_drafts: int
-    def __init__(self, num_verify_steps: _Optional[int] = ..., num_accepted_drafts: _Optional[int] = ...) -> None: ...
+    rids: _containers.RepeatedScalarFieldContainer[str]
+    indexes: bytes
+    num_tokens: bytes
+    token_ids: bytes
+    flags: bytes
+    finish_reasons: bytes
+    matched_stop: bytes
+    counters: bytes
+    logprob_counts: bytes
+    logprobs: bytes
+    top_counts: bytes
+    top_sizes: bytes
+    top_ids: bytes
+    top_logprobs: bytes
+    prompt_logprob_counts: bytes
+    prompt_logprobs: bytes
+    prompt_top_counts: bytes
+    prompt_top_sizes: bytes
+    prompt_top_ids: bytes
+    prompt_top_logprobs: bytes
+    def __init__(self, rids: _Optional[_Iterable[str]] = ..., indexes: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., finish_reasons: _Optional[bytes] = ..., matched_stop: _Optional[bytes] = ..., counters: _Optional[bytes] = ..., logprob_counts: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_counts: _Optional[bytes] = ..., top_sizes: _Optional[bytes] = ..., top_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprob_counts: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_counts: _Optional[bytes] = ..., prompt_top_sizes: _Optional[bytes] = ..., prompt_top_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class RequestRejected(_message.Message):
     __slots__ = ("rid", "message")

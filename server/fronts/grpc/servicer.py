@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import uuid
 from typing import AsyncIterator, Callable, TypeVar
@@ -15,11 +16,29 @@ from specserve.server.engine_client import EngineUnavailable
 from specserve.server.errors import InvalidRequest
 from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
 from specserve.server.ops.health import GENERATION_SERVICE
+from specserve.server.text.output_stream import ReadyChunk
 from specserve.server.text.validation import ValidatedRequest, parse_request
 
 logger = logging.getLogger("specserve.server")
 
 T = TypeVar("T")
+
+# The calls' preparation: module-level functions of the request bytes, so that a tokenizer worker
+# process can run them (functools.partial pickles); they return plain values (protobuf messages
+# do not pickle).
+def _tokenize(served: Served, request: bytes) -> list[int]:
+    return served.validator.tokenize(parse_request(pb.TokenizeRequest, request))
+
+
+def _detokenize(served: Served, request: bytes) -> str:
+    ids = parse_request(pb.DetokenizeRequest, request).token_ids
+    return served.validator.detokenize(list(ids))
+
+
+def _chunk_bytes(chunk: ReadyChunk) -> bytes:
+    """A Generate response: the chunk the detokenizer worker serialized, written as it is."""
+    return chunk.data
+
 
 _STATUS_CODES = {RefusalKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
                  RefusalKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -36,7 +55,7 @@ class GenerationServicer:
         other refusal (gRPC's own deserializer answers UNKNOWN and logs a traceback)."""
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self.Generate, response_serializer=pb.GenerateChunk.SerializeToString),
+                self.Generate, response_serializer=_chunk_bytes),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString),
             "GetServerLoad": grpc.unary_unary_rpc_method_handler(
@@ -53,7 +72,7 @@ class GenerationServicer:
 
     # --- Generate --------------------------------------------------------------------------
     async def Generate(self, request: bytes,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[ReadyChunk]:
         rid = uuid.uuid4().hex
         # The id in the log lines about this call, for the client to quote.
         await context.send_initial_metadata((("x-request-id", rid),))
@@ -68,7 +87,7 @@ class GenerationServicer:
             # aclosing: if gRPC closes this generator (client gone), the core's cleanup (the
             # engine abort) runs now rather than whenever it is garbage collected.
             async with contextlib.aclosing(self.core.generate(
-                    rid, lambda served: _validate(served, request), cancel_code)) as chunks:
+                    rid, functools.partial(_validate, request=request), cancel_code)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except Refused as refusal:
@@ -77,19 +96,15 @@ class GenerationServicer:
     # --- Tokenize, Detokenize: the validator's code, as for Generate and the HTTP front -----
     async def Tokenize(self, request: bytes,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        def tokenize(served: Served) -> pb.TokenizeResponse:
-            ids = served.validator.tokenize(parse_request(pb.TokenizeRequest, request))
-            return pb.TokenizeResponse(token_ids=ids)
-
-        return await self._tokenizer_call(context, "Tokenize", tokenize)
+        ids = await self._tokenizer_call(context, "Tokenize",
+                                         functools.partial(_tokenize, request=request))
+        return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request: bytes,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        def detokenize(served: Served) -> pb.DetokenizeResponse:
-            ids = parse_request(pb.DetokenizeRequest, request).token_ids
-            return pb.DetokenizeResponse(text=served.validator.detokenize(ids))
-
-        return await self._tokenizer_call(context, "Detokenize", detokenize)
+        text = await self._tokenizer_call(context, "Detokenize",
+                                          functools.partial(_detokenize, request=request))
+        return pb.DetokenizeResponse(text=text)
 
     async def _tokenizer_call(self, context: grpc.aio.ServicerContext, what: str,
                               fn: Callable[[Served], T]) -> T:

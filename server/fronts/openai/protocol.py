@@ -6,6 +6,8 @@ carried the value (max_new_tokens -> max_tokens, text -> prompt, ...).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -233,10 +235,15 @@ class CompletionRequest(GenerationBody):
 
     def prepare(self, served: Served) -> ValidatedRequest:
         validated = super().prepare(served)
-        if self.echo:  # decoded here, in the prepare thread, off the event loop
-            self._echo_text = self.prompt if isinstance(self.prompt, str) else \
+        if self.echo:  # decoded here, where the request is prepared, off the event loop
+            echo_text = self.prompt if isinstance(self.prompt, str) else \
                 served.token_texts.decode(validated.prompt_token_ids)
+            validated = dataclasses.replace(validated, echo_text=echo_text)
         return validated
+
+    def on_prepared(self, validated: ValidatedRequest) -> None:
+        """Keep what prepare found (it may have run in a tokenizer worker process)."""
+        self._echo_text = validated.echo_text
 
     @property
     def echo_text(self) -> Optional[str]:

@@ -23,6 +23,7 @@ from specserve.server.fronts.openai.protocol import (ChatCompletionRequest, Comp
                                                   GenerationBody)
 from specserve.server.fronts.openai.responses import (SSE_DONE, ResponseFormat, error_body, sse)
 from specserve.server.generation import GenerationCore, RefusalKind, Refused, Served
+from specserve.server.text.output_stream import ReadyChunk
 
 T = TypeVar("T")
 
@@ -109,7 +110,8 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
         served = served_model(body.model)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         headers = {"x-request-id": rid}
-        chunks = core.generate(rid, body.prepare)
+        chunks = core.generate(rid, body.prepare,
+                               on_prepared=getattr(body, "on_prepared", None))
 
         def shape() -> ResponseFormat:  # after the first chunk: prepare has run (echo text)
             return ResponseFormat(rid, served.info.model, chat, n=body.num_choices,
@@ -170,14 +172,15 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
     return app
 
 
-async def _collect(chunks: AsyncIterator[pb.GenerateChunk]) -> list[pb.GenerateChunk]:
-    """Every chunk of a stream (of every choice)."""
+async def _collect(chunks: AsyncIterator[ReadyChunk]) -> list[pb.GenerateChunk]:
+    """Every chunk of a stream (of every choice), parsed from the bytes the core routes (the
+    gRPC front writes them as they are)."""
     async with contextlib.aclosing(chunks):
-        return [chunk async for chunk in chunks]
+        return [chunk.message() async for chunk in chunks]
 
 
-async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
-                  chunks: AsyncIterator[pb.GenerateChunk], include_usage: bool,
+async def _events(shape: ResponseFormat, first: ReadyChunk,
+                  chunks: AsyncIterator[ReadyChunk], include_usage: bool,
                   ) -> AsyncIterator[bytes]:
     """The SSE body. Starlette cancels it when the client disconnects; aclosing then ends the
     core's generator at once, which aborts the engine request."""
@@ -186,9 +189,9 @@ async def _events(shape: ResponseFormat, first: pb.GenerateChunk,
             yield sse(opening)
         chunk, unfinished = first, shape.n
         while True:
-            for payload in shape.chunks(chunk):
+            for payload in shape.chunks(chunk.message()):
                 yield sse(payload)
-            unfinished -= chunk.HasField("finish")
+            unfinished -= chunk.finished
             if not unfinished:
                 break
             try:

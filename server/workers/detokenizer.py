@@ -1,0 +1,166 @@
+"""The detokenizer worker process: every stream's per-token work (detokenising, stop strings,
+logprob texts, building the GenerateChunk) out of the server process.
+
+The server's OutputReader thread forwards each engine message holding a step's BatchOutput here
+as raw bytes, on the same socket (and so in the same order) as the requests it opens and
+closes; the worker answers each step with one message: a list of `TextUpdate`s, each carrying a
+sequence's chunk already serialized (`ChunkPiece`), which the event loop only routes.
+
+Messages to the worker are multipart: [b"B", EngineToServer bytes] (a step) or [b"C", pickled
+list of commands]: ("init", tokenizer pickle), ("open", rid, ValidatedRequest, report_spec),
+("close", rid). Pickle is safe here: both ends are this server's own processes, over ipc://
+paths in its private directory (the engine already sends its tokenizer pickled).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import zmq
+
+from specserve.engine.outputs import StepOutput
+from specserve.engine.wire import decode_batch
+from specserve.proto import engine_ipc_pb2 as ipc
+from specserve.server.text.detokenizer import PendingTokens, decode_windows
+from specserve.server.text.logprobs import TokenTexts
+from specserve.server.text.output_stream import ChunkPiece, OutputStream, chunk_piece
+from specserve.server.text.validation import ValidatedRequest
+
+logger = logging.getLogger("specserve.server.detokenizer")
+
+STEP = b"B"
+COMMANDS = b"C"
+IDLE_POLL_MS = 500  # how often an idle worker checks that the server is still there
+
+
+class TextUpdate(NamedTuple):
+    """What one engine output did to one sequence (made by the worker, routed by the loop)."""
+
+    rid: str
+    index: int                      # the sequence (0 .. n - 1)
+    piece: Optional[ChunkPiece]     # None: nothing to stream
+    progress: tuple                 # EngineProgress fields (the speculative counters)
+    engine_finished: bool           # the engine's last output for this sequence
+    stopped_by_stop_string: bool    # the chunk ends the sequence; the engine has not finished it
+    error: Optional[str]            # the per-token work failed; the stream ends with it
+
+
+class TextSteps:
+    """Every open request's OutputStreams (one per sequence), fed one engine step at a time.
+    Runs in the worker; tests drive it in-process."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
+        self.requests: dict[str, list[OutputStream]] = {}
+
+    def open(self, rid: str, request: ValidatedRequest, report_spec: bool) -> None:
+        self.requests[rid] = [OutputStream(self.tokenizer, request, report_spec, self.token_texts)
+                              for _ in range(request.sampling.n)]
+
+    def close(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    def step(self, outputs: list[StepOutput]) -> list[TextUpdate]:
+        """The step's updates: the per-token work of every output of an open request, its
+        detokenisation in one decode_batch call (decode_windows)."""
+        live = []  # (engine output, its sequence's OutputStream)
+        for out in outputs:
+            streams = self.requests.get(out.rid)
+            if streams is None:  # closed (aborted, or every sequence ended)
+                continue
+            output = streams[out.index]
+            if output.finished:  # ended by a stop string; its aborted outputs trail in
+                continue
+            live.append((out, output))
+        decoded = decode_windows([PendingTokens(output.detokenizer, out.new_token_ids)
+                                  for out, output in live if output.detokenizer is not None])
+        decoded.reverse()  # popped in the order of `live`
+        updates = []
+        for out, output in live:
+            piece, error = None, None
+            try:
+                chunk = output.on_output(out, decoded.pop() if output.detokenizer else None)
+                if chunk is not None:
+                    if out.index:  # (0 is the field's default)
+                        chunk.index = out.index
+                    piece = chunk_piece(chunk)
+            except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the worker
+                logger.exception("request %s: processing the engine's output failed", out.rid)
+                error = f"processing the engine's output failed: {e!r}"
+                output.finished = True
+            updates.append(TextUpdate(out.rid, out.index, piece, tuple(output.progress),
+                                      out.finished, output.finished and not out.finished
+                                      and error is None, error))
+            if error is not None or output.finished:
+                streams = self.requests[out.rid]
+                if all(s.finished for s in streams) or error is not None:
+                    del self.requests[out.rid]
+        return updates
+
+    def command(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "open":
+            self.open(*command[1:])
+        elif kind == "close":
+            self.close(command[1])
+
+
+@dataclass(frozen=True)
+class DetokenizerLink:
+    """A detokenizer worker's addresses (ipc:// paths in the server's private directory)."""
+
+    # server -> worker: steps and commands. The worker binds it and the server connects, so
+    # that the server's messages queue (and its sends never block) whether or not the worker
+    # is up yet, or still alive.
+    inbox: str
+    outbox: str   # worker -> server (bound by the server): a pickled list of TextUpdates a step
+
+
+def run_detokenizer(link: DetokenizerLink) -> None:
+    """Process entry: serve steps until the server says stop (or is gone)."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s detokenizer %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when it stops
+    serve_detokenizer(link)
+
+
+def serve_detokenizer(link: DetokenizerLink) -> None:
+    """The worker's loop (tests run it in a thread): until a "stop" command or the server is
+    gone."""
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(link.inbox)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.setsockopt(zmq.LINGER, 0)
+    outbox.connect(link.outbox)
+    server_pid = os.getppid()
+    steps = TextSteps(None)
+    try:
+        while os.getppid() == server_pid:
+            if not inbox.poll(IDLE_POLL_MS):
+                continue
+            kind, data = inbox.recv_multipart(copy=True)
+            if kind == STEP:
+                outputs = decode_batch(ipc.EngineToServer.FromString(data).batch)
+                updates = steps.step(outputs)
+                if updates:
+                    outbox.send(pickle.dumps(updates, protocol=pickle.HIGHEST_PROTOCOL))
+                continue
+            for command in pickle.loads(data):
+                if command[0] == "init":
+                    tokenizer = pickle.loads(command[1]) if command[1] else None
+                    steps = TextSteps(tokenizer)
+                elif command[0] == "stop":
+                    return
+                else:
+                    steps.command(command)
+    finally:
+        inbox.close(linger=0)
+        outbox.close()
+        context.term()

@@ -1,0 +1,88 @@
+"""Tokenizer worker processes: request preparation (parsing, chat templates, tokenising,
+validation that needs the tokenizer) out of the server process and its GIL.
+
+A small pool of spawned processes (`--tokenizer-workers N`). Each builds, once, the state the
+prepare functions take (the core's `Served`: tokenizer, validator, chat template) from a
+picklable factory; a call sends a picklable function (a module-level function or a method of a
+picklable request body, with its request bytes) and gets its result back (a ValidatedRequest:
+token ids and sampling parameters), or its exception (InvalidRequest) raised again here.
+
+A worker that dies breaks the pool: the calls in it fail with `PoolBroken` (the core answers
+UNAVAILABLE), and the next call starts a fresh pool. Preparation holds no request state and
+nothing in the engine, so a restart loses nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Optional, TypeVar
+
+logger = logging.getLogger("specserve.server.tokenizer_pool")
+
+T = TypeVar("T")
+
+_state: Any = None  # in a worker: what make_state built
+
+
+class PoolBroken(Exception):
+    """A tokenizer worker died while the call was in the pool."""
+
+
+def _init(make_state: Callable[[], Any]) -> None:
+    global _state
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when workers stop
+    _state = make_state()
+
+
+def _call(fn: Callable[[Any], T]) -> T:
+    return fn(_state)
+
+
+def _pid(_: Any) -> int:
+    import os
+
+    return os.getpid()
+
+
+class TokenizerPool:
+    def __init__(self, workers: int, make_state: Callable[[], Any]):
+        self.workers = workers
+        self.make_state = make_state
+        self._executor: Optional[ProcessPoolExecutor] = None
+        self._start()
+
+    def _start(self) -> None:
+        self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init, initargs=(self.make_state,))
+
+    async def run(self, fn: Callable[[Any], T]) -> T:
+        """fn(state) in a worker; its exception raised here; PoolBroken if a worker died."""
+        executor = self._executor
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, _call, fn)
+        except BrokenProcessPool:
+            if self._executor is executor:  # the first call to see it restarts the pool
+                logger.error("a tokenizer worker died; starting a new pool")
+                executor.shutdown(wait=False, cancel_futures=True)
+                self._start()
+            raise PoolBroken("a tokenizer worker process died while preparing the request; "
+                             "retry") from None
+
+    async def pids(self) -> list[int]:
+        """The workers' pids (tests); starts every worker."""
+        loop = asyncio.get_running_loop()
+        found: set[int] = set()
+        for _ in range(20):
+            found |= set(await asyncio.gather(*(loop.run_in_executor(self._executor, _call, _pid)
+                                                for _ in range(4 * self.workers))))
+            if len(found) >= self.workers:
+                break
+        return sorted(found)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
