@@ -47,7 +47,8 @@ for phase in $1; do case $phase in
           run structured_8b python $PWD/bench/structured.py steps --shape llama-8b --out $LOGS/structured_8b.json ;;
   serving) for api in grpc openai; do
              run serving_$api python $PWD/bench/serving.py --launch llama-8b --text --spec chain --api $api \
-                 --rates inf --concurrency 64 --num-requests 128 --max-new-tokens 128 --client-procs 4 \
+                 --rates inf --concurrency ${CONCURRENCY:-64} --num-requests ${NUM_REQUESTS:-128} \
+                 --max-new-tokens 128 --client-procs 4 --tokenizer-workers ${TOKENIZER_WORKERS:-2} \
                  --server 127.0.0.1:50151 --http-port 50152 --out $LOGS/serving_$api.json
            done ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
