@@ -154,7 +154,7 @@ def encode_batch(outputs: Sequence[StepOutput]) -> ipc.BatchOutput:
     for out in outputs:
         flags.append((FLAG_FINISHED if out.finished else 0)
                      | (FLAG_MATCHED_STOP if out.matched_stop is not None else 0))
-        reasons.append(_FINISH_CODES.get(out.finish_reason, 0) if out.finish_reason else 0)
+        reasons.append(_FINISH_CODES[out.finish_reason] if out.finish_reason else 0)  # KeyError: a new reason
         matched.append(out.matched_stop or 0)
         counters += (out.prompt_tokens, out.completion_tokens, out.num_verify_steps,
                      out.num_accepted_drafts, out.cached_tokens)

@@ -348,21 +348,17 @@ class _CallSender:
         self.send(scanner.name, scanner.args, out, ending, scanner.closed)
 
 
-class ToolCallStream:
-    """One choice's text as it arrives, in a tool-call format: content outside calls passes
-    through (held back while it may be the start of one), and calls come out as CallDeltas as
-    their text arrives (see the module's docstring)."""
+class _CallStream:
+    """What both streams keep: the text so far, the calls sent, the call being read. `feed`
+    appends the text and lets the subclass's `_read` turn the unread part into content and
+    CallDeltas."""
 
-    def __init__(self, parser: str):
-        self.parser = parser
+    def __init__(self):
         self._text = ""          # everything seen
         self._pos = 0            # where the unread text starts
         self._calls = _CallSender()
         self._call: Optional[_CallScanner] = None   # the call object being read
         self._call_start = 0     # where its text starts in _text
-        self._held_from = 0      # llama3_json: where text held back while the call is unnamed starts
-        self._search = 0         # hermes: where to look for the end tag of a call's block
-        self._mode = "start"     # llama3_json: start, call, between, content
 
     @property
     def num_calls(self) -> int:
@@ -371,8 +367,26 @@ class ToolCallStream:
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._text += text
         out: list[CallDelta] = []
-        content = self._feed_llama(out) if self.parser == "llama3_json" else self._feed_hermes(out)
-        return content, out
+        return self._read(out), out
+
+    def _read(self, out: list[CallDelta]) -> str:
+        raise NotImplementedError
+
+
+class ToolCallStream(_CallStream):
+    """One choice's text as it arrives, in a tool-call format: content outside calls passes
+    through (held back while it may be the start of one), and calls come out as CallDeltas as
+    their text arrives (see the module's docstring)."""
+
+    def __init__(self, parser: str):
+        super().__init__()
+        self.parser = parser
+        self._held_from = 0      # llama3_json: where text held back while the call is unnamed starts
+        self._search = 0         # hermes: where to look for the end tag of a call's block
+        self._mode = "start"     # llama3_json: start, call, between, content
+
+    def _read(self, out: list[CallDelta]) -> str:
+        return self._feed_llama(out) if self.parser == "llama3_json" else self._feed_hermes(out)
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """What is left once the output ended: held text, or the end of a cut call."""
@@ -472,33 +486,23 @@ class ToolCallStream:
         self._call, self._call_start, self._pos = _CallScanner(), at, at
 
 
-class ForcedCallStream:
+class ForcedCallStream(_CallStream):
     """The output of a forced-call grammar as it arrives: with `named`, the output is that
     function's arguments (the call is named at its first character); else a JSON list of
     {"name", "parameters"} calls. Content only if no call came: the text, at the end."""
 
     def __init__(self, named: Optional[str]):
+        super().__init__()
         self.named = named
-        self._text = ""
-        self._pos = 0
-        self._calls = _CallSender()
-        self._call: Optional[_CallScanner] = None
-        self._call_start = 0
         self._value: Optional[_Value] = None   # named: the arguments
         self._state = "start"   # list: start, list, call, done
 
-    @property
-    def num_calls(self) -> int:
-        return self._calls.num_calls
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self._text += text
-        out: list[CallDelta] = []
+    def _read(self, out: list[CallDelta]) -> str:
         if self.named is not None:
             self._feed_named(out)
         else:
             self._feed_list(out)
-        return "", out
+        return ""
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         out: list[CallDelta] = []
