@@ -11,7 +11,8 @@ unconstrained, greedy, over prompts cut from models/demo-heldout.txt (text the p
 steps: steady-state decode step time (wall, per engine.step) of a batch of constrained requests
 (inside an endless JSON string: the costliest state to mask, and no request leaves the batch)
 vs an unconstrained batch, at bs=1 and 16, and of a mixed batch (half constrained); then, over
-steps of their own, the blocking host syncs per step (CUDA's sync debug mode counts them). A
+steps of their own, the implicit host syncs per step (CUDA's sync debug mode counts `.item()`
+and `.tolist()` of device tensors, not waits on CUDA events such as the masks' reads). A
 constrained batch runs without overlap (engine/scheduler/scheduler.py): its syncs per step are
 the result wait plus one short copy per draft step and one for the verify tree, each waited
 for while the forward that needs the masks runs. `--shape llama-8b` runs a launched shape
