@@ -180,10 +180,13 @@ def copy_bandwidth(device) -> float:
 
 def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
     """Decode speed of `bs` requests launched together: tokens after each request's first,
-    over the time from the first to the last token (prefill excluded)."""
+    over the time from the first to the last token (prefill excluded); and the prefill: from
+    adding the requests to the step that carries their first tokens (one batch when
+    chunked_prefill_size covers them, as main() sets it)."""
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(bs)]
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
     engine.generate(prompt_token_ids=prompts, sampling=params)  # warm-up
+    added = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", p, params)
     tokens, verify, first, last = 0, 0, None, None
@@ -215,6 +218,7 @@ def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
         "occupancy": occupancy,
         "syncs_per_step": syncs / n_steps,
         "host_blocked_ms_per_step": 1000 * (m.host_blocked_seconds - blocked0) / n_steps,
+        "prefill_ms": 1000 * (first - added),
     }
 
 
@@ -301,12 +305,12 @@ def main():
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(f"{'model':16} {'weights':20} {'mode':12} {'backend':19} {'variant':10} {'kv':8} {'tp':>2} {'bs':>3} {'ctx':>6} {'tok/s':>9} "
-          f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7}")
+          f"{'step ms':>8} {'acc':>5} {'limit%':>7} {'step%':>6} {'occ%':>6} {'sync/st':>7} {'prefill ms':>10}")
     for r in rows:
         print(f"{r['model']:16} {r['weights']:20} {r['mode']:12} {r['backend']:19} {r['variant']:10} {r['kv_cache_dtype']:8} {r['tp']:>2} {r['batch_size']:>3} "
               f"{r['prompt_len']:6} {r['decode_tokens_per_s']:9.1f} "
               f"{r['step_ms']:8.2f} {r['accept_length']:5.2f} {100 * r['fraction_of_limit']:7.1f} "
-              f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f}")
+              f"{100 * r['fraction_of_step_limit']:6.1f} {100 * r['occupancy']:6.1f} {r['syncs_per_step']:7.2f} {r['prefill_ms']:10.1f}")
 
 
 if __name__ == "__main__":
