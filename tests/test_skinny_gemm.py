@@ -263,6 +263,92 @@ def test_qkv_rope_is_the_projection_then_rope_and_store(m, split_k, with_bias):
         assert not workspace.arrivals.any()
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_qkv_rope_with_qk_norm_is_the_projection_then_norms_then_rope(m, split_k):
+    """Qwen3's per-head q/k RMSNorm in the epilogue: the projection rounded once, each q and k
+    head normalised by torch's RMSNorm (its own weights), then RoPE and the store. fp16
+    through multiply-and-sum bit-exact where the sums of squares are exact (small integers
+    over powers of two), fp32 through tl.dot close; a tile is half a head (block_n 8)."""
+    from specserve.engine.layers.norm import RMSNorm
+
+    n_rows = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([5, 63, 0][:m], device=DEVICE)
+    loc = torch.tensor([7, 2, 11][:m], device=DEVICE)
+    gen = torch.Generator().manual_seed(m)
+    for dtype, dot in ((torch.float32, True), (torch.float16, False)):
+        x, w, _ = _operands(m, n_rows, dtype, seed=7 * m + split_k)
+        if dtype == torch.float32:
+            x = x + torch.randn(x.shape, generator=gen).to(DEVICE)
+        q_norm, k_norm = RMSNorm(HEAD_DIM, 1e-6), RMSNorm(HEAD_DIM, 1e-6)
+        with torch.no_grad():
+            q_norm.weight.copy_(torch.randint(1, 9, (HEAD_DIM,), generator=gen) / 4)
+            k_norm.weight.copy_(torch.randint(1, 9, (HEAD_DIM,), generator=gen) / 4)
+        q_norm, k_norm = q_norm.to(DEVICE, dtype), k_norm.to(DEVICE, dtype)
+        config = SkinnyConfig(block_n=HEAD_DIM // 2, block_k=32, split_k=split_k, num_warps=4,
+                              num_stages=1, dot=dot)
+        workspace = _workspace()
+        k_cache = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, w, None, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin,
+                            k_cache, v_cache, loc, config=config, workspace=workspace,
+                            qk_norm=(q_norm.weight, k_norm.weight, 1e-6))
+        qkv = F.linear(x.double(), w.double()).to(dtype)
+        q_ref, k_ref, v_ref = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        q_ref = q_norm(q_ref.reshape(-1, Q_HEADS, HEAD_DIM))
+        k_ref = k_norm(k_ref.reshape(-1, KV_HEADS, HEAD_DIM))
+        q_ref, k_ref = rotary(positions, q_ref, k_ref)
+        k_want, v_want = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        k_want[loc], v_want[loc] = k_ref, v_ref.reshape(-1, KV_HEADS, HEAD_DIM)
+        for got, want in zip((q, k_cache, v_cache), (q_ref, k_want, v_want)):
+            if dtype == torch.float16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not workspace.arrivals.any()
+    with pytest.raises(AssertionError, match="half a head"):
+        skinny_qkv_rope(x, w, None, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin,
+                        k_cache, v_cache, loc, config=config._replace(block_n=4),
+                        workspace=workspace, qk_norm=(q_norm.weight, k_norm.weight, 1e-6))
+
+
+_COMPILE_QK_NORM_FOR_SM90 = """
+import torch
+from specserve.engine.layers import skinny_gemm as sk
+from sm90_compile import compile_sm90_kernel, t
+
+bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+# Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128, hidden 2048), its tp=2 half, and K = 512
+# (no split: the widest K steps and most stages the rule gives, whose shared memory must fit).
+for m, heads, kv_heads, k in [(1, 32, 4, 2048), (16, 16, 2, 2048), (1, 32, 4, 512)]:
+    c = sk._qkv_rope_config(m, (heads + 2 * kv_heads) * 128, k, 128, torch.device("cpu"), True)
+    assert c.block_n == 64
+    kernel = compile_sm90_kernel(sk._skinny_qkv_rope_kernel, dict(
+        x=t(bf16), w=t(bf16), bias=t(bf16), q_out=t(bf16), k_cache=t(bf16), v_cache=t(bf16),
+        loc=t(i64), positions=t(i64), cos=t(f32), sin=t(f32), q_norm_w=t(bf16), k_norm_w=t(bf16),
+        partials=t(f32), arrivals=t(i32), M=m, K=k, k_per_split=k // c.split_k, stride_xm=k,
+        stride_wn=k, fp8=sk._Fp8Args(t(f32), t(f32), 1, 1, 1, 1), k_scale_inv=1.0,
+        v_scale_inv=1.0, norm_eps=1e-6, NUM_Q_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=64,
+        KV_FP8=False, QK_NORM=True, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True, DOT_PRECISION="tf32",
+        FP8_WEIGHT=False, K_UNIFORM=False, FP8_ACT=False, PDL=True), c.num_warps, c.num_stages)
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "mma" in ptx and "rsqrt" in ptx
+    assert kernel.metadata.shared <= 227 * 1024, (m, k, c, kernel.metadata.shared)  # an H100's
+    print("compiled", m, heads, k, c.split_k, kernel.metadata.shared)
+"""
+
+
+def test_qkv_rope_with_qk_norm_compiles_for_hopper():
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_QK_NORM_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 3, done.stdout
+
+
 def test_qkv_rope_needs_whole_tiles_in_half_a_head():
     x = torch.zeros(2, 64, device=DEVICE)
     w = torch.zeros((Q_HEADS + 2 * KV_HEADS) * 6, 64, device=DEVICE)  # head_dim 6: half 3
@@ -292,11 +378,13 @@ def _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model: str,
     return tokens
 
 
-def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch):
-    """A tiny fp32 Llama (head_dim 32) through the interpreter with the skinny kernels allowed
-    on CPU tensors: q/k/v projection, RoPE and the KV store in one kernel at decode, the same
-    greedy tokens as transformers, every KV slot freed after (make_engine checks)."""
-    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch, arch):
+    """A tiny fp32 Llama, and a Qwen3 with its per-head q/k norms (head_dim 32 both), through
+    the interpreter with the skinny kernels allowed on CPU tensors: q/k/v projection, (q/k
+    norm,) RoPE and the KV store in one kernel at decode, the same greedy tokens as
+    transformers, every KV slot freed after (make_engine checks)."""
+    model = make_tiny_checkpoint(str(tmp_path), arch, hidden_size=128, intermediate_size=128)
     monkeypatch.setattr(skinny_module, "can_use", lambda x, w, scale=None: x.numel() // w.shape[1] <= MAX_ROWS)
     prompts = random_prompts(3, seed=8, max_len=12)
     assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model) == hf_greedy(model, prompts, 6)
