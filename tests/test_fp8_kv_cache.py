@@ -394,7 +394,7 @@ attn = dict(q=t(bf16), out=t(bf16), k_buffer=t(fp8), v_buffer=t(fp8), kv_indptr=
             stride_o_head=128, stride_k_slot=1024, stride_k_head=128, stride_v_slot=1024,
             stride_v_head=128, stride_mask_req=64, stride_mask_row=8, stride_po_tok=65536,
             stride_po_head=2048, stride_po_split=128, stride_pl_tok=512, stride_pl_head=16,
-            MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=256, DOT_PRECISION="tf32", PDL=True, NUM_KV_HEADS=8)
+            MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=32, DOT_PRECISION="tf32", PDL=True, NUM_KV_HEADS=8)
 llama = dict(attn, MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="key_strides")
 # V2-Lite's MLA: one latent || rope head (576 dims), the latent a view of it.
 mla = dict(attn, MAIN_DIM=512, ROPE_DIM=64, BLOCK_D=512, BLOCK_DPE=64, VALUES="key_prefix",
