@@ -558,12 +558,52 @@ def test_gpu_spec_engine_with_skinny_matches_plain(tmp_path, make_engine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_gpu_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch,
-                                                             graphs):
-    """head_dim 64 (the rule's 32-column tiles in half a head), fp32 on the GPU, with and
-    without CUDA graphs: the fused q/k/v + RoPE + KV store kernel gives transformers' tokens."""
-    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=256, intermediate_size=256)
+                                                             graphs, arch):
+    """Llama with head_dim 64 (the rule's 32-column tiles in half a head), Qwen3 with head_dim
+    32 and its q/k norms (16-column tiles: half a head), fp32 on the GPU, with and without
+    CUDA graphs: the fused q/k/v (+ q/k norm) + RoPE + KV store kernel gives transformers'
+    tokens."""
+    model = make_tiny_checkpoint(str(tmp_path), arch, hidden_size=256, intermediate_size=256)
     prompts = random_prompts(3, seed=8, max_len=12)
     tokens = _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model, device="cuda",
                                          attention_backend="triton", cuda_graph=graphs)
     assert tokens == hf_greedy(model, prompts, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_qkv_rope_with_qk_norm_qwen3_30b_shape_in_a_graph(m):
+    """Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128, hidden 2048) in bf16 with its q/k
+    norms, replayed from a CUDA graph: the unfused CUDA path's q and K/V (cuBLAS, the norm
+    kernels, `rope_and_store_kv`) up to the GEMM's summation order."""
+    from specserve.engine.layers.norm import RMSNorm
+
+    heads, kv_heads, dim, hidden = 32, 4, 128, 2048
+    x, w = _gpu_operands(m, (heads + 2 * kv_heads) * dim, hidden, seed=m)
+    q_norm, k_norm = RMSNorm(dim, 1e-6).cuda().bfloat16(), RMSNorm(dim, 1e-6).cuda().bfloat16()
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    rotary = RotaryEmbedding(dim, 4096, 1e6, None).cuda()
+    positions = torch.arange(m, device="cuda") * 37 + 5
+    loc = torch.randperm(64, device="cuda")[:m]
+    caches = [torch.zeros(64, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    norms = (q_norm.weight, k_norm.weight, 1e-6)
+    skinny_qkv_rope(x, w, None, heads, kv_heads, positions, rotary.cos, rotary.sin, caches[0],
+                    caches[1], loc, qk_norm=norms)  # the workspace, before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = skinny_qkv_rope(x, w, None, heads, kv_heads, positions, rotary.cos, rotary.sin,
+                            caches[0], caches[1], loc, qk_norm=norms)
+    graph.replay()
+    q_ref, k_ref, v_ref = F.linear(x, w).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q_ref = q_norm(q_ref.reshape(m, heads, dim))
+    k_ref = k_norm(k_ref.reshape(m, kv_heads, dim))
+    q_ref = rotary.rotate_and_store_kv(positions, q_ref, k_ref, v_ref.reshape(m, kv_heads, dim),
+                                       caches[2], caches[3], loc)
+    torch.cuda.synchronize()
+    for got, want in zip((q, caches[0], caches[1]), (q_ref, caches[2], caches[3])):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert not workspace_for(x.device).arrivals.any()
