@@ -11,9 +11,10 @@ probabilities), the renormalisation over the k and the scaling.
 For decode-sized batches (`MAX_ROUTER_TOKENS`) `router_softmax_topk` also computes the logits
 in the same launch: the fp32 router's x.float() cast and cuBLAS's gemv (two kernels, a dot and
 a one-block reduce) were three more launches a layer. Its one-warp programs each take an
-expert's weight row (a few past 128 experts) over the whole hidden size (fp32 products and sums, as F.linear on x.float()), store
-the logits, and count their arrival on a counter of the skinny GEMM's workspace; the last to
-arrive routes every token (the skinny GEMM's split-K pattern: no second launch, no host sync).
+expert's weight row (a few past 128 experts) over the whole hidden size (fp32 products and
+sums, as F.linear on x.float()), store the logits, and count their arrival on a counter of the
+skinny GEMM's workspace; the last to arrive routes every token (the skinny GEMM's split-K
+pattern: no second launch, no host sync).
 """
 from __future__ import annotations
 
