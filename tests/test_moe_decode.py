@@ -159,14 +159,15 @@ from sm90_compile import compile_sm90, t
 
 bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 # V2-Lite (64 experts top-6, hidden 2048) at M = 1, Qwen3-30B-A3B (128 top-8) at M = 1 and
-# 16, and 256 experts (V3's count; two a program), as router_softmax_topk launches them.
-for m, experts, top_k, per_program, block_k in ((1, 64, 6, 1, 2048), (1, 128, 8, 1, 2048),
-                                                (16, 128, 8, 1, 128), (1, 256, 8, 2, 1024)):
+# 16, and 256 experts (V3's count; two a program) at M = 4, as router_softmax_topk launches
+# them.
+for m, experts, top_k, per_program, block_k, warps in ((1, 64, 6, 1, 2048, 1), (1, 128, 8, 1, 2048, 1),
+                                                       (16, 128, 8, 1, 512, 4), (4, 256, 8, 2, 256, 1)):
     ptx = compile_sm90(R._router_kernel, dict(
         x=t(bf16), w=t(f32), logits=t(f32), weights=t(f32), ids=t(i64), arrivals=t(i32), M=m,
         num_experts=experts, K=2048, stride_xm=2048, stride_wn=2048, scaling=1.0, TOP_K=top_k,
         RENORMALIZE=experts == 128, BLOCK_M=m, EXPERTS_PER_PROGRAM=per_program, BLOCK_K=block_k,
-        BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), 1, 3)
+        BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), warps, 3)
     assert "griddepcontrol.wait" in ptx and "atom" in ptx
     print("compiled router", experts)
 # The down kernel with its combine (and the shared experts' residual) at V2-Lite's shape, M = 1.

@@ -10,8 +10,8 @@ probabilities), the renormalisation over the k and the scaling.
 
 For decode-sized batches (`MAX_ROUTER_TOKENS`) `router_softmax_topk` also computes the logits
 in the same launch: the fp32 router's x.float() cast and cuBLAS's gemv (two kernels, a dot and
-a one-block reduce) were three more launches a layer. Its one-warp programs each take an
-expert's weight row (a few past 128 experts) over the whole hidden size (fp32 products and
+a one-block reduce) were three more launches a layer. Its programs (one warp at up to 4
+tokens) each take an expert's weight row (a few past 128 experts) over the whole hidden size (fp32 products and
 sums, as F.linear on x.float()), store the logits, and count their arrival on a counter of the
 skinny GEMM's workspace; the last to arrive routes every token (the skinny GEMM's split-K
 pattern: no second launch, no host sync).
@@ -148,20 +148,24 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renor
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
-    # One warp a program, an expert's row each up to 128 experts (about a program an SM): a
-    # decode step's router is a read of E x H fp32 weights (1 MiB for Qwen3-30B-A3B), too much
-    # for one SM's latency, and its last program's softmax and k rounds of top-k are a chain
-    # of reductions over the experts, each a few shuffles within one warp where across warps
-    # it is also a shared-memory round trip and two barriers (with four warps those rounds were
-    # most of the 5.4 us the router took a layer). About 64 products a thread a K step: at
-    # M = 1 the whole row of a 2048-wide hidden state in one step, every load in flight at once.
+    # An expert's row a program up to 128 experts (about a program an SM): a decode step's
+    # router is a read of E x H fp32 weights (1 MiB for Qwen3-30B-A3B), too much for one SM's
+    # latency. The last program's softmax and k rounds of top-k are a chain of reductions over
+    # the experts: within one warp each is a few shuffles, across warps also a shared-memory
+    # round trip and barriers (the sm_90 PTX of four-warp programs at M = 1 has 43 bar.sync,
+    # of one warp 6; four warps took 5.4 us a layer at Qwen3-30B-A3B's shape). So one warp up
+    # to 4 tokens; above, four (one warp would spill holding the [M, E] routing tile; with
+    # several rows the rows spread over the warps). About 64 products a thread a K step: at
+    # M = 1 a 2048-wide row in one step, every load in flight at once.
     per_program = triton.next_power_of_2(max(1, num_experts // 128))
     block_m = triton.next_power_of_2(num_tokens)
-    block_k = min(triton.next_power_of_2(hidden), max(16, 2048 // (block_m * per_program)))
+    num_warps = 1 if block_m <= 4 else 4
+    block_k = min(triton.next_power_of_2(hidden),
+                  max(16, 2048 * num_warps // (block_m * per_program)))
     _router_kernel[(triton.cdiv(num_experts, per_program),)](
         x, weight, logits, weights, ids, workspace_for(x.device).arrivals, num_tokens,
         num_experts, hidden, x.stride(0), weight.stride(0), scaling, TOP_K=top_k,
         RENORMALIZE=renormalize, BLOCK_M=block_m, EXPERTS_PER_PROGRAM=per_program,
         BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=1, **launch_options(x.device))
+        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=num_warps, **launch_options(x.device))
     return weights, ids
