@@ -617,19 +617,30 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return y.view(*x.shape[:-1], n_cols)
 
 
+SHARED_MEMORY = 227 * 1024  # bytes a program may take on an H100 or H200
+
+
 @functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
 def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int, device: torch.device,
-                     qk_norm: bool = False) -> Optional[SkinnyConfig]:
+                     qk_norm: bool = False, itemsize: int = 2) -> Optional[SkinnyConfig]:
     """The rule's config for the paired columns of a q/k/v projection, its column tiles cut to
     half a head where that is narrower; None where half a head is no whole number of tiles
     of at least 16 columns (tl.dot's least). With `qk_norm` a tile is exactly half a head (a
     program normalises whole heads; a power of two, for tl.arange), K split by the rule over
-    those tiles."""
+    those tiles, and K steps halved while the pipeline's tiles of x and of both weight halves
+    (`itemsize` bytes an element; Triton keeps num_stages - 1 steps of them in shared memory)
+    would not fit: the rule's 256-wide steps over 64-wide pairs take 144 KiB in 16-bit and
+    twice that in fp32."""
     half = head_dim // 2
     if qk_norm:
         if head_dim % 2 or half < 16 or half & (half - 1):
             return None
-        return rule_config(m, n_rows // 2, k, True, device, block_n=half)
+        config = rule_config(m, n_rows // 2, k, True, device, block_n=half)
+        rows = max(16, triton.next_power_of_2(m)) + 2 * half
+        while (config.block_k > 16
+               and (config.num_stages - 1) * rows * config.block_k * itemsize > SHARED_MEMORY):
+            config = config._replace(block_k=config.block_k // 2)
+        return config
     config = default_config(m, n_rows // 2, k, True, device)
     block_n = min(config.block_n, half)
     if head_dim % 2 or block_n < 16 or half % block_n:
@@ -645,7 +656,8 @@ def can_fuse_qkv_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int,
     if not can_use(x, weight, scale):
         return False
     n_rows, k = weight.shape
-    config = _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device, qk_norm)
+    config = _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device, qk_norm,
+                              x.element_size())
     return config is not None and (
         not qk_norm or _config_for(config, scale, k).block_n == head_dim // 2)
 
@@ -679,7 +691,8 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     m = x2.shape[0]
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
-    config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device, qk_norm is not None)
+    config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device, qk_norm is not None,
+                                        x.element_size())
     assert config is not None, "a column tile must lie within half a head"
     config = _config_for(config, scale, k)  # (FP8 activations widen the tiles to 64)
     assert (head_dim // 2) % config.block_n == 0, "a column tile must lie within half a head"
