@@ -2,7 +2,8 @@
 
     python bench/attention_kernels.py --contexts 8192,32768 --batch-sizes 1,4 --out out.json
 
-One layer of an 8B-shaped model (32 query heads, 8 KV heads, head_dim 128, bf16) over a pool
+One layer of an 8B-shaped model (32 query heads, 8 KV heads, head_dim 128, bf16; `--kv-heads 4`:
+Qwen3-30B-A3B's) over a pool
 holding every request's context in scattered slots. Rows: plain decode, a 4-token chain
 verify and an 8-token tree verify, each with the backend's default launch configs, plus a
 sweep of decode configs (`--sweep`) to choose the defaults from. Kernels are replayed from a
@@ -25,7 +26,8 @@ from specserve.engine.attention.triton.kernels import (
     DecodeConfig, decode_attention, default_decode_config, fill_kv_indices, short_extend_attention)
 from specserve.engine.kvcache.fp8 import FP8_KV_DTYPE, quantize
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEADS, HEAD_DIM = 32, 128
+KV_HEADS = 8  # --kv-heads sets it
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE}
 FP8_SCALE = 1 / 64  # randn / scale stays within e4m3's +-448; not 1.0, so the scaling runs
 
@@ -88,6 +90,7 @@ def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device
 
 
 def main():
+    global KV_HEADS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--batch-sizes", default="1,4")
@@ -97,9 +100,13 @@ def main():
     ap.add_argument("--sweep-splits", default="16,32,64")
     ap.add_argument("--sweep-stages", default="2,3,4")
     ap.add_argument("--sweep-warps", default="4,8")
+    ap.add_argument("--sweep-min-split", default="256",
+                    help="DecodeConfig.min_kv_split_len values (tokens a split, at least)")
+    ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
     ap.add_argument("--kv-dtypes", default="bf16", help="comma list of: " + ", ".join(KV_DTYPES))
     ap.add_argument("--out", default="bench_attention_kernels.json")
     args = ap.parse_args()
+    KV_HEADS = args.kv_heads
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -116,11 +123,11 @@ def main():
                                                         kv_dtype)}
         if args.sweep:
             grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
-                    for name in ("block_n", "splits", "stages", "warps")]
-            for block_n, splits, stages, warps in itertools.product(*grid):
-                config = DecodeConfig(block_n=block_n, min_kv_split_len=256, num_warps=warps,
-                                      num_stages=stages)
-                kernels[f"decode n{block_n} s{splits} st{stages} w{warps}"] = \
+                    for name in ("block_n", "splits", "stages", "warps", "min_split")]
+            for block_n, splits, stages, warps, min_split in itertools.product(*grid):
+                config = DecodeConfig(block_n=block_n, min_kv_split_len=min_split,
+                                      num_warps=warps, num_stages=stages)
+                kernels[f"decode n{block_n} s{splits} st{stages} w{warps} m{min_split}"] = \
                     (lambda c=config, s=splits: time_decode(bs, context, c, s, device, kv_dtype))
         for name, run in kernels.items():
             try:

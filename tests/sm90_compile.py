@@ -27,7 +27,13 @@ def t(dtype: torch.dtype, *shape: int) -> torch.Tensor:
 
 
 def compile_sm90(kernel, args: dict, num_warps: int, num_stages: int) -> str:
-    """PTX of `kernel` for sm_90 from its launch arguments by name: tensors are pointers of
+    """PTX of `compile_sm90_kernel`."""
+    return compile_sm90_kernel(kernel, args, num_warps, num_stages).asm["ptx"]
+
+
+def compile_sm90_kernel(kernel, args: dict, num_warps: int, num_stages: int):
+    """The compiled `kernel` for sm_90 (its PTX in .asm, its shared memory in .metadata) from
+    its launch arguments by name: tensors are pointers of
     their dtype, Python floats fp32, other scalars i32; pointers and ints that are positive
     multiples of 16 are marked 16-divisible, as the launcher marks real shapes."""
     import triton
@@ -58,4 +64,4 @@ def compile_sm90(kernel, args: dict, num_warps: int, num_stages: int) -> str:
             mark((i,), args[name])
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+                          options=dict(num_warps=num_warps, num_stages=num_stages))

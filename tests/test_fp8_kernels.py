@@ -366,14 +366,16 @@ from sm90_compile import compile_sm90, t
 bf16, f32, i32, fp8 = torch.bfloat16, torch.float32, torch.int32, FP8_DTYPE
 cpu = torch.device("cpu")
 
-def skinny(m, n_rows, k, silu, act, uniform, qkv=False):
+def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False):
     n_cols = n_rows // 2 if silu or qkv else n_rows
-    c = sk.default_config(m, n_cols, k, silu or qkv, cpu)._replace(fp8_activations=act)
+    c = (sk._qkv_rope_config(m, n_rows, k, 128, cpu, qk_norm) if qkv
+         else sk.default_config(m, n_cols, k, silu, cpu))._replace(fp8_activations=act)
     c = sk.fp8_weight_config(c, 128 if uniform else 24, k)
     x = t(fp8 if act else bf16)
     fp8_args = sk._Fp8Args(t(f32), t(f32), k // 128, k // 128, 128, 128 if uniform else 24)
     args = dict(x=x, w=t(fp8), bias=t(bf16), y=t(bf16), q_out=t(bf16), k_cache=t(bf16), v_cache=t(bf16),
-                loc=t(torch.int64), positions=t(torch.int64), cos=t(f32), sin=t(f32), partials=t(f32),
+                loc=t(torch.int64), positions=t(torch.int64), cos=t(f32), sin=t(f32),
+                q_norm_w=t(bf16), k_norm_w=t(bf16), norm_eps=1e-6, QK_NORM=qk_norm, partials=t(f32),
                 arrivals=t(i32), M=m, n_cols=n_cols, K=k, k_per_split=k // c.split_k, stride_xm=k,
                 stride_wn=k, stride_ym=n_cols, fp8=fp8_args, BLOCK_M=16, BLOCK_N=c.block_n,
                 BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, SILU_MUL=silu, DOT=True,
@@ -393,6 +395,9 @@ def check(name, ptx, *needles):
 check("w8a16 gate_up", skinny(1, 28672, 4096, True, False, True), "e4m3", "mma")
 check("w8a16 per-element", skinny(16, 6144, 4096, False, False, False), "e4m3", "mma")
 check("w8a16 qkv_rope", skinny(1, 6144, 4096, False, False, True, qkv=True), "e4m3", "mma")
+# Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128) with its per-head q/k norm
+check("w8a16 qkv_rope qk_norm", skinny(1, 5120, 2048, False, False, True, qkv=True, qk_norm=True),
+      "e4m3", "mma", "rsqrt")
 # W8A8: FP8 tensor-core products
 check("w8a8 skinny", skinny(4, 6144, 4096, False, True, True), "wgmma", "e4m3.e4m3")
 for m in (64, 4096):
@@ -427,7 +432,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8
+    assert done.stdout.count("compiled") == 9
 
 
 # --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------

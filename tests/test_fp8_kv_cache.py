@@ -394,7 +394,7 @@ attn = dict(q=t(bf16), out=t(bf16), k_buffer=t(fp8), v_buffer=t(fp8), kv_indptr=
             stride_o_head=128, stride_k_slot=1024, stride_k_head=128, stride_v_slot=1024,
             stride_v_head=128, stride_mask_req=64, stride_mask_row=8, stride_po_tok=65536,
             stride_po_head=2048, stride_po_split=128, stride_pl_tok=512, stride_pl_head=16,
-            MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=256, DOT_PRECISION="tf32", PDL=True, NUM_KV_HEADS=8)
+            MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=32, DOT_PRECISION="tf32", PDL=True, NUM_KV_HEADS=8)
 llama = dict(attn, MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="key_strides")
 # V2-Lite's MLA: one latent || rope head (576 dims), the latent a view of it.
 mla = dict(attn, MAIN_DIM=512, ROPE_DIM=64, BLOCK_D=512, BLOCK_DPE=64, VALUES="key_prefix",
@@ -421,10 +421,11 @@ c = sk.default_config(1, 3072, 4096, True, torch.device("cpu"))
 c = c._replace(block_n=min(c.block_n, 64))  # within half a head, as _qkv_rope_config cuts it
 ptx["skinny qkv store"] = compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     x=t(bf16), w=t(bf16), bias=t(bf16), q_out=t(bf16), k_cache=t(fp8), v_cache=t(fp8),
-    loc=t(i64), positions=t(i64), cos=t(f32), sin=t(f32), partials=t(f32), arrivals=t(i32), M=1,
+    loc=t(i64), positions=t(i64), cos=t(f32), sin=t(f32), q_norm_w=t(bf16), k_norm_w=t(bf16),
+    partials=t(f32), arrivals=t(i32), M=1,
     K=4096, k_per_split=4096 // c.split_k, stride_xm=4096, stride_wn=4096,
     fp8=sk._Fp8Args(t(f32), t(f32), 32, 32, 128, 128), k_scale_inv=50.0, v_scale_inv=40.0,
-    NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, BLOCK_M=16, BLOCK_N=c.block_n,
+    norm_eps=1e-6, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, QK_NORM=False, BLOCK_M=16, BLOCK_N=c.block_n,
     BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
     DOT_PRECISION="tf32", FP8_WEIGHT=False, K_UNIFORM=True, FP8_ACT=False, PDL=True),
     c.num_warps, c.num_stages)

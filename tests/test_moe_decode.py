@@ -102,6 +102,14 @@ def test_softmax_topk_matches_select_experts(num_tokens, num_experts, top_k, ren
 
 def test_softmax_topk_edges():
     assert softmax_topk(torch.zeros(0, 8, device=DEVICE), 2, True)[1].shape == (0, 2)
+    # Equal probabilities: the lowest indices, in order (both kernels' rounds pick by one key).
+    logits = torch.zeros(2, 128, device=DEVICE)
+    logits[1, 100:] = 1.0
+    weights, ids = softmax_topk(logits, 8, True)
+    assert ids.tolist() == [list(range(8)), list(range(100, 108))]
+    assert torch.equal(weights, torch.full((2, 8), 0.125, device=DEVICE))
+    x = torch.zeros(1, 32, device=DEVICE)
+    assert router_softmax_topk(x, torch.ones(128, 32, device=DEVICE), 8, False)[1].tolist() == [list(range(8))]
     with pytest.raises(ValueError, match="top_k 9"):
         softmax_topk(torch.zeros(2, 8, device=DEVICE), 9, True)
 
@@ -109,13 +117,15 @@ def test_softmax_topk_edges():
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling,dtype", [
     (1, 64, 6, False, 1.0, torch.float32), (5, 60, 6, False, 1.5, torch.bfloat16),
     (16, 128, 8, True, 1.0, torch.float32), (3, 8, 2, True, 2.0, torch.bfloat16),
+    (1, 128, 8, True, 1.0, torch.bfloat16), (1, 128, 8, False, 1.0, torch.bfloat16),
+    (2, 256, 8, True, 2.5, torch.float32),
     (MAX_ROUTER_TOKENS, 4, 4, True, 1.0, torch.float32)])
 def test_router_is_the_gemv_then_softmax_topk(num_tokens, num_experts, top_k, renormalize,
                                               scaling, dtype):
     """The fused router against the torch path (F.linear of x.float() and the fp32 weight,
     then select_experts) on 16-bit and fp32 hidden states: 60 experts (not a power of two),
-    128 (two a program), every expert picked (k = E); the counter left at zero, so a repeat
-    routes the same."""
+    128 top-8 (Qwen3-30B-A3B's, renormalised or not), 256 (two a program), every expert
+    picked (k = E); the counter left at zero, so a repeat routes the same."""
     gen = torch.Generator().manual_seed(num_experts + num_tokens)
     hidden = 200  # not a multiple of the K step: the tail is masked
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
@@ -148,14 +158,16 @@ from specserve.engine.layers import moe_decode as D, moe_router as R
 from sm90_compile import compile_sm90, t
 
 bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
-# V2-Lite (64 experts top-6, hidden 2048) at M = 1 and Qwen3-30B-A3B (128 top-8) at M = 16,
-# as router_softmax_topk launches them.
-for m, experts, top_k, per_program, block_k in ((1, 64, 6, 1, 2048), (16, 128, 8, 2, 128)):
+# V2-Lite (64 experts top-6, hidden 2048) at M = 1, Qwen3-30B-A3B (128 top-8) at M = 1 and
+# 16, and 256 experts (V3's count; two a program) at M = 4, as router_softmax_topk launches
+# them.
+for m, experts, top_k, per_program, block_k, warps in ((1, 64, 6, 1, 2048, 1), (1, 128, 8, 1, 2048, 1),
+                                                       (16, 128, 8, 1, 512, 4), (4, 256, 8, 2, 256, 1)):
     ptx = compile_sm90(R._router_kernel, dict(
         x=t(bf16), w=t(f32), logits=t(f32), weights=t(f32), ids=t(i64), arrivals=t(i32), M=m,
         num_experts=experts, K=2048, stride_xm=2048, stride_wn=2048, scaling=1.0, TOP_K=top_k,
         RENORMALIZE=experts == 128, BLOCK_M=m, EXPERTS_PER_PROGRAM=per_program, BLOCK_K=block_k,
-        BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), 4, 1)
+        BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), warps, 3)
     assert "griddepcontrol.wait" in ptx and "atom" in ptx
     print("compiled router", experts)
 # The down kernel with its combine (and the shared experts' residual) at V2-Lite's shape, M = 1.
@@ -178,7 +190,7 @@ def test_decode_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_ROUTER_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 6
 
 
 # ---------------------------------------------------------------------------------------------

@@ -263,6 +263,98 @@ def test_qkv_rope_is_the_projection_then_rope_and_store(m, split_k, with_bias):
         assert not workspace.arrivals.any()
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_qkv_rope_with_qk_norm_is_the_projection_then_norms_then_rope(m, split_k):
+    """Qwen3's per-head q/k RMSNorm in the epilogue: the projection rounded once, each q and k
+    head normalised by torch's RMSNorm (its own weights), then RoPE and the store. fp16
+    through multiply-and-sum bit-exact where the sums of squares are exact (small integers
+    over powers of two), fp32 through tl.dot close; a tile is half a head (block_n 8)."""
+    from specserve.engine.layers.norm import RMSNorm
+
+    n_rows = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([5, 63, 0][:m], device=DEVICE)
+    loc = torch.tensor([7, 2, 11][:m], device=DEVICE)
+    gen = torch.Generator().manual_seed(m)
+    for dtype, dot in ((torch.float32, True), (torch.float16, False)):
+        x, w, _ = _operands(m, n_rows, dtype, seed=7 * m + split_k)
+        if dtype == torch.float32:
+            x = x + torch.randn(x.shape, generator=gen).to(DEVICE)
+        q_norm, k_norm = RMSNorm(HEAD_DIM, 1e-6), RMSNorm(HEAD_DIM, 1e-6)
+        with torch.no_grad():
+            q_norm.weight.copy_(torch.randint(1, 9, (HEAD_DIM,), generator=gen) / 4)
+            k_norm.weight.copy_(torch.randint(1, 9, (HEAD_DIM,), generator=gen) / 4)
+        q_norm, k_norm = q_norm.to(DEVICE, dtype), k_norm.to(DEVICE, dtype)
+        config = SkinnyConfig(block_n=HEAD_DIM // 2, block_k=32, split_k=split_k, num_warps=4,
+                              num_stages=1, dot=dot)
+        workspace = _workspace()
+        k_cache = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, w, None, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin,
+                            k_cache, v_cache, loc, config=config, workspace=workspace,
+                            qk_norm=(q_norm.weight, k_norm.weight, 1e-6))
+        qkv = F.linear(x.double(), w.double()).to(dtype)
+        q_ref, k_ref, v_ref = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        q_ref = q_norm(q_ref.reshape(-1, Q_HEADS, HEAD_DIM))
+        k_ref = k_norm(k_ref.reshape(-1, KV_HEADS, HEAD_DIM))
+        q_ref, k_ref = rotary(positions, q_ref, k_ref)
+        k_want, v_want = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        k_want[loc], v_want[loc] = k_ref, v_ref.reshape(-1, KV_HEADS, HEAD_DIM)
+        for got, want in zip((q, k_cache, v_cache), (q_ref, k_want, v_want)):
+            if dtype == torch.float16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not workspace.arrivals.any()
+    with pytest.raises(AssertionError, match="half a head"):
+        skinny_qkv_rope(x, w, None, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin,
+                        k_cache, v_cache, loc, config=config._replace(block_n=4),
+                        workspace=workspace, qk_norm=(q_norm.weight, k_norm.weight, 1e-6))
+
+
+_COMPILE_QK_NORM_FOR_SM90 = """
+import torch
+from specserve.engine.layers import skinny_gemm as sk
+from sm90_compile import compile_sm90_kernel, t
+
+bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+# Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128, hidden 2048), its tp=2 half, and K = 512
+# (no split: the widest K steps and most stages the rule gives, whose shared memory must fit
+# in bf16, in fp32, and with 256-dim heads).
+for m, heads, kv_heads, dim, k, dtype in [(1, 32, 4, 128, 2048, bf16), (16, 16, 2, 128, 2048, bf16),
+                                          (1, 32, 4, 128, 512, bf16), (1, 32, 4, 128, 512, f32),
+                                          (4, 8, 2, 256, 512, bf16)]:
+    c = sk._qkv_rope_config(m, (heads + 2 * kv_heads) * dim, k, dim, torch.device("cpu"), True,
+                            dtype.itemsize)
+    assert c.block_n == dim // 2
+    kernel = compile_sm90_kernel(sk._skinny_qkv_rope_kernel, dict(
+        x=t(dtype), w=t(dtype), bias=t(dtype), q_out=t(dtype), k_cache=t(dtype), v_cache=t(dtype),
+        loc=t(i64), positions=t(i64), cos=t(f32), sin=t(f32), q_norm_w=t(dtype),
+        k_norm_w=t(dtype), partials=t(f32), arrivals=t(i32), M=m, K=k,
+        k_per_split=k // c.split_k, stride_xm=k, stride_wn=k,
+        fp8=sk._Fp8Args(t(f32), t(f32), 1, 1, 1, 1), k_scale_inv=1.0, v_scale_inv=1.0,
+        norm_eps=1e-6, NUM_Q_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=dim // 2, KV_FP8=False,
+        QK_NORM=True, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
+        HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
+        DOT_PRECISION="ieee" if dtype == f32 else "tf32", FP8_WEIGHT=False, K_UNIFORM=False,
+        FP8_ACT=False, PDL=True), c.num_warps, c.num_stages)
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and ("mma" in ptx or dtype == f32) and "rsqrt" in ptx
+    assert kernel.metadata.shared <= sk.SHARED_MEMORY, (m, k, dtype, c, kernel.metadata.shared)
+    print("compiled", m, heads, dim, k, dtype, c.split_k, c.block_k, kernel.metadata.shared)
+"""
+
+
+def test_qkv_rope_with_qk_norm_compiles_for_hopper():
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_QK_NORM_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 5, done.stdout
+
+
 def test_qkv_rope_needs_whole_tiles_in_half_a_head():
     x = torch.zeros(2, 64, device=DEVICE)
     w = torch.zeros((Q_HEADS + 2 * KV_HEADS) * 6, 64, device=DEVICE)  # head_dim 6: half 3
@@ -292,11 +384,13 @@ def _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model: str,
     return tokens
 
 
-def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch):
-    """A tiny fp32 Llama (head_dim 32) through the interpreter with the skinny kernels allowed
-    on CPU tensors: q/k/v projection, RoPE and the KV store in one kernel at decode, the same
-    greedy tokens as transformers, every KV slot freed after (make_engine checks)."""
-    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=128)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch, arch):
+    """A tiny fp32 Llama, and a Qwen3 with its per-head q/k norms (head_dim 32 both), through
+    the interpreter with the skinny kernels allowed on CPU tensors: q/k/v projection, (q/k
+    norm,) RoPE and the KV store in one kernel at decode, the same greedy tokens as
+    transformers, every KV slot freed after (make_engine checks)."""
+    model = make_tiny_checkpoint(str(tmp_path), arch, hidden_size=128, intermediate_size=128)
     monkeypatch.setattr(skinny_module, "can_use", lambda x, w, scale=None: x.numel() // w.shape[1] <= MAX_ROWS)
     prompts = random_prompts(3, seed=8, max_len=12)
     assert _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model) == hf_greedy(model, prompts, 6)
@@ -470,12 +564,52 @@ def test_gpu_spec_engine_with_skinny_matches_plain(tmp_path, make_engine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_gpu_engine_with_fused_qkv_rope_matches_transformers(tmp_path, make_engine, monkeypatch,
-                                                             graphs):
-    """head_dim 64 (the rule's 32-column tiles in half a head), fp32 on the GPU, with and
-    without CUDA graphs: the fused q/k/v + RoPE + KV store kernel gives transformers' tokens."""
-    model = make_tiny_checkpoint(str(tmp_path), "llama", hidden_size=256, intermediate_size=256)
+                                                             graphs, arch):
+    """Llama with head_dim 64 (the rule's 32-column tiles in half a head), Qwen3 with head_dim
+    32 and its q/k norms (16-column tiles: half a head), fp32 on the GPU, with and without
+    CUDA graphs: the fused q/k/v (+ q/k norm) + RoPE + KV store kernel gives transformers'
+    tokens."""
+    model = make_tiny_checkpoint(str(tmp_path), arch, hidden_size=256, intermediate_size=256)
     prompts = random_prompts(3, seed=8, max_len=12)
     tokens = _greedy_with_fused_qkv_rope(make_engine, monkeypatch, model, device="cuda",
                                          attention_backend="triton", cuda_graph=graphs)
     assert tokens == hf_greedy(model, prompts, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_qkv_rope_with_qk_norm_qwen3_30b_shape_in_a_graph(m):
+    """Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128, hidden 2048) in bf16 with its q/k
+    norms, replayed from a CUDA graph: the unfused CUDA path's q and K/V (cuBLAS, the norm
+    kernels, `rope_and_store_kv`) up to the GEMM's summation order."""
+    from specserve.engine.layers.norm import RMSNorm
+
+    heads, kv_heads, dim, hidden = 32, 4, 128, 2048
+    x, w = _gpu_operands(m, (heads + 2 * kv_heads) * dim, hidden, seed=m)
+    q_norm, k_norm = RMSNorm(dim, 1e-6).cuda().bfloat16(), RMSNorm(dim, 1e-6).cuda().bfloat16()
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    rotary = RotaryEmbedding(dim, 4096, 1e6, None).cuda()
+    positions = torch.arange(m, device="cuda") * 37 + 5
+    loc = torch.randperm(64, device="cuda")[:m]
+    caches = [torch.zeros(64, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    norms = (q_norm.weight, k_norm.weight, 1e-6)
+    skinny_qkv_rope(x, w, None, heads, kv_heads, positions, rotary.cos, rotary.sin, caches[0],
+                    caches[1], loc, qk_norm=norms)  # the workspace, before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = skinny_qkv_rope(x, w, None, heads, kv_heads, positions, rotary.cos, rotary.sin,
+                            caches[0], caches[1], loc, qk_norm=norms)
+    graph.replay()
+    q_ref, k_ref, v_ref = F.linear(x, w).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q_ref = q_norm(q_ref.reshape(m, heads, dim))
+    k_ref = k_norm(k_ref.reshape(m, kv_heads, dim))
+    q_ref = rotary.rotate_and_store_kv(positions, q_ref, k_ref, v_ref.reshape(m, kv_heads, dim),
+                                       caches[2], caches[3], loc)
+    torch.cuda.synchronize()
+    for got, want in zip((q, caches[0], caches[1]), (q_ref, caches[2], caches[3])):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert not workspace_for(x.device).arrivals.any()

@@ -33,6 +33,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # and query blocks (16 is the smallest tile tl.dot accepts on a GPU). A query block covers
 # 32 // group tokens, more than one key tile when the group is small.
 SMALL_DECODE = DecodeConfig(block_n=16, min_kv_split_len=16, num_warps=4, num_stages=1)
+# Splits of 8 tokens (a multiple of 8, not of the tile) under 16-token tiles: a split's only
+# tile is partly masked, as the H100 default's 32-token splits under 128-token tiles.
+SUBTILE_SPLITS = SMALL_DECODE._replace(min_kv_split_len=8)
 SMALL_EXTEND = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -156,7 +159,8 @@ def test_fill_kv_indices(with_decode_token, prefix_lens):
 @pytest.mark.parametrize("num_kv_heads,group_size,head_dim", [(2, 1, 32), (2, 2, 16),
                                                                (1, 4, 32), (2, 3, 24)])
 @pytest.mark.parametrize("max_kv_splits", [1, 4])
-def test_decode_attention(num_kv_heads, group_size, head_dim, max_kv_splits):
+@pytest.mark.parametrize("config", [SMALL_DECODE, SUBTILE_SPLITS], ids=["tile-splits", "subtile-splits"])
+def test_decode_attention(num_kv_heads, group_size, head_dim, max_kv_splits, config):
     gen = torch.Generator().manual_seed(1)
     num_heads = num_kv_heads * group_size
     prefix_lens = [0, 63, 17, 40]  # 1 to 64 keys: 1 to 4 splits of 16
@@ -171,7 +175,7 @@ def test_decode_attention(num_kv_heads, group_size, head_dim, max_kv_splits):
     for _ in range(2):  # the merge leaves its counters at zero: a second launch is the same
         out = torch.full_like(q, float("nan"))
         decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
-                         partial_out, partial_lse, arrivals, scale, SMALL_DECODE)
+                         partial_out, partial_lse, arrivals, scale, config)
         torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
         assert not arrivals.any()
         outputs.append(out)
@@ -228,8 +232,9 @@ def test_extend_attention(num_kv_heads, group_size, head_dim, use_custom_mask):
                                                                (1, 8, 16)])
 @pytest.mark.parametrize("use_custom_mask", [False, True])
 @pytest.mark.parametrize("max_kv_splits", [1, 4])
+@pytest.mark.parametrize("config", [SMALL_DECODE, SUBTILE_SPLITS], ids=["tile-splits", "subtile-splits"])
 def test_short_extend_attention(num_kv_heads, group_size, head_dim, use_custom_mask,
-                                max_kv_splits):
+                                max_kv_splits, config):
     """Ragged 1-8-token extends over prefixes from none to several splits long (SMALL_DECODE:
     16-token splits, so 70 keys span 4 of them and, with one split allowed, 5 key tiles)."""
     gen = torch.Generator().manual_seed(12)
@@ -253,7 +258,7 @@ def test_short_extend_attention(num_kv_heads, group_size, head_dim, use_custom_m
         short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
                                kv_indices, scene.new_slots, max(extend_lens), scale, partial_out,
                                partial_lse, arrivals, custom_mask=custom_mask,
-                               config=SMALL_DECODE)
+                               config=config)
         torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
                                    atol=1e-4, rtol=1e-4)
         assert not arrivals.any()

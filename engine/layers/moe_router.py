@@ -10,10 +10,11 @@ probabilities), the renormalisation over the k and the scaling.
 
 For decode-sized batches (`MAX_ROUTER_TOKENS`) `router_softmax_topk` also computes the logits
 in the same launch: the fp32 router's x.float() cast and cuBLAS's gemv (two kernels, a dot and
-a one-block reduce) were three more launches a layer. Its programs each take a few experts'
-weight rows over the whole hidden size (fp32 products and sums, as F.linear on x.float()), store
-the logits, and count their arrival on a counter of the skinny GEMM's workspace; the last to
-arrive routes every token (the skinny GEMM's split-K pattern: no second launch, no host sync).
+a one-block reduce) were three more launches a layer. Its programs (one warp at up to 4
+tokens) each take an expert's weight row (a few past 128 experts) over the whole hidden size (fp32 products and
+sums, as F.linear on x.float()), store the logits, and count their arrival on a counter of the
+skinny GEMM's workspace; the last to arrive routes every token (the skinny GEMM's split-K
+pattern: no second launch, no host sync).
 """
 from __future__ import annotations
 
@@ -30,22 +31,30 @@ MAX_ROUTER_TOKENS = 16  # the fused router's rows (a decode or verify step); abo
 @triton.jit
 def _route_rows(logits, offs_e, num_experts, scaling, TOP_K: tl.constexpr,
                 RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(weights, ids) [rows, BLOCK_K] of fp32 logits [rows, BLOCK_E] (padding: -inf)."""
+    """(weights, ids) [rows, BLOCK_K] of fp32 logits [rows, BLOCK_E] (padding: -inf).
+
+    Each of the k rounds is one max over a key per expert: the probability's bits (a
+    non-negative float orders as its bits do) above the reversed index, so the largest key is
+    the largest probability at its lowest index, with one reduction instead of a max and then
+    a min among the ties (the reductions are the serial part of the router's last program)."""
     exp = tl.exp(logits - tl.max(logits, 1)[:, None])
     probs = exp / tl.sum(exp, 1)[:, None]  # padding experts: exp(-inf) = 0
-    probs = tl.where(offs_e[None, :] < num_experts, probs, -1.0)  # never picked (probs >= 0)
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = bits * BLOCK_E + (BLOCK_E - 1 - offs_e[None, :])
+    keys = tl.where(offs_e[None, :] < num_experts, keys, -1)  # never picked (keys >= 0)
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     chosen_p = tl.zeros([logits.shape[0], BLOCK_K], tl.float32)
-    chosen_e = tl.zeros([logits.shape[0], BLOCK_K], tl.int32)
+    chosen_e = tl.zeros([logits.shape[0], BLOCK_K], tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 1)[:, None]
-        expert = tl.min(tl.where(probs == best, offs_e[None, :], BLOCK_E), 1)[:, None]
-        chosen_p = tl.where(offs_k == j, best, chosen_p)
+        best = tl.max(keys, 1)[:, None]
+        expert = BLOCK_E - 1 - best % BLOCK_E
+        best_p = (best // BLOCK_E).to(tl.int32).to(tl.float32, bitcast=True)
+        chosen_p = tl.where(offs_k == j, best_p, chosen_p)
         chosen_e = tl.where(offs_k == j, expert, chosen_e)
-        probs = tl.where(offs_e[None, :] == expert, -1.0, probs)
+        keys = tl.where(keys == best, -1, keys)
     if RENORMALIZE:
         chosen_p = chosen_p / tl.sum(chosen_p, 1)[:, None]  # the unused BLOCK_K lanes hold 0
-    return chosen_p * scaling, chosen_e.to(tl.int64)
+    return chosen_p * scaling, chosen_e
 
 
 @triton.jit
@@ -139,15 +148,24 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renor
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
-    # About 64 programs, each streaming a few experts' rows: a decode step's router is a
-    # read of E x H fp32 weights (512 KiB for V2-Lite), too much for one SM's latency.
-    per_program = triton.next_power_of_2(max(1, num_experts // 64))
+    # An expert's row a program up to 128 experts (about a program an SM): a decode step's
+    # router is a read of E x H fp32 weights (1 MiB for Qwen3-30B-A3B), too much for one SM's
+    # latency. The last program's softmax and k rounds of top-k are a chain of reductions over
+    # the experts: within one warp each is a few shuffles, across warps also a shared-memory
+    # round trip and barriers (the sm_90 PTX of four-warp programs at M = 1 has 43 bar.sync,
+    # of one warp 6; four warps took 5.4 us a layer at Qwen3-30B-A3B's shape). So one warp up
+    # to 4 tokens; above, four (one warp would spill holding the [M, E] routing tile; with
+    # several rows the rows spread over the warps). About 64 products a thread a K step: at
+    # M = 1 a 2048-wide row in one step, every load in flight at once.
+    per_program = triton.next_power_of_2(max(1, num_experts // 128))
     block_m = triton.next_power_of_2(num_tokens)
-    block_k = min(triton.next_power_of_2(hidden), max(16, 4096 // (block_m * per_program)))
+    num_warps = 1 if block_m <= 4 else 4
+    block_k = min(triton.next_power_of_2(hidden),
+                  max(16, 2048 * num_warps // (block_m * per_program)))
     _router_kernel[(triton.cdiv(num_experts, per_program),)](
         x, weight, logits, weights, ids, workspace_for(x.device).arrivals, num_tokens,
         num_experts, hidden, x.stride(0), weight.stride(0), scaling, TOP_K=top_k,
         RENORMALIZE=renormalize, BLOCK_M=block_m, EXPERTS_PER_PROGRAM=per_program,
         BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4, **launch_options(x.device))
+        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=num_warps, **launch_options(x.device))
     return weights, ids

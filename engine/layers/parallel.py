@@ -13,7 +13,7 @@ off in a model (EngineConfig.skinny_gemm, for an A/B in one process).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -104,20 +104,29 @@ class ColumnParallelLinear(QuantizableLinear):
     def forward(self, x):
         return linear(x, self.weight, self.bias, self.skinny_gemm, self.scale)
 
-    def fuses_qkv_rope(self, x: torch.Tensor, head_dim: int) -> bool:
-        """Whether `forward_qkv_rope` runs here (the skinny GEMM with its RoPE epilogue)."""
-        return self.skinny_gemm and can_fuse_qkv_rope(x, self.weight, head_dim, self.scale)
+    def fuses_qkv_rope(self, x: torch.Tensor, head_dim: int, qk_norm: bool = False) -> bool:
+        """Whether `forward_qkv_rope` runs here (the skinny GEMM with its RoPE epilogue, and
+        with `qk_norm` the per-head q/k RMSNorm before it)."""
+        return self.skinny_gemm and can_fuse_qkv_rope(x, self.weight, head_dim, self.scale,
+                                                      qk_norm)
 
     def forward_qkv_rope(self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                          rotary: nn.Module, positions: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, loc: torch.Tensor, k_scale: float = 1.0,
-                         v_scale: float = 1.0) -> torch.Tensor:
+                         v_scale: float = 1.0,
+                         qk_norm: Optional[tuple[nn.Module, nn.Module]] = None) -> torch.Tensor:
         """For a q/k/v layer (its q heads, k heads, v heads) where `fuses_qkv_rope`: the
-        projection, RoPE of q and k, and k and v stored at `loc` (with an FP8 pool's scales),
-        in one kernel; returns q."""
+        projection, RoPE of q and k (after the per-head RMSNorms `qk_norm`, q's and k's, where
+        given), and k and v stored at `loc` (with an FP8 pool's scales), in one kernel;
+        returns q."""
+        norms = None
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            assert q_norm.eps == k_norm.eps
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
         return skinny_qkv_rope(x, self.weight, self.bias, num_q_heads, num_kv_heads, positions,
                                rotary.cos, rotary.sin, k_cache, v_cache, loc, scale=self.scale,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, qk_norm=norms)
 
     def forward_silu_and_mul(self, x):
         """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one

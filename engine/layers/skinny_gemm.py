@@ -18,6 +18,8 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   work, engine/layers/fused.py) in the epilogue. Its columns are paired like gate and up: a
   program holds the same dims of both halves of one head, rotates q and k heads, and writes q
   to its output and k and v to their KV slots, so the RoPE kernel disappears from decode.
+  With Qwen3's per-head q/k RMSNorm a tile is exactly half a head, so a program holds whole
+  heads and normalises them before RoPE: the two norm kernels disappear as well.
 - FP8 weights (`scale=`, a `WeightScale`): W8A16, the weight tile dequantised in fp32 and
   rounded to the activation dtype before the product (the reference's weight, so the results
   are the 16-bit kernel's on the dequantised weight), or with `SkinnyConfig.fp8_activations`
@@ -134,7 +136,13 @@ def default_config(m: int, n: int, k: int, paired: bool = False,
     """
     if (m, n, k, paired) in TUNED_CONFIGS:
         return TUNED_CONFIGS[m, n, k, paired]
-    block_n = 32
+    return rule_config(m, n, k, paired, device, block_n=32)
+
+
+def rule_config(m: int, n: int, k: int, paired: bool, device: torch.device,
+                block_n: int) -> SkinnyConfig:
+    """`default_config`'s rule for column tiles of `block_n` (a caller whose epilogue needs
+    wider tiles than 32 splits K by the same rule over its fewer tiles)."""
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     while (tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
@@ -405,11 +413,24 @@ if triton is not None:
             _epilogue(acc, acc_up, y, offs_m, offs_n, out_mask, stride_ym, SILU_MUL)
 
     @triton.jit
+    def _head_rmsnorm(x1, x2, norm_w, d, eps, dtype: tl.constexpr, HALF: tl.constexpr):
+        """RMSNorm (engine/layers/norm.py's roundings) of the heads whose halves are x1 and x2
+        [BLOCK_M, HALF] (fp32 holding activation-dtype values), weight `norm_w` [2 HALF]."""
+        var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        inv = tl.math.rsqrt(var + eps)[:, None]
+        w1 = tl.load(norm_w + d).to(tl.float32)
+        w2 = tl.load(norm_w + HALF + d).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        return x1, x2
+
+    @triton.jit
     def _skinny_qkv_rope_kernel(
-        x, w, bias, q_out, k_cache, v_cache, loc, positions, cos, sin, partials, arrivals,
-        M, K, k_per_split, stride_xm, stride_wn, fp8, k_scale_inv, v_scale_inv,
+        x, w, bias, q_out, k_cache, v_cache, loc, positions, cos, sin, q_norm_w, k_norm_w,
+        partials, arrivals, M, K, k_per_split, stride_xm, stride_wn, fp8, k_scale_inv,
+        v_scale_inv, norm_eps,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-        KV_FP8: tl.constexpr,
+        KV_FP8: tl.constexpr, QK_NORM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
@@ -419,7 +440,9 @@ if triton is not None:
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
         # head (HALF % BLOCK_N == 0); q heads are rotated into q_out [M, Hq, 2 HALF], k heads
         # rotated into k_cache[loc[m]], v heads copied into v_cache[loc[m]] (quantised with
-        # KV_FP8, as `rope_and_store_kv` stores them).
+        # KV_FP8, as `rope_and_store_kv` stores them). QK_NORM (Qwen3): a tile is half a head
+        # (BLOCK_N == HALF), so a program holds whole heads and RMS-normalises each q and k
+        # head with `q_norm_w` / `k_norm_w` before RoPE.
         wait_for_predecessor(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -450,6 +473,12 @@ if triton is not None:
             d = (offs_n % HALF)[None, :]
             m64 = offs_m.to(tl.int64)[:, None]
             if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                if QK_NORM:
+                    if head < NUM_Q_HEADS:
+                        norm_w = q_norm_w
+                    else:
+                        norm_w = k_norm_w
+                    x1, x2 = _head_rmsnorm(x1, x2, norm_w, d, norm_eps, dtype, HALF)
                 pos = tl.load(positions + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
                 # torch casts the fp32 cos/sin table to the activation dtype, then rounds each
                 # product and the sum (`_rope_kernel` in engine/layers/fused.py).
@@ -588,14 +617,31 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return y.view(*x.shape[:-1], n_cols)
 
 
+SHARED_MEMORY = 227 * 1024  # bytes a program may take on an H100 or H200
+
+
 @functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
-def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int,
-                     device: torch.device) -> Optional[SkinnyConfig]:
+def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int, device: torch.device,
+                     qk_norm: bool = False, itemsize: int = 2) -> Optional[SkinnyConfig]:
     """The rule's config for the paired columns of a q/k/v projection, its column tiles cut to
     half a head where that is narrower; None where half a head is no whole number of tiles
-    of at least 16 columns (tl.dot's least)."""
-    config = default_config(m, n_rows // 2, k, True, device)
+    of at least 16 columns (tl.dot's least). With `qk_norm` a tile is exactly half a head (a
+    program normalises whole heads; a power of two, for tl.arange), K split by the rule over
+    those tiles, and K steps halved while the pipeline's tiles of x and of both weight halves
+    (`itemsize` bytes an element; Triton keeps num_stages - 1 steps of them in shared memory)
+    would not fit: the rule's 256-wide steps over 64-wide pairs take 144 KiB in 16-bit and
+    twice that in fp32."""
     half = head_dim // 2
+    if qk_norm:
+        if head_dim % 2 or half < 16 or half & (half - 1):
+            return None
+        config = rule_config(m, n_rows // 2, k, True, device, block_n=half)
+        rows = max(16, triton.next_power_of_2(m)) + 2 * half
+        while (config.block_k > 16
+               and (config.num_stages - 1) * rows * config.block_k * itemsize > SHARED_MEMORY):
+            config = config._replace(block_k=config.block_k // 2)
+        return config
+    config = default_config(m, n_rows // 2, k, True, device)
     block_n = min(config.block_n, half)
     if head_dim % 2 or block_n < 16 or half % block_n:
         return None
@@ -603,13 +649,17 @@ def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int,
 
 
 def can_fuse_qkv_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int,
-                      scale: Optional[WeightScale] = None) -> bool:
-    """Whether `skinny_qkv_rope` runs for this projection: `can_use`, and a config whose
-    column tiles lie within half a head."""
+                      scale: Optional[WeightScale] = None, qk_norm: bool = False) -> bool:
+    """Whether `skinny_qkv_rope` runs for this projection (with `qk_norm`, normalising the q
+    and k heads): `can_use`, and a config whose column tiles lie within half a head (are half
+    a head with `qk_norm`)."""
     if not can_use(x, weight, scale):
         return False
     n_rows, k = weight.shape
-    return _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device) is not None
+    config = _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device, qk_norm,
+                              x.element_size())
+    return config is not None and (
+        not qk_norm or _config_for(config, scale, k).block_n == head_dim // 2)
 
 
 def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -619,14 +669,18 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     config: Optional[SkinnyConfig] = None,
                     workspace: Optional[SkinnyWorkspace] = None,
                     scale: Optional[WeightScale] = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None
+                    ) -> torch.Tensor:
     """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
     x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
     (neox) of q and k at `positions` from the fp32 `cos`/`sin` tables [positions, D], k and v
     written to `k_cache[loc]` and `v_cache[loc]` ([slots, Hk, D] each; an FP8 cache stores
     them quantised with `k_scale` and `v_scale`). Returns q [M, Hq, D].
     One kernel instead of the GEMM and the RoPE kernel, with the same roundings. With `scale`
-    the weight is FP8, as in `skinny_gemm`."""
+    the weight is FP8, as in `skinny_gemm`. With `qk_norm` (q_norm weight [D], k_norm weight
+    [D], eps: Qwen3's per-head RMSNorm) each q and k head is normalised before RoPE (the two
+    RMSNorm kernels gone too); its column tiles are then half a head."""
     n_rows, k = weight.shape
     _check_operands(x, weight, scale)
     head_dim = n_rows // (num_q_heads + 2 * num_kv_heads)
@@ -637,16 +691,25 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     m = x2.shape[0]
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
-    config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device)
+    config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device, qk_norm is not None,
+                                        x.element_size())
     assert config is not None, "a column tile must lie within half a head"
     config = _config_for(config, scale, k)  # (FP8 activations widen the tiles to 64)
     assert (head_dim // 2) % config.block_n == 0, "a column tile must lie within half a head"
+    if qk_norm is not None:
+        assert config.block_n == head_dim // 2, "with qk_norm a column tile is half a head"
+        q_norm_w, k_norm_w, norm_eps = qk_norm
+        assert q_norm_w.shape == k_norm_w.shape == (head_dim,)
+    else:
+        q_norm_w = k_norm_w = weight  # never read
+        norm_eps = 0.0
     q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, scale, unused=q)
     _skinny_qkv_rope_kernel[launch.grid](
         launch.x, weight, bias if bias is not None else weight, q, k_cache, v_cache, loc,
-        positions, cos, sin, launch.partials, launch.arrivals, m, k, launch.k_per_split,
-        launch.x.stride(0), weight.stride(0), launch.fp8, 1.0 / k_scale, 1.0 / v_scale,
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-        KV_FP8=is_fp8(k_cache.dtype), **launch.meta)
+        positions, cos, sin, q_norm_w, k_norm_w, launch.partials, launch.arrivals, m, k,
+        launch.k_per_split, launch.x.stride(0), weight.stride(0), launch.fp8, 1.0 / k_scale,
+        1.0 / v_scale, norm_eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2, KV_FP8=is_fp8(k_cache.dtype), QK_NORM=qk_norm is not None,
+        **launch.meta)
     return q

@@ -47,11 +47,12 @@ class Attention(nn.Module):
         k_cache, v_cache = pool.k_buffer[layer], pool.v_buffer[layer]
         # The layer's scales (1.0 unless the pool is FP8), for the kernels that store K/V.
         scales = dict(k_scale=pool.scales.k[layer], v_scale=pool.scales.v[layer])
-        if self.q_norm is None and self.qkv_proj.fuses_qkv_rope(x, self.head_dim):
-            # One kernel: the projection with RoPE and the KV store in its epilogue.
+        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        if self.qkv_proj.fuses_qkv_rope(x, self.head_dim, qk_norm is not None):
+            # One kernel: the projection with (q/k norm,) RoPE and the KV store in its epilogue.
             q = self.qkv_proj.forward_qkv_rope(x, self.num_heads, self.num_kv_heads, self.rotary,
                                                positions, k_cache, v_cache, fb.out_cache_loc,
-                                               **scales)
+                                               **scales, qk_norm=qk_norm)
             return q, None, None
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

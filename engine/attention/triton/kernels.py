@@ -98,10 +98,15 @@ def default_decode_config(head_dim: int, device: torch.device,
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
     # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
     # V) tile is 32 KiB, so three stages of both take 192 KiB of shared memory. Larger heads
-    # use smaller tiles. 256 tokens per split keeps the merge cheap while a 4k-token
-    # sequence still spreads over 16 programs per KV head at batch size 1.
+    # use smaller tiles. A split per 32 tokens (MLA's rule, within the 128-token tiles): at
+    # 256 a split, a 128-token context was one program a KV head (Qwen3-30B-A3B: 4 programs,
+    # 6.4 us a layer on an H100) and a 1k one 4 programs each walking 2 tiles; now up to 16
+    # one-tile programs a KV head, merged by the last. From 4k tokens up a context keeps its
+    # 16 splits (cut at 32-token rather than 128-token boundaries, so a split's last tile may
+    # be partly masked). Unmeasured against 256 at mid contexts and large batches:
+    # `bench/attention_kernels.py --sweep-min-split 32,256` times both.
     if head_dim <= 128:
-        return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=128, min_kv_split_len=32, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2)
 
 
@@ -388,10 +393,18 @@ def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask,
 @triton.jit
 def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
                   BLOCK_N: tl.constexpr):
-    """Tokens per split of a sequence (a multiple of BLOCK_N). Depends only on the sequence's
-    own length, so a request's result does not change with the batch it runs in."""
+    """Tokens per split of a sequence: a multiple of BLOCK_N, or of MIN_KV_SPLIT_LEN where that
+    is smaller (then a split may end inside a tile, whose masked rows load nothing: a short
+    context runs as several one-tile programs without the long contexts' tiles shrinking;
+    SGLang's Triton decode splits at 32 tokens under its 64-token tiles the same way).
+    Depends only on the sequence's own length, so a request's result does not change with the
+    batch it runs in."""
+    if MIN_KV_SPLIT_LEN < BLOCK_N:
+        granule: tl.constexpr = MIN_KV_SPLIT_LEN
+    else:
+        granule: tl.constexpr = BLOCK_N
     num_splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_KV_SPLIT_LEN), MAX_KV_SPLITS), 1)
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), granule), 1) * granule
 
 
 @triton.jit
