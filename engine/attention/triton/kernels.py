@@ -98,15 +98,14 @@ def default_decode_config(head_dim: int, device: torch.device,
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
     # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
     # V) tile is 32 KiB, so three stages of both take 192 KiB of shared memory. Larger heads
-    # use smaller tiles. A split per 32 tokens (MLA's rule, within the 128-token tiles): at
-    # 256 a split, a 128-token context was one program a KV head (Qwen3-30B-A3B: 4 programs,
-    # 6.4 us a layer on an H100) and a 1k one 4 programs each walking 2 tiles; now up to 16
-    # one-tile programs a KV head, merged by the last. From 4k tokens up a context keeps its
-    # 16 splits (cut at 32-token rather than 128-token boundaries, so a split's last tile may
-    # be partly masked). Unmeasured against 256 at mid contexts and large batches:
-    # `bench/attention_kernels.py --sweep-min-split 32,256` times both.
+    # use smaller tiles. 256 tokens a split: a 32-token split (MLA's rule, cut inside the
+    # 128-token tiles, which the kernel supports) took Qwen3-30B-A3B's bs=1 step from 52.9 to
+    # 55.5 % of its limit together with the fused q/k norm and router, but in the same run the
+    # bs=64 chain steps were slower (Qwen3 37.6 against 32.8 ms, the 8B shape 19.8 against
+    # 13.9 ms, different context widths) and the lease ended before the split was timed alone:
+    # `bench/attention_kernels.py --sweep-min-split 32,256` does that.
     if head_dim <= 128:
-        return DecodeConfig(block_n=128, min_kv_split_len=32, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2)
 
 
