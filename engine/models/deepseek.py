@@ -12,7 +12,7 @@ engine/layers/mla_decode.py; docs/architecture.md, "The fused MLA decode step").
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -166,7 +166,7 @@ class Router(nn.Module):
         return route(x, self.weight, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
                      topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
                      routed_scaling_factor=moe.routed_scaling_factor,
-                     correction_bias=self.e_score_correction_bias)
+                     correction_bias=self.e_score_correction_bias, num_shared=moe.num_shared_experts)
 
 
 class ExpertParts(NamedTuple):
@@ -181,18 +181,25 @@ HF_EXPERT_PARTS = ExpertParts("gate_proj", "up_proj", "down_proj")  # DeepSeek, 
 
 
 class Experts(nn.Module):
-    """Every routed expert's weights, stacked; this rank's slice of each intermediate dim."""
+    """Every routed expert's weights, stacked, then `num_shared` slots holding the shared
+    experts' MLP cut into experts of the routed size (slot E + j: the MLP's intermediate units
+    [j*I, (j+1)*I), which every token picks with weight 1.0: `Router`); this rank's slice of
+    each slot's intermediate dim, so one all-reduce sums routed and shared parts."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
-                 parts: ExpertParts = HF_EXPERT_PARTS):
+                 parts: ExpertParts = HF_EXPERT_PARTS, num_shared: int = 0):
         super().__init__()
         start, end = tp.split(intermediate_size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * (end - start), hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, end - start))
-        # The loader assembles them from the checkpoint's per-expert tensors (parallel.py's
-        # `shards` convention: (part, dim, start, end) per expert).
-        self.w13.stacked_experts = (num_experts, [(parts.gate, 0, start, end), (parts.up, 0, start, end)])
-        self.w2.stacked_experts = (num_experts, [(parts.down, 1, start, end)])
+        slots = num_experts + num_shared
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * (end - start), hidden_size))
+        self.w2 = nn.Parameter(torch.empty(slots, hidden_size, end - start))
+        # The loader assembles them from the checkpoint's tensors: per slot, (name relative to
+        # the MoE block, dim, start, end) of each part (parallel.py's `shards` convention).
+        rows = [(f"experts.{e}", 0) for e in range(num_experts)]
+        rows += [("shared_experts", j * intermediate_size) for j in range(num_shared)]
+        self.w13.stacked_experts = [[(f"{name}.{parts.gate}", 0, at + start, at + end),
+                                     (f"{name}.{parts.up}", 0, at + start, at + end)] for name, at in rows]
+        self.w2.stacked_experts = [[(f"{name}.{parts.down}", 1, at + start, at + end)] for name, at in rows]
         self.w13_scale = self.w2_scale = None
 
     def use_fp8(self, block_n: int, block_k: int) -> None:
@@ -201,34 +208,27 @@ class Experts(nn.Module):
         self.w13_scale = scale_parameter(self.w13, block_n, block_k)
         self.w2_scale = scale_parameter(self.w2, block_n, block_k)
 
-    def forward(self, x, topk_weights, topk_ids, residual: Optional[torch.Tensor] = None):
-        """sum_k topk_weights * expert(x), plus `residual` when given (`run_experts`)."""
+    def forward(self, x, topk_weights, topk_ids):
+        """sum_k topk_weights * expert(x) over the routing's entries (`run_experts`)."""
         return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
-                           weight_scale(self.w13_scale), weight_scale(self.w2_scale), residual)
+                           weight_scale(self.w13_scale), weight_scale(self.w2_scale))
 
 
 class DeepseekMoE(nn.Module):
-    """Router, routed experts and DeepSeek's shared experts (Qwen3-MoE and Mixtral have none,
-    and their checkpoints may name the expert parts otherwise: `parts`)."""
+    """Router and experts: routed(x) + shared_experts(x) with the shared experts as the
+    stacks' last slots (Qwen3-MoE and Mixtral have none, and their checkpoints may name the
+    expert parts otherwise: `parts`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, parts: ExpertParts = HF_EXPERT_PARTS):
         super().__init__()
         moe = cfg.moe
         self.tp = tp
         self.gate = Router(cfg)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp, parts)
-        self.shared_experts = MLP(cfg.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, tp) \
-            if moe.num_shared_experts else None
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp, parts,
+                               moe.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        if self.shared_experts is not None and self.tp.size == 1:
-            # The shared experts first, their output added in the routed experts' combine
-            # (one launch less at decode). With tensor parallelism each part is all-reduced
-            # on its own, as below.
-            return self.experts(x, topk_weights, topk_ids, residual=self.shared_experts(x))
-        out = self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, *self.gate(x)))
 
 
 class DeepseekDecoderLayer(DecoderLayer):
