@@ -306,8 +306,10 @@ def test_tp2_matches_tp1(ds_pair, make_engine, spec):
         if tp == 2:
             model = engine.core.runner.model
             assert model.layers[0].self_attn.num_heads == 2
-            # 8 routed experts and the shared one's slot, half of each
+            # 8 routed experts and the shared one's slot, half of each; this rank's 2 q heads
+            # (24 rows each) beside the replicated kv_a rows (32 latent + 8 rope) in one layer
             assert model.layers[1].mlp.experts.w13.shape == (9, 32, 64)
+            assert model.layers[0].self_attn.q_kv_a_proj.weight.shape == (2 * 24 + 40, 64)
     assert outs[0] == outs[1]
 
 

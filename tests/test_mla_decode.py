@@ -176,7 +176,8 @@ def fused_on_cpu(monkeypatch):
 def test_engine_through_the_fused_kernels_matches_transformers(checkpoints, make_engine,
                                                                fused_on_cpu, name):
     """Interleaved and neox rope, q LoRA, YaRN: transformers' greedy tokens with every decode
-    step's MLA and experts (routed and shared slots) through the fused kernels, and with greedy softmax routing the fused router."""
+    step's MLA (its fused q/kv_a projection split into views) and experts (routed and shared
+    slots) through the fused kernels, and with greedy softmax routing the fused router."""
     path = checkpoints(name)
     prompts = random_prompts(2, seed=4, max_len=12)
     engine = make_engine(path)

@@ -29,11 +29,6 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.quantization.fp8 import dequantize
 
 
-def _replicated(in_features: int, out_features: int) -> ColumnParallelLinear:
-    """A linear layer (no bias) every rank holds whole."""
-    return ColumnParallelLinear(in_features, [(0, out_features)], bias=False)
-
-
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (as transformers)."""
     scale = cfg.mla.qk_head_dim ** -0.5
@@ -55,13 +50,16 @@ class MLAAttention(nn.Module):
         start, end = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_heads = end - start
         qk, hidden = mla.qk_head_dim, cfg.hidden_size
+        # q's first projection and kv_a both read x: one layer (one skinny GEMM launch at
+        # decode) of their rows concatenated, this rank's q heads (or the replicated q LoRA
+        # down-projection) then the replicated kv_a rows; `forward` splits the output.
+        kv_a = (0, mla.kv_lora_rank + mla.qk_rope_head_dim)
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, [(start * qk, end * qk)], bias=False)
+            self.q_kv_a_proj = ColumnParallelLinear(hidden, [(start * qk, end * qk), kv_a], bias=False)
         else:
-            self.q_a_proj = _replicated(hidden, mla.q_lora_rank)
+            self.q_a_kv_a_proj = ColumnParallelLinear(hidden, [(0, mla.q_lora_rank), kv_a], bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [(start * qk, end * qk)], bias=False)
-        self.kv_a_proj_with_mqa = _replicated(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
         per_head = mla.qk_nope_head_dim + mla.v_head_dim
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, [(start * per_head, end * per_head)],
@@ -100,14 +98,14 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         m, T, H = self.mla, x.shape[0], self.num_heads
         if m.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv = self.q_kv_a_proj(x).split([H * m.qk_head_dim, self.kv_head_dim], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, kv = self.q_a_kv_a_proj(x).split([m.q_lora_rank, self.kv_head_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         if mla_decode.can_fuse(x):
-            return self._forward_fused(q.view(T, H, m.qk_head_dim), self.kv_a_proj_with_mqa(x),
-                                       positions, fb)
+            return self._forward_fused(q.view(T, H, m.qk_head_dim), kv, positions, fb)
         q_nope, q_pe = q.view(T, H, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         q_pe, k_pe = self._rope(positions, q_pe, k_pe.view(T, 1, m.qk_rope_head_dim))
         fb.kv_pool.set_mla_kv(self.layer_id, fb.out_cache_loc, latent, k_pe[:, 0])

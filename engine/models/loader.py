@@ -1,6 +1,7 @@
 """Loads Hugging Face safetensors checkpoints (single file or sharded) into our modules.
 
-Our modules fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; each fused
+Our modules fuse q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and MLA's projections of the
+hidden state (q or q's LoRA down-projection, and kv_a) into one; each fused
 parameter is assembled from its checkpoint parts, so nothing is materialised twice.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from specserve.engine.quantization.config import QuantConfig
 FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    "q_kv_a_proj": ("q_proj", "kv_a_proj_with_mqa"),      # MLA without a q LoRA (V2-Lite)
+    "q_a_kv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # MLA with one (V2, V3)
 }
 
 
