@@ -138,7 +138,8 @@ def write_shape(root: str, name: str, tokenizer_dir: Optional[str] = None) -> tu
 
 def weight_bytes(engine: Engine, tokens: int = 1) -> float:
     """Bytes a decode step of `tokens` tokens reads: every parameter but the embedding (a tied
-    lm_head counts); of routed experts, those the tokens are expected to pick (top-k for one)."""
+    lm_head counts); of routed experts, those the tokens are expected to pick (top-k for one),
+    and the shared experts' slots of the same stacks (every step)."""
     model = engine.core.runner.model
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     routed = {id(p) for m in experts for p in m.parameters()}
@@ -148,7 +149,8 @@ def weight_bytes(engine: Engine, tokens: int = 1) -> float:
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     if experts:
         moe = model.config.moe
-        picked = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+        picked = (moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+                  + moe.num_shared_experts)
         total += sum(picked * (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size() for m in experts)
         total += sum(picked * (s[0].numel() * s.element_size()) for m in experts
                      for s in (m.w13_scale, m.w2_scale) if s is not None)

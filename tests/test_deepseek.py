@@ -16,11 +16,12 @@ TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
 
 
 
-# (arch, options): q LoRA on/off, dense-first layers, shared experts, greedy and group-limited
+# (arch, options): q LoRA on/off, dense-first layers, one or two shared experts (slots of the
+# expert stacks), greedy and group-limited
 # routing, sigmoid + correction bias (V3), YaRN with mscale, V3's non-interleaved RoPE.
 CONFIGS = {
     "v2": ("deepseek_v2", {}),
-    "v2-qlora-yarn": ("deepseek_v2", dict(q_lora_rank=16, yarn=True)),
+    "v2-qlora-yarn": ("deepseek_v2", dict(q_lora_rank=16, yarn=True, shared_experts=2)),
     "v2-greedy-routing-no-shared": ("deepseek_v2", dict(group_limited=False, shared_experts=0,
                                                         first_k_dense=0)),
     "v3": ("deepseek_v3", {}),
@@ -125,6 +126,10 @@ def test_router_and_experts_match_transformers(arch, opts):
     x = torch.randn(50, 64)
     _, ref_w, ref_ids = hf_router(x)
     weights, ids = router(x)
+    # Then the shared expert's slot (id E, weight 1.0: routed_scaling_factor is not applied).
+    top_k, num_experts = cfg.moe.top_k, cfg.moe.num_experts
+    assert (ids[:, top_k:] == num_experts).all() and (weights[:, top_k:] == 1.0).all()
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
     assert torch.equal(order.values, ref_order.values)
     torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
@@ -301,7 +306,10 @@ def test_tp2_matches_tp1(ds_pair, make_engine, spec):
         if tp == 2:
             model = engine.core.runner.model
             assert model.layers[0].self_attn.num_heads == 2
-            assert model.layers[1].mlp.experts.w13.shape == (8, 32, 64)  # half of each expert
+            # 8 routed experts and the shared one's slot, half of each; this rank's 2 q heads
+            # (24 rows each) beside the replicated kv_a rows (32 latent + 8 rope) in one layer
+            assert model.layers[1].mlp.experts.w13.shape == (9, 32, 64)
+            assert model.layers[0].self_attn.q_kv_a_proj.weight.shape == (2 * 24 + 40, 64)
     assert outs[0] == outs[1]
 
 

@@ -86,6 +86,12 @@ def test_deepseek_logits_match_dequantized_reference(quantized, make_engine, arc
     assert model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays as stored
     # (24, 24) cuts the 32-row gate and up parts mid-block: one scale row per output row.
     assert experts.w13_scale.scale_block == {(16, 16): (16, 16), (24, 24): (1, 24), None: (1, 64)}[block]
+    # q (96 rows: 4 heads of 24) or the 16-row q LoRA, then kv_a, in one FP8 layer: the blocks
+    # kept where q's rows fill whole blocks, else one scale row per output row.
+    attn = model.layers[0].self_attn
+    fused = attn.q_kv_a_proj if opts.get("q_lora_rank") is None else attn.q_a_kv_a_proj
+    assert fused.weight.dtype == FP8
+    assert fused.weight_scale.scale_block == {(16, 16): (16, 16), (24, 24): (1, 24), None: (1, 64)}[block]
     ids = torch.randint(3, 300, (80,), generator=torch.Generator().manual_seed(2)).tolist()
     torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
 

@@ -27,7 +27,10 @@ def _torch_norm(norm, x, residual):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rmsnorm(dtype, with_residual):
+@pytest.mark.parametrize("strided", [False, True])
+def test_add_rmsnorm(dtype, with_residual, strided):
+    """strided: x a view of the first columns of wider rows (MLA's q LoRA part of its fused
+    q/kv_a projection), read in place."""
     if dtype is torch.bfloat16 and not torch.cuda.is_available():
         pytest.skip("the interpreter computes bf16 differently; checked on the GPU")
     device = DEVICES[-1]
@@ -35,7 +38,8 @@ def test_add_rmsnorm(dtype, with_residual):
     norm = RMSNorm(96, 1e-5).to(device=device, dtype=dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
-    x = torch.randn(7, 96, generator=g).to(device, dtype)
+    x = torch.randn(7, 136 if strided else 96, generator=g).to(device, dtype)[:, :96]
+    assert x.is_contiguous() != strided
     res = torch.randn(7, 96, generator=g).to(device, dtype) if with_residual else None
     got = fused.add_rmsnorm(x, res, norm.weight, norm.eps)
     want = _torch_norm(norm, x, res)

@@ -131,7 +131,8 @@ def test_head_matmul_refuses_more_than_decode_rows():
 # --- the engine through the fused path ------------------------------------------------------------
 CONFIGS = {
     "v2": ("deepseek_v2", {}),
-    "v2-greedy-routing": ("deepseek_v2", dict(group_limited=False)),  # the fused router too
+    # the fused router too, writing two shared slots a token
+    "v2-greedy-routing": ("deepseek_v2", dict(group_limited=False, shared_experts=2)),
     "v3-qlora-neox": ("deepseek_v3", dict(q_lora_rank=16, rope_interleave=False, yarn=True)),
 }
 
@@ -143,10 +144,14 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """The fused MLA kernels and the fused router allowed on CPU tensors (the interpreter runs
-    them); returns the token counts of the MLA forwards and of the routings that took them,
+    """The fused MLA kernels, the fused router and the decode experts kernels (16-bit experts,
+    shared slots included) allowed on CPU tensors (the interpreter runs them); returns the
+    token counts of the MLA forwards, of the routings and of the expert runs that took them,
     so a test fails if none does."""
-    mla_calls, router_calls = [], []
+    from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS, decode_fused_experts
+    from specserve.engine.models import deepseek
+
+    mla_calls, router_calls, expert_calls = [], [], []
     monkeypatch.setattr(mla_decode, "can_fuse",
                         lambda x: 1 <= x.shape[0] <= MAX_ROWS and not mla_calls.append(x.shape[0]))
 
@@ -156,21 +161,30 @@ def fused_on_cpu(monkeypatch):
 
     monkeypatch.setattr(moe, "can_fuse_router", can_fuse_router)
     monkeypatch.setattr(moe, "_router_softmax_topk", router_softmax_topk)
-    return mla_calls, router_calls
+
+    def run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+        if w13_scale is not None or x.shape[0] > MAX_DECODE_TOKENS:
+            return moe.run_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        expert_calls.append(x.shape[0])
+        return decode_fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+    monkeypatch.setattr(deepseek, "run_experts", run_experts)
+    return mla_calls, router_calls, expert_calls
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_through_the_fused_kernels_matches_transformers(checkpoints, make_engine,
                                                                fused_on_cpu, name):
     """Interleaved and neox rope, q LoRA, YaRN: transformers' greedy tokens with every decode
-    step's MLA through the fused kernels, and with greedy softmax routing the fused router."""
+    step's MLA (its fused q/kv_a projection split into views) and experts (routed and shared
+    slots) through the fused kernels, and with greedy softmax routing the fused router."""
     path = checkpoints(name)
     prompts = random_prompts(2, seed=4, max_len=12)
     engine = make_engine(path)
     outs = engine.generate(prompt_token_ids=prompts,
                            sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-    mla_calls, router_calls = fused_on_cpu
-    assert mla_calls and bool(router_calls) == (name == "v2-greedy-routing")
+    mla_calls, router_calls, expert_calls = fused_on_cpu
+    assert mla_calls and expert_calls and bool(router_calls) == (name == "v2-greedy-routing")
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 6)
 
 

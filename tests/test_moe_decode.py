@@ -52,19 +52,62 @@ def test_every_token_on_the_same_experts_and_empty_experts():
     check(x, w13, w2, torch.ones(16, 1, device=DEVICE), ids[:, :1].contiguous())  # top-1: one slot
 
 
-@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (7, 3), (16, 1)])
-def test_combine_adds_the_residual_and_leaves_counters_zero(num_tokens, top_k):
-    """The down kernel's last program per N tile sums each token's k rows and adds the shared
-    experts' output (`residual`, a strided view here) as `out + residual` does; its counters
-    end at zero, so a second launch (a graph replay) combines the same."""
-    gen = torch.Generator().manual_seed(num_tokens)
-    x, w13, w2, topk_weights, topk_ids = random_moe(num_tokens, 6, top_k, 40, 24, gen)
-    residual = torch.randn(num_tokens, 64, generator=gen).to(DEVICE)[:, 8:48]  # rows strided
-    expected = reference_experts(x, w13, w2, topk_weights, topk_ids) + residual
+def shared_mlp(x, w13, w2, num_shared):
+    """The shared experts as DeepSeek's one MLP of S*I units, from the stacks' last S slots
+    (slot j: the MLP's gate, up rows and down columns [j*I, (j+1)*I))."""
+    inter = w2.shape[2]
+    gate = torch.cat([w[:inter] for w in w13[-num_shared:]]).float()
+    up = torch.cat([w[inter:] for w in w13[-num_shared:]]).float()
+    down = torch.cat(list(w2[-num_shared:]), dim=1).float()
+    return F.linear(F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up), down)
+
+
+def shared_slot_moe(num_tokens, num_experts, top_k, num_shared, scaling, gen, ids=None):
+    """Inputs and stacks of E routed experts + S shared slots, routed by select_experts (torch
+    path) with the shared slots appended, or with the given routed `ids`."""
+    x, w13, w2, _, _ = random_moe(num_tokens, num_experts + num_shared, top_k, 40, 24, gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 3
+    if ids is not None:  # these experts, far ahead of the others
+        logits.scatter_(1, ids, 20.0 + torch.arange(top_k, dtype=torch.float32).expand(num_tokens, -1))
+    weights, topk_ids = select_experts(logits, top_k=top_k, scoring="softmax",
+                                       routed_scaling_factor=scaling, num_shared=num_shared)
+    return x, w13, w2, weights.to(DEVICE), topk_ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 9, 16])
+@pytest.mark.parametrize("num_shared,scaling", [(1, 1.0), (2, 2.5), (2, 1.0), (3, 1.5)])
+def test_shared_slots_are_the_shared_mlp(num_tokens, num_shared, scaling):
+    """DeepSeek's shared experts as the stacks' last slots, which routing lists for every token
+    with weight 1.0 (routed_scaling_factor scales only the routed weights): the decode kernels'
+    output is the routed experts' (the torch path) plus the shared MLP of S*I units; the
+    combine's counters end at zero, so a second launch (a graph replay) gives the same."""
+    gen = torch.Generator().manual_seed(num_tokens * 10 + num_shared)
+    num_experts, top_k = 6, 2
+    x, w13, w2, weights, ids = shared_slot_moe(num_tokens, num_experts, top_k, num_shared, scaling, gen)
+    assert ids.shape == (num_tokens, top_k + num_shared)
+    assert (ids[:, top_k:].cpu() == torch.arange(num_experts, num_experts + num_shared)).all()
+    assert (weights[:, top_k:] == 1.0).all()
+    routed = reference_experts(x, w13[:num_experts], w2[:num_experts], weights[:, :top_k],
+                               ids[:, :top_k].contiguous())
+    expected = routed + shared_mlp(x, w13, w2, num_shared)
     for _ in range(2):
-        out = decode_fused_experts(x, w13, w2, topk_weights, topk_ids, SMALL, residual=residual)
+        out = decode_fused_experts(x, w13, w2, weights, ids, SMALL)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         assert not workspace_for(x.device).arrivals.any()
+    check(x, w13, w2, weights, ids)  # and the torch path over the slots, entry by entry
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_shared_slots_with_every_token_on_the_same_expert(num_tokens):
+    """Every token picks expert 3 then 0, plus two shared slots: four live slots of M*4."""
+    gen = torch.Generator().manual_seed(3)
+    routed = torch.tensor([[3, 0]] * num_tokens)
+    x, w13, w2, weights, ids = shared_slot_moe(num_tokens, 5, 2, 2, 1.5, gen, ids=routed)
+    assert (ids[:, :2].sort(1).values.cpu() == routed.sort(1).values).all()
+    expected = (reference_experts(x, w13[:5], w2[:5], weights[:, :2], ids[:, :2].contiguous())
+                + shared_mlp(x, w13, w2, 2))
+    torch.testing.assert_close(decode_fused_experts(x, w13, w2, weights, ids, SMALL), expected,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_default_config_and_rejections():
@@ -87,16 +130,28 @@ def assert_same_routing(got, expected):
                                ref_weights.gather(1, ref_order.indices).cpu(), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling", [
-    (1, 4, 1, False, 1.0), (5, 60, 6, False, 1.5), (16, 128, 8, True, 1.0), (3, 8, 2, True, 2.0)])
-def test_softmax_topk_matches_select_experts(num_tokens, num_experts, top_k, renormalize, scaling):
-    """60 experts: a non-power-of-two count (padded lanes are never picked)."""
+def assert_shared_slots(weights, ids, num_experts, top_k, num_shared):
+    """The routing's last S columns: expert ids E.. with weight 1.0 (never scaled)."""
+    assert weights.shape == ids.shape == (ids.shape[0], top_k + num_shared)
+    shared = torch.arange(num_experts, num_experts + num_shared).expand(ids.shape[0], -1)
+    assert torch.equal(ids[:, top_k:].cpu(), shared)
+    assert (weights[:, top_k:] == 1.0).all()
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling,num_shared", [
+    (1, 4, 1, False, 1.0, 0), (5, 60, 6, False, 1.5, 2), (16, 128, 8, True, 1.0, 0),
+    (3, 8, 2, True, 2.0, 1), (2, 64, 6, False, 1.0, 2)])
+def test_softmax_topk_matches_select_experts(num_tokens, num_experts, top_k, renormalize, scaling,
+                                             num_shared):
+    """60 experts: a non-power-of-two count (padded lanes are never picked); with shared slots
+    after the k (DeepSeek's: scaled routed weights, unscaled shared ones)."""
     logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 3
-    weights, ids = softmax_topk(logits.to(DEVICE), top_k, renormalize, scaling)
+    weights, ids = softmax_topk(logits.to(DEVICE), top_k, renormalize, scaling, num_shared)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
-    assert (weights[:, :-1] >= weights[:, 1:]).all()  # largest first
+    assert (weights[:, :top_k - 1] >= weights[:, 1:top_k]).all()  # largest first
+    assert_shared_slots(weights, ids, num_experts, top_k, num_shared)
     expected = select_experts(logits, top_k=top_k, scoring="softmax", norm_topk_prob=renormalize,
-                              routed_scaling_factor=scaling)  # CPU: the torch path
+                              routed_scaling_factor=scaling, num_shared=num_shared)  # the torch path
     assert_same_routing((weights, ids), expected)
 
 
@@ -114,29 +169,32 @@ def test_softmax_topk_edges():
         softmax_topk(torch.zeros(2, 8, device=DEVICE), 9, True)
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling,dtype", [
-    (1, 64, 6, False, 1.0, torch.float32), (5, 60, 6, False, 1.5, torch.bfloat16),
-    (16, 128, 8, True, 1.0, torch.float32), (3, 8, 2, True, 2.0, torch.bfloat16),
-    (1, 128, 8, True, 1.0, torch.bfloat16), (1, 128, 8, False, 1.0, torch.bfloat16),
-    (2, 256, 8, True, 2.5, torch.float32),
-    (MAX_ROUTER_TOKENS, 4, 4, True, 1.0, torch.float32)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scaling,dtype,num_shared", [
+    (1, 64, 6, False, 1.0, torch.float32, 2), (5, 60, 6, False, 1.5, torch.bfloat16, 2),
+    (16, 128, 8, True, 1.0, torch.float32, 0), (3, 8, 2, True, 2.0, torch.bfloat16, 1),
+    (1, 128, 8, True, 1.0, torch.bfloat16, 0), (1, 128, 8, False, 1.0, torch.bfloat16, 0),
+    (2, 256, 8, True, 2.5, torch.float32, 1),
+    (MAX_ROUTER_TOKENS, 4, 4, True, 1.0, torch.float32, 3)])
 def test_router_is_the_gemv_then_softmax_topk(num_tokens, num_experts, top_k, renormalize,
-                                              scaling, dtype):
+                                              scaling, dtype, num_shared):
     """The fused router against the torch path (F.linear of x.float() and the fp32 weight,
-    then select_experts) on 16-bit and fp32 hidden states: 60 experts (not a power of two),
-    128 top-8 (Qwen3-30B-A3B's, renormalised or not), 256 (two a program), every expert
-    picked (k = E); the counter left at zero, so a repeat routes the same."""
+    then select_experts) on 16-bit and fp32 hidden states: 64 top-6 with 2 shared slots
+    (DeepSeek-V2-Lite's), 60 experts (not a power of two), 128 top-8 (Qwen3-30B-A3B's,
+    renormalised or not), 256 (two a program), every expert picked (k = E) and 3 shared slots
+    past a power of two of entries; the counter left at zero, so a repeat routes the same."""
     gen = torch.Generator().manual_seed(num_experts + num_tokens)
     hidden = 200  # not a multiple of the K step: the tail is masked
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     weight = torch.randn(num_experts, hidden, generator=gen).to(DEVICE)
-    got = router_softmax_topk(x, weight, top_k, renormalize, scaling)
-    assert got[0].shape == got[1].shape == (num_tokens, top_k) and got[1].dtype == torch.int64
+    got = router_softmax_topk(x, weight, top_k, renormalize, scaling, num_shared)
+    assert got[1].dtype == torch.int64
+    assert_shared_slots(*got, num_experts, top_k, num_shared)
     expected = select_experts(F.linear(x.float(), weight).cpu(), top_k=top_k, scoring="softmax",
-                              norm_topk_prob=renormalize, routed_scaling_factor=scaling)
+                              norm_topk_prob=renormalize, routed_scaling_factor=scaling,
+                              num_shared=num_shared)
     assert_same_routing(got, expected)
     assert not workspace_for(x.device).arrivals.any()
-    again = router_softmax_topk(x, weight, top_k, renormalize, scaling)
+    again = router_softmax_topk(x, weight, top_k, renormalize, scaling, num_shared)
     assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
 
 
@@ -166,21 +224,21 @@ for m, experts, top_k, per_program, block_k, warps in ((1, 64, 6, 1, 2048, 1), (
     ptx = compile_sm90(R._router_kernel, dict(
         x=t(bf16), w=t(f32), logits=t(f32), weights=t(f32), ids=t(i64), arrivals=t(i32), M=m,
         num_experts=experts, K=2048, stride_xm=2048, stride_wn=2048, scaling=1.0, TOP_K=top_k,
-        RENORMALIZE=experts == 128, BLOCK_M=m, EXPERTS_PER_PROGRAM=per_program, BLOCK_K=block_k,
+        NUM_SHARED={64: 2, 256: 1}.get(experts, 0), RENORMALIZE=experts == 128, BLOCK_M=m, EXPERTS_PER_PROGRAM=per_program, BLOCK_K=block_k,
         BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), warps, 3)
     assert "griddepcontrol.wait" in ptx and "atom" in ptx
     print("compiled router", experts)
-# The down kernel with its combine (and the shared experts' residual) at V2-Lite's shape, M = 1.
-for residual in (False, True):
+# The down kernel with its combine at V2-Lite's shape (6 routed + 2 shared slots a token), at
+# M = 1 and 16.
+for m in (1, 16):
     ptx = compile_sm90(D._down_kernel, dict(
-        intermediate=t(bf16), w2=t(bf16), weighted=t(bf16), out=t(bf16), residual=t(bf16),
-        arrivals=t(i32), topk_ids=t(i64), topk_weights=t(f32), num_tokens=1, num_entries=6,
-        N=2048, K=1408, stride_inter=1408, stride_we=2048 * 1408, stride_wn=1408, stride_wk=1,
-        stride_weighted=2048, stride_out=2048, stride_res=2048, TOP_K=6, BLOCK_M=16,
-        BLOCK_TOPK=8, BLOCK_ENTRIES=8, BLOCK_N=32, BLOCK_K=128, HAS_RESIDUAL=residual,
-        DOT_PRECISION="tf32"), 4, 4)
+        intermediate=t(bf16), w2=t(bf16), weighted=t(bf16), out=t(bf16), arrivals=t(i32),
+        topk_ids=t(i64), topk_weights=t(f32), num_tokens=m, num_entries=8 * m, N=2048, K=1408,
+        stride_inter=1408, stride_we=2048 * 1408, stride_wn=1408, stride_wk=1,
+        stride_weighted=2048, stride_out=2048, TOP_K=8, BLOCK_M=16, BLOCK_TOPK=8,
+        BLOCK_ENTRIES=8 * m, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32"), 4, 4)
     assert "atom" in ptx and "mma" in ptx
-    print("compiled down", residual)
+    print("compiled down", m)
 """
 
 

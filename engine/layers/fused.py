@@ -17,13 +17,13 @@ from specserve.engine.pdl import launch_options, wait_for_predecessor
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, eps,
                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)  # torch adds in the activation dtype
@@ -36,15 +36,20 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps
 
 
 def add_rmsnorm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
-    """RMSNorm(x + residual) and x + residual (or RMSNorm(x) when residual is None)."""
+    """RMSNorm(x + residual) and x + residual (or RMSNorm(x) when residual is None). x's rows
+    may be strided (a view of a fused projection's columns: MLA's q LoRA); the results are
+    contiguous."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    out = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else out
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
     res_in = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else x2
     if x2.shape[0]:
         _add_rmsnorm_kernel[(x2.shape[0],)](
-            x2, res_in, weight, out, res_out, shape[-1], eps, HAS_RESIDUAL=residual is not None,
+            x2, res_in, weight, out, res_out, shape[-1], x2.stride(0), eps,
+            HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 2048 else 8,
             **launch_options(x.device))
     if residual is None:

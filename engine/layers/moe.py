@@ -12,6 +12,12 @@ CPU path and reference); on CUDA `run_experts` dispatches to the Triton kernel o
 signature and layout (`fused_moe_triton.fused_experts`) when it is importable, and for at most
 16 tokens with 16-bit experts to the decode kernel (`moe_decode.decode_fused_experts`: each
 picked expert's weights read once, no sort launch).
+
+DeepSeek's shared experts are the stacks' last S slots (its shared MLP's intermediate units cut
+into S experts of the routed size: an MLP's output is a sum over its units), and routing with
+`num_shared` appends them to every token's entries with weight 1.0 (unscaled), so every
+experts path above runs routed and shared experts together: at decode one gate/up and one
+down launch a MoE layer, and with tensor parallelism one all-reduce.
 """
 from __future__ import annotations
 
@@ -38,9 +44,11 @@ if torch.cuda.is_available():
 
 def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num_groups: int = 1,
                    topk_groups: int = 1, norm_topk_prob: bool = False,
-                   routed_scaling_factor: float = 1.0,
-                   correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int64) from fp32 router logits [T, E].
+                   routed_scaling_factor: float = 1.0, correction_bias: Optional[torch.Tensor] = None,
+                   num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k + S] fp32, expert ids [T, k + S] int64) from fp32 router logits [T, E]:
+    the k routed entries, then the S = `num_shared` shared slots (ids E.., weight 1.0; the
+    routed scaling factor scales only the routed weights, as DeepSeek does).
 
     softmax (V2, Qwen3-MoE, Mixtral): group-limited when num_groups > 1 (a group ranks by its
     best expert; the experts outside the best topk_groups groups score 0); norm_topk_prob
@@ -54,7 +62,7 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // num_groups
     if scoring == "softmax" and num_groups == 1 and router_logits.is_cuda and _softmax_topk is not None:
-        return _softmax_topk(router_logits, top_k, norm_topk_prob, routed_scaling_factor)
+        return _softmax_topk(router_logits, top_k, norm_topk_prob, routed_scaling_factor, num_shared)
     if scoring == "softmax":
         scores = router_logits.softmax(dim=-1, dtype=torch.float32)
         if num_groups > 1:
@@ -74,7 +82,12 @@ def select_experts(router_logits: torch.Tensor, *, top_k: int, scoring: str, num
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"scoring_func: unsupported {scoring!r} (softmax and sigmoid are)")
-    return weights * routed_scaling_factor, ids
+    weights = weights * routed_scaling_factor
+    if num_shared:
+        shared = torch.arange(num_experts, num_experts + num_shared, device=ids.device)
+        weights = torch.cat([weights, weights.new_ones(num_tokens, num_shared)], dim=1)
+        ids = torch.cat([ids, shared.expand(num_tokens, num_shared)], dim=1)
+    return weights, ids
 
 
 def can_fuse_router(x: torch.Tensor, scoring: str, num_groups: int) -> bool:
@@ -86,18 +99,19 @@ def can_fuse_router(x: torch.Tensor, scoring: str, num_groups: int) -> bool:
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, *, top_k: int, scoring: str,
           num_groups: int = 1, topk_groups: int = 1, norm_topk_prob: bool = False,
-          routed_scaling_factor: float = 1.0,
-          correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+          routed_scaling_factor: float = 1.0, correction_bias: Optional[torch.Tensor] = None,
+          num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts` of the fp32 router logits F.linear(x.float(), router_weight); where
     `can_fuse_router`, the logits' gemv and the routing are one Triton launch
     (`moe_router.router_softmax_topk`: the same routing up to the last bits of the sums)."""
     if can_fuse_router(x, scoring, num_groups):
-        return _router_softmax_topk(x, router_weight, top_k, norm_topk_prob, routed_scaling_factor)
+        return _router_softmax_topk(x, router_weight, top_k, norm_topk_prob, routed_scaling_factor,
+                                    num_shared)
     return select_experts(F.linear(x.float(), router_weight), top_k=top_k, scoring=scoring,
                           num_groups=num_groups, topk_groups=topk_groups,
                           norm_topk_prob=norm_topk_prob,
                           routed_scaling_factor=routed_scaling_factor,
-                          correction_bias=correction_bias)
+                          correction_bias=correction_bias, num_shared=num_shared)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_groups: int, per_group: int) -> torch.Tensor:
@@ -148,17 +162,12 @@ def experts_capturable() -> bool:
 
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
-                w2_scale: Optional[WeightScale] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
     """The Triton kernels on CUDA when available (decode-sized 16-bit batches: the decode
-    kernel; else the grouped one, which also takes FP8 scales), else the torch loop. With
-    `residual` [T, H], the experts' output + residual (the decode kernel adds it in its
-    combine; the other paths with one more launch)."""
+    kernel; else the grouped one, which also takes FP8 scales), else the torch loop."""
     if x.is_cuda and _triton_fused_experts is not None:
         if w13_scale is None and x.shape[0] <= MAX_DECODE_TOKENS:
-            return _decode_fused_experts(x, w13, w2, topk_weights, topk_ids, residual=residual)
-        out = _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                                    w2_scale=w2_scale)
-    else:
-        out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    return out if residual is None else out + residual
+            return _decode_fused_experts(x, w13, w2, topk_weights, topk_ids)
+        return _triton_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                     w2_scale=w2_scale)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

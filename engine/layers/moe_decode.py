@@ -18,8 +18,11 @@ a one-program launch, then pads every expert's run to a 16-row block; here there
   the same entry row; then every program counts its arrival on its N tile's counter (of the
   skinny GEMM's workspace) and the last to arrive sums the tile's k rows of each token in
   entry order (deterministic, unlike atomically adding experts into one output row; the
-  grouped kernel's [M, k, H] sum, without its launch) and adds the shared experts' output
-  when given (`residual`: DeepSeekMoE's `+ shared_experts(x)`, without its launch either).
+  grouped kernel's [M, k, H] sum, without its launch).
+
+DeepSeek's shared experts need nothing here: they are the stacks' last slots and every token's
+routing lists them with weight 1.0 (`moe.select_experts`' `num_shared`), so the first token's
+entries own them, and they are read once and summed with the routed rows in the same combine.
 
 Weights stay in their checkpoint layout: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
 """
@@ -112,12 +115,12 @@ def _gate_up_kernel(x, w13, intermediate, topk_ids, topk_weights, num_tokens, nu
 
 
 @triton.jit
-def _down_kernel(intermediate, w2, weighted, out, residual, arrivals, topk_ids, topk_weights,
+def _down_kernel(intermediate, w2, weighted, out, arrivals, topk_ids, topk_weights,
                  num_tokens, num_entries, N, K, stride_inter, stride_we, stride_wn, stride_wk,
-                 stride_weighted, stride_out, stride_res,
+                 stride_weighted, stride_out,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                  BLOCK_ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr):
     slot = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,7 +146,7 @@ def _down_kernel(intermediate, w2, weighted, out, residual, arrivals, topk_ids, 
                  acc.to(weighted.dtype.element_ty), mask=picked[:, None] & n_mask[None, :])
     # Every slot (those that skipped too) counts its arrival on the N tile's counter after its
     # stores (a CTA barrier, then the atomic's release); the last to arrive sums each token's
-    # k entry rows from L2 in entry order (deterministic) and adds the residual.
+    # k entry rows from L2 in entry order (deterministic).
     tl.debug_barrier()
     counter = arrivals + tl.program_id(1)
     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
@@ -155,22 +158,17 @@ def _down_kernel(intermediate, w2, weighted, out, residual, arrivals, topk_ids, 
         for j in tl.static_range(TOP_K):
             total += tl.load(weighted + (m64 * TOP_K + j) * stride_weighted + offs_n[None, :],
                              mask=tile_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        y = total.to(dtype)  # torch's sum over k: fp32 sums, rounded once
-        if HAS_RESIDUAL:  # then `+ residual` in the activation dtype
-            y = (y.to(tl.float32) + tl.load(residual + m64 * stride_res + offs_n[None, :],
-                                            mask=tile_mask, other=0.0).to(tl.float32)).to(dtype)
-        tl.store(out + m64 * stride_out + offs_n[None, :], y, mask=tile_mask)
+        # torch's sum over k: fp32 sums, rounded once
+        tl.store(out + m64 * stride_out + offs_n[None, :], total.to(dtype), mask=tile_mask)
         tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
 
 
 def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         config: Optional[DecodeMoEConfig] = None,
-                         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         config: Optional[DecodeMoEConfig] = None) -> torch.Tensor:
     """Routed experts' output [M, H] for x [M, H] (M <= MAX_DECODE_TOKENS), w13 [E, 2I, H],
     w2 [E, H, I], topk_weights [M, k] fp32 and topk_ids [M, k] (distinct experts a token):
-    `fused_moe_triton.fused_experts`'s contract, for few tokens. With `residual` [M, H] (the
-    shared experts' output) the result is that sum plus `residual`, added in the same launch."""
+    `fused_moe_triton.fused_experts`'s contract, for few tokens."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -183,8 +181,6 @@ def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids "
                          f"{tuple(topk_ids.shape)} must both be [{num_tokens}, k]")
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
     config = config or default_decode_config(x.device)
@@ -207,9 +203,7 @@ def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     arrivals = workspace_for(x.device).arrivals
     assert n_tiles <= arrivals.numel()
     _down_kernel[(num_entries, n_tiles)](
-        intermediate, w2, weighted, out, residual if residual is not None else x, arrivals,
-        topk_ids, topk_weights, num_tokens, num_entries, hidden, inter, intermediate.stride(0),
-        w2.stride(0), w2.stride(1), w2.stride(2), weighted.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, HAS_RESIDUAL=residual is not None,
-        **meta)
+        intermediate, w2, weighted, out, arrivals, topk_ids, topk_weights, num_tokens,
+        num_entries, hidden, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
+        w2.stride(2), weighted.stride(0), out.stride(0), **meta)
     return out

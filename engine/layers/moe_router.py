@@ -8,6 +8,11 @@ program per token does all of it on the token's [E] fp32 logits in registers: th
 (exp(l - max) / sum, torch's formula), k rounds of argmax (the lowest index among equal
 probabilities), the renormalisation over the k and the scaling.
 
+With `num_shared` (DeepSeek's shared experts, stored as the expert stack's last slots) each
+token's row also gets that many constant entries after its k: expert ids E, E+1, ... with
+weight 1.0, neither renormalised nor scaled (DeepSeek scales the routed weights only), so the
+expert kernels run the shared experts as slots every token picked.
+
 For decode-sized batches (`MAX_ROUTER_TOKENS`) `router_softmax_topk` also computes the logits
 in the same launch: the fp32 router's x.float() cast and cuBLAS's gemv (two kernels, a dot and
 a one-block reduce) were three more launches a layer. Its programs (one warp at up to 4
@@ -30,8 +35,10 @@ MAX_ROUTER_TOKENS = 16  # the fused router's rows (a decode or verify step); abo
 
 @triton.jit
 def _route_rows(logits, offs_e, num_experts, scaling, TOP_K: tl.constexpr,
-                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(weights, ids) [rows, BLOCK_K] of fp32 logits [rows, BLOCK_E] (padding: -inf).
+                NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(weights, ids) [rows, BLOCK_K] of fp32 logits [rows, BLOCK_E] (padding: -inf): the k
+    routed entries, then the NUM_SHARED shared slots (ids E.., weight 1.0).
 
     Each of the k rounds is one max over a key per expert: the probability's bits (a
     non-negative float orders as its bits do) above the reversed index, so the largest key is
@@ -54,27 +61,31 @@ def _route_rows(logits, offs_e, num_experts, scaling, TOP_K: tl.constexpr,
         keys = tl.where(keys == best, -1, keys)
     if RENORMALIZE:
         chosen_p = chosen_p / tl.sum(chosen_p, 1)[:, None]  # the unused BLOCK_K lanes hold 0
-    return chosen_p * scaling, chosen_e
+    shared = (offs_k >= TOP_K) & (offs_k < TOP_K + NUM_SHARED)
+    return (tl.where(shared, 1.0, chosen_p * scaling),
+            tl.where(shared, num_experts + offs_k - TOP_K, chosen_e))
 
 
 @triton.jit
 def _softmax_topk_kernel(logits, weights, ids, num_experts, stride_logits, scaling,
-                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     row = tl.load(logits + token * stride_logits + offs_e[None, :],
                   mask=offs_e[None, :] < num_experts, other=float("-inf")).to(tl.float32)
-    chosen_p, chosen_e = _route_rows(row, offs_e, num_experts, scaling, TOP_K, RENORMALIZE,
-                                     BLOCK_E, BLOCK_K)
-    tl.store(weights + token * TOP_K + offs_k, chosen_p, mask=offs_k < TOP_K)
-    tl.store(ids + token * TOP_K + offs_k, chosen_e, mask=offs_k < TOP_K)
+    chosen_p, chosen_e = _route_rows(row, offs_e, num_experts, scaling, TOP_K, NUM_SHARED,
+                                     RENORMALIZE, BLOCK_E, BLOCK_K)
+    width: tl.constexpr = TOP_K + NUM_SHARED
+    tl.store(weights + token * width + offs_k, chosen_p, mask=offs_k < width)
+    tl.store(ids + token * width + offs_k, chosen_e, mask=offs_k < width)
 
 
 @triton.jit
 def _router_kernel(x, w, logits, weights, ids, arrivals, M, num_experts, K, stride_xm,
-                   stride_wn, scaling, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   stride_wn, scaling, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+                   RENORMALIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, EXPERTS_PER_PROGRAM: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                    PDL: tl.constexpr):
@@ -105,37 +116,39 @@ def _router_kernel(x, w, logits, weights, ids, arrivals, M, num_experts, K, stri
         row = tl.load(logits + offs_m[:, None] * num_experts + all_e[None, :],
                       mask=m_mask[:, None] & e_valid, other=0.0, cache_modifier=".cg")
         row = tl.where(e_valid, row, float("-inf"))  # padding rows stay finite (not stored)
-        chosen_p, chosen_e = _route_rows(row, all_e, num_experts, scaling, TOP_K, RENORMALIZE,
-                                         BLOCK_E, BLOCK_TOPK)
+        chosen_p, chosen_e = _route_rows(row, all_e, num_experts, scaling, TOP_K, NUM_SHARED,
+                                         RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+        width: tl.constexpr = TOP_K + NUM_SHARED
         offs_j = tl.arange(0, BLOCK_TOPK)[None, :]
-        out_mask = m_mask[:, None] & (offs_j < TOP_K)
-        tl.store(weights + offs_m[:, None] * TOP_K + offs_j, chosen_p, mask=out_mask)
-        tl.store(ids + offs_m[:, None] * TOP_K + offs_j, chosen_e, mask=out_mask)
+        out_mask = m_mask[:, None] & (offs_j < width)
+        tl.store(weights + offs_m[:, None] * width + offs_j, chosen_p, mask=out_mask)
+        tl.store(ids + offs_m[:, None] * width + offs_j, chosen_e, mask=out_mask)
         tl.store(arrivals, 0)  # ready for the next launch (and the next graph replay)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int64) from fp32 logits [T, E]: softmax over the
-    E experts, the k largest probabilities (largest first), divided by their sum when
-    `renormalize`, times `scaling`."""
+                 scaling: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k + S] fp32, expert ids [T, k + S] int64) from fp32 logits [T, E]: softmax
+    over the E experts, the k largest probabilities (largest first), divided by their sum when
+    `renormalize`, times `scaling`; then the S = `num_shared` shared slots E.. with weight 1."""
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"softmax_topk: top_k {top_k} does not fit {num_experts} experts")
     assert router_logits.stride(1) == 1
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    width = top_k + num_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         block_e = triton.next_power_of_2(num_experts)
         _softmax_topk_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), scaling,
-            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
-            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_e <= 128 else 2)
+            TOP_K=top_k, NUM_SHARED=num_shared, RENORMALIZE=renormalize, BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(width), num_warps=1 if block_e <= 128 else 2)
     return weights, ids
 
 
 def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                        scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        scaling: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`softmax_topk(F.linear(x.float(), weight), ...)` in one launch for x [M, H] (any float
     dtype; 1 <= M <= MAX_ROUTER_TOKENS) and the router's weight [E, H] (fp32 as the model
     holds it, or any float dtype): the logits in fp32 from x's and the weight's values."""
@@ -146,8 +159,8 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renor
     assert 1 <= num_tokens <= MAX_ROUTER_TOKENS, f"router_softmax_topk: {num_tokens} rows"
     assert weight.shape[1] == hidden and weight.is_contiguous() and x.stride(1) == 1
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, top_k + num_shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int64, device=x.device)
     # An expert's row a program up to 128 experts (about a program an SM): a decode step's
     # router is a read of E x H fp32 weights (1 MiB for Qwen3-30B-A3B), too much for one SM's
     # latency. The last program's softmax and k rounds of top-k are a chain of reductions over
@@ -165,7 +178,8 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renor
     _router_kernel[(triton.cdiv(num_experts, per_program),)](
         x, weight, logits, weights, ids, workspace_for(x.device).arrivals, num_tokens,
         num_experts, hidden, x.stride(0), weight.stride(0), scaling, TOP_K=top_k,
-        RENORMALIZE=renormalize, BLOCK_M=block_m, EXPERTS_PER_PROGRAM=per_program,
+        NUM_SHARED=num_shared, RENORMALIZE=renormalize, BLOCK_M=block_m, EXPERTS_PER_PROGRAM=per_program,
         BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=num_warps, **launch_options(x.device))
+        BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared), num_warps=num_warps,
+        **launch_options(x.device))
     return weights, ids

@@ -12,7 +12,7 @@ engine/layers/mla_decode.py; docs/architecture.md, "The fused MLA decode step").
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,11 +27,6 @@ from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
 from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.quantization.fp8 import dequantize
-
-
-def _replicated(in_features: int, out_features: int) -> ColumnParallelLinear:
-    """A linear layer (no bias) every rank holds whole."""
-    return ColumnParallelLinear(in_features, [(0, out_features)], bias=False)
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -55,13 +50,16 @@ class MLAAttention(nn.Module):
         start, end = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_heads = end - start
         qk, hidden = mla.qk_head_dim, cfg.hidden_size
+        # q's first projection and kv_a both read x: one layer (one skinny GEMM launch at
+        # decode) of their rows concatenated, this rank's q heads (or the replicated q LoRA
+        # down-projection) then the replicated kv_a rows; `forward` splits the output.
+        kv_a = (0, mla.kv_lora_rank + mla.qk_rope_head_dim)
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, [(start * qk, end * qk)], bias=False)
+            self.q_kv_a_proj = ColumnParallelLinear(hidden, [(start * qk, end * qk), kv_a], bias=False)
         else:
-            self.q_a_proj = _replicated(hidden, mla.q_lora_rank)
+            self.q_a_kv_a_proj = ColumnParallelLinear(hidden, [(0, mla.q_lora_rank), kv_a], bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [(start * qk, end * qk)], bias=False)
-        self.kv_a_proj_with_mqa = _replicated(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
         per_head = mla.qk_nope_head_dim + mla.v_head_dim
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, [(start * per_head, end * per_head)],
@@ -100,14 +98,14 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         m, T, H = self.mla, x.shape[0], self.num_heads
         if m.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv = self.q_kv_a_proj(x).split([H * m.qk_head_dim, self.kv_head_dim], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, kv = self.q_a_kv_a_proj(x).split([m.q_lora_rank, self.kv_head_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         if mla_decode.can_fuse(x):
-            return self._forward_fused(q.view(T, H, m.qk_head_dim), self.kv_a_proj_with_mqa(x),
-                                       positions, fb)
+            return self._forward_fused(q.view(T, H, m.qk_head_dim), kv, positions, fb)
         q_nope, q_pe = q.view(T, H, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         q_pe, k_pe = self._rope(positions, q_pe, k_pe.view(T, 1, m.qk_rope_head_dim))
         fb.kv_pool.set_mla_kv(self.layer_id, fb.out_cache_loc, latent, k_pe[:, 0])
@@ -166,7 +164,7 @@ class Router(nn.Module):
         return route(x, self.weight, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
                      topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
                      routed_scaling_factor=moe.routed_scaling_factor,
-                     correction_bias=self.e_score_correction_bias)
+                     correction_bias=self.e_score_correction_bias, num_shared=moe.num_shared_experts)
 
 
 class ExpertParts(NamedTuple):
@@ -181,18 +179,25 @@ HF_EXPERT_PARTS = ExpertParts("gate_proj", "up_proj", "down_proj")  # DeepSeek, 
 
 
 class Experts(nn.Module):
-    """Every routed expert's weights, stacked; this rank's slice of each intermediate dim."""
+    """Every routed expert's weights, stacked, then `num_shared` slots holding the shared
+    experts' MLP cut into experts of the routed size (slot E + j: the MLP's intermediate units
+    [j*I, (j+1)*I), which every token picks with weight 1.0: `Router`); this rank's slice of
+    each slot's intermediate dim, so one all-reduce sums routed and shared parts."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
-                 parts: ExpertParts = HF_EXPERT_PARTS):
+                 parts: ExpertParts = HF_EXPERT_PARTS, num_shared: int = 0):
         super().__init__()
         start, end = tp.split(intermediate_size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * (end - start), hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, end - start))
-        # The loader assembles them from the checkpoint's per-expert tensors (parallel.py's
-        # `shards` convention: (part, dim, start, end) per expert).
-        self.w13.stacked_experts = (num_experts, [(parts.gate, 0, start, end), (parts.up, 0, start, end)])
-        self.w2.stacked_experts = (num_experts, [(parts.down, 1, start, end)])
+        slots = num_experts + num_shared
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * (end - start), hidden_size))
+        self.w2 = nn.Parameter(torch.empty(slots, hidden_size, end - start))
+        # The loader assembles them from the checkpoint's tensors: per slot, (name relative to
+        # the MoE block, dim, start, end) of each part (parallel.py's `shards` convention).
+        rows = [(f"experts.{e}", 0) for e in range(num_experts)]
+        rows += [("shared_experts", j * intermediate_size) for j in range(num_shared)]
+        self.w13.stacked_experts = [[(f"{name}.{parts.gate}", 0, at + start, at + end),
+                                     (f"{name}.{parts.up}", 0, at + start, at + end)] for name, at in rows]
+        self.w2.stacked_experts = [[(f"{name}.{parts.down}", 1, at + start, at + end)] for name, at in rows]
         self.w13_scale = self.w2_scale = None
 
     def use_fp8(self, block_n: int, block_k: int) -> None:
@@ -201,34 +206,27 @@ class Experts(nn.Module):
         self.w13_scale = scale_parameter(self.w13, block_n, block_k)
         self.w2_scale = scale_parameter(self.w2, block_n, block_k)
 
-    def forward(self, x, topk_weights, topk_ids, residual: Optional[torch.Tensor] = None):
-        """sum_k topk_weights * expert(x), plus `residual` when given (`run_experts`)."""
+    def forward(self, x, topk_weights, topk_ids):
+        """sum_k topk_weights * expert(x) over the routing's entries (`run_experts`)."""
         return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
-                           weight_scale(self.w13_scale), weight_scale(self.w2_scale), residual)
+                           weight_scale(self.w13_scale), weight_scale(self.w2_scale))
 
 
 class DeepseekMoE(nn.Module):
-    """Router, routed experts and DeepSeek's shared experts (Qwen3-MoE and Mixtral have none,
-    and their checkpoints may name the expert parts otherwise: `parts`)."""
+    """Router and experts: routed(x) + shared_experts(x) with the shared experts as the
+    stacks' last slots (Qwen3-MoE and Mixtral have none, and their checkpoints may name the
+    expert parts otherwise: `parts`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, parts: ExpertParts = HF_EXPERT_PARTS):
         super().__init__()
         moe = cfg.moe
         self.tp = tp
         self.gate = Router(cfg)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp, parts)
-        self.shared_experts = MLP(cfg.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, tp) \
-            if moe.num_shared_experts else None
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size, tp, parts,
+                               moe.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        if self.shared_experts is not None and self.tp.size == 1:
-            # The shared experts first, their output added in the routed experts' combine
-            # (one launch less at decode). With tensor parallelism each part is all-reduced
-            # on its own, as below.
-            return self.experts(x, topk_weights, topk_ids, residual=self.shared_experts(x))
-        out = self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, *self.gate(x)))
 
 
 class DeepseekDecoderLayer(DecoderLayer):

@@ -1,6 +1,7 @@
 """Loads Hugging Face safetensors checkpoints (single file or sharded) into our modules.
 
-Our modules fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; each fused
+Our modules fuse q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and MLA's projections of the
+hidden state (q or q's LoRA down-projection, and kv_a) into one; each fused
 parameter is assembled from its checkpoint parts, so nothing is materialised twice.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from specserve.engine.quantization.config import QuantConfig
 FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    "q_kv_a_proj": ("q_proj", "kv_a_proj_with_mqa"),      # MLA without a q LoRA (V2-Lite)
+    "q_a_kv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # MLA with one (V2, V3)
 }
 
 
@@ -135,7 +138,11 @@ def _adopt_fp8_layers(module: nn.Module, reader: CheckpointReader, to_checkpoint
             raise ValueError(f"model: {prefix}: some checkpoint tensors are float8 and some not "
                              f"({[p.key for p in parts]}); one layer needs one format")
         quant = require_quant_config(quant, parts[0].key)
-        blocks = {scale_block(t.experts[0], reader, quant, prefix.rstrip(".")) for t in targets}
+        # Each distinct pattern of tensor shapes and slices (an expert stack's routed experts
+        # share one; its shared slots are other slices of the shared MLP's wider tensors).
+        patterns = {tuple((tuple(reader.shape(p.key)), *p[1:]) for p in parts): parts
+                    for t in targets for parts in t.experts}
+        blocks = {scale_block(parts, reader, quant, prefix.rstrip(".")) for parts in patterns.values()}
         # One grid form for both expert stacks: row scales wherever one needs them; per-row
         # (channel, tensor) scales span the wider stack's K, one column each.
         block = (min(b[0] for b in blocks), max(b[1] for b in blocks))
@@ -157,37 +164,36 @@ def _fp8_targets(sub: nn.Module, prefix: str, to_checkpoint_name: Callable[[str]
     if isinstance(sub, QuantizableLinear):
         keys = [to_checkpoint_name(p) for p in _checkpoint_parts(prefix + "weight")]
         return [Fp8Target("weight_scale", [weight_parts(sub.weight, keys)], stacked=False)]
-    if hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of routed experts
-        targets = []
-        for name in ("w13", "w2"):
-            num_experts, pieces = getattr(sub, name).stacked_experts
-            key_prefix = to_checkpoint_name(prefix + name).rsplit(".", 1)[0]
-            experts = [[PartSlice(f"{key_prefix}.{e}.{part}.weight", dim, start, end)
-                        for part, dim, start, end in pieces] for e in range(num_experts)]
-            targets.append(Fp8Target(f"{name}_scale", experts, stacked=True))
-        return targets
+    if hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of experts
+        return [Fp8Target(f"{name}_scale", _slot_parts(getattr(sub, name), to_checkpoint_name(prefix + name)),
+                          stacked=True) for name in ("w13", "w2")]
     return []
 
 
+def _slot_parts(param: nn.Parameter, key: str) -> list[list[PartSlice]]:
+    """An expert stack's checkpoint slices, one list a slot: its `stacked_experts` mark names
+    them relative to the MoE block (`experts.<e>.<part>`, `shared_experts.<part>`), and `key`
+    is the stack's own checkpoint name (`<block>.experts.w13`)."""
+    block = key.rsplit(".", 2)[0]
+    return [[PartSlice(f"{block}.{name}.weight", dim, start, end) for name, dim, start, end in slot]
+            for slot in param.stacked_experts]
+
+
 def _load_stacked_experts(param: nn.Parameter, reader: CheckpointReader, key: str) -> None:
-    """[E, ...] from the checkpoint's per-expert tensors `<prefix>.<e>.<part>.weight`: each
-    expert's parts (this rank's slice of each) concatenated along dim 0 (gate rows, up rows)."""
-    num_experts, parts = param.stacked_experts
-    prefix = key.rsplit(".", 1)[0]
+    """[slots, ...] from the checkpoint's tensors: each slot's parts (this rank's slice of
+    each) concatenated along dim 0 (gate rows, up rows)."""
     with torch.no_grad():
-        for e in range(num_experts):
-            pieces = []
-            for part, dim, start, end in parts:
-                k = f"{prefix}.{e}.{part}.weight"
-                if k not in reader:
-                    raise ValueError(f"model: checkpoint is missing tensor {k!r}")
-                pieces.append(reader.get_shard(k, dim, start, end))
+        for e, parts in enumerate(_slot_parts(param, key)):
+            missing = [p.key for p in parts if p.key not in reader]
+            if missing:
+                raise ValueError(f"model: checkpoint is missing tensor {missing[0]!r}")
+            pieces = [reader.get_shard(*part) for part in parts]
             tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
             if tensor.dtype == torch.float8_e4m3fn and param.dtype != tensor.dtype:
-                raise ValueError(f"model: checkpoint tensor {prefix}.{e}.{parts[0][0]}.weight is float8 "
+                raise ValueError(f"model: checkpoint tensor {parts[0].key} is float8 "
                                  f"but the expert stack was not made FP8")
             if tensor.shape != param.shape[1:]:
-                raise ValueError(f"model: tensor {prefix}.{e}.{parts[0][0]}.weight gives shape "
+                raise ValueError(f"model: tensor {parts[0].key} gives shape "
                                  f"{tuple(tensor.shape)}, expected {tuple(param.shape[1:])}")
             param[e].copy_(tensor.to(param.dtype))
 
