@@ -137,6 +137,42 @@ def test_router_and_experts_match_transformers(arch, opts):
     torch.testing.assert_close(out, hf_experts(x, ref_ids, ref_w), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [5, 40], ids=["decode-slots", "dense-shared"])
+def test_moe_block_with_shared_slots_matches_transformers(tokens):
+    """DeepSeekMoE with two shared experts, which live as the expert stacks' last slots: read
+    with the routed experts at decode sizes, as a dense MLP past them; both equal transformers'
+    block (routed_scaling_factor applied to the routed experts only)."""
+    import transformers as tf
+
+    from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
+    from specserve.engine.models.deepseek import DeepseekMoE
+    from specserve.engine.models.model_config import ModelConfig
+
+    hf_cfg = deepseek_config("deepseek_v2", vocab_size=32, hidden_size=64, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                             num_experts=16, shared_experts=2, group_limited=False)
+    torch.manual_seed(1)
+    hf_moe = tf.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_cfg)
+    for p in hf_moe.parameters():
+        p.data.normal_(0, 0.1)
+    cfg = ModelConfig.from_dict(dict(hf_cfg.to_dict(), architectures=["DeepseekV2ForCausalLM"]))
+    moe = DeepseekMoE(cfg)
+    E, I = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+    shared = hf_moe.shared_experts
+    with torch.no_grad():
+        moe.gate.weight.copy_(hf_moe.gate.weight)
+        moe.experts.w13[:E] = hf_moe.experts.gate_up_proj
+        moe.experts.w2[:E] = hf_moe.experts.down_proj
+        for j in range(2):
+            rows = slice(j * I, (j + 1) * I)
+            moe.experts.w13[E + j] = torch.cat([shared.gate_proj.weight[rows], shared.up_proj.weight[rows]])
+            moe.experts.w2[E + j] = shared.down_proj.weight[:, rows]
+    assert (tokens > MAX_DECODE_TOKENS) == (tokens == 40)
+    x = torch.randn(tokens, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), hf_moe(x[None])[0], atol=1e-5, rtol=1e-4)
+
+
 # --- the MLA pool ------------------------------------------------------------------------
 def test_mla_move_kv_cache_overlapping():
     from specserve.engine.kvcache.pools import MLATokenToKVPool

@@ -20,10 +20,13 @@ from torch import nn
 from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.layers import mla_decode
 from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
+from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.moe import route, run_experts
+from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
 from specserve.engine.layers.norm import RMSNorm
 from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
+from specserve.engine.layers.skinny_gemm import linear
 from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.quantization.fp8 import dequantize
@@ -159,12 +162,14 @@ class Router(nn.Module):
                 param.data = param.data.float()
         return self
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, with_shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) [T, k (+ the shared slots, weight 1.0, with `with_shared`)]."""
         moe = self.moe
         return route(x, self.weight, top_k=moe.top_k, scoring=moe.scoring, num_groups=moe.num_groups,
                      topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
                      routed_scaling_factor=moe.routed_scaling_factor,
-                     correction_bias=self.e_score_correction_bias, num_shared=moe.num_shared_experts)
+                     correction_bias=self.e_score_correction_bias,
+                     num_shared=moe.num_shared_experts if with_shared else 0)
 
 
 class ExpertParts(NamedTuple):
@@ -199,6 +204,7 @@ class Experts(nn.Module):
                                      (f"{name}.{parts.up}", 0, at + start, at + end)] for name, at in rows]
         self.w2.stacked_experts = [[(f"{name}.{parts.down}", 1, at + start, at + end)] for name, at in rows]
         self.w13_scale = self.w2_scale = None
+        self.num_experts, self.num_shared = num_experts, num_shared
 
     def use_fp8(self, block_n: int, block_k: int) -> None:
         """FP8 experts (the loader calls it when the checkpoint's are): both stacks."""
@@ -210,6 +216,22 @@ class Experts(nn.Module):
         """sum_k topk_weights * expert(x) over the routing's entries (`run_experts`)."""
         return run_experts(x, self.w13, self.w2, topk_weights, topk_ids,
                            weight_scale(self.w13_scale), weight_scale(self.w2_scale))
+
+    @property
+    def runs_shared_dense(self) -> bool:
+        """16-bit shared slots can run as a dense MLP (`shared`); FP8 ones stay slots."""
+        return self.num_shared > 0 and self.w13_scale is None
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared slots' MLP as dense GEMMs: every slot's gate/up rows in one (the slots
+        are contiguous in the stack), then each slot's down projection."""
+        E, S = self.num_experts, self.num_shared
+        gate_up = linear(x, self.w13[E:].flatten(0, 1), skinny=False)
+        h = silu_and_mul(gate_up.view(x.shape[0], S, -1))   # [T, S, I]
+        out = linear(h[:, 0], self.w2[E], skinny=False)
+        for j in range(1, S):
+            out = out + linear(h[:, j], self.w2[E + j], skinny=False)
+        return out
 
 
 class DeepseekMoE(nn.Module):
@@ -226,7 +248,15 @@ class DeepseekMoE(nn.Module):
                                moe.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.experts(x, *self.gate(x)))
+        if self.experts.runs_shared_dense and x.shape[0] > MAX_DECODE_TOKENS:
+            # Every token picks the shared slots: in the grouped kernel each of their row blocks
+            # would read their weights again (a verify step's 256 tokens: 8 times); a dense
+            # GEMM reads them about once. Decode-sized batches read them as slots of the
+            # routed kernels, in the same launches.
+            out = self.experts(x, *self.gate(x, with_shared=False)) + self.experts.shared(x)
+        else:
+            out = self.experts(x, *self.gate(x))
+        return self.tp.all_reduce(out)
 
 
 class DeepseekDecoderLayer(DecoderLayer):
