@@ -229,15 +229,15 @@ for m, experts, top_k, per_program, block_k, warps in ((1, 64, 6, 1, 2048, 1), (
     assert "griddepcontrol.wait" in ptx and "atom" in ptx
     print("compiled router", experts)
 # The down kernel with its combine at V2-Lite's shape (6 routed + 2 shared slots a token), at
-# M = 1 and 16.
+# M = 1 and 16, waiting for its predecessor under PDL.
 for m in (1, 16):
     ptx = compile_sm90(D._down_kernel, dict(
         intermediate=t(bf16), w2=t(bf16), weighted=t(bf16), out=t(bf16), arrivals=t(i32),
         topk_ids=t(i64), topk_weights=t(f32), num_tokens=m, num_entries=8 * m, N=2048, K=1408,
         stride_inter=1408, stride_we=2048 * 1408, stride_wn=1408, stride_wk=1,
         stride_weighted=2048, stride_out=2048, TOP_K=8, BLOCK_M=16, BLOCK_TOPK=8,
-        BLOCK_ENTRIES=8 * m, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32"), 4, 4)
-    assert "atom" in ptx and "mma" in ptx
+        BLOCK_ENTRIES=8 * m, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32", PDL=True), 4, 4)
+    assert "atom" in ptx and "mma" in ptx and "griddepcontrol.wait" in ptx
     print("compiled down", m)
 """
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from specserve.engine.layers.skinny_gemm import workspace_for
+from specserve.engine.pdl import launch_options, wait_for_predecessor
 
 MAX_DECODE_TOKENS = 16  # one tl.dot row block holds every token
 
@@ -84,7 +85,8 @@ def _gate_up_kernel(x, w13, intermediate, topk_ids, topk_weights, num_tokens, nu
                     stride_x, stride_we, stride_wn, stride_wk, stride_inter,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                     BLOCK_ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)  # the router's ids (engine/pdl.py)
     slot = tl.program_id(0)
     expert, earlier = _slot_expert(topk_ids, slot, num_entries, BLOCK_ENTRIES)
     if earlier > 0:  # another slot reads this expert's weights
@@ -120,7 +122,8 @@ def _down_kernel(intermediate, w2, weighted, out, arrivals, topk_ids, topk_weigh
                  stride_weighted, stride_out,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                  BLOCK_ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)  # gate/up's intermediate rows (engine/pdl.py)
     slot = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,7 +194,7 @@ def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 BLOCK_K=config.block_k,
                 # fp32 operands would run as TF32 on tensor cores; keep an fp32 engine exact.
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     intermediate = x.new_empty(num_entries, inter)
     _gate_up_kernel[(num_entries, triton.cdiv(inter, config.block_n))](
         x, w13, intermediate, topk_ids, topk_weights, num_tokens, num_entries, inter, hidden,
