@@ -111,6 +111,7 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     for n in lengths:
         engine.generate(prompt_token_ids=[[i % vocab for i in range(n)]],
                         sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
+    engine.metrics.take_step_stats()  # the warm-up's steps are no one's
     return engine
 
 
@@ -182,7 +183,10 @@ class _EngineLoop:
 
     def _step(self) -> None:
         step_outputs = self.engine.step()
-        if not step_outputs:
+        # What the steps took (the server's step-time metrics); a stand-in engine has none.
+        take = getattr(getattr(self.engine, "metrics", None), "take_step_stats", None)
+        steps = take() if take is not None else ()
+        if not step_outputs and not steps:
             return
         for out in step_outputs:
             if out.finished:
@@ -190,7 +194,7 @@ class _EngineLoop:
                 sequences.discard(out.index)
                 if not sequences:
                     del self.live[out.rid]
-        self._send(ipc.EngineToServer(batch=encode_batch(step_outputs)))
+        self._send(ipc.EngineToServer(batch=encode_batch(step_outputs, steps)))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
         return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))
