@@ -316,7 +316,7 @@ def breakdown(before: dict, after: dict) -> dict:
 
 def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
                            max_context_len: int, device: str = "cuda", prefix_cache: bool = True,
-                           text: bool = False):
+                           text: bool = False, **engine_overrides):
     """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
     from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
 
@@ -333,7 +333,8 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
     return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
                         load_format=load_format,
                         spec=spec_config, max_running_requests=max_running,
-                        max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
+                        max_context_len=max_context_len, enable_prefix_cache=prefix_cache,
+                        **engine_overrides)
 
 
 def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None,
@@ -376,6 +377,7 @@ def main():
     ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
     ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
     ap.add_argument("--disable-prefix-cache", action="store_true", help="with --launch: the cache off")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="with --launch (engine default if unset)")
     ap.add_argument("--text", action="store_true",
                     help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
     ap.add_argument("--metrics-url", default=None,
@@ -395,7 +397,9 @@ def main():
     if args.launch is not None:
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
                                                args.max_context_len, args.device,
-                                               prefix_cache=not args.disable_prefix_cache, text=args.text)
+                                               prefix_cache=not args.disable_prefix_cache, text=args.text,
+                                               **({} if args.chunked_prefill_size is None else
+                                                  {"chunked_prefill_size": args.chunked_prefill_size}))
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2]),
