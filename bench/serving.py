@@ -27,6 +27,18 @@ Requests arrive as a Poisson process at each rate (`inf`: all at once), with at 
 carries) percentiles, output throughput, the mean accept length and the mean prompt tokens
 served from the prefix cache.
 
+`--launch tiny --device cpu --text` is a 4-layer random Llama with the demo tokenizer: fast
+enough on a CPU for the server's and the scheduler's costs to show at ratios nearer a GPU's.
+
+Before the rows, an untimed wave of requests (`--warmup-requests`, default the largest
+concurrency) takes the first-time costs (kernel compiles of new shapes, lazy starts). With the
+server's /metrics (`--metrics-url`; `--launch` serves it on `--metrics-port`) each row also
+reports where TTFT went: the p50, p99 and mean of every stage of
+`specserve_ttft_stage_seconds` (prepare, submit, to_engine, engine_queue, prefill, to_server,
+to_consumer, write; docs/grpc-api.md), the server's own TTFT and chunk gaps, and the engine's
+decode and extend step times and the stalls extends caused (histogram differences over the
+row, percentiles interpolated in their buckets).
+
 Workloads that share prefixes (random token ids):
   --workload system-prompt  every request = one shared system prompt (--system-prompt-tokens)
                             + its own question (--prompt-words tokens)
@@ -238,6 +250,9 @@ STAGE_HISTOGRAM = "specserve_ttft_stage_seconds"
 STEP_HISTOGRAMS = {"step": "specserve_engine_step_seconds",
                    "decode_stall": "specserve_engine_decode_stall_seconds",
                    "extend_tokens": "specserve_engine_extend_tokens"}
+# The server's own view, to set against the client's (a busy client adds to its TTFT and ITL).
+SERVER_HISTOGRAMS = {"server_ttft_ms": "specserve_time_to_first_token_seconds",
+                     "server_chunk_gap_ms": "specserve_inter_token_latency_seconds"}
 
 
 def scrape_histograms(url: Optional[str]) -> dict:
@@ -254,7 +269,7 @@ def scrape_histograms(url: Optional[str]) -> dict:
     except OSError as e:
         logging.warning("cannot scrape %s: %s", url, e)
         return {}
-    wanted = {STAGE_HISTOGRAM, *STEP_HISTOGRAMS.values()}
+    wanted = {STAGE_HISTOGRAM, *STEP_HISTOGRAMS.values(), *SERVER_HISTOGRAMS.values()}
     out: dict = {}
     for family in text_string_to_metric_families(body):
         if family.name not in wanted:
@@ -308,7 +323,9 @@ def breakdown(before: dict, after: dict) -> dict:
     steps = {f"{label}" if name == STEP_HISTOGRAMS["step"] else what:
              (ms(d) if what != "extend_tokens" else d)
              for what, name in STEP_HISTOGRAMS.items() for (n, label), d in delta.items() if n == name}
-    return {"ttft_stages_ms_p50": {k: round(1000 * d["p50"], 3) for k, d in stages.items()},
+    server = {what: ms(delta[(name, "")]) for what, name in SERVER_HISTOGRAMS.items() if (name, "") in delta}
+    return {**server,
+            "ttft_stages_ms_p50": {k: round(1000 * d["p50"], 3) for k, d in stages.items()},
             "ttft_stages_ms_p99": {k: round(1000 * d["p99"], 3) for k, d in stages.items()},
             "ttft_stages_ms_mean": {k: round(1000 * d["mean"], 3) for k, d in stages.items()},
             "engine_steps": steps}
@@ -453,6 +470,10 @@ def main():
             continue
         stages = " ".join(f"{k} {v:.2f}" for k, v in r["ttft_stages_ms_p50"].items())
         print(f"{r['label']:>10} {r['concurrency']:>4} {r['rate']:>5}  TTFT p50 by stage (ms): {stages}")
+        if "server_ttft_ms" in r and "server_chunk_gap_ms" in r:
+            t, g = r["server_ttft_ms"], r["server_chunk_gap_ms"]
+            print(f"{'':>10} {'':>4} {'':>5}  server-side (ms): TTFT p50 {t['p50']:.1f} p99 {t['p99']:.1f}; "
+                  f"chunk gap p50 {g['p50']:.2f} p99 {g['p99']:.2f}")
         steps = r["engine_steps"]
         parts = [f"{mode} n={d['count']} p50 {d['p50']:.2f} p99 {d['p99']:.2f} mean {d['mean']:.2f}"
                  for mode, d in steps.items() if mode in ("decode", "extend", "decode_stall")]
