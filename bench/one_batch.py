@@ -45,6 +45,11 @@ SHAPES = {
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    # A toy Llama (random weights) whose forwards are fast even on a CPU: serving benchmarks
+    # there (bench/serving.py --launch tiny --device cpu) then see the host's and the server's
+    # costs at ratios nearer a GPU's than the demo pair's.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=8192, tie_word_embeddings=False),
     # DeepSeek-V2-Lite (random weights): MLA without q LoRA, 64 routed experts top-6, 2 shared.
     "deepseek-v2-lite": dict(
         architectures=["DeepseekV2ForCausalLM"], hidden_size=2048, intermediate_size=10944,

@@ -27,6 +27,18 @@ Requests arrive as a Poisson process at each rate (`inf`: all at once), with at 
 carries) percentiles, output throughput, the mean accept length and the mean prompt tokens
 served from the prefix cache.
 
+`--launch tiny --device cpu --text` is a 4-layer random Llama with the demo tokenizer: fast
+enough on a CPU for the server's and the scheduler's costs to show at ratios nearer a GPU's.
+
+Before the rows, an untimed wave of requests (`--warmup-requests`, default the largest
+concurrency) takes the first-time costs (kernel compiles of new shapes, lazy starts). With the
+server's /metrics (`--metrics-url`; `--launch` serves it on `--metrics-port`) each row also
+reports where TTFT went: the p50, p99 and mean of every stage of
+`specserve_ttft_stage_seconds` (prepare, submit, to_engine, engine_queue, prefill, to_server,
+to_consumer, write; docs/grpc-api.md), the server's own TTFT and chunk gaps, and the engine's
+decode and extend step times and the stalls extends caused (histogram differences over the
+row, percentiles interpolated in their buckets).
+
 Workloads that share prefixes (random token ids):
   --workload system-prompt  every request = one shared system prompt (--system-prompt-tokens)
                             + its own question (--prompt-words tokens)
@@ -190,11 +202,12 @@ def process_cpu_seconds(pid: Optional[int]) -> float:
 
 async def run_load(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
                    seed: int, client_procs: int = 1, http_url: Optional[str] = None,
-                   server_pid: Optional[int] = None) -> dict:
+                   server_pid: Optional[int] = None, metrics_url: Optional[str] = None) -> dict:
     """One load run. `client_procs` > 1 splits the requests, the concurrency and the rate over
     that many client processes, so that a Python client's per-chunk cost does not cap the
     measurement at high concurrency."""
     cpu0 = process_cpu_seconds(server_pid)
+    scraped = scrape_histograms(metrics_url)
     if client_procs <= 1:
         results, start, end = await run_requests(server, prompts, rate, concurrency, max_new_tokens, seed,
                                                  http_url=http_url)
@@ -211,6 +224,7 @@ async def run_load(server: str, prompts: list, rate: float, concurrency: int, ma
         start, end = min(p[1] for p in parts), max(p[2] for p in parts)
     elapsed = end - start
     server_cpu = process_cpu_seconds(server_pid) - cpu0
+    stages = breakdown(scraped, scrape_histograms(metrics_url))
 
     def pct(values, q):
         values = sorted(values)
@@ -227,12 +241,99 @@ async def run_load(server: str, prompts: list, rate: float, concurrency: int, ma
             "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
             "accept_length": statistics.mean(r["accept"] for r in results),
             "cached_tokens_mean": statistics.mean(r["cached"] for r in results),
-            "server_cpu_us_per_token": 1e6 * server_cpu / max(tokens, 1) if server_pid else None}
+            "server_cpu_us_per_token": 1e6 * server_cpu / max(tokens, 1) if server_pid else None,
+            **stages}
+
+
+# /metrics histograms a row reports (scraped before and after it; the differences are the row's).
+STAGE_HISTOGRAM = "specserve_ttft_stage_seconds"
+STEP_HISTOGRAMS = {"step": "specserve_engine_step_seconds",
+                   "decode_stall": "specserve_engine_decode_stall_seconds",
+                   "extend_tokens": "specserve_engine_extend_tokens"}
+# The server's own view, to set against the client's (a busy client adds to its TTFT and ITL).
+SERVER_HISTOGRAMS = {"server_ttft_ms": "specserve_time_to_first_token_seconds",
+                     "server_chunk_gap_ms": "specserve_inter_token_latency_seconds"}
+
+
+def scrape_histograms(url: Optional[str]) -> dict:
+    """{(histogram, label value): (sorted [(le, cumulative count)], sum, count)} from /metrics;
+    {} without a url or when it cannot be read."""
+    if not url:
+        return {}
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError as e:
+        logging.warning("cannot scrape %s: %s", url, e)
+        return {}
+    wanted = {STAGE_HISTOGRAM, *STEP_HISTOGRAMS.values(), *SERVER_HISTOGRAMS.values()}
+    out: dict = {}
+    for family in text_string_to_metric_families(body):
+        if family.name not in wanted:
+            continue
+        for sample in family.samples:
+            label = sample.labels.get("stage") or sample.labels.get("mode") or ""
+            buckets, total, count = out.get((family.name, label), ([], 0.0, 0.0))
+            if sample.name.endswith("_bucket"):
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                count = sample.value
+            out[(family.name, label)] = (buckets, total, count)
+    return {k: (sorted(b), t, c) for k, (b, t, c) in out.items()}
+
+
+def histogram_delta(before: dict, after: dict) -> dict:
+    """{key: {"count", "mean", "p50", "p99"}} of the observations between two scrapes; the
+    percentiles interpolated linearly inside their bucket (as Prometheus' histogram_quantile)."""
+    out = {}
+    for key, (buckets, total, count) in after.items():
+        b0, t0, c0 = before.get(key, ([], 0.0, 0.0))
+        old = dict(b0)
+        cum = [(le, n - old.get(le, 0.0)) for le, n in buckets]
+        n = count - c0
+        if n <= 0:
+            continue
+
+        def quantile(q):
+            rank, prev_le, prev_n = q * n, 0.0, 0.0
+            for le, c in cum:
+                if c >= rank:
+                    if le == float("inf"):
+                        return prev_le
+                    return prev_le + (le - prev_le) * (rank - prev_n) / max(c - prev_n, 1e-12)
+                prev_le, prev_n = le, c
+            return prev_le
+
+        out[key] = {"count": int(n), "mean": (total - t0) / n, "p50": quantile(0.5), "p99": quantile(0.99)}
+    return out
+
+
+def breakdown(before: dict, after: dict) -> dict:
+    """A row's TTFT decomposition (p50 and mean of each stage, ms) and engine step times."""
+    delta = histogram_delta(before, after)
+    if not delta:
+        return {}
+    ms = lambda d: {k: round(1000 * d[k], 3) if k != "count" else d[k] for k in d}  # noqa: E731
+    stages = {label: d for (name, label), d in delta.items() if name == STAGE_HISTOGRAM}
+    steps = {f"{label}" if name == STEP_HISTOGRAMS["step"] else what:
+             (ms(d) if what != "extend_tokens" else d)
+             for what, name in STEP_HISTOGRAMS.items() for (n, label), d in delta.items() if n == name}
+    server = {what: ms(delta[(name, "")]) for what, name in SERVER_HISTOGRAMS.items() if (name, "") in delta}
+    return {**server,
+            "ttft_stages_ms_p50": {k: round(1000 * d["p50"], 3) for k, d in stages.items()},
+            "ttft_stages_ms_p99": {k: round(1000 * d["p99"], 3) for k, d in stages.items()},
+            "ttft_stages_ms_mean": {k: round(1000 * d["mean"], 3) for k, d in stages.items()},
+            "engine_steps": steps}
 
 
 def launched_engine_config(model: str, spec: str, accept_len: int, max_running: int,
                            max_context_len: int, device: str = "cuda", prefix_cache: bool = True,
-                           text: bool = False):
+                           text: bool = False, **engine_overrides):
     """The engine bench/one_batch.py measures, for --launch (imports torch: only then)."""
     from one_batch import SPEC_MODES, write_shape  # bench/ is this script's folder
 
@@ -249,11 +350,12 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
     return EngineConfig(model=target, device=device, dtype="bfloat16" if device == "cuda" else "float32",
                         load_format=load_format,
                         spec=spec_config, max_running_requests=max_running,
-                        max_context_len=max_context_len, enable_prefix_cache=prefix_cache)
+                        max_context_len=max_context_len, enable_prefix_cache=prefix_cache,
+                        **engine_overrides)
 
 
 def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None,
-                   tokenizer_workers: int = 2) -> None:
+                   tokenizer_workers: int = 2, metrics_port: Optional[int] = None) -> None:
     """The --launch server process (cluster: a ClusterConfig, for bench/data_parallel.py);
     tokenizer_workers as `specserve serve --tokenizer-workers`."""
     from specserve.server.app import run_server
@@ -261,7 +363,8 @@ def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=N
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port,
-                                                            tokenizer_workers=tokenizer_workers),
+                                                            tokenizer_workers=tokenizer_workers,
+                                                            metrics_port=metrics_port),
                                 cluster=cluster))
 
 
@@ -284,15 +387,24 @@ def main():
     ap.add_argument("--out", default="bench_serving.json")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="load-generator processes (the requests and the concurrency are split over them)")
-    ap.add_argument("--launch", choices=["demo", "llama-1b", "llama-8b"], default=None,
+    ap.add_argument("--launch", choices=["demo", "tiny", "llama-1b", "llama-8b"], default=None,
                     help="start a server on the GPU for the run (on --server's port)")
     ap.add_argument("--spec", choices=["plain", "chain", "tree"], default="chain", help="with --launch")
     ap.add_argument("--accept-len", type=int, default=3, help="with --launch of a shape: forced accept length")
     ap.add_argument("--max-context-len", type=int, default=4096, help="with --launch")
     ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
     ap.add_argument("--disable-prefix-cache", action="store_true", help="with --launch: the cache off")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="with --launch (engine default if unset)")
     ap.add_argument("--text", action="store_true",
                     help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
+    ap.add_argument("--metrics-url", default=None,
+                    help="the server's /metrics (its --metrics-port): each row then reports its TTFT "
+                         "by stage and the engine's step times (with --launch: --metrics-port's)")
+    ap.add_argument("--metrics-port", type=int, default=8072, help="with --launch: the server's metrics port")
+    ap.add_argument("--warmup-requests", type=int, default=-1,
+                    help="untimed requests (all at once, at the largest concurrency) before the rows, "
+                         "so that first-time costs (kernel compiles of new shapes, lazy inits) stay "
+                         "out of them; -1: the largest concurrency, 0: none")
     ap.add_argument("--api", choices=["grpc", "openai"], default="grpc")
     ap.add_argument("--http-port", type=int, default=8071, help="the OpenAI front's port (--api openai)")
     args = ap.parse_args()
@@ -302,15 +414,26 @@ def main():
     if args.launch is not None:
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
                                                args.max_context_len, args.device,
-                                               prefix_cache=not args.disable_prefix_cache, text=args.text)
+                                               prefix_cache=not args.disable_prefix_cache, text=args.text,
+                                               **({} if args.chunked_prefill_size is None else
+                                                  {"chunked_prefill_size": args.chunked_prefill_size}))
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2]),
                                          args.http_port if args.api == "openai" else None,
-                                         None, args.tokenizer_workers))
+                                         None, args.tokenizer_workers, args.metrics_port))
         server.start()
+        args.metrics_url = args.metrics_url or f"http://127.0.0.1:{args.metrics_port}/metrics"
     rows = []
     try:
+        warmup = max(concurrencies) if args.warmup_requests < 0 else args.warmup_requests
+        if warmup:
+            prompts = make_prompts(warmup, args.seed + 1, args.prompt_words, args.vocab,
+                                   token_ids=args.launch not in (None, "demo") and not args.text)
+            row = asyncio.run(run_load(args.server, prompts, float("inf"), warmup, args.max_new_tokens,
+                                       args.seed + 1, 1, http_url))
+            print(f"warm-up ({warmup} requests, untimed): TTFT p50 {row['ttft_ms_p50']:.1f} ms, "
+                  f"p99 {row['ttft_ms_p99']:.1f} ms", flush=True)
         for concurrency in concurrencies:
             num_requests = args.num_requests or concurrency
             if args.workload == "random":
@@ -324,7 +447,8 @@ def main():
                                  text=args.launch in (None, "demo") or args.text,
                                  **asyncio.run(run_load(args.server, prompts, rate, concurrency,
                                                         args.max_new_tokens, args.seed, args.client_procs,
-                                                        http_url, server.pid if server is not None else None))))
+                                                        http_url, server.pid if server is not None else None,
+                                                        args.metrics_url))))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if server is not None:
@@ -341,6 +465,21 @@ def main():
               f"{r['tpot_ms_p50']:9.2f} {r['tpot_ms_p99']:7.2f} {r['itl_ms_p50']:8.2f} {r['itl_ms_p99']:7.2f} "
               f"{r['accept_length']:6.2f} {r['cached_tokens_mean']:7.1f} {r['api']:>6} "
               f"{r['server_cpu_us_per_token'] or 0:10.1f}")
+    for r in rows:  # the TTFT decomposition (needs --metrics-url or --launch)
+        if not r.get("ttft_stages_ms_p50"):
+            continue
+        stages = " ".join(f"{k} {v:.2f}" for k, v in r["ttft_stages_ms_p50"].items())
+        print(f"{r['label']:>10} {r['concurrency']:>4} {r['rate']:>5}  TTFT p50 by stage (ms): {stages}")
+        if "server_ttft_ms" in r and "server_chunk_gap_ms" in r:
+            t, g = r["server_ttft_ms"], r["server_chunk_gap_ms"]
+            print(f"{'':>10} {'':>4} {'':>5}  server-side (ms): TTFT p50 {t['p50']:.1f} p99 {t['p99']:.1f}; "
+                  f"chunk gap p50 {g['p50']:.2f} p99 {g['p99']:.2f}")
+        steps = r["engine_steps"]
+        parts = [f"{mode} n={d['count']} p50 {d['p50']:.2f} p99 {d['p99']:.2f} mean {d['mean']:.2f}"
+                 for mode, d in steps.items() if mode in ("decode", "extend", "decode_stall")]
+        if "extend_tokens" in steps:
+            parts.append(f"extend tokens mean {steps['extend_tokens']['mean']:.0f}")
+        print(f"{'':>10} {'':>4} {'':>5}  engine steps (ms): " + "; ".join(parts))
 
 
 if __name__ == "__main__":

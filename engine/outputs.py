@@ -52,6 +52,23 @@ class StepOutput:
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
     cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
+    # On a sequence's first output with tokens: time.perf_counter() when the engine's scheduler
+    # got it, launched its first prefill chunk and had its first token on the host (the
+    # server's TTFT breakdown; CLOCK_MONOTONIC on Linux, shared by the processes of a host).
+    stamps: Optional[tuple[float, float, float]] = None
+
+
+class StepStat(NamedTuple):
+    """One engine step as the host saw it (for the server's metrics): `seconds` from its launch,
+    or from the previous step's result if that came later, to its own result on the host (so
+    about its forward's time while the engine is busy; no device sync is added to measure it).
+    `tokens`: an extend's prefill tokens, a decode's requests; `others`: requests holding a row
+    that the step did not advance (for an extend, the decoding requests it held up)."""
+
+    extend: bool
+    seconds: float
+    tokens: int
+    others: int
 
 
 @dataclass

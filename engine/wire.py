@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from specserve.engine.config import GrammarSpec, SamplingParams, SpecConfig
-from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput, TopLogprobs
+from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput, StepStat, TopLogprobs
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 
@@ -114,6 +114,7 @@ FLAG_MATCHED_STOP = 2
 _FINISH_CODES = {"stop": 1, "length": 2, "abort": 3}
 _FINISH_NAMES = (None, "stop", "length", "abort")
 _U32, _F32, _U8 = np.dtype("<u4"), np.dtype("<f4"), np.dtype("u1")
+_F64 = np.dtype("<f8")
 
 
 def _ragged_lists(lists: Sequence[Optional[Sequence]]) -> tuple[list[int], list]:
@@ -148,8 +149,9 @@ def _bytes(values, dtype: np.dtype) -> bytes:
     return np.asarray(values, dtype=dtype).tobytes() if len(values) else b""
 
 
-def encode_batch(outputs: Sequence[StepOutput]) -> ipc.BatchOutput:
-    """One scheduler step's outputs as one columnar BatchOutput (decode_batch reverses it)."""
+def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = ()) -> ipc.BatchOutput:
+    """One scheduler step's outputs, and the steps processed since the previous message, as one
+    columnar BatchOutput (decode_batch and decode_step_stats reverse it)."""
     flags, reasons, matched, counters = [], [], [], []
     for out in outputs:
         flags.append((FLAG_FINISHED if out.finished else 0)
@@ -181,7 +183,23 @@ def encode_batch(outputs: Sequence[StepOutput]) -> ipc.BatchOutput:
         (msg.prompt_top_counts, msg.prompt_top_sizes, msg.prompt_top_ids,
          msg.prompt_top_logprobs) = (_bytes(ptop[0], _U32), _bytes(ptop[1], _U32),
                                      _bytes(ptop[2], _U32), _bytes(ptop[3], _F32))
+    stamped = [i for i, out in enumerate(outputs) if out.stamps is not None]
+    if stamped:
+        msg.stamp_entries = _bytes(stamped, _U32)
+        msg.stamps = _bytes([t for i in stamped for t in outputs[i].stamps], _F64)
+    if steps:
+        msg.step_extend = _bytes([s.extend for s in steps], _U8)
+        msg.step_seconds = _bytes([s.seconds for s in steps], _F64)
+        msg.step_tokens = _bytes([s.tokens for s in steps], _U32)
+        msg.step_others = _bytes([s.others for s in steps], _U32)
     return msg
+
+
+def decode_step_stats(msg: ipc.BatchOutput) -> list[StepStat]:
+    """The StepStats of a BatchOutput (encode_batch's `steps`)."""
+    return [StepStat(bool(e), s, t, o) for e, s, t, o in zip(
+        _column(msg.step_extend, _U8), _column(msg.step_seconds, _F64),
+        _column(msg.step_tokens, _U32), _column(msg.step_others, _U32))]
 
 
 def _column(data: bytes, dtype: np.dtype) -> list:
@@ -241,6 +259,10 @@ def decode_batch(msg: ipc.BatchOutput) -> list[StepOutput]:
             prompt_tokens=counters[c], completion_tokens=counters[c + 1],
             num_verify_steps=counters[c + 2], num_accepted_drafts=counters[c + 3],
             cached_tokens=counters[c + 4]))
+    if msg.stamp_entries:
+        stamps = _column(msg.stamps, _F64)
+        for k, i in enumerate(_column(msg.stamp_entries, _U32)):
+            outputs[i].stamps = tuple(stamps[3 * k:3 * k + 3])
     return outputs
 
 

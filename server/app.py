@@ -103,6 +103,7 @@ class SpecserveServer:
             self.engine = ReplicaSet(engine_config, server_config, cluster, start_engine)
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
+        self.engine.on_steps = self.metrics.observe_steps
         if cluster is not None:
             self.metrics.registry.register(ReplicaCollector(self.engine))
             self.engine.on_recovery(self._on_engine_recovery)
@@ -212,6 +213,7 @@ class SpecserveServer:
             stop.cancel()
             return 1
         self.core.on_engine_ready(info, self.engine.tokenizer)
+        await self.core.warm_up()
         await self.health.set_serving(True)
         logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,
                     info.device, info.dtype)

@@ -37,7 +37,8 @@ from specserve.server.output_router import (OutputReader, RequestStream, Routed,
                                              TextProcessingError)
 from specserve.server.text.output_stream import EngineProgress
 from specserve.server.text.validation import ValidatedRequest
-from specserve.server.workers.detokenizer import DetokenizerLink, TextUpdate, run_detokenizer
+from specserve.server.workers.detokenizer import (DetokenizerLink, EngineSteps, TextUpdate,
+                                                   run_detokenizer)
 
 logger = logging.getLogger("specserve.server.engine")
 
@@ -168,6 +169,8 @@ class EngineClient:
         self._reader: Optional[OutputReader] = None
         self._watcher: Optional[asyncio.Task] = None
         self._death_callbacks: list[Callable[[str], None]] = []
+        # Called on the loop with the StepStats of the engine's steps (the metrics' step times).
+        self.on_steps: Optional[Callable[[list], None]] = None
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -326,6 +329,9 @@ class EngineClient:
         for item in routed:
             if isinstance(item, TextUpdate):
                 self._on_update(item, now)
+            elif isinstance(item, EngineSteps):
+                if self.on_steps is not None:
+                    self.on_steps(item.steps)
             else:
                 self._on_message(item)
 
@@ -346,7 +352,8 @@ class EngineClient:
             # The engine has not finished the sequence: it stops it now (alone when there are
             # others, which go on).
             self.abort(update.rid, update.index if stream.n > 1 else None)
-        stream.deliver(update.index, update.piece, EngineProgress(*update.progress), now)
+        stream.deliver(update.index, update.piece, EngineProgress(*update.progress), now,
+                       update.stamps)
 
     def _on_message(self, message: ipc.EngineToServer) -> None:
         kind = message.WhichOneof("kind")

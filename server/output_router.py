@@ -30,7 +30,7 @@ import zmq
 
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.text.output_stream import ChunkPiece, EngineProgress, ReadyChunk, join_pieces
-from specserve.server.workers.detokenizer import COMMANDS, STEP, TextUpdate
+from specserve.server.workers.detokenizer import COMMANDS, STEP, EngineSteps, TextUpdate
 
 logger = logging.getLogger("specserve.server.engine")
 
@@ -50,6 +50,8 @@ class RequestStream:
     def __init__(self, n: int = 1):
         self.n = n  # sequences
         self.first_output: Optional[float] = None  # perf_counter() of the engine's first output
+        # The engine's TTFT stamps of the first sequence to get tokens (StepOutput.stamps).
+        self.engine_stamps: Optional[tuple] = None
         self._progress = [EngineProgress()] * n  # per sequence, latest delivered
         self._latest = 0  # the sequence delivered last
         self._pending: list[tuple[int, ChunkPiece]] = []  # not yet taken (joined when taken)
@@ -89,9 +91,11 @@ class RequestStream:
         return [join_pieces(index, pieces) for index, pieces in by_sequence.items()]
 
     def deliver(self, index: int, piece: Optional[ChunkPiece], progress: EngineProgress,
-                now: float) -> None:
+                now: float, stamps: Optional[tuple] = None) -> None:
         if self.first_output is None:
             self.first_output = now
+        if stamps is not None and self.engine_stamps is None:
+            self.engine_stamps = stamps
         self._progress[index], self._latest = progress, index
         if piece is not None:
             self._pending.append((index, piece))
@@ -106,9 +110,10 @@ class RequestStream:
             self._waiter.set_result(None)
 
 
-# What the reader hands the loop, in the order it read them: the worker's updates, and the
-# engine's other messages (ready, rejected, load, failed) for the loop to handle.
-Routed = Union[TextUpdate, ipc.EngineToServer]
+# What the reader hands the loop, in the order it read them: the worker's updates (and the
+# engine steps a batch reported), and the engine's other messages (ready, rejected, load,
+# failed) for the loop to handle.
+Routed = Union[TextUpdate, EngineSteps, ipc.EngineToServer]
 
 
 class OutputReader(threading.Thread):

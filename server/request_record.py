@@ -15,6 +15,20 @@ def finish_reason_name(reason: int) -> str:
     return pb.FinishReason.Name(reason).removeprefix(_FINISH_PREFIX).lower()
 
 
+# Where a request's time to first token goes: (stage, from, to), RequestRecord fields in order.
+TTFT_STAGES = (
+    ("prepare", "arrived", "prepared"),       # admission, the tokenizer pool's queue, tokenizing
+    ("submit", "prepared", "submitted"),      # on the loop: handing it to the engine client
+    ("to_engine", "submitted", "engine_received"),  # the socket, and the engine's step in progress
+    ("engine_queue", "engine_received", "engine_admitted"),  # waiting to be admitted (policy)
+    ("prefill", "engine_admitted", "engine_first_token"),  # its extend step (and, overlapped, the step ahead)
+    ("to_server", "engine_first_token", "first_output"),  # engine send, reader, detokenizer worker
+    ("to_consumer", "first_output", "first_token"),  # the event loop waking the call
+    ("write", "first_token", "first_written"),  # the front writing the first chunk
+)
+_CROSS_CLOCK = frozenset({"to_engine", "to_server"})
+
+
 @dataclass
 class RequestRecord:
     """Times are time.perf_counter() readings; None until the event happened."""
@@ -22,8 +36,17 @@ class RequestRecord:
     rid: str
     arrived: float
     admitted: Optional[float] = None       # past the admission check (not refused as full)
-    first_output: Optional[float] = None   # the engine's first output for it (after prefill)
-    first_token: Optional[float] = None    # the first token streamed to the client
+    prepared: Optional[float] = None       # its text prepared (tokenizer worker done)
+    submitted: Optional[float] = None      # handed to the engine client (just before its send)
+    # The engine's stamps (its process's perf_counter(): CLOCK_MONOTONIC on Linux, the same
+    # clock as the server's on one host): added to its scheduler, first prefill chunk
+    # launched, first token on the engine's host side.
+    engine_received: Optional[float] = None
+    engine_admitted: Optional[float] = None
+    engine_first_token: Optional[float] = None
+    first_output: Optional[float] = None   # the engine's first output for it, on the event loop
+    first_token: Optional[float] = None    # the first token taken by the call (its TTFT)
+    first_written: Optional[float] = None  # the first chunk written by the front
     last_token: Optional[float] = None
     ended: Optional[float] = None
     prompt_tokens: int = 0
@@ -34,6 +57,17 @@ class RequestRecord:
     accept_length: Optional[float] = None  # None without speculative decoding
     finish_reason: Optional[str] = None    # None when it ended without finishing (refused, ...)
     status: str = "OK"                     # a gRPC status code name, as the metrics count them
+
+    def ttft_stages(self) -> dict[str, float]:
+        """Seconds spent in each stage up to the first chunk written (TTFT_STAGES), those whose
+        two stamps are both known. An engine on another host has a clock of its own: the
+        stages that cross between the two clocks are then left out (they would be negative)."""
+        stages = {}
+        for name, start, end in TTFT_STAGES:
+            a, b = getattr(self, start), getattr(self, end)
+            if a is not None and b is not None and (b >= a or name not in _CROSS_CLOCK):
+                stages[name] = b - a
+        return stages
 
     @property
     def ttft(self) -> Optional[float]:
@@ -55,10 +89,12 @@ class RequestRecord:
         def seconds(value: Optional[float]) -> str:
             return "-" if value is None else f"{value:.3f}s"
 
+        stages = ",".join(f"{name}:{1000 * t:.2f}" for name, t in self.ttft_stages().items())
         return (f"request {self.rid} status={self.status} "
                 f"finish_reason={self.finish_reason or '-'} "
                 f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
                 f"completion_tokens={self.completion_tokens} "
                 f"ttft={seconds(self.ttft)} duration={seconds(self.duration)} "
                 f"accept_length="
-                f"{'-' if self.accept_length is None else f'{self.accept_length:.2f}'}")
+                f"{'-' if self.accept_length is None else f'{self.accept_length:.2f}'} "
+                f"ttft_stages_ms={stages or '-'}")

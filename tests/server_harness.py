@@ -116,3 +116,25 @@ def http_get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+# server/request_record.py TTFT_STAGES, in order (the access log's ttft_stages_ms, the
+# specserve_ttft_stage_seconds labels).
+TTFT_STAGE_NAMES = ("prepare", "submit", "to_engine", "engine_queue", "prefill", "to_server",
+                    "to_consumer", "write")
+
+
+def ttft_stages(access_log_line: str) -> dict[str, float]:
+    """An access-log line's ttft_stages_ms, in the order logged; {} for "-"."""
+    value = re.search(r" ttft_stages_ms=(\S+)$", access_log_line).group(1)
+    if value == "-":
+        return {}
+    return {name: float(ms) for name, ms in (part.split(":") for part in value.split(","))}
+
+
+def assert_complete_ttft_stages(access_log_line: str) -> None:
+    """Every stage, in order, none negative: the request's stamps were all taken and are
+    monotone (each stage is a later stamp minus an earlier one)."""
+    stages = ttft_stages(access_log_line)
+    assert tuple(stages) == TTFT_STAGE_NAMES, access_log_line
+    assert all(ms >= 0 for ms in stages.values()), access_log_line

@@ -4,6 +4,7 @@ usage, errors with their statuses and fields, SSE framing, and KV freed on disco
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 
@@ -12,7 +13,8 @@ import openai
 import pytest
 
 from helpers import make_tiny_checkpoint
-from server_harness import ServerProcess, engine_is_idle, free_port, wait_until
+from server_harness import (TTFT_STAGE_NAMES, ServerProcess, assert_complete_ttft_stages,
+                            engine_is_idle, free_port, wait_until)
 
 LONG_GENERATION = 4000  # long enough that the disconnect test ends far before it could
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
@@ -346,3 +348,23 @@ def test_server_imports_no_http_stack_without_http_port():
     code = ("import sys, specserve.server.app, specserve.cli; "
             "assert not {'fastapi', 'uvicorn', 'starlette'} & set(sys.modules), sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ttft_stages_logged_and_on_metrics(oai, server, name):
+    """Streamed and whole completions: each finished call's access-log line has every TTFT
+    stage, in order and none negative (its stamps were monotone), and /metrics on the HTTP
+    port has the stage and engine-step histograms."""
+    list(oai.completions.create(model=name, prompt="def add", max_tokens=4, stream=True))
+    oai.completions.create(model=name, prompt="class Stack", max_tokens=4)
+    # (a streamed call whose client leaves after the last event may end CANCELLED)
+    finished = re.compile(r"request \S+ status=(OK|CANCELLED) .* completion_tokens=[1-9]")
+    assert wait_until(lambda: sum(bool(finished.search(line)) for line in server.log) >= 2)
+    lines = [line for line in server.log if finished.search(line)]
+    for line in lines:
+        assert_complete_ttft_stages(line)
+    body = httpx.get(server.http_url + "/metrics").text
+    for stage in TTFT_STAGE_NAMES:
+        count = re.search(rf'^specserve_ttft_stage_seconds_count{{stage="{stage}"}} (\S+)$', body, re.M)
+        assert count and float(count.group(1)) >= 2, stage
+    for mode in ("extend", "decode"):
+        assert re.search(rf'^specserve_engine_step_seconds_count{{mode="{mode}"}} [1-9]', body, re.M), mode

@@ -8,7 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import make_predictable_pair
-from server_harness import ServerProcess, free_port, http_get
+from server_harness import (TTFT_STAGE_NAMES, ServerProcess, assert_complete_ttft_stages,
+                            free_port, http_get, ttft_stages)
 from specserve.clients import InvalidArgument
 
 MAX_NEW_TOKENS = 16
@@ -68,6 +69,20 @@ def test_metrics_after_a_few_calls(server, results):
     assert samples[("specserve_inter_token_latency_seconds_count", ())] >= 2
     assert samples[("specserve_inter_token_latency_seconds_sum", ())] > 0
     assert samples[("process_resident_memory_bytes", ())] > 0
+    # Where TTFT went: every stage observed once per call that got a token.
+    for stage in TTFT_STAGE_NAMES:
+        assert samples[("specserve_ttft_stage_seconds_count", (("stage", stage),))] == 2, stage
+    stage_sum = sum(samples[("specserve_ttft_stage_seconds_sum", (("stage", stage),))]
+                    for stage in TTFT_STAGE_NAMES)
+    ttft_sum = samples[("specserve_time_to_first_token_seconds_sum", ())]
+    assert ttft_sum - 0.01 <= stage_sum  # the stages reach past the first token (its write)
+    # The engine's steps: each call's prefill, then decode steps; single calls decode alone.
+    assert samples[("specserve_engine_step_seconds_count", (("mode", "extend"),))] >= 2
+    assert samples[("specserve_engine_step_seconds_count", (("mode", "decode"),))] >= 2
+    assert samples[("specserve_engine_step_seconds_sum", (("mode", "decode"),))] > 0
+    # (the second call's prompt is the first's: the prefix cache has all but its last token)
+    assert samples[("specserve_engine_extend_tokens_sum", ())] >= results[0].usage.prompt_tokens + 1
+    assert samples[("specserve_engine_decode_stall_seconds_count", ())] == 0
 
 
 def test_one_access_log_line_per_call(server, results):
@@ -76,18 +91,25 @@ def test_one_access_log_line_per_call(server, results):
     assert len(lines) == 3
     pattern = re.compile(
         r"request (\w+) status=(\w+) finish_reason=(\S+) prompt_tokens=(\d+) cached_tokens=(\d+) "
-        r"completion_tokens=(\d+) ttft=(\S+) duration=(\S+) accept_length=(\S+)$")
+        r"completion_tokens=(\d+) ttft=(\S+) duration=(\S+) accept_length=(\S+) "
+        r"ttft_stages_ms=(\S+)$")
     parsed = [pattern.search(line) for line in lines]
     assert all(parsed), lines
     for match, result in zip(parsed, results):
-        rid, status, reason, prompt, cached, completion, ttft, duration, accept = match.groups()
+        rid, status, reason, prompt, cached, completion, ttft, duration, accept, _ = match.groups()
         assert (status, reason) == ("OK", result.finish_reason)
         assert (int(prompt), int(cached), int(completion)) == (
             result.usage.prompt_tokens, result.usage.cached_tokens, result.usage.completion_tokens)
         assert 0 < float(ttft.rstrip("s")) <= float(duration.rstrip("s"))
         assert float(accept) == pytest.approx(result.spec.accept_length, abs=0.005)
+        assert_complete_ttft_stages(match.group(0))
+        # The server's TTFT ends where the stage "to_consumer" does.
+        stages = ttft_stages(match.group(0))
+        assert sum(stages.values()) - stages["write"] == pytest.approx(
+            1000 * float(ttft.rstrip("s")), abs=1.0)
     refused = parsed[2].groups()
     assert refused[1:5] == ("INVALID_ARGUMENT", "-", "0", "0") and refused[6] == "-"
+    assert ttft_stages(parsed[2].group(0)) == {}
     assert len({match.group(1) for match in parsed}) == 3  # one request id each
 
 

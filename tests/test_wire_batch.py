@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from specserve.engine.outputs import StepOutput
-from specserve.engine.wire import decode_batch, encode_batch
+from specserve.engine.outputs import StepOutput, StepStat
+from specserve.engine.wire import decode_batch, decode_step_stats, encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 
 
@@ -42,6 +42,8 @@ def _random_output(rng: random.Random, i: int) -> StepOutput:
         out.prompt_logprobs = [_f32(-rng.random()) for _ in range(prompt)]
         if rng.random() < 0.5:
             out.prompt_top_logprobs = _tops(rng, prompt)
+    if n and rng.random() < 0.3:  # a first output: the engine's TTFT stamps (float64)
+        out.stamps = tuple(1e5 + rng.random() * 1e4 for _ in range(3))
     return out
 
 
@@ -58,9 +60,12 @@ def _normalised(out: StepOutput) -> StepOutput:
 def test_random_batches_round_trip(seed):
     rng = random.Random(seed)
     outputs = [_random_output(rng, i) for i in range(rng.choice([0, 1, 2, 7, 64]))]
-    wire = ipc.EngineToServer(batch=encode_batch(outputs)).SerializeToString()
-    decoded = decode_batch(ipc.EngineToServer.FromString(wire).batch)
-    assert decoded == [_normalised(out) for out in outputs]
+    steps = [StepStat(rng.random() < 0.5, rng.random() / 7, rng.randrange(1 << 16), rng.randrange(300))
+             for _ in range(rng.choice([0, 1, 3]))]
+    wire = ipc.EngineToServer(batch=encode_batch(outputs, steps)).SerializeToString()
+    batch = ipc.EngineToServer.FromString(wire).batch
+    assert decode_batch(batch) == [_normalised(out) for out in outputs]
+    assert decode_step_stats(batch) == steps
 
 
 def test_logprobs_are_float32_as_before():
@@ -74,3 +79,4 @@ def test_a_step_is_one_message_of_columns():
     msg = encode_batch(outputs)
     assert len(msg.rids) == 64 and len(msg.token_ids) == 4 * 128
     assert not msg.logprobs and not msg.top_counts  # absent columns cost nothing
+    assert not msg.stamps and not msg.step_seconds

@@ -64,10 +64,14 @@ class OutputProcessor:
             prompt_lps = req.prompt_scores.logprobs
             prompt_top = req.prompt_scores.top_logprobs if req.sampling.prompt_logprobs else None
         req.num_emitted = len(req.output_ids)
+        stamps = None
+        if new and not req.stamps_sent:
+            req.stamps_sent = True
+            stamps = (req.received_at, req.admitted_at, req.first_token_at)
         return StepOutput(
             rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=lps, new_top_logprobs=top,
             prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top, finished=finished,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
             num_verify_steps=req.num_verify_steps, num_accepted_drafts=req.num_accepted_drafts,
-            cached_tokens=req.cached_tokens)
+            cached_tokens=req.cached_tokens, stamps=stamps)

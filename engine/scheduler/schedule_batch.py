@@ -97,6 +97,12 @@ class Req:
     prefix_keys: Optional[tuple[int, list[int]]] = None  # (seq_len, cache keys) memo for admission
     serial: int = 0              # set by the scheduler: unique for the engine's lifetime, unlike a rid
     grammar: Optional[RequestGrammar] = None  # structured output: set by the scheduler when it is added
+    # time.perf_counter() stamps for the server's TTFT breakdown (0.0: not yet): added to the
+    # scheduler, its first prefill chunk launched, its first token on the host.
+    received_at: float = 0.0
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
+    stamps_sent: bool = False    # handed out on its first output with tokens
 
     @property
     def waits_for_grammar(self) -> bool:
@@ -179,3 +185,5 @@ class InflightBatch(NamedTuple):
 
     decision: Decision
     launched: Launched
+    launched_at: float = 0.0     # time.perf_counter() when it was launched
+    num_others: int = 0          # requests holding a row that this step does not advance

@@ -32,7 +32,7 @@ from specserve.engine.grammar.batch import GrammarBatch
 from specserve.engine.grammar.compiler import GrammarCompiler
 from specserve.engine.grammar.request_grammar import RequestGrammar
 from specserve.engine.layers.sampler import SamplingInfo
-from specserve.engine.outputs import StepOutput
+from specserve.engine.outputs import StepOutput, StepStat
 from specserve.engine.runtime.step import Launched, Worker
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
@@ -51,6 +51,14 @@ class SchedulerMetrics:
         self.host_blocked_seconds = 0.0   # waiting for results (copy_done)
         self.num_verify_steps = 0
         self.num_spec_tokens = 0
+        # Steps processed since the last take_step_stats() (the engine process sends them with
+        # its outputs); bounded, for an engine whose steps nobody takes (benches, tests).
+        self.step_stats: collections.deque[StepStat] = collections.deque(maxlen=4096)
+
+    def take_step_stats(self) -> list[StepStat]:
+        stats = list(self.step_stats)
+        self.step_stats.clear()
+        return stats
 
     @property
     def num_retractions(self) -> int:
@@ -82,12 +90,15 @@ class Scheduler:
         self._serial = 0
         self.grammars = grammars          # None: the model has no tokenizer for grammars
         self._compiling: list[Req] = []   # waiting for their grammar to compile
+        self._last_result_at = 0.0        # perf_counter() of the last processed batch's result
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         """Queue a validated sequence (Engine.add_request checks the rid and the prompt)."""
         self._serial += 1
         req.serial = self._serial
+        if not req.received_at:
+            req.received_at = time.perf_counter()
         self.reqs[req.key] = req
         self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
         spec = req.sampling.grammar
@@ -126,8 +137,14 @@ class Scheduler:
         decision = self.policy.schedule(nothing_in_flight=not self.inflight)
         constrained = False
         if decision is not None:
+            launched_at = time.perf_counter()
             launched, constrained = self._launch(decision)
-            self.inflight.append(InflightBatch(decision, launched))
+            if decision.mode is ForwardMode.EXTEND:
+                for r in decision.reqs:
+                    if not r.admitted_at:
+                        r.admitted_at = launched_at
+            self.inflight.append(InflightBatch(decision, launched, launched_at,
+                                               len(self.policy.running) - len(decision.reqs)))
         elif self._compiling and not self.inflight:
             concurrent.futures.wait([r.grammar.future for r in self._compiling],
                                     timeout=GRAMMAR_WAIT_SECONDS,
@@ -185,12 +202,19 @@ class Scheduler:
     def _process(self, batch: InflightBatch) -> None:
         t0 = time.perf_counter()
         result = batch.launched.result.wait()
-        self.metrics.host_blocked_seconds += time.perf_counter() - t0
+        done = time.perf_counter()
+        self.metrics.host_blocked_seconds += done - t0
+        decision = batch.decision
+        extend = decision.mode is ForwardMode.EXTEND
+        self.metrics.step_stats.append(StepStat(
+            extend, done - max(batch.launched_at, self._last_result_at),
+            sum(end - start for start, end in decision.chunks) if extend else len(decision.reqs),
+            batch.num_others))
+        self._last_result_at = done
         tokens = result.token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         lengths = result.accept_lens.tolist() if result.accept_lens is not None else None
         top = _top_lists(result.top_ids, result.top_logprobs)
-        decision = batch.decision
         if decision.mode is ForwardMode.EXTEND and result.prompt_logprobs is not None:
             self._deliver_prompt_logprobs(decision, result)
         for i, req in enumerate(decision.reqs):
@@ -215,6 +239,8 @@ class Scheduler:
                                               None if logprobs is None else logprobs[i][:n],
                                               None if top is None else [t[:k] for t in top[i][:n]],
                                               num_drafts=n - 1)
+            if not req.first_token_at and len(req.output_ids) > num_before:
+                req.first_token_at = done
             if req.grammar is not None:
                 req.grammar.advance(req.output_ids[num_before:])
             if reason is not None:

@@ -92,6 +92,7 @@ class ReplicaSet:
         self._death_callbacks: list[Callable[[str], None]] = []
         self._recovery_callbacks: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task] = set()
+        self.on_steps: Optional[Callable[[list], None]] = None  # every replica's (EngineClient)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -228,6 +229,7 @@ class ReplicaSet:
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher)
         client.on_death(lambda reason: self._on_death(replica, client, reason))
+        client.on_steps = lambda steps: self.on_steps is not None and self.on_steps(steps)
         replica.client = client
         client.start()
         self._spawn(self._until_serving(replica, client))

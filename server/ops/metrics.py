@@ -10,12 +10,17 @@ from prometheus_client.registry import Collector
 
 from specserve.engine.outputs import EngineLoad
 from specserve.server.ops.watchdog import WatchdogReport, WatchdogState
-from specserve.server.request_record import RequestRecord
+from specserve.server.request_record import TTFT_STAGES, RequestRecord
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Between tokens: a decode step takes milliseconds to a few tens of them.
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
                           0.5, 1, 2.5)
+
+# Stages of a request's TTFT and engine steps: 0.1 ms to a minute, five buckets a decade
+# (bench/serving.py interpolates p50s from them).
+_STAGE_BUCKETS = tuple(round(m * 10.0 ** e, 6) for e in range(-4, 2) for m in (1, 2, 3, 5, 7)) + (100,)
+_EXTEND_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class _WatchdogCollector(Collector):
@@ -116,6 +121,30 @@ class ServerMetrics:
         self.retractions = Counter("specserve_engine_retractions",
                                    "Running requests pushed back to the queue to free KV",
                                    registry=r)
+        # Where TTFT goes (RequestRecord.TTFT_STAGES), observed when a call's first chunk is
+        # written; and what the engine's steps take (engine/outputs.py StepStat).
+        self.ttft_stage = Histogram(
+            "specserve_ttft_stage_seconds",
+            "A request's time to first token by stage: prepare (admission, tokenizer pool), "
+            "submit, to_engine (socket and the engine's step in progress), engine_queue (until "
+            "its first prefill chunk launches), prefill (until its first token is on the host), "
+            "to_server (engine send, reader thread, detokenizer worker), to_consumer (event loop), "
+            "write (the front writing the first chunk)", ["stage"], buckets=_STAGE_BUCKETS,
+            registry=r)
+        self._ttft_stage = {name: self.ttft_stage.labels(name) for name, _, _ in TTFT_STAGES}
+        self.engine_step = Histogram(
+            "specserve_engine_step_seconds",
+            "Engine steps by mode (extend: prefill chunks; decode: a (speculative) decode step), "
+            "from launch, or the previous step's result if later, to its result on the host",
+            ["mode"], buckets=_STAGE_BUCKETS, registry=r)
+        self._engine_step = (self.engine_step.labels("decode"), self.engine_step.labels("extend"))
+        self.decode_stall = Histogram(
+            "specserve_engine_decode_stall_seconds",
+            "Extend steps run while other requests were decoding: the gap they added to those "
+            "requests' token streams", buckets=_STAGE_BUCKETS, registry=r)
+        self.extend_tokens = Histogram("specserve_engine_extend_tokens",
+                                       "Prefill tokens per extend step",
+                                       buckets=_EXTEND_TOKEN_BUCKETS, registry=r)
         self._retractions_seen = 0  # the engine reports a running total; the counter takes steps
         r.register(_WatchdogCollector(watchdog_report))
 
@@ -130,6 +159,19 @@ class ServerMetrics:
         self.spec_verify_steps.inc(record.verify_steps)
         self.spec_accepted_draft_tokens.inc(record.accepted_drafts)
         self.prompt_cached_tokens.inc(record.cached_tokens)
+
+    def observe_ttft_stages(self, record: RequestRecord) -> None:
+        for name, seconds in record.ttft_stages().items():
+            self._ttft_stage[name].observe(seconds)
+
+    def observe_steps(self, steps) -> None:
+        """The engine's StepStats (one batch message's; a few observations a step)."""
+        for step in steps:
+            self._engine_step[step.extend].observe(step.seconds)
+            if step.extend:
+                self.extend_tokens.observe(step.tokens)
+                if step.others:
+                    self.decode_stall.observe(step.seconds)
 
     def observe_load(self, load: EngineLoad) -> None:
         self.num_running.set(load.num_running)

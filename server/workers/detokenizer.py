@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Optional
 
 import zmq
 
-from specserve.engine.outputs import StepOutput
-from specserve.engine.wire import decode_batch
+from specserve.engine.outputs import StepOutput, StepStat
+from specserve.engine.wire import decode_batch, decode_step_stats
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.text.detokenizer import PendingTokens, decode_windows
 from specserve.server.text.logprobs import TokenTexts
@@ -47,6 +47,14 @@ class TextUpdate(NamedTuple):
     engine_finished: bool           # the engine's last output for this sequence
     stopped_by_stop_string: bool    # the chunk ends the sequence; the engine has not finished it
     error: Optional[str]            # the per-token work failed; the stream ends with it
+    # The engine's TTFT stamps (StepOutput.stamps), on the sequence's first output with tokens.
+    stamps: Optional[tuple] = None
+
+
+class EngineSteps(NamedTuple):
+    """The engine steps a BatchOutput reported (for the server's step-time metrics)."""
+
+    steps: list[StepStat]
 
 
 class TextSteps:
@@ -95,7 +103,7 @@ class TextSteps:
                 output.finished = True
             updates.append(TextUpdate(out.rid, out.index, piece, tuple(output.progress),
                                       out.finished, output.finished and not out.finished
-                                      and error is None, error))
+                                      and error is None, error, out.stamps))
             if error is not None or output.finished:
                 streams = self.requests[out.rid]
                 if all(s.finished for s in streams) or error is not None:
@@ -147,8 +155,10 @@ def serve_detokenizer(link: DetokenizerLink) -> None:
                 continue
             kind, data = inbox.recv_multipart(copy=True)
             if kind == STEP:
-                outputs = decode_batch(ipc.EngineToServer.FromString(data).batch)
-                updates = steps.step(outputs)
+                batch = ipc.EngineToServer.FromString(data).batch
+                updates: list = steps.step(decode_batch(batch))
+                if batch.step_extend:
+                    updates.append(EngineSteps(decode_step_stats(batch)))
                 if updates:
                     outbox.send(pickle.dumps(updates, protocol=pickle.HIGHEST_PROTOCOL))
                 continue

@@ -14,6 +14,7 @@ nothing in the engine, so a restart loses nothing else.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import signal
@@ -42,9 +43,11 @@ def _call(fn: Callable[[Any], T]) -> T:
     return fn(_state)
 
 
-def _pid(_: Any) -> int:
+def _pid(_: Any, hold_s: float = 0.0) -> int:
     import os
+    import time
 
+    time.sleep(hold_s)  # held, so that the calls of a round spread over every started worker
     return os.getpid()
 
 
@@ -72,15 +75,17 @@ class TokenizerPool:
             raise PoolBroken("a tokenizer worker process died while preparing the request; "
                              "retry") from None
 
-    async def pids(self) -> list[int]:
-        """The workers' pids (tests); starts every worker."""
+    async def pids(self, timeout_s: float = 30.0) -> list[int]:
+        """The workers' pids; starts every worker and waits (up to timeout_s) until each has
+        built its state and taken a call. A worker still starting takes none: each round's
+        calls are held a little, so that a started one cannot answer them all."""
         loop = asyncio.get_running_loop()
         found: set[int] = set()
-        for _ in range(20):
-            found |= set(await asyncio.gather(*(loop.run_in_executor(self._executor, _call, _pid)
-                                                for _ in range(4 * self.workers))))
-            if len(found) >= self.workers:
-                break
+        hold = functools.partial(_pid, hold_s=0.02)
+        deadline = loop.time() + timeout_s
+        while len(found) < self.workers and loop.time() < deadline:
+            found |= set(await asyncio.gather(*(loop.run_in_executor(self._executor, _call, hold)
+                                                for _ in range(2 * self.workers))))
         return sorted(found)
 
     def close(self) -> None:
