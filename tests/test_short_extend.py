@@ -132,6 +132,30 @@ def test_batched_extends_equal_eager_extends(pair, make_engine, spec):
     assert len(buckets) >= 3  # several sizes, not one bucket over and over
 
 
+@pytest.mark.parametrize("spec", [None, CHAIN], ids=["plain", "chain"])
+def test_triton_batched_extends_equal_eager_extends(pair, make_engine, spec):
+    """Through the Triton kernels (the interpreter on the CPU: small): the lengths read from
+    the device (qo_indptr a device cumsum), the split extend under the 64-token bound and the
+    plain extend under a larger one, a cached prefix's tail."""
+    pytest.importorskip("triton")
+    kwargs = dict(ENGINE, spec=_spec(pair, spec), attention_backend="triton", max_context_len=160)
+    eager, graphed = make_engine(pair[0], **kwargs), make_engine(pair[0], **kwargs)
+    stub = _eager_graphs(graphed)
+    base = random_prompts(1, seed=3, min_len=70, max_len=70)
+    for engine in (eager, graphed):
+        engine.generate(prompt_token_ids=base, sampling=GREEDY)
+    batches = [random_prompts(3, seed=11, min_len=20, max_len=60),   # split extend (T 128)
+               [base[0] + [7] * 9, [5] * 100, [6] * 3]]                # a tail; chunks up to 100
+    for batch in batches:
+        want = [o.token_ids for o in eager.generate(prompt_token_ids=batch, sampling=ONE)]
+        got = [o.token_ids for o in graphed.generate(prompt_token_ids=batch, sampling=ONE)]
+        assert got == want
+        want_state, got_state = _state(eager), _state(graphed)
+        for name in want_state:
+            torch.testing.assert_close(got_state[name], want_state[name], msg=name)
+    assert {b.max_chunk for b, _ in stub.replays} == {64, 128}
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 def test_generate_equal_with_batched_extend_graphs(pair, make_engine, spec):
     """Greedy generation (overlap on) with the buckets and without: arrivals batched, then
