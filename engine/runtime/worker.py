@@ -237,15 +237,16 @@ class TargetModel:
         self.future_map.stash_tokens(s.sampled_rows, tokens)
         return tokens, hidden, aux
 
-    def capture_short_extends(self, parts, max_requests: int, width: int) -> Optional[GraphedStep]:
+    def capture_short_extends(self, parts, max_requests: int, width: int, pool) -> Optional[GraphedStep]:
         """GraphedStep of `parts` over the extend buckets, where the attention reads device
-        extend lengths (the draft's backend is of the target's kind: builder.py)."""
+        extend lengths (the draft's backend is of the target's kind: builder.py). In the decode
+        graphs' `pool`: one step replays at a time, and each consumes its outputs within it."""
         buckets = extend_buckets(max_requests, width)
         if not (buckets and self.runner.attn_backend.supports_device_extend_lens):
             return None
         device = self.ctx.device
         graphs = GraphedStep(parts, lambda bucket: make_short_extend_inputs(bucket, device), pad={},
-                             max_batch_size=None, device=device, buckets=buckets)
+                             max_batch_size=None, device=device, buckets=buckets, pool=pool)
         graphs.capture_all()
         return graphs
 
@@ -344,7 +345,7 @@ class NormalWorker:
                                                   pool=self.graphs.pool)
             self.constrained_graphs.capture_all()
         self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width),
-                                                               max_batch_size, width)
+                                                               max_batch_size, width, self.graphs.pool)
 
     def decode_parts(self, width: int):
         """(forward, pick, masked_pick) of a captured greedy decode: the forward's logits, the

@@ -467,7 +467,7 @@ class EagleWorker:
                                                   device=device, pool=self.graphs.pool)
             self.constrained_graphs.capture_all()
         self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width),
-                                                               max_batch_size, width)
+                                                               max_batch_size, width, self.graphs.pool)
 
     def graph_inputs(self, width: int, masks: Optional[StepBuffers] = None):
         """make_inputs(bs) of the captured decode steps (constrained: reading `masks`)."""
