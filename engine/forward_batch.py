@@ -57,7 +57,10 @@ class ForwardBatch:
     """Inputs of one model forward. Tensors live on the model's device unless named *_cpu.
 
     `prefix_lens` is the KV length before this forward, `extend_lens_cpu` the number of new
-    tokens per request (always host-known), so `seq_lens = prefix_lens + extend_lens`.
+    tokens per request, so `seq_lens = prefix_lens + extend_lens`. A captured extend
+    (runtime/short_extend.py) knows them only on the device (`extend_lens`, summing to
+    `num_tokens`); `extend_lens_cpu` then holds the bucket's bound on each, what the
+    attention's grid is sized by (backends with `supports_device_extend_lens`).
     `seq_lens_cpu` is the exact host mirror of `seq_lens` or None on the GPU-only path;
     `max_seq_len` is then an upper bound. The new tokens' slots are both `out_cache_loc` and
     the entries of `kv_rows` after each prefix.
@@ -73,6 +76,7 @@ class ForwardBatch:
     seq_lens_cpu: Optional[list[int]] = None
     max_seq_len: int = 0             # exact max(seq_lens) when seq_lens_cpu is known, else a bound
     custom_mask: Optional[torch.Tensor] = None  # [bs, max_extend, max_extend] bool (tree verify)
+    extend_lens: Optional[torch.Tensor] = None  # [bs] int64, device lengths (see above)
     # EAGLE-3: target layers whose outputs the forward also returns (the head's features)
     aux_hidden_layers: tuple[int, ...] = ()
     # Set by the ModelRunner that runs the forward:

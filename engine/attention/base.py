@@ -27,6 +27,8 @@ class AttentionBackend(ABC):
 
     needs_cpu_seq_lens: bool = True
     supports_cuda_graphs: bool = False  # metadata built by device ops from static buffers
+    # Reads `ForwardBatch.extend_lens` (device lengths under host bounds): captured extends.
+    supports_device_extend_lens: bool = False
     # Set up by `preallocate_verify_mask`: verify's tree mask, filled in place after drafting.
     verify_custom_mask: Optional[torch.Tensor] = None
 

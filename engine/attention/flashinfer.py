@@ -207,6 +207,8 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         bs, extend_lens = fb.batch_size, fb.extend_lens_cpu
+        if fb.extend_lens is not None:  # plan() tiles the host query lengths
+            raise ValueError("FlashInferAttnBackend: needs host extend lengths")
         if fb.num_tokens != sum(extend_lens):
             raise ValueError(f"{fb.num_tokens} tokens but extend_lens_cpu sums to "
                              f"{sum(extend_lens)}")

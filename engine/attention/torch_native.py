@@ -24,6 +24,8 @@ class _Metadata(NamedTuple):
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    supports_device_extend_lens = True  # the token layout from the device lengths then
+
     def __init__(self, needs_cpu_seq_lens: bool):
         self.needs_cpu_seq_lens = needs_cpu_seq_lens
 
@@ -32,11 +34,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         bs, max_q = fb.batch_size, fb.max_extend_len
         width = fb.max_seq_len
         kv_indices = fb.kv_rows.padded(width)
-        # Host-known token layout: request b owns rows b*max_q + [0, extend_len_b).
-        extend = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64)
-        batch_of_token = torch.repeat_interleave(torch.arange(bs), extend)
+        # Request b owns rows b*max_q + [0, extend_len_b): a host-known layout, or (device
+        # lengths under the bound max_q) one built on the device.
+        if fb.extend_lens is None:
+            extend = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64)
+            extend_dev = extend.to(device, non_blocking=True)  # a blocking copy would sync
+        else:
+            extend = extend_dev = fb.extend_lens
+        num_tokens = fb.num_tokens
+        batch_of_token = torch.repeat_interleave(torch.arange(bs, device=extend.device), extend,
+                                                 output_size=num_tokens)
         starts = torch.cumsum(extend, 0) - extend
-        local = torch.arange(int(extend.sum())) - starts[batch_of_token]
+        local = torch.arange(num_tokens, device=extend.device) - starts[batch_of_token]
         token_rows = (batch_of_token * max_q + local).to(device, non_blocking=True)
 
         prefix = fb.prefix_lens.view(bs, 1, 1)
@@ -49,7 +58,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             sees_new = in_new & gathered
         else:
             sees_new = (new_k >= 0) & (new_k <= q_idx)
-        extend_dev = extend.to(device, non_blocking=True).view(bs, 1, 1)  # a blocking copy would sync
+        extend_dev = extend_dev.view(bs, 1, 1)
         mask = ((new_k < 0) | sees_new) & (new_k < extend_dev)
         # Padding queries (q >= extend_len) see key 0 only, so softmax stays finite.
         mask = mask | ((q_idx >= extend_dev) & (key == 0))

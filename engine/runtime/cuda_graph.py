@@ -12,7 +12,7 @@ parts without graphs (sampled batches; CPU tests), so the glue has one code path
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -28,16 +28,19 @@ class _Captured(NamedTuple):
 class GraphedStep:
     """`parts[0](inputs)` -> out0, `parts[1](out0)` -> out1, ... captured per bucket.
 
-    `make_inputs(bs)` builds a NamedTuple of static inputs; `load` refills its tensors."""
+    `make_inputs(bs)` builds a NamedTuple of static inputs; `load` refills its tensors.
+    Without `max_batch_size`, `buckets` are keys of any kind, smallest first (captured
+    extends: runtime/short_extend.py), and the caller picks one and fills its inputs."""
 
-    def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[int], NamedTuple],
-                 pad: dict, max_batch_size: int, device: torch.device,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, pool=None):
+    def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[Any], NamedTuple],
+                 pad: dict, max_batch_size: Optional[int], device: torch.device,
+                 buckets: Sequence = DEFAULT_BUCKETS, pool=None):
         self.parts = parts
         self.make_inputs = make_inputs
         self.pad = pad
         self.device = device
-        self.buckets = [b for b in buckets if b < max_batch_size] + [max_batch_size]
+        self.buckets = list(buckets) if max_batch_size is None else \
+            [b for b in buckets if b < max_batch_size] + [max_batch_size]
         # Given another GraphedStep's pool, the two share memory: each keeps its parts' outputs
         # alive, so a capture reuses only the other's transients, and one step replays at a time.
         self.pool = pool
@@ -82,10 +85,6 @@ class GraphedStep:
             graphs.append(graph)
             outputs.append(x)
         self.captured[bs] = _Captured(graphs, inputs, outputs)
-
-    def static_for(self, size: int) -> _Captured:
-        """The captured bucket for `size` (its static inputs to fill by hand, then replay)."""
-        return self.captured[self.bucket_for(size)]
 
     def load(self, **live: torch.Tensor) -> _Captured:
         """Copy the live inputs (batch size = their length) into a bucket's static buffers."""

@@ -23,7 +23,7 @@ from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.short_extend import (
-    MAX_SHORT_EXTEND, SHORT_EXTEND_BUCKETS, ShortExtendInputs, fits_short_extend, load_short_extend,
+    ExtendBucket, ShortExtendInputs, extend_bucket, extend_buckets, load_short_extend,
     make_short_extend_inputs, pack_short_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 
@@ -224,24 +224,29 @@ class TargetModel:
         return Sampled(choice, hidden, aux, prompt)
 
     def short_extend(self, s: ShortExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
-        """A captured short extend (runtime/short_extend.py): one request's chunk, padded; the
-        greedy token of its last real position. Returns (tokens [1], hidden, aux hidden)."""
+        """A captured extend (runtime/short_extend.py): the bucket's entries, lengths on the
+        device; the greedy token of each sampled request's last token, stashed. Returns
+        (tokens [R], hidden, aux hidden)."""
         fb = ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=s.ids, positions=s.positions,
-            kv_rows=KVRows(self.req_to_token.table, s.row), prefix_lens=s.prefix_len,
-            extend_lens_cpu=[s.ids.shape[0]], out_cache_loc=s.loc, max_seq_len=width,
-            aux_hidden_layers=aux_hidden_layers)
+            kv_rows=KVRows(self.req_to_token.table, s.rows), prefix_lens=s.prefix_lens,
+            extend_lens_cpu=[s.max_chunk] * s.rows.shape[0], extend_lens=s.extend_lens,
+            out_cache_loc=s.loc, max_seq_len=width, aux_hidden_layers=aux_hidden_layers)
         hidden, aux = self.runner.forward(fb)
         tokens = self.model.tp.broadcast(argmax_last_dim(self.model.compute_logits(hidden[s.last])))
-        self.future_map.stash_tokens(s.row, tokens)
+        self.future_map.stash_tokens(s.sampled_rows, tokens)
         return tokens, hidden, aux
 
-    def capture_short_extends(self, parts, width: int):
-        """GraphedStep of `parts` over the short-extend buckets (tokens, not batch sizes)."""
+    def capture_short_extends(self, parts, max_requests: int, width: int, pool) -> Optional[GraphedStep]:
+        """GraphedStep of `parts` over the extend buckets, where the attention reads device
+        extend lengths (the draft's backend is of the target's kind: builder.py). In the decode
+        graphs' `pool`: one step replays at a time, and each consumes its outputs within it."""
+        buckets = extend_buckets(max_requests, width)
+        if not (buckets and self.runner.attn_backend.supports_device_extend_lens):
+            return None
         device = self.ctx.device
-        graphs = GraphedStep(parts, lambda length: make_short_extend_inputs(length, device), pad={},
-                             max_batch_size=min(MAX_SHORT_EXTEND, width), device=device,
-                             buckets=SHORT_EXTEND_BUCKETS)
+        graphs = GraphedStep(parts, lambda bucket: make_short_extend_inputs(bucket, device), pad={},
+                             max_batch_size=None, device=device, buckets=buckets, pool=pool)
         graphs.capture_all()
         return graphs
 
@@ -275,28 +280,29 @@ class NormalWorker:
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar compiler)
         self.masks: Optional[StepBuffers] = None  # the masks the constrained graphs apply
-        self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
+        self.extend_graphs = None  # GraphedStep of extends (runtime/short_extend.py)
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
         return 1
 
     def launch_extend(self, step: ExtendStep) -> Launched:
-        if self.extend_graphs is not None and fits_short_extend(step):
-            return self._replay_short_extend(step)
+        bucket = None if self.extend_graphs is None else extend_bucket(step, self.extend_graphs.buckets)
+        if bucket is not None:
+            return self._replay_short_extend(step, bucket)
         inputs = self.target.extend_inputs(step)
         return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
 
-    def _replay_short_extend(self, step: ExtendStep) -> Launched:
-        start, end = step.chunks[0]
-        captured = self.extend_graphs.static_for(end - start)
-        packed = pack_short_extend(step, captured.inputs.ids.shape[0], next_tokens=False)
+    def _replay_short_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
+        captured = self.extend_graphs.captured[bucket]
+        packed = pack_short_extend(step, bucket, next_tokens=False)
+        bs = len(step.rows)
 
         def replay(read_done) -> StepResult:
             load_short_extend(captured.inputs, packed, step.out_cache_loc)
             tokens = self.extend_graphs.replay(captured, 0)
             read_done.record()
-            return StepResult(tokens)
+            return StepResult(tokens[:bs])
 
         return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
 
@@ -338,7 +344,8 @@ class NormalWorker:
                                                   max_batch_size=max_batch_size, device=device,
                                                   pool=self.graphs.pool)
             self.constrained_graphs.capture_all()
-        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
+        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width),
+                                                               max_batch_size, width, self.graphs.pool)
 
     def decode_parts(self, width: int):
         """(forward, pick, masked_pick) of a captured greedy decode: the forward's logits, the
@@ -368,7 +375,7 @@ class NormalWorker:
         return forward, pick, masked_pick
 
     def short_extend_parts(self, width: int) -> list:
-        """What a captured short extend runs: the target forward and its greedy token."""
+        """What a captured extend runs: the target forward and its greedy tokens."""
         return [lambda s: self.target.short_extend(s, width)[0]]
 
 

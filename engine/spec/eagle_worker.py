@@ -35,7 +35,7 @@ from specserve.engine.runtime.cuda_graph import GraphedStep, run_eagerly
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.short_extend import (
-    ShortExtendInputs, fits_short_extend, load_short_extend, pack_short_extend)
+    ExtendBucket, ShortExtendInputs, extend_bucket, load_short_extend, pack_short_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
 from specserve.engine.spec import tree as tree_ops
@@ -54,10 +54,10 @@ class EagleExtendInputs(NamedTuple):
 
 
 class ShortExtendHalf(NamedTuple):
-    """What a captured short extend's target half hands its draft half."""
+    """What a captured extend's target half hands its draft half."""
 
     inputs: ShortExtendInputs
-    tokens: torch.Tensor      # [1] the sampled token
+    tokens: torch.Tensor      # [R] the sampled tokens
     feats: torch.Tensor       # the target features the draft reads
 
 
@@ -128,7 +128,7 @@ class EagleWorker:
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar compiler)
         self.masks: Optional[StepBuffers] = None  # what constrained steps' parts read and write
-        self.extend_graphs = None  # GraphedStep of short extends (runtime/short_extend.py)
+        self.extend_graphs = None  # GraphedStep of extends (runtime/short_extend.py)
         self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
         self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
@@ -139,8 +139,9 @@ class EagleWorker:
 
     # --- prefill ---------------------------------------------------------------------------
     def launch_extend(self, step: ExtendStep) -> Launched:
-        if self.extend_graphs is not None and fits_short_extend(step):
-            return self._replay_short_extend(step)
+        bucket = None if self.extend_graphs is None else extend_bucket(step, self.extend_graphs.buckets)
+        if bucket is not None:
+            return self._replay_short_extend(step, bucket)
         target = self.target.extend_inputs(step)
         shifted = []
         for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
@@ -168,12 +169,12 @@ class EagleWorker:
 
         return launch_forward(self.target.ctx, inputs, body)
 
-    def _replay_short_extend(self, step: ExtendStep) -> Launched:
+    def _replay_short_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
-        start, end = step.chunks[0]
-        captured = self.extend_graphs.static_for(end - start)
-        packed = pack_short_extend(step, captured.inputs.ids.shape[0], next_tokens=True)
+        captured = self.extend_graphs.captured[bucket]
+        packed = pack_short_extend(step, bucket, next_tokens=True)
         publish_ready = self.future_map.new_publish_event()
+        bs = len(step.rows)
 
         def replay(read_done) -> StepResult:
             load_short_extend(captured.inputs, packed, step.out_cache_loc)
@@ -181,24 +182,27 @@ class EagleWorker:
             publish_ready.record()
             tokens = self.extend_graphs.replay(captured, 1)
             read_done.record()  # the draft half reads the request table too
-            return StepResult(tokens)
+            return StepResult(tokens[:bs])
 
         return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
 
     def _short_extend_target_half(self, s: ShortExtendInputs) -> ShortExtendHalf:
         tokens, hidden, aux = self.target.short_extend(s, self.width, self.aux_layers)
-        self.future_map.publish(s.row, s.seq_len)
+        self.future_map.publish(s.sampled_rows, s.sampled_seq_lens)
         return ShortExtendHalf(s, tokens, aux if self.aux_layers else hidden)
 
     def _short_extend_draft_half(self, half: ShortExtendHalf) -> torch.Tensor:
         s = half.inputs
+        # Sampled entries past the batch point at token T - 1 too: the duplicates write the
+        # token sampled from that same row, so any order gives the same ids.
         shifted = s.shifted.index_copy(0, s.last, half.tokens)
         fb = ForwardBatch(
             mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted, positions=s.positions,
-            kv_rows=KVRows(self.target.req_to_token.table, s.row), prefix_lens=s.prefix_len,
-            extend_lens_cpu=[s.ids.shape[0]], out_cache_loc=s.loc, max_seq_len=self.width)
+            kv_rows=KVRows(self.target.req_to_token.table, s.rows), prefix_lens=s.prefix_lens,
+            extend_lens_cpu=[s.max_chunk] * s.rows.shape[0], extend_lens=s.extend_lens,
+            out_cache_loc=s.loc, max_seq_len=self.width)
         draft_hidden = self.draft.forward(fb, half.feats)
-        self._stash_draft_state(s.row, draft_hidden[s.last])
+        self._stash_draft_state(s.sampled_rows, draft_hidden[s.last])
         return half.tokens
 
     # --- decode ----------------------------------------------------------------------------
@@ -462,7 +466,8 @@ class EagleWorker:
                                                   pad=GRAPH_PAD, max_batch_size=max_batch_size,
                                                   device=device, pool=self.graphs.pool)
             self.constrained_graphs.capture_all()
-        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width), width)
+        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width),
+                                                               max_batch_size, width, self.graphs.pool)
 
     def graph_inputs(self, width: int, masks: Optional[StepBuffers] = None):
         """make_inputs(bs) of the captured decode steps (constrained: reading `masks`)."""
@@ -478,7 +483,7 @@ class EagleWorker:
         return make_inputs
 
     def short_extend_parts(self, width: int) -> list:
-        """What a captured short extend runs: the target half (then `publish_ready`), the draft half."""
+        """What a captured extend runs: the target half (then `publish_ready`), the draft half."""
         self.width = width
         return [self._short_extend_target_half, self._short_extend_draft_half]
 

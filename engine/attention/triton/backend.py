@@ -45,7 +45,9 @@ class TritonAttnBackend(AttentionBackend):
 
     `init_forward_metadata` reads no device value on the host: `kv_indptr` is a device cumsum
     of `prefix_lens`, `kv_indices` is sized by `batch_size * max_seq_len`, and the only host
-    inputs are `extend_lens_cpu` and `max_seq_len`. Prefix slots come from the requests'
+    inputs are `extend_lens_cpu` and `max_seq_len`. Given `fb.extend_lens` (a captured
+    extend), `qo_indptr` is their device cumsum and `extend_lens_cpu` only bounds them: the
+    grids, sized by the bounds, are the same at every replay. Prefix slots come from the requests'
     `kv_rows`; the new tokens' slots always come from `out_cache_loc`. The index and split-KV
     scratch buffers are preallocated for up to `max_batch_size` requests of up to
     `max_context_len` tokens, with up to `max_query_len` new tokens each in a split extend
@@ -63,6 +65,7 @@ class TritonAttnBackend(AttentionBackend):
 
     needs_cpu_seq_lens = False
     supports_cuda_graphs = True
+    supports_device_extend_lens = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
                  device: torch.device, *, max_batch_size: int = 128, max_kv_splits: int = 16,
@@ -113,13 +116,14 @@ class TritonAttnBackend(AttentionBackend):
         bs = fb.batch_size
         extend_lens = fb.extend_lens_cpu
         max_extend_len = fb.max_extend_len
-        if fb.num_tokens != sum(extend_lens):
+        device_lens = fb.extend_lens is not None  # extend_lens_cpu: bounds
+        if not device_lens and fb.num_tokens != sum(extend_lens):
             raise ValueError(f"{fb.num_tokens} tokens but extend_lens_cpu sums to "
                              f"{sum(extend_lens)}")
         if fb.max_seq_len < max_extend_len:
             raise ValueError(f"max_seq_len {fb.max_seq_len} is not a bound on prefix + extend "
                              f"(max_extend_len {max_extend_len}); was it set?")
-        is_decode = fb.custom_mask is None and all(n == 1 for n in extend_lens)
+        is_decode = not device_lens and fb.custom_mask is None and all(n == 1 for n in extend_lens)
         fits_buffers = bs <= self.max_batch_size and fb.max_seq_len <= self.max_context_len
 
         # Every request's list (prefix, plus the new token for decode) is at most max_seq_len.
@@ -149,7 +153,11 @@ class TritonAttnBackend(AttentionBackend):
         if not is_decode:
             qo_indptr = (self._qo_indptr_buf[:bs + 1] if bs <= self.max_batch_size
                          else torch.empty(bs + 1, dtype=torch.int64, device=self.device))
-            self._copy_offsets_to_device(extend_lens, qo_indptr)
+            if device_lens:
+                qo_indptr[:1].zero_()
+                torch.cumsum(fb.extend_lens, 0, out=qo_indptr[1:])
+            else:
+                self._copy_offsets_to_device(extend_lens, qo_indptr)
 
         fb.attn_metadata = TritonAttnMetadata(
             is_decode=is_decode, split_extend=split_extend, kv_indptr=kv_indptr,
