@@ -192,7 +192,9 @@ def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
     chunked_prefill_size covers them, as main() sets it)."""
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(bs)]
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-    engine.generate(prompt_token_ids=prompts, sampling=params)  # warm-up
+    # Warm-up on other tokens: the timed prompts must not be in the prefix cache, or the
+    # "prefill" is a cached tail's.
+    engine.generate(prompt_token_ids=[[t + 1000 for t in p] for p in prompts], sampling=params)
     added = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", p, params)

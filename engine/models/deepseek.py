@@ -219,18 +219,18 @@ class Experts(nn.Module):
 
     @property
     def runs_shared_dense(self) -> bool:
-        """16-bit shared slots can run as a dense MLP (`shared`); FP8 ones stay slots."""
+        """16-bit shared slots can run as a dense MLP (`add_shared`); FP8 ones stay slots."""
         return self.num_shared > 0 and self.w13_scale is None
 
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared slots' MLP as dense GEMMs: every slot's gate/up rows in one (the slots
-        are contiguous in the stack), then each slot's down projection."""
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the shared slots' MLP of x, as dense GEMMs: every slot's gate/up rows in one
+        (the slots are contiguous in the stack), then each slot's down projection accumulated
+        into `out` by the GEMM itself (no add launches)."""
         E, S = self.num_experts, self.num_shared
         gate_up = linear(x, self.w13[E:].flatten(0, 1), skinny=False)
         h = silu_and_mul(gate_up.view(x.shape[0], S, -1))   # [T, S, I]
-        out = linear(h[:, 0], self.w2[E], skinny=False)
-        for j in range(1, S):
-            out = out + linear(h[:, j], self.w2[E + j], skinny=False)
+        for j in range(S):
+            out.addmm_(h[:, j], self.w2[E + j].t())
         return out
 
 
@@ -253,7 +253,7 @@ class DeepseekMoE(nn.Module):
             # would read their weights again (a verify step's 256 tokens: 8 times); a dense
             # GEMM reads them about once. Decode-sized batches read them as slots of the
             # routed kernels, in the same launches.
-            out = self.experts(x, *self.gate(x, with_shared=False)) + self.experts.shared(x)
+            out = self.experts.add_shared(x, self.experts(x, *self.gate(x, with_shared=False)))
         else:
             out = self.experts(x, *self.gate(x))
         return self.tp.all_reduce(out)
