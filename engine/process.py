@@ -110,22 +110,30 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     logger.info("warming up: prompts of %s tokens (the first forwards compile and allocate)",
                 ", ".join(map(str, lengths)))
     vocab = engine.info.vocab_size
-    for n in lengths:
-        engine.generate(prompt_token_ids=[[i % vocab for i in range(n)]],
-                        sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
+    # Both paths of an extend: greedy batches that end their prompts replay the captured extends
+    # (runtime/short_extend.py), the rest (sampled, a chunk inside a prompt, more than the
+    # buckets hold) run eagerly, whose kernels specialise as above. Each pass on tokens of its
+    # own, so that the prefix cache does not turn its prompts into cached tails.
+    passes = ((0, SamplingParams(max_new_tokens=2, temperature=0.0)),
+              (1, SamplingParams(max_new_tokens=2, temperature=1.0, seed=0)))
+    for offset, params in passes:
+        for n in lengths:
+            engine.generate(prompt_token_ids=[[(i + 7 * offset) % vocab for i in range(n)]], sampling=params)
     if engine.core.device.type == "cuda":
         # Batched prefills, as concurrent arrivals make them: an eager extend's kernels take
         # the batch's request and token counts as arguments, which Triton specialises (1, a
         # multiple of 16, other), so single prompts leave variants for the first waves of
         # users to compile (E24: TTFT p99 1.8 s at 64 streams). Distinct first tokens: no
         # prompt reuses another's cached prefix.
-        for batch, length in WARMUP_BATCHES:
-            batch = min(batch, engine.config.max_running_requests)
-            length = min(length, engine.max_context_len - 4)
-            logger.info("warming up: a batch of %d prompts of up to %d tokens", batch, length)
-            engine.generate(prompt_token_ids=[[(j * 7919 + i) % vocab for i in range(length - j % length)]
-                                              for j in range(batch)],
-                            sampling=SamplingParams(max_new_tokens=2, temperature=0.0))
+        for offset, params in passes:
+            for batch, length in WARMUP_BATCHES:
+                batch = min(batch, engine.config.max_running_requests)
+                length = min(length, engine.max_context_len - 4)
+                logger.info("warming up: a batch of %d prompts of up to %d tokens (%s)", batch, length,
+                            "sampled" if offset else "greedy")
+                engine.generate(prompt_token_ids=[[(j * 7919 + i + 104729 * offset) % vocab
+                                                   for i in range(length - j % length)] for j in range(batch)],
+                                sampling=params)
     engine.metrics.take_step_stats()  # the warm-up's steps are no one's
     return engine
 
