@@ -58,7 +58,7 @@ class ForwardBatch:
 
     `prefix_lens` is the KV length before this forward, `extend_lens_cpu` the number of new
     tokens per request, so `seq_lens = prefix_lens + extend_lens`. A captured extend
-    (runtime/short_extend.py) knows them only on the device (`extend_lens`, summing to
+    (runtime/captured_extend.py) knows them only on the device (`extend_lens`, summing to
     `num_tokens`); `extend_lens_cpu` then holds the bucket's bound on each, what the
     attention's grid is sized by (backends with `supports_device_extend_lens`).
     `seq_lens_cpu` is the exact host mirror of `seq_lens` or None on the GPU-only path;

@@ -111,7 +111,7 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
                 ", ".join(map(str, lengths)))
     vocab = engine.info.vocab_size
     # Both paths of an extend: greedy batches that end their prompts replay the captured extends
-    # (runtime/short_extend.py), the rest (sampled, a chunk inside a prompt, more than the
+    # (runtime/captured_extend.py), the rest (sampled, a chunk inside a prompt, more than the
     # buckets hold) run eagerly, whose kernels specialise as above. Each pass on tokens of its
     # own, so that the prefix cache does not turn its prompts into cached tails.
     passes = ((0, SamplingParams(max_new_tokens=2, temperature=0.0)),

@@ -30,7 +30,7 @@ class GraphedStep:
 
     `make_inputs(bs)` builds a NamedTuple of static inputs; `load` refills its tensors.
     Without `max_batch_size`, `buckets` are keys of any kind, smallest first (captured
-    extends: runtime/short_extend.py), and the caller picks one and fills its inputs."""
+    extends: runtime/captured_extend.py), and the caller picks one and fills its inputs."""
 
     def __init__(self, parts: Sequence[Callable], make_inputs: Callable[[Any], NamedTuple],
                  pad: dict, max_batch_size: Optional[int], device: torch.device,

@@ -87,7 +87,7 @@ class Worker(Protocol):
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
     constrained_graphs: Any  # those of batches with a grammar (greedy), or None
-    extend_graphs: Any  # the captured extends (runtime/short_extend.py), or None
+    extend_graphs: Any  # the captured extends (runtime/captured_extend.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)
 
     def slots_per_request(self) -> int:

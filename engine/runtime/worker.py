@@ -22,9 +22,9 @@ from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
-from specserve.engine.runtime.short_extend import (
-    ExtendBucket, ShortExtendInputs, extend_bucket, extend_buckets, load_short_extend,
-    make_short_extend_inputs, pack_short_extend)
+from specserve.engine.runtime.captured_extend import (
+    ExtendBucket, CapturedExtendInputs, extend_bucket, extend_buckets, load_captured_extend,
+    make_captured_extend_inputs, pack_captured_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 
 
@@ -223,8 +223,8 @@ class TargetModel:
                                      score.top_k)
         return Sampled(choice, hidden, aux, prompt)
 
-    def short_extend(self, s: ShortExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
-        """A captured extend (runtime/short_extend.py): the bucket's entries, lengths on the
+    def captured_extend(self, s: CapturedExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
+        """A captured extend (runtime/captured_extend.py): the bucket's entries, lengths on the
         device; the greedy token of each sampled request's last token, stashed. Returns
         (tokens [R], hidden, aux hidden)."""
         fb = ForwardBatch(
@@ -237,7 +237,7 @@ class TargetModel:
         self.future_map.stash_tokens(s.sampled_rows, tokens)
         return tokens, hidden, aux
 
-    def capture_short_extends(self, parts, max_requests: int, width: int, pool) -> Optional[GraphedStep]:
+    def capture_extends(self, parts, max_requests: int, width: int, pool) -> Optional[GraphedStep]:
         """GraphedStep of `parts` over the extend buckets, where the attention reads device
         extend lengths (the draft's backend is of the target's kind: builder.py). In the decode
         graphs' `pool`: one step replays at a time, and each consumes its outputs within it."""
@@ -245,7 +245,7 @@ class TargetModel:
         if not (buckets and self.runner.attn_backend.supports_device_extend_lens):
             return None
         device = self.ctx.device
-        graphs = GraphedStep(parts, lambda bucket: make_short_extend_inputs(bucket, device), pad={},
+        graphs = GraphedStep(parts, lambda bucket: make_captured_extend_inputs(bucket, device), pad={},
                              max_batch_size=None, device=device, buckets=buckets, pool=pool)
         graphs.capture_all()
         return graphs
@@ -280,7 +280,7 @@ class NormalWorker:
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar compiler)
         self.masks: Optional[StepBuffers] = None  # the masks the constrained graphs apply
-        self.extend_graphs = None  # GraphedStep of extends (runtime/short_extend.py)
+        self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
@@ -289,17 +289,17 @@ class NormalWorker:
     def launch_extend(self, step: ExtendStep) -> Launched:
         bucket = None if self.extend_graphs is None else extend_bucket(step, self.extend_graphs.buckets)
         if bucket is not None:
-            return self._replay_short_extend(step, bucket)
+            return self._replay_captured_extend(step, bucket)
         inputs = self.target.extend_inputs(step)
         return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
 
-    def _replay_short_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
+    def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         captured = self.extend_graphs.captured[bucket]
-        packed = pack_short_extend(step, bucket, next_tokens=False)
+        packed = pack_captured_extend(step, bucket, next_tokens=False)
         bs = len(step.rows)
 
         def replay(read_done) -> StepResult:
-            load_short_extend(captured.inputs, packed, step.out_cache_loc)
+            load_captured_extend(captured.inputs, packed, step.out_cache_loc)
             tokens = self.extend_graphs.replay(captured, 0)
             read_done.record()
             return StepResult(tokens[:bs])
@@ -344,7 +344,7 @@ class NormalWorker:
                                                   max_batch_size=max_batch_size, device=device,
                                                   pool=self.graphs.pool)
             self.constrained_graphs.capture_all()
-        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width),
+        self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
     def decode_parts(self, width: int):
@@ -374,9 +374,9 @@ class NormalWorker:
 
         return forward, pick, masked_pick
 
-    def short_extend_parts(self, width: int) -> list:
+    def captured_extend_parts(self, width: int) -> list:
         """What a captured extend runs: the target forward and its greedy tokens."""
-        return [lambda s: self.target.short_extend(s, width)[0]]
+        return [lambda s: self.target.captured_extend(s, width)[0]]
 
 
 def graph_decode_inputs(device):

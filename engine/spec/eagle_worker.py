@@ -34,8 +34,8 @@ from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, sample
 from specserve.engine.runtime.cuda_graph import GraphedStep, run_eagerly
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
-from specserve.engine.runtime.short_extend import (
-    ExtendBucket, ShortExtendInputs, extend_bucket, load_short_extend, pack_short_extend)
+from specserve.engine.runtime.captured_extend import (
+    ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
 from specserve.engine.spec import tree as tree_ops
@@ -53,10 +53,10 @@ class EagleExtendInputs(NamedTuple):
     samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
 
 
-class ShortExtendHalf(NamedTuple):
+class CapturedExtendHalf(NamedTuple):
     """What a captured extend's target half hands its draft half."""
 
-    inputs: ShortExtendInputs
+    inputs: CapturedExtendInputs
     tokens: torch.Tensor      # [R] the sampled tokens
     feats: torch.Tensor       # the target features the draft reads
 
@@ -128,7 +128,7 @@ class EagleWorker:
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar compiler)
         self.masks: Optional[StepBuffers] = None  # what constrained steps' parts read and write
-        self.extend_graphs = None  # GraphedStep of extends (runtime/short_extend.py)
+        self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
         self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
@@ -141,7 +141,7 @@ class EagleWorker:
     def launch_extend(self, step: ExtendStep) -> Launched:
         bucket = None if self.extend_graphs is None else extend_bucket(step, self.extend_graphs.buckets)
         if bucket is not None:
-            return self._replay_short_extend(step, bucket)
+            return self._replay_captured_extend(step, bucket)
         target = self.target.extend_inputs(step)
         shifted = []
         for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
@@ -169,15 +169,15 @@ class EagleWorker:
 
         return launch_forward(self.target.ctx, inputs, body)
 
-    def _replay_short_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
+    def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
         captured = self.extend_graphs.captured[bucket]
-        packed = pack_short_extend(step, bucket, next_tokens=True)
+        packed = pack_captured_extend(step, bucket, next_tokens=True)
         publish_ready = self.future_map.new_publish_event()
         bs = len(step.rows)
 
         def replay(read_done) -> StepResult:
-            load_short_extend(captured.inputs, packed, step.out_cache_loc)
+            load_captured_extend(captured.inputs, packed, step.out_cache_loc)
             self.extend_graphs.replay(captured, 0)
             publish_ready.record()
             tokens = self.extend_graphs.replay(captured, 1)
@@ -186,12 +186,12 @@ class EagleWorker:
 
         return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
 
-    def _short_extend_target_half(self, s: ShortExtendInputs) -> ShortExtendHalf:
-        tokens, hidden, aux = self.target.short_extend(s, self.width, self.aux_layers)
+    def _captured_extend_target_half(self, s: CapturedExtendInputs) -> CapturedExtendHalf:
+        tokens, hidden, aux = self.target.captured_extend(s, self.width, self.aux_layers)
         self.future_map.publish(s.sampled_rows, s.sampled_seq_lens)
-        return ShortExtendHalf(s, tokens, aux if self.aux_layers else hidden)
+        return CapturedExtendHalf(s, tokens, aux if self.aux_layers else hidden)
 
-    def _short_extend_draft_half(self, half: ShortExtendHalf) -> torch.Tensor:
+    def _captured_extend_draft_half(self, half: CapturedExtendHalf) -> torch.Tensor:
         s = half.inputs
         # Sampled entries past the batch point at token T - 1 too: the duplicates write the
         # token sampled from that same row, so any order gives the same ids.
@@ -466,7 +466,7 @@ class EagleWorker:
                                                   pad=GRAPH_PAD, max_batch_size=max_batch_size,
                                                   device=device, pool=self.graphs.pool)
             self.constrained_graphs.capture_all()
-        self.extend_graphs = self.target.capture_short_extends(self.short_extend_parts(width),
+        self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
     def graph_inputs(self, width: int, masks: Optional[StepBuffers] = None):
@@ -482,10 +482,10 @@ class EagleWorker:
 
         return make_inputs
 
-    def short_extend_parts(self, width: int) -> list:
+    def captured_extend_parts(self, width: int) -> list:
         """What a captured extend runs: the target half (then `publish_ready`), the draft half."""
         self.width = width
-        return [self._short_extend_target_half, self._short_extend_draft_half]
+        return [self._captured_extend_target_half, self._captured_extend_draft_half]
 
 
 def _plus(seq_lens_cpu: Optional[list[int]], n: int) -> Optional[list[int]]:

@@ -1,4 +1,4 @@
-"""Extends replayed as CUDA graphs (engine/runtime/short_extend.py): a batch of requests each
+"""Extends replayed as CUDA graphs (engine/runtime/captured_extend.py): a batch of requests each
 ending its prefill (arrivals' prompts, a cached prompt's tail), packed into a bucket.
 
 On the CPU the graphs' parts run eagerly over the same padded static inputs the graphs
@@ -16,9 +16,9 @@ import torch
 from helpers import make_predictable_pair, random_prompts
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
-from specserve.engine.runtime.short_extend import (
-    MAX_REQUESTS, TOKEN_BUCKETS, ExtendBucket, extend_bucket, extend_buckets, load_short_extend,
-    make_short_extend_inputs, pack_short_extend)
+from specserve.engine.runtime.captured_extend import (
+    MAX_REQUESTS, TOKEN_BUCKETS, ExtendBucket, extend_bucket, extend_buckets, load_captured_extend,
+    make_captured_extend_inputs, pack_captured_extend)
 from specserve.engine.runtime.step import ExtendStep
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
@@ -29,13 +29,13 @@ SPECS = [None, CHAIN, TREE]
 SPEC_IDS = ["plain", "chain", "tree"]
 
 
-class EagerShortExtends:
+class EagerCapturedExtends:
     """GraphedStep's replay surface, running the parts eagerly (the CPU has no graphs)."""
 
     def __init__(self, parts, buckets, device):
         self.parts = parts
         self.buckets = buckets
-        self.captured = {b: SimpleNamespace(bucket=b, inputs=make_short_extend_inputs(b, device))
+        self.captured = {b: SimpleNamespace(bucket=b, inputs=make_captured_extend_inputs(b, device))
                          for b in buckets}
         self.replays = []
         self._out = None
@@ -51,7 +51,7 @@ class EagerShortExtends:
 
 def _eager_graphs(engine):
     worker, table = engine.core.worker, engine.core.req_to_token
-    worker.extend_graphs = EagerShortExtends(worker.short_extend_parts(table.row_width),
+    worker.extend_graphs = EagerCapturedExtends(worker.captured_extend_parts(table.row_width),
                                              extend_buckets(table.num_rows, table.row_width),
                                              engine.core.device)
     return worker.extend_graphs
@@ -233,8 +233,8 @@ def test_bucket_choice():
 def test_packing_pads_with_entries_of_their_own():
     bucket = ExtendBucket(128, 64, 4)  # 4 requests, then 2 padding entries of up to 64 tokens
     step = _step([(3, 5), (0, 3)])
-    static = make_short_extend_inputs(bucket, torch.device("cpu"))
-    load_short_extend(static, pack_short_extend(step, bucket, next_tokens=True), step.out_cache_loc)
+    static = make_captured_extend_inputs(bucket, torch.device("cpu"))
+    load_captured_extend(static, pack_captured_extend(step, bucket, next_tokens=True), step.out_cache_loc)
     assert static.ids.tolist()[:6] == [13, 14, 10, 11, 12, 0] and static.positions.tolist()[:6] == [3, 4, 0, 1, 2, 0]
     assert static.shifted.tolist()[:6] == [14, 0, 11, 12, 0, 0]
     assert static.loc.tolist()[:6] == [1, 2, 3, 4, 5, 0] and not static.loc[5:].any()

@@ -80,7 +80,7 @@ def extend_bucket(step: ExtendStep, buckets: Sequence[ExtendBucket]) -> Optional
                  and b.requests >= len(lens)), None)
 
 
-class ShortExtendInputs(NamedTuple):
+class CapturedExtendInputs(NamedTuple):
     """The static inputs of a captured extend (views of one packed buffer, and the slots)."""
 
     ids: torch.Tensor          # [T] the chunks' tokens, then padding
@@ -117,7 +117,7 @@ def _pack(bucket: ExtendBucket, ids: list, positions: list, shifted: list, rows:
     return torch.tensor(values, dtype=torch.int64, pin_memory=torch.cuda.is_available())
 
 
-def pack_short_extend(step: ExtendStep, bucket: ExtendBucket, next_tokens: bool) -> torch.Tensor:
+def pack_captured_extend(step: ExtendStep, bucket: ExtendBucket, next_tokens: bool) -> torch.Tensor:
     """The host side of one replay: the packed buffer's values for `step` in `bucket`.
     `next_tokens`: also EAGLE's shifted ids (token p + 1 for each position p of a chunk)."""
     ids, positions, shifted, prefix_lens, extend_lens, last = [], [], [], [], [], []
@@ -132,16 +132,16 @@ def pack_short_extend(step: ExtendStep, bucket: ExtendBucket, next_tokens: bool)
     return _pack(bucket, ids, positions, shifted, list(step.rows), prefix_lens, extend_lens, last)
 
 
-def make_short_extend_inputs(bucket: ExtendBucket, device: torch.device) -> ShortExtendInputs:
+def make_captured_extend_inputs(bucket: ExtendBucket, device: torch.device) -> CapturedExtendInputs:
     """Static inputs of one bucket, holding a valid extend of padding alone."""
     T, E = bucket.tokens, bucket.entries
     packed = _pack(bucket, [], [], [], [], [], [], []).to(device)
     views = packed.split([T, T, T, E, E, E, bucket.requests])
-    return ShortExtendInputs(*views, torch.zeros(T, dtype=torch.int64, device=device), packed,
+    return CapturedExtendInputs(*views, torch.zeros(T, dtype=torch.int64, device=device), packed,
                              bucket.max_chunk)
 
 
-def load_short_extend(static: ShortExtendInputs, packed: torch.Tensor, loc: torch.Tensor) -> None:
+def load_captured_extend(static: CapturedExtendInputs, packed: torch.Tensor, loc: torch.Tensor) -> None:
     """Copy one replay's inputs into a bucket's static buffers (on the forward stream)."""
     static.packed.copy_(packed, non_blocking=True)
     n = loc.shape[0]
