@@ -119,6 +119,9 @@ class SyntheticEngine:
                 num_accepted_drafts=max(0, req.generated - 1 - verify_steps)))
         return outputs
 
+    def take_step_stats(self) -> list:
+        return []  # it times no steps
+
     def flush_prefix_cache(self) -> None:
         pass  # it caches nothing (bench/serving.py's load generator asks before each run)
 

@@ -158,6 +158,10 @@ class Engine:
         """Steps run, host time blocked on results, accept lengths (SchedulerMetrics)."""
         return self.core.scheduler.metrics
 
+    def take_step_stats(self) -> list:
+        """What the steps processed since the last call took (engine/outputs.py StepStat)."""
+        return self.core.scheduler.metrics.take_step_stats()
+
     def occupancy(self, since_busy: float, since_wall: float) -> float:
         """Fraction of wall time the forward stream was busy since (busy, wall) readings
         taken with `busy_and_wall()`; measure across a window of steady-state steps."""

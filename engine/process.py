@@ -134,7 +134,7 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
                 engine.generate(prompt_token_ids=[[(j * 7919 + i + 104729 * offset) % vocab
                                                    for i in range(length - j % length)] for j in range(batch)],
                                 sampling=params)
-    engine.metrics.take_step_stats()  # the warm-up's steps are no one's
+    engine.take_step_stats()  # the warm-up's steps are no one's
     return engine
 
 
@@ -206,9 +206,7 @@ class _EngineLoop:
 
     def _step(self) -> None:
         step_outputs = self.engine.step()
-        # What the steps took (the server's step-time metrics); a stand-in engine has none.
-        take = getattr(getattr(self.engine, "metrics", None), "take_step_stats", None)
-        steps = take() if take is not None else ()
+        steps = self.engine.take_step_stats()  # the server's step-time metrics
         if not step_outputs and not steps:
             return
         for out in step_outputs:

@@ -138,7 +138,7 @@ def make_captured_extend_inputs(bucket: ExtendBucket, device: torch.device) -> C
     packed = _pack(bucket, [], [], [], [], [], [], []).to(device)
     views = packed.split([T, T, T, E, E, E, bucket.requests])
     return CapturedExtendInputs(*views, torch.zeros(T, dtype=torch.int64, device=device), packed,
-                             bucket.max_chunk)
+                                bucket.max_chunk)
 
 
 def load_captured_extend(static: CapturedExtendInputs, packed: torch.Tensor, loc: torch.Tensor) -> None:

@@ -128,11 +128,7 @@ class GenerationServicer:
     async def GetServerLoad(self, request: bytes,
                             context: grpc.aio.ServicerContext) -> pb.ServerLoad:
         await self._parse_unary(pb.GetServerLoadRequest, request, context)
-        try:
-            load = await self.core.engine.load()
-        except EngineUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        self.core.metrics.observe_load(load)
+        load = await self._engine_load(context)
         reply = load_to_proto(load)
         if isinstance(self.core.engine, ReplicaSet):
             reply.replicas.extend(row.to_proto() for row in self.core.engine.last_rows)
@@ -143,14 +139,19 @@ class GenerationServicer:
     async def FlushCache(self, request: bytes,
                          context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
         await self._parse_unary(pb.FlushCacheRequest, request, context)
-        try:
-            load = await self.core.engine.load(flush_prefix_cache=True)
-        except EngineUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        load = await self._engine_load(context, flush_prefix_cache=True)
         logger.info("prefix cache flushed by %s; %d slots stay pinned by running requests",
                     context.peer(), load.kv_cached_tokens)
-        self.core.metrics.observe_load(load)
         return pb.FlushCacheResponse(kv_cached_tokens=load.kv_cached_tokens)
+
+    async def _engine_load(self, context: grpc.aio.ServicerContext, flush_prefix_cache: bool = False):
+        """The engine's load report (UNAVAILABLE while it cannot answer), also into the gauges."""
+        try:
+            load = await self.core.engine.load(flush_prefix_cache=flush_prefix_cache)
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.core.metrics.observe_load(load)
+        return load
 
     @staticmethod
     async def _parse_unary(message_class: type, request: bytes,
