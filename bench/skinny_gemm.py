@@ -1,4 +1,4 @@
-"""The skinny GEMM against cuBLAS at Llama's decode shapes: microseconds and % of copy bandwidth.
+"""The skinny GEMM against cuBLAS at the decode shapes of the models we bench (Llama, DeepSeek-V2-Lite, Qwen3-MoE): microseconds and % of copy bandwidth.
 
     python bench/skinny_gemm.py --out bench_skinny_gemm.json
     python bench/skinny_gemm.py --sweep --rows 1,4,16 --out bench_skinny_gemm_sweep.json
@@ -37,6 +37,9 @@ from specserve.engine.layers.skinny_gemm import (
 SHAPES = {  # name: (N, K) of the weight; gate_up is the fused [2I, K] gate/up weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
     "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048), "1b.down": (2048, 8192),
+    # DeepSeek-V2-Lite (q and kv_a in one weight; the dense first layer's MLP), Qwen3-30B-A3B.
+    "v2l.q_kv_a": (3648, 2048), "v2l.o": (2048, 2048), "v2l.gate_up": (21888, 2048), "v2l.down": (2048, 10944),
+    "q3moe.qkv": (5120, 2048), "q3moe.o": (2048, 4096),
 }
 ROTATION_BYTES = 128 << 20   # weight copies cycled through: more than an H100/H200's 50 MiB L2
 MIN_CALLS = 20               # calls per graph

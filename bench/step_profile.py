@@ -43,13 +43,16 @@ def main():
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--draft", default="eagle3", choices=["eagle3", "nextn"],
+                    help="a speculative mode's draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
 
     target, draft = write_shape(tempfile.mkdtemp(), args.model)
     spec = None if args.mode == "plain" else SpecConfig(
-        algorithm="eagle3", draft_model=draft, bench_force_accept_len=3, **SPEC_MODES[args.mode])
+        algorithm=args.draft, draft_model=draft if args.draft == "eagle3" else None,
+        bench_force_accept_len=3, **SPEC_MODES[args.mode])
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
                                  max_running_requests=max(args.batch_size, 1), max_context_len=4096,
                                  cuda_graph=True, mem_fraction=0.5))
