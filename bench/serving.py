@@ -395,6 +395,8 @@ def main():
     ap.add_argument("--device", default="cuda", help="with --launch (cpu: a smoke test of the demo pair)")
     ap.add_argument("--disable-prefix-cache", action="store_true", help="with --launch: the cache off")
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="with --launch (engine default if unset)")
+    ap.add_argument("--prefill-interleave-tokens", type=int, default=None,
+                    help="with --launch: the decode-fairness extend budget (engine default if unset; 0: off)")
     ap.add_argument("--text", action="store_true",
                     help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
     ap.add_argument("--metrics-url", default=None,
@@ -415,8 +417,9 @@ def main():
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
                                                args.max_context_len, args.device,
                                                prefix_cache=not args.disable_prefix_cache, text=args.text,
-                                               **({} if args.chunked_prefill_size is None else
-                                                  {"chunked_prefill_size": args.chunked_prefill_size}))
+                                               **{name: getattr(args, name) for name in
+                                                  ("chunked_prefill_size", "prefill_interleave_tokens")
+                                                  if getattr(args, name) is not None})
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(
             target=serve_launched, args=(engine_config, int(args.server.rpartition(":")[2]),

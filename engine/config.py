@@ -241,6 +241,12 @@ class EngineConfig:
     max_total_tokens: Optional[int] = None  # KV pool slots; None: mem_fraction of free memory
     mem_fraction: float = 0.85
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; 0 or less disables
+    # Decode fairness: while some request decodes, an extend step computes at most this many
+    # prompt tokens (longer prompts are chunked; cached prefixes are free) and is followed by a
+    # decode step, so decode streams never wait behind two extends in a row. With nobody
+    # decoding, an extend is bounded by chunked_prefill_size only. 0 turns it off (prefill
+    # first: extends back to back while prompts wait).
+    prefill_interleave_tokens: int = 512
     max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_overlap: bool = True
     spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off
@@ -271,6 +277,9 @@ class EngineConfig:
         _require(self.max_total_tokens is None or self.max_total_tokens >= 16,
                  "max_total_tokens", "must be >= 16")
         _require(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "must be in (0, 1]")
+        _require(isinstance(self.prefill_interleave_tokens, int) and self.prefill_interleave_tokens >= 0,
+                 "prefill_interleave_tokens",
+                 f"must be an integer >= 0 (0 turns it off), got {self.prefill_interleave_tokens!r}")
         _require(self.max_context_len is None or self.max_context_len >= 2,
                  "max_context_len", "must be >= 2")
         _require(self.attention_backend in ("auto", "torch", "triton", "flashinfer"),

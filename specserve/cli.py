@@ -25,6 +25,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-running-requests", type=int, default=None)
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV-cache slots")
+    g.add_argument("--prefill-interleave-tokens", type=int, default=None, metavar="N",
+                   help="decode fairness: while requests decode, an extend (prefill) step "
+                        "computes at most N prompt tokens and is followed by a decode step "
+                        "(default 512; 0: off, prefill first)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -67,7 +71,8 @@ def _spec_config_from_args(args: argparse.Namespace):
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig that the engine flags describe (shared by serve and generate)."""
-    optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens")
+    optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens",
+                                                        "prefill_interleave_tokens")
                 if getattr(args, name) is not None}
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend,

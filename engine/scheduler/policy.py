@@ -5,6 +5,11 @@ the chunk budget: FCFS, or longest cached prefix first with the prefix cache); o
 decode step over every running request that may still grow. When the pool cannot cover a
 decode step, the most recently admitted request is retracted: its KV is freed (or, with the
 prefix cache, cached and evictable) and it waits to be prefilled again over prompt + outputs.
+
+Decode fairness (`prefill_interleave_tokens` > 0): while some running request could take a
+decode step, an extend computes at most that many tokens, and an extend is always followed by
+a decode step, so decoding requests never wait behind more than one bounded extend. With
+nobody decoding (an idle server's first arrivals) an extend is bounded by the chunk budget only.
 """
 from __future__ import annotations
 
@@ -23,10 +28,12 @@ MAX_BYPASS = 32
 
 class AdmissionPolicy:
     def __init__(self, slots: RequestSlots, *, max_running_requests: int, chunked_prefill_size: int,
-                 max_context_len: int):
+                 max_context_len: int, prefill_interleave_tokens: int = 0):
         self.slots = slots
         self.max_running = max_running_requests
         self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
+        self._last_was_extend = False  # the last decision schedule() returned (and was launched)
         self.max_context_len = max_context_len
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []          # hold a row (prefilling or decoding)
@@ -45,11 +52,21 @@ class AdmissionPolicy:
             self.waiting.remove(req)
 
     def schedule(self, nothing_in_flight: bool) -> Optional[Decision]:
-        return self._prefill() or self._decode(nothing_in_flight)
+        """The next launch. Every decision returned is launched (the overlap loop calls this
+        while the previous one is still in flight; `_last_was_extend` is about that one)."""
+        decoding = self.interleave_tokens > 0 and self._any_decoding()
+        if decoding and self._last_was_extend:
+            decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
+        else:
+            budget = min(self.chunk_budget, self.interleave_tokens) if decoding else self.chunk_budget
+            decision = self._prefill(budget) or self._decode(nothing_in_flight)
+        self._last_was_extend = decision is not None and decision.mode is ForwardMode.EXTEND
+        return decision
 
     # --- prefill -------------------------------------------------------------------------
-    def _prefill(self) -> Optional[Decision]:
-        budget = self.chunk_budget
+    def _prefill(self, budget: int) -> Optional[Decision]:
+        """Prefill chunks computing at most `budget` tokens (a cached or shared prefix is
+        mapped, not computed, so it is free)."""
         taken = 0  # slots this decision's chunks take when the step is built
         reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
@@ -142,6 +159,11 @@ class AdmissionPolicy:
 
     def _decode_ready(self) -> list[Req]:
         return [r for r in self.running if not r.is_prefilling and self._can_decode(r)]
+
+    def _any_decoding(self) -> bool:
+        """Whether a running request could take a decode step (the host's view: one whose
+        prefill's last chunk is launched counts, its first token still in flight)."""
+        return any(not r.is_prefilling and self._can_decode(r) for r in self.running)
 
     def _can_decode(self, req: Req) -> bool:
         """False once the tokens already in flight reach a length limit (host-known)."""
