@@ -1,6 +1,7 @@
 """DeepSeek's GPU kernels alone: MLA attention and the fused MoE, against the copy bandwidth.
 
     python bench/mla_moe_kernels.py --out mla_moe.json [--sweep]
+    python bench/mla_moe_kernels.py --skip-mla --skip-moe --out align.json [--sweep]
 
 MLA (absorbed form, bf16): one KV head whose key is the 512-dim latent plus the 64-dim rope
 key and whose value is the latent (a view of the key buffer), 128 query heads (V2/V3) and 16
@@ -12,8 +13,14 @@ MoE (V2-Lite shape: 64 experts top-6, hidden 2048, intermediate 1408, bf16, rand
 `fused_experts` at several token counts; bandwidth = bytes of the experts the batch touches /
 time. The torch peer loops over the touched experts.
 
-`--sweep` adds launch configurations (MLA decode tiles at the longest context, MoE tiles) to
-choose the defaults from.
+MoE alignment (the expert sort before the grouped GEMMs, alone): `align_entries_by_expert`
+against the single-program kernel it replaced (kept here only, `old_align_entries_by_expert`)
+at T*k = T x 8 entries, E = 66 (6 routed of 64 and V2-Lite's 2 shared slots) and 64 (8 of
+64), block_m as `default_moe_config` picks it; each size first checks that both give the same
+rows.
+
+`--sweep` adds launch configurations (MLA decode tiles at the longest context, MoE tiles,
+alignment plans) to choose the defaults from.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 import triton.testing
 
 from attention_kernels import copy_bandwidth  # bench/ is this script's folder
@@ -31,7 +40,7 @@ from specserve.engine.attention.triton.kernels import (
     DecodeConfig, decode_attention, default_decode_config, fill_kv_indices, short_extend_attention,
     short_extend_tiling)
 from specserve.engine.layers.fused_moe_triton import (
-    MoEConfig, default_moe_config, fused_experts)
+    MoEConfig, align_entries_by_expert, align_plan, default_moe_config, fused_experts)
 
 LATENT, ROPE = 512, 64
 KEY_DIM = LATENT + ROPE
@@ -195,6 +204,124 @@ def moe_rows(args, bandwidth, device):
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# The MoE alignment: the engine's parallel kernels against the one-program kernel they replaced
+# (engine/layers/fused_moe_triton.py before the parallel alignment), kept here to time both in
+# one run.
+@triton.jit
+def _old_align_kernel(topk_ids, sorted_entries, block_experts, num_padded, num_entries,
+                      max_padded, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_t = tl.arange(0, BLOCK_T)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_entries, BLOCK_T):
+        entries = start + offs_t
+        experts = tl.load(topk_ids + entries, mask=entries < num_entries, other=-1)
+        counts += tl.sum((experts[:, None] == offs_e[None, :]).to(tl.int32), 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(num_padded, tl.sum(padded, 0))
+    for start in range(0, max_padded // BLOCK_M, BLOCK_T):
+        blocks = start + offs_t
+        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(block_experts + blocks, owner, mask=blocks < max_padded // BLOCK_M)
+    for start in range(0, max_padded, BLOCK_T):
+        rows = start + offs_t
+        tl.store(sorted_entries + rows, tl.zeros([BLOCK_T], tl.int32) + num_entries,
+                 mask=rows < max_padded)
+    tl.debug_barrier()
+    seen = ends - padded
+    for start in range(0, num_entries, BLOCK_T):
+        entries = start + offs_t
+        valid = entries < num_entries
+        experts = tl.load(topk_ids + entries, mask=valid, other=-1)
+        onehot = (experts[:, None] == offs_e[None, :]).to(tl.int32)
+        earlier = tl.cumsum(onehot, 0) - onehot
+        rows = tl.sum(onehot * (earlier + seen[None, :]), 1)
+        tl.store(sorted_entries + rows, entries, mask=valid)
+        seen += tl.sum(onehot, 0)
+
+
+def old_align_entries_by_expert(topk_ids, num_experts: int, block_m: int):
+    num_entries = topk_ids.numel()
+    max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
+    max_padded = triton.cdiv(max_padded, block_m) * block_m
+    device = topk_ids.device
+    sorted_entries = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(16, min(triton.next_power_of_2(num_entries), 16384 // block_e, 256))
+    tile = block_t * block_e
+    num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4 if tile < 16384 else 8
+    _old_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_entries, block_experts, num_padded, num_entries,
+        max_padded, NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_T=block_t,
+        BLOCK_M=block_m, num_warps=num_warps)
+    return sorted_entries, block_experts, num_padded
+
+
+def align_routing(num_tokens: int, num_experts: int, top_k: int, gen, device) -> torch.Tensor:
+    """[T, top_k] ids: distinct routed experts a token; past 64 experts the last E - 64 are
+    shared slots every token holds (V2-Lite: 6 of 64 routed, then slots 64 and 65)."""
+    routed = min(num_experts, 64)
+    shared = num_experts - routed
+    ids = torch.rand(num_tokens, routed, generator=gen, device=device).topk(
+        top_k - shared, 1).indices
+    slots = torch.arange(routed, num_experts, device=device).expand(num_tokens, shared)
+    return torch.cat([ids, slots], 1).contiguous()
+
+
+def align_rows(args, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for num_experts, num_tokens in itertools.product(
+            (int(e) for e in args.align_experts.split(",")),
+            (int(t) for t in args.align_tokens.split(","))):
+        top_k = args.align_top_k
+        topk_ids = align_routing(num_tokens, num_experts, top_k, gen, device)
+        num_entries = topk_ids.numel()
+        block_m = default_moe_config(num_tokens, top_k, num_experts, device).block_m
+        new = align_entries_by_expert(topk_ids, num_experts, block_m)
+        old = old_align_entries_by_expert(topk_ids, num_experts, block_m)
+        used = int(new.num_padded)
+        assert used == int(old[2]), (used, int(old[2]))
+        assert torch.equal(new.sorted_entries, old[0]), "old and new rows differ"
+        assert torch.equal(new.block_experts[:used // block_m], old[1][:used // block_m])
+        default = align_plan(num_entries, num_experts)
+        kernels = {"align (one program, old)": lambda: old_align_entries_by_expert(
+            topk_ids, num_experts, block_m), "align": (default, None)}
+        if args.sweep:
+            for block_t, max_programs, single in itertools.product(
+                    (32, 64, 128), (32, 64, 128, 256), (1, 4, 8)):
+                plan = align_plan(num_entries, num_experts, block_t, max_programs, single)
+                for warps in sorted({plan.num_warps, 2, 4, 8}):
+                    plan = plan._replace(num_warps=warps)
+                    kernels.setdefault(
+                        f"align t{plan.block_t} x{plan.tiles} p{plan.num_programs} "
+                        f"w{warps}", (plan, None))
+        for name, fn in kernels.items():
+            plan = None
+            if isinstance(fn, tuple):
+                plan = fn[0]
+                fn = lambda p=plan: align_entries_by_expert(topk_ids, num_experts, block_m, p)
+                if plan != default:
+                    alt = fn()
+                    assert torch.equal(alt.sorted_entries, new.sorted_entries), plan
+                    assert torch.equal(alt.block_experts, new.block_experts), plan
+            try:
+                seconds = bench(fn)
+            except Exception as e:  # a sweep plan the compiler refuses
+                print(f"{name}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            rows.append(dict(kernel=name, tokens=num_tokens, top_k=top_k, entries=num_entries,
+                             experts=num_experts, block_m=block_m,
+                             plan=list(plan) if plan else None, us=seconds * 1e6))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="128,1024,8192,32768")
@@ -202,17 +329,22 @@ def main():
     ap.add_argument("--mla-heads", default="128,16")
     ap.add_argument("--max-kv-splits", type=int, default=16)
     ap.add_argument("--moe-tokens", default="1,16,64")
+    ap.add_argument("--align-tokens", default="16,256,4096", help="T (T x top-k entries)")
+    ap.add_argument("--align-experts", default="66,64")
+    ap.add_argument("--align-top-k", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="also time launch configs")
     ap.add_argument("--skip-mla", action="store_true")
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--skip-align", action="store_true")
     ap.add_argument("--out", default="bench_mla_moe_kernels.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     mla = [] if args.skip_mla else mla_rows(args, bandwidth, device)
     moe = [] if args.skip_moe else moe_rows(args, bandwidth, device)
+    align = [] if args.skip_align else align_rows(args, device)
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
-              "date": time.strftime("%Y-%m-%d"), "mla": mla, "moe": moe}
+              "date": time.strftime("%Y-%m-%d"), "mla": mla, "moe": moe, "align": align}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
@@ -226,6 +358,11 @@ def main():
     for r in sorted(moe, key=lambda r: (r["tokens"], r["us"])):
         print(f"{r['kernel']:44} {r['tokens']:5} {r['experts_touched']:7} {r['us']:9.1f} "
               f"{r['GBps']:7.0f} {100 * r['fraction_of_copy']:6.1f}")
+    print(f"\n{'MoE alignment (one call)':44} {'E':>3} {'T':>5} {'entries':>7} {'bm':>3} "
+          f"{'us':>9}")
+    for r in sorted(align, key=lambda r: (r["experts"], r["tokens"], r["us"])):
+        print(f"{r['kernel']:44} {r['experts']:3} {r['tokens']:5} {r['entries']:7} "
+              f"{r['block_m']:3} {r['us']:9.1f}")
 
 
 if __name__ == "__main__":

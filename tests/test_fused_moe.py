@@ -2,13 +2,16 @@
 interpreter on the CPU (tiny shapes, fp32) and, marked `gpu`, at DeepSeek shapes in bf16."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from specserve.engine.layers.fused_moe_triton import (  # noqa: E402
-    MoEConfig, align_entries_by_expert, fused_experts)
+    MoEConfig, align_entries_by_expert, align_plan, fused_experts)
 from specserve.engine.layers.moe import fused_experts as torch_fused_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,6 +64,94 @@ def test_align_entries_by_expert(num_tokens, num_experts, top_k):
     assert (sorted_entries[start:] == num_entries).all()
 
 
+def reference_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The layout in torch: expert e's entries in increasing order from the end of the runs
+    before it, each run padded to a multiple of block_m with the sentinel num_entries, then
+    sentinels up to the host bound; a block's expert is the count of runs ending at or before
+    it (num_experts past the total)."""
+    flat = topk_ids.reshape(-1).cpu().long()
+    num_entries = flat.numel()
+    max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
+    max_padded = (max_padded + block_m - 1) // block_m * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    sorted_entries = torch.full((max_padded,), num_entries, dtype=torch.int32)
+    order = torch.sort(flat, stable=True).indices.int()
+    for expert in range(num_experts):
+        start = int(ends[expert] - padded[expert])
+        sorted_entries[start:start + counts[expert]] = order[flat[order.long()] == expert]
+    block_rows = torch.arange(0, max_padded, block_m)
+    block_experts = (ends[None, :] <= block_rows[:, None]).sum(1).int()
+    return sorted_entries, block_experts, int(padded.sum())
+
+
+def check_alignment(topk_ids, num_experts, block_m, plan=None):
+    alignment = align_entries_by_expert(topk_ids.to(DEVICE), num_experts, block_m, plan)
+    sorted_entries, block_experts, num_padded = reference_alignment(topk_ids, num_experts, block_m)
+    assert int(alignment.num_padded) == num_padded
+    assert torch.equal(alignment.sorted_entries.cpu(), sorted_entries)
+    assert torch.equal(alignment.block_experts.cpu(), block_experts)
+
+
+def random_ids(num_entries: int, num_experts: int, seed: int, experts=None) -> torch.Tensor:
+    """Ids drawn with repeats (a tile holds runs of the same expert), from `experts` if given."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.arange(num_experts) if experts is None else torch.as_tensor(experts)
+    return pool[torch.randint(len(pool), (num_entries,), generator=gen)].view(-1, 1)
+
+
+# One program in one launch (16 x 8: a decode step with 2 shared slots), a non-multiple of
+# the tile, several programs, and a prefill's many programs of several tiles each.
+@pytest.mark.parametrize("num_entries", [128, 222, 1000, 40000])
+@pytest.mark.parametrize("num_experts", [64, 66, 128, 160, 256])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_align_matches_reference(num_entries, num_experts, block_m):
+    if num_entries == 40000 and block_m != 64:
+        pytest.skip("the interpreter's slowest case: one block size is enough")
+    plan = align_plan(num_entries, num_experts)
+    assert (plan.num_programs == 1) == (num_entries <= 4 * plan.block_t)
+    if num_entries == 40000:
+        assert plan.tiles > 1 and plan.num_programs > 64
+    check_alignment(random_ids(num_entries, num_experts, num_entries + num_experts),
+                    num_experts, block_m)
+
+
+@pytest.mark.parametrize("num_experts", [64, 66, 256])
+@pytest.mark.parametrize("plan_args", [
+    dict(block_t=16, max_programs=128),   # many one-tile programs: the count table in steps
+    dict(block_t=16, max_programs=7),     # few programs of many tiles, the last one partial
+    dict(block_t=16, single_program_tiles=64),  # one program looping over its tiles
+])
+def test_align_plans(num_experts, plan_args):
+    num_entries = 16 * 125 + 3
+    plan = align_plan(num_entries, num_experts, **plan_args)
+    check_alignment(random_ids(num_entries, num_experts, 11), num_experts, 16, plan)
+
+
+@pytest.mark.parametrize("num_entries", [5, 300, 3000])
+@pytest.mark.parametrize("expert", [0, 65])
+def test_align_all_entries_on_one_expert(num_entries, expert):
+    ids = torch.full((num_entries, 1), expert, dtype=torch.int32)
+    check_alignment(ids, 66, 16)
+    check_alignment(ids, 66, 16, align_plan(num_entries, 66, block_t=16, max_programs=9))
+
+
+@pytest.mark.parametrize("num_entries", [40, 2000])
+def test_align_empty_experts(num_entries):
+    """Most experts get nothing: the even ones, or the last two (the shared slots) alone."""
+    check_alignment(random_ids(num_entries, 66, 12, experts=range(0, 66, 2)), 66, 32)
+    check_alignment(random_ids(num_entries, 66, 13, experts=[64, 65]), 66, 16)
+
+
+def test_align_int64_ids_and_no_entries():
+    ids = torch.rand(50, 66, generator=torch.Generator().manual_seed(14)).topk(8, 1).indices
+    assert ids.dtype == torch.int64
+    check_alignment(ids, 66, 16)
+    alignment = align_entries_by_expert(ids[:0].to(DEVICE), 66, 16)
+    assert alignment.sorted_entries.numel() == 0 and int(alignment.num_padded) == 0
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5, 24])
 @pytest.mark.parametrize("num_experts,top_k", [(4, 2), (6, 2)])
 def test_fused_experts_matches_reference(num_tokens, num_experts, top_k):
@@ -94,6 +185,43 @@ def test_fused_experts_empty_batch():
     gen = torch.Generator().manual_seed(4)
     x, w13, w2, topk_weights, topk_ids = random_moe(0, 4, 2, 32, 16, gen)
     assert fused_experts(x, w13, w2, topk_weights, topk_ids).shape == (0, 32)
+
+
+_COMPILE_ALIGN_FOR_SM90 = """
+import torch
+from specserve.engine.layers import fused_moe_triton as F
+from sm90_compile import compile_sm90, t
+
+i32, i64 = torch.int32, torch.int64
+# A decode step (16 x 8 entries: one program), V2-Lite's NextN verify at batch 64 (256 x 8,
+# 66 experts with the shared slots), and prefills (many programs of several tiles) up to
+# V3's 256 experts, as align_entries_by_expert launches them.
+for entries, experts, block_m in ((16 * 8, 66, 16), (256 * 8, 66, 16), (256 * 8, 64, 32),
+                                  (4096 * 8, 66, 64), (4096 * 8, 256, 64)):
+    plan = F.align_plan(entries, experts)
+    max_padded, rows, constants = F._align_sizes(entries, experts, block_m, plan)
+    if not constants["COUNT_HERE"]:
+        compile_sm90(F._align_count_kernel, dict(
+            topk_ids=t(i64), chunk_counts=t(i32), num_entries=entries, NUM_EXPERTS=experts,
+            BLOCK_E=constants["BLOCK_E"], BLOCK_T=plan.block_t, TILES=plan.tiles),
+            plan.num_warps, 1)
+    compile_sm90(F._align_scatter_kernel, dict(
+        topk_ids=t(i64), chunk_counts=t(i32), sorted_entries=t(i32), block_experts=t(i32),
+        num_padded=t(i32), num_entries=entries, max_padded=max_padded, rows_per_program=rows,
+        **constants), plan.num_warps, 1)
+    print("compiled align", entries, experts, block_m, plan)
+"""
+
+
+def test_align_kernels_compile_for_hopper():
+    """What the interpreter cannot show: the compiler accepts both alignment kernels (the
+    [BLOCK_T, BLOCK_T] rank tile, the one-hot gathers) at the launched shapes."""
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_ALIGN_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 5, done.stdout
 
 
 # ---------------------------------------------------------------------------------------------

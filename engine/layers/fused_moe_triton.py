@@ -1,15 +1,21 @@
 """Fused MoE experts in Triton (CUDA; the interpreter runs them on the CPU in tests).
 
 `fused_experts` computes, for every token t with routed experts e_1..e_k and weights w_j,
-`sum_j w_j * W2[e_j] @ (silu(W_gate[e_j] @ x_t) * (W_up[e_j] @ x_t))` in three launches:
+`sum_j w_j * W2[e_j] @ (silu(W_gate[e_j] @ x_t) * (W_up[e_j] @ x_t))` in three steps:
 
-1. `_align_kernel` (one program) sorts the T*k (token, expert) entries by expert on the
-   device: expert e's entries occupy rows `[start_e, start_e + count_e)` of `sorted_entries`,
-   each expert's run padded to a multiple of BLOCK_M with a sentinel, and `block_experts[b]`
-   names the expert of row block b. The padded total stays on the device; the grids are sized
-   from the host bound `T*k + min(E, T*k) * (BLOCK_M - 1)` and blocks past the total exit at
-   once, so nothing waits on the host and a CUDA graph captured at a fixed T replays for any
-   routing.
+1. The alignment sorts the T*k (token, expert) entries by expert on the device: expert e's
+   entries occupy rows `[start_e, start_e + count_e)` of `sorted_entries` in their original
+   order, each expert's run padded to a multiple of BLOCK_M with a sentinel, and
+   `block_experts[b]` names the expert of row block b. It runs over chunks of entries in
+   parallel (`align_plan`): `_align_count_kernel` stores each chunk's entries per expert in a
+   [chunks, E] table; `_align_scatter_kernel` then gives each chunk's entries their rows (the
+   expert's padded start, plus its entries in earlier chunks, plus the entry's rank among
+   its chunk's entries of that expert) and stores, on disjoint rows, the padding sentinels
+   and block experts. A few hundred entries or fewer (decode) run as one scatter program that
+   counts its own entries, in one launch. The padded total stays on the device; the grids are
+   sized from the host bound `T*k + min(E, T*k) * (BLOCK_M - 1)` and blocks past the total
+   exit at once, so nothing waits on the host and a CUDA graph captured at a fixed T replays
+   for any routing.
 2. `_grouped_gemm_kernel` (gated): every row block multiplies its tokens' hidden states by its
    expert's gate and up rows at once (two accumulators over the same A tile) and stores
    silu(gate) * up, one row per entry.
@@ -70,72 +76,207 @@ class ExpertAlignment(NamedTuple):
     num_padded: torch.Tensor       # [1] int32, rows in use (a multiple of block_m)
 
 
+class AlignPlan(NamedTuple):
+    """How `align_entries_by_expert` splits the entries: programs of `tiles` tiles of
+    `block_t` entries each. One program (`num_programs == 1`) counts its own entries in one
+    launch; more run a counting launch first."""
+
+    block_t: int        # entries a tile: the [block_t, block_t] rank and one-hot tiles' rows
+    tiles: int          # tiles a program
+    num_programs: int
+    num_warps: int
+
+
+# Entries a tile: a program's [BLOCK_T, BLOCK_T] rank tile and [BLOCK_T, BLOCK_E] one-hot
+# tile stay small (at most 8192 elements: BLOCK_T halves for E past 128), so a program costs
+# a few loads and reductions and a call costs about one program once they run side by side.
+# The expert axis is E's next power of two (128 lanes for 66 experts: V2-Lite's 64 and its 2
+# shared slots); only those two tiles and the vectors over experts see it, not the
+# entries' ranks, so it is not tiled. At most ALIGN_MAX_PROGRAMS programs: each reads the
+# whole [programs, E] count table, so past about an H100's SM count a program takes more
+# tiles instead.
+ALIGN_BLOCK_T = 64
+ALIGN_MAX_PROGRAMS = 128
+# Up to this many tiles of entries (a decode step's tens to a few hundred entries) run as one
+# program that counts its own entries: one launch instead of two.
+ALIGN_SINGLE_PROGRAM_TILES = 4
+
+
+def align_plan(num_entries: int, num_experts: int, block_t: int = ALIGN_BLOCK_T,
+               max_programs: int = ALIGN_MAX_PROGRAMS,
+               single_program_tiles: int = ALIGN_SINGLE_PROGRAM_TILES) -> AlignPlan:
+    """The split of `num_entries` (a function of T and k only, so fixed in a captured graph)."""
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(16, min(block_t, triton.next_power_of_2(max(num_entries, 1)),
+                          max(16, 8192 // block_e)))
+    num_tiles = max(1, triton.cdiv(num_entries, block_t))
+    if num_tiles <= single_program_tiles:
+        tiles, num_programs = num_tiles, 1
+    else:
+        tiles = triton.next_power_of_2(triton.cdiv(num_tiles, max_programs))
+        num_programs = triton.cdiv(num_tiles, tiles)
+    tile = block_t * max(block_t, block_e)
+    num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4 if tile <= 8192 else 8
+    return AlignPlan(block_t, tiles, num_programs, num_warps)
+
+
 @triton.jit
-def _align_kernel(topk_ids, sorted_entries, block_experts, num_padded, num_entries,
-                  max_padded, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+def _chunk_histogram(topk_ids, start, num_entries, BLOCK_E: tl.constexpr,
+                     BLOCK_T: tl.constexpr, TILES: tl.constexpr):
+    """Entries per expert among the TILES * BLOCK_T entries from `start` (one-hot rows
+    summed; lanes past the experts count nothing)."""
     offs_e = tl.arange(0, BLOCK_E)
     offs_t = tl.arange(0, BLOCK_T)
-    # Entries per expert, as a histogram over chunks of entries (one-hot rows summed).
     counts = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_entries, BLOCK_T):
-        entries = start + offs_t
+    for tile in range(TILES):
+        entries = start + tile * BLOCK_T + offs_t
         experts = tl.load(topk_ids + entries, mask=entries < num_entries, other=-1)
         counts += tl.sum((experts[:, None] == offs_e[None, :]).to(tl.int32), 0)
+    return counts
+
+
+@triton.jit
+def _align_count_kernel(topk_ids, chunk_counts, num_entries, NUM_EXPERTS: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr):
+    """Row `chunk` of the [programs, E] count table: the entries per expert of this program's
+    TILES * BLOCK_T entries (plain stores: each program owns its row)."""
+    chunk = tl.program_id(0)
+    counts = _chunk_histogram(topk_ids, chunk * TILES * BLOCK_T, num_entries, BLOCK_E,
+                              BLOCK_T, TILES)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(chunk_counts + chunk * NUM_EXPERTS + offs_e, counts, mask=offs_e < NUM_EXPERTS)
+
+
+@triton.jit
+def _align_scatter_kernel(topk_ids, chunk_counts, sorted_entries, block_experts, num_padded,
+                          num_entries, max_padded, rows_per_program,
+                          NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_T: tl.constexpr, TILES: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                          COUNT_HERE: tl.constexpr):
+    """Program `chunk` stores the sorted rows of its TILES * BLOCK_T entries, the padding
+    sentinels of the experts e with e % programs == chunk, and the tail sentinels and block
+    experts of its `rows_per_program` rows. Entry rows and padding rows are disjoint, so the
+    programs need no order among them. COUNT_HERE (one program): the counts come from the
+    entries themselves, not from the count table."""
+    chunk = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    is_expert = offs_e < NUM_EXPERTS
+    first = chunk * TILES * BLOCK_T
+    offs_t = tl.arange(0, BLOCK_T)
+    # The first tile's experts, loaded before the counts so that the two loads overlap.
+    experts = tl.load(topk_ids + first + offs_t, mask=first + offs_t < num_entries,
+                      other=-1).to(tl.int32)
+    if COUNT_HERE:
+        counts = _chunk_histogram(topk_ids, 0, num_entries, BLOCK_E, BLOCK_T, TILES)
+        before = tl.zeros([BLOCK_E], tl.int32)
+    else:
+        # Every expert's total, and its entries in the chunks before this one (a column sum
+        # over the earlier rows of the count table).
+        counts = tl.zeros([BLOCK_E], tl.int32)
+        before = tl.zeros([BLOCK_E], tl.int32)
+        offs_c = tl.arange(0, BLOCK_C)
+        for c_start in range(0, num_programs, BLOCK_C):
+            chunks = c_start + offs_c
+            table = tl.load(chunk_counts + chunks[:, None] * NUM_EXPERTS + offs_e[None, :],
+                            mask=(chunks < num_programs)[:, None] & is_expert[None, :], other=0)
+            counts += tl.sum(table, 0)
+            before += tl.sum(tl.where((chunks < chunk)[:, None], table, 0), 0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    tl.store(num_padded, tl.sum(padded, 0))
+    starts = ends - padded
+    total = tl.sum(padded, 0)
 
-    # Row block b belongs to the first expert whose run ends past it (the count of runs that
-    # end at or before it); blocks past the total are never read.
-    for start in range(0, max_padded // BLOCK_M, BLOCK_T):
-        blocks = start + offs_t
-        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(block_experts + blocks, owner, mask=blocks < max_padded // BLOCK_M)
+    # An entry's row: its expert's start, plus that expert's entries in earlier chunks and
+    # earlier tiles (`seen`, gathered through the one-hot row), plus its rank in its tile
+    # (the same expert's entries before it: a [BLOCK_T, BLOCK_T] comparison summed).
+    earlier = offs_t[None, :] < offs_t[:, None]
+    seen = starts + before
+    for tile in range(TILES):
+        entries = first + tile * BLOCK_T + offs_t
+        onehot = experts[:, None] == offs_e[None, :]
+        base = tl.sum(tl.where(onehot, seen[None, :], 0), 1)
+        rank = tl.sum(((experts[:, None] == experts[None, :]) & earlier).to(tl.int32), 1)
+        tl.store(sorted_entries + base + rank, entries, mask=entries < num_entries)
+        if TILES > 1:
+            seen += tl.sum(onehot.to(tl.int32), 0)
+            following = entries + BLOCK_T
+            experts = tl.load(topk_ids + following, mask=following < num_entries,
+                              other=-1).to(tl.int32)
 
-    for start in range(0, max_padded, BLOCK_T):
-        rows = start + offs_t
-        tl.store(sorted_entries + rows, tl.zeros([BLOCK_T], tl.int32) + num_entries,
-                 mask=rows < max_padded)
-    tl.debug_barrier()  # the padding sentinels land before the entries that overwrite them
+    # The padding rows closing this program's experts' runs (fewer than BLOCK_M each).
+    offs_m = tl.arange(0, BLOCK_M)
+    mine = is_expert & (offs_e % num_programs == chunk)
+    tl.store(sorted_entries + (starts + counts)[:, None] + offs_m[None, :],
+             tl.zeros([BLOCK_E, BLOCK_M], tl.int32) + num_entries,
+             mask=mine[:, None] & (offs_m[None, :] < (padded - counts)[:, None]))
+    if chunk == 0:
+        tl.store(num_padded, total)
 
-    # Each entry goes to its expert's start + the number of that expert's entries before it
-    # (earlier chunks: `seen`; this chunk: an exclusive prefix sum of the one-hot rows).
-    seen = ends - padded
-    for start in range(0, num_entries, BLOCK_T):
-        entries = start + offs_t
-        valid = entries < num_entries
-        experts = tl.load(topk_ids + entries, mask=valid, other=-1)
-        onehot = (experts[:, None] == offs_e[None, :]).to(tl.int32)
-        earlier = tl.cumsum(onehot, 0) - onehot
-        rows = tl.sum(onehot * (earlier + seen[None, :]), 1)
-        tl.store(sorted_entries + rows, entries, mask=valid)
-        seen += tl.sum(onehot, 0)
+    # This program's share of the rows: sentinels past the total, and each block's expert
+    # (the count of runs that end at or before it: NUM_EXPERTS for blocks past the total,
+    # which are never read).
+    row_start = chunk * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, max_padded)
+    offs_r = tl.arange(0, BLOCK_R)
+    for r_start in range(row_start, row_end, BLOCK_R):
+        rows = r_start + offs_r
+        tl.store(sorted_entries + rows, tl.zeros([BLOCK_R], tl.int32) + num_entries,
+                 mask=(rows >= total) & (rows < row_end))
+    offs_b = tl.arange(0, BLOCK_B)
+    for b_start in range(row_start // BLOCK_M, row_end // BLOCK_M, BLOCK_B):
+        blocks = b_start + offs_b
+        owner = tl.sum(((ends[None, :] <= (blocks * BLOCK_M)[:, None])
+                        & is_expert[None, :]).to(tl.int32), 1)
+        tl.store(block_experts + blocks, owner, mask=blocks < row_end // BLOCK_M)
 
 
-def align_entries_by_expert(topk_ids: torch.Tensor, num_experts: int,
-                            block_m: int) -> ExpertAlignment:
-    """Sort the flattened `topk_ids` [T, k] entries by expert, each expert's run padded to a
-    multiple of `block_m`, without reading anything back to the host."""
-    num_entries = topk_ids.numel()
+def _align_sizes(num_entries: int, num_experts: int, block_m: int,
+                 plan: AlignPlan) -> tuple[int, int, dict]:
+    """The host bound on the padded rows, the rows a program covers for the tail sentinels
+    and block experts (whole blocks), and the scatter kernel's constants."""
     max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
     max_padded = triton.cdiv(max_padded, block_m) * block_m
+    rows_per_program = triton.cdiv(max_padded // block_m, plan.num_programs) * block_m
+    block_e = triton.next_power_of_2(num_experts)
+    constants = dict(
+        NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_T=plan.block_t, TILES=plan.tiles,
+        BLOCK_C=max(1, min(triton.next_power_of_2(plan.num_programs), 8192 // block_e)),
+        BLOCK_M=block_m, BLOCK_R=max(16, min(1024, triton.next_power_of_2(rows_per_program))),
+        BLOCK_B=max(16, min(triton.next_power_of_2(max(rows_per_program // block_m, 1)),
+                            8192 // block_e)),
+        COUNT_HERE=plan.num_programs == 1)
+    return max_padded, rows_per_program, constants
+
+
+def align_entries_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                            plan: Optional[AlignPlan] = None) -> ExpertAlignment:
+    """Sort the flattened `topk_ids` [T, k] entries by expert, each expert's run padded to a
+    multiple of `block_m`, without reading anything back to the host. Every size here is a
+    function of T, k, E and block_m (`plan`: `align_plan`'s, or a bench's alternative)."""
+    num_entries = topk_ids.numel()
+    plan = plan or align_plan(num_entries, num_experts)
+    assert plan.num_programs * plan.tiles * plan.block_t >= num_entries
+    max_padded, rows_per_program, constants = _align_sizes(num_entries, num_experts, block_m,
+                                                           plan)
     device = topk_ids.device
     sorted_entries = torch.empty(max_padded, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(num_experts)
-    # The [BLOCK_T, BLOCK_E] one-hot tile: at most about 16k elements, and no taller than the
-    # entries need. One program runs it, so a decode step's few entries must not pay for a
-    # prefill-sized tile: with 256-row tiles this kernel took 38 us a layer for 24 entries
-    # on an H100 (bench/step_profile.py, DeepSeek-V2-Lite chain).
-    block_t = max(16, min(triton.next_power_of_2(num_entries), 16384 // block_e, 256))
-    tile = block_t * block_e
-    num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4 if tile < 16384 else 8
-    _align_kernel[(1,)](
-        topk_ids.reshape(-1), sorted_entries, block_experts, num_padded, num_entries,
-        max_padded, NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_T=block_t,
-        BLOCK_M=block_m, num_warps=num_warps)
+    topk_ids = topk_ids.reshape(-1)
+    # The count table (a row a program), or any int32 tensor where one program counts alone.
+    chunk_counts = num_padded
+    if not constants["COUNT_HERE"]:
+        chunk_counts = torch.empty(plan.num_programs, num_experts, dtype=torch.int32,
+                                   device=device)
+        _align_count_kernel[(plan.num_programs,)](
+            topk_ids, chunk_counts, num_entries, NUM_EXPERTS=num_experts,
+            BLOCK_E=constants["BLOCK_E"], BLOCK_T=plan.block_t, TILES=plan.tiles,
+            num_warps=plan.num_warps)
+    _align_scatter_kernel[(plan.num_programs,)](
+        topk_ids, chunk_counts, sorted_entries, block_experts, num_padded, num_entries,
+        max_padded, rows_per_program, **constants, num_warps=plan.num_warps)
     return ExpertAlignment(sorted_entries, block_experts, num_padded)
 
 
