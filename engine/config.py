@@ -246,7 +246,7 @@ class EngineConfig:
     # decode step, so decode streams never wait behind two extends in a row. With nobody
     # decoding, an extend is bounded by chunked_prefill_size only. 0 turns it off (prefill
     # first: extends back to back while prompts wait).
-    prefill_interleave_tokens: int = 512
+    prefill_interleave_tokens: int = 1024
     max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_overlap: bool = True
     spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off

@@ -253,7 +253,7 @@ def test_outputs_equal_the_rule_off_under_retraction(pair, make_engine, overlap,
 
 # --- configuration -------------------------------------------------------------------------
 def test_the_option_is_on_by_default_and_negative_is_refused():
-    assert EngineConfig().prefill_interleave_tokens == 512
+    assert EngineConfig().prefill_interleave_tokens == 1024
     assert EngineConfig(prefill_interleave_tokens=0).prefill_interleave_tokens == 0
     for bad in (-1, 1.5, "8"):
         with pytest.raises(ValueError, match="prefill_interleave_tokens"):
@@ -266,7 +266,7 @@ def test_the_cli_flag(capsys):
     def config(*flags):
         return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
 
-    assert config().prefill_interleave_tokens == 512
+    assert config().prefill_interleave_tokens == 1024
     assert config("--prefill-interleave-tokens", "0").prefill_interleave_tokens == 0
     assert config("--prefill-interleave-tokens", "64").prefill_interleave_tokens == 64
     with pytest.raises(SystemExit) as exit_info:
