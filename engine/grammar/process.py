@@ -3,8 +3,8 @@ its own, so that mask work never shares the scheduler's GIL (issue E23: run as C
 callbacks in the engine process, the matcher calls fought the scheduler thread for the GIL and
 a bs=16 constrained step took 1.45x an unconstrained one).
 
-Engine side, `GrammarService` (one per rank, built with the scheduler; the process starts with
-the first constrained request):
+Engine side, `GrammarService` (one per rank, built with the scheduler; the process starts in
+the background then, forked from a forkserver that preloaded torch and xgrammar):
 * control messages in launch order over a pipe, never waited on: `add` (compile a request's
   grammar, make its matcher), `plan` (per launched constrained step: which batch rows are
   which requests, and the step's kind), `drop` (finished or aborted);
@@ -94,7 +94,7 @@ class _Server:
         self.conn = conn
         self.compiler = GrammarCompiler(setup.tokenizer_file, setup.vocab_size, setup.eos_ids)
         self.requests: dict = {}
-        self.seq = int(views.header[HOST_FLAG])
+        self.seq = 0   # phases answered (the device counts from 0 as well)
         self._send_lock = threading.Lock()
         self._parent = os.getppid()
         self._scratch = torch.empty((1, setup.layout.width), dtype=torch.int32)
@@ -242,16 +242,25 @@ class GrammarService:
         self._closing = False
         self.dead = False
         self._inbox: collections.deque = collections.deque()
+        # Started off the scheduler thread (a cold forkserver imports torch: seconds); the
+        # first message waits for it.
+        self._starting = threading.Thread(target=self._start, daemon=True, name="specserve-grammar-start")
+        self._starting.start()
 
     # --- the process's life ------------------------------------------------------------------
     def _start(self) -> None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=run_grammar_process, args=(self.setup, child), daemon=True,
-                                 name="specserve-grammar")
-        self._proc.start()
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=run_grammar_process, args=(self.setup, child), daemon=True,
+                           name="specserve-grammar")
+        try:
+            proc.start()
+        except Exception:
+            logger.exception("the grammar process did not start: constrained requests fail")
+            return
         child.close()
+        self._conn, self._proc = conn, proc
         threading.Thread(target=self._watch, args=(self._proc,), daemon=True,
                          name="specserve-grammar-watch").start()
 
@@ -264,13 +273,18 @@ class GrammarService:
 
     @property
     def started(self) -> bool:
-        return self._proc is not None
+        """Anything was sent (messages may come back)."""
+        return self._starting is None
 
     def _send(self, msg) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+            if self._proc is None:
+                self.dead = True
+                self.views.release()
         if self.dead:
             return
-        if self._proc is None:
-            self._start()
         try:
             self._conn.send(msg)
         except (BrokenPipeError, OSError):
@@ -291,8 +305,7 @@ class GrammarService:
         self._send(("plan", kind, rows, [(b, key) for b, key in enumerate(keys) if key is not None]))
 
     def drop(self, key) -> None:
-        if self._proc is not None:
-            self._send(("drop", key))
+        self._send(("drop", key))
 
     def poll(self, timeout: float = 0.0) -> list:
         """Messages from the process (compiled, error), waiting up to `timeout` for the first."""
@@ -310,8 +323,6 @@ class GrammarService:
 
     def stats(self, timeout: float = 10.0) -> dict:
         """What the process holds (tests): {"requests": live matchers, "phase": answered}."""
-        if self._proc is None:
-            return {"requests": 0, "phase": 0}
         self._send(("stats",))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -324,6 +335,8 @@ class GrammarService:
 
     def close(self) -> None:
         self._closing = True
+        if self._starting is not None:
+            self._starting.join()
         if self._proc is not None:
             if self._proc.is_alive():
                 try:

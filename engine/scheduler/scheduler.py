@@ -180,7 +180,11 @@ class Scheduler:
 
     def _launch(self, decision: Decision) -> Launched:
         sampling = self._sampling_info(decision.reqs)
-        keys = [r.serial if r.grammar is not None else None for r in decision.reqs]
+        # The rows whose sampled token counts: a prefill chunk that does not end its prefill
+        # samples nothing its matcher may see.
+        samples = decision.samples if decision.mode is ForwardMode.EXTEND else [True] * len(decision.reqs)
+        keys = [r.serial if r.grammar is not None and sampled else None
+                for r, sampled in zip(decision.reqs, samples)]
         grammar = tuple(keys) if any(k is not None for k in keys) else None
         if decision.mode is ForwardMode.EXTEND:
             step = self.slots.extend_step(decision, sampling)._replace(grammar=grammar)
