@@ -373,6 +373,7 @@ def test_padded_mask_rows_allow_every_token(compiler):
     from specserve.engine.grammar.batch import GrammarBatch
     from specserve.engine.grammar.request_grammar import RequestGrammar
 
+    compiler.compile(GrammarSpec("json_object")).result()  # a plan comes only once it compiled
     g = RequestGrammar(compiler.compile(GrammarSpec("json_object")), [EOS], None)
     masks = torch.zeros((8, 10), dtype=torch.int32)  # what an earlier, larger batch left
     # A padded bucket of 4 rows, the request in row 1.

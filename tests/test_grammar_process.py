@@ -58,7 +58,8 @@ def test_mixed_batch_under_overlap_equals_each_request_alone(pair, make_engine, 
     batch was launched (the scheduler never waits for a constrained step)."""
     prompts = random_prompts(6, seed=21, max_len=12)
     params = _mixed_params(6)
-    engine = make_engine(pair[0], spec=_spec(pair[1], shape), enable_overlap=True)
+    # A full batch: the channel's slots and mask rows are sized for exactly this many.
+    engine = make_engine(pair[0], spec=_spec(pair[1], shape), enable_overlap=True, max_running_requests=6)
     alone = [engine.generate(prompt_token_ids=[p], sampling=s)[0].token_ids for p, s in zip(prompts, params)]
     seen = _record_processing(monkeypatch, engine.core.scheduler)
     outs = engine.generate(prompt_token_ids=prompts, sampling=params)

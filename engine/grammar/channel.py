@@ -59,9 +59,9 @@ class ChannelLayout(NamedTuple):
             return ChannelLayout(max_batch_size, bitmask_width(vocab_size), max_batch_size)
         k, n, D = tree.topk, tree.num_steps, tree.num_draft_tokens
         # The widest input per request: a draft level's candidates (tokens, parents, frontier),
-        # a verify tree (tokens and parents of D - 1 nodes), accepted tokens (D and a length).
+        # a verify tree (tokens and parents of its D nodes), accepted tokens (D and a length).
         candidates = max(n - 1, 1) if k == 1 else k + max(n - 2, 0) * k * k
-        per_row = max(2 * candidates + k, 2 * (D - 1), D + 1)
+        per_row = max(2 * candidates + k, 2 * D, D + 1)
         return ChannelLayout(max_batch_size * max(D, k), bitmask_width(vocab_size), max_batch_size * per_row)
 
     @property

@@ -4,7 +4,10 @@ callbacks in the engine process, the matcher calls fought the scheduler thread f
 a bs=16 constrained step took 1.45x an unconstrained one).
 
 Engine side, `GrammarService` (one per rank, built with the scheduler; the process starts in
-the background then, forked from a forkserver that preloaded torch and xgrammar):
+the background with the first constrained request, forked from a forkserver that preloaded
+torch and xgrammar; messages sent meanwhile wait for it, and the request waits for its
+grammar anyway. Like any spawned process, it needs the main module's `if __name__ ==
+"__main__"` guard):
 * control messages in launch order over a pipe, never waited on: `add` (compile a request's
   grammar, make its matcher), `plan` (per launched constrained step: which batch rows are
   which requests, and the step's kind), `drop` (finished or aborted);
@@ -242,13 +245,13 @@ class GrammarService:
         self._closing = False
         self.dead = False
         self._inbox: collections.deque = collections.deque()
-        # Started off the scheduler thread (a cold forkserver imports torch: seconds); the
-        # first message waits for it.
-        self._starting = threading.Thread(target=self._start, daemon=True, name="specserve-grammar-start")
-        self._starting.start()
+        self._lock = threading.Lock()     # orders sends: messages queued while it starts go first
+        self._queued: list = []
+        self._starting: Optional[threading.Thread] = None
 
     # --- the process's life ------------------------------------------------------------------
     def _start(self) -> None:
+        """Off the scheduler thread (a cold forkserver imports torch: seconds)."""
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         conn, child = ctx.Pipe()
@@ -258,9 +261,19 @@ class GrammarService:
             proc.start()
         except Exception:
             logger.exception("the grammar process did not start: constrained requests fail")
+            with self._lock:
+                self.dead = True
+                self.views.release()
             return
         child.close()
-        self._conn, self._proc = conn, proc
+        with self._lock:
+            try:
+                for msg in self._queued:
+                    conn.send(msg)
+            except (BrokenPipeError, OSError):
+                pass  # the watcher marks it dead
+            self._queued = []
+            self._conn, self._proc = conn, proc
         threading.Thread(target=self._watch, args=(self._proc,), daemon=True,
                          name="specserve-grammar-watch").start()
 
@@ -274,21 +287,23 @@ class GrammarService:
     @property
     def started(self) -> bool:
         """Anything was sent (messages may come back)."""
-        return self._starting is None
+        return self._starting is not None
 
     def _send(self, msg) -> None:
-        if self._starting is not None:
-            self._starting.join()
-            self._starting = None
-            if self._proc is None:
-                self.dead = True
-                self.views.release()
-        if self.dead:
-            return
-        try:
-            self._conn.send(msg)
-        except (BrokenPipeError, OSError):
-            pass  # the watcher marks it dead
+        with self._lock:
+            if self.dead:
+                return
+            if self._conn is None:
+                self._queued.append(msg)
+                if self._starting is None:
+                    self._starting = threading.Thread(target=self._start, daemon=True,
+                                                      name="specserve-grammar-start")
+                    self._starting.start()
+                return
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError):
+                pass  # the watcher marks it dead
 
     # --- control messages --------------------------------------------------------------------
     def add(self, key, spec: GrammarSpec, stop_ids) -> GrammarState:
@@ -309,7 +324,9 @@ class GrammarService:
 
     def poll(self, timeout: float = 0.0) -> list:
         """Messages from the process (compiled, error), waiting up to `timeout` for the first."""
-        if self._conn is not None and not self.dead:
+        if self._conn is None:
+            time.sleep(timeout)   # still starting
+        elif not self.dead:
             try:
                 if self._conn.poll(timeout):
                     while self._conn.poll():
@@ -321,9 +338,10 @@ class GrammarService:
         self._inbox = collections.deque(stats)
         return out
 
-    def stats(self, timeout: float = 10.0) -> dict:
+    def stats(self, timeout: float = 30.0) -> dict:
         """What the process holds (tests): {"requests": live matchers, "phase": answered}."""
         self._send(("stats",))
+        self._starting.join()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._conn.poll(0.05):
