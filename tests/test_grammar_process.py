@@ -342,3 +342,43 @@ def test_gpu_constrained_equals_plain_decoding(make_engine, shape):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert engine.core.worker.constrained_graphs is not None
     assert engine.core.scheduler.grammars.device.timed_out.item() == 0
+
+
+def test_a_matcher_error_fails_only_its_request(pair, make_engine, tmp_path):
+    """A committed token the grammar refuses (a mask not applied: an engine bug) fails that
+    request in the grammar process, which says so; the scheduler then ends it (KV freed:
+    make_engine checks) and the others go on."""
+    from specserve.engine.grammar.compiler import GrammarCompiler
+    from specserve.engine.grammar.process import _Server
+    from specserve.engine.grammar.request_grammar import RequestGrammar
+
+    # The process side: advancing by a refused token marks the request failed and reports it.
+    compiler = GrammarCompiler(f"{pair[0]}/tokenizer.json", 320, [2])
+    g = RequestGrammar(compiler.compile(GrammarSpec("regex", "a+")), [2], None)
+    g.future.result()
+    sent = []
+    server = _Server.__new__(_Server)
+    server.requests = {7: g}
+    server.send = sent.append
+    server._scratch = torch.empty((1, 10), dtype=torch.int32)
+    server._commit([g], {0: [ord("a"), ord("z")]})
+    assert g.failed and not g.usable and sent == [("error", 7, g.failed)]
+    compiler.close()
+    # The engine side: the report ends the request at the next step, mid-run.
+    engine = make_engine(pair[0], spec=_spec(pair[1], CHAIN), enable_overlap=True)
+    scheduler = engine.core.scheduler
+    prompts = random_prompts(2, seed=25, max_len=10)
+    bound = SamplingParams(max_new_tokens=30, temperature=0.0, grammar=GrammarSpec("regex", "[ab]{60}"))
+    free = SamplingParams(max_new_tokens=30, temperature=0.0)
+    alone = engine.generate(prompt_token_ids=[prompts[1]], sampling=free)[0].token_ids
+    failed = []
+
+    def fail(got):
+        if not failed and len(got["c"][0]) >= 3:
+            serial = next(iter(scheduler._constrained))
+            scheduler._grammar_news([("error", serial, "token 122 is outside the grammar")])
+            failed.append(True)
+
+    got = _run(engine, {"c": (prompts[0], bound), "u": (prompts[1], free)}, fail)
+    assert failed and got["c"][1] == "abort" and got["u"] == (alone, "length")
+    assert scheduler.grammars.stats()["requests"] == 0

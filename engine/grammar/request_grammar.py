@@ -37,15 +37,6 @@ class RequestGrammar:
         return self._compiled
 
     @property
-    def ready(self) -> bool:
-        """Compiled (or failed to): the request may be scheduled."""
-        return self._compiled.done()
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._compiled.exception() if self._compiled.done() else None
-
-    @property
     def usable(self) -> bool:
         """Compiled, and no matcher error: its masks apply."""
         return self._compiled.done() and self._compiled.exception() is None and self.failed is None
@@ -74,10 +65,6 @@ class RequestGrammar:
             elif not self.matcher.accept_token(token):
                 raise RuntimeError(f"structured output: token {token} is outside the grammar "
                                    f"(the mask was not applied)")
-
-    @property
-    def is_terminated(self) -> bool:
-        return self._gate_open and self.matcher.is_terminated()
 
     # --- masks -------------------------------------------------------------------------------
     def fill_tree_masks(self, bitmask: torch.Tensor, rows: dict[int, int], tokens: Sequence[int],
