@@ -253,6 +253,31 @@ def test_released_channel_passes_every_wait():
     _close(shm, channel)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter runs on machines without CUDA")
+def test_channel_kernels_in_the_triton_interpreter():
+    """The CUDA channel's kernels (channel_kernels.py) on CPU tensors: signal writes slot
+    seq % 2 and the flags; wait passes once the host flag reaches the counter, and gives up
+    after max_spins reads otherwise, saying so."""
+    from specserve.engine.grammar import channel_kernels
+
+    ring = torch.zeros(2 * 8, dtype=torch.int64)
+    header = torch.zeros(16, dtype=torch.int64)
+    seq = torch.zeros(1, dtype=torch.int64)
+    timed_out = torch.zeros(1, dtype=torch.int32)
+    channel_kernels.signal(torch.arange(5) + 10, 5, seq, ring, header, 8)
+    assert (seq.item(), header[0].item()) == (1, 1) and ring[8:13].tolist() == [10, 11, 12, 13, 14]
+    channel_kernels.signal(torch.arange(3) * 2, 3, seq, ring, header, 8)
+    assert (seq.item(), header[0].item()) == (2, 2) and ring[:3].tolist() == [0, 2, 4]
+    channel_kernels.signal(torch.zeros(1, dtype=torch.int64), 0, seq, ring, header, 8)  # no data
+    assert (seq.item(), header[0].item()) == (3, 3) and ring[8:13].tolist() == [10, 11, 12, 13, 14]
+    header[8] = 3
+    channel_kernels.wait(header, seq, timed_out, 100)
+    assert timed_out.item() == 0
+    header[8] = 2
+    channel_kernels.wait(header, seq, timed_out, 100)
+    assert timed_out.item() == 1
+
+
 # --- on a GPU ----------------------------------------------------------------------------------
 def _read_device_writes(name: str, layout, out) -> None:
     """Another process: wait for the device's flag, report what the device wrote."""
