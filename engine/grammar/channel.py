@@ -29,7 +29,6 @@ with tensor ops, waiting in a short spin / sleep loop.
 """
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import NamedTuple, Optional
 
@@ -184,20 +183,6 @@ class _MappedArray:
                                          "version": 3, "strides": None}
 
 
-def _device_pointer(host_ptr: int) -> int:
-    """cudaHostGetDevicePointer of registered memory (the same address under UVA, the fallback)."""
-    for name in ("libcudart.so", "libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0"):
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        out = ctypes.c_void_p()
-        if lib.cudaHostGetDevicePointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0) == 0 and out.value:
-            return out.value
-        break
-    return host_ptr
-
-
 class CudaDeviceChannel(DeviceChannel):
     """The block page-locked and mapped for the device; signal and wait are Triton kernels that
     read the sequence counter from device memory (the same code replays in a graph)."""
@@ -210,7 +195,9 @@ class CudaDeviceChannel(DeviceChannel):
         if int(err) != 0:
             raise RuntimeError(f"structured output: cudaHostRegister failed ({err})")
         self._host_ptr = host_ptr
-        ptr = _device_pointer(host_ptr)
+        # Under UVA (64-bit Linux; every GPU that can use the host pointer for registered
+        # memory, Hopper included) the device addresses registered memory by its host address.
+        ptr = host_ptr
         with torch.cuda.device(device):
             self.header_d = torch.as_tensor(_MappedArray(ptr, (HEADER_WORDS,), "<i8"), device=device)
             self.inputs_d = torch.as_tensor(_MappedArray(ptr + 8 * HEADER_WORDS, (2 * layout.slot,), "<i8"),
