@@ -12,16 +12,16 @@ steps: steady-state decode step time (wall, per engine.step) of a batch of const
 (inside an endless JSON string: the costliest state to mask, and no request leaves the batch)
 vs an unconstrained batch, at bs=1 and 16, and of a mixed batch (half constrained); then, over
 steps of their own, the implicit host syncs per step (CUDA's sync debug mode counts `.item()`
-and `.tolist()` of device tensors, not waits on CUDA events such as the masks' reads). A
-constrained batch runs without overlap (engine/scheduler/scheduler.py): its syncs per step are
-the result wait plus one short copy per draft step and one for the verify tree, each waited
-for while the forward that needs the masks runs. `--shape llama-8b` runs a launched shape
-(random weights, the demo tokenizer) instead of the demo pair.
+and `.tolist()` of device tensors, not waits on CUDA events). Constrained batches keep the
+overlap loop: the grammar process (engine/grammar/process.py) makes the masks and the device
+waits for them itself, so their syncs per step are the unconstrained ones. `--shape llama-8b`
+runs a launched shape (random weights, the demo tokenizer) instead of the demo pair.
 
-masks: the host time of a constrained chain step's mask work (num_steps 3), per batch size:
-the committed masks (first draft level), two draft steps' frontier masks and the verify masks of
-the 4-node chain, on the demo tokenizer with a JSON schema, inside a free-text string (the
-costliest state to mask).
+masks: the grammar process's time for a constrained chain step's mask work (num_steps 3), per
+batch size: the committed masks (first draft level), two draft steps' frontier masks and the
+verify masks of the 4-node chain, on the demo tokenizer with a JSON schema, inside a free-text
+string (the costliest state to mask); memos cleared each step (in the engine the committed mask
+is filled during the previous step's draft-extend).
 """
 from __future__ import annotations
 
@@ -194,20 +194,21 @@ def masks(args) -> dict:
         grammars = [RequestGrammar(compiler.compile(spec), [1], None) for _ in range(bs)]
         for g in grammars:
             g.advance(prefix)
-        drafted = torch.tensor([words] * bs)
-        chain = torch.arange(-1, 2).expand(bs, 3)
-        tree_tokens = torch.tensor([[prefix[-1]] + words] * bs)
-        tree_parents = torch.arange(-1, 3).expand(bs, 4)
+        out = torch.empty((bs * 4, (8192 + 31) // 32), dtype=torch.int32)
+        tree = GrammarBatch.tree_paths([[prefix[-1]] + words] * bs, [[-1, 0, 1, 2]] * bs)
         reps = 50
         t0 = time.perf_counter()
         for _ in range(reps):
             # One chain step (3 draft steps): the first level under the committed masks, two
             # draft steps' frontier masks, then the verify's 4 nodes (3 of them known by then).
-            batch = GrammarBatch(grammars, 8192, "cpu")
-            batch.next_token_masks()
+            for g in grammars:
+                g.memo.clear()
+            batch = GrammarBatch(grammars)
+            batch.next_token_masks(out[:bs])
             for step in (1, 2):
-                batch.path_masks(batch.read_paths(drafted[:, :step], chain[:, :step], chain[:, step:step + 1] + 1))
-            batch.path_masks(batch.read_tree(tree_tokens, tree_parents))
+                batch.path_masks(out[:bs], [words[:step]] * bs, [list(range(-1, step - 1))] * bs,
+                                 [[step - 1]] * bs)
+            batch.path_masks(out, *tree)
         t1 = time.perf_counter()
         results[f"bs{bs}"] = {"host_ms_per_chain_step": round((t1 - t0) / reps * 1e3, 3)}
     compiler.close()

@@ -19,7 +19,7 @@ import torch
 from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
-from specserve.engine.grammar.compiler import GrammarCompiler
+from specserve.engine.grammar.process import GrammarService
 from specserve.engine.kvcache.fp8 import KVScales, is_fp8, kv_cache_dtype, resolve_kv_scales
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
@@ -97,12 +97,12 @@ class EngineCore:
         rank 0 after telling the followers to stop)."""
         with self.ctx.schedule_context():
             self.scheduler.drain()
-        if self.scheduler.grammars is not None:
-            self.scheduler.grammars.close()
         for graphs in (self.worker.graphs, self.worker.constrained_graphs, self.worker.extend_graphs):
             if graphs is not None:
                 graphs.release()
         self.ctx.close()
+        if self.scheduler.grammars is not None:  # after the last forward that talks to it
+            self.scheduler.grammars.close()
         if self.tp_group is not None:
             if self.rank == 0:
                 self.tp_group.exchange([Stop()])
@@ -241,6 +241,12 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
                          HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
+    # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
+    # first constrained request) loads it; the channel is sized for the largest batch now.
+    if tokenizer is not None:
+        target.grammar = GrammarService(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size,
+                                        eos_token_ids, num_rows, None if spec is None else worker.tree,
+                                        device)
     # With a draft model a position's key is (its token, the next one): its draft KV reads both.
     cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)
@@ -252,9 +258,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None,
-        # Structured outputs need the tokenizer's vocabulary (xgrammar loads it lazily).
-        grammars=GrammarCompiler(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size, eos_token_ids)
-        if tokenizer is not None else None)
+        grammars=target.grammar)
     logger.info("KV pool: %d slots of %s; max_context_len %d; %s attention; prefix cache %s; %s",
                 num_slots, str(kv_dtype).replace("torch.", ""), max_context_len,
                 type(attn).__name__, "on" if cache is not None else "off",

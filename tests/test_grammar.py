@@ -82,15 +82,16 @@ def test_tree_masks_equal_the_matcher_walked_node_by_node(compiler):
     for i in range(1, len(parents)):
         path = [tokens[j] for j in _ancestors(parents, i)]
         tokens.append(_allowed(compiled, committed + path, rng) if i != 4 else ord("Z"))
-    masks = GrammarBatch([g, None], 320, "cpu").path_masks(GrammarBatch.read_tree(
-        torch.tensor([tokens, tokens]), torch.tensor([parents, parents])))
     D = len(parents)
+    masks = torch.zeros((2 * D, 10), dtype=torch.int32)
+    GrammarBatch([g, None]).path_masks(masks, *GrammarBatch.tree_paths([tokens, tokens], [parents, parents]))
     for i in range(D):
         path = [tokens[j] for j in _ancestors(parents, i)] + ([tokens[i]] if i else [])
         assert torch.equal(masks[i], _matcher_mask(compiled, committed + path)), i
         assert torch.equal(masks[D + i], torch.full((10,), -1, dtype=torch.int32))  # unconstrained row
     # Walking the tree left the matcher where the committed tokens put it.
-    after = GrammarBatch([g], 320, "cpu").next_token_masks()
+    after = torch.zeros((1, 10), dtype=torch.int32)
+    GrammarBatch([g]).next_token_masks(after)
     assert torch.equal(after[0], _matcher_mask(compiled, committed))
 
 
@@ -115,12 +116,13 @@ def test_partial_acceptance_leaves_the_matcher_where_plain_decoding_would(compil
     for _ in range(4):
         chain.append(_allowed(compiled, chain, rng))
     g = RequestGrammar(compiler.compile(spec), [EOS], None)
-    batch = GrammarBatch([g], 320, "cpu")
+    batch = GrammarBatch([g])
     # A chain draft of 4 over root chain[0]: masks walked, then 2 accepted (+ the bonus).
-    batch.path_masks(GrammarBatch.read_tree(torch.tensor([[chain[0]] + chain[1:] + [ord("a")]]),
-                                            torch.tensor([[-1, 0, 1, 2, 3]])))
+    batch.path_masks(torch.zeros((5, 10), dtype=torch.int32),
+                     *GrammarBatch.tree_paths([[chain[0]] + chain[1:] + [ord("a")]], [[-1, 0, 1, 2, 3]]))
     g.advance(chain[:3])
-    mask = GrammarBatch([g], 320, "cpu").next_token_masks()
+    mask = torch.zeros((1, 10), dtype=torch.int32)
+    GrammarBatch([g]).next_token_masks(mask)
     assert torch.equal(mask[0], _matcher_mask(compiled, chain[:3]))
 
 
@@ -285,7 +287,7 @@ def test_draft_vocabulary_without_an_allowed_token_stays_unmasked():
 
 # --- CUDA graphs of constrained steps ---------------------------------------------------------
 # On the CPU the captured parts run eagerly on the padded static inputs (GraphedStep's loading
-# and buckets, the masks in StepBuffers); on a GPU the real graphs do.
+# and buckets, the padded rows in the grammar channel); on a GPU the real graphs do.
 TREE3 = dict(num_steps=4, topk=3, num_draft_tokens=8)
 
 
@@ -351,8 +353,9 @@ def test_graphed_constrained_steps_equal_eager_ones(pair, make_engine, monkeypat
     assert sum(g is worker.constrained_graphs for g, _ in starts) == sum(constrained_steps) > 0
     assert sum(g is worker.graphs for g, _ in starts) == len(constrained_steps) - sum(constrained_steps)
     assert {bs for g, bs in starts if g is worker.constrained_graphs} >= {8}
+    # One graph a step (two halves speculating), as unconstrained: no host work between parts.
     parts = len(worker.constrained_graphs.parts)
-    assert parts == (2 if shape is None else 2 * shape["num_steps"] + 2)
+    assert parts == len(worker.graphs.parts) == (1 if shape is None else 2)
     assert all(p < parts for g, _, p in graphs.replays if g is worker.constrained_graphs)
 
 
@@ -367,23 +370,21 @@ def test_sampled_constrained_batches_stay_eager(pair, make_engine, monkeypatch):
 
 
 def test_padded_mask_rows_allow_every_token(compiler):
-    from specserve.engine.grammar.batch import GrammarBatch, StepBuffers
+    from specserve.engine.grammar.batch import GrammarBatch
     from specserve.engine.grammar.request_grammar import RequestGrammar
 
+    compiler.compile(GrammarSpec("json_object")).result()  # a plan comes only once it compiled
     g = RequestGrammar(compiler.compile(GrammarSpec("json_object")), [EOS], None)
-    buffers = StepBuffers(8, 10, 64, "cpu")
-    buffers.device.zero_()  # what an earlier, larger batch left
-    batch = GrammarBatch([None, g], 320, "cpu")
-    masks = batch.next_token_masks(buffers, requests=4)
-    assert masks.data_ptr() == buffers.device.data_ptr() and masks.shape == (4, 10)
+    masks = torch.zeros((8, 10), dtype=torch.int32)  # what an earlier, larger batch left
+    # A padded bucket of 4 rows, the request in row 1.
+    batch = GrammarBatch([None, g, None, None])
+    batch.next_token_masks(masks[:4])
     assert torch.equal(masks[1], _matcher_mask(compiler.compile(GrammarSpec("json_object")).result(), []))
     for row in (0, 2, 3):
         assert torch.equal(masks[row], torch.full((10,), -1, dtype=torch.int32))
-    # Paths read into the fixed buffer: a padded bucket of 4 requests, 2 nodes each.
-    read = GrammarBatch.read_tree(torch.full((4, 2), ord("{")), torch.tensor([[-1, 0]] * 4), into=buffers.reads)
-    read.copied()
-    masks = batch.path_masks(read, buffers)
-    assert masks.shape == (8, 10)
+    # Verify trees of 2 nodes each.
+    masks.zero_()
+    batch.path_masks(masks, *GrammarBatch.tree_paths([[ord("{")] * 2] * 4, [[-1, 0]] * 4))
     assert all(torch.equal(masks[r], torch.full((10,), -1, dtype=torch.int32)) for r in (0, 1, 4, 5, 6, 7))
     assert torch.equal(masks[3], _matcher_mask(compiler.compile(GrammarSpec("json_object")).result(), [ord("{")]))
 

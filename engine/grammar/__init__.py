@@ -1,3 +1,4 @@
-"""Structured outputs: grammars compiled by xgrammar (compiler.py), each sequence's matcher
-(request_grammar.py), the token bitmasks a constrained batch's forward applies (batch.py,
-bitmask.py). Nothing here runs for a batch without a constrained request."""
+"""Structured outputs: the grammar process (process.py) owns every matcher (request_grammar.py)
+and compiles grammars (compiler.py); it fills the token bitmasks of each constrained step
+(batch.py) into shared memory that the device reads and waits on (channel.py); bitmask.py
+applies them to logits. Nothing here runs for a batch without a constrained request."""

@@ -1,6 +1,8 @@
-"""Grammar compilation with xgrammar, off the engine's step: a request's grammar compiles in a
-thread of its own while the scheduler keeps stepping (the request waits for it, others do not),
-and compiled grammars are cached by (kind, source), least recently used first out.
+"""Grammar compilation with xgrammar, in the grammar process (process.py): a request's grammar
+compiles in a thread of its own while the process keeps answering the device (the request
+waits for it, others do not), and compiled grammars are cached by (kind, source), least
+recently used first out. `parse_grammar` is also what the server runs to refuse a bad grammar
+by name.
 
 The compile cost is mostly xgrammar's per-token mask cache for the grammar's states (a few ms
 for a JSON schema over an 8k vocabulary, more for big schemas and vocabularies)."""

@@ -4,7 +4,11 @@ and the masks for tokens it may generate next, at the current state or after a d
 Draft trees are walked on the matcher and rolled back, so its state only ever moves by committed
 tokens (`advance`): a speculative step's rejected drafts never touch it. With a reasoning gate
 (`GrammarSpec.after_token_id`) the grammar starts after the first end-of-thinking token; the
-gate is part of the state a path walks through."""
+gate is part of the state a path walks through.
+
+Lives in the grammar process (process.py): the engine's scheduler never touches a matcher.
+A matcher error (a committed token the grammar refuses) fails the request: `failed` holds why,
+and its rows allow every token from then on (the engine ends the request)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -22,6 +26,10 @@ class RequestGrammar:
         self._after = after_token_id
         self._gate_open = after_token_id is None   # the grammar applies (reasoning ended)
         self._matcher = None
+        self.failed: Optional[str] = None
+        # Masks by path from the committed state (path () is the committed mask), until the
+        # matcher moves: a step's verify reuses its draft steps', the next step its committed one.
+        self.memo: dict = {}
 
     # --- compilation ----------------------------------------------------------------------
     @property
@@ -29,13 +37,9 @@ class RequestGrammar:
         return self._compiled
 
     @property
-    def ready(self) -> bool:
-        """Compiled (or failed to): the request may be scheduled."""
-        return self._compiled.done()
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._compiled.exception() if self._compiled.done() else None
+    def usable(self) -> bool:
+        """Compiled, and no matcher error: its masks apply."""
+        return self._compiled.done() and self._compiled.exception() is None and self.failed is None
 
     @property
     def matcher(self):
@@ -48,29 +52,29 @@ class RequestGrammar:
 
     # --- committed state ---------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> None:
-        """Commit generated tokens. A token the grammar refuses means a mask was not applied:
-        an engine bug, never a model's choice, so it raises."""
+        """Commit generated tokens. Tokens after the grammar ended (its stop token) are ignored:
+        the engine stops the request there. A token the grammar refuses means a mask was not
+        applied: an engine bug, never a model's choice, so it raises."""
+        if tokens:
+            self.memo.clear()
         for token in tokens:
+            if self._gate_open and self.matcher.is_terminated():
+                return
             if not self._gate_open:
                 self._gate_open = token == self._after
             elif not self.matcher.accept_token(token):
                 raise RuntimeError(f"structured output: token {token} is outside the grammar "
                                    f"(the mask was not applied)")
 
-    @property
-    def is_terminated(self) -> bool:
-        return self._gate_open and self.matcher.is_terminated()
-
     # --- masks -------------------------------------------------------------------------------
     def fill_tree_masks(self, bitmask: torch.Tensor, rows: dict[int, int], tokens: Sequence[int],
-                        parents: Sequence[int], memo: Optional[dict] = None) -> None:
+                        parents: Sequence[int]) -> None:
         """Masks of several nodes of one draft tree: row rows[c] of `bitmask` gets the tokens
         allowed after candidate c's path (c = -1: the committed state). Candidates are walked
         depth first, each token accepted once on the way down and rolled back on the way up, so
         a path shared by several nodes is walked once (the same masks as walking each path on
-        its own). `memo` (path -> mask row) keeps the masks of one speculative step: the verify
-        tree's nodes are paths the draft steps masked already, and a fill costs more than a walk."""
-        memo = {} if memo is None else memo
+        its own). Masks are memoised by path (`memo`): a fill costs more than a walk."""
+        memo = self.memo
         children: dict[int, list[int]] = {}
         for c, p in enumerate(parents):
             children.setdefault(p, []).append(c)

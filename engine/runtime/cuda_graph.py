@@ -4,10 +4,10 @@ A step is a chain of functions, each captured as one graph: the first reads the 
 input buffers, each later one reads the previous one's outputs (all in one memory pool).
 Between two parts the caller may run host glue such as recording an event, which is why a
 speculative iteration is two graphs: verify (then `publish_ready` is recorded) and
-draft-extend, and a constrained one (structured outputs) a longer chain whose glue fills the
-grammar masks (spec/eagle_worker.py `_run_constrained`). `run_eagerly` runs such a chain's
-parts without graphs (sampled batches; CPU tests), so the glue has one code path. Replay copies the live inputs into the static buffers; padded rows get
-`pad` values (pool row 0, KV slot 0), which write nowhere that matters.
+draft-extend. A constrained step (structured outputs) is captured the same way: its signal and
+wait kernels talk to the grammar process through mapped memory (grammar/channel.py), so no
+host glue runs inside it. Replay copies the live inputs into the static buffers; padded rows
+get `pad` values (pool row 0, KV slot 0), which write nowhere that matters.
 """
 from __future__ import annotations
 
@@ -100,20 +100,3 @@ class GraphedStep:
     def replay(captured: _Captured, part: int):
         captured.graphs[part].replay()
         return captured.outputs[part]
-
-    def runner(self, captured: _Captured) -> Callable[[int], Any]:
-        """run(i): replay part i of a loaded bucket, its outputs (as `run_eagerly`'s)."""
-        return lambda part: self.replay(captured, part)
-
-
-def run_eagerly(parts: Sequence[Callable], inputs: Any) -> Callable[[int], Any]:
-    """run(i): part i called on part i - 1's outputs (part 0 on `inputs`), the parts in order:
-    what replaying a captured chain computes, without graphs."""
-    outputs: list = []
-
-    def run(part: int):
-        assert part == len(outputs), "parts run in order"
-        outputs.append(parts[part](outputs[-1] if outputs else inputs))
-        return outputs[-1]
-
-    return run

@@ -12,7 +12,6 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from specserve.engine.grammar.batch import GrammarBatch
 from specserve.engine.layers.sampler import SamplingInfo
 from specserve.engine.runtime.device import DeviceContext
 
@@ -31,7 +30,7 @@ class ExtendStep(NamedTuple):
     # position i - 1), or None; and how many alternatives each request wants.
     prompt_spans: list[Optional[tuple[int, int]]]
     prompt_top_k: list[int]
-    grammar: Optional[GrammarBatch] = None  # the batch has a constrained request
+    grammar: Optional[tuple] = None   # constrained: per row the request's grammar key (or None)
 
 
 class DecodeStep(NamedTuple):
@@ -44,7 +43,7 @@ class DecodeStep(NamedTuple):
     allocated_lens: list[int]         # slots each request's row holds after this step's reservation
     out_cache_loc: torch.Tensor       # the slots reserved by this step, in order
     sampling: SamplingInfo
-    grammar: Optional[GrammarBatch] = None  # the batch has a constrained request
+    grammar: Optional[tuple] = None   # constrained: per row the request's grammar key (or None)
 
 
 class StepResult(NamedTuple):

@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
-from specserve.engine.grammar.batch import GrammarBatch, StepBuffers
-from specserve.engine.grammar.bitmask import apply_token_bitmask, bitmask_width
+from specserve.engine.grammar.bitmask import apply_token_bitmask
+from specserve.engine.grammar.process import ONE, GrammarService
 from specserve.engine.kvcache.pools import ReqToTokenPool
 from specserve.engine.layers.argmax import argmax_last_dim
 from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
@@ -65,8 +65,8 @@ class ForwardInputs(NamedTuple):
     stash_rows: torch.Tensor       # [bs] rows whose sampled token goes to the FutureMap
     history_init: Optional[HistoryInit] = None
     prompt_score: Optional[PromptScore] = None
-    # Structured outputs: the batch's matchers (its masks are filled once the forward is enqueued).
-    grammar: Optional[GrammarBatch] = None
+    # Structured outputs: the request (key) of each row with a grammar (grammar/process.py).
+    grammar: Optional[tuple] = None
 
 
 class Sampled(NamedTuple):
@@ -129,6 +129,13 @@ class TargetModel:
         self.future_map = future_map
         self.req_to_token = req_to_token
         self.history = history
+        self.grammar: Optional[GrammarService] = None  # the engine's grammar process, if any
+
+    def plan_grammar(self, kind: str, rows: int, keys: Optional[tuple]) -> None:
+        """Tell the grammar process what a constrained step being launched holds (nothing for
+        an unconstrained one)."""
+        if keys is not None:
+            self.grammar.plan(kind, rows, keys)
 
     @property
     def model(self):
@@ -195,6 +202,9 @@ class TargetModel:
                            aux_hidden_layers: tuple[int, ...] = ()) -> Sampled:
         """Target forward over `inputs`, one token sampled per request."""
         info = inputs.sampling_info
+        channel = None if inputs.grammar is None else self.grammar.device
+        if channel is not None:  # the grammar process fills the committed masks during the forward
+            channel.signal()
         fb = ForwardBatch(
             mode=inputs.mode, input_ids=self.future_map.resolve_input_ids(inputs.input_ids),
             positions=inputs.positions, kv_rows=KVRows(self.req_to_token.table, inputs.rows),
@@ -203,8 +213,8 @@ class TargetModel:
             max_seq_len=inputs.max_seq_len, aux_hidden_layers=aux_hidden_layers)
         hidden, aux = self.runner.forward(fb, read_done=read_done)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        if inputs.grammar is not None:  # filled on the host while the forward runs
-            logits = apply_token_bitmask(logits, inputs.grammar.next_token_masks())
+        if channel is not None:
+            logits = apply_token_bitmask(logits, channel.masks(logits.shape[0]))
         batch_index = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
         history = None
         if info.any_penalty:
@@ -216,6 +226,8 @@ class TargetModel:
         if info.any_penalty:  # stash_rows: a prefill chunk that samples nothing marks row 0
             self.history.mark(inputs.stash_rows, choice.tokens)
         self.future_map.stash_tokens(inputs.stash_rows, choice.tokens)
+        if channel is not None:  # the sampled tokens: the matchers advance
+            channel.signal(choice.tokens)
         prompt = (None, None, None)
         if inputs.prompt_score is not None:
             score = inputs.prompt_score
@@ -278,8 +290,7 @@ class NormalWorker:
     def __init__(self, target: TargetModel):
         self.target = target
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
-        self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar compiler)
-        self.masks: Optional[StepBuffers] = None  # the masks the constrained graphs apply
+        self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar process)
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
 
     def slots_per_request(self) -> int:
@@ -291,6 +302,7 @@ class NormalWorker:
         if bucket is not None:
             return self._replay_captured_extend(step, bucket)
         inputs = self.target.extend_inputs(step)
+        self.target.plan_grammar(ONE, len(step.rows), step.grammar)
         return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
 
     def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
@@ -311,16 +323,15 @@ class NormalWorker:
         bs = len(step.rows)
         graphs = self.graphs if step.grammar is None else self.constrained_graphs
         if not (graphs is not None and graphable(graphs, inputs.sampling_info, bs)):
+            self.target.plan_grammar(ONE, bs, step.grammar)
             return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
+        self.target.plan_grammar(ONE, graphs.bucket_for(bs), step.grammar)
 
         def replay(read_done) -> StepResult:
             captured = graphs.load(ids=inputs.input_ids, positions=inputs.positions,
                                    rows=inputs.rows, loc=inputs.out_cache_loc)
             tokens = graphs.replay(captured, 0)
             read_done.record()
-            if step.grammar is not None:  # the masks are filled while the forward runs
-                step.grammar.next_token_masks(self.masks, captured.inputs.rows.shape[0])
-                tokens = graphs.replay(captured, 1)
             return StepResult(tokens[:bs])
 
         return launch_forward(self.target.ctx, inputs, replay)
@@ -329,27 +340,27 @@ class NormalWorker:
         return self.target.forward_and_sample(inputs, read_done).step_result()
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None:
-        """Capture the greedy decode per bucket, and with `constrained` (the engine compiles
-        grammars) a variant in two parts, forward then masked pick, in the same memory pool:
-        the unconstrained graph applies no mask."""
+        """Capture the greedy decode per bucket, and with `constrained` (the engine has a
+        grammar process) a constrained variant in the same memory pool, whose signal and wait
+        kernels talk to the grammar process: the unconstrained graph applies no mask."""
         device = self.target.ctx.device
-        forward, pick, masked_pick = self.decode_parts(width)
+        forward, pick, constrained_step = self.decode_parts(width)
         self.graphs = GraphedStep([lambda s: pick(forward(s))], graph_decode_inputs(device), pad={},
                                   max_batch_size=max_batch_size, device=device)
         self.graphs.capture_all()
         if constrained:
-            self.masks = StepBuffers(max_batch_size, bitmask_width(self.target.model.config.vocab_size), 0,
-                                     device)
-            self.constrained_graphs = GraphedStep([forward, masked_pick], graph_decode_inputs(device), pad={},
+            self.constrained_graphs = GraphedStep([constrained_step], graph_decode_inputs(device), pad={},
                                                   max_batch_size=max_batch_size, device=device,
                                                   pool=self.graphs.pool)
-            self.constrained_graphs.capture_all()
+            with self.target.grammar.device.captured():
+                self.constrained_graphs.capture_all()
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
     def decode_parts(self, width: int):
-        """(forward, pick, masked_pick) of a captured greedy decode: the forward's logits, the
-        argmax token (stashed in the FutureMap), the same under `self.masks`."""
+        """(forward, pick, constrained_step) of a captured greedy decode: the forward's logits,
+        the argmax token (stashed in the FutureMap), and a whole constrained step: signal the
+        grammar process, forward, wait for the committed masks, masked pick, signal its tokens."""
         target = self.target
 
         def forward(s: GraphedDecodeInputs) -> tuple[GraphedDecodeInputs, torch.Tensor]:
@@ -368,11 +379,15 @@ class NormalWorker:
             target.future_map.stash_tokens(s.rows, tokens)
             return tokens
 
-        def masked_pick(x: tuple[GraphedDecodeInputs, torch.Tensor]) -> torch.Tensor:
-            s, logits = x
-            return pick((s, apply_token_bitmask(logits, self.masks.device[:logits.shape[0]])))
+        def constrained_step(s: GraphedDecodeInputs) -> torch.Tensor:
+            channel = target.grammar.device
+            channel.signal()
+            s, logits = forward(s)
+            tokens = pick((s, apply_token_bitmask(logits, channel.masks(logits.shape[0]))))
+            channel.signal(tokens)
+            return tokens
 
-        return forward, pick, masked_pick
+        return forward, pick, constrained_step
 
     def captured_extend_parts(self, width: int) -> list:
         """What a captured extend runs: the target forward and its greedy tokens."""

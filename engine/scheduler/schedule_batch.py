@@ -9,7 +9,7 @@ import torch
 
 from specserve.engine.config import SamplingParams
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.grammar.request_grammar import RequestGrammar
+from specserve.engine.grammar.process import GrammarState
 from specserve.engine.kvcache.radix_cache import PrefixMatch
 from specserve.engine.outputs import TopLogprobs
 from specserve.engine.runtime.step import Launched
@@ -96,7 +96,7 @@ class Req:
     num_bypassed: int = 0        # later arrivals admitted before it (the prefix-match order's aging)
     prefix_keys: Optional[tuple[int, list[int]]] = None  # (seq_len, cache keys) memo for admission
     serial: int = 0              # set by the scheduler: unique for the engine's lifetime, unlike a rid
-    grammar: Optional[RequestGrammar] = None  # structured output: set by the scheduler when it is added
+    grammar: Optional[GrammarState] = None  # structured output: set by the scheduler when it is added
     # time.perf_counter() stamps for the server's TTFT breakdown (0.0: not yet): added to the
     # scheduler, its first prefill chunk launched, its first token on the host.
     received_at: float = 0.0

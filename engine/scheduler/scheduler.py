@@ -9,28 +9,24 @@ result is processed. A request that finished in N is still in N+1: its result is
 The jobs are split: `AdmissionPolicy` decides what runs, `RequestSlots` maps KV slots,
 the worker builds device inputs and launches, `OutputProcessor` turns results into outputs.
 
-Structured outputs: a batch with a constrained request runs without overlap. Its masks come
-from matchers that must already hold the request's previous tokens, so the step that contains
-it is processed (matchers advanced) before the next one is scheduled; and a speculative
-step's draft and verify masks read the draft tokens on the host mid-forward. Batches without
-one keep the overlap and the sync-free forward; since every batch with a constrained request
-is processed at once, no batch in flight holds one when a constrained batch is launched, which
-is also what lets a constrained step's fixed mask buffers (grammar/batch.py `StepBuffers`) be
-refilled by the next one. Greedy constrained decode steps replay CUDA graphs like the others
-(the worker chooses; mixed batches included).
+Structured outputs: the scheduler never touches a matcher. Every matcher lives in the grammar
+process (grammar/process.py): the scheduler sends it each request's grammar when the request is
+added (admission waits until it compiled), the worker a plan of each constrained step it
+launches, and the scheduler a drop when a request ends; the device hands the process the tokens
+the masks depend on and waits for the masks on the device (grammar/channel.py). So constrained
+and mixed batches keep the overlap loop like any other, and the scheduler thread never waits
+for them. Greedy constrained decode steps replay CUDA graphs like the others (the worker
+chooses; mixed batches included).
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import logging
 import time
 from typing import Optional
 
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.grammar.batch import GrammarBatch
-from specserve.engine.grammar.compiler import GrammarCompiler
-from specserve.engine.grammar.request_grammar import RequestGrammar
+from specserve.engine.grammar.process import GrammarService
 from specserve.engine.layers.sampler import SamplingInfo
 from specserve.engine.outputs import StepOutput, StepStat
 from specserve.engine.runtime.step import Launched, Worker
@@ -72,7 +68,7 @@ class SchedulerMetrics:
 class Scheduler:
     def __init__(self, *, worker: Worker, slots: RequestSlots, policy: AdmissionPolicy,
                  outputs: OutputProcessor, vocab_size: int, eos_ids, enable_overlap: bool,
-                 speculative: bool, grammars: Optional[GrammarCompiler] = None):
+                 speculative: bool, grammars: Optional[GrammarService] = None):
         self.worker = worker
         self.slots = slots
         self.policy = policy
@@ -88,8 +84,9 @@ class Scheduler:
         self.metrics = SchedulerMetrics(policy)
         self._sampling_key, self._sampling = None, None
         self._serial = 0
-        self.grammars = grammars          # None: the model has no tokenizer for grammars
+        self.grammars = grammars          # the grammar process; None: no tokenizer for grammars
         self._compiling: list[Req] = []   # waiting for their grammar to compile
+        self._constrained: dict[int, Req] = {}  # unfinished requests with a grammar, by serial
         self._last_result_at = 0.0        # perf_counter() of the last processed batch's result
 
     # --- requests ------------------------------------------------------------------------
@@ -103,7 +100,9 @@ class Scheduler:
         self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
         spec = req.sampling.grammar
         if spec is not None:  # Engine.add_request refused it when there is no compiler
-            req.grammar = RequestGrammar(self.grammars.compile(spec), req.stop_ids, spec.after_token_id)
+            # Keyed by serial: a rid may come back once its request ended.
+            req.grammar = self.grammars.add(req.serial, spec, req.stop_ids)
+            self._constrained[req.serial] = req
             self._compiling.append(req)
         self.policy.add(req)
 
@@ -132,13 +131,12 @@ class Scheduler:
 
     # --- one iteration: schedule -> launch -> process ----------------------------------------
     def step(self) -> list[StepOutput]:
-        if self._compiling:
-            self._check_grammars()
+        if self.grammars is not None and self.grammars.started:
+            self._grammar_news(self.grammars.poll())
         decision = self.policy.schedule(nothing_in_flight=not self.inflight)
-        constrained = False
         if decision is not None:
             launched_at = time.perf_counter()
-            launched, constrained = self._launch(decision)
+            launched = self._launch(decision)
             if decision.mode is ForwardMode.EXTEND:
                 for r in decision.reqs:
                     if not r.admitted_at:
@@ -146,10 +144,8 @@ class Scheduler:
             self.inflight.append(InflightBatch(decision, launched, launched_at,
                                                len(self.policy.running) - len(decision.reqs)))
         elif self._compiling and not self.inflight:
-            concurrent.futures.wait([r.grammar.future for r in self._compiling],
-                                    timeout=GRAMMAR_WAIT_SECONDS,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        keep = 1 if (self.enable_overlap and decision is not None and not constrained) else 0
+            self._grammar_news(self.grammars.poll(GRAMMAR_WAIT_SECONDS))
+        keep = 1 if (self.enable_overlap and decision is not None) else 0
         while len(self.inflight) > keep:
             self._process(self.inflight.popleft())
         self.metrics.num_steps += decision is not None
@@ -161,23 +157,35 @@ class Scheduler:
         while self.inflight:
             self._process(self.inflight.popleft())
 
-    def _check_grammars(self) -> None:
-        """Requests whose grammar compiled may be admitted now; one that failed to compile ends
-        (the server parses grammars before sending them, so this is rare)."""
-        still = []
-        for req in self._compiling:
-            if not req.grammar.ready:
-                still.append(req)
-            elif req.grammar.error is not None and req.status is not ReqStatus.FINISHED:
-                logger.warning("request %s: its grammar failed to compile: %s", req.rid, req.grammar.error)
+    def _grammar_news(self, messages: list) -> None:
+        """What the grammar process said: a request whose grammar compiled may be admitted; one
+        that failed to compile (the server parses grammars before sending them, so this is
+        rare) or whose matcher failed ends. If the process is gone, every constrained request
+        ends (unconstrained ones go on)."""
+        for kind, serial, error in messages:
+            req = self._constrained.get(serial)
+            if req is None:
+                continue  # finished meanwhile
+            if kind == "compiled":
+                req.grammar.ready = True
+                req.grammar.error = error
+            if error is not None:
+                logger.warning("request %s: structured output failed (%s): %s", req.rid, kind, error)
                 self._finish(req, "abort")
-        self._compiling = still
+        if self.grammars.dead:
+            for req in list(self._constrained.values()):
+                self._finish(req, "abort")
+        self._compiling = [r for r in self._compiling
+                           if not r.grammar.ready and r.status is not ReqStatus.FINISHED]
 
-    def _launch(self, decision: Decision) -> tuple[Launched, bool]:
-        """The launched batch, and whether it has a constrained request."""
+    def _launch(self, decision: Decision) -> Launched:
         sampling = self._sampling_info(decision.reqs)
-        grammar = GrammarBatch.of([r.grammar for r in decision.reqs], self.vocab_size,
-                                  self.slots.ctx.device)
+        # The rows whose sampled token counts: a prefill chunk that does not end its prefill
+        # samples nothing its matcher may see.
+        samples = decision.samples if decision.mode is ForwardMode.EXTEND else [True] * len(decision.reqs)
+        keys = [r.serial if r.grammar is not None and sampled else None
+                for r, sampled in zip(decision.reqs, samples)]
+        grammar = tuple(keys) if any(k is not None for k in keys) else None
         if decision.mode is ForwardMode.EXTEND:
             step = self.slots.extend_step(decision, sampling)._replace(grammar=grammar)
             launched = self.worker.launch_extend(step)
@@ -185,7 +193,7 @@ class Scheduler:
             step = self.slots.decode_step(decision.reqs, sampling, commit_fed_token=not self.speculative)
             launched = self.worker.launch_decode(step._replace(grammar=grammar))
         self.slots.last_read_done = launched.read_done
-        return launched, grammar is not None
+        return launched
 
     def _sampling_info(self, reqs: list[Req]) -> SamplingInfo:
         """Rebuilt only when the batch's requests change (its tensors are read-only, so batches
@@ -223,6 +231,9 @@ class Scheduler:
             req.num_inflight_tokens -= 1
             if req.status is ReqStatus.FINISHED:
                 continue
+            if req.grammar is not None and self.grammars.dead:
+                self._finish(req, "abort")  # its masks may have been the released all-allowed ones
+                continue
             k = req.sampling.top_logprobs
             num_before = len(req.output_ids)
             if lengths is None:
@@ -241,8 +252,6 @@ class Scheduler:
                                               num_drafts=n - 1)
             if not req.first_token_at and len(req.output_ids) > num_before:
                 req.first_token_at = done
-            if req.grammar is not None:
-                req.grammar.advance(req.output_ids[num_before:])
             if reason is not None:
                 self._finish(req, reason)
             else:
@@ -274,6 +283,9 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: str) -> None:
         self.policy.remove(req)
+        if req.grammar is not None:  # after every plan that holds it (launch order)
+            self.grammars.drop(req.serial)
+            del self._constrained[req.serial]
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         del self.reqs[req.key]

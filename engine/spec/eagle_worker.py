@@ -28,10 +28,11 @@ import torch
 from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
-from specserve.engine.grammar.batch import GrammarBatch, HostRead, StepBuffers
-from specserve.engine.grammar.bitmask import apply_token_bitmask, bitmask_width
+from specserve.engine.grammar.bitmask import apply_token_bitmask
+from specserve.engine.grammar.channel import DeviceChannel
+from specserve.engine.grammar.process import ONE, SPEC
 from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, sample
-from specserve.engine.runtime.cuda_graph import GraphedStep, run_eagerly
+from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.captured_extend import (
@@ -69,8 +70,9 @@ class SpecDecodeInputs(NamedTuple):
     seq_lens_cpu: Optional[list[int]]  # the same on the host, when a backend reads it
     width: int                        # host bound on every row's KV length (its allocated slots)
     info: SamplingInfo
-    # A constrained batch: where its parts read the masks of drafts and verify (GrammarBatch).
-    masks: Optional[StepBuffers] = None
+    # A constrained batch: the step signals the grammar process and waits for its masks
+    # (grammar/channel.py) at each draft step and before the accept.
+    constrained: bool = False
 
 
 class Drafting(NamedTuple):
@@ -83,14 +85,12 @@ class Drafting(NamedTuple):
     branch_S: torch.Tensor            # S per frontier branch
     step: int
     out_hidden: Optional[torch.Tensor] = None  # the draft forward's output, once it ran
-    read: Optional[HostRead] = None   # constrained: the drafted paths the step's masks walk
 
 
 class Drafted(NamedTuple):
     inputs: SpecDecodeInputs
     kv: KVRows
     tree: tree_ops.Tree
-    read: Optional[HostRead]          # constrained: the tree the verify masks walk
 
 
 class Verifying(NamedTuple):
@@ -126,8 +126,7 @@ class EagleWorker:
         self.aux_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
-        self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar compiler)
-        self.masks: Optional[StepBuffers] = None  # what constrained steps' parts read and write
+        self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar process)
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
@@ -148,6 +147,7 @@ class EagleWorker:
             shifted += fill[start + 1:end + 1] + [0] * samples
         inputs = EagleExtendInputs(target, self.target.to_device(shifted),
                                    self.target.to_device(step.samples, torch.bool))
+        self.target.plan_grammar(ONE, len(step.rows), step.grammar)
         publish_ready = self.future_map.new_publish_event()
 
         def body(read_done) -> StepResult:
@@ -212,19 +212,21 @@ class EagleWorker:
         rows = self.target.to_device(step.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
         bs = len(step.rows)
-        if step.grammar is not None:
-            return self._launch_constrained(step, rows, seq_lens, seq_lens_cpu)
-        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling)
+        constrained = step.grammar is not None
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling,
+                                  constrained)
         publish_ready = self.future_map.new_publish_event()
-        use_graph = self.graphs is not None and graphable(self.graphs, step.sampling, bs)
+        graphs = self.constrained_graphs if constrained else self.graphs
+        use_graph = graphs is not None and graphable(graphs, step.sampling, bs)
+        self.target.plan_grammar(SPEC, graphs.bucket_for(bs) if use_graph else bs, step.grammar)
 
         def body(read_done) -> StepResult:
             if use_graph:
-                captured = self.graphs.load(rows=rows, S=seq_lens)
-                self.graphs.replay(captured, 0)
+                captured = graphs.load(rows=rows, S=seq_lens)
+                graphs.replay(captured, 0)
                 read_done.record()
                 publish_ready.record()
-                out = self.graphs.replay(captured, 1)
+                out = graphs.replay(captured, 1)
                 return StepResult(out.token_ids[:bs], None, out.accept_lens[:bs])
             verified = self._verify_half(inputs, read_done)
             publish_ready.record()
@@ -232,80 +234,9 @@ class EagleWorker:
 
         return launch_forward(self.target.ctx, inputs, body)
 
-    def _launch_constrained(self, step: DecodeStep, rows, seq_lens, seq_lens_cpu) -> Launched:
-        """A batch with a constrained request: the step's parts (`constrained_parts`), replayed
-        as graphs when greedy and a bucket fits, else run eagerly over the same buffers."""
-        bs = len(step.rows)
-        graphs = self.constrained_graphs
-        publish_ready = self.future_map.new_publish_event()
-        if graphs is not None and graphable(graphs, step.sampling, bs):
-            inputs = None
-
-            def start():
-                captured = graphs.load(rows=rows, S=seq_lens)
-                return graphs.runner(captured), captured.inputs.rows.shape[0]
-        else:
-            masks = self._step_buffers(bs)
-            inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling, masks)
-
-            def start():
-                return run_eagerly(self.constrained_parts(), inputs), bs
-
-        def body(read_done) -> StepResult:
-            run, requests = start()
-            out = self._run_constrained(step.grammar, run, requests, read_done, publish_ready)
-            return StepResult(*(None if t is None else t[:bs] for t in out))
-
-        return launch_forward(self.target.ctx, (rows, seq_lens, inputs), body)
-
-    def _run_constrained(self, grammar: GrammarBatch, run, requests: int, read_done,
-                         publish_ready) -> StepResult:
-        """The host side of a constrained step. `run(i)` is part i's output (replayed or run
-        eagerly). Each set of masks is filled while the part before the one applying it runs:
-        a draft step's paths are read by the part that drafted them, then the next draft
-        forward is enqueued and the host walks them; the verify tree's are walked during the
-        verify forward. The committed masks need only the host, so they come first."""
-        masks = self.masks
-        grammar.next_token_masks(masks, requests)
-        drafting = run(0)
-        read_done.record()
-        part = 1
-        for _ in range(1, self.tree.num_steps):
-            drafting.read.copied()
-            run(part)                      # the draft forward
-            grammar.path_masks(drafting.read, masks)
-            drafting = run(part + 1)       # the masked top-k of its output, the next read
-            part += 2
-        drafting.read.copied()
-        run(part)                          # the verify forward
-        grammar.path_masks(drafting.read, masks)
-        run(part + 1)                      # masked target tokens, accept, publish
-        publish_ready.record()
-        return run(part + 2)
-
-    def constrained_parts(self) -> list:
-        """A constrained step as parts split where the host fills masks: draft start, then per
-        draft step its forward and its masked top-k, the verify forward, the masked accept,
-        the draft extend. Composed without host work between, they are `_verify_half`."""
-        return [self._draft_start, *[self._draft_forward, self._draft_grow] * (self.tree.num_steps - 1),
-                self._verify_forward, self._verify_accept, self._extend_half]
-
-    def _step_buffers(self, bs: int) -> StepBuffers:
-        """The constrained steps' buffers for at least `bs` requests (the captured ones when
-        graphs are on: every batch fits them)."""
-        if self.masks is None or self.masks.rows < bs * self._mask_rows:
-            D, k, n = self.tree.num_draft_tokens, self.tree.topk, self.tree.num_steps
-            # The largest read: a draft level's candidates (k + (n - 2) k^2 tokens and parents,
-            # k frontier ids) or the verify tree's (D - 1 tokens and parents, D nodes).
-            read = max(2 * (k + max(n - 2, 0) * k * k) + k, 3 * D)
-            self.masks = StepBuffers(bs * self._mask_rows, bitmask_width(self.target.model.config.vocab_size),
-                                     bs * read, self.target.ctx.device)
-        return self.masks
-
     @property
-    def _mask_rows(self) -> int:
-        """Mask rows per request: the verify's D nodes or a draft step's k frontier nodes."""
-        return max(self.tree.num_draft_tokens, self.tree.topk)
+    def _channel(self) -> DeviceChannel:
+        return self.target.grammar.device
 
     def _verify_half(self, s: SpecDecodeInputs, read_done=None) -> Verified:
         """Snapshot the rows, draft, build the tree, verify, accept, publish the new lengths."""
@@ -326,10 +257,12 @@ class EagleWorker:
         state = self.future_map.gather_draft_state(s.rows)
         k = self.tree.topk
         topk_p, topk_index = state.topk_p, state.topk_index
-        if s.masks is not None:
+        if s.constrained:
             # The stashed first level was drafted before the last step's tokens reached the
             # matchers: draft it again from the stashed hidden state, under the committed masks.
-            topk_p, topk_index = self.draft.model.topk(state.hidden, k, bitmask=s.masks.device[:s.rows.shape[0]])
+            self._channel.signal()
+            topk_p, topk_index = self.draft.model.topk(state.hidden, k,
+                                                       bitmask=self._channel.masks(s.rows.shape[0]))
         builder = tree_ops.draft_builder(self.tree, topk_p, topk_index, state.hidden)
         branch_S = s.S.repeat_interleave(k) if self.tree.is_tree else s.S
         return self._level_drafted(Drafting(s, kv, bonus, builder, branch_S, 1))
@@ -349,8 +282,7 @@ class EagleWorker:
     def _draft_grow(self, d: "Drafting"):
         """The next level from the forward's top-k (structured outputs: each frontier node
         drafts from the tokens its path allows)."""
-        masks = d.inputs.masks
-        bitmask = None if masks is None else masks.device[:d.branch_S.shape[0]]
+        bitmask = self._channel.masks(d.branch_S.shape[0]) if d.inputs.constrained else None
         # A chain needs only each step's argmax, not its probability.
         d.builder.expand(*self.draft.model.topk(d.out_hidden, self.tree.topk, with_probs=self.tree.is_tree,
                                                 bitmask=bitmask), d.out_hidden)
@@ -358,19 +290,20 @@ class EagleWorker:
 
     def _level_drafted(self, d: "Drafting"):
         """After a level: the Drafting of the next draft step, or after the last the Drafted
-        tree. Constrained, the paths the next masks walk are read (into StepBuffers.reads)."""
-        masks = d.inputs.masks
+        tree. Constrained, the paths the next masks walk go to the grammar process before the
+        forward that the masks wait for (it walks them while the forward runs)."""
         if d.step < self.tree.num_steps:
-            read = None if masks is None else GrammarBatch.read_paths(*d.builder.candidates(), into=masks.reads)
-            return d._replace(read=read)
+            if d.inputs.constrained:
+                self._channel.signal(*d.builder.candidates())
+            return d
         nodes = d.builder.finish()
         tp = self.target.model.tp
         nodes = tree_ops.DraftNodes(tp.broadcast(nodes.tokens.contiguous()),
                                     tp.broadcast(nodes.parents.contiguous()))
         tree = tree_ops.build_tree(nodes, d.bonus, d.inputs.S, self.tree)
-        # Node i may only become the target's choice allowed after its path.
-        read = None if masks is None else GrammarBatch.read_tree(tree.tokens, tree.parents, into=masks.reads)
-        return Drafted(d.inputs, d.kv, tree, read)
+        if d.inputs.constrained:  # node i may only become the target's choice allowed after its path
+            self._channel.signal(tree.tokens, tree.parents)
+        return Drafted(d.inputs, d.kv, tree)
 
     def _verify_forward(self, d: "Drafted") -> "Verifying":
         """One target forward over the tree's nodes, and their logits."""
@@ -391,12 +324,14 @@ class EagleWorker:
     def _verify_accept(self, v: "Verifying") -> Verified:
         """The target's token at every node (masked: inside the grammar), accept, publish."""
         s, tree, logits = v.inputs, v.tree, v.logits
-        if s.masks is not None:
-            logits = apply_token_bitmask(logits, s.masks.device[:logits.shape[0]])
+        if s.constrained:
+            logits = apply_token_bitmask(logits, self._channel.masks(logits.shape[0]))
         choice = self._target_tokens(logits, tree, s.rows, s.info)
         target_tokens = self.target.model.tp.broadcast(choice.tokens.contiguous())
         accept = tree_ops.accept(tree, target_tokens, self.spec.bench_force_accept_len, self.tree.num_steps)
         self.future_map.publish(s.rows, s.S + accept.lengths)
+        if s.constrained:  # the matchers advance (and fill the next masks) during the draft-extend
+            self._channel.signal(accept.tokens, accept.lengths)
         return Verified(s, v.kv, tree.slot_positions, v.loc, accept, choice, v.feats)
 
     def _extend_half(self, v: Verified) -> StepResult:
@@ -454,23 +389,26 @@ class EagleWorker:
 
     # --- CUDA graphs -------------------------------------------------------------------------
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None:
-        """Capture the decode step per bucket, and with `constrained` (the engine compiles
-        grammars) the constrained step's parts too, in the same memory pool."""
+        """Capture the decode step per bucket, and with `constrained` (the engine has a grammar
+        process) the constrained step too, in the same memory pool: the same two halves, with
+        the signal and wait kernels inside."""
         device = self.target.ctx.device
         self.graphs = GraphedStep([self._verify_half, self._extend_half], self.graph_inputs(width),
                                   pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device)
         self.graphs.capture_all()
         if constrained:
-            masks = self._step_buffers(max_batch_size)  # every batch fits: never reallocated
-            self.constrained_graphs = GraphedStep(self.constrained_parts(), self.graph_inputs(width, masks),
+            self.constrained_graphs = GraphedStep([self._verify_half, self._extend_half],
+                                                  self.graph_inputs(width, constrained=True),
                                                   pad=GRAPH_PAD, max_batch_size=max_batch_size,
                                                   device=device, pool=self.graphs.pool)
-            self.constrained_graphs.capture_all()
+            with self._channel.captured():
+                self.constrained_graphs.capture_all()
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
-    def graph_inputs(self, width: int, masks: Optional[StepBuffers] = None):
-        """make_inputs(bs) of the captured decode steps (constrained: reading `masks`)."""
+    def graph_inputs(self, width: int, constrained: bool = False):
+        """make_inputs(bs) of the captured decode steps (constrained ones talk to the grammar
+        process)."""
         device = self.target.ctx.device
         vocab_size = self.target.model.config.vocab_size
 
@@ -478,7 +416,7 @@ class EagleWorker:
             return SpecDecodeInputs(rows=torch.zeros(bs, dtype=torch.int64, device=device),
                                     S=torch.ones(bs, dtype=torch.int64, device=device),
                                     seq_lens_cpu=None, width=width,
-                                    info=greedy_sampling_info(bs, vocab_size, device), masks=masks)
+                                    info=greedy_sampling_info(bs, vocab_size, device), constrained=constrained)
 
         return make_inputs
 

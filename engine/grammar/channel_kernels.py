@@ -1,0 +1,47 @@
+"""The CUDA side of the grammar channel (channel.py): two one-program Triton kernels that read
+their sequence numbers from device memory, so a captured graph publishes and waits for new
+phases at every replay."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.engine.grammar.channel import DEVICE_FLAG, HOST_FLAG
+
+BLOCK = 1024
+
+
+@triton.jit
+def _signal_kernel(src, n, seq_ptr, ring, header, slot, DEVICE_FLAG_AT: tl.constexpr, BLOCK: tl.constexpr):
+    seq = tl.load(seq_ptr) + 1
+    base = ring + (seq % 2) * slot
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        keep = offs < n
+        tl.store(base + offs, tl.load(src + offs, mask=keep), mask=keep)
+    tl.debug_barrier()
+    # The counter's update is a system-scope release (a MEMBAR.SYS before it): every data store
+    # reaches the host before the flag's (the counter itself lives in device memory).
+    tl.atomic_xchg(seq_ptr, seq, sem="release", scope="sys")
+    tl.store(header + DEVICE_FLAG_AT, seq)
+
+
+@triton.jit
+def _wait_kernel(header, seq_ptr, timed_out, max_spins, HOST_FLAG_AT: tl.constexpr):
+    target = tl.load(seq_ptr)
+    seen = tl.load(header + HOST_FLAG_AT, volatile=True)
+    spins = 0
+    while (seen < target) & (spins < max_spins):
+        seen = tl.load(header + HOST_FLAG_AT, volatile=True)
+        spins += 1
+    tl.store(timed_out, (seen < target).to(tl.int32), mask=seen < target)
+
+
+def signal(flat: torch.Tensor, n: int, seq: torch.Tensor, ring: torch.Tensor, header: torch.Tensor,
+           slot: int) -> None:
+    _signal_kernel[(1,)](flat, n, seq, ring, header, slot, DEVICE_FLAG_AT=DEVICE_FLAG, BLOCK=BLOCK)
+
+
+def wait(header: torch.Tensor, seq: torch.Tensor, timed_out: torch.Tensor, max_spins: int) -> None:
+    _wait_kernel[(1,)](header, seq, timed_out, max_spins, HOST_FLAG_AT=HOST_FLAG)
