@@ -101,6 +101,10 @@ class Engine:
         bad_bias = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
+        if sampling.grammar is not None and self.config.tp_size > 1:
+            # The grammar process serves one rank's device; the followers would sample unmasked.
+            raise ValueError(f"structured_output: not supported with tp_size={self.config.tp_size} "
+                             f"(structured outputs need tp_size=1)")
         if sampling.grammar is not None and core.scheduler.grammars is None:
             raise ValueError("structured_output: this model has no tokenizer.json, which grammars need")
         if core.scheduler.has_request(rid):

@@ -77,6 +77,18 @@ def test_tp_errors_name_the_field(tmp_path):
         Engine(EngineConfig(model=path, device="cpu", tp_size=3, spec=None))
 
 
+def test_tp_refuses_structured_outputs(pair, make_engine):
+    """Unsupported, so refused by name: the grammar process masks one rank's logits only."""
+    from specserve.engine import GrammarSpec
+
+    engine = make_engine(pair[0], tp_size=2, spec=None)
+    constrained = SamplingParams(max_new_tokens=4, grammar=GrammarSpec(kind="json_object"))
+    with pytest.raises(ValueError, match="^structured_output: not supported with tp_size=2"):
+        engine.add_request("json", [1, 2, 3], constrained)
+    assert not engine.has_unfinished()
+    assert engine.generate(prompt_token_ids=[[1, 2, 3]], sampling=GREEDY)[0].token_ids  # still serves
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("spec", [None, dict(num_steps=3, topk=1, num_draft_tokens=4),
