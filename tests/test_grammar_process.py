@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -124,7 +126,7 @@ def test_grammar_process_death_fails_constrained_requests(pair, make_engine, ove
 
     def kill(got):
         if not killed and len(got["c1"][0]) >= 4:
-            service._send(("crash",))
+            os.kill(service._proc.pid, signal.SIGKILL)
             killed.append(True)
 
     got = _run(engine, requests, kill)

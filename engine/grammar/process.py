@@ -137,9 +137,6 @@ class _Server:
     def _on_stats(self) -> None:
         self.send(("stats", {"requests": len(self.requests), "phase": self.seq}))
 
-    def _on_crash(self) -> None:  # tests: the process dying mid-run
-        os._exit(3)
-
     def _on_plan(self, kind: str, rows: int, entries) -> None:
         grammars = [None] * rows
         for b, key in entries:
