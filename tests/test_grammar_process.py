@@ -140,6 +140,38 @@ def test_grammar_process_death_fails_constrained_requests(pair, make_engine, ove
     assert engine.generate(prompt_token_ids=[prompts[0]], sampling=free)[0].token_ids == alone["u0"]
 
 
+def test_a_silent_grammar_process_is_given_up_on(pair, make_engine, monkeypatch):
+    """Alive but silent (stopped): the device's wait gives up after its limit and says so in
+    the channel; the engine kills the process and ends the constrained requests ("abort", KV
+    freed: make_engine checks), whose outputs so far are inside the grammar; the unconstrained
+    ones finish as they would alone."""
+    from specserve.engine.grammar import channel
+
+    monkeypatch.setattr(channel, "CPU_WAIT_LIMIT_SECONDS", 0.5)
+    engine = make_engine(pair[0], spec=_spec(pair[1], CHAIN), enable_overlap=True)
+    service = engine.core.scheduler.grammars
+    prompts = random_prompts(3, seed=25, max_len=10)
+    free = SamplingParams(max_new_tokens=40, temperature=0.0)
+    bound = SamplingParams(max_new_tokens=40, temperature=0.0, grammar=GrammarSpec("regex", "[ab]{60}"))
+    alone = engine.generate(prompt_token_ids=[prompts[0]], sampling=free)[0].token_ids
+    requests = {"u0": (prompts[0], free), "c1": (prompts[1], bound), "c2": (prompts[2], bound)}
+    stopped = []
+
+    def stop(got):
+        if not stopped and len(got["c1"][0]) >= 4:
+            os.kill(service._proc.pid, signal.SIGSTOP)
+            stopped.append(True)
+
+    got = _run(engine, requests, stop)
+    assert stopped and service.dead and service.views.timed_out
+    service._proc.join(10)
+    assert service._proc.exitcode == -signal.SIGKILL   # killed by the engine, not left stopped
+    assert got["c1"][1] == got["c2"][1] == "abort"
+    for rid in ("c1", "c2"):
+        assert set(engine.tokenizer.decode(got[rid][0])) <= {"a", "b"}
+    assert got["u0"] == (alone, "length")
+
+
 @pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])
 def test_abort_mid_step_frees_both_sides(pair, make_engine, shape):
     """Aborting a constrained request while its step is in flight frees its KV (make_engine
@@ -261,11 +293,11 @@ def test_channel_kernels_in_the_triton_interpreter():
     seq % 2 and the flags; wait passes once the host flag reaches the counter, and gives up
     after max_spins reads otherwise, saying so."""
     from specserve.engine.grammar import channel_kernels
+    from specserve.engine.grammar.channel import TIMED_OUT
 
     ring = torch.zeros(2 * 8, dtype=torch.int64)
     header = torch.zeros(16, dtype=torch.int64)
     seq = torch.zeros(1, dtype=torch.int64)
-    timed_out = torch.zeros(1, dtype=torch.int32)
     channel_kernels.signal(torch.arange(5) + 10, 5, seq, ring, header, 8)
     assert (seq.item(), header[0].item()) == (1, 1) and ring[8:13].tolist() == [10, 11, 12, 13, 14]
     channel_kernels.signal(torch.arange(3) * 2, 3, seq, ring, header, 8)
@@ -273,11 +305,11 @@ def test_channel_kernels_in_the_triton_interpreter():
     channel_kernels.signal(torch.zeros(1, dtype=torch.int64), 0, seq, ring, header, 8)  # no data
     assert (seq.item(), header[0].item()) == (3, 3) and ring[8:13].tolist() == [10, 11, 12, 13, 14]
     header[8] = 3
-    channel_kernels.wait(header, seq, timed_out, 100)
-    assert timed_out.item() == 0
+    channel_kernels.wait(header, seq, 100)
+    assert header[TIMED_OUT].item() == 0
     header[8] = 2
-    channel_kernels.wait(header, seq, timed_out, 100)
-    assert timed_out.item() == 1
+    channel_kernels.wait(header, seq, 100)
+    assert header[TIMED_OUT].item() == 1
 
 
 # --- on a GPU ----------------------------------------------------------------------------------
@@ -347,7 +379,7 @@ def test_gpu_spin_wait_in_a_captured_graph_is_released_by_another_process():
             torch.cuda.synchronize()
             assert time.perf_counter() - start >= 0.04   # the device waited for the answer
             assert out.tolist() == [[200 + seq] * 3] * 2
-        assert channel.timed_out.item() == 0
+        assert not views.timed_out
     finally:
         proc.join(10)
         del views, graph
@@ -368,7 +400,7 @@ def test_gpu_constrained_equals_plain_decoding(make_engine, shape):
     outs = engine.generate(prompt_token_ids=prompts, sampling=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert engine.core.worker.constrained_graphs is not None
-    assert engine.core.scheduler.grammars.device.timed_out.item() == 0
+    assert not engine.core.scheduler.grammars.views.timed_out
 
 
 def test_a_matcher_error_fails_only_its_request(pair, make_engine, tmp_path):

@@ -39,6 +39,7 @@ from specserve.engine.grammar.bitmask import bitmask_width
 
 DEVICE_FLAG = 0      # int64 index in the header: the last phase the device published
 HOST_FLAG = 8        # the last phase the grammar process answered (a cache line apart)
+TIMED_OUT = 4        # set by a device wait that gave up: the grammar process is alive but silent
 HEADER_WORDS = 16
 RELEASED = 1 << 62   # the host flag once the grammar process is gone: every wait passes
 MAX_SPINS = 1 << 25  # CUDA wait kernel: flag reads before it gives up (~1 us each)
@@ -82,6 +83,10 @@ class HostViews:
         self.masks = base[start:start + 4 * layout.rows * layout.width].view(torch.int32).view(
             layout.rows, layout.width)
         self.base = base
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.header[TIMED_OUT])
 
     def release(self) -> None:
         """Every wait passes from now on, applying all-allowed masks (the grammar process is gone)."""
@@ -166,8 +171,9 @@ class CpuDeviceChannel(DeviceChannel):
                 spins += 1
                 if spins > 200:
                     time.sleep(5e-5)
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("structured output: the grammar process did not answer")
+                    if time.monotonic() > deadline:  # as the CUDA wait: say so, go on
+                        header[TIMED_OUT] = 1
+                        break
         self._masks[:n].copy_(self.views.masks[:n])
         return self._masks[:n]
 
@@ -205,7 +211,6 @@ class CudaDeviceChannel(DeviceChannel):
             self.masks_d = torch.as_tensor(_MappedArray(ptr + 8 * HEADER_WORDS + 16 * layout.slot,
                                                         (layout.rows, layout.width), "<i4"), device=device)
         self.seq = torch.zeros(1, dtype=torch.int64, device=device)      # the last published phase
-        self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)  # a wait gave up
         self._masks = torch.full((layout.rows, layout.width), -1, dtype=torch.int32, device=device)
         self._nothing = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -220,7 +225,7 @@ class CudaDeviceChannel(DeviceChannel):
     def masks(self, n: int) -> torch.Tensor:
         from specserve.engine.grammar import channel_kernels
 
-        channel_kernels.wait(self.header_d, self.seq, self.timed_out, MAX_SPINS)
+        channel_kernels.wait(self.header_d, self.seq, MAX_SPINS)
         self._masks[:n].copy_(self.masks_d[:n])
         return self._masks[:n]
 

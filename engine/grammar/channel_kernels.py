@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.engine.grammar.channel import DEVICE_FLAG, HOST_FLAG
+from specserve.engine.grammar.channel import DEVICE_FLAG, HOST_FLAG, TIMED_OUT
 
 BLOCK = 1024
 
@@ -28,14 +28,15 @@ def _signal_kernel(src, n, seq_ptr, ring, header, slot, DEVICE_FLAG_AT: tl.const
 
 
 @triton.jit
-def _wait_kernel(header, seq_ptr, timed_out, max_spins, HOST_FLAG_AT: tl.constexpr):
+def _wait_kernel(header, seq_ptr, max_spins, HOST_FLAG_AT: tl.constexpr, TIMED_OUT_AT: tl.constexpr):
     target = tl.load(seq_ptr)
     seen = tl.load(header + HOST_FLAG_AT, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spins):
         seen = tl.load(header + HOST_FLAG_AT, volatile=True)
         spins += 1
-    tl.store(timed_out, (seen < target).to(tl.int32), mask=seen < target)
+    # Given up: said in the mapped header, where the engine's host side reads it (GrammarService.dead).
+    tl.store(header + TIMED_OUT_AT, (seen < target).to(tl.int64), mask=seen < target)
 
 
 def signal(flat: torch.Tensor, n: int, seq: torch.Tensor, ring: torch.Tensor, header: torch.Tensor,
@@ -43,5 +44,5 @@ def signal(flat: torch.Tensor, n: int, seq: torch.Tensor, ring: torch.Tensor, he
     _signal_kernel[(1,)](flat, n, seq, ring, header, slot, DEVICE_FLAG_AT=DEVICE_FLAG, BLOCK=BLOCK)
 
 
-def wait(header: torch.Tensor, seq: torch.Tensor, timed_out: torch.Tensor, max_spins: int) -> None:
-    _wait_kernel[(1,)](header, seq, timed_out, max_spins, HOST_FLAG_AT=HOST_FLAG)
+def wait(header: torch.Tensor, seq: torch.Tensor, max_spins: int) -> None:
+    _wait_kernel[(1,)](header, seq, max_spins, HOST_FLAG_AT=HOST_FLAG, TIMED_OUT_AT=TIMED_OUT)

@@ -240,7 +240,7 @@ class GrammarService:
         self._proc = None
         self._conn = None
         self._closing = False
-        self.dead = False
+        self._gone = False
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()     # orders sends: messages queued while it starts go first
         self._queued: list = []
@@ -259,7 +259,7 @@ class GrammarService:
         except Exception:
             logger.exception("the grammar process did not start: constrained requests fail")
             with self._lock:
-                self.dead = True
+                self._gone = True
                 self.views.release()
             return
         child.close()
@@ -278,8 +278,14 @@ class GrammarService:
         multiprocessing.connection.wait([proc.sentinel])
         if not self._closing:
             logger.error("the grammar process died (exit code %s): constrained requests fail", proc.exitcode)
-            self.dead = True          # before the release: a step that ran on it sees `dead`
+            self._gone = True         # before the release: a step that ran on it sees `dead`
             self.views.release()
+
+    @property
+    def dead(self) -> bool:
+        """The process is gone, or a device wait gave up on it (its masks may be stale: poll()
+        then kills it, and the watcher releases the channel)."""
+        return self._gone or (self.views is not None and self.views.timed_out)
 
     @property
     def started(self) -> bool:
@@ -320,10 +326,15 @@ class GrammarService:
         self._send(("drop", key))
 
     def poll(self, timeout: float = 0.0) -> list:
-        """Messages from the process (compiled, error), waiting up to `timeout` for the first."""
+        """Messages from the process (compiled, error), waiting up to `timeout` for the first.
+        A process that let a device wait give up is killed here (the watcher does the rest)."""
         if self._conn is None:
             time.sleep(timeout)   # still starting
-        elif not self.dead:
+        elif self.dead:
+            if not self._gone and self._proc.is_alive():
+                logger.error("the grammar process stopped answering: killed, constrained requests fail")
+                self._proc.kill()
+        else:
             try:
                 if self._conn.poll(timeout):
                     while self._conn.poll():
