@@ -54,7 +54,9 @@ class AdmissionPolicy:
     def schedule(self, nothing_in_flight: bool) -> Optional[Decision]:
         """The next launch. Every decision returned is launched (the overlap loop calls this
         while the previous one is still in flight; `_last_was_extend` is about that one)."""
-        decoding = self.interleave_tokens > 0 and self._any_decoding()
+        # Whether a running request could take a decode step (the host's view: one whose
+        # prefill's last chunk is launched counts, its first token still in flight).
+        decoding = self.interleave_tokens > 0 and bool(self._decode_ready())
         if decoding and self._last_was_extend:
             decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
         else:
@@ -159,11 +161,6 @@ class AdmissionPolicy:
 
     def _decode_ready(self) -> list[Req]:
         return [r for r in self.running if not r.is_prefilling and self._can_decode(r)]
-
-    def _any_decoding(self) -> bool:
-        """Whether a running request could take a decode step (the host's view: one whose
-        prefill's last chunk is launched counts, its first token still in flight)."""
-        return any(not r.is_prefilling and self._can_decode(r) for r in self.running)
 
     def _can_decode(self, req: Req) -> bool:
         """False once the tokens already in flight reach a length limit (host-known)."""
