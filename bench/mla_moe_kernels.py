@@ -14,10 +14,9 @@ MoE (V2-Lite shape: 64 experts top-6, hidden 2048, intermediate 1408, bf16, rand
 time. The torch peer loops over the touched experts.
 
 MoE alignment (the expert sort before the grouped GEMMs, alone): `align_entries_by_expert`
-against the single-program kernel it replaced (kept here only, `old_align_entries_by_expert`)
 at T*k = T x 8 entries, E = 66 (6 routed of 64 and V2-Lite's 2 shared slots) and 64 (8 of
-64), block_m as `default_moe_config` picks it; each size first checks that both give the same
-rows.
+64), block_m as `default_moe_config` picks it. (The single-program kernel it replaced was timed
+beside it with this script at commit 13f304a: docs/benchmarks.md, fourth round.)
 
 `--sweep` adds launch configurations (MLA decode tiles at the longest context, MoE tiles,
 alignment plans) to choose the defaults from.
@@ -31,8 +30,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 import triton.testing
 
 from attention_kernels import copy_bandwidth  # bench/ is this script's folder
@@ -204,64 +201,6 @@ def moe_rows(args, bandwidth, device):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
-# The MoE alignment: the engine's parallel kernels against the one-program kernel they replaced
-# (engine/layers/fused_moe_triton.py before the parallel alignment), kept here to time both in
-# one run.
-@triton.jit
-def _old_align_kernel(topk_ids, sorted_entries, block_experts, num_padded, num_entries,
-                      max_padded, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_t = tl.arange(0, BLOCK_T)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_entries, BLOCK_T):
-        entries = start + offs_t
-        experts = tl.load(topk_ids + entries, mask=entries < num_entries, other=-1)
-        counts += tl.sum((experts[:, None] == offs_e[None, :]).to(tl.int32), 0)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(num_padded, tl.sum(padded, 0))
-    for start in range(0, max_padded // BLOCK_M, BLOCK_T):
-        blocks = start + offs_t
-        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(block_experts + blocks, owner, mask=blocks < max_padded // BLOCK_M)
-    for start in range(0, max_padded, BLOCK_T):
-        rows = start + offs_t
-        tl.store(sorted_entries + rows, tl.zeros([BLOCK_T], tl.int32) + num_entries,
-                 mask=rows < max_padded)
-    tl.debug_barrier()
-    seen = ends - padded
-    for start in range(0, num_entries, BLOCK_T):
-        entries = start + offs_t
-        valid = entries < num_entries
-        experts = tl.load(topk_ids + entries, mask=valid, other=-1)
-        onehot = (experts[:, None] == offs_e[None, :]).to(tl.int32)
-        earlier = tl.cumsum(onehot, 0) - onehot
-        rows = tl.sum(onehot * (earlier + seen[None, :]), 1)
-        tl.store(sorted_entries + rows, entries, mask=valid)
-        seen += tl.sum(onehot, 0)
-
-
-def old_align_entries_by_expert(topk_ids, num_experts: int, block_m: int):
-    num_entries = topk_ids.numel()
-    max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
-    max_padded = triton.cdiv(max_padded, block_m) * block_m
-    device = topk_ids.device
-    sorted_entries = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = max(16, min(triton.next_power_of_2(num_entries), 16384 // block_e, 256))
-    tile = block_t * block_e
-    num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4 if tile < 16384 else 8
-    _old_align_kernel[(1,)](
-        topk_ids.reshape(-1), sorted_entries, block_experts, num_padded, num_entries,
-        max_padded, NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_T=block_t,
-        BLOCK_M=block_m, num_warps=num_warps)
-    return sorted_entries, block_experts, num_padded
-
-
 def align_routing(num_tokens: int, num_experts: int, top_k: int, gen, device) -> torch.Tensor:
     """[T, top_k] ids: distinct routed experts a token; past 64 experts the last E - 64 are
     shared slots every token holds (V2-Lite: 6 of 64 routed, then slots 64 and 65)."""
@@ -284,32 +223,23 @@ def align_rows(args, device):
         num_entries = topk_ids.numel()
         block_m = default_moe_config(num_tokens, top_k, num_experts, device).block_m
         new = align_entries_by_expert(topk_ids, num_experts, block_m)
-        old = old_align_entries_by_expert(topk_ids, num_experts, block_m)
-        used = int(new.num_padded)
-        assert used == int(old[2]), (used, int(old[2]))
-        assert torch.equal(new.sorted_entries, old[0]), "old and new rows differ"
-        assert torch.equal(new.block_experts[:used // block_m], old[1][:used // block_m])
         default = align_plan(num_entries, num_experts)
-        kernels = {"align (one program, old)": lambda: old_align_entries_by_expert(
-            topk_ids, num_experts, block_m), "align": (default, None)}
+        plans = {"align": default}
         if args.sweep:
             for block_t, max_programs, single in itertools.product(
                     (32, 64, 128), (32, 64, 128, 256), (1, 4, 8)):
                 plan = align_plan(num_entries, num_experts, block_t, max_programs, single)
                 for warps in sorted({plan.num_warps, 2, 4, 8}):
                     plan = plan._replace(num_warps=warps)
-                    kernels.setdefault(
-                        f"align t{plan.block_t} x{plan.tiles} p{plan.num_programs} "
-                        f"w{warps}", (plan, None))
-        for name, fn in kernels.items():
-            plan = None
-            if isinstance(fn, tuple):
-                plan = fn[0]
-                fn = lambda p=plan: align_entries_by_expert(topk_ids, num_experts, block_m, p)
-                if plan != default:
-                    alt = fn()
-                    assert torch.equal(alt.sorted_entries, new.sorted_entries), plan
-                    assert torch.equal(alt.block_experts, new.block_experts), plan
+                    plans.setdefault(f"align t{plan.block_t} x{plan.tiles} p{plan.num_programs} "
+                                     f"w{warps}", plan)
+        for name, plan in plans.items():
+            def fn(p=plan):
+                return align_entries_by_expert(topk_ids, num_experts, block_m, p)
+            if plan != default:  # every plan gives the default's rows
+                alt = fn()
+                assert torch.equal(alt.sorted_entries, new.sorted_entries), plan
+                assert torch.equal(alt.block_experts, new.block_experts), plan
             try:
                 seconds = bench(fn)
             except Exception as e:  # a sweep plan the compiler refuses
@@ -317,7 +247,7 @@ def align_rows(args, device):
                 continue
             rows.append(dict(kernel=name, tokens=num_tokens, top_k=top_k, entries=num_entries,
                              experts=num_experts, block_m=block_m,
-                             plan=list(plan) if plan else None, us=seconds * 1e6))
+                             plan=list(plan), us=seconds * 1e6))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
