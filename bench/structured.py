@@ -10,7 +10,8 @@ unconstrained, greedy, over prompts cut from models/demo-heldout.txt (text the p
 
 steps: steady-state decode step time (wall, per engine.step) of a batch of constrained requests
 (inside an endless JSON string: the costliest state to mask, and no request leaves the batch)
-vs an unconstrained batch, at bs=1 and 16, and of a mixed batch (half constrained); then, over
+vs an unconstrained (greedy) batch, at bs=1 and 16, of a mixed batch (half constrained) and of
+sampled unconstrained batches (temperature 1, and with top_p 0.9: sampled CUDA graphs); then, over
 steps of their own, the implicit host syncs per step (CUDA's sync debug mode counts `.item()`
 and `.tolist()` of device tensors, not waits on CUDA events). Constrained batches keep the
 overlap loop: the grammar process (engine/grammar/process.py) makes the masks and the device
@@ -161,12 +162,14 @@ def steps(args) -> dict:
                   args.warmup, args.warmup)
     for bs in args.batch_sizes:
         prompts = heldout_prompts(engine.tokenizer, bs, args.prompt_len)
-        # "sampled": unconstrained, temperature 1 (eager, as every non-greedy batch runs): what
-        # the eager step costs without a grammar.
+        # "sampled": unconstrained, seeded, temperature 1; "sampled_top_p": and top_p 0.9. Both
+        # replay the sampled CUDA graphs (EngineConfig.cuda_graph_sampled, on by default; the
+        # second the top-k/top-p/min-p variant), the greedy rows' graphs being "unconstrained".
         sampled = SamplingParams(ignore_eos=True, seed=0, **dict(long, temperature=1.0))
+        top_p = SamplingParams(ignore_eos=True, seed=0, top_p=0.9, **dict(long, temperature=1.0))
         for name, params in (("unconstrained", [free] * bs), ("json_string", [constrained] * bs),
                              ("mixed", [constrained if i % 2 else free for i in range(bs)]),
-                             ("sampled", [sampled] * bs)):
+                             ("sampled", [sampled] * bs), ("sampled_top_p", [top_p] * bs)):
             if name == "mixed" and bs == 1:
                 continue
             t, syncs = _steady_steps(engine, prompts, params, args.warmup, args.steps)

@@ -97,7 +97,8 @@ class EngineCore:
         rank 0 after telling the followers to stop)."""
         with self.ctx.schedule_context():
             self.scheduler.drain()
-        for graphs in (self.worker.graphs, self.worker.constrained_graphs, self.worker.extend_graphs):
+        for graphs in (self.worker.graphs, *self.worker.sampled_graphs.values(),
+                       self.worker.constrained_graphs, self.worker.extend_graphs):
             if graphs is not None:
                 graphs.release()
         self.ctx.close()
@@ -268,7 +269,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if uses_cuda_graphs:
         logger.info("capturing CUDA graphs for batch sizes up to %d", num_rows)
         # Constrained steps get graphs of their own only where requests may carry a grammar.
-        worker.enable_cuda_graphs(num_rows, row_width, constrained=scheduler.grammars is not None)
+        worker.enable_cuda_graphs(num_rows, row_width, constrained=scheduler.grammars is not None,
+                                  sampled=config.cuda_graph_sampled)
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(

@@ -252,6 +252,9 @@ class EngineConfig:
     spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
     cuda_graph: Optional[bool] = None  # None: on with CUDA
+    # With CUDA graphs, also capture sampled decode steps (temperature / top-k / top-p / min-p;
+    # two variants per bucket, in the greedy graphs' memory pool): about 3x the capture time.
+    cuda_graph_sampled: bool = True
     needs_cpu_seq_lens: Optional[bool] = None  # None: decided by the backends; True forces host lengths
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)

@@ -127,6 +127,48 @@ class SamplingInfo:
                 or self.logit_bias is not None)
 
 
+# --- CUDA graphs of sampled steps ---------------------------------------------------------------
+# A graph replays the ops it was captured with, so a captured variant fixes the host flags of its
+# SamplingInfo; its per-row tensors are static buffers that each replay refills. Variants:
+GREEDY, SAMPLED, FILTERED = "greedy", "sampled", "filtered"
+# What sample() reads per row when the only rules are temperature / top-k / top-p / min-p, and
+# what rows past the batch hold (greedy: their argmax, which nobody reads; no NaN on the way).
+GRAPH_SAMPLING_PAD = {"temperatures": 1.0, "top_ks": 1, "top_ps": 1.0, "min_ps": 0.0, "seeds": 0,
+                      "is_greedy": True}
+
+
+def graph_variant(info: SamplingInfo) -> Optional[str]:
+    """Which captured variant runs exactly the ops sample() runs for this batch: GREEDY (the
+    argmax), SAMPLED (temperature), FILTERED (temperature and top-k/top-p/min-p), or None when
+    a rule stays eager (penalties, logit_bias, min_new_tokens, logprobs)."""
+    if info.any_penalty or info.any_min_new or info.any_logprobs or info.logit_bias is not None:
+        return None
+    if info.all_greedy:
+        return GREEDY
+    return FILTERED if info.any_filter else SAMPLED
+
+
+def graph_sampling_info(bs: int, vocab_size: int, device, variant: str) -> SamplingInfo:
+    """The SamplingInfo a variant is captured with: its flags, and per-row buffers that
+    load_graph_sampling() refills before each replay."""
+    from specserve.engine.config import SamplingParams
+
+    params = SamplingParams(temperature=0.0) if variant == GREEDY else \
+        SamplingParams(temperature=1.0, top_p=0.5 if variant == FILTERED else 1.0)
+    info = SamplingInfo.build([params] * bs, [0] * bs, [0] * bs, [], vocab_size, device)
+    assert graph_variant(info) == variant
+    return info
+
+
+def load_graph_sampling(static: SamplingInfo, live: SamplingInfo, bs: int) -> None:
+    """Copy a batch's per-row sampling tensors into a captured variant's buffers (rows past
+    bs: GRAPH_SAMPLING_PAD)."""
+    for name, pad in GRAPH_SAMPLING_PAD.items():
+        buf = getattr(static, name)
+        buf[:bs].copy_(getattr(live, name), non_blocking=True)
+        buf[bs:].fill_(pad)
+
+
 def adjust_logits(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor,
                   positions: torch.Tensor, history: Optional[TokenHistory]) -> torch.Tensor:
     """Rules that change which tokens may come next: penalties, logit_bias, min_new_tokens.

@@ -85,6 +85,7 @@ class Worker(Protocol):
     """What the scheduler and the engine need of a worker (NormalWorker, EagleWorker)."""
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
+    sampled_graphs: dict  # variant (layers/sampler.py: SAMPLED, FILTERED) -> its graphs; {} without
     constrained_graphs: Any  # those of batches with a grammar (greedy), or None
     extend_graphs: Any  # the captured extends (runtime/captured_extend.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)

@@ -16,8 +16,9 @@ from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.grammar.process import ONE, GrammarService
 from specserve.engine.kvcache.pools import ReqToTokenPool
 from specserve.engine.layers.argmax import argmax_last_dim
-from specserve.engine.layers.sampler import (SamplingInfo, TokenChoice, TokenHistory, sample,
-                                             scored_logprobs)
+from specserve.engine.layers.sampler import (FILTERED, GREEDY, SAMPLED, SamplingInfo, TokenChoice,
+                                             TokenHistory, graph_sampling_info, graph_variant,
+                                             load_graph_sampling, sample, scored_logprobs)
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
@@ -91,6 +92,17 @@ class GraphedDecodeInputs(NamedTuple):
     positions: torch.Tensor
     rows: torch.Tensor
     loc: torch.Tensor
+
+
+class SampledDecodeInputs(NamedTuple):
+    """The static inputs a captured sampled decode step reads: GraphedDecodeInputs' and the
+    per-row sampling buffers (layers/sampler.py graph_sampling_info)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    loc: torch.Tensor
+    info: SamplingInfo
 
 
 class HistoryTable:
@@ -291,6 +303,7 @@ class NormalWorker:
         self.target = target
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar process)
+        self.sampled_graphs: dict[str, GraphedStep] = {}  # SAMPLED / FILTERED -> GraphedStep
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
 
     def slots_per_request(self) -> int:
@@ -321,8 +334,9 @@ class NormalWorker:
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)
         bs = len(step.rows)
-        graphs = self.graphs if step.grammar is None else self.constrained_graphs
-        if not (graphs is not None and graphable(graphs, inputs.sampling_info, bs)):
+        info = inputs.sampling_info
+        graphs = graphs_for(self, info, step.grammar is not None, bs)
+        if graphs is None:
             self.target.plan_grammar(ONE, bs, step.grammar)
             return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
         self.target.plan_grammar(ONE, graphs.bucket_for(bs), step.grammar)
@@ -330,6 +344,8 @@ class NormalWorker:
         def replay(read_done) -> StepResult:
             captured = graphs.load(ids=inputs.input_ids, positions=inputs.positions,
                                    rows=inputs.rows, loc=inputs.out_cache_loc)
+            if not info.all_greedy:
+                load_graph_sampling(captured.inputs.info, info, bs)
             tokens = graphs.replay(captured, 0)
             read_done.record()
             return StepResult(tokens[:bs])
@@ -339,15 +355,31 @@ class NormalWorker:
     def _sample(self, inputs: ForwardInputs, read_done) -> StepResult:
         return self.target.forward_and_sample(inputs, read_done).step_result()
 
-    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None:
-        """Capture the greedy decode per bucket, and with `constrained` (the engine has a
-        grammar process) a constrained variant in the same memory pool, whose signal and wait
-        kernels talk to the grammar process: the unconstrained graph applies no mask."""
+    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False,
+                           sampled: bool = True) -> None:
+        """Capture the greedy decode per bucket; with `sampled` the sampled variants
+        (temperature; temperature and top-k/top-p/min-p) in the same memory pool; with
+        `constrained` (the engine has a grammar process) a constrained variant in that pool too,
+        whose signal and wait kernels talk to the grammar process: the unconstrained graph
+        applies no mask."""
         device = self.target.ctx.device
         forward, pick, constrained_step = self.decode_parts(width)
         self.graphs = GraphedStep([lambda s: pick(forward(s))], graph_decode_inputs(device), pad={},
                                   max_batch_size=max_batch_size, device=device)
         self.graphs.capture_all()
+        if sampled:
+            vocab_size = self.target.model.config.vocab_size
+            pick_sampled = self.sampled_pick()
+            for variant in (SAMPLED, FILTERED):
+                make = graph_decode_inputs(device)
+
+                def make_inputs(bs, make=make, variant=variant):
+                    return SampledDecodeInputs(*make(bs), graph_sampling_info(bs, vocab_size, device, variant))
+
+                graphs = GraphedStep([lambda s: pick_sampled(forward(s))], make_inputs, pad={},
+                                     max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
+                graphs.capture_all()
+                self.sampled_graphs[variant] = graphs
         if constrained:
             self.constrained_graphs = GraphedStep([constrained_step], graph_decode_inputs(device), pad={},
                                                   max_batch_size=max_batch_size, device=device,
@@ -389,6 +421,21 @@ class NormalWorker:
 
         return forward, pick, constrained_step
 
+    def sampled_pick(self):
+        """The sampled variants' last op: sample() as the eager decode calls it (no history,
+        no logprobs: those batches stay eager), the tokens stashed in the FutureMap."""
+        target = self.target
+
+        def pick(x: tuple[SampledDecodeInputs, torch.Tensor]) -> torch.Tensor:
+            s, logits = x
+            batch_index = torch.arange(logits.shape[0], device=logits.device)
+            choice = sample(logits, s.info, batch_index, s.positions + 1)
+            tokens = target.model.tp.broadcast(choice.tokens)
+            target.future_map.stash_tokens(s.rows, tokens)
+            return tokens
+
+        return pick
+
     def captured_extend_parts(self, width: int) -> list:
         """What a captured extend runs: the target forward and its greedy tokens."""
         return [lambda s: self.target.captured_extend(s, width)[0]]
@@ -400,14 +447,16 @@ def graph_decode_inputs(device):
                                             for _ in GraphedDecodeInputs._fields))
 
 
-def graphable(graphs, info: SamplingInfo, bs: int) -> bool:
-    """Graphs cover greedy steps without per-token rules (a constrained batch's graphs apply
-    its masks); the rest runs eagerly."""
-    return not info.per_token_rules and graphs.bucket_for(bs) is not None
-
-
-def greedy_sampling_info(bs: int, vocab_size: int, device) -> SamplingInfo:
-    """The sampling info of an all-greedy batch (what CUDA graphs are captured with)."""
-    from specserve.engine.config import SamplingParams
-
-    return SamplingInfo.build([SamplingParams(temperature=0.0)] * bs, [0] * bs, [0] * bs, [], vocab_size, device)
+def graphs_for(worker, info: SamplingInfo, constrained: bool, bs: int) -> Optional[GraphedStep]:
+    """The captured variant (worker.graphs, .sampled_graphs[...], .constrained_graphs) that runs
+    exactly the sampling ops the eager step would for this batch, or None: eager. Constrained
+    batches have greedy graphs only; penalties, logit_bias, min_new_tokens and logprobs stay
+    eager (layers/sampler.py graph_variant)."""
+    variant = graph_variant(info)
+    if variant is None:
+        return None
+    if constrained:
+        graphs = worker.constrained_graphs if variant == GREEDY else None
+    else:
+        graphs = worker.graphs if variant == GREEDY else worker.sampled_graphs.get(variant)
+    return graphs if graphs is not None and graphs.bucket_for(bs) is not None else None

@@ -31,14 +31,15 @@ from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.grammar.bitmask import apply_token_bitmask
 from specserve.engine.grammar.channel import DeviceChannel
 from specserve.engine.grammar.process import ONE, SPEC
-from specserve.engine.layers.sampler import SamplingInfo, TokenChoice, sample
+from specserve.engine.layers.sampler import (FILTERED, GREEDY, SAMPLED, SamplingInfo, TokenChoice,
+                                             graph_sampling_info, load_graph_sampling, sample)
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
-from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphable, greedy_sampling_info
+from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphs_for
 from specserve.engine.spec import tree as tree_ops
 
 
@@ -127,6 +128,7 @@ class EagleWorker:
         self.tree = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
         self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar process)
+        self.sampled_graphs: dict[str, GraphedStep] = {}  # SAMPLED / FILTERED -> GraphedStep
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.width = 0  # the rows' KV bound, with the graphs
         head = draft.model
@@ -216,13 +218,15 @@ class EagleWorker:
         inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling,
                                   constrained)
         publish_ready = self.future_map.new_publish_event()
-        graphs = self.constrained_graphs if constrained else self.graphs
-        use_graph = graphs is not None and graphable(graphs, step.sampling, bs)
+        graphs = graphs_for(self, step.sampling, constrained, bs)
+        use_graph = graphs is not None
         self.target.plan_grammar(SPEC, graphs.bucket_for(bs) if use_graph else bs, step.grammar)
 
         def body(read_done) -> StepResult:
             if use_graph:
                 captured = graphs.load(rows=rows, S=seq_lens)
+                if not step.sampling.all_greedy:
+                    load_graph_sampling(captured.inputs.info, step.sampling, bs)
                 graphs.replay(captured, 0)
                 read_done.record()
                 publish_ready.record()
@@ -388,14 +392,24 @@ class EagleWorker:
         self.future_map.stash_draft_state(rows, DraftState(topk_p, topk_index, last_hidden))
 
     # --- CUDA graphs -------------------------------------------------------------------------
-    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None:
-        """Capture the decode step per bucket, and with `constrained` (the engine has a grammar
-        process) the constrained step too, in the same memory pool: the same two halves, with
-        the signal and wait kernels inside."""
+    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False,
+                           sampled: bool = True) -> None:
+        """Capture the greedy decode step per bucket; with `sampled` its sampled variants
+        (temperature; temperature and top-k/top-p/min-p: the verify samples every node with
+        the batch's per-row buffers) in the same memory pool; with `constrained` (the engine
+        has a grammar process) the constrained step too, in that pool: the same two halves,
+        with the signal and wait kernels inside."""
         device = self.target.ctx.device
         self.graphs = GraphedStep([self._verify_half, self._extend_half], self.graph_inputs(width),
                                   pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device)
         self.graphs.capture_all()
+        if sampled:
+            for variant in (SAMPLED, FILTERED):
+                graphs = GraphedStep([self._verify_half, self._extend_half],
+                                     self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
+                                     max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
+                graphs.capture_all()
+                self.sampled_graphs[variant] = graphs
         if constrained:
             self.constrained_graphs = GraphedStep([self._verify_half, self._extend_half],
                                                   self.graph_inputs(width, constrained=True),
@@ -406,9 +420,9 @@ class EagleWorker:
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
-    def graph_inputs(self, width: int, constrained: bool = False):
+    def graph_inputs(self, width: int, constrained: bool = False, variant: str = GREEDY):
         """make_inputs(bs) of the captured decode steps (constrained ones talk to the grammar
-        process)."""
+        process; `variant`: layers/sampler.py graph_sampling_info)."""
         device = self.target.ctx.device
         vocab_size = self.target.model.config.vocab_size
 
@@ -416,7 +430,8 @@ class EagleWorker:
             return SpecDecodeInputs(rows=torch.zeros(bs, dtype=torch.int64, device=device),
                                     S=torch.ones(bs, dtype=torch.int64, device=device),
                                     seq_lens_cpu=None, width=width,
-                                    info=greedy_sampling_info(bs, vocab_size, device), constrained=constrained)
+                                    info=graph_sampling_info(bs, vocab_size, device, variant),
+                                    constrained=constrained)
 
         return make_inputs
 
