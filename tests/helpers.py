@@ -428,3 +428,39 @@ def run_aborting(engine, abort_rid: str, abort_at_step: int, max_steps: int = 50
         if not engine.has_unfinished():
             break
     return outs, reasons
+
+
+def eager_graphs(monkeypatch):
+    """GraphedStep with each bucket's parts run eagerly on its static inputs (the CPU stand-in
+    for CUDA graphs: bucket loading and padding run as on a GPU); replays recorded as
+    (graphs, the static rows tensor or None, part)."""
+    from specserve.engine.runtime import cuda_graph, worker
+    from specserve.engine.spec import eagle_worker
+
+    class EagerGraphs(cuda_graph.GraphedStep):
+        replays: list = []
+
+        def _capture(self, bs):
+            self.captured[bs] = cuda_graph._Captured([], self.make_inputs(bs), [])
+
+        def replay(self, captured, part):
+            EagerGraphs.replays.append((self, getattr(captured.inputs, "rows", None), part))
+            if part == 0:
+                captured.outputs.clear()
+            captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
+            return captured.outputs[-1]
+
+    for module in (worker, eagle_worker):
+        monkeypatch.setattr(module, "GraphedStep", EagerGraphs)
+    return EagerGraphs
+
+
+def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, **kwargs):
+    """A CPU engine whose worker captured `eager_graphs` (with `constrained`: the constrained
+    steps' too); (engine, the EagerGraphs class and its replays)."""
+    engine = make_engine(model, **kwargs)
+    graphs = eager_graphs(monkeypatch)
+    core = engine.core
+    core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width,
+                                   constrained=constrained)
+    return engine, graphs

@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from helpers import make_eagle3_head, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import (graphed_engine, make_eagle3_head, make_predictable_pair, make_tiny_checkpoint,
+                     random_prompts)
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 
@@ -291,39 +292,6 @@ def test_draft_vocabulary_without_an_allowed_token_stays_unmasked():
 TREE3 = dict(num_steps=4, topk=3, num_draft_tokens=8)
 
 
-def _eager_graphs(monkeypatch):
-    """GraphedStep with each bucket's parts run eagerly on its static inputs; replays counted."""
-    from specserve.engine.runtime import cuda_graph, worker
-    from specserve.engine.spec import eagle_worker
-
-    class EagerGraphs(cuda_graph.GraphedStep):
-        replays: list = []
-
-        def _capture(self, bs):
-            self.captured[bs] = cuda_graph._Captured([], self.make_inputs(bs), [])
-
-        def replay(self, captured, part):
-            EagerGraphs.replays.append((self, captured.inputs.rows.shape[0] if hasattr(captured.inputs, "rows")
-                                        else None, part))
-            if part == 0:
-                captured.outputs.clear()
-            captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
-            return captured.outputs[-1]
-
-    for module in (worker, eagle_worker):
-        monkeypatch.setattr(module, "GraphedStep", EagerGraphs)
-    return EagerGraphs
-
-
-def _graphed_engine(make_engine, monkeypatch, model, **kwargs):
-    engine = make_engine(model, **kwargs)
-    graphs = _eager_graphs(monkeypatch)
-    core = engine.core
-    core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width,
-                                   constrained=True)
-    return engine, graphs
-
-
 def _mixed(n: int = 6, tokens: int = 24):
     """Greedy requests, two of three constrained (the others keep graphs in a mixed batch)."""
     schema = json.dumps(_schema(random.Random(5)))
@@ -340,7 +308,7 @@ def test_graphed_constrained_steps_equal_eager_ones(pair, make_engine, monkeypat
     prompts, params = _mixed()
     spec = None if shape is None else _spec(pair[1], **shape)
     eager = make_engine(pair[0], spec=spec).generate(prompt_token_ids=prompts, sampling=params)
-    engine, graphs = _graphed_engine(make_engine, monkeypatch, pair[0], spec=spec)
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, spec=spec)
     worker = engine.core.worker
     constrained_steps = []
     launch = worker.launch_decode
@@ -348,7 +316,7 @@ def test_graphed_constrained_steps_equal_eager_ones(pair, make_engine, monkeypat
                         lambda step: constrained_steps.append(step.grammar is not None) or launch(step))
     outs = engine.generate(prompt_token_ids=prompts, sampling=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    starts = [(g, bs) for g, bs, part in graphs.replays if part == 0 and bs is not None]
+    starts = [(g, rows.shape[0]) for g, rows, part in graphs.replays if part == 0 and rows is not None]
     # Every decode step replayed: constrained ones the constrained graphs, the others the plain.
     assert sum(g is worker.constrained_graphs for g, _ in starts) == sum(constrained_steps) > 0
     assert sum(g is worker.graphs for g, _ in starts) == len(constrained_steps) - sum(constrained_steps)
@@ -363,7 +331,7 @@ def test_sampled_constrained_batches_stay_eager(pair, make_engine, monkeypatch):
     prompts = random_prompts(3, seed=12, max_len=10)
     params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, grammar=GrammarSpec("json_object"))
     eager = make_engine(pair[0], spec=_spec(pair[1], **TREE)).generate(prompt_token_ids=prompts, sampling=params)
-    engine, graphs = _graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair[1], **TREE))
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, spec=_spec(pair[1], **TREE))
     outs = engine.generate(prompt_token_ids=prompts, sampling=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     assert not [r for r in graphs.replays if r[0] is engine.core.worker.constrained_graphs]

@@ -109,11 +109,17 @@ def _run(engine, requests: dict, until=None) -> dict:
     return {rid: tuple(v) for rid, v in got.items()}
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_grammar_process_death_fails_constrained_requests(pair, make_engine, overlap):
-    """The grammar process dies mid-run: constrained requests end with "abort" (their KV freed:
-    make_engine checks), the unconstrained ones finish as they would alone, the device never
-    hangs, and a constrained request added afterwards is refused at once."""
+@pytest.mark.parametrize("how,overlap", [("killed", False), ("killed", True), ("stopped", True)])
+def test_a_dead_or_silent_grammar_process_fails_constrained_requests(pair, make_engine, monkeypatch,
+                                                                     how, overlap):
+    """The grammar process dies mid-run (SIGKILL), or stays alive but silent (SIGSTOP: the
+    device's wait gives up after its limit and says so in the channel; the engine then kills
+    it): constrained requests end with "abort" (their KV freed: make_engine checks), with what
+    they had so far inside the grammar; the unconstrained ones finish as they would alone; the
+    device never hangs; a constrained request added afterwards is refused at once."""
+    from specserve.engine.grammar import channel
+
+    monkeypatch.setattr(channel, "CPU_WAIT_LIMIT_SECONDS", 0.5)
     engine = make_engine(pair[0], spec=_spec(pair[1], CHAIN), enable_overlap=overlap)
     service = engine.core.scheduler.grammars
     prompts = random_prompts(4, seed=22, max_len=10)
@@ -122,54 +128,26 @@ def test_grammar_process_death_fails_constrained_requests(pair, make_engine, ove
     alone = {f"u{i}": engine.generate(prompt_token_ids=[prompts[i]], sampling=free)[0].token_ids for i in (0, 2)}
     requests = {"u0": (prompts[0], free), "c1": (prompts[1], bound), "u2": (prompts[2], free),
                 "c3": (prompts[3], bound)}
-    killed = []
+    struck = []
 
-    def kill(got):
-        if not killed and len(got["c1"][0]) >= 4:
-            os.kill(service._proc.pid, signal.SIGKILL)
-            killed.append(True)
+    def strike(got):
+        if not struck and len(got["c1"][0]) >= 4:
+            os.kill(service._proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+            struck.append(True)
 
-    got = _run(engine, requests, kill)
-    assert killed and service.dead
+    got = _run(engine, requests, strike)
+    assert struck and service.dead
+    if how == "stopped":
+        assert service.views.timed_out
+        service._proc.join(10)
+        assert service._proc.exitcode == -signal.SIGKILL   # killed by the engine, not left stopped
     assert got["c1"][1] == got["c3"][1] == "abort"
-    for rid in ("c1", "c3"):  # what they had before the death was inside the grammar
+    for rid in ("c1", "c3"):
         assert set(engine.tokenizer.decode(got[rid][0])) <= {"a", "b"}
     assert got["u0"] == (alone["u0"], "length") and got["u2"] == (alone["u2"], "length")
     late = engine.generate(prompt_token_ids=[[5, 6]], sampling=bound)[0]
     assert late.finish_reason == "abort" and late.token_ids == []
     assert engine.generate(prompt_token_ids=[prompts[0]], sampling=free)[0].token_ids == alone["u0"]
-
-
-def test_a_silent_grammar_process_is_given_up_on(pair, make_engine, monkeypatch):
-    """Alive but silent (stopped): the device's wait gives up after its limit and says so in
-    the channel; the engine kills the process and ends the constrained requests ("abort", KV
-    freed: make_engine checks), whose outputs so far are inside the grammar; the unconstrained
-    ones finish as they would alone."""
-    from specserve.engine.grammar import channel
-
-    monkeypatch.setattr(channel, "CPU_WAIT_LIMIT_SECONDS", 0.5)
-    engine = make_engine(pair[0], spec=_spec(pair[1], CHAIN), enable_overlap=True)
-    service = engine.core.scheduler.grammars
-    prompts = random_prompts(3, seed=25, max_len=10)
-    free = SamplingParams(max_new_tokens=40, temperature=0.0)
-    bound = SamplingParams(max_new_tokens=40, temperature=0.0, grammar=GrammarSpec("regex", "[ab]{60}"))
-    alone = engine.generate(prompt_token_ids=[prompts[0]], sampling=free)[0].token_ids
-    requests = {"u0": (prompts[0], free), "c1": (prompts[1], bound), "c2": (prompts[2], bound)}
-    stopped = []
-
-    def stop(got):
-        if not stopped and len(got["c1"][0]) >= 4:
-            os.kill(service._proc.pid, signal.SIGSTOP)
-            stopped.append(True)
-
-    got = _run(engine, requests, stop)
-    assert stopped and service.dead and service.views.timed_out
-    service._proc.join(10)
-    assert service._proc.exitcode == -signal.SIGKILL   # killed by the engine, not left stopped
-    assert got["c1"][1] == got["c2"][1] == "abort"
-    for rid in ("c1", "c2"):
-        assert set(engine.tokenizer.decode(got[rid][0])) <= {"a", "b"}
-    assert got["u0"] == (alone, "length")
 
 
 @pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])

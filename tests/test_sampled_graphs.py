@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_predictable_pair, random_prompts
+from helpers import graphed_engine, make_predictable_pair, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.layers.sampler import (FILTERED, GRAPH_SAMPLING_PAD, GREEDY, SAMPLED, SamplingInfo,
@@ -27,37 +27,6 @@ def pair(tmp_path_factory):
 
 def _spec(head, shape):
     return None if shape is None else SpecConfig(algorithm="eagle", draft_model=head, **shape)
-
-
-def _eager_graphs(monkeypatch):
-    """GraphedStep with each bucket's parts run eagerly on its static inputs; replays counted."""
-    from specserve.engine.runtime import cuda_graph, worker
-    from specserve.engine.spec import eagle_worker
-
-    class EagerGraphs(cuda_graph.GraphedStep):
-        replays: list = []
-
-        def _capture(self, bs):
-            self.captured[bs] = cuda_graph._Captured([], self.make_inputs(bs), [])
-
-        def replay(self, captured, part):
-            EagerGraphs.replays.append((self, getattr(captured.inputs, "rows", None), part))
-            if part == 0:
-                captured.outputs.clear()
-            captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
-            return captured.outputs[-1]
-
-    for module in (worker, eagle_worker):
-        monkeypatch.setattr(module, "GraphedStep", EagerGraphs)
-    return EagerGraphs
-
-
-def _graphed_engine(make_engine, monkeypatch, model, **kwargs):
-    engine = make_engine(model, **kwargs)
-    graphs = _eager_graphs(monkeypatch)
-    core = engine.core
-    core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width)
-    return engine, graphs
 
 
 def _params(n: int, filtered: bool, extra: dict | None = None) -> list[SamplingParams]:
@@ -96,7 +65,7 @@ def test_sampled_graphs_equal_eager(pair, make_engine, monkeypatch, shape, filte
     prompts, params = random_prompts(7, seed=21, max_len=12), _params(7, filtered)
     kwargs = dict(spec=_spec(pair[1], shape), enable_overlap=overlap, max_running_requests=8)
     eager = make_engine(pair[0], **kwargs).generate(prompt_token_ids=prompts, sampling=params)
-    engine, graphs = _graphed_engine(make_engine, monkeypatch, pair[0], **kwargs)
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], **kwargs)
     worker = engine.core.worker
     decodes = []
     launch = worker.launch_decode
@@ -137,7 +106,7 @@ def test_batches_with_eager_rules_stay_eager(pair, make_engine, monkeypatch, sha
     prompts, params = random_prompts(3, seed=22, max_len=10), _params(3, True, extra=rule)
     kwargs = dict(spec=_spec(pair[1], shape), max_running_requests=8)
     eager = make_engine(pair[0], **kwargs).generate(prompt_token_ids=prompts, sampling=params)
-    engine, graphs = _graphed_engine(make_engine, monkeypatch, pair[0], **kwargs)
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], **kwargs)
     worker = engine.core.worker
     rule_steps = []  # per decode step: whether request 1 (the rule) is in it
     launch = worker.launch_decode
