@@ -15,7 +15,8 @@ weight, softmax, top-k, renormalised for Qwen3, in one launch), the unfused form
 (the bf16 weight cast at every call, softmax, top-k, sum, division, scaling), per layer.
 
 `--sweep` adds decode-kernel launch configurations (N/K tiles, warps, stages) to choose the
-default from.
+defaults from: each kernel's (gate/up, down) with the other at its default, at the token
+counts of `--sweep-tokens`.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def torch_router(x: torch.Tensor, weight: torch.Tensor, moe) -> tuple[torch.Tens
     return weights * moe.routed_scaling_factor, ids
 
 
-def rows_for(shape: str, tokens: list[int], sweep: bool, bandwidth: float, device) -> list[dict]:
+def rows_for(shape: str, tokens: list[int], sweep: bool, sweep_tokens: list[int], bandwidth: float,
+             device) -> list[dict]:
     num_experts, top_k, hidden, inter, _ = SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device,
@@ -90,13 +92,17 @@ def rows_for(shape: str, tokens: list[int], sweep: bool, bandwidth: float, devic
         kernels = {"decode": lambda c=None: decode_fused_experts(x, w13, w2, topk_weights, topk_ids, c),
                    "grouped": lambda: fused_experts(x, w13, w2, topk_weights, topk_ids)}
         configs = {"decode": default_decode_config(device), "grouped": None}
-        if sweep:
-            for block_n, block_k, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256),
-                                                                     (2, 4, 8), (2, 3, 4, 5)):
+        if sweep and num_tokens in sweep_tokens:
+            # Each kernel's configs with the other kernel at its default: the differences
+            # between rows of one kernel are that kernel's.
+            for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (64, 128, 256),
+                                                                     (2, 4), (2, 3, 4)):
                 config = DecodeMoEConfig(block_n, block_k, warps, stages)
-                name = f"decode n{block_n} k{block_k} w{warps} st{stages}"
-                kernels[name] = lambda c=config: decode_fused_experts(x, w13, w2, topk_weights, topk_ids, c)
-                configs[name] = config
+                for part in ("gate_up", "down"):
+                    name = f"decode {part} n{block_n} k{block_k} w{warps} st{stages}"
+                    pair = (config, None) if part == "gate_up" else (None, config)
+                    kernels[name] = lambda p=pair: decode_fused_experts(x, w13, w2, topk_weights, topk_ids, *p)
+                    configs[name] = config
         for name, fn in kernels.items():
             try:
                 seconds = bench(fn)
@@ -128,6 +134,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--sweep", action="store_true", help="also time decode-kernel launch configs")
+    ap.add_argument("--sweep-tokens", default="1", help="the token counts the sweep runs at")
     ap.add_argument("--out", default="bench_moe_decode.json")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -135,7 +142,8 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")]
     with torch.inference_mode():  # as the engine runs the router (no autograd graph)
         rows = [r for shape in args.shapes.split(",")
-                for r in rows_for(shape, tokens, args.sweep, bandwidth, device)]
+                for r in rows_for(shape, tokens, args.sweep, [int(t) for t in args.sweep_tokens.split(",")],
+                                  bandwidth, device)]
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     with open(args.out, "w") as f:
@@ -143,14 +151,17 @@ def main():
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(f"{'shape':17} {'kernel (one layer)':40} {'M':>3} {'experts':>7} {'us':>8} {'GB/s':>7} {'copy%':>6}")
     best = sorted(rows, key=lambda r: (r["shape"], r["tokens"], r["us"]))
-    for r in (r for r in best if not r["kernel"].startswith("decode n")):  # sweep rows: below
+    for r in (r for r in best if not r["kernel"].startswith("decode ")):  # sweep rows: below
         print(f"{r['shape']:17} {r['kernel']:40} {r['tokens']:3} {r['experts_touched'] or '':>7} "
               f"{r['us']:8.1f} {r['GBps']:7.0f} {100 * r['fraction_of_copy']:6.1f}")
     if args.sweep:
         print("\nfastest decode configs:")
-        for (shape, m), group in itertools.groupby(
-                [r for r in best if r["kernel"].startswith("decode")], key=lambda r: (r["shape"], r["tokens"])):
+        sweep_rows = sorted((r for r in best if r["kernel"].startswith("decode ")),
+                            key=lambda r: (r["shape"], r["tokens"], r["kernel"].split()[1], r["us"]))
+        for _, group in itertools.groupby(
+                sweep_rows, key=lambda r: (r["shape"], r["tokens"], r["kernel"].split()[1])):
             for r in list(group)[:3]:
+                shape, m = r["shape"], r["tokens"]
                 print(f"{shape:17} M={m:<3} {r['kernel']:40} {r['us']:8.1f} us")
 
 

@@ -31,8 +31,8 @@ HEADS, NOPE, ROPE, LATENT, V_DIM, SLOTS = 3, 16, 8, 32, 16, 20
 
 def _rope_norm_reference(q, kv, positions, rotary, norm, interleave):
     """The torch path of `MLAAttention.forward`: the latent's norm, the reorder, RoPE."""
-    q_pe = q[..., NOPE:]
-    latent, k_pe = kv.split([LATENT, ROPE], dim=-1)
+    q_pe = q[..., q.shape[-1] - ROPE:]
+    latent, k_pe = kv.split([norm.weight.shape[0], ROPE], dim=-1)
     k_pe = k_pe.view(-1, 1, ROPE)
     if interleave:
         q_pe = torch.cat([q_pe[..., 0::2], q_pe[..., 1::2]], dim=-1)
@@ -41,50 +41,71 @@ def _rope_norm_reference(q, kv, positions, rotary, norm, interleave):
     return q_pe, norm(latent.contiguous()), k_pe[:, 0]
 
 
+def _kv_b(gen, dtype, nope=NOPE, v_dim=V_DIM, latent=LATENT):
+    """W_UK [H, nope, latent] and W_UV [H, v, latent]: views of a kv_b weight, as the model's."""
+    kv_b = (torch.randn(HEADS * (nope + v_dim), latent, generator=gen) * 0.2).to(DEVICE, dtype)
+    w = kv_b.view(HEADS, nope + v_dim, latent)
+    return w[:, :nope], w[:, nope:]
+
+
+def _bmm(a, b, dtype):  # the torch path's bmm, in fp32 and rounded once
+    return torch.bmm(a.float(), b.float()).to(dtype)
+
+
+def _matmul_tol(dtype):  # fp32 to its rounding, fp16 within a unit of the last place
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 4, 16])
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_norm_store_is_the_torch_path(num_tokens, interleave, dtype):
-    """q's rope part written rotated after the latent part (which stays untouched), the normed
-    latent and the rotated rope key at the token's slot, no other slot written; the RoPE bits
-    exact (fp16 too), the norm to the last bits of torch's mean."""
+@pytest.mark.parametrize("nope, latent", [(NOPE, LATENT), (144, 80)])
+def test_absorb_query_is_the_torch_path(num_tokens, interleave, dtype, nope, latent):
+    """q_nope x W_UK (a transposed view of kv_b's weight) in the absorbed query's latent part,
+    q's rope part written rotated after it, the normed latent and the rotated rope key at the
+    token's slot, no other slot written; the RoPE bits exact (fp16 too), the norm to the last
+    bits of torch's mean, the product to torch.bmm's rounding. (144, 80): a product past one
+    K step and several uneven column tiles, a latent below its power-of-two block."""
     gen = torch.Generator().manual_seed(num_tokens + 2 * interleave)
     rotary = RotaryEmbedding(ROPE, 64, 10000.0, None).to(DEVICE)
-    norm = RMSNorm(LATENT, 1e-6)
-    norm.weight.data = torch.rand(LATENT, generator=gen) + 0.5
+    norm = RMSNorm(latent, 1e-6)
+    norm.weight.data = torch.rand(latent, generator=gen) + 0.5
     norm = norm.to(DEVICE, dtype)
-    q = torch.randn(num_tokens, HEADS, NOPE + ROPE, generator=gen).to(DEVICE, dtype)
-    kv = torch.randn(num_tokens, LATENT + ROPE, generator=gen).to(DEVICE, dtype)
+    w_uk, _ = _kv_b(gen, dtype, nope=nope, latent=latent)
+    q = torch.randn(num_tokens, HEADS, nope + ROPE, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(num_tokens, latent + ROPE, generator=gen).to(DEVICE, dtype)
     positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
     loc = (torch.randperm(SLOTS - 1, generator=gen)[:num_tokens] + 1).to(DEVICE)
-    pool = torch.zeros(SLOTS, 1, LATENT + ROPE, dtype=dtype, device=DEVICE)
-    q_out = torch.full((num_tokens, HEADS, LATENT + ROPE), 7.0, dtype=dtype, device=DEVICE)
-    mla_decode.rope_norm_store(q, kv, q_out, pool, loc, positions, rotary.cos, rotary.sin,
-                               norm.weight, norm.eps, NOPE, interleave)
-    q_pe, latent, k_pe = _rope_norm_reference(q, kv, positions, rotary, norm, interleave)
-    assert torch.equal(q_out[..., LATENT:], q_pe)
-    assert (q_out[..., :LATENT] == 7.0).all()
-    assert torch.equal(pool[loc, 0, LATENT:], k_pe)
-    torch.testing.assert_close(pool[loc, 0, :LATENT], latent, atol=1e-6,
+    pool = torch.zeros(SLOTS, 1, latent + ROPE, dtype=dtype, device=DEVICE)
+    q_abs = torch.full((num_tokens, HEADS, latent + ROPE), 7.0, dtype=dtype, device=DEVICE)
+    mla_decode.absorb_query(q, kv, w_uk, q_abs, pool, loc, positions, rotary.cos, rotary.sin,
+                            norm.weight, norm.eps, interleave)
+    q_pe, normed, k_pe = _rope_norm_reference(q, kv, positions, rotary, norm, interleave)
+    assert torch.equal(q_abs[..., latent:], q_pe)
+    expected = _bmm(q[..., :nope].transpose(0, 1), w_uk, dtype).transpose(0, 1)
+    torch.testing.assert_close(q_abs[..., :latent], expected, **_matmul_tol(dtype))
+    assert torch.equal(pool[loc, 0, latent:], k_pe)
+    torch.testing.assert_close(pool[loc, 0, :latent], normed, atol=1e-6,
                                rtol=2e-3 if dtype == torch.float16 else 1e-6)
     untouched = torch.ones(SLOTS, dtype=torch.bool, device=DEVICE)
     untouched[loc] = False
     assert not pool[untouched].any()
 
 
-def test_rope_norm_store_into_an_fp8_pool(exact_fp8_casts):
+def test_absorb_query_into_an_fp8_pool(exact_fp8_casts):
     """An FP8 pool holds what `set_mla_kv` stores: the values over the layer's scale, clamped
     and rounded to e4m3."""
     gen = torch.Generator().manual_seed(9)
     rotary = RotaryEmbedding(ROPE, 64, 10000.0, None).to(DEVICE)
     norm = RMSNorm(LATENT, 1e-6).to(DEVICE)
+    w_uk, _ = _kv_b(gen, torch.float32)
     q = torch.randn(3, HEADS, NOPE + ROPE, generator=gen).to(DEVICE)
     kv = (torch.randn(3, LATENT + ROPE, generator=gen) * 30).to(DEVICE)
     positions, loc = torch.tensor([0, 5, 63], device=DEVICE), torch.tensor([4, 1, 9], device=DEVICE)
     pool = torch.zeros(SLOTS, 1, LATENT + ROPE, dtype=FP8_KV_DTYPE, device=DEVICE)
-    q_out = torch.empty(3, HEADS, LATENT + ROPE, device=DEVICE)
-    mla_decode.rope_norm_store(q, kv, q_out, pool, loc, positions, rotary.cos, rotary.sin,
-                               norm.weight, norm.eps, NOPE, True, kv_scale=0.05)
+    q_abs = torch.empty(3, HEADS, LATENT + ROPE, device=DEVICE)
+    mla_decode.absorb_query(q, kv, w_uk, q_abs, pool, loc, positions, rotary.cos, rotary.sin,
+                            norm.weight, norm.eps, True, kv_scale=0.05)
     _, latent, k_pe = _rope_norm_reference(q, kv, positions, rotary, norm, True)
     expected = to_pool(torch.cat([latent, k_pe], -1), FP8_KV_DTYPE, 0.05)
     assert torch.equal(pool[loc, 0].float(), expected.float())
@@ -92,33 +113,18 @@ def test_rope_norm_store_into_an_fp8_pool(exact_fp8_casts):
 
 @pytest.mark.parametrize("num_tokens", [1, 5, MAX_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_head_matmul_is_the_absorbed_products(num_tokens, dtype):
-    """Both absorbed products as `MLAAttention` takes them: q_nope (a strided view of q) times
-    W_UK (a transposed view of kv_b's weight) into the latent part of a wider query, and the
-    attention output times W_UV^T into o_proj's input. Against torch.bmm: fp32 to its rounding,
-    fp16 within a unit of the last place (one rounding of each fp32 sum)."""
+def test_head_matmul_is_the_value_product(num_tokens, dtype):
+    """The attention output times W_UV^T (a view of kv_b's weight) into o_proj's input, with
+    dims past one K step and column tile (40 heads' worth of tiles, uneven K): torch.bmm's
+    values (one rounding of each fp32 sum)."""
     gen = torch.Generator().manual_seed(num_tokens)
-    # Dims past one K step and column tile: 40 heads' worth of tiles, uneven K.
-    nope, latent, v_dim = 48, 160, 40
-    kv_b = (torch.randn(HEADS * (nope + v_dim), latent, generator=gen) * 0.2).to(DEVICE, dtype)
-    w = kv_b.view(HEADS, nope + v_dim, latent)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
-    q = torch.randn(num_tokens, HEADS, nope + ROPE, generator=gen).to(DEVICE, dtype)
-    q_abs = torch.full((num_tokens, HEADS, latent + ROPE), 7.0, dtype=dtype, device=DEVICE)
-    mla_decode.head_matmul(q[..., :nope], w_uk.transpose(1, 2), q_abs[..., :latent])
+    latent, v_dim = 160, 40
+    _, w_uv = _kv_b(gen, dtype, nope=48, v_dim=v_dim, latent=latent)
     attn = torch.randn(num_tokens, HEADS * latent, generator=gen).to(DEVICE, dtype)
     o_in = torch.empty(num_tokens, HEADS, v_dim, dtype=dtype, device=DEVICE)
     mla_decode.head_matmul(attn.view(num_tokens, HEADS, latent), w_uv, o_in)
-
-    def ref(a, b):  # the torch path's bmm, in fp32 and rounded once
-        return torch.bmm(a.float(), b.float()).to(dtype)
-
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-3)
-    expected = ref(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-    torch.testing.assert_close(q_abs[..., :latent], expected, **tol)
-    assert (q_abs[..., latent:] == 7.0).all()
-    expected = ref(attn.view(num_tokens, HEADS, latent).transpose(0, 1), w_uv.transpose(1, 2))
-    torch.testing.assert_close(o_in, expected.transpose(0, 1), **tol)
+    expected = _bmm(attn.view(num_tokens, HEADS, latent).transpose(0, 1), w_uv.transpose(1, 2), dtype)
+    torch.testing.assert_close(o_in, expected.transpose(0, 1), **_matmul_tol(dtype))
 
 
 def test_head_matmul_refuses_more_than_decode_rows():
@@ -226,25 +232,24 @@ from sm90_compile import compile_sm90, t
 bf16, f32, i64, fp8 = torch.bfloat16, torch.float32, torch.int64, torch.float8_e4m3fn
 # V2-Lite: 16 heads of 128 + 64 dims, a 512 latent, the pool's 576-dim rows.
 for pool in (bf16, fp8):
-    ptx = compile_sm90(M._rope_norm_store_kernel, dict(
+    ptx = compile_sm90(M._absorb_query_kernel, dict(
         q=t(bf16), kv=t(bf16), q_out=t(bf16), pool=t(pool), loc=t(i64), positions=t(i64),
-        cos=t(f32), sin=t(f32), norm_weight=t(bf16), eps=1e-6, scale_inv=1.0, num_heads=16,
-        stride_q_tok=3072, stride_q_head=192, stride_kv_tok=576, stride_qo_tok=9216,
-        stride_qo_head=576, stride_pool_slot=576, LATENT=512, NOPE=128, HALF=32,
-        INTERLEAVE=True, BLOCK_LATENT=512, BLOCK_H=16, KV_FP8=pool == fp8, PDL=True), 4, 1)
-    assert "griddepcontrol.wait" in ptx
-    assert pool == bf16 or "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    print("compiled rope_norm_store", pool)
-# W_UK (q_nope x W_UK: the latent columns contiguous) and W_UV (the latent along K contiguous).
-for name, args in (("w_uk", dict(N=512, K=128, stride_xm=3072, stride_xh=192, stride_wh=131072,
-                                 stride_wn=1, stride_wk=512, stride_ym=9216, stride_yh=576)),
-                   ("w_uv", dict(N=128, K=512, stride_xm=8192, stride_xh=512, stride_wh=131072,
-                                 stride_wn=512, stride_wk=1, stride_ym=2048, stride_yh=128))):
-    ptx = compile_sm90(M._head_matmul_kernel, dict(
-        args, x=t(bf16), w=t(bf16), y=t(bf16), M=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-        DOT_PRECISION="tf32", PDL=True), 4, 3)
+        cos=t(f32), sin=t(f32), norm_weight=t(bf16), eps=1e-6, scale_inv=1.0, w_uk=t(bf16),
+        num_tokens=1, num_heads=16, n_tiles=16, stride_q_tok=3072, stride_q_head=192,
+        stride_kv_tok=576, stride_qo_tok=9216, stride_qo_head=576, stride_pool_slot=576,
+        stride_wh=131072, stride_wn=1, stride_wk=512, LATENT=512,
+        NOPE=128, HALF=32, INTERLEAVE=True, BLOCK_LATENT=512, BLOCK_H=16, KV_FP8=pool == fp8,
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32", PDL=True), 4, 3)
     assert "griddepcontrol.wait" in ptx and "mma" in ptx
-    print("compiled head_matmul", name)
+    assert pool == bf16 or "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    print("compiled absorb_query", pool)
+# W_UV (the latent along K contiguous).
+ptx = compile_sm90(M._head_matmul_kernel, dict(
+    N=128, K=512, stride_xm=8192, stride_xh=512, stride_wh=131072, stride_wn=512, stride_wk=1,
+    stride_ym=2048, stride_yh=128, x=t(bf16), w=t(bf16), y=t(bf16), M=1, BLOCK_M=16,
+    BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32", PDL=True), 4, 3)
+assert "griddepcontrol.wait" in ptx and "mma" in ptx
+print("compiled head_matmul w_uv")
 """
 
 
@@ -254,4 +259,4 @@ def test_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 3

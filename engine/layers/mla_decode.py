@@ -6,17 +6,20 @@ attention, about a dozen small launches a layer: the latent's copy out of the kv
 its RMSNorm, torch.cat's interleave-to-halves reorder of q_pe and k_pe, the RoPE kernel, two
 indexed stores into the pool, cuBLAS's batched q_nope x W_UK, a cat of that with q_pe, then
 cuBLAS's batched W_UV product and a transpose copy for o_proj. Each costs a few microseconds
-of a bs=1 step whose weights take ~150 us a layer to read. Here two kernels do that work:
+of a bs=1 step whose weights take ~150 us a layer to read. Here two launches do that work:
 
-- `rope_norm_store` (one program a token): RMSNorm of the latent, RoPE of the rope key, both
-  stored in the token's pool slot (quantised for an FP8 pool, as `set_mla_kv` stores them),
-  and RoPE of every head's q_pe into the rope part of the absorbed query [T, H, latent + rope].
-  Interleaved rope dims (the checkpoint's (x0, x1), (x2, x3) pairs) are read in place as the
-  halves the neox rotation takes: no reorder copy.
+- `absorb_query` (the layer's first launch after the projections), two kinds of programs:
+  - a program per head and column tile of q_nope x W_UK, the absorbed query's latent part;
+  - a program a token: RMSNorm of the latent, RoPE of the rope key, both stored in the
+    token's pool slot (quantised for an FP8 pool, as `set_mla_kv` stores them), and RoPE of
+    every head's q_pe into the rope part of the absorbed query [T, H, latent + rope].
+    Interleaved rope dims (the checkpoint's (x0, x1), (x2, x3) pairs) are read in place as
+    the halves the neox rotation takes: no reorder copy;
+  Both read the same q and write disjoint parts of the absorbed query: one launch instead of
+  two in a chain.
 - `head_matmul` (a program per head and column tile): out[t, h] = x[t, h] W[h]^T for every
-  head's own small matrix, reading each head's matrix once for all the tokens. It writes the
-  absorbed query's latent part in place (q_nope x W_UK) and o_proj's input [T, H * v] straight
-  from the attention output (x W_UV^T).
+  head's own small matrix, reading each head's matrix once for all the tokens: o_proj's input
+  [T, H * v] straight from the attention output (x W_UV^T).
 
 The roundings are the torch path's: the RMSNorm of `RMSNorm.forward`, the RoPE of
 `_rope_kernel` (products and sums rounded to the activation dtype), one rounding of each fp32
@@ -68,16 +71,16 @@ if triton is not None:
         return o1.to(dtype), o2.to(dtype)
 
     @triton.jit
-    def _rope_norm_store_kernel(
-        q, kv, q_out, pool, loc, positions, cos, sin, norm_weight, eps, scale_inv,
+    def _rope_norm_store_token(
+        token, q, kv, q_out, pool, loc, positions, cos, sin, norm_weight, eps, scale_inv,
         num_heads, stride_q_tok, stride_q_head, stride_kv_tok, stride_qo_tok, stride_qo_head,
         stride_pool_slot,
         LATENT: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
         INTERLEAVE: tl.constexpr, BLOCK_LATENT: tl.constexpr, BLOCK_H: tl.constexpr,
-        KV_FP8: tl.constexpr, PDL: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
-        wait_for_predecessor(PDL)
-        token = tl.program_id(0).to(tl.int64)
+        """Token `token`'s latent norm, rope key (both into its pool slot) and rotated q_pe."""
+        token = token.to(tl.int64)
         dtype = q_out.dtype.element_ty
         pos = tl.load(positions + token).to(tl.int64)
         slot = tl.load(loc + token).to(tl.int64)
@@ -115,18 +118,17 @@ if triton is not None:
         tl.store(dst + HALF, o2, mask=hmask)
 
     @triton.jit
-    def _head_matmul_kernel(
-        x, w, y, M, N, K, stride_xm, stride_xh, stride_wh, stride_wn, stride_wk, stride_ym,
-        stride_yh,
+    def _head_tile(
+        head, tile, x, w, y, M, N, K, stride_xm, stride_xh, stride_wh, stride_wn, stride_wk,
+        stride_ym, stride_yh,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         # y[m, h, n] = sum_k x[m, h, k] w[h, n, k]: head h's matrix, one column tile, every
         # token's row in one tl.dot (rows padded to 16, masked).
-        wait_for_predecessor(PDL)
-        head = tl.program_id(0).to(tl.int64)
+        head = head.to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         n_mask = offs_n < N
@@ -143,6 +145,44 @@ if triton is not None:
         tl.store(y + head * stride_yh + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+    @triton.jit
+    def _head_matmul_kernel(
+        x, w, y, M, N, K, stride_xm, stride_xh, stride_wh, stride_wn, stride_wk, stride_ym,
+        stride_yh,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ):
+        wait_for_predecessor(PDL)
+        _head_tile(tl.program_id(0), tl.program_id(1), x, w, y, M, N, K, stride_xm, stride_xh,
+                   stride_wh, stride_wn, stride_wk, stride_ym, stride_yh, BLOCK_M, BLOCK_N,
+                   BLOCK_K, DOT_PRECISION)
+
+    @triton.jit
+    def _absorb_query_kernel(
+        q, kv, q_out, pool, loc, positions, cos, sin, norm_weight, eps, scale_inv, w_uk,
+        num_tokens, num_heads, n_tiles, stride_q_tok, stride_q_head, stride_kv_tok,
+        stride_qo_tok, stride_qo_head, stride_pool_slot, stride_wh, stride_wn, stride_wk,
+        LATENT: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
+        INTERLEAVE: tl.constexpr, BLOCK_LATENT: tl.constexpr, BLOCK_H: tl.constexpr,
+        KV_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ):
+        # Programs [0, heads x tiles): q_nope x W_UK tiles; then one a token: norm, RoPEs and
+        # the pool store (disjoint outputs, the same input).
+        wait_for_predecessor(PDL)
+        pid = tl.program_id(0)
+        matmul_programs = num_heads * n_tiles
+        if pid < matmul_programs:
+            _head_tile(pid // n_tiles, pid % n_tiles, q, w_uk, q_out, num_tokens, LATENT, NOPE,
+                       stride_q_tok, stride_q_head, stride_wh, stride_wn, stride_wk,
+                       stride_qo_tok, stride_qo_head, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        else:
+            _rope_norm_store_token(
+                pid - matmul_programs, q, kv, q_out, pool, loc, positions, cos, sin,
+                norm_weight, eps, scale_inv, num_heads, stride_q_tok, stride_q_head,
+                stride_kv_tok, stride_qo_tok, stride_qo_head, stride_pool_slot, LATENT, NOPE,
+                HALF, INTERLEAVE, BLOCK_LATENT, BLOCK_H, KV_FP8)
+
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -150,31 +190,52 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter: an H100's count, so CPU tests see the GPU's tiles
 
 
-def rope_norm_store(q: torch.Tensor, kv: torch.Tensor, q_out: torch.Tensor, pool: torch.Tensor,
-                    loc: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, nope_dim: int,
-                    interleave: bool, kv_scale: float = 1.0) -> None:
-    """For q [T, H, nope + rope] (the q projection's heads) and kv [T, latent + rope] (the
-    kv_a projection): RMSNorm(latent) (weight `norm_weight`) and the rotated rope key stored
-    in `pool[loc[t], 0]` ([slots, 1, latent + rope]; an FP8 pool stores them quantised with
-    `kv_scale`), and every head's rotated q_pe written to `q_out[t, h, latent:]` (q_out
-    [T, H, latent + rope]). `cos`/`sin`: the fp32 [positions, rope] tables. `interleave`: the
-    rope dims are (x0, x1) pairs (rotated as the halves of even and odd dims)."""
+def absorb_query(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, q_abs: torch.Tensor,
+                 pool: torch.Tensor, loc: torch.Tensor, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 interleave: bool, kv_scale: float = 1.0) -> None:
+    """The absorbed query and the new tokens' pool rows, in one launch. From q [T, H, nope +
+    rope] (the q projection's heads), kv [T, latent + rope] (the kv_a projection) and W_UK
+    [H, nope, latent] (a view of kv_b's weight):
+
+    - q_abs [T, H, latent + rope]: q_nope x W_UK, then every head's rotated q_pe;
+    - `pool[loc[t], 0]` ([slots, 1, latent + rope]): RMSNorm(latent) (weight `norm_weight`)
+      and the rotated rope key (an FP8 pool stores them quantised with `kv_scale`).
+
+    `cos`/`sin`: the fp32 [positions, rope] tables. `interleave`: the rope dims are (x0, x1)
+    pairs (rotated as the halves of even and odd dims)."""
     num_tokens, num_heads, qk_dim = q.shape
-    latent = norm_weight.shape[0]
+    nope_dim, latent = w_uk.shape[1:]
     rope = qk_dim - nope_dim
-    assert kv.shape == (num_tokens, latent + rope) and q_out.shape == (num_tokens, num_heads, latent + rope)
+    assert latent == norm_weight.shape[0] and w_uk.shape[0] == num_heads
+    assert kv.shape == (num_tokens, latent + rope) and q_abs.shape == (num_tokens, num_heads, latent + rope)
     assert pool.is_contiguous() and pool.shape[1:] == (1, latent + rope)
-    assert q.stride(2) == kv.stride(1) == q_out.stride(2) == 1 and rope % 2 == 0
+    assert q.stride(2) == kv.stride(1) == q_abs.stride(2) == 1 and rope % 2 == 0
     assert (rope // 2) & (rope // 2 - 1) == 0, "half the rope dims: a power of two"
-    if num_tokens:
-        _rope_norm_store_kernel[(num_tokens,)](
-            q, kv, q_out, pool, loc, positions, cos, sin, norm_weight, eps, 1.0 / kv_scale,
-            num_heads, q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
-            pool.stride(0), LATENT=latent, NOPE=nope_dim, HALF=rope // 2, INTERLEAVE=interleave,
-            BLOCK_LATENT=triton.next_power_of_2(latent),
-            BLOCK_H=triton.next_power_of_2(num_heads), KV_FP8=is_fp8(pool.dtype),
-            num_warps=4, **launch_options(q.device))
+    assert 1 <= num_tokens <= MAX_ROWS, f"absorb_query: {num_tokens} rows (1..{MAX_ROWS})"
+    assert q.dtype == w_uk.dtype == q_abs.dtype
+    block_n = _column_tile(num_heads, latent, q.device)
+    n_tiles = triton.cdiv(latent, block_n)
+    _absorb_query_kernel[(num_heads * n_tiles + num_tokens,)](
+        q, kv, q_abs, pool, loc, positions, cos, sin, norm_weight, eps, 1.0 / kv_scale, w_uk,
+        num_tokens, num_heads, n_tiles, q.stride(0), q.stride(1), kv.stride(0), q_abs.stride(0),
+        q_abs.stride(1), pool.stride(0), w_uk.stride(0), w_uk.stride(2), w_uk.stride(1),
+        LATENT=latent, NOPE=nope_dim, HALF=rope // 2, INTERLEAVE=interleave,
+        BLOCK_LATENT=triton.next_power_of_2(latent), BLOCK_H=triton.next_power_of_2(num_heads),
+        KV_FP8=is_fp8(pool.dtype), BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=min(128, max(16, triton.next_power_of_2(nope_dim))),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=3,
+        **launch_options(q.device))
+
+
+def _column_tile(num_heads: int, n: int, device: torch.device) -> int:
+    # 32 columns a program, 16 where that leaves SMs idle (W_UV's 128 columns x 16 heads):
+    # at decode every program is a stream of its head's weight rows.
+    return 32 if num_heads * triton.cdiv(n, 32) >= _num_sms(device) else 16
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -186,12 +247,10 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     assert w.shape == (num_heads, n, k) and out.shape == (num_tokens, num_heads, n)
     assert x.stride(2) == out.stride(2) == 1 and x.dtype == w.dtype == out.dtype
     assert 1 <= num_tokens <= MAX_ROWS, f"head_matmul: {num_tokens} rows (1..{MAX_ROWS})"
-    # 32 columns a program, 16 where that leaves SMs idle (W_UV's 128 columns x 16 heads):
-    # at decode every program is a stream of its head's weight rows.
-    block_n = 32 if num_heads * triton.cdiv(n, 32) >= _num_sms(x.device) else 16
+    block_n = _column_tile(num_heads, n, x.device)
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     _head_matmul_kernel[(num_heads, triton.cdiv(n, block_n))](
         x, w, out, num_tokens, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         w.stride(2), out.stride(0), out.stride(1), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
         **launch_options(x.device))

@@ -168,10 +168,12 @@ def _down_kernel(intermediate, w2, weighted, out, arrivals, topk_ids, topk_weigh
 
 def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         config: Optional[DecodeMoEConfig] = None) -> torch.Tensor:
+                         config: Optional[DecodeMoEConfig] = None,
+                         down_config: Optional[DecodeMoEConfig] = None) -> torch.Tensor:
     """Routed experts' output [M, H] for x [M, H] (M <= MAX_DECODE_TOKENS), w13 [E, 2I, H],
     w2 [E, H, I], topk_weights [M, k] fp32 and topk_ids [M, k] (distinct experts a token):
-    `fused_moe_triton.fused_experts`'s contract, for few tokens."""
+    `fused_moe_triton.fused_experts`'s contract, for few tokens. `config` launches the gate/up
+    kernel, `down_config` (default: `config`) the down kernel."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -187,26 +189,32 @@ def decode_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
     config = config or default_decode_config(x.device)
+    down_config = down_config or config
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     num_entries = num_tokens * top_k
     meta = dict(TOP_K=top_k, BLOCK_M=MAX_DECODE_TOKENS, BLOCK_TOPK=triton.next_power_of_2(top_k),
-                BLOCK_ENTRIES=triton.next_power_of_2(num_entries), BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k,
+                BLOCK_ENTRIES=triton.next_power_of_2(num_entries),
                 # fp32 operands would run as TF32 on tensor cores; keep an fp32 engine exact.
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
+                **launch_options(x.device))
     intermediate = x.new_empty(num_entries, inter)
     _gate_up_kernel[(num_entries, triton.cdiv(inter, config.block_n))](
         x, w13, intermediate, topk_ids, topk_weights, num_tokens, num_entries, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), intermediate.stride(0), **meta)
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), intermediate.stride(0),
+        **_tiles(config), **meta)
     weighted = x.new_empty(num_entries, hidden)
     out = x.new_empty(num_tokens, hidden)
-    n_tiles = triton.cdiv(hidden, config.block_n)
+    n_tiles = triton.cdiv(hidden, down_config.block_n)
     # The combine's counters, one an N tile (zero between launches, which run in stream order).
     arrivals = workspace_for(x.device).arrivals
     assert n_tiles <= arrivals.numel()
     _down_kernel[(num_entries, n_tiles)](
         intermediate, w2, weighted, out, arrivals, topk_ids, topk_weights, num_tokens,
         num_entries, hidden, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
-        w2.stride(2), weighted.stride(0), out.stride(0), **meta)
+        w2.stride(2), weighted.stride(0), out.stride(0), **_tiles(down_config), **meta)
     return out
+
+
+def _tiles(config: DecodeMoEConfig) -> dict:
+    return dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                num_stages=config.num_stages)

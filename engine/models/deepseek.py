@@ -122,20 +122,17 @@ class MLAAttention(nn.Module):
     def _forward_fused(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                        fb: ForwardBatch) -> torch.Tensor:
         """`forward` for decode-sized batches from q [T, H, qk_head_dim] and the kv_a
-        projection [T, latent + rope], in four launches besides the projections and the
-        attention (engine/layers/mla_decode.py): the latent's norm, both RoPEs and the pool
-        store in one; the absorbed query and o_proj's input each one per-head matmul, written
-        in place where the next launch reads them."""
+        projection [T, latent + rope], in two launches besides the projections and the
+        attention (engine/layers/mla_decode.py): the absorbed query (q_nope x W_UK) with the
+        latent's norm, both RoPEs and the pool store in one; o_proj's input from the
+        attention's output (x W_UV^T) in the other."""
         m, T, H = self.mla, q.shape[0], self.num_heads
         q_abs = q.new_empty(T, H, self.kv_head_dim)
-        mla_decode.rope_norm_store(
-            q, kv, q_abs, fb.kv_pool.k_buffer[self.layer_id], fb.out_cache_loc, positions,
-            self.rotary.cos, self.rotary.sin, self.kv_a_layernorm.weight,
-            self.kv_a_layernorm.eps, m.qk_nope_head_dim, m.rope_interleave,
-            fb.kv_pool.scales.k[self.layer_id])
         w_uk, w_uv = self._absorbed_weights()
-        mla_decode.head_matmul(q[..., :m.qk_nope_head_dim], w_uk.transpose(1, 2),
-                               q_abs[..., :m.kv_lora_rank])
+        mla_decode.absorb_query(
+            q, kv, w_uk, q_abs, fb.kv_pool.k_buffer[self.layer_id], fb.out_cache_loc, positions,
+            self.rotary.cos, self.rotary.sin, self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps, m.rope_interleave, fb.kv_pool.scales.k[self.layer_id])
         out = fb.attn_backend.forward(q_abs, None, None, self.layer_id, fb, self.scale)
         o_in = q.new_empty(T, H, m.v_head_dim)
         mla_decode.head_matmul(out.view(T, H, m.kv_lora_rank), w_uv, o_in)
