@@ -13,12 +13,18 @@ writes. Then a kernel only starts its real work once its predecessor has complet
 predecessor completed only after waiting for its own, so every earlier kernel is complete too
 (the same order as without PDL).
 
-No kernel signals its dependents early (`griddepcontrol.launch_dependents`): the next kernel is
-launched when this one completes, with the launch already prepared. Measured on an H100
-(`bench/one_batch.py`, 8B and 1B shapes, bs 1 and 16, one lease): signalling right after the
-wait made every step slower (8B bs=1 6.36 ms against 6.05 ms without PDL; the early
-dependents sit resident through the whole predecessor), while the wait alone is 0.5-2 %
-faster than no PDL (8B 6.02 ms, 1B 1.33 against 1.36 ms).
+Where a kernel signals its dependents early (`release_dependents`, `griddepcontrol.
+launch_dependents`) the next kernel's programs are launched once every program of this one has
+signalled, and sit resident in their wait until it completes: the launch and the programs'
+start-up overlap its tail. Signalling right after the wait in every kernel made every step
+slower (H100, 8B bs=1 6.36 ms against 6.05 ms: the early dependents held SM resources through
+the whole of the bandwidth-bound GEMMs), so kernels signal where their long part is behind
+them: the latency-bound ones (RMSNorm, the MLA query and value products, the router, the decode
+attention) after their wait, the streaming ones (skinny GEMMs, the decode MoE experts) after
+their main loop, before the split-K merge or combine. Measured on an H100 (`bench/one_batch.py`,
+one lease, against no early signals): DeepSeek-V2-Lite bs=1 plain 2.76 against 2.85 ms, NextN
+6.10 against 6.24 ms; Qwen3-30B-A3B chain 4.75 against 4.95 ms; Llama 8B bs=1 6.00 against
+6.05 ms; bs=16 rows unchanged. `SPECSERVE_PDL_EARLY=0` turns the early signals off.
 
 `SPECSERVE_PDL=0` in the environment turns it off (an A/B in `bench/one_batch.py`, or a
 driver that refuses the launch attribute).
@@ -37,7 +43,7 @@ except ImportError:  # the CPU build needs no Triton
     triton = None
 try:
     from triton.backends.nvidia.compiler import CUDAOptions
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     _TRITON_HAS_PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__
 except ImportError:  # no Triton, or one without PDL
     _TRITON_HAS_PDL = False
@@ -66,3 +72,14 @@ if triton is not None:
         """Wait until the kernel before this one has completed (a no-op without PDL)."""
         if PDL:  # only ever True where the import above found it
             gdc_wait()
+
+    _EARLY = tl.constexpr(os.environ.get("SPECSERVE_PDL_EARLY") != "0")
+
+    @triton.jit
+    def release_dependents(PDL: tl.constexpr):
+        """Let the next kernel's programs launch before this one completes (they still wait
+        for its completion before touching memory): called where this kernel's programs are
+        past their long part, so the next launch overlaps their tail (a no-op without PDL)."""
+        if PDL:
+            if _EARLY:
+                gdc_launch_dependents()

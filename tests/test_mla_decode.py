@@ -240,7 +240,7 @@ for pool in (bf16, fp8):
         stride_wh=131072, stride_wn=1, stride_wk=512, LATENT=512,
         NOPE=128, HALF=32, INTERLEAVE=True, BLOCK_LATENT=512, BLOCK_H=16, KV_FP8=pool == fp8,
         BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32", PDL=True), 4, 3)
-    assert "griddepcontrol.wait" in ptx and "mma" in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and "mma" in ptx
     assert pool == bf16 or "cvt.rn.satfinite.e4m3x2.f32" in ptx
     print("compiled absorb_query", pool)
 # W_UV (the latent along K contiguous).

@@ -226,7 +226,7 @@ for m, experts, top_k, per_program, block_k, warps in ((1, 64, 6, 1, 2048, 1), (
         num_experts=experts, K=2048, stride_xm=2048, stride_wn=2048, scaling=1.0, TOP_K=top_k,
         NUM_SHARED={64: 2, 256: 1}.get(experts, 0), RENORMALIZE=experts == 128, BLOCK_M=m, EXPERTS_PER_PROGRAM=per_program, BLOCK_K=block_k,
         BLOCK_E=experts, BLOCK_TOPK=8, PDL=True), warps, 3)
-    assert "griddepcontrol.wait" in ptx and "atom" in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and "atom" in ptx
     print("compiled router", experts)
 # The down kernel with its combine at V2-Lite's shape (6 routed + 2 shared slots a token), at
 # M = 1 and 16, waiting for its predecessor under PDL.
@@ -238,6 +238,7 @@ for m in (1, 16):
         stride_weighted=2048, stride_out=2048, TOP_K=8, BLOCK_M=16, BLOCK_TOPK=8,
         BLOCK_ENTRIES=8 * m, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32", PDL=True), 4, 4)
     assert "atom" in ptx and "mma" in ptx and "griddepcontrol.wait" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx
     print("compiled down", m)
 """
 

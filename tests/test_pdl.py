@@ -69,3 +69,32 @@ def test_gpu_graph_of_pdl_kernels_matches_plain_launches(monkeypatch):
         monkeypatch.delenv("SPECSERVE_PDL")
         pdl.pdl_enabled.cache_clear()
         assert torch.equal(graph_out, plain)
+
+
+_COMPILE_ADD_RMSNORM = """
+from specserve.engine.layers import fused
+from sm90_compile import compile_sm90, t
+import torch
+ptx = compile_sm90(fused._add_rmsnorm_kernel, dict(
+    x_ptr=t(torch.bfloat16), res_ptr=t(torch.bfloat16), w_ptr=t(torch.bfloat16),
+    out_ptr=t(torch.bfloat16), res_out_ptr=t(torch.bfloat16), n_cols=2048, stride_x=2048,
+    eps=1e-6, HAS_RESIDUAL=True, BLOCK=2048, PDL=True), 4, 1)
+print("wait" if "griddepcontrol.wait" in ptx else "", "signal" if "launch_dependents" in ptx else "")
+"""
+
+
+@pytest.mark.parametrize("early", [None, "0"])
+def test_early_signals_compile_in_unless_switched_off(early):
+    """A latency-bound kernel signals its dependents right after its wait; with
+    SPECSERVE_PDL_EARLY=0 it only waits."""
+    import subprocess
+    import sys
+
+    from sm90_compile import compile_env
+    env = compile_env()
+    if early is not None:
+        env["SPECSERVE_PDL_EARLY"] = early
+    done = subprocess.run([sys.executable, "-c", _COMPILE_ADD_RMSNORM], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == (["wait", "signal"] if early is None else ["wait"])

@@ -198,7 +198,8 @@ for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 20
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
     ptx = kernel.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx  # programmatic dependent launch (engine/pdl.py)
+    # programmatic dependent launch (engine/pdl.py): the wait, and the early signal after the loop
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     if n % 16 == 0:  # real shapes: 16-byte weight loads (through cp.async on the dot path;
         # tensor cores for 16-bit operands, exact fp32 runs on FMAs)
         assert ("cp.async" in ptx and ("mma" in ptx or dtype == "fp32")) if c.dot \

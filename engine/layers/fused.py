@@ -13,13 +13,14 @@ import triton
 import triton.language as tl
 
 from specserve.engine.kvcache.fp8 import is_fp8
-from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, eps,
                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_predecessor(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -37,7 +37,7 @@ try:
     import triton.language as tl
 
     from specserve.engine.layers.fused import store_kv
-    from specserve.engine.pdl import launch_options, wait_for_predecessor
+    from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 except ImportError:  # the CPU build needs no Triton
     triton = None
 
@@ -153,6 +153,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_predecessor(PDL)
+        release_dependents(PDL)
         _head_tile(tl.program_id(0), tl.program_id(1), x, w, y, M, N, K, stride_xm, stride_xh,
                    stride_wh, stride_wn, stride_wk, stride_ym, stride_yh, BLOCK_M, BLOCK_N,
                    BLOCK_K, DOT_PRECISION)
@@ -170,6 +171,7 @@ if triton is not None:
         # Programs [0, heads x tiles): q_nope x W_UK tiles; then one a token: norm, RoPEs and
         # the pool store (disjoint outputs, the same input).
         wait_for_predecessor(PDL)
+        release_dependents(PDL)
         pid = tl.program_id(0)
         matmul_programs = num_heads * n_tiles
         if pid < matmul_programs:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from specserve.engine.layers.skinny_gemm import workspace_for
-from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 MAX_DECODE_TOKENS = 16  # one tl.dot row block holds every token
 
@@ -111,6 +111,7 @@ def _gate_up_kernel(x, w13, intermediate, topk_ids, topk_weights, num_tokens, nu
                     input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    release_dependents(PDL)
     h = gate * tl.sigmoid(gate) * up
     tl.store(intermediate + rows[:, None].to(tl.int64) * stride_inter + offs_n[None, :],
              h.to(intermediate.dtype.element_ty), mask=picked[:, None] & n_mask[None, :])
@@ -147,6 +148,7 @@ def _down_kernel(intermediate, w2, weighted, out, arrivals, topk_ids, topk_weigh
         acc = acc * weight.to(tl.float32)[:, None]
         tl.store(weighted + rows[:, None].to(tl.int64) * stride_weighted + offs_n[None, :],
                  acc.to(weighted.dtype.element_ty), mask=picked[:, None] & n_mask[None, :])
+    release_dependents(PDL)
     # Every slot (those that skipped too) counts its arrival on the N tile's counter after its
     # stores (a CTA barrier, then the atomic's release); the last to arrive sums each token's
     # k entry rows from L2 in entry order (deterministic).

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from specserve.engine.layers.skinny_gemm import workspace_for
-from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 MAX_ROUTER_TOKENS = 16  # the fused router's rows (a decode or verify step); above: the gemv
 
@@ -90,6 +90,7 @@ def _router_kernel(x, w, logits, weights, ids, arrivals, M, num_experts, K, stri
                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                    PDL: tl.constexpr):
     wait_for_predecessor(PDL)
+    release_dependents(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_e = tl.program_id(0) * EXPERTS_PER_PROGRAM + tl.arange(0, EXPERTS_PER_PROGRAM)
     offs_k = tl.arange(0, BLOCK_K)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
-from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 from specserve.engine.quantization.fp8 import FP8_DTYPE, WeightScale
 from specserve.engine.quantization.fp8_gemm import (
     ACT_GROUP, check_weight, fp8_matmul, fp8_supported, k_uniform, quantize_activations)
@@ -401,6 +401,7 @@ if triton is not None:
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, SILU_MUL,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
                                  FP8_WEIGHT, K_UNIFORM, FP8_ACT)
+        release_dependents(PDL)
         out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
         last = True
         if SPLIT_K > 1:
@@ -455,6 +456,7 @@ if triton is not None:
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
                                  FP8_WEIGHT, K_UNIFORM, FP8_ACT)
+        release_dependents(PDL)
         m_mask = offs_m < M
         out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
         last = True

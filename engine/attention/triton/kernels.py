@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 LOG2_E = math.log2(math.e)
 
@@ -423,6 +423,7 @@ def _decode_kernel(
     # the sequence. A sequence of at most MIN_KV_SPLIT_LEN tokens is one split: one pass,
     # its program stores the output and the other splits' programs exit at once.
     wait_for_predecessor(PDL)
+    release_dependents(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
@@ -682,6 +683,7 @@ def _short_extend_kernel(
     # its partial result and counts its arrival; the last to arrive merges them (no second
     # kernel: at short contexts its launch would cost more than the splits save).
     wait_for_predecessor(PDL)
+    release_dependents(PDL)
     req = tl.program_id(0)
     if HEAD_BLOCKS == 1:
         kv_head = tl.program_id(1)
