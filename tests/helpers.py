@@ -480,7 +480,7 @@ def bounded_kv_splits(monkeypatch) -> None:
     base = triton_backend.TritonAttnBackend
     default = inspect.signature(base.__init__).parameters["max_kv_splits"].default
 
-    class BoundedSplits(base):
+    class TritonAttnBackend(base):  # the name tests check the backend kind by
         def __init__(self, num_heads, num_kv_heads, head_dim, max_context_len, device, **kwargs):
             if "max_kv_splits" not in kwargs:
                 config = kwargs.get("decode_config") or default_decode_config(
@@ -488,7 +488,7 @@ def bounded_kv_splits(monkeypatch) -> None:
                 kwargs["max_kv_splits"] = min(default, triton.cdiv(max_context_len, config.min_kv_split_len))
             super().__init__(num_heads, num_kv_heads, head_dim, max_context_len, device, **kwargs)
 
-    monkeypatch.setattr(triton_backend, "TritonAttnBackend", BoundedSplits)
+    monkeypatch.setattr(triton_backend, "TritonAttnBackend", TritonAttnBackend)
 
 
 def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, **kwargs):
