@@ -469,7 +469,7 @@ def bounded_kv_splits(monkeypatch) -> None:
     max_kv_splits) and no forward is longer than the backend's max_context_len, so every
     forward is split (and merged) exactly as with the default; what goes is the grid's
     programs of splits no sequence can reach, each as slow as a live one in the Triton
-    interpreter. (The kernel tests keep the default grid.)"""
+    interpreter. (test_triton_kernels' GQA backend and kernel tests keep the default grid.)"""
     import inspect
 
     import triton
