@@ -78,9 +78,10 @@ def reference_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     ends = padded.cumsum(0)
     sorted_entries = torch.full((max_padded,), num_entries, dtype=torch.int32)
     order = torch.sort(flat, stable=True).indices.int()
+    sorted_flat = flat[order.long()]
     for expert in range(num_experts):
         start = int(ends[expert] - padded[expert])
-        sorted_entries[start:start + counts[expert]] = order[flat[order.long()] == expert]
+        sorted_entries[start:start + counts[expert]] = order[sorted_flat == expert]
     block_rows = torch.arange(0, max_padded, block_m)
     block_experts = (ends[None, :] <= block_rows[:, None]).sum(1).int()
     return sorted_entries, block_experts, int(padded.sum())
@@ -102,16 +103,17 @@ def random_ids(num_entries: int, num_experts: int, seed: int, experts=None) -> t
 
 
 # One program in one launch (16 x 8: a decode step with 2 shared slots), a non-multiple of
-# the tile, several programs, and a prefill's many programs of several tiles each.
-@pytest.mark.parametrize("num_entries", [128, 222, 1000, 40000])
+# the tile, several programs, and a prefill's many programs of several tiles each (10000
+# entries: 79 programs of 2 or 4 tiles, as 40000 entries make 79 of 8 or 16).
+@pytest.mark.parametrize("num_entries", [128, 222, 1000, 10000])
 @pytest.mark.parametrize("num_experts", [64, 66, 128, 160, 256])
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_align_matches_reference(num_entries, num_experts, block_m):
-    if num_entries == 40000 and block_m != 64:
+    if num_entries == 10000 and block_m != 64:
         pytest.skip("the interpreter's slowest case: one block size is enough")
     plan = align_plan(num_entries, num_experts)
     assert (plan.num_programs == 1) == (num_entries <= 4 * plan.block_t)
-    if num_entries == 40000:
+    if num_entries == 10000:
         assert plan.tiles > 1 and plan.num_programs > 64
     check_alignment(random_ids(num_entries, num_experts, num_entries + num_experts),
                     num_experts, block_m)

@@ -701,9 +701,15 @@ def run_mla_backend_case(case: BackendCase, num_heads: int, latent: int, rope: i
     latent || rope at the new slots and calls forward with k = v = None. Returns (output,
     expected fp32, fb)."""
     key_dim = latent + rope
+    # With a small decode config (the interpreter's cases), only the splits a context of
+    # max_context_len can use: every forward splits as with the default 16, whose unreachable
+    # programs are each as slow as a live one in the interpreter (the GQA backend tests
+    # above keep the default grid).
+    splits = {} if decode_config is None else dict(
+        max_kv_splits=min(16, -(-max_context_len // decode_config.min_kv_split_len)))
     backend = TritonAttnBackend(num_heads, 1, key_dim, max_context_len, device,
                                 max_batch_size=max_batch_size, decode_config=decode_config,
-                                extend_config=extend_config, v_head_dim=latent)
+                                extend_config=extend_config, v_head_dim=latent, **splits)
     fb, scene = build_forward_batch(case, backend, 1, key_dim, max_context_len, gen, dtype,
                                     device)
     # The MLA pool's value buffer is the latent part of its key buffer.
