@@ -18,7 +18,7 @@ from specserve.engine.builder import EngineCore, build_engine, check_tp_divides,
 from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, StepOutput
-from specserve.engine.runtime.tp_group import free_init_method
+from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, RequestChange, spawn_followers
 
@@ -31,13 +31,15 @@ class Engine:
         possibly on other nodes, each on its own GPU) and meet rank 0 there; None: spawn them
         here."""
         self._followers: list = []
+        self._rendezvous: Optional[Rendezvous] = None  # held while the tp ranks run
         self._changes: list[RequestChange] = []  # for the other ranks, sent at the next step
         try:
             init_method = tp_init_method or ""
             if config.tp_size > 1:
                 check_tp_divides(ModelConfig.from_dir(target_path(config)), config.tp_size)
                 if tp_init_method is None:
-                    init_method = free_init_method()
+                    self._rendezvous = Rendezvous()
+                    init_method = self._rendezvous.init_method
                     self._followers = spawn_followers(config, init_method)
             self.core: Optional[EngineCore] = build_engine(config, 0, init_method,
                                                            local_ranks=tp_init_method is None)

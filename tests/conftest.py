@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from helpers import assert_no_leaks, bounded_kv_splits, make_tiny_checkpoint
+from helpers import assert_no_leaks, make_tiny_checkpoint
 
 os.environ.setdefault("SPECSERVE_DEBUG_FUTURE_MAP", "1")
 if not torch.cuda.is_available():
@@ -52,14 +52,7 @@ def make_engine():
             # Triton runs on the CPU only in its interpreter, which a CUDA machine does not use
             # (see above); the gpu-marked tests run the same kernels there.
             pytest.skip("Triton on CPU tensors needs the interpreter (machines without CUDA)")
-        if kwargs.get("attention_backend") == "triton" and kwargs["device"] == "cpu":
-            # The interpreter: no grid programs for KV splits the context cannot reach (the
-            # same splits, and outputs, for every forward; see bounded_kv_splits).
-            with pytest.MonkeyPatch.context() as patch:
-                bounded_kv_splits(patch)
-                engine = Engine(EngineConfig(**kwargs))
-        else:
-            engine = Engine(EngineConfig(**kwargs))
+        engine = Engine(EngineConfig(**kwargs))
         engines.append(engine)
         return engine
 

@@ -462,35 +462,6 @@ def eager_graphs(monkeypatch):
     return EagerGraphs
 
 
-def bounded_kv_splits(monkeypatch) -> None:
-    """Triton attention backends built from now on get only the KV splits their context can
-    use, cdiv(max_context_len, min_kv_split_len) (at most the default 16), instead of always
-    the default. A sequence's split count is min(cdiv(its length, min_kv_split_len),
-    max_kv_splits) and no forward is longer than the backend's max_context_len, so every
-    forward is split (and merged) exactly as with the default; what goes is the grid's
-    programs of splits no sequence can reach, each as slow as a live one in the Triton
-    interpreter. (test_triton_kernels' GQA backend and kernel tests keep the default grid.)"""
-    import inspect
-
-    import triton
-
-    from specserve.engine.attention.triton import backend as triton_backend
-    from specserve.engine.attention.triton.kernels import default_decode_config
-
-    base = triton_backend.TritonAttnBackend
-    default = inspect.signature(base.__init__).parameters["max_kv_splits"].default
-
-    class TritonAttnBackend(base):  # the name tests check the backend kind by
-        def __init__(self, num_heads, num_kv_heads, head_dim, max_context_len, device, **kwargs):
-            if "max_kv_splits" not in kwargs:
-                config = kwargs.get("decode_config") or default_decode_config(
-                    head_dim, torch.device(device), kwargs.get("v_head_dim") or head_dim)
-                kwargs["max_kv_splits"] = min(default, triton.cdiv(max_context_len, config.min_kv_split_len))
-            super().__init__(num_heads, num_kv_heads, head_dim, max_context_len, device, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "TritonAttnBackend", TritonAttnBackend)
-
-
 def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, **kwargs):
     """A CPU engine whose worker captured `eager_graphs` (with `constrained`: the constrained
     steps' too); (engine, the EagerGraphs class and its replays)."""

@@ -109,3 +109,17 @@ def test_gpu_tp_matches_tp1(pair, make_engine, spec, graphs, tp):
                                                                                sampling=GREEDY)]
             for size in (1, tp)]
     assert outs[0] == outs[1]
+
+
+def test_rendezvous_keeps_its_port_until_dropped():
+    """The ranks' meeting point stays bound while its holder lives, so no other process can
+    take the port between choosing it and the ranks joining (the old pick-then-release race)."""
+    import socket
+
+    from specserve.engine.runtime.tp_group import Rendezvous
+
+    rendezvous = Rendezvous()
+    host, port = rendezvous.init_method.removeprefix("tcp://").rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((host, int(port)))

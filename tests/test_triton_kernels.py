@@ -701,15 +701,9 @@ def run_mla_backend_case(case: BackendCase, num_heads: int, latent: int, rope: i
     latent || rope at the new slots and calls forward with k = v = None. Returns (output,
     expected fp32, fb)."""
     key_dim = latent + rope
-    # With a small decode config (the interpreter's cases), only the splits a context of
-    # max_context_len can use: every forward splits as with the default 16, whose unreachable
-    # programs are each as slow as a live one in the interpreter (the GQA backend tests
-    # above keep the default grid).
-    splits = {} if decode_config is None else dict(
-        max_kv_splits=min(16, -(-max_context_len // decode_config.min_kv_split_len)))
     backend = TritonAttnBackend(num_heads, 1, key_dim, max_context_len, device,
                                 max_batch_size=max_batch_size, decode_config=decode_config,
-                                extend_config=extend_config, v_head_dim=latent, **splits)
+                                extend_config=extend_config, v_head_dim=latent)
     fb, scene = build_forward_batch(case, backend, 1, key_dim, max_context_len, gen, dtype,
                                     device)
     # The MLA pool's value buffer is the latent part of its key buffer.
@@ -787,3 +781,17 @@ def test_mla_backend_has_no_host_sync_gpu(case_name):
     q = torch.randn(fb.num_tokens, 128, 576, device=DEVICE, dtype=torch.bfloat16)
     out = forward_without_host_sync(backend, fb, q, None, None)
     assert out.shape == (fb.num_tokens, 128 * 512)
+
+
+@pytest.mark.parametrize("max_context_len, expected", [(96, 3), (4096, 16), (33, 2)])
+def test_backend_sizes_its_splits_by_the_context(max_context_len, expected):
+    """Without `max_kv_splits` the backend keeps only the splits a sequence of at most
+    max_context_len tokens can get (cdiv by the split length, at most 16): a grid of
+    unreachable splits would be programs that exit at once; a given count is kept."""
+    config = DecodeConfig(block_n=16, min_kv_split_len=32, num_warps=4, num_stages=1, block_h=16)
+    backend = TritonAttnBackend(4, 2, 16, max_context_len, DEVICE, max_batch_size=2,
+                                decode_config=config)
+    assert backend.max_kv_splits == expected
+    assert backend._partial_out_buf.shape[2] == expected
+    assert TritonAttnBackend(4, 2, 16, 96, DEVICE, max_batch_size=2, decode_config=config,
+                             max_kv_splits=16).max_kv_splits == 16

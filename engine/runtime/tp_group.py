@@ -10,7 +10,7 @@ ranks never disagree about what was generated.
 """
 from __future__ import annotations
 
-import socket
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -23,10 +23,20 @@ class Stop(NamedTuple):
     """Rank 0's last control message: it is shutting down, and so are the followers."""
 
 
-def free_init_method() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)  # a rank's wait for the others to join
+
+
+class Rendezvous:
+    """Where a tensor-parallel group's ranks meet: a TCPStore server on a port the OS picks,
+    held by the process that starts the ranks for as long as they run. Every rank, 0 included,
+    joins as a client (`TPGroup`). Picking a free port, releasing it and letting rank 0 bind it
+    later left a window in which another process could take the port (seen in CI); here the
+    port is never released."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=RENDEZVOUS_TIMEOUT)
+        self.init_method = f"tcp://{host}:{self._store.port}"
 
 
 class TPGroup:
@@ -35,7 +45,9 @@ class TPGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if local_ranks and device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tp_size: {size} ranks but only {torch.cuda.device_count()} GPUs")
-        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(backend, store=store, world_size=size, rank=rank)
         self.model = TensorParallel(size, rank, dist.new_group(list(range(size)), backend=backend))
         self.control = dist.new_group(list(range(size)), backend="gloo")
         self.rank = rank

@@ -16,7 +16,6 @@ import functools
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -60,6 +59,7 @@ class ReplicaHost:
         self._lock = threading.Lock()
         self._process: Optional[multiprocessing.process.BaseProcess] = None
         self._ranks: list = []  # TPRank actors of the current engine
+        self._rendezvous = None  # where they meet (a tp_group.Rendezvous), held while they run
 
     def start_engine(self, config: EngineConfig, link: ServerLink,
                      start_engine: Optional[StartEngine], rank_actors: bool) -> EngineStarted:
@@ -67,7 +67,10 @@ class ReplicaHost:
         node_ip = ray.util.get_node_ip_address()
         rank_nodes: tuple[str, ...] = ()
         if rank_actors and config.tp_size > 1:
-            init_method = f"tcp://{node_ip}:{_free_port(node_ip)}"
+            from specserve.engine.runtime.tp_group import Rendezvous  # torch only on a host of ranks
+
+            rendezvous = Rendezvous(node_ip)
+            init_method = rendezvous.init_method
             group = ray.util.get_current_placement_group()
             gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0)
             ranks = [TPRankActor.options(
@@ -76,7 +79,7 @@ class ReplicaHost:
                     group, placement_group_bundle_index=rank),
             ).remote() for rank in range(1, config.tp_size)]
             with self._lock:  # killed with the engine from now on, even if it fails to spawn
-                self._ranks = ranks
+                self._ranks, self._rendezvous = ranks, rendezvous
             for rank, actor in enumerate(ranks, start=1):
                 actor.run.remote(config, rank, init_method)
             rank_nodes = (ray.get_runtime_context().get_node_id(),
@@ -104,6 +107,7 @@ class ReplicaHost:
     def kill_engine(self) -> None:
         with self._lock:
             process, ranks, self._ranks = self._process, self._ranks, []
+            self._rendezvous = None
         if process is not None and process.is_alive():
             process.kill()
             process.join(SHUTDOWN_TIMEOUT_S)
@@ -127,12 +131,6 @@ class TPRank:
 TPRankActor = ray.remote(max_restarts=0, max_concurrency=2)(TPRank)
 # Threads: wait_engine holds one for the engine's life; start/kill take others.
 ReplicaHostActor = ray.remote(max_restarts=-1, max_concurrency=4)(ReplicaHost)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RayEngine(EngineHandle):

@@ -39,6 +39,9 @@ class TritonAttnMetadata(NamedTuple):
                                          # slice]) split counters, zero between forwards
 
 
+MAX_KV_SPLITS = 16  # the most splits a long sequence is cut into (decode and short extends)
+
+
 class TritonAttnBackend(AttentionBackend):
     """Decode and short extends (split-KV), and long extends (prefix + causal/custom-masked
     new tokens), in Triton kernels.
@@ -68,7 +71,8 @@ class TritonAttnBackend(AttentionBackend):
     supports_device_extend_lens = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
-                 device: torch.device, *, max_batch_size: int = 128, max_kv_splits: int = 16,
+                 device: torch.device, *, max_batch_size: int = 128,
+                 max_kv_splits: Optional[int] = None,
                  max_query_len: int = 1, decode_config: Optional[DecodeConfig] = None,
                  extend_config: Optional[ExtendConfig] = None, needs_cpu_seq_lens: bool = False,
                  v_head_dim: Optional[int] = None):
@@ -86,9 +90,13 @@ class TritonAttnBackend(AttentionBackend):
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
-        self.max_kv_splits = max_kv_splits
         self.decode_config = decode_config or default_decode_config(head_dim, self.device,
                                                                     self.v_head_dim)
+        # A sequence gets min(cdiv(length, min_kv_split_len), max_kv_splits) splits and none is
+        # longer than max_context_len: splits past cdiv(max_context_len, min_kv_split_len)
+        # would only be grid programs that exit at once (and scratch never written).
+        reachable = triton.cdiv(max_context_len, self.decode_config.min_kv_split_len)
+        self.max_kv_splits = max_kv_splits or min(MAX_KV_SPLITS, reachable)
         self.extend_config = extend_config or default_extend_config(head_dim, self.device,
                                                                     self.v_head_dim)
 
