@@ -86,13 +86,17 @@ def default_decode_config(head_dim: int, device: torch.device,
         # 16 query heads a program (a 16 x 512 fp32 accumulator) against 32-token tiles of
         # the 576-dim key in two stages (2 x 36 KiB of shared memory); the heads of MLA's
         # single group are sliced across programs that read the same tiles (SGLang's Triton
-        # MLA decode uses the same tiling). A split per 32-token tile: with V2-Lite's 16 heads
-        # a request is one program per split, so 256 tokens a split ran a 128-token context
-        # as one program walking 4 dependent tiles (16 us a layer on an H100, a latency
-        # chain, not bandwidth); now 4 programs of one tile each, merged by the last (as
-        # SGLang splits down to 32 tokens). Contexts from 16 x 256 = 4k tokens up get the
-        # same 16 splits as before. bench/mla_moe_kernels.py --sweep times others.
-        return DecodeConfig(block_n=32, min_kv_split_len=32, num_warps=4, num_stages=2,
+        # MLA decode uses the same tiling). A split per two 32-token tiles: with V2-Lite's 16
+        # heads a request is one program per split, so 256 tokens a split ran a 128-token
+        # context as one program walking 4 dependent tiles (16 us a layer on an H100, a
+        # latency chain, not bandwidth); a split per tile made that 4 programs merged by the
+        # last, but at bs=64 the verify's fp32 partials (16 heads x 512 a split) cost more
+        # than its keys. Against one tile a split (H200, one lease, twice; DeepSeek-V2-Lite,
+        # 128-token prompts): bs=64 plain 11.04 vs 11.25 ms, NextN 15.75 vs 16.14 ms; bs=1
+        # plain 2.33 vs 2.32 ms, NextN 4.84 vs 4.82 ms. 64-token tiles were faster at bs=1
+        # plain (2.29 ms) but slower in verify (NextN bs=1 5.00 ms). Contexts from 1k tokens
+        # get 16 splits either way. bench/mla_moe_kernels.py --sweep times others.
+        return DecodeConfig(block_n=32, min_kv_split_len=64, num_warps=4, num_stages=2,
                             block_h=16)
     # H100/H200: 128-token tiles in three stages keep enough gathered K/V rows in flight to
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
