@@ -28,7 +28,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-interleave-tokens", type=int, default=None, metavar="N",
                    help="decode fairness: while requests decode, an extend (prefill) step "
                         "computes at most N prompt tokens and is followed by a decode step "
-                        "(default 512; 0: off, prefill first)")
+                        "(default 1024; 0: off, prefill first)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -36,6 +36,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "per token; per-layer scales from the checkpoint, else 1.0)")
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the normal scheduler loop instead of the overlap loop")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run every forward eagerly (no CUDA graphs; a debugging aid)")
+    g.add_argument("--disable-cuda-graph-sampled", action="store_true",
+                   help="capture graphs for greedy decode steps only: sampled batches "
+                        "(temperature, top-k/p, min-p) run eagerly, and capture takes a third "
+                        "of the time")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
     g.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
                    help="weight format: auto (default) serves the checkpoint's own "
@@ -78,6 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         attention_backend=args.attention_backend,
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
+                        cuda_graph=False if args.disable_cuda_graph else None,
+                        cuda_graph_sampled=not args.disable_cuda_graph_sampled,
                         quantization=args.quantization,
                         enable_prefix_cache=not args.disable_prefix_cache, spec=_spec_config_from_args(args), **optional)
 

@@ -20,6 +20,9 @@ def test_engine_flags():
     assert config.attention_backend == "torch" and not config.enable_overlap
     assert config.spec == DEFAULT and _engine_config().max_running_requests == 64
     assert _engine_config("--tp", "2").tp_size == 2 and config.tp_size == 1
+    assert (config.cuda_graph, config.cuda_graph_sampled) == (None, True)  # on with CUDA
+    graphs = _engine_config("--disable-cuda-graph", "--disable-cuda-graph-sampled")
+    assert (graphs.cuda_graph, graphs.cuda_graph_sampled) == (False, False)
 
 
 def test_speculative_flags():
