@@ -64,6 +64,18 @@ class ServerProcess:
         with self._log_changed:
             self._log_changed.notify_all()
 
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible front's address (http://host:port) of a server started with
+        --http-port, from its log."""
+        return "http://" + self.wait_for_log(r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
+
+    def openai_client(self):
+        """An OpenAI SDK client of the HTTP front (no retries: a test sees every failure)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.http_url + "/v1", api_key="none", max_retries=0)
+
     def wait_for_log(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match:
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout

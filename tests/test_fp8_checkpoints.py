@@ -261,7 +261,7 @@ def test_served_through_grpc_and_http(quantized, make_engine, fmt, block, weight
     expected = make_engine(fp8).generate(prompt_token_ids=[prompt], sampling=GREEDY)[0].token_ids
     server = ServerProcess(fp8, "--http-port", str(free_port()))
     try:
-        http_url = "http://" + server.wait_for_log(r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
+        http_url = server.http_url
         with server.client() as client:
             info = client.model_info()
             assert (info.weight_dtype, info.kv_cache_dtype, info.dtype) == (weight_dtype, "float32", "float32")

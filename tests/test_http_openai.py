@@ -36,15 +36,13 @@ def server(model):
     server = ServerProcess(model, "--http-port", str(free_port()), "--max-queue", "0",
                            "--max-running-requests", str(MAX_RUNNING),
                            "--max-total-tokens", str(2 * LONG_GENERATION + 256))
-    server.http_url = "http://" + server.wait_for_log(
-        r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
     yield server
     assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0) as oai:
+    with server.openai_client() as oai:
         yield oai
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import openai
 import pytest
 import torch
 
@@ -43,15 +42,13 @@ def server(model, tmp_path_factory):
     server = ServerProcess(model, "--draft-model", head, "--speculative-algorithm", "eagle3",
                            "--speculative-num-steps", "3", "--http-port", str(free_port()),
                            speculative=True)
-    server.http_url = "http://" + server.wait_for_log(
-        r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
     yield server
     assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0) as oai:
+    with server.openai_client() as oai:
         yield oai
 
 

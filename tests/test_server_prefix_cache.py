@@ -24,8 +24,6 @@ def model(tmp_path_factory) -> str:
 def server(model):
     metrics_port = free_port()
     server = ServerProcess(model, "--http-port", str(free_port()), "--metrics-port", str(metrics_port))
-    server.http_url = "http://" + server.wait_for_log(
-        r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
     server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield server
     assert server.stop() == 0

@@ -37,8 +37,6 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model):
     server = ServerProcess(model, "--http-port", str(free_port()))
-    server.http_url = "http://" + server.wait_for_log(
-        r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
     yield server
     assert server.stop() == 0
 

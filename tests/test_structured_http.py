@@ -58,8 +58,7 @@ def _serve(pair, *args):
                            "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
                            "--speculative-num-draft-tokens", "6", "--http-port", str(free_port()),
                            *args, speculative=True)
-    url = "http://" + server.wait_for_log(r"OpenAI-compatible API on http://([\d.]+:\d+)/v1").group(1)
-    return server, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    return server, server.openai_client()
 
 
 @pytest.fixture(scope="module")
