@@ -37,6 +37,13 @@ def client(server):
         yield client
 
 
+@pytest.fixture(scope="module")
+def oai(server):
+    """An OpenAI SDK client of the test module's `server` fixture's HTTP front."""
+    with server.openai_client() as oai:
+        yield oai
+
+
 @pytest.fixture
 def make_engine():
     """Build engines; after the test each must have every KV slot and row free again."""

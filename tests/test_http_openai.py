@@ -41,12 +41,6 @@ def server(model):
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    with server.openai_client() as oai:
-        yield oai
-
-
-@pytest.fixture(scope="module")
 def name(model) -> str:
     return os.path.basename(model)
 

@@ -46,12 +46,6 @@ def server(model, tmp_path_factory):
     assert server.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    with server.openai_client() as oai:
-        yield oai
-
-
 def test_streamed_greedy_with_eagle3_equals_transformers(client, model, family):
     info = client.model_info()
     assert info.architecture == ARCHITECTURES[family]
