@@ -452,13 +452,6 @@ def eager_graphs(monkeypatch):
 
     for module in (worker, eagle_worker):
         monkeypatch.setattr(module, "GraphedStep", EagerGraphs)
-    # capture_all collects garbage first (on CUDA a collection during capture could destroy
-    # another engine's graphs); with no graphs that full collection is only slow (a good part
-    # of a graphed CPU engine's test, more as the session's heap grows): skip it alone.
-    import gc
-    from types import SimpleNamespace
-    monkeypatch.setattr(cuda_graph, "gc", SimpleNamespace(collect=lambda: 0, disable=gc.disable,
-                                                          enable=gc.enable))
     return EagerGraphs
 
 

@@ -52,14 +52,18 @@ class GraphedStep:
     def capture_all(self) -> None:
         # A garbage collection during capture could destroy another engine's graphs, which
         # CUDA forbids while a stream captures: collect first, then keep the collector off.
-        gc.collect()
-        gc.disable()
+        # (Off CUDA only the tests' eager stand-in captures: nothing to protect.)
+        on_cuda = torch.device(self.device).type == "cuda"
+        if on_cuda:
+            gc.collect()
+            gc.disable()
         try:
             with torch.inference_mode():
                 for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
                     self._capture(bs)
         finally:
-            gc.enable()
+            if on_cuda:
+                gc.enable()
 
     def release(self) -> None:
         self.captured.clear()
