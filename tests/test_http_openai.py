@@ -131,6 +131,25 @@ def test_completion_sampling_fields_and_logprobs(oai, client, name):
     assert lps == pytest.approx(want.logprobs, abs=1e-6)
 
 
+# Seeds whose old (24-bit) noise was exactly 1.0 in a column of the tiny model's 320-token
+# vocabulary at an early position (found by scanning them): the [E27] seed-9 repro, which needed
+# the demo's 8k vocabulary, at this model's size. Each drew a token outside the top_k there.
+OLD_NOISE_SEEDS = (2970, 5077, 10370, 11840)
+
+
+def test_top_k_sampling_never_leaves_the_top_k(oai, name):
+    """[E27]'s top_k=2 repro through the front: every sampled token is one of its position's two
+    most likely (its log-probability is at least the second one's)."""
+    for seed in OLD_NOISE_SEEDS:
+        got = oai.completions.create(model=name, prompt=[5, 9], max_tokens=12, temperature=1.0,
+                                     seed=seed, logprobs=2,
+                                     extra_body={"top_k": 2, "ignore_eos": True})
+        lp = got.choices[0].logprobs
+        assert len(lp.token_logprobs) == 12
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+            assert chosen >= min(top.values()) - 1e-5, (seed, chosen, top)
+
+
 def test_completion_echo_with_prompt_logprobs(oai, client, name):
     ids = client.tokenize("def add")
     want = client.generate("def add", max_new_tokens=4, temperature=0, logprobs=True, prompt_logprobs=1)

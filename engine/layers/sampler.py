@@ -34,12 +34,24 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
+# Bits of the hash a uniform keeps. (k + 0.5) / 2^23 is exact in float32 for every k < 2^23
+# (k + 0.5 needs 24 significant bits), so u lies in [2^-24, 1 - 2^-24]: never 0 (log 0 = -inf)
+# and never 1 (an exponential noise of -0.0, which makes a probability-0 token score 0 / -0 =
+# NaN, and argmax picks the NaN). With 24 bits, k = 2^24 - 1 rounded up to exactly 1.0.
+UNIFORM_BITS = 23
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """float32 U(0,1), strictly inside, from the top UNIFORM_BITS bits of int64 hashes."""
+    k = (bits >> (64 - UNIFORM_BITS)) & ((1 << UNIFORM_BITS) - 1)
+    return (k.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int, salt: int = 0):
     """U(0,1) float32 of shape [N, width], a pure function of (seed, position, column, salt)."""
     base = _mix64(seeds * _GOLDEN + positions * 0x2545F491 + salt)
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
-    bits = _mix64(base.unsqueeze(1) + cols * _GOLDEN)
-    return (((bits >> 40) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+    return uniform_from_bits(_mix64(base.unsqueeze(1) + cols * _GOLDEN))
 
 
 class TokenHistory(NamedTuple):

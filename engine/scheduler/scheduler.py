@@ -296,13 +296,15 @@ class Scheduler:
 
 
 def _top_lists(ids, logprobs) -> Optional[list]:
-    """[..., K] host tensors -> nested lists whose leaves are (token id, logprob) pairs."""
+    """[..., K] host tensors -> nested lists whose leaves are lists of (token id, logprob)
+    pairs. Alternatives of probability 0 (excluded by a grammar or a ban: -inf) are left out:
+    they are not likely tokens, and -inf has no JSON form."""
     if ids is None:
         return None
 
-    def pair(i, lp):
-        if isinstance(i, list):
-            return [pair(a, b) for a, b in zip(i, lp)]
-        return i, lp
+    def pairs(i: list, lp: list) -> list:
+        if i and isinstance(i[0], list):
+            return [pairs(a, b) for a, b in zip(i, lp)]
+        return [(t, v) for t, v in zip(i, lp) if v != float("-inf")]
 
-    return [pair(i, lp) for i, lp in zip(ids.tolist(), logprobs.tolist())]
+    return [pairs(i, lp) for i, lp in zip(ids.tolist(), logprobs.tolist())]
