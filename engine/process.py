@@ -215,7 +215,7 @@ class _EngineLoop:
                 sequences.discard(out.index)
                 if not sequences:
                     del self.live[out.rid]
-        self._send(ipc.EngineToServer(batch=encode_batch(step_outputs, steps)))
+        self._send(ipc.EngineToServer(batch=encode_batch(step_outputs, steps, self.engine.load())))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
         return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))

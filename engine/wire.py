@@ -149,9 +149,11 @@ def _bytes(values, dtype: np.dtype) -> bytes:
     return np.asarray(values, dtype=dtype).tobytes() if len(values) else b""
 
 
-def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = ()) -> ipc.BatchOutput:
-    """One scheduler step's outputs, and the steps processed since the previous message, as one
-    columnar BatchOutput (decode_batch and decode_step_stats reverse it)."""
+def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = (),
+                 load: Optional[EngineLoad] = None) -> ipc.BatchOutput:
+    """One scheduler step's outputs, the steps processed since the previous message and the
+    engine's load after them, as one columnar BatchOutput (decode_batch, decode_step_stats and
+    decode_load reverse it)."""
     flags, reasons, matched, counters = [], [], [], []
     for out in outputs:
         flags.append((FLAG_FINISHED if out.finished else 0)
@@ -192,6 +194,8 @@ def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = ()) 
         msg.step_seconds = _bytes([s.seconds for s in steps], _F64)
         msg.step_tokens = _bytes([s.tokens for s in steps], _U32)
         msg.step_others = _bytes([s.others for s in steps], _U32)
+    if load is not None:
+        msg.load.CopyFrom(load_to_proto(load))
     return msg
 
 
@@ -200,6 +204,11 @@ def decode_step_stats(msg: ipc.BatchOutput) -> list[StepStat]:
     return [StepStat(bool(e), s, t, o) for e, s, t, o in zip(
         _column(msg.step_extend, _U8), _column(msg.step_seconds, _F64),
         _column(msg.step_tokens, _U32), _column(msg.step_others, _U32))]
+
+
+def decode_load(msg: ipc.BatchOutput) -> Optional[EngineLoad]:
+    """The engine's load a BatchOutput carries (encode_batch's `load`), if any."""
+    return load_from_proto(msg.load) if msg.HasField("load") else None
 
 
 def _column(data: bytes, dtype: np.dtype) -> list:

@@ -103,7 +103,7 @@ class SpecserveServer:
             self.engine = ReplicaSet(engine_config, server_config, cluster, start_engine)
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
-        self.engine.on_steps = self.metrics.observe_steps
+        self.engine.on_steps = self.metrics.observe_engine_steps
         if cluster is not None:
             self.metrics.registry.register(ReplicaCollector(self.engine))
             self.engine.on_recovery(self._on_engine_recovery)

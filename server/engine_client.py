@@ -169,8 +169,9 @@ class EngineClient:
         self._reader: Optional[OutputReader] = None
         self._watcher: Optional[asyncio.Task] = None
         self._death_callbacks: list[Callable[[str], None]] = []
-        # Called on the loop with the StepStats of the engine's steps (the metrics' step times).
-        self.on_steps: Optional[Callable[[list], None]] = None
+        # Called on the loop with the engine's steps and its load after them (the metrics'
+        # step times and load gauges).
+        self.on_steps: Optional[Callable[[list, Optional[EngineLoad]], None]] = None
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -331,7 +332,7 @@ class EngineClient:
                 self._on_update(item, now)
             elif isinstance(item, EngineSteps):
                 if self.on_steps is not None:
-                    self.on_steps(item.steps)
+                    self.on_steps(item.steps, item.load)
             else:
                 self._on_message(item)
 

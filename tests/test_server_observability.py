@@ -127,3 +127,28 @@ def test_progress_and_throughput_lines(tiny_model):
         assert float(line.group(1)) > 0
     finally:
         assert server.stop() == 0
+
+
+def test_load_gauges_are_one_step_fresh(server, results):
+    """The running / waiting / KV gauges gateways route by come with every engine step (not a
+    poll every 2 s): right after a stream's first chunk its request runs and holds KV; right
+    after its last, nothing does. The usage ratio is used / total, in [0, 1]."""
+    def load() -> tuple[float, float, float, float]:
+        s = _samples(server)
+        return (s[("specserve_engine_running_requests", ())],
+                s[("specserve_engine_waiting_requests", ())],
+                s[("specserve_kv_used_tokens", ())] / s[("specserve_kv_total_tokens", ())],
+                s[("specserve_kv_cache_usage_ratio", ())])
+
+    with server.client() as client:
+        for round_ in range(3):
+            chunks = iter(client.generate_stream(f"class Queue{round_}:", max_new_tokens=200,
+                                                 temperature=0, ignore_eos=True))
+            next(chunks)
+            during = load()
+            for _ in chunks:
+                pass
+            after = load()
+            assert during[:2] == (1, 0) and 0 < during[3] <= 1, during
+            assert during[3] == pytest.approx(during[2]), during
+            assert after == (0, 0, 0.0, 0.0), after

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from specserve.engine.outputs import StepOutput, StepStat
-from specserve.engine.wire import decode_batch, decode_step_stats, encode_batch
+from specserve.engine.outputs import EngineLoad, StepOutput, StepStat
+from specserve.engine.wire import decode_batch, decode_load, decode_step_stats, encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 
 
@@ -62,10 +62,16 @@ def test_random_batches_round_trip(seed):
     outputs = [_random_output(rng, i) for i in range(rng.choice([0, 1, 2, 7, 64]))]
     steps = [StepStat(rng.random() < 0.5, rng.random() / 7, rng.randrange(1 << 16), rng.randrange(300))
              for _ in range(rng.choice([0, 1, 3]))]
-    wire = ipc.EngineToServer(batch=encode_batch(outputs, steps)).SerializeToString()
+    load = None if rng.random() < 0.3 else EngineLoad(
+        num_running=rng.randrange(300), num_waiting=rng.randrange(300),
+        kv_used_tokens=rng.randrange(1 << 40), kv_total_tokens=rng.randrange(1 << 40),
+        mean_accept_length=_f32(rng.random() * 4), num_retractions=rng.randrange(1 << 20),
+        kv_cached_tokens=rng.randrange(1 << 40), prefix_cache_hit_rate=_f32(rng.random()))
+    wire = ipc.EngineToServer(batch=encode_batch(outputs, steps, load)).SerializeToString()
     batch = ipc.EngineToServer.FromString(wire).batch
     assert decode_batch(batch) == [_normalised(out) for out in outputs]
     assert decode_step_stats(batch) == steps
+    assert decode_load(batch) == load
 
 
 def test_logprobs_are_float32_as_before():

@@ -92,7 +92,10 @@ class ReplicaSet:
         self._death_callbacks: list[Callable[[str], None]] = []
         self._recovery_callbacks: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task] = set()
-        self.on_steps: Optional[Callable[[list], None]] = None  # every replica's (EngineClient)
+        # Every replica's steps (EngineClient.on_steps), with the set's load: the sum of each
+        # serving replica's load after its latest step.
+        self.on_steps: Optional[Callable[[list, Optional[EngineLoad]], None]] = None
+        self._step_loads: dict[int, EngineLoad] = {}
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -229,7 +232,7 @@ class ReplicaSet:
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher)
         client.on_death(lambda reason: self._on_death(replica, client, reason))
-        client.on_steps = lambda steps: self.on_steps is not None and self.on_steps(steps)
+        client.on_steps = lambda steps, load: self._on_replica_steps(replica.index, steps, load)
         replica.client = client
         client.start()
         self._spawn(self._until_serving(replica, client))
@@ -247,10 +250,17 @@ class ReplicaSet:
             for callback in self._recovery_callbacks:
                 callback()
 
+    def _on_replica_steps(self, index: int, steps: list, load: Optional[EngineLoad]) -> None:
+        if load is not None:
+            self._step_loads[index] = load
+        if self.on_steps is not None:
+            self.on_steps(steps, None if load is None else _total(list(self._step_loads.values())))
+
     def _on_death(self, replica: _Replica, client: EngineClient, reason: str) -> None:
         if self._closing or replica.client is not client:
             return
         replica.serving = False
+        self._step_loads.pop(replica.index, None)
         self.router.forget(replica.index)
         logger.error("replica %d left routing: %s", replica.index, reason)
         if not self._serving():

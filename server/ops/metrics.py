@@ -2,13 +2,13 @@
 and --http-port)."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector
 
-from specserve.engine.outputs import EngineLoad
+from specserve.engine.outputs import EngineLoad, StepStat
 from specserve.server.ops.watchdog import WatchdogReport, WatchdogState
 from specserve.server.request_record import TTFT_STAGES, RequestRecord
 
@@ -104,6 +104,11 @@ class ServerMetrics:
         self.kv_used_tokens = Gauge("specserve_kv_used_tokens", "KV-cache slots in use", registry=r)
         self.kv_total_tokens = Gauge("specserve_kv_total_tokens", "KV-cache slots in all",
                                      registry=r)
+        # What gateways read as a model server's KV utilisation (vLLM: kv_cache_usage_perc,
+        # also a ratio); slots the prefix cache holds that nobody uses are reclaimable, free.
+        self.kv_cache_usage = Gauge("specserve_kv_cache_usage_ratio",
+                                    "KV-cache slots in use over those in all, in [0, 1]",
+                                    registry=r)
         # The hit rate over any window is rate(cached) / rate(prompt tokens); the gauge is the
         # engine's own since it started (every prompt position it looked up, retried ones too).
         self.prompt_cached_tokens = Counter(
@@ -164,20 +169,25 @@ class ServerMetrics:
         for name, seconds in record.ttft_stages().items():
             self._ttft_stage[name].observe(seconds)
 
-    def observe_steps(self, steps) -> None:
-        """The engine's StepStats (one batch message's; a few observations a step)."""
+    def observe_engine_steps(self, steps: list[StepStat], load: Optional[EngineLoad]) -> None:
+        """One batch message's engine steps (a few observations a step) and the load after
+        them: the load gauges are never more than one engine step old."""
         for step in steps:
             self._engine_step[step.extend].observe(step.seconds)
             if step.extend:
                 self.extend_tokens.observe(step.tokens)
                 if step.others:
                     self.decode_stall.observe(step.seconds)
+        if load is not None:
+            self.observe_load(load)
 
     def observe_load(self, load: EngineLoad) -> None:
         self.num_running.set(load.num_running)
         self.num_waiting.set(load.num_waiting)
         self.kv_used_tokens.set(load.kv_used_tokens)
         self.kv_total_tokens.set(load.kv_total_tokens)
+        self.kv_cache_usage.set(load.kv_used_tokens / load.kv_total_tokens
+                                if load.kv_total_tokens else 0.0)
         self.kv_cached_tokens.set(load.kv_cached_tokens)
         self.prefix_cache_hit_rate.set(load.prefix_cache_hit_rate)
         self.mean_accept_length.set(load.mean_accept_length)

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Optional
 
 import zmq
 
-from specserve.engine.outputs import StepOutput, StepStat
-from specserve.engine.wire import decode_batch, decode_step_stats
+from specserve.engine.outputs import EngineLoad, StepOutput, StepStat
+from specserve.engine.wire import decode_batch, decode_load, decode_step_stats
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.text.detokenizer import PendingTokens, decode_windows
 from specserve.server.text.logprobs import TokenTexts
@@ -52,9 +52,11 @@ class TextUpdate(NamedTuple):
 
 
 class EngineSteps(NamedTuple):
-    """The engine steps a BatchOutput reported (for the server's step-time metrics)."""
+    """The engine steps a BatchOutput reported (for the server's step-time metrics) and the
+    engine's load after them (its load gauges)."""
 
     steps: list[StepStat]
+    load: Optional[EngineLoad]
 
 
 class TextSteps:
@@ -157,8 +159,8 @@ def serve_detokenizer(link: DetokenizerLink) -> None:
             if kind == STEP:
                 batch = ipc.EngineToServer.FromString(data).batch
                 updates: list = steps.step(decode_batch(batch))
-                if batch.step_extend:
-                    updates.append(EngineSteps(decode_step_stats(batch)))
+                if batch.step_extend or batch.HasField("load"):
+                    updates.append(EngineSteps(decode_step_stats(batch), decode_load(batch)))
                 if updates:
                     outbox.send(pickle.dumps(updates, protocol=pickle.HIGHEST_PROTOCOL))
                 continue
