@@ -107,12 +107,12 @@ def test_a_million_draws_on_the_gpu_never_leave_the_top_k():
     logits = torch.randn(rows, VOCAB, generator=gen, device=device) * 3
     allowed = torch.zeros_like(logits, dtype=torch.bool).scatter_(
         1, logits.topk(2, dim=1).indices, True)
-    params = [SamplingParams(temperature=1.0, top_k=2)] * rows
+    info = SamplingInfo.build([SamplingParams(temperature=1.0, top_k=2)] * rows, [0] * rows,
+                              [0] * rows, [], VOCAB, device)
     index = torch.arange(rows, device=device)
     outside = torch.zeros((), dtype=torch.int64, device=device)
     for chunk in range(chunks):
-        info = SamplingInfo.build(params, [chunk * rows + r for r in range(rows)], [0] * rows, [],
-                                  VOCAB, device)
+        info.seeds = index + chunk * rows  # a seed per draw
         tokens = sample(logits, info, index, index + chunk).tokens
         outside += (~allowed.gather(1, tokens.unsqueeze(1))).sum()
     assert outside.item() == 0
