@@ -139,7 +139,8 @@ def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
         if device.type == "cuda":
             device = torch.device("cuda", rank if local_ranks else 0)
             torch.cuda.set_device(device)
-        tp_group = TPGroup(config.tp_size, rank, init_method, device, local_ranks)
+        tp_group = TPGroup(config.tp_size, rank, init_method, device, local_ranks,
+                           config.custom_all_reduce)
     try:
         return _build(config, rank, model_path, device, cfg, tp_group)
     except BaseException:

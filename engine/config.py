@@ -259,6 +259,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     tp_size: int = 1
+    # With tp_size > 1 on GPUs: small all-reduces over symmetric memory (one- and two-shot,
+    # engine/layers/all_reduce.py), NCCL for the rest; False: NCCL for every all-reduce.
+    custom_all_reduce: bool = True
     # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
     # model, the draft's KV too); False prefills every prompt from scratch.
     enable_prefix_cache: bool = True
@@ -294,6 +297,8 @@ class EngineConfig:
                  f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(isinstance(self.skinny_gemm, bool), "skinny_gemm",
                  f"must be True or False, got {self.skinny_gemm!r}")
+        _require(isinstance(self.custom_all_reduce, bool), "custom_all_reduce",
+                 f"must be True or False, got {self.custom_all_reduce!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         # FlashInfer's kernels are not given the pool's scales here; the Triton and torch

@@ -13,7 +13,7 @@ off in a model (EngineConfig.skinny_gemm, for an A/B in one process).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,16 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: Any = None  # the process group of model collectives (None with one rank)
+    # The all-reduce by message size (layers/all_reduce.py); None: NCCL (gloo) for every call.
+    reducer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum over the ranks: `x` itself, reduced in place, or a new tensor."""
+        if self.size == 1:
+            return x
+        if self.reducer is not None:
+            return self.reducer(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from specserve.engine.layers.all_reduce import make_all_reduce
 from specserve.engine.layers.parallel import TensorParallel
 
 
@@ -41,14 +42,16 @@ class Rendezvous:
 
 class TPGroup:
     def __init__(self, size: int, rank: int, init_method: str, device: torch.device,
-                 local_ranks: bool = True):
+                 local_ranks: bool = True, custom_all_reduce: bool = True):
         backend = "nccl" if device.type == "cuda" else "gloo"
         if local_ranks and device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tp_size: {size} ranks but only {torch.cuda.device_count()} GPUs")
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=RENDEZVOUS_TIMEOUT)
         dist.init_process_group(backend, store=store, world_size=size, rank=rank)
-        self.model = TensorParallel(size, rank, dist.new_group(list(range(size)), backend=backend))
+        group = dist.new_group(list(range(size)), backend=backend)
+        self.model = TensorParallel(size, rank, group,
+                                    make_all_reduce(group, size, device, custom_all_reduce))
         self.control = dist.new_group(list(range(size)), backend="gloo")
         self.rank = rank
 
