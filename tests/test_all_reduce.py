@@ -17,9 +17,11 @@ from specserve.engine.layers.parallel import TensorParallel
 
 def test_size_rule():
     sizes = AllReduceSizes(one_shot_max=1024, two_shot_max=4096)
-    assert [sizes.algorithm(n) for n in (0, 1024, 1025, 4096, 4097)] == [
+    assert [sizes.algorithm(n) for n in (0, 1024, 1040, 4096, 4112)] == [
         Algorithm.ONE_SHOT, Algorithm.ONE_SHOT, Algorithm.TWO_SHOT, Algorithm.TWO_SHOT,
         Algorithm.NCCL]
+    # Sizes the 16-byte vectors do not divide go to NCCL whatever their size.
+    assert [sizes.algorithm(n) for n in (2, 14, 1030, 4094)] == [Algorithm.NCCL] * 4
     assert AllReduceSizes(one_shot_max=0, two_shot_max=0).algorithm(1) is Algorithm.NCCL
     with pytest.raises(ValueError, match="one_shot_max <= two_shot_max"):
         AllReduceSizes(one_shot_max=8192, two_shot_max=4096)

@@ -35,11 +35,16 @@ class Algorithm(Enum):
     NCCL = "nccl"
 
 
+# The symmetric kernels move 16-byte vectors; other sizes (never a layer's activations, which
+# are rows of the hidden size) go to NCCL.
+ALIGNMENT = 16
+
+
 @dataclass(frozen=True)
 class AllReduceSizes:
     """Message sizes (bytes) up to which each algorithm runs; two_shot_max is the buffer's."""
 
-    one_shot_max: int = 512 * 1024
+    one_shot_max: int = 128 * 1024  # measured crossover (bench/allreduce.py, H100 x2 and x4)
     two_shot_max: int = 8 * 1024 * 1024
 
     def __post_init__(self):
@@ -48,6 +53,8 @@ class AllReduceSizes:
                              f"{self.one_shot_max} and {self.two_shot_max}")
 
     def algorithm(self, nbytes: int) -> Algorithm:
+        if nbytes % ALIGNMENT:
+            return Algorithm.NCCL
         if nbytes <= self.one_shot_max:
             return Algorithm.ONE_SHOT
         if nbytes <= self.two_shot_max:
@@ -95,7 +102,10 @@ def make_all_reduce(group: dist.ProcessGroup, size: int, device: torch.device,
     if why_not is not None:
         logger.info("custom all-reduce off (%s): NCCL does every all-reduce", why_not)
         return None
-    return SymmetricAllReduce(group, device)
+    reducer = SymmetricAllReduce(group, device)
+    logger.info("custom all-reduce: one-shot up to %d KiB, two-shot up to %d KiB, NCCL past it",
+                reducer.sizes.one_shot_max >> 10, reducer.sizes.two_shot_max >> 10)
+    return reducer
 
 
 def _unsupported_reason(size: int, device: torch.device) -> str | None:
