@@ -242,8 +242,8 @@ def main():
     ap.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes (GPUs per engine)")
     ap.add_argument("--variants", default="default",
                     help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph, "
-                         "no-skinny-gemm (cuBLAS for every GEMM), nccl-all-reduce (tp > 1: NCCL "
-                         "for every all-reduce)")
+                         "no-skinny-gemm (cuBLAS for every GEMM), custom-all-reduce (tp > 1: small "
+                         "all-reduces over symmetric memory)")
     ap.add_argument("--draft", default="eagle3", choices=["eagle3", "nextn"],
                     help="the speculative rows' draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
@@ -289,7 +289,7 @@ def main():
                                mem_fraction=0.5,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
                                skinny_gemm=variant != "no-skinny-gemm", tp_size=tp,
-                               custom_all_reduce=variant != "nccl-all-reduce",
+                               custom_all_reduce=variant == "custom-all-reduce",
                                quantization=quantization, kv_cache_dtype=kv_dtype)
             engine = Engine(cfg)
             weights = weight_bytes(engine)

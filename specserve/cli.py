@@ -43,9 +43,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(temperature, top-k/p, min-p) run eagerly, and capture takes a third "
                         "of the time")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
-    g.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="with --tp > 1: NCCL for every all-reduce (default: small ones over "
-                        "symmetric memory, one- and two-shot)")
+    g.add_argument("--custom-all-reduce", action="store_true",
+                   help="with --tp > 1 on GPUs: small all-reduces over symmetric memory (one- "
+                        "and two-shot; experimental), NCCL past 8 MiB (default: NCCL for all)")
     g.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
                    help="weight format: auto (default) serves the checkpoint's own "
                         "(its quantization_config: FP8 block-wise, per-channel or per-tensor); "
@@ -87,7 +87,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         attention_backend=args.attention_backend,
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
-                        custom_all_reduce=not args.disable_custom_all_reduce,
+                        custom_all_reduce=args.custom_all_reduce,
                         cuda_graph=False if args.disable_cuda_graph else None,
                         cuda_graph_sampled=not args.disable_cuda_graph_sampled,
                         quantization=args.quantization,

@@ -94,8 +94,10 @@ def test_tp_refuses_structured_outputs(pair, make_engine):
 @pytest.mark.parametrize("spec", [None, dict(num_steps=3, topk=1, num_draft_tokens=4),
                                   dict(num_steps=3, topk=2, num_draft_tokens=6)], ids=["plain", "chain", "tree"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_gpu_tp_matches_tp1(pair, make_engine, spec, graphs, tp):
-    """NCCL on 2, 4 or 8 GPUs of one host (each size skips where fewer GPUs are present)."""
+@pytest.mark.parametrize("custom_all_reduce", [False, True], ids=["nccl", "custom-ar"])
+def test_gpu_tp_matches_tp1(pair, make_engine, spec, graphs, tp, custom_all_reduce):
+    """2, 4 or 8 GPUs of one host (each size skips where fewer GPUs are present), all-reduces
+    through NCCL or the symmetric-memory one- and two-shot kernels."""
     import torch
 
     if torch.cuda.device_count() < tp:
@@ -105,6 +107,7 @@ def test_gpu_tp_matches_tp1(pair, make_engine, spec, graphs, tp):
     spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
     outs = [[o.token_ids for o in make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs,
                                               tp_size=size, spec=spec_cfg, max_total_tokens=4096,
+                                              custom_all_reduce=custom_all_reduce,
                                               max_running_requests=8).generate(prompt_token_ids=prompts,
                                                                                sampling=GREEDY)]
             for size in (1, tp)]

@@ -13,9 +13,9 @@ CUDA IPC handles exchanged once, signal pads for the barriers) one kernel does t
   reads 2 (n - 1) / n x size, less than one-shot once bandwidth, not latency, dominates.
 * NCCL past the buffer's size (prefill), where its bandwidth-optimal rings win.
 
-The buffer is allocated before any capture, so all three replay inside CUDA graphs. Without
-CUDA or with custom all-reduce off (EngineConfig.custom_all_reduce), NCCL (gloo on the CPU)
-does every call.
+The buffer is allocated before any capture, so all three replay inside CUDA graphs. Opt-in
+(EngineConfig.custom_all_reduce, `--custom-all-reduce`); without it or without CUDA, NCCL
+(gloo on the CPU) does every call.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class Algorithm(Enum):
 
 
 # The symmetric kernels move 16-byte vectors; other sizes (never a layer's activations, which
-# are rows of the hidden size) go to NCCL.
+# are rows of the hidden size) go to NCCL. They sum these dtypes (float16 is not one of them).
 ALIGNMENT = 16
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class SymmetricAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
-        algorithm = self.sizes.algorithm(nbytes) if x.is_contiguous() else Algorithm.NCCL
+        algorithm = (self.sizes.algorithm(nbytes) if x.is_contiguous() and x.dtype in DTYPES
+                     else Algorithm.NCCL)
         if algorithm is Algorithm.NCCL:
             dist.all_reduce(x, group=self.group)
             return x

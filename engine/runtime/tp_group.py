@@ -42,7 +42,7 @@ class Rendezvous:
 
 class TPGroup:
     def __init__(self, size: int, rank: int, init_method: str, device: torch.device,
-                 local_ranks: bool = True, custom_all_reduce: bool = True):
+                 local_ranks: bool = True, custom_all_reduce: bool = False):
         backend = "nccl" if device.type == "cuda" else "gloo"
         if local_ranks and device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tp_size: {size} ranks but only {torch.cuda.device_count()} GPUs")
