@@ -17,7 +17,7 @@ import torch
 from specserve.engine.builder import EngineCore, build_engine, check_tp_divides, target_path
 from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.models.model_config import ModelConfig
-from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, StepOutput
+from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, GrammarHealth, StepOutput
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, RequestChange, spawn_followers

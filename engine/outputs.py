@@ -70,6 +70,15 @@ class StepOutput:
     error: Optional[FinishError] = None  # finish_reason "error"
 
 
+class GrammarHealth(NamedTuple):
+    """The engine's grammar service (engine/grammar/process.py), as the server reports it in
+    its health service and metrics."""
+
+    serving: bool    # up and warm: constrained requests are served
+    restarts: int    # since the engine started
+    detail: str      # why it is not serving ("" when it is)
+
+
 class StepStat(NamedTuple):
     """One engine step as the host saw it (for the server's metrics): `seconds` from its launch,
     or from the previous step's result if that came later, to its own result on the host (so

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.wire import encode_batch, info_to_proto, load_to_proto, sampling_from_add_request
+from specserve.engine.wire import (encode_batch, grammar_health_to_proto, info_to_proto, load_to_proto,
+                                   sampling_from_add_request)
 from specserve.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
@@ -231,8 +232,7 @@ class _EngineLoop:
         health = self.engine.grammar_health()
         if health != self._grammar_health and health is not None:
             self._grammar_health = health
-            self._send(ipc.EngineToServer(grammar=ipc.GrammarStatus(
-                serving=health.serving, restarts=health.restarts, detail=health.detail)))
+            self._send(ipc.EngineToServer(grammar=grammar_health_to_proto(health)))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
         return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))

@@ -15,8 +15,8 @@ import dataclasses
 import numpy as np
 
 from specserve.engine.config import GrammarSpec, SamplingParams, SpecConfig
-from specserve.engine.outputs import (EngineInfo, EngineLoad, FinishError, StepOutput, StepStat,
-                                      TopLogprobs)
+from specserve.engine.outputs import (EngineInfo, EngineLoad, FinishError, GrammarHealth,
+                                      StepOutput, StepStat, TopLogprobs)
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 
@@ -280,3 +280,11 @@ def load_to_proto(load: EngineLoad) -> pb.ServerLoad:
 def load_from_proto(msg: pb.ServerLoad) -> EngineLoad:
     return EngineLoad(**{name: getattr(msg, name) for name in EngineLoad._fields})
 
+
+# --- the grammar service ----------------------------------------------------------------------------
+def grammar_health_to_proto(health: GrammarHealth) -> ipc.GrammarStatus:
+    return ipc.GrammarStatus(serving=health.serving, restarts=health.restarts, detail=health.detail)
+
+
+def grammar_health_from_proto(msg: ipc.GrammarStatus) -> GrammarHealth:
+    return GrammarHealth(msg.serving, msg.restarts, msg.detail)

@@ -87,6 +87,7 @@ class GrammarCompiler:
                                         initializer=_lower_priority)
         self._compiler = None  # built by the first compile (xgrammar import), under _lock
         self._started: dict[GrammarSpec, float] = {}  # compiling now: since (time.monotonic())
+        self.num_started = 0   # compilations begun (tests: a cancelled one never begins)
 
     def compile(self, spec: GrammarSpec) -> Future:
         """Future of the CompiledGrammar (or of the ValueError naming the bad field). Specs that
@@ -121,6 +122,7 @@ class GrammarCompiler:
         return min(list(self._started.values()), default=None)  # a copy: threads add and remove
 
     def _compile(self, spec: GrammarSpec):
+        self.num_started += 1
         self._started[spec] = time.monotonic()
         try:
             return self._xgr_compiler().compile_grammar(parse_grammar(spec))

@@ -55,7 +55,7 @@ from specserve.engine.grammar.channel import (DEVICE_FLAG, HOST_FLAG, TIMED_OUT,
                                               DeviceChannel, HostViews)
 from specserve.engine.grammar.compiler import GrammarCompiler
 from specserve.engine.grammar.request_grammar import RequestGrammar
-from specserve.engine.outputs import FinishError
+from specserve.engine.outputs import FinishError, GrammarHealth
 
 logger = logging.getLogger("specserve.engine")
 
@@ -78,13 +78,6 @@ class GrammarSetup(NamedTuple):
     spin_seconds: float            # busy-poll this long before sleeping between flag reads
     compile_seconds: float = COMPILE_SECONDS  # a grammar's compile budget
 
-
-class GrammarHealth(NamedTuple):
-    """The grammar service as the server reports it (health service, metrics)."""
-
-    serving: bool    # up and warm
-    restarts: int    # since the engine started
-    detail: str      # why it is not serving ("" when it is)
 
 
 class GrammarState:
@@ -205,7 +198,8 @@ class _Server:
             os._exit(3)
 
     def _on_stats(self) -> None:
-        self.send(("stats", {"requests": len(self.requests), "phase": self.seq}))
+        self.send(("stats", {"requests": len(self.requests), "phase": self.seq,
+                             "compiles_started": self.compiler.num_started}))
 
     def _on_plan(self, kind: str, rows: int, entries) -> None:
         grammars = [None] * rows
@@ -385,6 +379,7 @@ class GrammarService:
                 self.views.release()
             return
         child.close()
+        logger.info("grammar process started (pid %d)", proc.pid)
         with self._lock:
             try:
                 for msg in self._queued:
@@ -474,7 +469,8 @@ class GrammarService:
         return out
 
     def stats(self, timeout: float = 30.0) -> dict:
-        """What the process holds (tests): {"requests": live matchers, "phase": answered}."""
+        """What the process holds (tests): {"requests": live matchers, "phase": answered,
+        "compiles_started": compilations begun}."""
         self._send(("stats",))
         self._starting.join()
         deadline = time.monotonic() + timeout

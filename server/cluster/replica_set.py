@@ -93,6 +93,7 @@ class ReplicaSet:
         self._recovery_callbacks: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task] = set()
         self.on_steps: Optional[Callable[[list], None]] = None  # every replica's (EngineClient)
+        self.on_grammar: Optional[Callable] = None  # every replica's grammar health (EngineClient)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -230,6 +231,7 @@ class ReplicaSet:
             self.start_engine, replica.launcher)
         client.on_death(lambda reason: self._on_death(replica, client, reason))
         client.on_steps = lambda steps: self.on_steps is not None and self.on_steps(steps)
+        client.on_grammar = lambda health: self.on_grammar is not None and self.on_grammar(health)
         replica.client = client
         client.start()
         self._spawn(self._until_serving(replica, client))
