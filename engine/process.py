@@ -80,6 +80,7 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         # Watched from the moment the server hears "ready", so beating starts before that.
         heartbeat = HeartbeatThread(context, link, loop)
         heartbeat.start()
+        loop.report_grammar()  # warm already (start_warm_engine): SERVING together with the engine
         outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
         loop.run()
     except Exception:
@@ -174,7 +175,7 @@ class _EngineLoop:
                 self._handle(message)
             if self.engine.has_unfinished():
                 self._step()
-            self._report_grammar()
+            self.report_grammar()
             self.iterations += 1
         logger.warning("server process %d is gone; engine exiting", self.server_pid)
 
@@ -226,7 +227,7 @@ class _EngineLoop:
                     del self.live[out.rid]
         self._send(ipc.EngineToServer(batch=encode_batch(step_outputs, steps)))
 
-    def _report_grammar(self) -> None:
+    def report_grammar(self) -> None:
         """Tell the server when the grammar service's state changed (idle, within IDLE_POLL_MS;
         restarting it, if it died, happens in the same call)."""
         health = self.engine.grammar_health()

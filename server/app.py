@@ -200,10 +200,9 @@ class SpecserveServer:
         """The engine's grammar service changed state: health service and metrics."""
         self.metrics.observe_grammar(health)
         if health.serving:
-            logger.info("grammar service SERVING (restarts: %d)", health.restarts)
+            logger.info("grammar service up (restarts: %d)", health.restarts)
         else:
-            logger.warning("grammar service NOT_SERVING: %s (restarts: %d)", health.detail,
-                           health.restarts)
+            logger.warning("grammar service down: %s (restarts: %d)", health.detail, health.restarts)
         self._grammar_update = asyncio.get_running_loop().create_task(
             self.health.set_grammar_serving(health.serving))
 

@@ -109,8 +109,8 @@ class TextSteps:
                                       out.finished, output.finished and not out.finished
                                       and error is None, error, out.stamps))
             if error is not None or output.finished:
-                streams = self.requests[out.rid]
-                if all(s.finished for s in streams) or error is not None:
+                streams = self.requests.get(out.rid)  # None: another sequence of it failed here
+                if streams is not None and (error is not None or all(s.finished for s in streams)):
                     del self.requests[out.rid]
         return updates
 
