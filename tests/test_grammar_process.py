@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import make_predictable_pair, random_prompts
+from server_harness import wait_until
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 
@@ -214,6 +215,58 @@ def test_a_bad_grammar_fails_by_name_in_the_engine(pair, make_engine, caplog):
     assert outs[0].error.message.startswith("structured_output.json_schema: ")
     assert "structured_output.json_schema" in caplog.text
     assert engine.core.scheduler.grammars.stats()["requests"] == 0
+
+
+def _slow_schema(tag: int, properties: int = 10) -> str:
+    """Shallow and valid, but xgrammar takes seconds to convert it (its patterns' repetitions
+    expand): over a small budget."""
+    return json.dumps({"type": "object", "properties": {
+        f"p{tag}_{i}": {"type": "string", "pattern": "([a-z]{1,30}-){1,300}"} for i in range(properties)}})
+
+
+def test_a_grammar_over_its_compile_budget_fails_by_name(pair, make_engine):
+    """A grammar still compiling past grammar_compile_seconds fails its request with
+    INVALID_ARGUMENT naming the field (KV freed: make_engine checks); the others, constrained
+    or not, go on; the process stays up."""
+    engine = make_engine(pair[0], spec=None, grammar_compile_seconds=0.2)
+    prompts = random_prompts(3, seed=26, max_len=8)
+    free = SamplingParams(max_new_tokens=8, temperature=0.0)
+    quick = SamplingParams(max_new_tokens=6, temperature=0.0, grammar=GrammarSpec("regex", "(yes|no)!"))
+    slow = SamplingParams(max_new_tokens=6, grammar=GrammarSpec("json_schema", _slow_schema(0)))
+    errors = {}
+    got = _run(engine, {"slow": (prompts[0], slow), "quick": (prompts[1], quick),
+                        "free": (prompts[2], free)}, errors=errors)
+    assert got["slow"] == ([], "error") and errors["slow"].code == "INVALID_ARGUMENT"
+    assert errors["slow"].message.startswith(
+        "structured_output.json_schema: did not compile within the 0.2 s budget")
+    assert got["quick"][1] == "stop" and engine.tokenizer.decode(got["quick"][0]) in ("yes!", "no!")
+    assert got["free"][1] == "length"
+    assert not engine.core.scheduler.grammars.dead
+    assert engine.core.scheduler.grammars.stats()["requests"] == 0
+
+
+def test_a_request_that_leaves_cancels_its_queued_compile(pair, make_engine):
+    """Two slow grammars hold both compile threads; a third request's grammar waits for one.
+    Aborted (its client left), its compile never starts; the other two compile and run."""
+    from specserve.engine.grammar.compiler import COMPILE_THREADS
+
+    assert COMPILE_THREADS == 2
+    engine = make_engine(pair[0], spec=None)
+    service = engine.core.scheduler.grammars
+    params = [SamplingParams(max_new_tokens=2, grammar=GrammarSpec("json_schema", _slow_schema(tag, 4)))
+              for tag in range(3)]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [5, 6], p)
+    engine.step()  # sends the adds (the process starts)
+    assert wait_until(lambda: service.stats()["compiles_started"] == 2, 60)
+    engine.abort("r2")
+    got = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                got[out.rid] = out.finish_reason
+    assert got == {"r0": "length", "r1": "length", "r2": "abort"}
+    assert service.stats() == {"requests": 0, "phase": service.stats()["phase"], "compiles_started": 2}
 
 
 # --- the channel on its own ------------------------------------------------------------------

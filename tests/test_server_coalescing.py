@@ -326,3 +326,33 @@ def test_pieces_joined_as_bytes_are_the_merged_chunk():
             assert joined.message() == merge_chunks(run_)
             assert joined.num_tokens == sum(len(c.token_ids) for c in run_)
             assert joined.finished == run_[-1].HasField("finish")
+
+
+def test_failed_sequences_end_their_request_with_the_engines_error(tokenizer):
+    """The engine's "error" finish (both sequences of an n = 2 request in one step) becomes
+    the update's error, each once, without a chunk; the request is closed in the worker and
+    its stream raises SequenceFailed (its code and message) after the chunks delivered before."""
+    from specserve.engine.outputs import FinishError
+    from specserve.server.output_router import SequenceFailed
+
+    request = ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=8, n=2), ())
+    worker = _worker(tokenizer, "r", request)
+    error = FinishError("UNAVAILABLE", "structured_output: the grammar service is down")
+    first = worker.step([StepOutput("r", [65], index=0), StepOutput("r", [66], index=1)])
+    failed = worker.step([StepOutput("r", [], index=i, finished=True, finish_reason="error", error=error)
+                          for i in (0, 1)])
+    assert [u.error for u in first] == [None, None] and all(u.piece for u in first)
+    assert [(u.index, u.piece, u.error) for u in failed] == [(0, None, error), (1, None, error)]
+    assert "r" not in worker.requests
+    stream = RequestStream(2)
+    _deliver(stream, first)
+    stream.fail(SequenceFailed(0, error))
+
+    async def read():
+        chunks = await stream.next_chunks()
+        with pytest.raises(SequenceFailed) as e:
+            await stream.next_chunks()
+        return chunks, e.value
+
+    chunks, raised = asyncio.run(read())
+    assert [c.index for c in chunks] == [0, 1] and raised.error == error and raised.index == 0
