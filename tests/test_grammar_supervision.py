@@ -113,6 +113,8 @@ def test_killed_grammar_process_fails_its_requests_visibly_then_restarts(server,
             lines = response.iter_lines()
             first = [next(lines) for _ in range(2)]   # the stream has started (one event, "")
             assert first[0].startswith("data: {") and next(grpc_stream).token_ids
+            # Every constrained sequence is running (5: the stream, gRPC, whole, n = 2).
+            assert wait_until(lambda: client.server_load().num_running >= 5, 30)
             os.kill(_grammar_pid(server), signal.SIGKILL)
             events = first[:1] + [line for line in lines if line.startswith("data: ")]
         with pytest.raises(grpc.RpcError) as failed:
@@ -154,8 +156,8 @@ def _heavy_schema(tag: int) -> dict:
     """Small, shallow and valid, but its patterns take xgrammar 1-2 s to convert (their
     repetitions expand; 4x that on a loaded CI machine): the grammar process's work, within
     its budget."""
-    return {"type": "object", "properties": {f"p{tag}_{i}": {"type": "string", "pattern": "([a-z]{1,30}-){1,300}"}
-                                             for i in range(10)}}
+    pattern = {"type": "string", "pattern": "([a-z]{1,30}-){1,300}"}
+    return {"type": "object", "properties": {f"p{tag}_{i}": pattern for i in range(10)}}
 
 
 def _ttft(client) -> float:
@@ -196,4 +198,6 @@ def test_heavy_schemas_do_not_hold_up_unconstrained_requests(server, client):
         t.join(120)
     assert len(done) == 3 and not done.keys() - {0, 1, 2}
     assert min(done.values()) > measured, (done, measured)   # they were compiling all along
-    assert statistics.median(loaded) < 4 * baseline, (loaded, baseline)
+    # About the baseline (one step plus its own prefill), measured on the same server; on the
+    # prepare path (before) it was the schemas' whole conversion, seconds: 100x and more.
+    assert statistics.median(loaded) < 5 * baseline, (loaded, baseline)

@@ -60,8 +60,8 @@ def test_bad_schemas_are_refused_by_field_and_place(schema, says):
 @pytest.mark.parametrize("schema", [
     True,
     {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}}},  # a list
-    {"$defs": {"Node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}},
-     "$ref": "#/$defs/Node"},
+    {"$defs": {"Node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}}, "$ref": "#/$defs/Node"},
     {"type": "array", "items": [{"type": "string"}, {"type": "integer"}]},
     {"type": ["string", "null"], "minLength": 0, "maxLength": 0},
     {"properties": {"a/b": {"type": "string"}}, "required": ["a/b"], "$defs": {"x~y": {"type": "null"}},
@@ -80,8 +80,8 @@ def test_schema_text_that_is_not_json_is_named():
 LOCATION = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
             "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}},
                               "required": ["city"], "additionalProperties": False}}}
-TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
-        "required": ["v"]}
+TREE = {"type": "object", "required": ["v"], "properties": {
+    "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}}}
 
 
 def test_required_calls_schema_keeps_each_tools_references():

@@ -79,7 +79,6 @@ class GrammarSetup(NamedTuple):
     compile_seconds: float = COMPILE_SECONDS  # a grammar's compile budget
 
 
-
 class GrammarState:
     """The engine's view of a request's grammar: compiled yet (admission waits), and why not."""
 
@@ -164,7 +163,9 @@ class _Server:
     def _on_drop(self, key) -> None:
         g = self.requests.pop(key, None)
         spec = self.compiling.pop(key, None)
-        if g is not None and spec is not None and not any(self.requests[k].future is g.future for k in self.compiling):
+        if g is None or spec is None:
+            return
+        if not any(self.requests[k].future is g.future for k in self.compiling):
             self.compiler.forget(spec, g.future)   # nobody waits for it: cancelled if queued
 
     def _on_warm(self) -> None:
@@ -326,6 +327,7 @@ class GrammarService:
         """Wait (at engine start, nothing else running) for the warm-up to answer."""
         deadline = time.monotonic() + timeout
         while not self._warm and not self.dead and time.monotonic() < deadline:
+            # poll() reads the warm-up's answer; anything else stays for the scheduler's poll.
             self._inbox.extendleft(reversed(self.poll(0.05)))
         return self._warm
 

@@ -90,7 +90,8 @@ class _SchemaWalk:
                         self.fail(f"{key} must be a non-empty list", at)
                     stack += [(sub, f"{at}/{key}/{i}", depth + 1) for i, sub in enumerate(schema[key])]
                     if key in _DIRECT:
-                        self.refs.setdefault(at, []).extend(f"{at}/{key}/{i}" for i in range(len(schema[key])))
+                        self.refs.setdefault(at, []).extend(
+                            f"{at}/{key}/{i}" for i in range(len(schema[key])))
             if "$ref" in schema:
                 self.refs.setdefault(at, []).append(self._resolve(schema["$ref"], at))
         self._check_ref_cycles()
