@@ -188,7 +188,7 @@ class GenerationCore:
         except Refused as refusal:
             record.status = refusal.kind.value
             logger.info("request %s %s with %s: %s", rid,
-                        "failed" if record.finish_reasons else "refused", record.status,
+                        "failed" if "error" in record.finish_reasons else "refused", record.status,
                         refusal.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
