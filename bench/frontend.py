@@ -125,6 +125,9 @@ class SyntheticEngine:
     def flush_prefix_cache(self) -> None:
         pass  # it caches nothing (bench/serving.py's load generator asks before each run)
 
+    def grammar_health(self) -> None:
+        return None  # no grammar service
+
     def load(self) -> EngineLoad:
         return EngineLoad(num_running=len(self.running), num_waiting=0, kv_used_tokens=0,
                           kv_total_tokens=1, mean_accept_length=float(self.shape.tokens_per_step),

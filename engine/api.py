@@ -17,7 +17,7 @@ import torch
 from specserve.engine.builder import EngineCore, build_engine, check_tp_divides, target_path
 from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.models.model_config import ModelConfig
-from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, StepOutput
+from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, GrammarHealth, StepOutput
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, RequestChange, spawn_followers
@@ -113,6 +113,26 @@ class Engine:
             raise ValueError(f"rid: request id {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
         self._change(AddRequest(rid, ids, sampling, seed))
+
+    def warm_grammar(self, timeout: float = 120.0) -> Optional[bool]:
+        """Start the grammar process and compile a small schema in it (at start-up, before
+        the first constrained request: that one then pays nothing extra). True once warm; False
+        if it did not warm within `timeout` (it goes on starting); None without structured
+        outputs (no tokenizer.json, or tensor parallelism)."""
+        grammars = self.core.scheduler.grammars
+        if grammars is None or self.config.tp_size > 1:
+            return None
+        grammars.start()
+        return grammars.wait_warm(timeout)
+
+    def grammar_health(self) -> Optional[GrammarHealth]:
+        """The grammar service's state (None without one), after restarting it if it died and
+        nothing constrained is in flight (the server's health service reads this)."""
+        scheduler = self.core.scheduler
+        if scheduler.grammars is None or self.config.tp_size > 1:
+            return None
+        scheduler.tend_grammars()
+        return scheduler.grammars.health()
 
     def abort(self, rid: str, index: Optional[int] = None) -> None:
         """Abort a request (all its sequences), or only its sequence `index`."""
@@ -238,7 +258,7 @@ class Engine:
                 prompt_logprobs=None if p.prompt_logprobs is None else
                 (scored.prompt_logprobs or [] if scored else []),
                 prompt_top_logprobs=scored.prompt_top_logprobs if scored else None,
-                matched_stop=out.matched_stop,
+                matched_stop=out.matched_stop, error=out.error,
                 prompt_tokens=out.prompt_tokens, num_verify_steps=out.num_verify_steps,
                 num_accepted_drafts=out.num_accepted_drafts, index=key[1],
                 cached_tokens=out.cached_tokens))

@@ -244,11 +244,12 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                          HistoryTable(num_rows, cfg.vocab_size, device))
     worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
     # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
-    # first constrained request) loads it; the channel is sized for the largest batch now.
+    # first constrained request, or Engine.warm_grammar) loads it; the channel is sized for the
+    # largest batch now.
     if tokenizer is not None:
         target.grammar = GrammarService(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size,
                                         eos_token_ids, num_rows, None if spec is None else worker.tree,
-                                        device)
+                                        device, compile_seconds=config.grammar_compile_seconds)
     # With a draft model a position's key is (its token, the next one): its draft KV reads both.
     cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)

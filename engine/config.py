@@ -276,6 +276,9 @@ class EngineConfig:
     # Weight format: "auto" serves the checkpoint as it is stored (its quantization_config);
     # "fp8" requires FP8 weights (with load_format="dummy": random block-wise FP8 weights).
     quantization: str = "auto"
+    # Structured outputs: a grammar must compile within this many seconds (in the grammar
+    # process); past it the request fails with INVALID_ARGUMENT naming the field.
+    grammar_compile_seconds: float = 10.0
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -287,6 +290,7 @@ class EngineConfig:
         _require(isinstance(self.prefill_interleave_tokens, int) and self.prefill_interleave_tokens >= 0,
                  "prefill_interleave_tokens",
                  f"must be an integer >= 0 (0 turns it off), got {self.prefill_interleave_tokens!r}")
+        _require(self.grammar_compile_seconds > 0, "grammar_compile_seconds", "must be > 0")
         _require(self.max_context_len is None or self.max_context_len >= 2,
                  "max_context_len", "must be >= 2")
         _require(self.attention_backend in ("auto", "torch", "triton", "flashinfer"),

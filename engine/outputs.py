@@ -27,13 +27,24 @@ class EngineInfo:
     kv_cache_dtype: str = ""     # what the KV pool stores
 
 
+class FinishError(NamedTuple):
+    """Why a sequence failed (finish_reason "error"): `code` is a gRPC status code name, which
+    both fronts turn into their status (INVALID_ARGUMENT: the request cannot be served as sent,
+    e.g. a grammar over its compile budget; UNAVAILABLE: a service it needs is down, retry;
+    INTERNAL: the engine failed it). The message starts with the field at fault, if one is."""
+
+    code: str
+    message: str
+
+
 @dataclass
 class StepOutput:
     """New tokens of one sequence of a request from one scheduler step (a speculative step may
     emit several). A request with n > 1 has n sequences, each finishing on its own.
 
     `finished` is True on the request's last StepOutput; `finish_reason` is then
-    "stop" (EOS or a stop token; `matched_stop` says which), "length" or "abort".
+    "stop" (EOS or a stop token; `matched_stop` says which), "length", "abort" (the server
+    aborted it) or "error" (the engine failed it: `error` says why).
     """
 
     rid: str
@@ -56,6 +67,16 @@ class StepOutput:
     # got it, launched its first prefill chunk and had its first token on the host (the
     # server's TTFT breakdown; CLOCK_MONOTONIC on Linux, shared by the processes of a host).
     stamps: Optional[tuple[float, float, float]] = None
+    error: Optional[FinishError] = None  # finish_reason "error"
+
+
+class GrammarHealth(NamedTuple):
+    """The engine's grammar service (engine/grammar/process.py), as the server reports it in
+    its health service and metrics."""
+
+    serving: bool    # up and warm: constrained requests are served
+    restarts: int    # since the engine started
+    detail: str      # why it is not serving ("" when it is)
 
 
 class StepStat(NamedTuple):
@@ -88,6 +109,7 @@ class GenerateOutput:
     num_accepted_drafts: int = 0
     cached_tokens: int = 0
     index: int = 0               # the sequence's index within its request (n > 1)
+    error: Optional[FinishError] = None  # finish_reason "error"
 
     @property
     def accept_length(self) -> float:

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.wire import encode_batch, info_to_proto, load_to_proto, sampling_from_add_request
+from specserve.engine.wire import (encode_batch, grammar_health_to_proto, info_to_proto, load_to_proto,
+                                   sampling_from_add_request)
 from specserve.proto import engine_ipc_pb2 as ipc
 
 logger = logging.getLogger("specserve.engine.process")
@@ -31,6 +32,8 @@ logger = logging.getLogger("specserve.engine.process")
 WARMUP_MAX_PROMPT = 256
 # Then batches of prompts (count, longest length; each shorter by one than the one before).
 WARMUP_BATCHES = ((3, 7), (16, 40), (64, 160))
+# How long start-up waits for the grammar process to start and compile its warm-up schema.
+GRAMMAR_WARMUP_TIMEOUT_S = 120.0
 # How often an idle engine wakes up to check that the server process is still there. The main
 # loop thus completes an iteration at least this often when idle (server/ops/watchdog.py relies on it).
 IDLE_POLL_MS = 500
@@ -77,6 +80,7 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         # Watched from the moment the server hears "ready", so beating starts before that.
         heartbeat = HeartbeatThread(context, link, loop)
         heartbeat.start()
+        loop.report_grammar()  # warm already (start_warm_engine): SERVING together with the engine
         outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
         loop.run()
     except Exception:
@@ -100,6 +104,7 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     from specserve.engine import Engine
 
     engine = Engine(config, tp_init_method)
+    engine.warm_grammar(timeout=0)  # starts the grammar process: it warms up beside the model
     # Short generations before reporting ready, so that the first real request finds every
     # lazily built piece (kernels, graphs, allocator) in place. On a GPU the attention kernels
     # specialise on their tile height (a prompt's tokens x the query heads of a KV group), so
@@ -134,6 +139,9 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
                 engine.generate(prompt_token_ids=[[(j * 7919 + i + 104729 * offset) % vocab
                                                    for i in range(length - j % length)] for j in range(batch)],
                                 sampling=params)
+    if engine.warm_grammar(GRAMMAR_WARMUP_TIMEOUT_S) is False:
+        logger.warning("the grammar service did not warm up within %.0f s; structured outputs "
+                       "wait for it", GRAMMAR_WARMUP_TIMEOUT_S)
     engine.take_step_stats()  # the warm-up's steps are no one's
     return engine
 
@@ -157,6 +165,7 @@ class _EngineLoop:
         # Read by the heartbeat thread (an int assignment is atomic): stops moving only while
         # an iteration, i.e. a step, does not return.
         self.iterations = 0
+        self._grammar_health = None   # as last sent to the server
 
     def run(self) -> None:
         while os.getppid() == self.server_pid:
@@ -166,6 +175,7 @@ class _EngineLoop:
                 self._handle(message)
             if self.engine.has_unfinished():
                 self._step()
+            self.report_grammar()
             self.iterations += 1
         logger.warning("server process %d is gone; engine exiting", self.server_pid)
 
@@ -216,6 +226,14 @@ class _EngineLoop:
                 if not sequences:
                     del self.live[out.rid]
         self._send(ipc.EngineToServer(batch=encode_batch(step_outputs, steps, self.engine.load())))
+
+    def report_grammar(self) -> None:
+        """Tell the server when the grammar service's state changed (idle, within IDLE_POLL_MS;
+        restarting it, if it died, happens in the same call)."""
+        health = self.engine.grammar_health()
+        if health != self._grammar_health and health is not None:
+            self._grammar_health = health
+            self._send(ipc.EngineToServer(grammar=grammar_health_to_proto(health)))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
         return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))

@@ -15,7 +15,8 @@ import dataclasses
 import numpy as np
 
 from specserve.engine.config import GrammarSpec, SamplingParams, SpecConfig
-from specserve.engine.outputs import EngineInfo, EngineLoad, StepOutput, StepStat, TopLogprobs
+from specserve.engine.outputs import (EngineInfo, EngineLoad, FinishError, GrammarHealth,
+                                      StepOutput, StepStat, TopLogprobs)
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 
@@ -111,8 +112,8 @@ def info_from_proto(msg: pb.ModelInfo) -> EngineInfo:
 # --- per-step outputs -------------------------------------------------------------------------------
 FLAG_FINISHED = 1
 FLAG_MATCHED_STOP = 2
-_FINISH_CODES = {"stop": 1, "length": 2, "abort": 3}
-_FINISH_NAMES = (None, "stop", "length", "abort")
+_FINISH_CODES = {"stop": 1, "length": 2, "abort": 3, "error": 4}
+_FINISH_NAMES = (None, "stop", "length", "abort", "error")
 _U32, _F32, _U8 = np.dtype("<u4"), np.dtype("<f4"), np.dtype("u1")
 _F64 = np.dtype("<f8")
 
@@ -189,6 +190,8 @@ def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = (),
     if stamped:
         msg.stamp_entries = _bytes(stamped, _U32)
         msg.stamps = _bytes([t for i in stamped for t in outputs[i].stamps], _F64)
+    msg.errors.extend(ipc.SequenceError(entry=i, code=out.error.code, message=out.error.message)
+                      for i, out in enumerate(outputs) if out.error is not None)
     if steps:
         msg.step_extend = _bytes([s.extend for s in steps], _U8)
         msg.step_seconds = _bytes([s.seconds for s in steps], _F64)
@@ -272,6 +275,8 @@ def decode_batch(msg: ipc.BatchOutput) -> list[StepOutput]:
         stamps = _column(msg.stamps, _F64)
         for k, i in enumerate(_column(msg.stamp_entries, _U32)):
             outputs[i].stamps = tuple(stamps[3 * k:3 * k + 3])
+    for error in msg.errors:
+        outputs[error.entry].error = FinishError(error.code, error.message)
     return outputs
 
 
@@ -284,3 +289,11 @@ def load_to_proto(load: EngineLoad) -> pb.ServerLoad:
 def load_from_proto(msg: pb.ServerLoad) -> EngineLoad:
     return EngineLoad(**{name: getattr(msg, name) for name in EngineLoad._fields})
 
+
+# --- the grammar service ----------------------------------------------------------------------------
+def grammar_health_to_proto(health: GrammarHealth) -> ipc.GrammarStatus:
+    return ipc.GrammarStatus(serving=health.serving, restarts=health.restarts, detail=health.detail)
+
+
+def grammar_health_from_proto(msg: ipc.GrammarStatus) -> GrammarHealth:
+    return GrammarHealth(msg.serving, msg.restarts, msg.detail)

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from specserve.engine.config import EngineConfig
+from specserve.engine.outputs import GrammarHealth
 from specserve.engine.process import StartEngine
 from specserve.server.cluster.config import ClusterConfig
 from specserve.server.cluster.metrics import ReplicaCollector
@@ -104,6 +105,7 @@ class SpecserveServer:
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
         self.engine.on_steps = self.metrics.observe_engine_steps
+        self.engine.on_grammar = self._on_grammar
         if cluster is not None:
             self.metrics.registry.register(ReplicaCollector(self.engine))
             self.engine.on_recovery(self._on_engine_recovery)
@@ -118,6 +120,7 @@ class SpecserveServer:
         self.stopping = asyncio.Event()
         self.port: Optional[int] = None
         self._health_update: Optional[asyncio.Task] = None  # held so it is not collected early
+        self._grammar_update: Optional[asyncio.Task] = None  # the same, for specserve.grammar
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit status 0), or exit status 1: a port cannot be bound
@@ -192,6 +195,16 @@ class SpecserveServer:
     def _on_engine_death(self, reason: str) -> None:
         self._health_update = asyncio.get_running_loop().create_task(
             self.health.set_serving(False))
+
+    def _on_grammar(self, health: GrammarHealth) -> None:
+        """The engine's grammar service changed state: health service and metrics."""
+        self.metrics.observe_grammar(health)
+        if health.serving:
+            logger.info("grammar service up (restarts: %d)", health.restarts)
+        else:
+            logger.warning("grammar service down: %s (restarts: %d)", health.detail, health.restarts)
+        self._grammar_update = asyncio.get_running_loop().create_task(
+            self.health.set_grammar_serving(health.serving))
 
     def _on_engine_recovery(self) -> None:
         """A replica serves again after none did (data-parallel replicas only)."""

@@ -28,13 +28,13 @@ import zmq
 import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.outputs import EngineInfo, EngineLoad
+from specserve.engine.outputs import EngineInfo, EngineLoad, GrammarHealth
 from specserve.engine.process import ServerLink, StartEngine, run_engine_process
-from specserve.engine.wire import add_request_to_proto, info_from_proto, load_from_proto
+from specserve.engine.wire import (add_request_to_proto, grammar_health_from_proto, info_from_proto,
+                                   load_from_proto)
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.ops.watchdog import EngineWatchdog
-from specserve.server.output_router import (OutputReader, RequestStream, Routed,
-                                             TextProcessingError)
+from specserve.server.output_router import OutputReader, RequestStream, Routed, SequenceFailed
 from specserve.server.text.output_stream import EngineProgress
 from specserve.server.text.validation import ValidatedRequest
 from specserve.server.workers.detokenizer import (DetokenizerLink, EngineSteps, TextUpdate,
@@ -172,6 +172,8 @@ class EngineClient:
         # Called on the loop with the engine's steps and its load after them (the metrics'
         # step times and load gauges).
         self.on_steps: Optional[Callable[[list, Optional[EngineLoad]], None]] = None
+        # Called on the loop with the engine's GrammarHealth whenever it changes.
+        self.on_grammar: Optional[Callable[[GrammarHealth], None]] = None
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -340,9 +342,9 @@ class EngineClient:
         stream = self._streams.get(update.rid)
         if stream is None:  # aborted meanwhile
             return
-        if update.error is not None:
-            del self._streams[update.rid], self._unfinished[update.rid]
-            stream.fail(TextProcessingError(update.error))
+        if update.error is not None:  # the request fails: its other sequences are aborted
+            stream.fail(SequenceFailed(update.index, update.error))
+            self.abort(update.rid)
             return
         if update.engine_finished:
             unfinished = self._unfinished[update.rid]
@@ -370,6 +372,9 @@ class EngineClient:
                 future.set_result(load_from_proto(message.load.load))
         elif kind == "ready":
             self._on_ready(message.ready)
+        elif kind == "grammar":
+            if self.on_grammar is not None:
+                self.on_grammar(grammar_health_from_proto(message.grammar))
         elif kind == "failed":
             logger.error("engine failed:\n%s", message.failed.message)
             last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]

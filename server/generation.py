@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from specserve.engine.config import EngineConfig
-from specserve.engine.outputs import EngineInfo
+from specserve.engine.outputs import EngineInfo, FinishError
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from specserve.server.errors import InvalidRequest
 from specserve.server.ops.metrics import ServerMetrics
+from specserve.server.output_router import SequenceFailed
 from specserve.server.request_record import RequestRecord, finish_reason_name
 from specserve.server.text.chat_template import ChatTemplate
 from specserve.server.text.logprobs import TokenTexts
@@ -43,16 +44,18 @@ T = TypeVar("T")
 
 
 class RefusalKind(enum.Enum):
-    """Why a request was refused. The names are gRPC's status codes, which the metrics count
-    for both fronts."""
+    """Why a request was refused or failed. The names are gRPC's status codes, which the
+    metrics count for both fronts."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
 
 
 class Refused(Exception):
-    """A request ends with a refusal; `field` names the request field at fault, if one is."""
+    """A request ends with a refusal, or fails mid-generation (a sequence's "error" finish);
+    `field` names the request field at fault, if one is."""
 
     def __init__(self, kind: RefusalKind, message: str, field: Optional[str] = None):
         super().__init__(message)
@@ -63,6 +66,14 @@ class Refused(Exception):
     @classmethod
     def invalid(cls, error: InvalidRequest) -> "Refused":
         return cls(RefusalKind.INVALID_ARGUMENT, str(error), error.field)
+
+    @classmethod
+    def failed(cls, error: FinishError) -> "Refused":
+        """A sequence the engine (or the detokenizer worker) failed: its code, and for
+        INVALID_ARGUMENT the field its message starts with."""
+        kind = RefusalKind.__members__.get(error.code, RefusalKind.INTERNAL)
+        field = error.message.partition(":")[0] if kind is RefusalKind.INVALID_ARGUMENT else None
+        return cls(kind, error.message, field)
 
 
 @dataclass(frozen=True)
@@ -176,10 +187,14 @@ class GenerationCore:
                 yield chunk
         except Refused as refusal:
             record.status = refusal.kind.value
-            logger.info("request %s refused with %s: %s", rid, record.status, refusal.message)
+            logger.info("request %s %s with %s: %s", rid,
+                        "failed" if "error" in record.finish_reasons else "refused", record.status,
+                        refusal.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            record.status = cancel_code()
+            # A front closes the stream once it has every choice's end (the SSE body): OK.
+            if not record.complete:
+                record.status = cancel_code()
             raise
         finally:
             record.ended = time.perf_counter()
@@ -208,6 +223,7 @@ class GenerationCore:
                 on_prepared(validated)
             record.prompt_tokens = len(validated.prompt_token_ids)
             spec = served.info.spec is not None
+            record.finish_reasons = [None] * validated.sampling.n
             try:
                 # The per-token work (detokenising, stop strings: one OutputStream per sequence,
                 # each with its own text and finish) runs in the detokenizer worker; chunks
@@ -226,6 +242,9 @@ class GenerationCore:
                                   str(e).partition(":")[0]) from None
                 except EngineUnavailable as e:
                     raise Refused(RefusalKind.UNAVAILABLE, str(e)) from None
+                except SequenceFailed as e:  # the whole request fails (its others are aborted)
+                    record.finish_reasons[e.index] = "error"
+                    raise Refused.failed(e.error) from None
                 now = time.perf_counter()
                 if record.first_output is None:
                     record.first_output = stream.first_output
@@ -241,7 +260,12 @@ class GenerationCore:
                         self._on_tokens(record, chunk.num_tokens, now)
                     if chunk.finished:
                         unfinished -= 1
-                        record.finish_reason = finish_reason_name(chunk.finish_reason)
+                        reason = finish_reason_name(chunk.finish_reason)
+                        if reason not in ("stop", "length"):  # the engine aborted it on its own
+                            record.finish_reasons[chunk.index] = "error"
+                            raise Refused(RefusalKind.INTERNAL,
+                                          f"the engine ended the request without a result ({reason})")
+                        record.finish_reasons[chunk.index] = reason
                     yield chunk
                     if first:  # the front has written it (it asks for the next one after)
                         record.first_written = time.perf_counter()

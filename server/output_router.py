@@ -28,6 +28,7 @@ from typing import Callable, Optional, Union
 
 import zmq
 
+from specserve.engine.outputs import FinishError
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.text.output_stream import ChunkPiece, EngineProgress, ReadyChunk, join_pieces
 from specserve.server.workers.detokenizer import COMMANDS, STEP, EngineSteps, TextUpdate
@@ -40,8 +41,15 @@ POLL_MS = 100  # how often an idle reader looks whether it should stop (and send
 _BATCH_TAG = 0x12
 
 
-class TextProcessingError(RuntimeError):
-    """The detokenizer worker could not process a request's output; its stream ends."""
+class SequenceFailed(Exception):
+    """A sequence of the request failed: the engine's "error" finish (e.g. its grammar did not
+    compile, or the grammar service died under it), or the detokenizer worker could not process
+    its output (INTERNAL). The request's stream ends with it."""
+
+    def __init__(self, index: int, error: FinishError):
+        super().__init__(error.message)
+        self.index = index      # the sequence (0 .. n - 1)
+        self.error = error
 
 
 class RequestStream:

@@ -2,7 +2,7 @@
 per-request metrics (server/ops/metrics.py), for the gRPC and the HTTP front alike."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from specserve.proto import generate_pb2 as pb
@@ -55,8 +55,15 @@ class RequestRecord:
     verify_steps: int = 0                  # speculative verify forwards it took part in
     accepted_drafts: int = 0
     accept_length: Optional[float] = None  # None without speculative decoding
-    finish_reason: Optional[str] = None    # None when it ended without finishing (refused, ...)
+    # Per choice (sequence), once it finished: "stop", "length", or "error" (it failed); None
+    # while it runs, or when it ended without finishing (refused, cancelled, another failed).
+    finish_reasons: list[Optional[str]] = field(default_factory=list)
     status: str = "OK"                     # a gRPC status code name, as the metrics count them
+
+    @property
+    def complete(self) -> bool:
+        """Every choice finished (a stream the client closes after that is not cancelled)."""
+        return bool(self.finish_reasons) and None not in self.finish_reasons
 
     def ttft_stages(self) -> dict[str, float]:
         """Seconds spent in each stage up to the first chunk written (TTFT_STAGES), those whose
@@ -91,7 +98,7 @@ class RequestRecord:
 
         stages = ",".join(f"{name}:{1000 * t:.2f}" for name, t in self.ttft_stages().items())
         return (f"request {self.rid} status={self.status} "
-                f"finish_reason={self.finish_reason or '-'} "
+                f"finish_reason={','.join(r or '-' for r in self.finish_reasons) or '-'} "
                 f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
                 f"completion_tokens={self.completion_tokens} "
                 f"ttft={seconds(self.ttft)} duration={seconds(self.duration)} "

@@ -265,12 +265,16 @@ def test_bad_grammars_are_refused_by_name():
         SamplingParams(min_new_tokens=2, grammar=GrammarSpec("json_object"))
 
 
-def test_a_grammar_failing_in_the_engine_aborts_only_its_request(pair, make_engine):
+def test_a_grammar_failing_in_the_engine_fails_only_its_request(pair, make_engine):
+    """A grammar that does not parse fails its request with INVALID_ARGUMENT naming the
+    field (the server parses nothing: the grammar process does); the others go on."""
     engine = make_engine(pair[0], spec=_spec(pair[1]))
     outs = engine.generate(prompt_token_ids=[[5, 6], [7, 8]], sampling=[
         SamplingParams(max_new_tokens=4, grammar=GrammarSpec("regex", "a(b")),
         SamplingParams(max_new_tokens=4, temperature=0.0)])
-    assert outs[0].finish_reason == "abort" and outs[1].finish_reason == "length"
+    assert outs[0].finish_reason == "error" and outs[1].finish_reason == "length"
+    assert outs[0].error.code == "INVALID_ARGUMENT" and outs[0].token_ids == []
+    assert outs[0].error.message.startswith("structured_output.regex: ")
 
 
 def test_draft_vocabulary_without_an_allowed_token_stays_unmasked():

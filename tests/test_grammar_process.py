@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import make_predictable_pair, random_prompts
+from server_harness import wait_until
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 
@@ -93,9 +94,10 @@ def test_overlap_holds_one_batch_in_flight_for_constrained_steps(pair, make_engi
     assert text == "a" * 30
 
 
-def _run(engine, requests: dict, until=None) -> dict:
+def _run(engine, requests: dict, until=None, errors=None) -> dict:
     """Step until every request finished: rid -> (tokens, finish reason). `until(outs)` is
-    called after each step (it may act on the engine)."""
+    called after each step (it may act on the engine); `errors` gets the FinishError of each
+    request that ended with one."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     got = {rid: [[], None] for rid in requests}
@@ -104,19 +106,23 @@ def _run(engine, requests: dict, until=None) -> dict:
             got[out.rid][0] += out.new_token_ids
             if out.finished:
                 got[out.rid][1] = out.finish_reason
+                if errors is not None and out.error is not None:
+                    errors[out.rid] = out.error
         if until is not None:
             until(got)
     return {rid: tuple(v) for rid, v in got.items()}
 
 
 @pytest.mark.parametrize("how,overlap", [("killed", False), ("killed", True), ("stopped", True)])
-def test_a_dead_or_silent_grammar_process_fails_constrained_requests(pair, make_engine, monkeypatch,
-                                                                     how, overlap):
+def test_a_dead_or_silent_grammar_process_fails_constrained_requests_then_restarts(
+        pair, make_engine, monkeypatch, how, overlap):
     """The grammar process dies mid-run (SIGKILL), or stays alive but silent (SIGSTOP: the
     device's wait gives up after its limit and says so in the channel; the engine then kills
-    it): constrained requests end with "abort" (their KV freed: make_engine checks), with what
-    they had so far inside the grammar; the unconstrained ones finish as they would alone; the
-    device never hangs; a constrained request added afterwards is refused at once."""
+    it): constrained requests end with an "error" finish, UNAVAILABLE (their KV freed:
+    make_engine checks), with what they had so far inside the grammar; the unconstrained ones
+    finish as they would alone; the device never hangs. The engine then restarts the process
+    (once nothing constrained is in flight): constrained requests succeed again, without an
+    engine restart, and its health says so."""
     from specserve.engine.grammar import channel
 
     monkeypatch.setattr(channel, "CPU_WAIT_LIMIT_SECONDS", 0.5)
@@ -126,27 +132,46 @@ def test_a_dead_or_silent_grammar_process_fails_constrained_requests(pair, make_
     free = SamplingParams(max_new_tokens=40, temperature=0.0)
     bound = SamplingParams(max_new_tokens=40, temperature=0.0, grammar=GrammarSpec("regex", "[ab]{60}"))
     alone = {f"u{i}": engine.generate(prompt_token_ids=[prompts[i]], sampling=free)[0].token_ids for i in (0, 2)}
+    assert engine.grammar_health() == (False, 0, "starting")   # not started yet
+    assert engine.warm_grammar(60) is True
+    before = engine.generate(prompt_token_ids=[prompts[1]], sampling=bound)[0]
+    assert before.finish_reason == "length" and engine.grammar_health() == (True, 0, "")
     requests = {"u0": (prompts[0], free), "c1": (prompts[1], bound), "u2": (prompts[2], free),
                 "c3": (prompts[3], bound)}
     struck = []
+    killed = []
 
     def strike(got):
         if not struck and len(got["c1"][0]) >= 4:
+            killed.append(service._proc)
             os.kill(service._proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
             struck.append(True)
 
-    got = _run(engine, requests, strike)
-    assert struck and service.dead
+    errors = {}
+    got = _run(engine, requests, strike, errors)
+    assert struck
     if how == "stopped":
-        assert service.views.timed_out
-        service._proc.join(10)
-        assert service._proc.exitcode == -signal.SIGKILL   # killed by the engine, not left stopped
-    assert got["c1"][1] == got["c3"][1] == "abort"
+        killed[0].join(10)
+        assert killed[0].exitcode == -signal.SIGKILL   # killed by the engine, not left stopped
+    assert got["c1"][1] == got["c3"][1] == "error"
+    assert errors["c1"].code == errors["c3"].code == "UNAVAILABLE"
+    assert "grammar service" in errors["c1"].message
     for rid in ("c1", "c3"):
         assert set(engine.tokenizer.decode(got[rid][0])) <= {"a", "b"}
     assert got["u0"] == (alone["u0"], "length") and got["u2"] == (alone["u2"], "length")
-    late = engine.generate(prompt_token_ids=[[5, 6]], sampling=bound)[0]
-    assert late.finish_reason == "abort" and late.token_ids == []
+    # Restarted (at most RESTART_INTERVAL_SECONDS after the last start): within seconds a
+    # constrained request gives the output it gave before the death.
+    deadline = time.monotonic() + 60
+    while True:
+        late = engine.generate(prompt_token_ids=[prompts[1]], sampling=bound)[0]
+        if late.finish_reason != "error":
+            break
+        assert late.error.code == "UNAVAILABLE" and late.token_ids == []
+        assert time.monotonic() < deadline, "the grammar process was not restarted"
+        time.sleep(0.2)
+    assert (late.token_ids, late.finish_reason) == (before.token_ids, "length")
+    assert service._proc is not killed[0] and service._proc.is_alive()
+    assert engine.grammar_health() == (True, 1, "")
     assert engine.generate(prompt_token_ids=[prompts[0]], sampling=free)[0].token_ids == alone["u0"]
 
 
@@ -185,9 +210,63 @@ def test_a_bad_grammar_fails_by_name_in_the_engine(pair, make_engine, caplog):
             SamplingParams(max_new_tokens=4, grammar=GrammarSpec("json_schema", '{"type": "objectx"}')),
             SamplingParams(max_new_tokens=6, temperature=0.0, grammar=GrammarSpec("regex", "(yes|no)!")),
             SamplingParams(max_new_tokens=4, temperature=0.0)])
-    assert [o.finish_reason for o in outs] == ["abort", "stop", "length"]
+    assert [o.finish_reason for o in outs] == ["error", "stop", "length"]
+    assert outs[0].error.code == "INVALID_ARGUMENT"
+    assert outs[0].error.message.startswith("structured_output.json_schema: ")
     assert "structured_output.json_schema" in caplog.text
     assert engine.core.scheduler.grammars.stats()["requests"] == 0
+
+
+def _slow_schema(tag: int, properties: int = 10) -> str:
+    """Shallow and valid, but xgrammar takes seconds to convert it (its patterns' repetitions
+    expand): over a small budget."""
+    return json.dumps({"type": "object", "properties": {
+        f"p{tag}_{i}": {"type": "string", "pattern": "([a-z]{1,30}-){1,300}"} for i in range(properties)}})
+
+
+def test_a_grammar_over_its_compile_budget_fails_by_name(pair, make_engine):
+    """A grammar still compiling past grammar_compile_seconds fails its request with
+    INVALID_ARGUMENT naming the field (KV freed: make_engine checks); the others, constrained
+    or not, go on; the process stays up."""
+    engine = make_engine(pair[0], spec=None, grammar_compile_seconds=0.2)
+    prompts = random_prompts(3, seed=26, max_len=8)
+    free = SamplingParams(max_new_tokens=8, temperature=0.0)
+    quick = SamplingParams(max_new_tokens=6, temperature=0.0, grammar=GrammarSpec("regex", "(yes|no)!"))
+    slow = SamplingParams(max_new_tokens=6, grammar=GrammarSpec("json_schema", _slow_schema(0)))
+    errors = {}
+    got = _run(engine, {"slow": (prompts[0], slow), "quick": (prompts[1], quick),
+                        "free": (prompts[2], free)}, errors=errors)
+    assert got["slow"] == ([], "error") and errors["slow"].code == "INVALID_ARGUMENT"
+    assert errors["slow"].message.startswith(
+        "structured_output.json_schema: did not compile within the 0.2 s budget")
+    assert got["quick"][1] == "stop" and engine.tokenizer.decode(got["quick"][0]) in ("yes!", "no!")
+    assert got["free"][1] == "length"
+    assert not engine.core.scheduler.grammars.dead
+    assert engine.core.scheduler.grammars.stats()["requests"] == 0
+
+
+def test_a_request_that_leaves_cancels_its_queued_compile(pair, make_engine):
+    """Two slow grammars hold both compile threads; a third request's grammar waits for one.
+    Aborted (its client left), its compile never starts; the other two compile and run."""
+    from specserve.engine.grammar.compiler import COMPILE_THREADS
+
+    assert COMPILE_THREADS == 2
+    engine = make_engine(pair[0], spec=None)
+    service = engine.core.scheduler.grammars
+    params = [SamplingParams(max_new_tokens=2, grammar=GrammarSpec("json_schema", _slow_schema(tag, 4)))
+              for tag in range(3)]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [5, 6], p)
+    engine.step()  # sends the adds (the process starts)
+    assert wait_until(lambda: service.stats()["compiles_started"] == 2, 60)
+    engine.abort("r2")
+    got = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                got[out.rid] = out.finish_reason
+    assert got == {"r0": "length", "r1": "length", "r2": "abort"}
+    assert service.stats() == {"requests": 0, "phase": service.stats()["phase"], "compiles_started": 2}
 
 
 # --- the channel on its own ------------------------------------------------------------------
@@ -417,5 +496,5 @@ def test_a_matcher_error_fails_only_its_request(pair, make_engine, tmp_path):
             failed.append(True)
 
     got = _run(engine, {"c": (prompts[0], bound), "u": (prompts[1], free)}, fail)
-    assert failed and got["c"][1] == "abort" and got["u"] == (alone, "length")
+    assert failed and got["c"][1] == "error" and got["u"] == (alone, "length")
     assert scheduler.grammars.stats()["requests"] == 0

@@ -367,8 +367,8 @@ def test_ttft_stages_logged_and_on_metrics(oai, server, name):
     port has the stage and engine-step histograms."""
     list(oai.completions.create(model=name, prompt="def add", max_tokens=4, stream=True))
     oai.completions.create(model=name, prompt="class Stack", max_tokens=4)
-    # (a streamed call whose client leaves after the last event may end CANCELLED)
-    finished = re.compile(r"request \S+ status=(OK|CANCELLED) .* completion_tokens=[1-9]")
+    # (a streamed call that ran to its end is OK, whenever its client closes the connection)
+    finished = re.compile(r"request \S+ status=OK .* completion_tokens=[1-9]")
     assert wait_until(lambda: sum(bool(finished.search(line)) for line in server.log) >= 2)
     lines = [line for line in server.log if finished.search(line)]
     for line in lines:

@@ -23,7 +23,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.generation import GenerationCore
 from specserve.server.ops.metrics import ServerMetrics
 from specserve.server.ops.watchdog import EngineWatchdog
-from specserve.server.output_router import OutputReader, RequestStream
+from specserve.server.output_router import OutputReader, RequestStream, SequenceFailed
 from specserve.server.text.output_stream import (EngineProgress, OutputStream, chunk_piece,
                                                  join_pieces, merge_chunks)
 from specserve.server.workers.detokenizer import (DetokenizerLink, TextSteps, TextUpdate,
@@ -326,3 +326,86 @@ def test_pieces_joined_as_bytes_are_the_merged_chunk():
             assert joined.message() == merge_chunks(run_)
             assert joined.num_tokens == sum(len(c.token_ids) for c in run_)
             assert joined.finished == run_[-1].HasField("finish")
+
+
+def test_failed_sequences_end_their_request_with_the_engines_error(tokenizer):
+    """The engine's "error" finish (both sequences of an n = 2 request in one step) becomes
+    the update's error, each once, without a chunk; the request is closed in the worker and
+    its stream raises SequenceFailed (its code and message) after the chunks delivered before."""
+    from specserve.engine.outputs import FinishError
+    from specserve.server.output_router import SequenceFailed
+
+    request = ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=8, n=2), ())
+    worker = _worker(tokenizer, "r", request)
+    error = FinishError("UNAVAILABLE", "structured_output: the grammar service is down")
+    first = worker.step([StepOutput("r", [65], index=0), StepOutput("r", [66], index=1)])
+    failed = worker.step([StepOutput("r", [], index=i, finished=True, finish_reason="error", error=error)
+                          for i in (0, 1)])
+    assert [u.error for u in first] == [None, None] and all(u.piece for u in first)
+    assert [(u.index, u.piece, u.error) for u in failed] == [(0, None, error), (1, None, error)]
+    assert "r" not in worker.requests
+    stream = RequestStream(2)
+    _deliver(stream, first)
+    stream.fail(SequenceFailed(0, error))
+
+    async def read():
+        chunks = await stream.next_chunks()
+        with pytest.raises(SequenceFailed) as e:
+            await stream.next_chunks()
+        return chunks, e.value
+
+    chunks, raised = asyncio.run(read())
+    assert [c.index for c in chunks] == [0, 1] and raised.error == error and raised.index == 0
+
+
+@pytest.mark.parametrize("how", ["error", "abort"])
+def test_a_failed_sequence_fails_the_call_with_its_code(tokenizer, how):
+    """One sequence of an n = 2 call fails (the engine's "error" finish, INVALID_ARGUMENT naming
+    the field) or ends "abort" (which no front may show as a finish_reason: INTERNAL): the call
+    raises Refused with that code after the chunks before it; the record has the choice's
+    "error" and the status, and the engine request is aborted (its other sequence stops)."""
+    from specserve.engine.outputs import FinishError
+    from specserve.server.generation import RefusalKind, Refused
+
+    engine = _FakeEngine()
+    metrics = ServerMetrics(EngineWatchdog(4.0, None).report)
+    core = GenerationCore(engine, EngineConfig(device="cpu"), ServerConfig(tokenizer_workers=0), metrics)
+    core.on_engine_ready(EngineInfo("tiny", "LlamaForCausalLM", VOCAB, 256, "float32", "cpu", (2,), None),
+                         tokenizer)
+    error = FinishError("INVALID_ARGUMENT", "structured_output.json_schema: did not compile")
+    request = ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=8, n=2), ())
+
+    async def run():
+        got = []
+        chunks = core.generate("rid-2", lambda served: request)
+        async with contextlib.aclosing(chunks):
+            first = asyncio.ensure_future(chunks.__anext__())
+            while "rid-2" not in engine.streams:
+                await asyncio.sleep(0.01)
+            stream, worker = engine.streams["rid-2"], _worker(tokenizer, "rid-2", request)
+            _deliver(stream, worker.step([StepOutput("rid-2", [65], index=0)]))
+            got.append(await first)
+            end = StepOutput("rid-2", [], index=1, finished=True, finish_reason=how,
+                             error=error if how == "error" else None)
+            for update in worker.step([end]):
+                if update.error is not None:
+                    stream.fail(SequenceFailed(update.index, update.error))
+                else:
+                    _deliver(stream, [update])
+            with pytest.raises(Refused) as e:
+                got.append(await chunks.__anext__())
+        return got, e.value
+
+    got, refusal = asyncio.run(run())
+    assert [c.index for c in got] == [0]
+    if how == "error":
+        assert (refusal.kind, refusal.message, refusal.field) == (
+            RefusalKind.INVALID_ARGUMENT, error.message, "structured_output.json_schema")
+    else:
+        assert refusal.kind is RefusalKind.INTERNAL and "(abort)" in refusal.message
+    assert engine.aborted == ["rid-2"]
+    code = refusal.kind.value
+    assert metrics.registry.get_sample_value("specserve_requests_total", {"code": code}) == 1
+    assert metrics.registry.get_sample_value("specserve_finished_requests_total",
+                                             {"finish_reason": "error"}) == 1
+    core.close()

@@ -145,20 +145,54 @@ def test_a_grammar_that_cannot_finish_ends_with_length(oai):
     assert got.choices[0].text == "zzzz" and got.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objectx"}}}},
-     "response_format"),
-    ({"regex": "a(b"}, "regex"),
-    ({"ebnf": "root ::= nothing"}, "ebnf"),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
+def _schema_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+
+
+def _bad_tool(**parameters) -> dict:
+    return {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", **parameters}}}
+
+
+SCHEMA_FIELD = "response_format.json_schema.schema"
+CYCLE = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}
+DEEP = {"type": "string"}
+for _ in range(40):
+    DEEP = {"type": "object", "properties": {"k": DEEP}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body, param, says", [
+    # The server's own checks (server/text/schema_checks.py), before the engine sees them.
+    (_schema_format({"type": "objectx"}), SCHEMA_FIELD, "type must be one of"),
+    (_schema_format({"type": "array", "minItems": -1}), SCHEMA_FIELD, "minItems must be a non-negative"),
+    (_schema_format(CYCLE), SCHEMA_FIELD, "$ref cycle"),
+    (_schema_format(DEEP), SCHEMA_FIELD, "nested deeper than"),
+    ({"tools": [WEATHER, _bad_tool(properties={"a": {"type": "string", "maxLength": -2}})],
+      "tool_choice": "auto"}, "tools[1].function.parameters", "maxLength must be a non-negative"),
+    ({"tools": [_bad_tool(**CYCLE)]}, "tools[0].function.parameters", "$ref cycle"),
+    ({"tools": [_bad_tool(required="city")], "tool_choice": "none"}, "tools[0].function.parameters",
+     "required must be a list"),
+    # Compiled by the engine's grammar process, which fails it by name (INVALID_ARGUMENT).
+    ({"regex": "a(b"}, "regex", "regex: "),
+    ({"ebnf": "root ::= nothing"}, "ebnf", "ebnf: "),
+    ({"tools": [WEATHER, _bad_tool(properties={"s": {"type": "string", "pattern": "a(b"}})],
+      "tool_choice": {"type": "function", "function": {"name": "bad"}}}, "tools[1].function.parameters",
+     "tools[1].function.parameters: "),
+    # The bodies' own rules.
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "only one of"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "no tool is named"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
 ])
-def test_bad_grammars_are_refused_by_name(oai, body, param):
+def test_bad_grammars_are_refused_by_name(oai, body, param, says, stream):
+    """400 naming the field, streamed or not (a stream's first event is awaited before its
+    status is sent), whether the server or the engine's grammar process found the fault."""
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=_model(oai), messages=[{"role": "user", "content": "hi"}],
-                                    max_tokens=4, extra_body=body)
+                                    max_tokens=4, stream=stream, extra_body=body)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+    assert e.value.body["type"] == "invalid_request_error" and says in e.value.body["message"]
+    assert e.value.body["message"].startswith(f"{param}: ")
 
 
 def test_grpc_structured_output_and_refusal(served):
@@ -176,6 +210,11 @@ def test_grpc_structured_output_and_refusal(served):
             list(stub.Generate(pb.GenerateRequest(text="x", structured_output=pb.StructuredOutput(regex="a("))))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith("structured_output.regex:")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(text="x", structured_output=pb.StructuredOutput(
+                json_schema=json.dumps({"type": "array", "minItems": -1})))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("structured_output.json_schema: minItems")
 
 
 def test_sdk_structured_output(served):
@@ -198,6 +237,26 @@ def test_tool_choice_named_and_required(oai, stream):
     _, content, calls, finish = _chat(oai, stream, tools=[WEATHER, TIME], tool_choice="required",
                                       max_tokens=80, parallel_tool_calls=False)
     assert finish == "tool_calls" and len(calls) == 1 and calls[0][0] in ("get_weather", "get_time")
+
+
+ORDER = {"type": "function", "function": {"name": "order", "parameters": {
+    "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+    "additionalProperties": False,
+    "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 3},
+                                                        "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                       "required": ["sku", "qty"], "additionalProperties": False}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_with_refs(oai, stream):
+    """A tool whose parameters use $defs/$ref, under tool_choice required (its parameters
+    sit inside the calls' array schema): the call's arguments validate against its schema."""
+    _, content, calls, finish = _chat(oai, stream, tools=[ORDER, TIME], tool_choice="required",
+                                      max_tokens=120, parallel_tool_calls=False)
+    assert finish == "tool_calls" and len(calls) == 1, (content, calls, finish)
+    name, arguments = calls[0]
+    tool = {"order": ORDER, "get_time": TIME}[name]
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from specserve.engine.outputs import EngineLoad, StepOutput, StepStat
+from specserve.engine.outputs import EngineLoad, FinishError, StepOutput, StepStat
 from specserve.engine.wire import decode_batch, decode_load, decode_step_stats, encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 
@@ -25,7 +25,7 @@ def _tops(rng: random.Random, positions: int) -> list:
 def _random_output(rng: random.Random, i: int) -> StepOutput:
     n = rng.choice([0, 0, 1, 1, 2, 3, 5])
     finished = rng.random() < 0.3
-    reason = rng.choice(["stop", "length", "abort"]) if finished else None
+    reason = rng.choice(["stop", "length", "abort", "error"]) if finished else None
     out = StepOutput(rid=f"r{i}-{rng.randrange(1 << 30):x}", index=rng.randrange(4),
                      new_token_ids=[rng.randrange(1 << 32) for _ in range(n)],
                      finished=finished, finish_reason=reason,
@@ -33,6 +33,8 @@ def _random_output(rng: random.Random, i: int) -> StepOutput:
                      prompt_tokens=rng.randrange(1 << 20), completion_tokens=rng.randrange(1 << 16),
                      num_verify_steps=rng.randrange(1 << 16), num_accepted_drafts=rng.randrange(999),
                      cached_tokens=rng.randrange(1 << 20))
+    if reason == "error":
+        out.error = FinishError(rng.choice(["UNAVAILABLE", "INTERNAL"]), f"structured output: {i}")
     if n and rng.random() < 0.5:
         out.new_logprobs = [_f32(-rng.random() * 20) for _ in range(n)]
         if rng.random() < 0.5:

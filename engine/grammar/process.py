@@ -22,9 +22,19 @@ of the frontier's paths, the verify tree's masks, then the accepted tokens (matc
 rejected drafts were walked and rolled back). After the accepted tokens it fills each
 request's next committed mask at once (memoised), while the device runs the draft-extend.
 
-If the process dies, a monitor thread releases the channel (all-allowed masks, every wait
-passes: the device never hangs) and sets `dead`; the scheduler then fails every constrained
-request (KV freed) and refuses new ones; unconstrained requests go on.
+Budget: a grammar must compile within `compile_seconds` of its compilation's start (the
+process checks between messages); past it the request fails with INVALID_ARGUMENT naming the
+field, and a compile still running STUCK_FACTOR times that long (xgrammar cannot be interrupted)
+makes the process exit, to be restarted. A request dropped while its grammar waits for a compile
+thread cancels that compile (unless another request waits for the same grammar).
+
+Supervision: if the process dies, a monitor thread releases the channel (all-allowed masks,
+every wait passes: the device never hangs) and sets `dead`; the scheduler then fails every
+constrained request (UNAVAILABLE, KV freed) and, once no constrained step is in flight, calls
+`restart`: the channel's host flag is set to the device's last phase and a new process starts
+from there (at most once per RESTART_INTERVAL_SECONDS). `start` begins the process and its
+warm-up (a small schema compiled, which builds xgrammar's tokenizer tables) at engine start;
+`health` says whether it is serving, for the server's health service and metrics.
 """
 from __future__ import annotations
 
@@ -41,14 +51,21 @@ from typing import NamedTuple, Optional
 
 from specserve.engine.config import GrammarSpec
 from specserve.engine.grammar.batch import GrammarBatch
-from specserve.engine.grammar.channel import DEVICE_FLAG, HOST_FLAG, ChannelLayout, DeviceChannel, HostViews
+from specserve.engine.grammar.channel import (DEVICE_FLAG, HOST_FLAG, TIMED_OUT, ChannelLayout,
+                                              DeviceChannel, HostViews)
 from specserve.engine.grammar.compiler import GrammarCompiler
 from specserve.engine.grammar.request_grammar import RequestGrammar
+from specserve.engine.outputs import FinishError, GrammarHealth
 
 logger = logging.getLogger("specserve.engine")
 
 ONE, SPEC = "one", "spec"   # plan kinds: one token per row (decode, extend) / a speculative step
-GONE = "structured output: the grammar process is gone"
+GONE = FinishError("UNAVAILABLE", "structured_output: the grammar service is down (its process "
+                                  "died and is being restarted); retry")
+COMPILE_SECONDS = 10.0          # the default compile budget of one grammar
+STUCK_FACTOR = 6                # a compile running this many budgets long: the process exits
+RESTART_INTERVAL_SECONDS = 1.0  # at least this long between two starts of the process
+WARM_SPEC = GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "string"}}}')
 
 
 class GrammarSetup(NamedTuple):
@@ -59,6 +76,7 @@ class GrammarSetup(NamedTuple):
     eos_ids: tuple
     tree: Optional[tuple]          # (topk, num_steps, num_draft_tokens); None: plain decoding
     spin_seconds: float            # busy-poll this long before sleeping between flag reads
+    compile_seconds: float = COMPILE_SECONDS  # a grammar's compile budget
 
 
 class GrammarState:
@@ -68,13 +86,14 @@ class GrammarState:
 
     def __init__(self):
         self.ready = False
-        self.error: Optional[str] = None
+        self.error: Optional[FinishError] = None
 
 
 # --- the process ------------------------------------------------------------------------------
-def run_grammar_process(setup: GrammarSetup, conn) -> None:
+def run_grammar_process(setup: GrammarSetup, conn, start_seq: int = 0) -> None:
+    """`start_seq`: the device's last published phase (a restarted process goes on from it)."""
     shm = SharedMemory(setup.shm_name)
-    server = _Server(setup, HostViews(shm.buf, setup.layout), conn)
+    server = _Server(setup, HostViews(shm.buf, setup.layout), conn, start_seq)
     try:
         server.run()
     finally:
@@ -89,7 +108,7 @@ def run_grammar_process(setup: GrammarSetup, conn) -> None:
 
 
 class _Server:
-    def __init__(self, setup: GrammarSetup, views: HostViews, conn):
+    def __init__(self, setup: GrammarSetup, views: HostViews, conn, start_seq: int):
         import torch
 
         self.setup = setup
@@ -97,7 +116,9 @@ class _Server:
         self.conn = conn
         self.compiler = GrammarCompiler(setup.tokenizer_file, setup.vocab_size, setup.eos_ids)
         self.requests: dict = {}
-        self.seq = 0   # phases answered (the device counts from 0 as well)
+        # Requests whose grammar is compiling: key -> its spec (the compile budget's clock).
+        self.compiling: dict = {}
+        self.seq = start_seq   # phases answered (the device's count when the process started)
         self._send_lock = threading.Lock()
         self._parent = os.getppid()
         self._scratch = torch.empty((1, setup.layout.width), dtype=torch.int32)
@@ -108,9 +129,10 @@ class _Server:
 
     def run(self) -> None:
         while True:
-            if not self.conn.poll(1.0):
+            if not self.conn.poll(0.05 if self.compiling else 1.0):
                 if os.getppid() != self._parent:
                     return
+                self._check_budgets()
                 continue
             try:
                 msg = self.conn.recv()
@@ -119,23 +141,66 @@ class _Server:
             if msg[0] == "stop":
                 return
             getattr(self, "_on_" + msg[0])(*msg[1:])
+            self._check_budgets()
 
     # --- control messages --------------------------------------------------------------------
     def _on_add(self, key, spec: GrammarSpec, stop_ids) -> None:
         g = RequestGrammar(self.compiler.compile(spec), stop_ids, spec.after_token_id)
         self.requests[key] = g
+        self.compiling[key] = spec
 
         def compiled(future):
+            if self.compiling.pop(key, None) is None:
+                return  # failed over its budget, or dropped, meanwhile
+            if future.cancelled():
+                return
             error = future.exception()
-            self.send(("compiled", key, None if error is None else str(error)))
+            self.send(("compiled", key, None if error is None else
+                       tuple(FinishError("INVALID_ARGUMENT", str(error)))))
 
         g.future.add_done_callback(compiled)
 
     def _on_drop(self, key) -> None:
-        self.requests.pop(key, None)
+        g = self.requests.pop(key, None)
+        spec = self.compiling.pop(key, None)
+        if g is None or spec is None:
+            return
+        if not any(self.requests[k].future is g.future for k in self.compiling):
+            self.compiler.forget(spec, g.future)   # nobody waits for it: cancelled if queued
+
+    def _on_warm(self) -> None:
+        """Compile a small schema (the first compile builds xgrammar's tokenizer tables, seconds
+        on a large vocabulary): the first request's grammar then compiles as fast as the next."""
+        def warmed(future):
+            error = future.exception()
+            self.send(("warm", None if error is None else str(error)))
+
+        self.compiler.compile(WARM_SPEC).add_done_callback(warmed)
+
+    def _check_budgets(self) -> None:
+        """Fail the requests whose grammar has compiled longer than its budget; exit if a
+        compile seems stuck for good (the engine restarts the process)."""
+        budget = self.setup.compile_seconds
+        now = time.monotonic()
+        for key, spec in list(self.compiling.items()):
+            started = self.compiler.started_at(spec)
+            if started is None or now - started <= budget:
+                continue
+            if self.compiling.pop(key, None) is None:
+                continue  # it finished meanwhile
+            self.requests[key].failed = "over its compile budget"
+            self.send(("compiled", key, tuple(FinishError(
+                "INVALID_ARGUMENT", f"structured_output.{spec.kind}: did not compile within the "
+                                    f"{budget:g} s budget; simplify it"))))
+        oldest = self.compiler.oldest_start()
+        if oldest is not None and now - oldest > STUCK_FACTOR * budget:
+            logger.error("a grammar has compiled for %.0f s: the grammar process exits, to be "
+                         "restarted", now - oldest)
+            os._exit(3)
 
     def _on_stats(self) -> None:
-        self.send(("stats", {"requests": len(self.requests), "phase": self.seq}))
+        self.send(("stats", {"requests": len(self.requests), "phase": self.seq,
+                             "compiles_started": self.compiler.num_started}))
 
     def _on_plan(self, kind: str, rows: int, entries) -> None:
         grammars = [None] * rows
@@ -223,7 +288,7 @@ class GrammarService:
     """The engine's handle on the grammar process (see the module docstring)."""
 
     def __init__(self, tokenizer_file: str, vocab_size: int, eos_ids, max_batch_size: int,
-                 tree, device):
+                 tree, device, compile_seconds: float = COMPILE_SECONDS):
         import torch
 
         device = torch.device(device)
@@ -236,7 +301,7 @@ class GrammarService:
         self.setup = GrammarSetup(
             self._shm.name, layout, tokenizer_file, vocab_size, tuple(eos_ids),
             None if tree is None else (tree.topk, tree.num_steps, tree.num_draft_tokens),
-            spin_seconds=0.005 if device.type == "cuda" else 2e-4)
+            spin_seconds=0.005 if device.type == "cuda" else 2e-4, compile_seconds=compile_seconds)
         self._proc = None
         self._conn = None
         self._closing = False
@@ -245,15 +310,68 @@ class GrammarService:
         self._lock = threading.Lock()     # orders sends: messages queued while it starts go first
         self._queued: list = []
         self._starting: Optional[threading.Thread] = None
+        self._start_seq = 0           # the device's phase count when the process (re)starts
+        self._last_start = -RESTART_INTERVAL_SECONDS
+        self._warm = False            # the current process answered its warm-up
+        self._warm_error: Optional[str] = None
+        self.restarts = 0
 
     # --- the process's life ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the process now (it starts with the first message otherwise) and warm it up:
+        `health` says serving once a small schema compiled. Once per process."""
+        if self._starting is None:
+            self._send(("warm",))
+
+    def wait_warm(self, timeout: float) -> bool:
+        """Wait (at engine start, nothing else running) for the warm-up to answer."""
+        deadline = time.monotonic() + timeout
+        while not self._warm and not self.dead and time.monotonic() < deadline:
+            # poll() reads the warm-up's answer; anything else stays for the scheduler's poll.
+            self._inbox.extendleft(reversed(self.poll(0.05)))
+        return self._warm
+
+    def health(self) -> GrammarHealth:
+        if self.dead:
+            return GrammarHealth(False, self.restarts, "its process died; restarting")
+        if self._warm_error is not None:
+            return GrammarHealth(False, self.restarts, f"its warm-up failed: {self._warm_error}")
+        if not self._warm:
+            return GrammarHealth(False, self.restarts, "starting")
+        return GrammarHealth(True, self.restarts, "")
+
+    @property
+    def restartable(self) -> bool:
+        """Its process is gone (the watcher released the channel) and may start again."""
+        return (self._gone and not self._closing
+                and time.monotonic() - self._last_start >= RESTART_INTERVAL_SECONDS)
+
+    def restart(self) -> None:
+        """Start a new process. The caller (the scheduler) makes sure no constrained step is in
+        flight: the device's phase count is final, and the new process goes on from it."""
+        with self._lock:
+            header = self.views.header
+            self._start_seq = int(header[DEVICE_FLAG])
+            self.views.masks.fill_(-1)
+            header[TIMED_OUT] = 0
+            header[HOST_FLAG] = self._start_seq   # waits wait again: for the new process
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = self._proc = self._starting = None
+            self._queued, self._inbox = [], collections.deque()
+            self._warm, self._warm_error = False, None
+            self._gone = False
+            self.restarts += 1
+        logger.warning("restarting the grammar process (restart %d)", self.restarts)
+        self.start()
+
     def _start(self) -> None:
         """Off the scheduler thread (a cold forkserver imports torch: seconds)."""
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=run_grammar_process, args=(self.setup, child), daemon=True,
-                           name="specserve-grammar")
+        proc = ctx.Process(target=run_grammar_process, args=(self.setup, child, self._start_seq),
+                           daemon=True, name="specserve-grammar")
         try:
             proc.start()
         except Exception:
@@ -263,6 +381,7 @@ class GrammarService:
                 self.views.release()
             return
         child.close()
+        logger.info("grammar process started (pid %d)", proc.pid)
         with self._lock:
             try:
                 for msg in self._queued:
@@ -278,8 +397,9 @@ class GrammarService:
         multiprocessing.connection.wait([proc.sentinel])
         if not self._closing:
             logger.error("the grammar process died (exit code %s): constrained requests fail", proc.exitcode)
-            self._gone = True         # before the release: a step that ran on it sees `dead`
-            self.views.release()
+            with self._lock:  # restart() resets the channel under it: never released after that
+                self._gone = True         # before the release: a step that ran on it sees `dead`
+                self.views.release()
 
     @property
     def dead(self) -> bool:
@@ -299,6 +419,7 @@ class GrammarService:
             if self._conn is None:
                 self._queued.append(msg)
                 if self._starting is None:
+                    self._last_start = time.monotonic()
                     self._starting = threading.Thread(target=self._start, daemon=True,
                                                       name="specserve-grammar-start")
                     self._starting.start()
@@ -341,13 +462,17 @@ class GrammarService:
                         self._inbox.append(self._conn.recv())
             except (EOFError, OSError):
                 pass
-        out = [m for m in self._inbox if m[0] != "stats"]
+        for m in self._inbox:
+            if m[0] == "warm":
+                self._warm, self._warm_error = m[1] is None, m[1]
+        out = [m for m in self._inbox if m[0] not in ("stats", "warm")]
         stats = [m for m in self._inbox if m[0] == "stats"]
         self._inbox = collections.deque(stats)
         return out
 
     def stats(self, timeout: float = 30.0) -> dict:
-        """What the process holds (tests): {"requests": live matchers, "phase": answered}."""
+        """What the process holds (tests): {"requests": live matchers, "phase": answered,
+        "compiles_started": compilations begun}."""
         self._send(("stats",))
         self._starting.join()
         deadline = time.monotonic() + timeout

@@ -74,4 +74,4 @@ class OutputProcessor:
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
             num_verify_steps=req.num_verify_steps, num_accepted_drafts=req.num_accepted_drafts,
-            cached_tokens=req.cached_tokens, stamps=stamps)
+            cached_tokens=req.cached_tokens, stamps=stamps, error=req.error)

@@ -11,7 +11,7 @@ from specserve.engine.config import SamplingParams
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.grammar.process import GrammarState
 from specserve.engine.kvcache.radix_cache import PrefixMatch
-from specserve.engine.outputs import TopLogprobs
+from specserve.engine.outputs import FinishError, TopLogprobs
 from specserve.engine.runtime.step import Launched
 
 
@@ -86,6 +86,7 @@ class Req:
     kv_allocated_len: int = 0    # slots reserved in the row
     num_inflight_tokens: int = 0  # sampling steps launched whose results are not processed yet
     finish_reason: Optional[str] = None
+    error: Optional[FinishError] = None  # finish_reason "error": why the engine failed it
     matched_stop: Optional[int] = None
     num_emitted: int = 0         # output tokens already handed out in StepOutputs
     num_verify_steps: int = 0

@@ -26,9 +26,9 @@ import time
 from typing import Optional
 
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.grammar.process import GrammarService
+from specserve.engine.grammar.process import GONE, GrammarService
 from specserve.engine.layers.sampler import SamplingInfo
-from specserve.engine.outputs import StepOutput, StepStat
+from specserve.engine.outputs import FinishError, StepOutput, StepStat
 from specserve.engine.runtime.step import Launched, Worker
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
@@ -100,6 +100,7 @@ class Scheduler:
         self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
         spec = req.sampling.grammar
         if spec is not None:  # Engine.add_request refused it when there is no compiler
+            self.tend_grammars()  # an idle engine restarts a dead service before using it
             # Keyed by serial: a rid may come back once its request ended.
             req.grammar = self.grammars.add(req.serial, spec, req.stop_ids)
             self._constrained[req.serial] = req
@@ -133,6 +134,7 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         if self.grammars is not None and self.grammars.started:
             self._grammar_news(self.grammars.poll())
+            self.tend_grammars()
         decision = self.policy.schedule(nothing_in_flight=not self.inflight)
         if decision is not None:
             launched_at = time.perf_counter()
@@ -159,24 +161,33 @@ class Scheduler:
 
     def _grammar_news(self, messages: list) -> None:
         """What the grammar process said: a request whose grammar compiled may be admitted; one
-        that failed to compile (the server parses grammars before sending them, so this is
-        rare) or whose matcher failed ends. If the process is gone, every constrained request
-        ends (unconstrained ones go on)."""
+        that failed to compile (a bad grammar, or over its budget: INVALID_ARGUMENT) or whose
+        matcher failed (INTERNAL) ends with an error. If the process is gone, every constrained
+        request ends (UNAVAILABLE; unconstrained ones go on)."""
         for kind, serial, error in messages:
             req = self._constrained.get(serial)
             if req is None:
                 continue  # finished meanwhile
             if kind == "compiled":
                 req.grammar.ready = True
-                req.grammar.error = error
+                req.grammar.error = error = None if error is None else FinishError(*error)
+            elif error is not None:  # a matcher refused a committed token
+                error = FinishError("INTERNAL", error)
             if error is not None:
-                logger.warning("request %s: structured output failed (%s): %s", req.rid, kind, error)
-                self._finish(req, "abort")
-        if self.grammars.dead:
-            for req in list(self._constrained.values()):
-                self._finish(req, "abort")
+                logger.warning("request %s: structured output failed (%s): %s", req.rid, kind, error.message)
+                self._finish(req, "error", error)
+        for req in list(self._constrained.values()):
+            if self.grammars.dead or req.grammar.error is not None:
+                self._finish(req, "error", req.grammar.error or GONE)
         self._compiling = [r for r in self._compiling
                            if not r.grammar.ready and r.status is not ReqStatus.FINISHED]
+
+    def tend_grammars(self) -> None:
+        """Restart a dead grammar service once no constrained step is in flight (every
+        constrained request has ended by then)."""
+        if (self.grammars is not None and self.grammars.restartable and not self._constrained
+                and not any(r.grammar is not None for b in self.inflight for r in b.decision.reqs)):
+            self.grammars.restart()
 
     def _launch(self, decision: Decision) -> Launched:
         sampling = self._sampling_info(decision.reqs)
@@ -232,7 +243,7 @@ class Scheduler:
             if req.status is ReqStatus.FINISHED:
                 continue
             if req.grammar is not None and self.grammars.dead:
-                self._finish(req, "abort")  # its masks may have been the released all-allowed ones
+                self._finish(req, "error", GONE)  # its masks may have been the released all-allowed ones
                 continue
             k = req.sampling.top_logprobs
             num_before = len(req.output_ids)
@@ -281,8 +292,9 @@ class Scheduler:
         if out is not None:
             self.pending_outputs.append(out)
 
-    def _finish(self, req: Req, reason: str) -> None:
+    def _finish(self, req: Req, reason: str, error: Optional[FinishError] = None) -> None:
         self.policy.remove(req)
+        req.error = error
         if req.grammar is not None:  # after every plan that holds it (launch order)
             self.grammars.drop(req.serial)
             del self._constrained[req.serial]

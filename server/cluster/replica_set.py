@@ -96,6 +96,7 @@ class ReplicaSet:
         # serving replica's load after its latest step.
         self.on_steps: Optional[Callable[[list, Optional[EngineLoad]], None]] = None
         self._step_loads: dict[int, EngineLoad] = {}
+        self.on_grammar: Optional[Callable] = None  # every replica's grammar health (EngineClient)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -233,6 +234,7 @@ class ReplicaSet:
             self.start_engine, replica.launcher)
         client.on_death(lambda reason: self._on_death(replica, client, reason))
         client.on_steps = lambda steps, load: self._on_replica_steps(replica.index, steps, load)
+        client.on_grammar = lambda health: self.on_grammar is not None and self.on_grammar(health)
         replica.client = client
         client.start()
         self._spawn(self._until_serving(replica, client))

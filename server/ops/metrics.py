@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector
 
-from specserve.engine.outputs import EngineLoad, StepStat
+from specserve.engine.outputs import EngineLoad, GrammarHealth, StepStat
 from specserve.server.ops.watchdog import WatchdogReport, WatchdogState
 from specserve.server.request_record import TTFT_STAGES, RequestRecord
 
@@ -64,7 +64,9 @@ class ServerMetrics:
                                      registry=r)
         self.finished_requests = Counter(
             "specserve_finished_requests",
-            "Requests that generated to their end (not refused or cancelled), by finish reason",
+            "Choices (sequences; a request has n) that ended, by finish reason: stop, length, or "
+            "error (failed mid-generation, e.g. the grammar service died); not those refused or "
+            "cancelled",
             ["finish_reason"], registry=r)
         self.queue_time = Histogram(
             "specserve_queue_time_seconds",
@@ -151,14 +153,25 @@ class ServerMetrics:
                                        "Prefill tokens per extend step",
                                        buckets=_EXTEND_TOKEN_BUCKETS, registry=r)
         self._retractions_seen = 0  # the engine reports a running total; the counter takes steps
+        # The engine's grammar service (structured outputs), as the engine reports it.
+        self.grammar_up = Gauge(
+            "specserve_grammar_up",
+            "1 while the engine's grammar service (structured outputs) is up and warm, 0 while it "
+            "restarts (constrained requests then fail with UNAVAILABLE) or is missing",
+            registry=r)
+        self.grammar_restarts = Counter(
+            "specserve_grammar_restarts", "Times the engine restarted its grammar process after "
+            "it died", registry=r)
+        self._grammar_restarts_seen = 0
         r.register(_WatchdogCollector(watchdog_report))
 
     def observe_finished(self, record: RequestRecord) -> None:
         """The per-request metrics that are known once a request has ended."""
         self.requests.labels(record.status).inc()
         self.request_duration.observe(record.duration)
-        if record.finish_reason is not None:
-            self.finished_requests.labels(record.finish_reason).inc()
+        for reason in record.finish_reasons:  # per choice: n > 1 counts each
+            if reason is not None:
+                self.finished_requests.labels(reason).inc()
         if record.time_per_output_token is not None:
             self.time_per_output_token.observe(record.time_per_output_token)
         self.spec_verify_steps.inc(record.verify_steps)
@@ -180,6 +193,12 @@ class ServerMetrics:
                     self.decode_stall.observe(step.seconds)
         if load is not None:
             self.observe_load(load)
+
+    def observe_grammar(self, health: GrammarHealth) -> None:
+        self.grammar_up.set(1 if health.serving else 0)
+        if health.restarts > self._grammar_restarts_seen:
+            self.grammar_restarts.inc(health.restarts - self._grammar_restarts_seen)
+            self._grammar_restarts_seen = health.restarts
 
     def observe_load(self, load: EngineLoad) -> None:
         self.num_running.set(load.num_running)

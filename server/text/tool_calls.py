@@ -548,9 +548,26 @@ class ForcedCallStream(_CallStream):
 
 # --- forced calls: tool_choice "required" or a named function -----------------------------------
 def required_calls_schema(tools: list[dict], parallel: bool = True) -> dict:
-    """One or more calls of the given functions, as a JSON list (one with parallel False)."""
+    """One or more calls of the given functions, as a JSON list (one with parallel False).
+
+    Each function's parameters schema moves to the root's `$defs` (as `tool<i>`) and its
+    call's `parameters` refers to it: a schema's own references (`#/$defs/...`, `#`) are
+    relative to its root, so they are rewritten to point inside `#/$defs/tool<i>`."""
+    defs = {f"tool{i}": _rebased(t.get("parameters") or {"type": "object"}, f"#/$defs/tool{i}")
+            for i, t in enumerate(tools)}
     return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
         {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
          "properties": {"name": {"type": "string", "enum": [t["name"]]},
-                        "parameters": t.get("parameters") or {"type": "object"}}}
-        for t in tools]}}
+                        "parameters": {"$ref": f"#/$defs/tool{i}"}}}
+        for i, t in enumerate(tools)]}, "$defs": defs}
+
+
+def _rebased(schema, root: str):
+    """The schema with each local `$ref` ("#...") made relative to `root` instead of "#"."""
+    if isinstance(schema, dict):
+        return {key: (root + value[1:] if key == "$ref" and isinstance(value, str)
+                      and value.startswith("#") else _rebased(value, root))
+                for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(value, root) for value in schema]
+    return schema

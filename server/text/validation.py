@@ -15,12 +15,12 @@ from google.protobuf.message import DecodeError, Message
 import dataclasses
 
 from specserve.engine.config import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
-from specserve.engine.grammar.compiler import parse_grammar
 from specserve.engine.wire import grammar_from_proto, sampling_from_proto
 from specserve.proto import generate_pb2 as pb
 from specserve.server.config import DEFAULT_MAX_NEW_TOKENS
 from specserve.server.errors import InvalidRequest
 from specserve.server.text.chat_template import ChatTemplate
+from specserve.server.text.schema_checks import check_json_schema_text
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256   # the stop-string matcher rescans held-back text of this length
@@ -121,9 +121,10 @@ class RequestValidator:
 
     def _with_grammar(self, params: SamplingParams, msg: pb.StructuredOutput,
                       chat: bool) -> SamplingParams:
-        """The request's grammar, parsed (a bad schema, regex or grammar is refused here, by
-        name, rather than in the engine); on a chat request with a reasoning parser it starts
-        after the end of the thinking."""
+        """The request's grammar; on a chat request with a reasoning parser it starts after the
+        end of the thinking. A JSON schema's cheap checks run here (schema_checks.py); parsing
+        and compiling it (superlinear in a schema's nesting) is the engine's grammar process's,
+        under its time budget, which fails a bad grammar by name with INVALID_ARGUMENT."""
         kind = msg.WhichOneof("grammar")
         if kind is not None and len(getattr(msg, kind) if kind != "json_object" else "") > MAX_GRAMMAR_CHARS:
             raise InvalidRequest(f"structured_output.{kind}: longer than {MAX_GRAMMAR_CHARS} characters")
@@ -139,7 +140,8 @@ class RequestValidator:
             grammar = grammar_from_proto(msg, after)
             if grammar is None:
                 return params
-            parse_grammar(grammar)
+            if grammar.kind == "json_schema":
+                check_json_schema_text(grammar.source, "structured_output.json_schema")
             return dataclasses.replace(params, grammar=grammar)
         except ValueError as e:  # names the field (structured_output.*, ignore_eos, ...)
             raise InvalidRequest(str(e)) from None

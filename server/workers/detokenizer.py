@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 
 import zmq
 
-from specserve.engine.outputs import EngineLoad, StepOutput, StepStat
+from specserve.engine.outputs import EngineLoad, FinishError, StepOutput, StepStat
 from specserve.engine.wire import decode_batch, decode_load, decode_step_stats
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.text.detokenizer import PendingTokens, decode_windows
@@ -46,7 +46,9 @@ class TextUpdate(NamedTuple):
     progress: tuple                 # EngineProgress fields (the speculative counters)
     engine_finished: bool           # the engine's last output for this sequence
     stopped_by_stop_string: bool    # the chunk ends the sequence; the engine has not finished it
-    error: Optional[str]            # the per-token work failed; the stream ends with it
+    # The sequence failed: the engine's "error" finish, or the per-token work here (INTERNAL);
+    # the request's stream ends with it.
+    error: Optional[FinishError]
     # The engine's TTFT stamps (StepOutput.stamps), on the sequence's first output with tokens.
     stamps: Optional[tuple] = None
 
@@ -92,23 +94,25 @@ class TextSteps:
         decoded.reverse()  # popped in the order of `live`
         updates = []
         for out, output in live:
-            piece, error = None, None
+            piece, error = None, out.error
+            window = decoded.pop() if output.detokenizer else None
             try:
-                chunk = output.on_output(out, decoded.pop() if output.detokenizer else None)
+                chunk = None if error is not None else output.on_output(out, window)
                 if chunk is not None:
                     if out.index:  # (0 is the field's default)
                         chunk.index = out.index
                     piece = chunk_piece(chunk)
             except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the worker
                 logger.exception("request %s: processing the engine's output failed", out.rid)
-                error = f"processing the engine's output failed: {e!r}"
+                error = FinishError("INTERNAL", f"processing the engine's output failed: {e!r}")
+            if error is not None:
                 output.finished = True
             updates.append(TextUpdate(out.rid, out.index, piece, tuple(output.progress),
                                       out.finished, output.finished and not out.finished
                                       and error is None, error, out.stamps))
             if error is not None or output.finished:
-                streams = self.requests[out.rid]
-                if all(s.finished for s in streams) or error is not None:
+                streams = self.requests.get(out.rid)  # None: another sequence of it failed here
+                if streams is not None and (error is not None or all(s.finished for s in streams)):
                     del self.requests[out.rid]
         return updates
 

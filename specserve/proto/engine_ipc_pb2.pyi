@@ -53,18 +53,20 @@ class Shutdown(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineToServer(_message.Message):
-    __slots__ = ("ready", "batch", "rejected", "load", "failed")
+    __slots__ = ("ready", "batch", "rejected", "load", "failed", "grammar")
     READY_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     ready: EngineReady
     batch: BatchOutput
     rejected: RequestRejected
     load: LoadReport
     failed: EngineFailed
-    def __init__(self, ready: _Optional[_Union[EngineReady, _Mapping]] = ..., batch: _Optional[_Union[BatchOutput, _Mapping]] = ..., rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., failed: _Optional[_Union[EngineFailed, _Mapping]] = ...) -> None: ...
+    grammar: GrammarStatus
+    def __init__(self, ready: _Optional[_Union[EngineReady, _Mapping]] = ..., batch: _Optional[_Union[BatchOutput, _Mapping]] = ..., rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., failed: _Optional[_Union[EngineFailed, _Mapping]] = ..., grammar: _Optional[_Union[GrammarStatus, _Mapping]] = ...) -> None: ...
 
 class EngineReady(_message.Message):
     __slots__ = ("info", "tokenizer_pickle")
@@ -75,7 +77,7 @@ class EngineReady(_message.Message):
     def __init__(self, info: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., tokenizer_pickle: _Optional[bytes] = ...) -> None: ...
 
 class BatchOutput(_message.Message):
-    __slots__ = ("rids", "indexes", "num_tokens", "token_ids", "flags", "finish_reasons", "matched_stop", "counters", "logprob_counts", "logprobs", "top_counts", "top_sizes", "top_ids", "top_logprobs", "prompt_logprob_counts", "prompt_logprobs", "prompt_top_counts", "prompt_top_sizes", "prompt_top_ids", "prompt_top_logprobs", "stamp_entries", "stamps", "step_extend", "step_seconds", "step_tokens", "step_others", "load")
+    __slots__ = ("rids", "indexes", "num_tokens", "token_ids", "flags", "finish_reasons", "matched_stop", "counters", "logprob_counts", "logprobs", "top_counts", "top_sizes", "top_ids", "top_logprobs", "prompt_logprob_counts", "prompt_logprobs", "prompt_top_counts", "prompt_top_sizes", "prompt_top_ids", "prompt_top_logprobs", "stamp_entries", "stamps", "step_extend", "step_seconds", "step_tokens", "step_others", "errors", "load")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     INDEXES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class BatchOutput(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_OTHERS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[str]
     indexes: bytes
@@ -129,8 +132,29 @@ class BatchOutput(_message.Message):
     step_seconds: bytes
     step_tokens: bytes
     step_others: bytes
+    errors: _containers.RepeatedCompositeFieldContainer[SequenceError]
     load: _generate_pb2.ServerLoad
-    def __init__(self, rids: _Optional[_Iterable[str]] = ..., indexes: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., finish_reasons: _Optional[bytes] = ..., matched_stop: _Optional[bytes] = ..., counters: _Optional[bytes] = ..., logprob_counts: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_counts: _Optional[bytes] = ..., top_sizes: _Optional[bytes] = ..., top_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprob_counts: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_counts: _Optional[bytes] = ..., prompt_top_sizes: _Optional[bytes] = ..., prompt_top_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., stamp_entries: _Optional[bytes] = ..., stamps: _Optional[bytes] = ..., step_extend: _Optional[bytes] = ..., step_seconds: _Optional[bytes] = ..., step_tokens: _Optional[bytes] = ..., step_others: _Optional[bytes] = ..., load: _Optional[_Union[_generate_pb2.ServerLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, rids: _Optional[_Iterable[str]] = ..., indexes: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., finish_reasons: _Optional[bytes] = ..., matched_stop: _Optional[bytes] = ..., counters: _Optional[bytes] = ..., logprob_counts: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_counts: _Optional[bytes] = ..., top_sizes: _Optional[bytes] = ..., top_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprob_counts: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_counts: _Optional[bytes] = ..., prompt_top_sizes: _Optional[bytes] = ..., prompt_top_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., stamp_entries: _Optional[bytes] = ..., stamps: _Optional[bytes] = ..., step_extend: _Optional[bytes] = ..., step_seconds: _Optional[bytes] = ..., step_tokens: _Optional[bytes] = ..., step_others: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., load: _Optional[_Union[_generate_pb2.ServerLoad, _Mapping]] = ...) -> None: ...
+
+class SequenceError(_message.Message):
+    __slots__ = ("entry", "code", "message")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    entry: int
+    code: str
+    message: str
+    def __init__(self, entry: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GrammarStatus(_message.Message):
+    __slots__ = ("serving", "restarts", "detail")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    restarts: int
+    detail: str
+    def __init__(self, serving: bool = ..., restarts: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestRejected(_message.Message):
     __slots__ = ("rid", "message")

@@ -42,7 +42,8 @@ def _chunk_bytes(chunk: ReadyChunk) -> bytes:
 
 _STATUS_CODES = {RefusalKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
                  RefusalKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 RefusalKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
+                 RefusalKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+                 RefusalKind.INTERNAL: grpc.StatusCode.INTERNAL}
 
 
 class GenerationServicer:

@@ -17,6 +17,7 @@ from specserve.proto import generate_pb2 as pb
 from specserve.server.errors import InvalidRequest
 from specserve.server.fronts.openai.chat_outputs import ChatOutputMode
 from specserve.server.generation import Served
+from specserve.server.text.schema_checks import check_json_schema
 from specserve.server.text.tool_calls import required_calls_schema
 from specserve.server.text.validation import ValidatedRequest
 
@@ -102,7 +103,7 @@ class GenerationBody(BaseModel):
                 if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                     raise InvalidRequest("response_format: json_schema.schema is required for "
                                          "type json_schema")
-                given.append(("response_format", pb.StructuredOutput(
+                given.append(("response_format.json_schema.schema", pb.StructuredOutput(
                     json_schema=json.dumps(fmt.json_schema.schema_))))
         if self.regex is not None:
             given.append(("regex", pb.StructuredOutput(regex=self.regex)))
@@ -125,6 +126,12 @@ class GenerationBody(BaseModel):
             return None
         self._grammar_field = given[0][0]
         return given[0][1]
+
+    def grammar_field(self) -> str:
+        """The request field that holds the grammar (the engine's errors about it name
+        structured_output.*). Prepare found it too, but maybe in a tokenizer worker process."""
+        self.structured_output()
+        return self._grammar_field
 
     def check_supported(self) -> None:
         """Refuse, by name, what the server does not implement (rather than ignore it)."""
@@ -325,6 +332,9 @@ class ChatCompletionRequest(GenerationBody):
         if isinstance(choice, NamedToolChoice) and \
                 choice.function.name not in {t.function.name for t in self.tools}:
             raise InvalidRequest(f"tool_choice: no tool is named {choice.function.name!r}")
+        for i, tool in enumerate(self.tools or ()):  # under any tool_choice: the model sees them
+            if tool.function.parameters is not None:
+                check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
         if self.forces_calls and self.structured_output() is not None:
             raise InvalidRequest(f"{self._grammar_field}: cannot be combined with tool_choice "
                                  f"required or a named function (the calls' schema is the grammar)")
@@ -352,18 +362,22 @@ class ChatCompletionRequest(GenerationBody):
         """tool_choice required or named: the calls' JSON schema."""
         choice = self.effective_tool_choice
         if isinstance(choice, NamedToolChoice):
-            fn = next(t.function for t in self.tools if t.function.name == choice.function.name)
-            schema = fn.parameters or {"type": "object"}
+            i = next(i for i, t in enumerate(self.tools) if t.function.name == choice.function.name)
+            schema = self.tools[i].function.parameters or {"type": "object"}
+            self._grammar_field = f"tools[{i}].function.parameters"
         elif choice == "required":
             schema = required_calls_schema([t.function.model_dump(exclude_none=True) for t in self.tools],
                                            self.parallel_tool_calls)
+            self._grammar_field = "tools"
         else:
             return None
-        self._grammar_field = "tools"
         return pb.StructuredOutput(json_schema=json.dumps(schema))
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def grammar_field(self) -> str:
+        return self._grammar_field if self._forced_grammar() is not None else super().grammar_field()
 
     def logprob_fields(self) -> dict:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}

@@ -11,8 +11,9 @@ from specserve.server.fronts.openai.chat_outputs import ChatChoiceOutput, ChatDe
 from specserve.server.text.logprobs import TokenTexts
 from specserve.server.text.tool_calls import CallDelta, assemble_calls, new_call_id
 
-_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                   pb.FINISH_REASON_ABORT: "abort"}
+# The core fails a request whose sequence ends otherwise (an error is an error response or
+# event, never a finish_reason): only OpenAI's values reach a body ("tool_calls" from "stop").
+_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 SSE_DONE = b"data: [DONE]\n\n"
 

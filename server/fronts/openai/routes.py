@@ -30,7 +30,8 @@ T = TypeVar("T")
 # HTTP status and OpenAI error type of each refusal.
 _STATUSES = {RefusalKind.INVALID_ARGUMENT: (400, "invalid_request_error"),
              RefusalKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-             RefusalKind.UNAVAILABLE: (503, "service_unavailable")}
+             RefusalKind.UNAVAILABLE: (503, "service_unavailable"),
+             RefusalKind.INTERNAL: (500, "server_error")}
 
 
 class _ClientGone(Exception):
@@ -41,6 +42,18 @@ class _NotFound(Exception):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+def _in_api_terms(refusal: Refused, body: GenerationBody) -> Refused:
+    """A refusal from the engine names the gRPC field (structured_output.json_schema, when its
+    grammar did not compile): renamed to the body's own (response_format.json_schema.schema,
+    tools[0].function.parameters, ...). Refusals of prepare are named so already."""
+    field = refusal.field
+    if field is None or not field.startswith("structured_output"):
+        return refusal
+    body.grammar_field()  # sets the field the grammar came from (prepare's copy may be elsewhere)
+    name = body.api_field(field)
+    return Refused(refusal.kind, name + refusal.message[len(field):], name)
 
 
 def _refusal_response(refusal: Refused, rid: Optional[str] = None) -> JSONResponse:
@@ -127,8 +140,8 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
             # gets its HTTP status rather than an error event in a 200 stream.
             first = await _unless_client_leaves(request, chunks.__anext__())
         except Refused as refusal:
-            return _refusal_response(refusal, rid)
-        return StreamingResponse(_events(shape(), first, chunks, body.include_usage),
+            return _refusal_response(_in_api_terms(refusal, body), rid)
+        return StreamingResponse(_events(shape(), first, chunks, body),
                                  media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
 
@@ -180,10 +193,11 @@ async def _collect(chunks: AsyncIterator[ReadyChunk]) -> list[pb.GenerateChunk]:
 
 
 async def _events(shape: ResponseFormat, first: ReadyChunk,
-                  chunks: AsyncIterator[ReadyChunk], include_usage: bool,
+                  chunks: AsyncIterator[ReadyChunk], body: GenerationBody,
                   ) -> AsyncIterator[bytes]:
     """The SSE body. Starlette cancels it when the client disconnects; aclosing then ends the
-    core's generator at once, which aborts the engine request."""
+    core's generator at once, which aborts the engine request. A failure once the stream has
+    started (a choice's "error" finish, the engine's death) is an `error` event, then [DONE]."""
     async with contextlib.aclosing(chunks):
         for opening in shape.first_chunks():
             yield sse(opening)
@@ -196,10 +210,11 @@ async def _events(shape: ResponseFormat, first: ReadyChunk,
                 break
             try:
                 chunk = await chunks.__anext__()
-            except Refused as refusal:  # the engine died mid-stream: the status is sent already
+            except Refused as refusal:  # failed mid-stream: the 200 status is sent already
+                refusal = _in_api_terms(refusal, body)
                 status, type_ = _STATUSES[refusal.kind]
                 yield sse(error_body(refusal.message, type_, refusal.field, str(status)))
                 break
-        if include_usage and not unfinished:
+        if body.include_usage and not unfinished:
             yield sse(shape.usage_chunk())
         yield SSE_DONE
