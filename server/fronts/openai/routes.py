@@ -109,9 +109,11 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
 
     @app.exception_handler(BodyTooLarge)
     async def body_too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
-        # The rest of the body is not read: the connection closes rather than take it.
+        # The connection stays open: what the client still sends of the body is read and
+        # dropped (bounded by the header timeout of the next request), so that it reads this
+        # answer instead of a reset.
         return JSONResponse(error_body(str(error), "invalid_request_error", "body"),
-                            status_code=413, headers={"connection": "close"})
+                            status_code=413)
 
     @app.exception_handler(Refused)
     async def refused(request: Request, refusal: Refused) -> JSONResponse:
