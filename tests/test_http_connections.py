@@ -192,10 +192,15 @@ async def test_connections_over_the_cap_are_refused_at_once_and_taken_again_late
 
 
 @pytest.mark.asyncio
-async def test_bytes_that_are_not_http_are_a_400_in_openai_shape():
+@pytest.mark.parametrize("request_bytes", [
+    b"\x16\x03\x01 not http\r\n\r\n",
+    # Headers past h11's 16 KiB and not ended yet: refused without waiting for their end.
+    b"GET /health HTTP/1.1\r\nhost: test\r\nx-big: " + b"a" * 20_000,
+])
+async def test_bytes_that_are_not_http_are_a_400_in_openai_shape(request_bytes):
     async with _serving(LIMITS, []) as port:
         reader, writer = await _connect(port)
-        writer.write(b"\x16\x03\x01 not http\r\n\r\n")
+        writer.write(request_bytes)
         response = await asyncio.wait_for(reader.read(), SLACK_S)
         head, _, body = response.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400")
