@@ -13,6 +13,7 @@ import resource
 import select
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from specserve.server.fronts.openai.bodies import OFF_LOOP_BYTES, BodyTooLarge, 
 
 MAX_BODY = 64 * 1024  # --max-message-bytes
 CAP = 48              # --http-max-connections
+BODY_TIMEOUT_S = 3.0  # --http-body-timeout
 SLACK_S = 30.0
 
 
@@ -31,7 +33,8 @@ def server(tiny_model):
     # A long header timeout: the cap's test holds idle connections open.
     server = ServerProcess(tiny_model, "--http-port", str(free_port()),
                            "--max-message-bytes", str(MAX_BODY),
-                           "--http-max-connections", str(CAP), "--http-header-timeout", "300")
+                           "--http-max-connections", str(CAP), "--http-header-timeout", "300",
+                           "--http-body-timeout", str(BODY_TIMEOUT_S))
     yield server
     assert server.stop() == 0
 
@@ -106,6 +109,23 @@ def test_a_chunked_body_is_refused_as_it_grows_past_the_limit(url):
         head, body = _read_response(sock)
     assert head.startswith("HTTP/1.1 413") and body["error"]["param"] == "body"
     assert sent > MAX_BODY
+
+
+def test_a_slow_body_is_cut_off_quietly(server, url):
+    """A body that never completes: the connection is closed after the body timeout, and the
+    route reading it ends as a client that left (no error logged)."""
+    log_lines = len(server.log)
+    start = time.monotonic()
+    with _raw_request(url, "POST /v1/completions HTTP/1.1\r\nhost: t\r\n"
+                           "content-length: 1000\r\n\r\n{\"prompt\": ") as sock:
+        try:
+            while sock.recv(65536):  # the server sends nothing: this returns at the cut-off
+                pass
+        except ConnectionResetError:
+            pass
+    assert BODY_TIMEOUT_S - 0.01 <= time.monotonic() - start < BODY_TIMEOUT_S + SLACK_S
+    assert httpx.get(url + "/health").status_code == 200
+    assert not [line for line in server.log[log_lines:] if "Traceback" in line or "ERROR" in line]
 
 
 # --- OpenAI's error shape for every refusal -----------------------------------------------------
