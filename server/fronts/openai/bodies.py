@@ -22,6 +22,10 @@ M = TypeVar("M", bound=BaseModel)
 # steps (smaller ones take well under a millisecond). A thread holds the GIL while it decodes,
 # so the size limit is what bounds one body's work.
 OFF_LOOP_BYTES = 64 * 1024
+# The deepest nesting of arrays and objects taken. The request goes on to be pickled for the
+# tokenizer workers, which recursion stops at about 490 levels (Python's default limit), and
+# json.loads at about 990; real bodies nest a few levels (OpenAI's strict schemas at most 10).
+MAX_NESTING = 400
 
 
 class BodyTooLarge(Exception):
@@ -56,9 +60,12 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     try:
         value = json.loads(raw)
     except RecursionError:
-        raise _invalid("nested too deeply to decode") from None
+        raise _invalid(f"arrays and objects nested deeper than {MAX_NESTING} levels") from None
     except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes not UTF-8
         raise _invalid(f"not valid JSON ({e})") from None
+    # Cheap bound first: a body with fewer brackets than the limit cannot nest deeper.
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _nesting(value) > MAX_NESTING:
+        raise _invalid(f"arrays and objects nested deeper than {MAX_NESTING} levels")
     try:
         return model.model_validate(value)
     except RecursionError:
@@ -68,6 +75,16 @@ def parse_body(raw: bytes, model: type[M]) -> M:
             [{**error, "loc": ("body", *error["loc"])}
              for error in e.errors(include_url=False, include_context=False, include_input=False)]
         ) from None
+
+
+def _nesting(value: object) -> int:
+    """How deep arrays and objects nest in a decoded JSON value (level by level, no recursion)."""
+    depth, level = 0, [value]
+    while level:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        depth += bool(level)
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _invalid(message: str) -> RequestValidationError:
