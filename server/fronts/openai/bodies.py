@@ -4,7 +4,7 @@ thread when they are large.
 FastAPI would read a body whole whatever its size and decode it on the event loop, so the
 routes take their bodies from read_body instead. Its refusals: BodyTooLarge (413), and
 RequestValidationError with the location ("body", field, ...) for a body that is not JSON,
-nests deeper than the JSON decoder goes, or does not fit the model (400, named by field).
+nests deeper than MAX_NESTING, or does not fit the model (400, named by field).
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ M = TypeVar("M", bound=BaseModel)
 # so the size limit is what bounds one body's work.
 OFF_LOOP_BYTES = 64 * 1024
 # The deepest nesting of arrays and objects taken. The request goes on to be pickled for the
-# tokenizer workers, which recursion stops at about 490 levels (Python's default limit), and
-# json.loads at about 990; real bodies nest a few levels (OpenAI's strict schemas at most 10).
+# tokenizer workers, where recursion stops at about 490 levels (Python's default limit; a
+# deeper body was a 500), and json.loads at about 990; real bodies nest a few levels (OpenAI's
+# strict schemas at most 10).
 MAX_NESTING = 400
 
 
