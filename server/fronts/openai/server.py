@@ -27,6 +27,7 @@ class HttpApiServer:
         # The gRPC port's certificate, if it has one: both fronts are then TLS only.
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off",
                                      http=functools.partial(GuardedH11Protocol, limits=limits),
+                                     ws="none",  # no WebSocket routes: an upgrade is plain HTTP
                                      log_config=None, access_log=False,
                                      ssl_certfile=tls_cert, ssl_keyfile=tls_key,
                                      timeout_graceful_shutdown=STOP_GRACE_S)
