@@ -1,7 +1,7 @@
 """The HTTP front's connections (server/fronts/openai/connections.py), in process on a small app:
 a client too slow sending its headers or its body is cut off after the timeout (not before), a
-well-behaved one is served; over the connection cap a new connection is answered 503 at once,
-and connections are taken again once others close; bytes that are not HTTP are a 400 in
+well-behaved one is served; over the connection cap a new connection is answered 503 at once
+(and the cap logged once, not per refusal), and connections are taken again once others close; bytes that are not HTTP are a 400 in
 OpenAI's error shape. The timeouts are behaviour: each is checked as "not before the timeout,
 within the timeout plus a generous slack"."""
 from __future__ import annotations
@@ -17,7 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from specserve.server.config import ServerConfig
-from specserve.server.fronts.openai.connections import ConnectionLimits, default_max_connections
+from specserve.server.fronts.openai.connections import (CAP_WARNING_INTERVAL_S, ConnectionLimits,
+                                                       GuardedH11Protocol,
+                                                       default_max_connections)
 from specserve.server.fronts.openai.server import HttpApiServer
 
 HEADER_TIMEOUT_S = 0.5
@@ -156,7 +158,9 @@ async def test_a_client_within_the_timeouts_keeps_its_connection():
 
 
 @pytest.mark.asyncio
-async def test_connections_over_the_cap_are_refused_at_once_and_taken_again_later():
+async def test_connections_over_the_cap_are_refused_at_once_and_taken_again_later(caplog,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(GuardedH11Protocol, "_cap_warned_at", -CAP_WARNING_INTERVAL_S)
     cap = 3
     limits = ConnectionLimits(max_connections=cap, header_timeout_s=60, body_timeout_s=60)
     async with _serving(limits, []) as port:
@@ -171,6 +175,9 @@ async def test_connections_over_the_cap_are_refused_at_once_and_taken_again_late
             assert error["type"] == "service_unavailable" and f"{cap} HTTP connections" in \
                 error["message"], error
             writer.close()
+        warnings = [r.getMessage() for r in caplog.records if "the cap" in r.getMessage()]
+        assert warnings == [f"HTTP front: {cap} connections open, the cap "
+                            "(--http-max-connections); refusing new ones with 503"]
         # The held ones are served...
         assert (await _get_health(port, *held[0])).startswith(b"HTTP/1.1 200")
         # ...and once one closes, a new connection is taken again.

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import resource
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +31,8 @@ from specserve.server.config import ServerConfig
 from specserve.server.fronts.openai.responses import error_body
 
 logger = logging.getLogger("specserve.server")
+
+CAP_WARNING_INTERVAL_S = 60.0  # refusals at the cap are logged once a minute, not each
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a connection cap and deadlines for reading a request (see
     the module's docstring). Give uvicorn.Config(http=...) a functools.partial binding limits."""
 
+    _cap_warned_at = -CAP_WARNING_INTERVAL_S  # (monotonic) the front's last warning of the cap
+
     def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.limits = limits
@@ -84,6 +89,11 @@ class GuardedH11Protocol(H11Protocol):
                             + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
                             + b"\r\n" + body)
             transport.close()
+            now = time.monotonic()
+            if now - GuardedH11Protocol._cap_warned_at >= CAP_WARNING_INTERVAL_S:
+                GuardedH11Protocol._cap_warned_at = now
+                logger.warning("HTTP front: %d connections open, the cap (--http-max-connections)"
+                               "; refusing new ones with 503", self.limits.max_connections)
             return
         super().connection_made(transport)
         self._follow_request()
