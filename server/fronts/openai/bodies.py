@@ -69,8 +69,6 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise _invalid(f"arrays and objects nested deeper than {MAX_NESTING} levels")
     try:
         return model.model_validate(value)
-    except RecursionError:
-        raise _invalid("nested too deeply to validate") from None
     except ValidationError as e:
         raise RequestValidationError(
             [{**error, "loc": ("body", *error["loc"])}

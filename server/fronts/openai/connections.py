@@ -80,23 +80,26 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
-            self._refused = True
-            headers, body = _error_bytes(
-                503, f"server: {self.limits.max_connections} HTTP connections are open, the "
-                     "most this server takes (--http-max-connections); retry later",
-                "service_unavailable")
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\n"
-                            + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
-                            + b"\r\n" + body)
-            transport.close()
-            now = time.monotonic()
-            if now - GuardedH11Protocol._cap_warned_at >= CAP_WARNING_INTERVAL_S:
-                GuardedH11Protocol._cap_warned_at = now
-                logger.warning("HTTP front: %d connections open, the cap (--http-max-connections)"
-                               "; refusing new ones with 503", self.limits.max_connections)
+            self._refuse(transport)
             return
         super().connection_made(transport)
         self._follow_request()
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """503 and close, before reading anything: the descriptor is free again at once."""
+        self._refused = True
+        cap = self.limits.max_connections
+        headers, body = _error_bytes(
+            503, f"server: {cap} HTTP connections are open, the most this server takes "
+                 "(--http-max-connections); retry later", "service_unavailable")
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\n"
+                        + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n" + body)
+        transport.close()
+        now = time.monotonic()
+        if now - GuardedH11Protocol._cap_warned_at >= CAP_WARNING_INTERVAL_S:
+            GuardedH11Protocol._cap_warned_at = now
+            logger.warning("HTTP front: %d connections open, the cap (--http-max-connections); "
+                           "refusing new ones with 503", cap)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         if self._refused:  # never counted, nothing started
