@@ -70,10 +70,8 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        raise RequestValidationError(
-            [{**error, "loc": ("body", *error["loc"])}
-             for error in e.errors(include_url=False, include_context=False, include_input=False)]
-        ) from None
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
+                                      for error in e.errors()]) from None
 
 
 def _nesting(value: object) -> int:
