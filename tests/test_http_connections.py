@@ -142,15 +142,15 @@ async def test_slow_body_is_cut_off_and_the_app_sees_the_client_gone():
 
 @pytest.mark.asyncio
 async def test_a_client_within_the_timeouts_keeps_its_connection():
-    """Headers and body in pieces, each gap shorter than the timeouts: served, and the
-    keep-alive connection serves a second request."""
-    async with _serving(LIMITS, []) as port:
+    """Headers and body in pieces, well within the timeouts: served, and the keep-alive
+    connection serves a second request."""
+    async with _serving(ConnectionLimits(64, header_timeout_s=10, body_timeout_s=10), []) as port:
         reader, writer = await _connect(port)
         for piece in (b"POST /echo HTTP/1.1\r\n", b"host: test\r\ncontent-length: 4\r\n\r\n",
                       b"ab", b"cd"):
             writer.write(piece)
             await writer.drain()
-            await asyncio.sleep(HEADER_TIMEOUT_S / 10)
+            await asyncio.sleep(DRIP_INTERVAL_S)
         response = await asyncio.wait_for(reader.readuntil(b"abcd"), SLACK_S)
         assert response.startswith(b"HTTP/1.1 200")
         assert (await _get_health(port, reader, writer)).startswith(b"HTTP/1.1 200")
