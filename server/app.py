@@ -176,8 +176,9 @@ class SpecserveServer:
         logger.info("serving on %s:%d (%s)", config.host, self.port, scheme)
         if self.http_api is not None:
             await self.http_api.start()
-            logger.info("OpenAI-compatible API on %s://%s:%d/v1",
-                        "https" if config.tls_cert else "http", config.host, http_api_port)
+            logger.info("OpenAI-compatible API on %s://%s:%d/v1 (at most %d connections)",
+                        "https" if config.tls_cert else "http", config.host, http_api_port,
+                        self.http_api.limits.max_connections)
         if config.metrics_port is not None:
             logger.info("metrics and health on http://%s:%d/metrics and /health", config.host,
                         http_port)
@@ -185,12 +186,15 @@ class SpecserveServer:
     def _build_http_api(self):
         # Imported here: FastAPI and uvicorn are an optional dependency (the `http` extra) that
         # only --http-port needs.
+        from specserve.server.fronts.openai.connections import ConnectionLimits
         from specserve.server.fronts.openai.routes import create_app
         from specserve.server.fronts.openai.server import HttpApiServer
 
-        app = create_app(self.core, self.metrics.registry, lambda: self.health.serving)
         config = self.server_config
-        return HttpApiServer(app, config.host, config.http_port, config.tls_cert, config.tls_key)
+        app = create_app(self.core, self.metrics.registry, lambda: self.health.serving,
+                         config.max_message_bytes)
+        return HttpApiServer(app, config.host, config.http_port, ConnectionLimits.of(config),
+                             config.tls_cert, config.tls_key)
 
     def _on_engine_death(self, reason: str) -> None:
         self._health_update = asyncio.get_running_loop().create_task(

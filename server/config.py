@@ -22,7 +22,15 @@ class ServerConfig:
     max_queue: int = 1024
     max_prompt_tokens: Optional[int] = None   # None: the model's context length - 1
     max_new_tokens_cap: Optional[int] = None  # None: the model's context length - 1
-    max_message_bytes: int = 16 * 1024 * 1024  # largest request message accepted
+    max_message_bytes: int = 16 * 1024 * 1024  # largest request message (HTTP body) accepted
+    # The HTTP front (server/fronts/openai/connections.py): a request's headers must arrive within
+    # http_header_timeout_s of its connection opening (or of the previous response ending), and
+    # its body within http_body_timeout_s of its headers; a slower client is cut off.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 60.0
+    # Open HTTP connections at most; more are answered 503 and closed at once. None: half the
+    # process's file-descriptor limit (RLIMIT_NOFILE), the rest left to gRPC and the workers.
+    http_max_connections: Optional[int] = None
     drain_timeout_s: float = 30.0   # on SIGTERM: how long in-flight calls may take to finish
     stats_log_interval_s: float = 10.0  # a throughput/queue/KV log line this often while busy
     engine_start_timeout_s: float = 1800.0  # weight loading + warm-up before giving up
@@ -64,6 +72,11 @@ class ServerConfig:
             raise ValueError(f"stats_log_interval_s: must be > 0, got {self.stats_log_interval_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.http_max_connections is not None and self.http_max_connections < 1:
+            raise ValueError(f"http_max_connections: must be >= 1, got {self.http_max_connections}")
         if not self.engine_heartbeat_timeout_s > 0:
             raise ValueError(f"engine_heartbeat_timeout_s: must be > 0, got "
                              f"{self.engine_heartbeat_timeout_s}")

@@ -115,7 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls admitted beyond --max-running-requests before RESOURCE_EXHAUSTED")
     g.add_argument("--max-prompt-tokens", type=int, default=None)
     g.add_argument("--max-new-tokens-cap", type=int, default=None)
-    g.add_argument("--max-message-bytes", type=int, default=None)
+    g.add_argument("--max-message-bytes", type=int, default=None,
+                   help="largest gRPC message and HTTP body accepted (default 16 MiB)")
+    g.add_argument("--http-header-timeout", type=float, default=None,
+                   help="seconds an HTTP client gets to send a request's headers (default 10)")
+    g.add_argument("--http-body-timeout", type=float, default=None,
+                   help="seconds an HTTP client gets to send a request's body (default 60)")
+    g.add_argument("--http-max-connections", type=int, default=None,
+                   help="open HTTP connections at most, more are refused with 503 (default: "
+                        "half the process's file-descriptor limit)")
     g.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds in-flight calls get to finish on SIGTERM")
     g.add_argument("--stats-log-interval", type=float, default=None,
@@ -187,7 +195,9 @@ def _server_config_from_args(args: argparse.Namespace):
         ("engine_heartbeat_timeout_s", "engine_heartbeat_timeout"),
         ("engine_stall_timeout_s", "engine_stall_timeout"), ("reasoning_parser", "reasoning_parser"),
         ("tool_call_parser", "tool_call_parser"),
-        ("tokenizer_workers", "tokenizer_workers")) if getattr(args, flag) is not None}
+        ("tokenizer_workers", "tokenizer_workers"),
+        ("http_header_timeout_s", "http_header_timeout"), ("http_body_timeout_s", "http_body_timeout"),
+        ("http_max_connections", "http_max_connections")) if getattr(args, flag) is not None}
     if optional.get("engine_stall_timeout_s") == 0:
         optional["engine_stall_timeout_s"] = None
     port = args.port

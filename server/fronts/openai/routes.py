@@ -1,8 +1,9 @@
 """The FastAPI app of the OpenAI-compatible front: routes, error shapes and client disconnects.
 
 Generation goes through the same GenerationCore as gRPC calls (admission, validation, streaming,
-engine aborts), so this module only translates: requests in (protocol.py), chunks out
-(responses.py), refusals into HTTP statuses.
+engine aborts), so this module only translates: requests in (bodies.py reads them, protocol.py
+describes them), chunks out (responses.py), refusals into HTTP statuses. Every refusal, FastAPI's
+and Starlette's own included (no such route, a wrong method), has OpenAI's error shape.
 """
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from specserve.engine.outputs import EngineInfo
 from specserve.proto import generate_pb2 as pb
+from specserve.server.fronts.openai.bodies import BodyTooLarge, read_body
 from specserve.server.fronts.openai.chat_outputs import ChatOutputMode
 from specserve.server.fronts.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest,
@@ -86,8 +91,15 @@ async def _unless_client_leaves(request: Request, awaitable: Awaitable[T]) -> T:
     return work.result()
 
 
+def _model_card(info: EngineInfo) -> dict:
+    return {"id": info.model, "object": "model", "created": 0, "owned_by": "specserve",
+            "max_model_len": info.max_context_len, "weight_dtype": info.weight_dtype,
+            "kv_cache_dtype": info.kv_cache_dtype}
+
+
 def create_app(core: GenerationCore, registry: CollectorRegistry,
-               is_serving: Callable[[], bool]) -> FastAPI:
+               is_serving: Callable[[], bool], max_body_bytes: int) -> FastAPI:
+    """max_body_bytes: the largest request body read (a larger one is a 413)."""
     app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -99,6 +111,23 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
         return JSONResponse(error_body(f"{'.'.join(loc) or 'body'}: {first.get('msg')}",
                                        "invalid_request_error", param), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's refusals: a path no route has (404), a method the route does not take
+        (405, with its Allow header). OpenAI's own API words an unknown path this way."""
+        what = {404: "Invalid URL", 405: "Method not allowed"}.get(error.status_code, error.detail)
+        return JSONResponse(error_body(f"{what} ({request.method} {request.url.path})",
+                                       "invalid_request_error"),
+                            status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
+        # The connection stays open: what the client still sends of the body is read and
+        # dropped (bounded by the header timeout of the next request), so that it reads this
+        # answer instead of a reset.
+        return JSONResponse(error_body(str(error), "invalid_request_error", "body"),
+                            status_code=413)
+
     @app.exception_handler(Refused)
     async def refused(request: Request, refusal: Refused) -> JSONResponse:
         return _refusal_response(refusal)
@@ -109,7 +138,8 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
                                        "model_not_found"), status_code=404)
 
     @app.exception_handler(_ClientGone)
-    async def client_gone(request: Request, error: _ClientGone) -> Response:
+    @app.exception_handler(ClientDisconnect)  # gone while its body was read
+    async def client_gone(request: Request, error: Exception) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     def served_model(model: Optional[str]) -> Served:
@@ -146,29 +176,33 @@ def create_app(core: GenerationCore, registry: CollectorRegistry,
                                  headers={**headers, "cache-control": "no-cache"})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, max_body_bytes)
         return await generate(body, request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, max_body_bytes)
         return await generate(body, request, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        info = core.check_available().info
-        return {"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "specserve",
-            "max_model_len": info.max_context_len, "weight_dtype": info.weight_dtype,
-            "kv_cache_dtype": info.kv_cache_dtype}]}
+        return {"object": "list", "data": [_model_card(core.check_available().info)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        return _model_card(served_model(model_id).info)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(request: Request) -> dict:
+        body = await read_body(request, TokenizeRequest, max_body_bytes)
         served = served_model(body.model)
         ids = await core.tokenizer_call("tokenize", body.token_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": served.info.max_context_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(request: Request) -> dict:
+        body = await read_body(request, DetokenizeRequest, max_body_bytes)
         served_model(body.model)
         return {"prompt": await core.tokenizer_call("detokenize", body.text)}
 

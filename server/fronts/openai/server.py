@@ -2,25 +2,32 @@
 
 `uvicorn.Server.serve()` would install its own SIGINT/SIGTERM handlers (and re-raise the
 signals when it stops), taking shutdown away from the server's drain; so only its startup and
-shutdown halves run here, plus its once-a-tick loop (it keeps the Date header fresh).
+shutdown halves run here, plus its once-a-tick loop (it keeps the Date header fresh). Its
+connections are uvicorn's h11 protocol with a cap and read deadlines (connections.py).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI
 
+from specserve.server.fronts.openai.connections import ConnectionLimits, GuardedH11Protocol
+
 STOP_GRACE_S = 1.0  # after the drain: time for connections still open to close
 
 
 class HttpApiServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls_cert: Optional[str] = None,
-                 tls_key: Optional[str] = None):
+    def __init__(self, app: FastAPI, host: str, port: int, limits: ConnectionLimits,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None):
+        self.limits = limits
         # The gRPC port's certificate, if it has one: both fronts are then TLS only.
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off",
+                                     http=functools.partial(GuardedH11Protocol, limits=limits),
+                                     ws="none",  # no WebSocket routes: an upgrade is plain HTTP
                                      log_config=None, access_log=False,
                                      ssl_certfile=tls_cert, ssl_keyfile=tls_key,
                                      timeout_graceful_shutdown=STOP_GRACE_S)
