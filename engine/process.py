@@ -79,9 +79,9 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         heartbeat.start()
         outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
         loop.run()
-    except Exception:
-        logger.exception("engine process failed")
-        failed = ipc.EngineFailed(message=traceback.format_exc())
+    except Exception as e:
+        # The server logs it (once: the traceback too when the engine had been serving).
+        failed = ipc.EngineFailed(message=f"{one_line(e)}\n{traceback.format_exc()}")
         outputs.send(ipc.EngineToServer(failed=failed).SerializeToString())
         raise SystemExit(1)
     finally:
@@ -92,6 +92,13 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         requests.close(linger=0)
         outputs.close()
         context.term()
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: a ValueError's message alone (ours start with the field they
+    refuse), others after their type (FileNotFoundError, torch.OutOfMemoryError, ...)."""
+    text = " ".join(str(error).split()) or "(no message)"
+    return text if type(error) is ValueError else f"{type(error).__name__}: {text}"
 
 
 def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None):

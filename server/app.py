@@ -5,7 +5,9 @@ Lifecycle: listen at once (health NOT_SERVING) -> spawn the engine -> SERVING on
 SIGTERM/SIGINT: NOT_SERVING, refuse new calls, let in-flight calls finish (drain_timeout_s),
 stop the engine, exit 0. If the engine dies, or the watchdog finds it frozen or stuck (and kills
 it), health goes NOT_SERVING and every call fails with UNAVAILABLE; the server stays up so that
-probes see it (the orchestrator restarts it). A port that cannot be bound: one error line, exit 1.
+probes see it (the orchestrator restarts it). A start-up error (a model folder or TLS file that
+is not there, --http-port without the `http` extra: server/preflight.py, before anything binds;
+a port that cannot be bound; the engine failing to start): one error line, exit 1.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from specserve.server.ops.health import GENERATION_SERVICE, HealthStatus
 from specserve.server.ops.http_endpoint import HttpEndpoint
 from specserve.server.ops.metrics import ServerMetrics
 from specserve.server.ops.watchdog import EngineWatchdog
+from specserve.server.preflight import StartupError, check_startup
 
 logger = logging.getLogger("specserve.server")
 
@@ -185,7 +188,11 @@ class SpecserveServer:
         from specserve.server.fronts.openai.routes import create_app
         from specserve.server.fronts.openai.server import HttpApiServer
 
-        app = create_app(self.core, self.metrics.registry, lambda: self.health.serving)
+        # Not a closure over self: FastAPI's caches keep the app's endpoints alive until the
+        # interpreter exits, and with self the gRPC server, whose destruction then (after its
+        # event loop) printed a garbled "Error in sys.excepthook".
+        health = self.health
+        app = create_app(self.core, self.metrics.registry, lambda: health.serving)
         config = self.server_config
         return HttpApiServer(app, config.host, config.http_port, config.tls_cert, config.tls_key)
 
@@ -274,6 +281,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     """Run the server on uvloop when it is installed; returns the process exit status.
     start_engine: a stand-in for the engine (benchmarks of the server alone); cluster:
     data-parallel replicas on Ray."""
+    try:
+        check_startup(engine_config, server_config, local_engine=cluster is None)
+    except StartupError as e:
+        logger.error("%s", e)
+        return 1
+
     async def main() -> int:
         return await SpecserveServer(engine_config, server_config, start_engine, cluster).run()
 

@@ -6,15 +6,15 @@ parameter is assembled from its checkpoint parts, so nothing is materialised twi
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable, Iterable, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specserve.engine.layers.parallel import QuantizableLinear
+from specserve.engine.models.checkpoint_dir import safetensors_files
 from specserve.engine.models.fp8_loading import (
     Fp8Target, PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
 from specserve.engine.quantization.config import QuantConfig
@@ -32,18 +32,17 @@ class CheckpointReader:
     """Lazy tensor access over every safetensors file of a checkpoint folder."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        files = safetensors_files(path)
         if not files:
             raise FileNotFoundError(f"model: no *.safetensors files in {path}")
         self._where: dict[str, str] = {}
         self._handles = {}
         for name in files:
-            handle = safe_open(os.path.join(path, name), framework="pt")
+            try:
+                handle = safe_open(os.path.join(path, name), framework="pt")
+            except (SafetensorError, OSError) as e:  # whose message does not name the file
+                raise ValueError(f"model: {os.path.join(path, name)}: not a readable "
+                                 f"safetensors file ({e})") from None
             self._handles[name] = handle
             for key in handle.keys():
                 self._where[key] = name
