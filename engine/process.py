@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.progress import progress
 from specserve.engine.wire import encode_batch, info_to_proto, load_to_proto, sampling_from_add_request
 from specserve.proto import engine_ipc_pb2 as ipc
 
@@ -114,8 +115,9 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     # of a new length otherwise paid about a second).
     longest = WARMUP_MAX_PROMPT if engine.core.device.type == "cuda" else 4
     lengths = [n for n in (1 << i for i in range(longest.bit_length())) if n < engine.max_context_len]
-    logger.info("warming up: prompts of %s tokens (the first forwards compile and allocate)",
-                ", ".join(map(str, lengths)))
+    logger.info("warming up: prompts of %s tokens%s, greedy and sampled (the first forwards "
+                "compile and allocate)", ", ".join(map(str, lengths)),
+                ", then batches" if engine.core.device.type == "cuda" else "")
     vocab = engine.info.vocab_size
     # Both paths of an extend: greedy batches that end their prompts replay the captured extends
     # (runtime/captured_extend.py), the rest (sampled, a chunk inside a prompt, more than the
@@ -123,9 +125,9 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     # own, so that the prefix cache does not turn its prompts into cached tails.
     passes = ((0, SamplingParams(max_new_tokens=2, temperature=0.0)),
               (1, SamplingParams(max_new_tokens=2, temperature=1.0, seed=0)))
-    for offset, params in passes:
-        for n in lengths:
-            engine.generate(prompt_token_ids=[[(i + 7 * offset) % vocab for i in range(n)]], sampling=params)
+    # (prompts, sampling) of each warm-up generation, run in this order.
+    runs = [([[(i + 7 * offset) % vocab for i in range(n)]], params)
+            for offset, params in passes for n in lengths]
     if engine.core.device.type == "cuda":
         # Batched prefills, as concurrent arrivals make them: an eager extend's kernels take
         # the batch's request and token counts as arguments, which Triton specialises (1, a
@@ -136,11 +138,10 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
             for batch, length in WARMUP_BATCHES:
                 batch = min(batch, engine.config.max_running_requests)
                 length = min(length, engine.max_context_len - 4)
-                logger.info("warming up: a batch of %d prompts of up to %d tokens (%s)", batch, length,
-                            "sampled" if offset else "greedy")
-                engine.generate(prompt_token_ids=[[(j * 7919 + i + 104729 * offset) % vocab
-                                                   for i in range(length - j % length)] for j in range(batch)],
-                                sampling=params)
+                runs.append(([[(j * 7919 + i + 104729 * offset) % vocab
+                               for i in range(length - j % length)] for j in range(batch)], params))
+    for prompts, params in progress(runs, len(runs), "warming up", "generations"):
+        engine.generate(prompt_token_ids=prompts, sampling=params)
     engine.take_step_stats()  # the warm-up's steps are no one's
     return engine
 

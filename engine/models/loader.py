@@ -17,6 +17,7 @@ from specserve.engine.layers.parallel import QuantizableLinear
 from specserve.engine.models.checkpoint_dir import safetensors_files
 from specserve.engine.models.fp8_loading import (
     Fp8Target, PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
+from specserve.engine.progress import progress
 from specserve.engine.quantization.config import QuantConfig
 
 # our fused name part -> checkpoint parts, concatenated along dim 0 in this order
@@ -35,6 +36,7 @@ class CheckpointReader:
         files = safetensors_files(path)
         if not files:
             raise FileNotFoundError(f"model: no *.safetensors files in {path}")
+        self.name = os.path.basename(os.path.normpath(path))  # for progress lines
         self._where: dict[str, str] = {}
         self._handles = {}
         for name in files:
@@ -82,7 +84,8 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
     for a layer that cannot hold one is refused, never converted.
     """
     _adopt_fp8_layers(module, reader, to_checkpoint_name, quant)
-    for name, param in module.named_parameters(remove_duplicate=True):
+    params = list(module.named_parameters(remove_duplicate=True))
+    for name, param in progress(params, len(params), f"loading {reader.name}", "tensors"):
         if hasattr(param, "scale_block"):  # an FP8 weight's scales: loaded by _adopt_fp8_layers
             continue
         if hasattr(param, "stacked_experts"):
