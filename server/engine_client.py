@@ -379,7 +379,7 @@ class EngineClient:
                 logger.debug("the engine failed to start:\n%s", trace)
                 self._mark_dead(error)
             else:  # a bug: its traceback belongs in the log
-                logger.error("engine failed: %s\n%s", error, trace)
+                logger.error("engine failed: %s%s", error, f"\n{trace}" if trace else "")
                 self._mark_dead(f"engine failed: {error}")
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:

@@ -88,9 +88,13 @@ def _check_messages(conversation: Conversation) -> None:
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{i}].role: {role!r} is not a chat role (one of "
                                  f"{', '.join(CHAT_ROLES)})")
-        if message.get("content") is None and not (role == "assistant" and message.get("tool_calls")):
-            raise InvalidRequest(f"messages[{i}].content: required"
-                                 + (" unless the message has tool_calls" if role == "assistant" else ""))
+        if message.get("content") is not None:
+            continue
+        if role != "assistant":
+            raise InvalidRequest(f"messages[{i}].content: required")
+        if not message.get("tool_calls"):
+            raise InvalidRequest(f"messages[{i}].content: required unless the message has "
+                                 f"tool_calls")
 
 
 def _optional_bool(message: Message, field: str) -> Optional[bool]:
