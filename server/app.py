@@ -63,13 +63,13 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Bind the port briefly to learn why it cannot be used: gRPC's bind error says only
-    "Failed to bind" (the reason goes to its own log)."""
-    if port == 0:
-        return
+    """Resolve the host and bind the port briefly to learn why it cannot be used: gRPC's bind
+    error says only "Failed to bind" (the reason goes to its own log)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        if port == 0:  # any free port: nothing to probe
+            return
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
             probe.bind(address)

@@ -9,6 +9,7 @@ engine process reports its start-up failure (server/engine_client.py)."""
 from __future__ import annotations
 
 import importlib
+import ssl
 from typing import Optional
 
 from specserve.engine.config import EngineConfig, SpecConfig
@@ -54,14 +55,24 @@ def _model_problem(config: EngineConfig) -> Optional[str]:
 
 
 def _tls_problem(config: ServerConfig) -> Optional[str]:
+    """Both files readable, and a PEM certificate chain with its (unencrypted) private key:
+    gRPC's own error for a bad one is "Failed to bind to address"."""
+    if config.tls_cert is None:
+        return None
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
-        if path is None:
-            continue
         try:
             with open(path, "rb"):
                 pass
         except OSError as e:
             return f"{flag} {path}: {e.strerror or e}"
+    try:
+        # An empty password: an encrypted key fails here instead of prompting (gRPC and
+        # uvicorn take no password either).
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            config.tls_cert, config.tls_key, password=lambda: b"")
+    except ssl.SSLError as e:
+        return (f"--tls-cert {config.tls_cert}, --tls-key {config.tls_key}: not a PEM "
+                f"certificate chain and its unencrypted private key ({e.reason or e})")
     return None
 
 

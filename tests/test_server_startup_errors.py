@@ -87,6 +87,30 @@ def test_missing_tls_files_are_one_line(tiny_model, tmp_path):
     assert_one_error_line(result, f"--tls-cert {cert}: No such file or directory")
 
 
+def test_a_tls_file_that_is_not_pem_is_one_line(tiny_model, tmp_path):
+    """Not gRPC's "Failed to bind to address" after three lines of its own log."""
+    bad = tmp_path / "cert.pem"
+    bad.write_text("not a certificate\n")
+    result = serve_and_exit(tiny_model, "--tls-cert", str(bad), "--tls-key", str(bad))
+    assert_one_error_line(result, f"--tls-cert {bad}, --tls-key {bad}: not a PEM certificate "
+                                  f"chain and its unencrypted private key")
+
+
+def test_a_host_that_does_not_resolve_is_one_line(tiny_model):
+    result = serve_and_exit(tiny_model, "--host", "no-such-host.invalid")
+    assert_one_error_line(result, "cannot listen on no-such-host.invalid:0 (--port): ")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
+def test_a_port_out_of_range_is_a_usage_error(capsys, flag):
+    """gRPC would have bound 70000 % 65536."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", flag, "70000"])
+    assert exit_info.value.code == 2
+    name = flag[2:].replace("-", "_")
+    assert f"{name}: must be a port number in 0..65535, got 70000" in capsys.readouterr().err
+
+
 def test_http_port_without_the_http_extra_says_what_to_install(tiny_model, tmp_path):
     # A fastapi module that is "not installed" shadows the real one.
     (tmp_path / "fastapi.py").write_text(
