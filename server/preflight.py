@@ -43,9 +43,10 @@ def _model_problem(config: EngineConfig) -> Optional[str]:
                 ModelConfig.from_dict(raw)
             except ValueError as e:  # "model: why"
                 return f"--model: {config.model}: {str(e).removeprefix('model: ')}"
-            except (KeyError, TypeError) as e:
-                return f"--model: {config.model}: config.json: a field is missing or of the " \
-                       f"wrong type ({type(e).__name__}: {e})"
+            except KeyError as e:
+                return f"--model: {config.model}: config.json has no {e}"
+            except TypeError as e:
+                return f"--model: {config.model}: config.json: a field of the wrong type ({e})"
         spec = config.spec
         if isinstance(spec, SpecConfig) and spec.draft_model is not None:
             (read_config if dummy else check_checkpoint_dir)(spec.draft_model, "--draft-model")

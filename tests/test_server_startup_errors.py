@@ -5,6 +5,7 @@ the `http` extra. What only the engine finds out (a corrupt weight file) ends it
 too, from the engine process (tests/test_server_lifecycle.py)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -59,12 +60,14 @@ def _unsupported_architecture(model: str) -> None:
     (lambda m: os.remove(os.path.join(m, "config.json")), ": no config.json"),
     (lambda m: _write(m, "config.json", "{not json"), "/config.json: cannot be read as JSON"),
     (lambda m: _write(m, "config.json", "[]"), "/config.json: not a JSON object"),
-    (_unsupported_architecture, "GPT2LMHeadModel"),
+    (_unsupported_architecture, ": unsupported architecture ['GPT2LMHeadModel']; supported: "),
+    (lambda m: _write(m, "config.json", '{"architectures": ["LlamaForCausalLM"]}'),
+     "/model: config.json has no 'num_attention_heads'"),
     (lambda m: os.remove(os.path.join(m, "model.safetensors")), ": no *.safetensors weight files"),
     (lambda m: _write(m, "model.safetensors.index.json",
                       '{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'),
      ": the index names model-00001-of-00002.safetensors, which is not there"),
-], ids=["a-file", "no-config", "bad-json", "not-an-object", "architecture", "no-weights",
+], ids=["a-file", "no-config", "bad-json", "not-an-object", "architecture", "no-field", "no-weights",
         "index-names-a-missing-shard"])
 def test_a_folder_that_is_not_a_checkpoint_is_one_line(tiny_model, tmp_path, breaks, message):
     model = _copy(tiny_model, tmp_path)
@@ -128,3 +131,39 @@ def test_speculative_flags_with_no_speculative_are_a_usage_error(capsys):
     assert exit_info.value.code == 2
     assert ("--draft-model, --speculative-num-steps: have no effect with --no-speculative"
             in capsys.readouterr().err)
+
+
+# --- the engine's start-up failure, as the server's engine client sees it --------------------
+async def _start_failure(monkeypatch, messages_after_exit: list) -> str:
+    """What wait_ready raises when the engine process exits at start-up and then (the reader
+    thread being late) its reports arrive."""
+    from specserve.engine.config import EngineConfig
+    from specserve.proto import engine_ipc_pb2 as ipc
+    from specserve.server import engine_client
+    from specserve.server.ops.watchdog import EngineWatchdog
+
+    monkeypatch.setattr(engine_client, "EXIT_REPORT_GRACE_S", 0.5)
+    client = engine_client.EngineClient(EngineConfig(device="cpu"), EngineWatchdog(4.0, None))
+    loop = asyncio.get_running_loop()
+    client._ready = loop.create_future()
+    try:
+        client._on_process_exit("engine process exited with code 1")
+        for message in messages_after_exit:  # a little later, within the grace
+            loop.call_later(0.1, client._on_message,
+                            ipc.EngineToServer(failed=ipc.EngineFailed(message=message)))
+        with pytest.raises(engine_client.EngineUnavailable) as error:
+            await asyncio.wait_for(client.wait_ready(), 5)
+        return str(error.value)
+    finally:
+        await client.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_start_up_failure_reported_after_the_exit_is_what_the_server_says(monkeypatch):
+    trace = "Traceback (most recent call last):\n  ...\nValueError: device: no CUDA\n"
+    assert await _start_failure(monkeypatch, [f"device: no CUDA\n{trace}"]) == "device: no CUDA"
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_exits_without_a_report_says_its_exit_code(monkeypatch):
+    assert await _start_failure(monkeypatch, []) == "engine process exited with code 1"
