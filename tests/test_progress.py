@@ -9,12 +9,14 @@ import os
 import re
 
 import pytest
+import torch
 
 from helpers import make_tiny_checkpoint
 from specserve.engine import progress as progress_module
 from specserve.engine.config import EngineConfig
 from specserve.engine.process import start_warm_engine
 from specserve.engine.progress import progress
+from specserve.engine.runtime.cuda_graph import GraphedStep
 
 LOGGER = "specserve.engine.progress"
 
@@ -94,6 +96,23 @@ def test_loading_a_sharded_checkpoint_and_warming_up_report_progress(tmp_path, c
     warm = [m for m in messages if m.startswith("warming up: ")]
     assert warm and re.fullmatch(r"warming up: (\d+) generations in [\d.]+ s", warm[-1]), messages
     assert int(warm[-1].split()[2]) == len(warm)  # and one line per generation before it
+
+
+def test_graph_capture_reports_each_bucket_largest_first(caplog, monkeypatch):
+    """GraphedStep.capture_all's progress (a CPU stand-in for the CUDA capture of a bucket)."""
+    captured = []
+
+    class Recording(GraphedStep):
+        def _capture(self, bs: int) -> None:
+            captured.append(bs)
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    Recording([], None, pad={}, max_batch_size=10, device=torch.device("cpu")).capture_all(
+        "greedy decode")
+    assert captured == [10, 8, 4, 2, 1]
+    [line] = _messages(caplog)
+    assert line.startswith("capturing CUDA graphs (greedy decode): 5 graphs in "), line
 
 
 @pytest.mark.parametrize("total", [0, 1])

@@ -38,9 +38,9 @@ def test_a_missing_model_is_refused_before_any_port_is_bound(tmp_path, taken_por
     assert_one_error_line(result, f"--model: {missing}: no such directory")
 
 
-def _copy(model: str, tmp_path, drop: tuple[str, ...] = ()) -> str:
+def _copy(model: str, tmp_path) -> str:
     folder = tmp_path / "model"
-    shutil.copytree(model, folder, ignore=shutil.ignore_patterns(*drop))
+    shutil.copytree(model, folder)
     return str(folder)
 
 
