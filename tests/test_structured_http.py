@@ -207,6 +207,7 @@ def test_a_grammar_that_cannot_finish_ends_with_length(oai):
     ({"regex": "a", "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])
 def test_bad_grammars_are_refused_by_name(oai, body, param):
     with pytest.raises(openai.BadRequestError) as e:

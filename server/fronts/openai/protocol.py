@@ -117,6 +117,7 @@ class GenerationBody(BaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None  # refused (check_supported)
 
     PROMPT_FIELD: ClassVar[str]  # the field that holds the prompt, for error messages
     IS_CHAT: ClassVar[bool] = False
@@ -159,6 +160,9 @@ class GenerationBody(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse, by name, what the server does not implement (rather than ignore it)."""
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidRequest("guided_whitespace_pattern: not supported (JSON outputs are "
+                                 "one line, with \", \" and \": \" separators)")
 
     @property
     def num_choices(self) -> int:
