@@ -124,6 +124,18 @@ def test_http_port_without_the_http_extra_says_what_to_install(tiny_model, tmp_p
                                   "`http` extra (FastAPI, uvicorn): pip install 'specserve[http]'")
 
 
+def test_replicas_elsewhere_skip_the_model_folder_checks(tmp_path):
+    """Data-parallel replicas may run on nodes whose paths this host does not have."""
+    from specserve.engine.config import EngineConfig
+    from specserve.server.config import ServerConfig
+    from specserve.server.preflight import StartupError, check_startup
+
+    engine = EngineConfig(model=str(tmp_path / "on-another-node"))
+    with pytest.raises(StartupError, match="^--model: .*: no such directory$"):
+        check_startup(engine, ServerConfig())
+    check_startup(engine, ServerConfig(), local_engine=False)
+
+
 def test_speculative_flags_with_no_speculative_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:  # before the (missing) model is looked at
         main(["serve", "--model", "/no/such/model", "--no-speculative",
