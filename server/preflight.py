@@ -1,5 +1,5 @@
-"""What `specserve serve` checks before it binds a port or starts a process: the model folders,
-the TLS files, the `http` extra behind --http-port. Each problem is one line naming the flag
+"""What `specserve serve` checks before it binds a port or starts a process: the model folders
+(config.json, the safetensors files' headers), the TLS files, the `http` extra behind --http-port. Each problem is one line naming the flag
 (run_server logs it and exits 1), where it used to be a traceback from the engine process or
 an ImportError after the server had said "serving on".
 

@@ -1,8 +1,9 @@
 """`specserve serve` configured with something it cannot serve ends at once with one error line
 that names the problem and exit status 1, before any port is bound (server/preflight.py): a
-model folder that is missing or not a checkpoint, a draft model, TLS files, --http-port without
-the `http` extra. What only the engine finds out (a corrupt weight file) ends it with one line
-too, from the engine process (tests/test_server_lifecycle.py)."""
+model folder that is missing or not a checkpoint (its config, its weight files' headers), a
+draft model, TLS files, --http-port without
+the `http` extra. What only the engine finds out (a tensor the checkpoint lacks) ends it with
+one line too, from the engine process (tests/test_server_lifecycle.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -64,11 +65,13 @@ def _unsupported_architecture(model: str) -> None:
     (lambda m: _write(m, "config.json", '{"architectures": ["LlamaForCausalLM"]}'),
      "/model: config.json has no 'num_attention_heads'"),
     (lambda m: os.remove(os.path.join(m, "model.safetensors")), ": no *.safetensors weight files"),
+    (lambda m: _write(m, "model.safetensors", "junk"),
+     "/model.safetensors: not a readable safetensors file ("),
     (lambda m: _write(m, "model.safetensors.index.json",
                       '{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'),
      ": the index names model-00001-of-00002.safetensors, which is not there"),
 ], ids=["a-file", "no-config", "bad-json", "not-an-object", "architecture", "no-field", "no-weights",
-        "index-names-a-missing-shard"])
+        "corrupt-weights", "index-names-a-missing-shard"])
 def test_a_folder_that_is_not_a_checkpoint_is_one_line(tiny_model, tmp_path, breaks, message):
     model = _copy(tiny_model, tmp_path)
     given = breaks(model) or model  # a lambda may give another path to serve

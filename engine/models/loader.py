@@ -10,11 +10,10 @@ import os
 from typing import Callable, Iterable, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specserve.engine.layers.parallel import QuantizableLinear
-from specserve.engine.models.checkpoint_dir import safetensors_files
+from specserve.engine.models.checkpoint_dir import open_safetensors, safetensors_files
 from specserve.engine.models.fp8_loading import (
     Fp8Target, PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
 from specserve.engine.progress import progress
@@ -40,11 +39,7 @@ class CheckpointReader:
         self._where: dict[str, str] = {}
         self._handles = {}
         for name in files:
-            try:
-                handle = safe_open(os.path.join(path, name), framework="pt")
-            except (SafetensorError, OSError) as e:  # whose message does not name the file
-                raise ValueError(f"model: {os.path.join(path, name)}: not a readable "
-                                 f"safetensors file ({e})") from None
+            handle = open_safetensors(os.path.join(path, name), "pt")
             self._handles[name] = handle
             for key in handle.keys():
                 self._where[key] = name
