@@ -1,11 +1,12 @@
 """What `specserve serve` checks before it binds a port or starts a process: the model folders
-(config.json, the safetensors files' headers), the TLS files, the `http` extra behind --http-port. Each problem is one line naming the flag
-(run_server logs it and exits 1), where it used to be a traceback from the engine process or
-an ImportError after the server had said "serving on".
+(config.json, the safetensors files' headers), the TLS files, the `http` extra behind
+--http-port. Each problem is one line naming the flag (run_server logs it and exits 1), where
+it used to be a traceback from the engine process or an ImportError after the server had said
+"serving on".
 
-What only the engine can find out (a checkpoint whose tensors do not match, a device that is
-not there, an option the model does not support) still ends the server with one line: the
-engine process reports its start-up failure (server/engine_client.py)."""
+What only the engine can find out (a tensor the checkpoint lacks, a device that is not there,
+an option the model does not support) still ends the server with one line: the engine process
+reports its start-up failure (server/engine_client.py)."""
 from __future__ import annotations
 
 import importlib
