@@ -1,9 +1,9 @@
 """`specserve serve` configured with something it cannot serve ends at once with one error line
 that names the problem and exit status 1, before any port is bound (server/preflight.py): a
 model folder that is missing or not a checkpoint (its config, its weight files' headers), a
-draft model, TLS files, --http-port without
-the `http` extra. What only the engine finds out (a tensor the checkpoint lacks) ends it with
-one line too, from the engine process (tests/test_server_lifecycle.py)."""
+draft model, TLS files, a host that does not resolve, --http-port without the `http` extra.
+What only the engine finds out (a tensor the checkpoint lacks) ends it with one line too, from
+the engine process (tests/test_server_lifecycle.py); and the engine client's side of that."""
 from __future__ import annotations
 
 import asyncio
