@@ -16,6 +16,7 @@ import torch
 
 from specserve.engine.builder import EngineCore, build_engine, check_tp_divides, target_path
 from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.models.checkpoint_dir import read_config
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, GrammarHealth, StepOutput
 from specserve.engine.runtime.tp_group import Rendezvous
@@ -36,7 +37,8 @@ class Engine:
         try:
             init_method = tp_init_method or ""
             if config.tp_size > 1:
-                check_tp_divides(ModelConfig.from_dir(target_path(config)), config.tp_size)
+                check_tp_divides(ModelConfig.from_dict(read_config(target_path(config), "model")),
+                                 config.tp_size)
                 if tp_init_method is None:
                     self._rendezvous = Rendezvous()
                     init_method = self._rendezvous.init_method

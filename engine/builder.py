@@ -26,6 +26,7 @@ from specserve.engine.kvcache.pools import (
 from specserve.engine.kvcache.radix_cache import RadixCache
 from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range, set_skinny_gemm
+from specserve.engine.models.checkpoint_dir import check_checkpoint_dir, read_config
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
@@ -133,7 +134,9 @@ def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
     GPU by a cluster scheduler (Ray sets CUDA_VISIBLE_DEVICES per actor), which is its cuda:0."""
     model_path = target_path(config)
     device = resolve_device(config.device)
-    cfg = ModelConfig.from_dir(model_path)
+    # Random weights (load_format "dummy") need the folder's config.json only.
+    check = read_config if config.load_format == "dummy" else check_checkpoint_dir
+    cfg = ModelConfig.from_dict(check(model_path, "model"))
     tp_group = None
     if config.tp_size > 1:  # rank 0 checked that the model splits before spawning the others
         if device.type == "cuda":

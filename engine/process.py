@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.progress import progress
 from specserve.engine.wire import (encode_batch, grammar_health_to_proto, info_to_proto, load_to_proto,
                                    sampling_from_add_request)
 from specserve.proto import engine_ipc_pb2 as ipc
@@ -83,9 +84,9 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         loop.report_grammar()  # warm already (start_warm_engine): SERVING together with the engine
         outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
         loop.run()
-    except Exception:
-        logger.exception("engine process failed")
-        failed = ipc.EngineFailed(message=traceback.format_exc())
+    except Exception as e:
+        # The server logs it (once: the traceback too when the engine had been serving).
+        failed = ipc.EngineFailed(message=f"{one_line(e)}\n{traceback.format_exc()}")
         outputs.send(ipc.EngineToServer(failed=failed).SerializeToString())
         raise SystemExit(1)
     finally:
@@ -96,6 +97,13 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         requests.close(linger=0)
         outputs.close()
         context.term()
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: a ValueError's message alone (ours start with the field they
+    refuse), others after their type (FileNotFoundError, torch.OutOfMemoryError, ...)."""
+    text = " ".join(str(error).split()) or "(no message)"
+    return text if type(error) is ValueError else f"{type(error).__name__}: {text}"
 
 
 def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None):
@@ -112,8 +120,9 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     # of a new length otherwise paid about a second).
     longest = WARMUP_MAX_PROMPT if engine.core.device.type == "cuda" else 4
     lengths = [n for n in (1 << i for i in range(longest.bit_length())) if n < engine.max_context_len]
-    logger.info("warming up: prompts of %s tokens (the first forwards compile and allocate)",
-                ", ".join(map(str, lengths)))
+    logger.info("warming up: prompts of %s tokens%s, greedy and sampled (the first forwards "
+                "compile and allocate)", ", ".join(map(str, lengths)),
+                ", then batches" if engine.core.device.type == "cuda" else "")
     vocab = engine.info.vocab_size
     # Both paths of an extend: greedy batches that end their prompts replay the captured extends
     # (runtime/captured_extend.py), the rest (sampled, a chunk inside a prompt, more than the
@@ -121,9 +130,9 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
     # own, so that the prefix cache does not turn its prompts into cached tails.
     passes = ((0, SamplingParams(max_new_tokens=2, temperature=0.0)),
               (1, SamplingParams(max_new_tokens=2, temperature=1.0, seed=0)))
-    for offset, params in passes:
-        for n in lengths:
-            engine.generate(prompt_token_ids=[[(i + 7 * offset) % vocab for i in range(n)]], sampling=params)
+    # (prompts, sampling) of each warm-up generation, run in this order.
+    runs = [([[(i + 7 * offset) % vocab for i in range(n)]], params)
+            for offset, params in passes for n in lengths]
     if engine.core.device.type == "cuda":
         # Batched prefills, as concurrent arrivals make them: an eager extend's kernels take
         # the batch's request and token counts as arguments, which Triton specialises (1, a
@@ -134,11 +143,10 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
             for batch, length in WARMUP_BATCHES:
                 batch = min(batch, engine.config.max_running_requests)
                 length = min(length, engine.max_context_len - 4)
-                logger.info("warming up: a batch of %d prompts of up to %d tokens (%s)", batch, length,
-                            "sampled" if offset else "greedy")
-                engine.generate(prompt_token_ids=[[(j * 7919 + i + 104729 * offset) % vocab
-                                                   for i in range(length - j % length)] for j in range(batch)],
-                                sampling=params)
+                runs.append(([[(j * 7919 + i + 104729 * offset) % vocab
+                               for i in range(length - j % length)] for j in range(batch)], params))
+    for prompts, params in progress(runs, len(runs), "warming up", "generations"):
+        engine.generate(prompt_token_ids=prompts, sampling=params)
     if engine.warm_grammar(GRAMMAR_WARMUP_TIMEOUT_S) is False:
         logger.warning("the grammar service did not warm up within %.0f s; structured outputs "
                        "wait for it", GRAMMAR_WARMUP_TIMEOUT_S)

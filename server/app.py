@@ -5,7 +5,9 @@ Lifecycle: listen at once (health NOT_SERVING) -> spawn the engine -> SERVING on
 SIGTERM/SIGINT: NOT_SERVING, refuse new calls, let in-flight calls finish (drain_timeout_s),
 stop the engine, exit 0. If the engine dies, or the watchdog finds it frozen or stuck (and kills
 it), health goes NOT_SERVING and every call fails with UNAVAILABLE; the server stays up so that
-probes see it (the orchestrator restarts it). A port that cannot be bound: one error line, exit 1.
+probes see it (the orchestrator restarts it). A start-up error (a model folder or TLS file that
+is not there, --http-port without the `http` extra: server/preflight.py, before anything binds;
+a port that cannot be bound; the engine failing to start): one error line, exit 1.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from specserve.server.ops.health import GENERATION_SERVICE, HealthStatus
 from specserve.server.ops.http_endpoint import HttpEndpoint
 from specserve.server.ops.metrics import ServerMetrics
 from specserve.server.ops.watchdog import EngineWatchdog
+from specserve.server.preflight import StartupError, check_startup
 
 logger = logging.getLogger("specserve.server")
 
@@ -61,13 +64,13 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Bind the port briefly to learn why it cannot be used: gRPC's bind error says only
-    "Failed to bind" (the reason goes to its own log)."""
-    if port == 0:
-        return
+    """Resolve the host and bind the port briefly to learn why it cannot be used: gRPC's bind
+    error says only "Failed to bind" (the reason goes to its own log)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        if port == 0:  # any free port: nothing to probe
+            return
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
             probe.bind(address)
@@ -190,8 +193,12 @@ class SpecserveServer:
         from specserve.server.fronts.openai.routes import create_app
         from specserve.server.fronts.openai.server import HttpApiServer
 
+        # Not a closure over self: FastAPI's caches keep the app's endpoints alive until the
+        # interpreter exits, and with self the gRPC server, whose destruction then (after its
+        # event loop) printed a garbled "Error in sys.excepthook".
+        health = self.health
         config = self.server_config
-        app = create_app(self.core, self.metrics.registry, lambda: self.health.serving,
+        app = create_app(self.core, self.metrics.registry, lambda: health.serving,
                          config.max_message_bytes)
         return HttpApiServer(app, config.host, config.http_port, ConnectionLimits.of(config),
                              config.tls_cert, config.tls_key)
@@ -291,6 +298,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     """Run the server on uvloop when it is installed; returns the process exit status.
     start_engine: a stand-in for the engine (benchmarks of the server alone); cluster:
     data-parallel replicas on Ray."""
+    try:
+        check_startup(engine_config, server_config, local_engine=cluster is None)
+    except StartupError as e:
+        logger.error("%s", e)
+        return 1
+
     async def main() -> int:
         return await SpecserveServer(engine_config, server_config, start_engine, cluster).run()
 

@@ -58,6 +58,10 @@ class ServerConfig:
 
         check_reasoning_parser(self.reasoning_parser)
         check_tool_call_parser(self.tool_call_parser)
+        for name in ("port", "metrics_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:  # gRPC would bind value % 65536
+                raise ValueError(f"{name}: must be a port number in 0..65535, got {value}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert/tls_key: give both or neither")
         if self.tokenizer_workers < 0:

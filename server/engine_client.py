@@ -44,6 +44,7 @@ logger = logging.getLogger("specserve.server.engine")
 
 LOAD_QUERY_TIMEOUT_S = 10.0  # the engine answers between steps; a step is far shorter
 SHUTDOWN_TIMEOUT_S = 10.0    # after that the child is terminated, then killed
+EXIT_REPORT_GRACE_S = 1.0    # an engine that exited at start-up: time for its failure report
 
 
 class EngineUnavailable(Exception):
@@ -376,10 +377,16 @@ class EngineClient:
             if self.on_grammar is not None:
                 self.on_grammar(grammar_health_from_proto(message.grammar))
         elif kind == "failed":
-            logger.error("engine failed:\n%s", message.failed.message)
-            last_line = message.failed.message.strip().splitlines()[-1:] or ["unknown error"]
+            error, _, trace = message.failed.message.partition("\n")
             self._engine_gone = True
-            self._mark_dead(f"engine failed: {last_line[0]}")
+            if self.info is None:
+                # At start-up, as a rule a configuration the engine cannot serve (a checkpoint,
+                # device or option): its one line says it, the traceback is for --log-level DEBUG.
+                logger.debug("the engine failed to start:\n%s", trace)
+                self._mark_dead(error)
+            else:  # a bug: its traceback belongs in the log
+                logger.error("engine failed: %s%s", error, f"\n{trace}" if trace else "")
+                self._mark_dead(f"engine failed: {error}")
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:
         self._reader.command(("init", ready.tokenizer_pickle))
@@ -413,8 +420,14 @@ class EngineClient:
                 await self.handle.kill()
 
     def _on_process_exit(self, reason: str) -> None:
-        if not self._closing:
-            self._engine_gone = True
+        if self._closing:
+            return
+        self._engine_gone = True
+        if self.info is None:
+            # An engine that fails to start reports why before it exits, but the report may
+            # still be on its way through the reader thread: it, not the exit code, says why.
+            asyncio.get_running_loop().call_later(EXIT_REPORT_GRACE_S, self._mark_dead, reason)
+        else:
             self._mark_dead(reason)
 
     def _on_text_worker_exit(self, reason: str) -> None:
@@ -436,7 +449,11 @@ class EngineClient:
         if self._dead_reason is not None or self._closing:
             return
         self._dead_reason = reason
-        logger.error("%s", reason)
+        if self._ready is not None and not self._ready.done():
+            # Never ready: the start-up failure, said once by whoever waits (app.py).
+            self._ready.set_exception(EngineUnavailable(reason))
+        else:
+            logger.error("%s", reason)
         self._fail_all(EngineUnavailable(self._dead_reason_message()))
         for callback in self._death_callbacks:
             callback(reason)

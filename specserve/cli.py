@@ -64,13 +64,20 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="default: num_steps + 1 with topk 1 (chain drafting)")
 
 
+# SpecConfig field -> its flag's dest.
+_SPEC_FLAGS = {"algorithm": "speculative_algorithm", "draft_model": "draft_model",
+               "num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
+               "num_draft_tokens": "speculative_num_draft_tokens"}
+
+
 def _spec_config_from_args(args: argparse.Namespace):
+    given = {name: getattr(args, dest) for name, dest in _SPEC_FLAGS.items()
+             if getattr(args, dest) is not None}
     if args.no_speculative:
+        if given:  # refused rather than silently dropped
+            raise ValueError(f"{_flag_names([_SPEC_FLAGS[name] for name in given])}: have no "
+                             f"effect with --no-speculative")
         return None
-    given = {name: value for name, value in (
-        ("algorithm", args.speculative_algorithm), ("draft_model", args.draft_model),
-        ("num_steps", args.speculative_num_steps), ("topk", args.speculative_eagle_topk),
-        ("num_draft_tokens", args.speculative_num_draft_tokens)) if value is not None}
     if not given:
         return DEFAULT
     if "num_draft_tokens" not in given and given.get("topk", 1) == 1:

@@ -34,6 +34,26 @@ def serve_command(model: str, *extra_args: str, speculative: bool = False,
             *extra_args]
 
 
+EXIT_TIMEOUT_S = 120.0  # a server that refuses to start exits long before this
+
+
+def serve_and_exit(model: str, *args: str, env: Optional[dict[str, str]] = None,
+                   **kwargs) -> subprocess.CompletedProcess:
+    """`specserve serve` expected to refuse to start: run it to its exit."""
+    return subprocess.run(serve_command(model, *args, **kwargs), capture_output=True, text=True,
+                          timeout=EXIT_TIMEOUT_S, env=None if env is None else {**os.environ, **env})
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> None:
+    """Exit status 1 and, on stderr, one line only: the error, naming the problem (no
+    traceback, no "serving on", no engine or other process started)."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and " ERROR " in lines[0] and message in lines[0], output
+    assert not result.stdout, output
+
+
 class ServerProcess:
     """`specserve serve --port 0` on the tiny CPU model; the bound port and the engine's pid
     are read from the server's log."""

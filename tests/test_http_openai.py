@@ -288,6 +288,39 @@ def test_invalid_completion_fields_are_named(server, body, param):
     assert error["message"].startswith(f"{param}"), error
 
 
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("messages, param, why", [
+    ([USER, USER, {"role": "robot", "content": "x"}], "messages[2].role", "'robot' is not a chat role"),
+    ([{"role": "User", "content": "x"}], "messages[0].role", "'User' is not a chat role"),
+    ([{"role": "user"}], "messages[0].content", "required"),
+    ([{"role": "system", "content": None}, USER], "messages[0].content", "required"),
+    ([USER, {"role": "assistant"}, USER], "messages[1].content",
+     "required unless the message has tool_calls"),
+    ([USER, {"role": "assistant", "tool_calls": []}, USER], "messages[1].content", "required"),
+    ([USER, {"role": "tool", "tool_call_id": "c1"}], "messages[1].content", "required"),
+])
+def test_unknown_roles_and_content_less_messages_are_named(server, messages, param, why):
+    for path in ("/v1/chat/completions", "/tokenize"):  # every path that renders a conversation
+        response = httpx.post(server.http_url + path, json={"messages": messages, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}: {why}"), error
+
+
+def test_every_chat_role_with_content_or_tool_calls_is_accepted(server):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, USER,
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "1", "tool_call_id": "c1"},
+                {"role": "function", "name": "f", "content": "2"},
+                {"role": "ipython", "content": "3"}, {"role": "assistant", "content": ""}, USER]
+    response = httpx.post(server.http_url + "/v1/chat/completions",
+                          json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
 def test_chat_top_logprobs_need_logprobs(server):
     response = httpx.post(server.http_url + "/v1/chat/completions",
                           json={"messages": MESSAGES, "top_logprobs": 2})

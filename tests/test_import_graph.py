@@ -132,7 +132,8 @@ def server_room(module: str) -> str:
     return parts[0]
 
 
-CORE = {"app", "config", "engine_client", "errors", "generation", "output_router", "request_record"}
+CORE = {"app", "config", "engine_client", "errors", "generation", "output_router", "preflight",
+        "request_record"}
 # What a front (or a core module other than the base ones) may import: all but the fronts and app.
 BELOW_FRONTS = (CORE - {"app"}) | {"cluster", "ops", "text", "workers"}
 # Room -> the rooms it may import (besides itself). The text pipeline and ops sit below the core
@@ -148,6 +149,7 @@ SERVER_ROOM_RULES: dict[str, set[str]] = {
     "config": {"text"},
     "errors": set(),
     "request_record": set(),
+    "preflight": {"config"},
     "output_router": BELOW_FRONTS,
     "engine_client": BELOW_FRONTS,
     "generation": BELOW_FRONTS,

@@ -173,10 +173,26 @@ def test_tls_round_trip_and_metrics(tiny_model, tmp_path):
         assert server.stop() == 0
 
 
-def test_engine_that_fails_to_start_stops_the_server(tmp_path):
-    server = ServerProcess(str(tmp_path / "no-such-model"), wait_serving=False)
+def test_engine_that_fails_to_start_stops_the_server(tiny_model, tmp_path):
+    """A checkpoint that passes the server's checks but not the engine's loader (a tensor is
+    missing): the engine process reports why and the server exits 1 with that one line (the
+    traceback only at --log-level DEBUG)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = str(model / "model.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.norm.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    server = ServerProcess(str(model), wait_serving=False)
     assert server.process.wait(120) == 1
     server.wait_for_log("the engine failed to start")
+    errors = [line for line in server.log if " ERROR " in line]
+    assert len(errors) == 1, server.log
+    assert errors[0].endswith("the engine failed to start: model: checkpoint is missing tensor "
+                              "'model.norm.weight' (for norm.weight)"), errors
+    assert not any("Traceback" in line for line in server.log), server.log
     assert wait_until(lambda: not os.path.exists(f"/proc/{server.engine_pid}"), 10)
 
 

@@ -100,6 +100,9 @@ def test_generate_with_messages_equals_http_chat(server, client):
     (lambda c: c.detokenize([1] * 10**5), "token_ids"),
     (lambda c: c.tokenize("x" * 10**7), "text"),
     (lambda c: c.tokenize(messages=[{"role": "user", "content": "x" * 10**7}]), "messages"),
+    (lambda c: c.generate(messages=[*MESSAGES, {"role": "robot", "content": "x"}],
+                          max_new_tokens=1), "messages[2].role"),
+    (lambda c: c.tokenize(messages=[{"role": "", "content": "x"}]), "messages[0].role"),
 ])
 def test_refusals_name_the_field(client, call, field):
     with pytest.raises(InvalidArgument) as error:

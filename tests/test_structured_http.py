@@ -139,6 +139,54 @@ def test_json_object_and_regex_extras(oai):
     assert got.choices[0].text[0] == "a" and got.choices[0].text[-1] == "b"
 
 
+CHOICES = ["yes", 'no "way"', "a\\b", "é ✓"]
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": CHOICES}},
+                                   {"guided_choice": CHOICES}], ids=["structured_outputs", "guided"])
+def test_choice_outputs_one_of_the_strings(oai, extra):
+    """vLLM's choice: whatever is sampled, the text is one of the strings (quotes, backslashes
+    and non-ASCII included), then it stops."""
+    for seed in range(3):
+        got = oai.completions.create(model=_model(oai), prompt="x", max_tokens=16, temperature=1.0,
+                                     seed=seed, extra_body=extra)
+        assert got.choices[0].text in CHOICES and got.choices[0].finish_reason == "stop", got
+    _, content, _, finish = _chat(oai, True, extra_body=extra)
+    assert content in CHOICES and finish == "stop"
+
+
+def _valid_json(text: str) -> bool:
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return True
+
+
+@pytest.mark.parametrize("options, accepts", [
+    ({"regex": "(yes|no)!"}, lambda text: text in ("yes!", "no!")),
+    ({"grammar": 'root ::= "a" [0-9] "b"'}, lambda text: len(text) == 3 and text[::2] == "ab"),
+    # A random model may not close the JSON within max_tokens (as for response_format above).
+    ({"json": SCHEMA}, _valid_json),
+    ({"json": json.dumps(SCHEMA)}, _valid_json),
+    ({"json_object": True}, lambda text: isinstance(json.loads(text), dict)),
+], ids=["regex", "grammar", "json", "json-as-text", "json_object"])
+def test_structured_outputs_options(oai, options, accepts):
+    got = oai.completions.create(model=_model(oai), prompt="x", max_tokens=40, temperature=0,
+                                 extra_body={"structured_outputs": options})
+    text, finish = got.choices[0].text, got.choices[0].finish_reason
+    if "json" in options or "json_object" in options:
+        assert text.startswith("{") and finish in ("stop", "length"), got
+        assert finish == "length" or accepts(text), got
+    else:
+        assert finish == "stop" and accepts(text), got
+
+
+def test_unsupported_structured_outputs_options_are_refused_by_name(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=_model(oai), prompt="x", max_tokens=4, extra_body={
+            "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}})
+    assert e.value.body["param"] == "structured_outputs"
+    assert e.value.body["message"].startswith("structured_outputs.whitespace_pattern: ")
+
+
 def test_a_grammar_that_cannot_finish_ends_with_length(oai):
     got = oai.completions.create(model=_model(oai), prompt="x", max_tokens=4, temperature=0,
                                  extra_body={"regex": "z{9}"})
@@ -183,6 +231,14 @@ for _ in range(40):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "no tool is named"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    # vLLM's structured_outputs and guided_* spellings.
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least one"),
+    ({"guided_choice": []}, "guided_choice", ""),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", ""),
+    ({"regex": "a", "structured_outputs": {"choice": ["a"]}}, "structured_outputs", ""),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", ""),
+    ({"guided_regex": "a(b"}, "guided_regex", ""),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ""),
 ])
 def test_bad_grammars_are_refused_by_name(oai, body, param, says, stream):
     """400 naming the field, streamed or not (a stream's first event is awaited before its

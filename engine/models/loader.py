@@ -6,17 +6,17 @@ parameter is assembled from its checkpoint parts, so nothing is materialised twi
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable, Iterable, Optional
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from specserve.engine.layers.parallel import QuantizableLinear
+from specserve.engine.models.checkpoint_dir import open_safetensors, safetensors_files
 from specserve.engine.models.fp8_loading import (
     Fp8Target, PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
+from specserve.engine.progress import progress
 from specserve.engine.quantization.config import QuantConfig
 
 # our fused name part -> checkpoint parts, concatenated along dim 0 in this order
@@ -32,18 +32,14 @@ class CheckpointReader:
     """Lazy tensor access over every safetensors file of a checkpoint folder."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        files = safetensors_files(path)
         if not files:
             raise FileNotFoundError(f"model: no *.safetensors files in {path}")
+        self.name = os.path.basename(os.path.normpath(path))  # for progress lines
         self._where: dict[str, str] = {}
         self._handles = {}
         for name in files:
-            handle = safe_open(os.path.join(path, name), framework="pt")
+            handle = open_safetensors(os.path.join(path, name), "pt")
             self._handles[name] = handle
             for key in handle.keys():
                 self._where[key] = name
@@ -83,7 +79,8 @@ def load_module_weights(module: nn.Module, reader: CheckpointReader,
     for a layer that cannot hold one is refused, never converted.
     """
     _adopt_fp8_layers(module, reader, to_checkpoint_name, quant)
-    for name, param in module.named_parameters(remove_duplicate=True):
+    params = list(module.named_parameters(remove_duplicate=True))
+    for name, param in progress(params, len(params), f"loading {reader.name}", "tensors"):
         if hasattr(param, "scale_block"):  # an FP8 weight's scales: loaded by _adopt_fp8_layers
             continue
         if hasattr(param, "stacked_experts"):

@@ -16,6 +16,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from specserve.engine.progress import progress
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -49,7 +51,8 @@ class GraphedStep:
     def bucket_for(self, bs: int):
         return next((b for b in self.buckets if b >= bs), None)
 
-    def capture_all(self) -> None:
+    def capture_all(self, what: str) -> None:
+        """Capture every bucket; `what` names the step in the progress shown."""
         # A garbage collection during capture could destroy another engine's graphs, which
         # CUDA forbids while a stream captures: collect first, then keep the collector off.
         # (Off CUDA only the tests' eager stand-in captures: nothing to protect.)
@@ -59,7 +62,9 @@ class GraphedStep:
             gc.disable()
         try:
             with torch.inference_mode():
-                for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+                # Largest first: smaller ones reuse its memory.
+                for bs in progress(self.buckets[::-1], len(self.buckets),
+                                   f"capturing CUDA graphs ({what})", "graphs"):
                     self._capture(bs)
         finally:
             if on_cuda:

@@ -271,7 +271,7 @@ class TargetModel:
         device = self.ctx.device
         graphs = GraphedStep(parts, lambda bucket: make_captured_extend_inputs(bucket, device), pad={},
                              max_batch_size=None, device=device, buckets=buckets, pool=pool)
-        graphs.capture_all()
+        graphs.capture_all("extends")
         return graphs
 
     def prompt_logits(self, token_ids: list[int], row: int, slots: torch.Tensor) -> torch.Tensor:
@@ -366,7 +366,7 @@ class NormalWorker:
         forward, pick, constrained_step = self.decode_parts(width)
         self.graphs = GraphedStep([lambda s: pick(forward(s))], graph_decode_inputs(device), pad={},
                                   max_batch_size=max_batch_size, device=device)
-        self.graphs.capture_all()
+        self.graphs.capture_all("greedy decode")
         if sampled:
             vocab_size = self.target.model.config.vocab_size
             pick_sampled = self.sampled_pick()
@@ -378,14 +378,14 @@ class NormalWorker:
 
                 graphs = GraphedStep([lambda s: pick_sampled(forward(s))], make_inputs, pad={},
                                      max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
-                graphs.capture_all()
+                graphs.capture_all(f"{variant} decode")
                 self.sampled_graphs[variant] = graphs
         if constrained:
             self.constrained_graphs = GraphedStep([constrained_step], graph_decode_inputs(device), pad={},
                                                   max_batch_size=max_batch_size, device=device,
                                                   pool=self.graphs.pool)
             with self.target.grammar.device.captured():
-                self.constrained_graphs.capture_all()
+                self.constrained_graphs.capture_all("constrained decode")
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 

@@ -402,13 +402,13 @@ class EagleWorker:
         device = self.target.ctx.device
         self.graphs = GraphedStep([self._verify_half, self._extend_half], self.graph_inputs(width),
                                   pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device)
-        self.graphs.capture_all()
+        self.graphs.capture_all("greedy speculative decode")
         if sampled:
             for variant in (SAMPLED, FILTERED):
                 graphs = GraphedStep([self._verify_half, self._extend_half],
                                      self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
                                      max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
-                graphs.capture_all()
+                graphs.capture_all(f"{variant} speculative decode")
                 self.sampled_graphs[variant] = graphs
         if constrained:
             self.constrained_graphs = GraphedStep([self._verify_half, self._extend_half],
@@ -416,7 +416,7 @@ class EagleWorker:
                                                   pad=GRAPH_PAD, max_batch_size=max_batch_size,
                                                   device=device, pool=self.graphs.pool)
             with self._channel.captured():
-                self.constrained_graphs.capture_all()
+                self.constrained_graphs.capture_all("constrained speculative decode")
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 

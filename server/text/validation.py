@@ -75,6 +75,28 @@ def conversation_from_proto(messages: pb.ChatMessages) -> Conversation:
     return [{"role": m.role, "content": m.content} for m in messages.messages]
 
 
+# The roles a conversation may hold: OpenAI's ("function": its deprecated tool result) and
+# "ipython" (Llama 3's tool results, which its chat template renders).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def _check_messages(conversation: Conversation) -> None:
+    """Each message has a known role and content; an assistant's tool calls stand for its
+    content. (A gRPC message's content is a string, at worst empty, which is content.)"""
+    for i, message in enumerate(conversation):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role: {role!r} is not a chat role (one of "
+                                 f"{', '.join(CHAT_ROLES)})")
+        if message.get("content") is not None:
+            continue
+        if role != "assistant":
+            raise InvalidRequest(f"messages[{i}].content: required")
+        if not message.get("tool_calls"):
+            raise InvalidRequest(f"messages[{i}].content: required unless the message has "
+                                 f"tool_calls")
+
+
 def _optional_bool(message: Message, field: str) -> Optional[bool]:
     return getattr(message, field) if message.HasField(field) else None
 
@@ -234,6 +256,7 @@ class RequestValidator:
             raise InvalidRequest("messages: this model has no chat template (no chat_template "
                                  "in its tokenizer_config.json); send text")
         self._check_conversation_size(conversation)
+        _check_messages(conversation)
         text = self.chat_template.render(conversation, add_generation_prompt, tools)
         self._check_text_size("messages", text)
         return text

@@ -43,15 +43,42 @@ class ResponseFormatBody(BaseModel):
 
 
 class StructuredOutputsBody(BaseModel):
-    """vLLM's structured_outputs extra: one of json (a schema), regex, grammar (EBNF) or
-    json_object."""
+    """vLLM's structured_outputs extra: one of json (a schema), regex, choice (the output is one
+    of the strings), grammar (EBNF) or json_object. Its other options (whitespace_pattern,
+    structural_tag, ...) are refused by name: the output would not be what they ask for."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
     regex: Optional[str] = None
+    choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+
+    def grammars(self, prefix: str) -> list[tuple[str, pb.StructuredOutput]]:
+        """(option, its grammar) for each option given; errors name `{prefix}{option}`."""
+        given = []
+        if self.json_ is not None:
+            given.append(("json", pb.StructuredOutput(
+                json_schema=self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))))
+        if self.regex is not None:
+            given.append(("regex", pb.StructuredOutput(regex=self.regex)))
+        if self.choice is not None:
+            given.append(("choice", pb.StructuredOutput(
+                ebnf=choice_grammar(self.choice, f"{prefix}choice"))))
+        if self.grammar is not None:
+            given.append(("grammar", pb.StructuredOutput(ebnf=self.grammar)))
+        if self.json_object:
+            given.append(("json_object", pb.StructuredOutput(json_object=True)))
+        return given
+
+
+def choice_grammar(choices: list[str], field: str) -> str:
+    """EBNF whose only sentences are the strings: an alternation of string literals (JSON's
+    escapes are the grammar's: quotes, backslashes and control characters)."""
+    if not choices:
+        raise InvalidRequest(f"{field}: give at least one string")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GenerationBody(BaseModel):
@@ -86,6 +113,12 @@ class GenerationBody(BaseModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     structured_outputs: Optional[StructuredOutputsBody] = None
+    # vLLM's older spelling of structured_outputs' options (removed in its 0.12).
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None  # refused (check_supported)
 
     PROMPT_FIELD: ClassVar[str]  # the field that holds the prompt, for error messages
     IS_CHAT: ClassVar[bool] = False
@@ -109,19 +142,18 @@ class GenerationBody(BaseModel):
             given.append(("regex", pb.StructuredOutput(regex=self.regex)))
         if self.ebnf is not None:
             given.append(("ebnf", pb.StructuredOutput(ebnf=self.ebnf)))
-        so = self.structured_outputs
-        if so is not None:
-            options = [pb.StructuredOutput(json_schema=so.json_ if isinstance(so.json_, str)
-                                           else json.dumps(so.json_))] if so.json_ is not None else []
-            options += [pb.StructuredOutput(regex=so.regex)] if so.regex is not None else []
-            options += [pb.StructuredOutput(ebnf=so.grammar)] if so.grammar is not None else []
-            options += [pb.StructuredOutput(json_object=True)] if so.json_object else []
+        if self.structured_outputs is not None:
+            options = self.structured_outputs.grammars("structured_outputs.")
             if len(options) > 1:
-                raise InvalidRequest("structured_outputs: give one of json, regex, grammar or json_object")
-            given += [("structured_outputs", o) for o in options]
+                raise InvalidRequest("structured_outputs: give one of json, regex, choice, grammar "
+                                     "or json_object")
+            given += [("structured_outputs", grammar) for _, grammar in options]
+        guided = StructuredOutputsBody(json=self.guided_json, regex=self.guided_regex,
+                                       choice=self.guided_choice, grammar=self.guided_grammar)
+        given += [(f"guided_{option}", grammar) for option, grammar in guided.grammars("guided_")]
         if len(given) > 1:
-            raise InvalidRequest(f"{given[1][0]}: only one of response_format, regex, ebnf and "
-                                 f"structured_outputs may be given")
+            raise InvalidRequest(f"{given[1][0]}: only one of response_format, regex, ebnf, "
+                                 f"structured_outputs and guided_* may be given")
         if not given:
             return None
         self._grammar_field = given[0][0]
@@ -135,6 +167,9 @@ class GenerationBody(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse, by name, what the server does not implement (rather than ignore it)."""
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidRequest("guided_whitespace_pattern: not supported (JSON outputs are "
+                                 "one line, with \", \" and \": \" separators)")
 
     @property
     def num_choices(self) -> int:
@@ -191,7 +226,7 @@ class GenerationBody(BaseModel):
 
     def api_field(self, field: str) -> str:
         """The OpenAI field for a gRPC field name."""
-        if field.startswith("structured_output"):
+        if field.partition(".")[0] == "structured_output":  # the gRPC API's field
             return self._grammar_field
         return {"max_new_tokens": self.max_tokens_field(), "min_new_tokens": "min_tokens",
                 "text": self.PROMPT_FIELD, "token_ids": self.PROMPT_FIELD}.get(field, field)

@@ -54,8 +54,8 @@ def _in_api_terms(refusal: Refused, body: GenerationBody) -> Refused:
     grammar did not compile): renamed to the body's own (response_format.json_schema.schema,
     tools[0].function.parameters, ...). Refusals of prepare are named so already."""
     field = refusal.field
-    if field is None or not field.startswith("structured_output"):
-        return refusal
+    if field is None or field.split(".")[0] != "structured_output":  # not the API's own
+        return refusal                                                  # structured_outputs
     body.grammar_field()  # sets the field the grammar came from (prepare's copy may be elsewhere)
     name = body.api_field(field)
     return Refused(refusal.kind, name + refusal.message[len(field):], name)
