@@ -108,7 +108,6 @@ class SpecserveServer:
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
         self.engine.on_steps = self.metrics.observe_engine_steps
-        self.engine.on_grammar = self._on_grammar
         if cluster is not None:
             self.metrics.registry.register(ReplicaCollector(self.engine))
             self.engine.on_recovery(self._on_engine_recovery)
@@ -147,7 +146,11 @@ class SpecserveServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        # Bound methods of self only once the ports are bound: a start that fails before must
+        # leave nothing (FastAPI's caches keep the engine client alive) that holds the gRPC
+        # server past its loop, whose destruction then printed a garbled sys.excepthook error.
         self.engine.on_death(self._on_engine_death)
+        self.engine.on_grammar = self._on_grammar
         self.engine.start()
         if isinstance(self.engine, EngineClient):
             logger.info("engine process started (%s)", self.engine.handle.description)

@@ -52,6 +52,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "fp8 requires an FP8 checkpoint")
     g.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (no radix prefix cache)")
+    g.add_argument("--grammar-compile-seconds", type=float, default=10.0,
+                   help="a structured output's grammar must compile within this long, else the "
+                        "request is refused naming its field (default 10)")
     s = parser.add_argument_group("speculative decoding (default: on with the demo model pair)")
     s.add_argument("--no-speculative", action="store_true", help="plain decoding")
     s.add_argument("--draft-model", default=None,
@@ -98,7 +101,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         cuda_graph=False if args.disable_cuda_graph else None,
                         cuda_graph_sampled=not args.disable_cuda_graph_sampled,
                         quantization=args.quantization,
-                        enable_prefix_cache=not args.disable_prefix_cache, spec=_spec_config_from_args(args), **optional)
+                        enable_prefix_cache=not args.disable_prefix_cache,
+                        grammar_compile_seconds=args.grammar_compile_seconds,
+                        spec=_spec_config_from_args(args), **optional)
 
 
 def build_parser() -> argparse.ArgumentParser:
