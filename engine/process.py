@@ -63,9 +63,10 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
     Exits with status 1 (after sending EngineFailed) if the engine cannot start or a step fails.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    # Ctrl-C reaches the whole process group; the server decides when the engine stops (after
-    # draining), so the engine must not die on it first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, and SIGTERM from systemd or `kill -- -PGID`, reach the whole process group; the
+    # server decides when the engine stops (after draining), so it must not die on them first.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
     requests.connect(link.requests)

@@ -107,11 +107,8 @@ class LocalProcess(EngineHandle):
         if not self.process.is_alive():
             return
         await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
-        if self.process.is_alive():
-            logger.warning("engine process did not exit; terminating it")
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
-        if self.process.is_alive():
+        if self.process.is_alive():  # it ignores SIGTERM (engine/process.py)
+            logger.warning("engine process did not exit; killing it")
             self.process.kill()
             await asyncio.to_thread(self.process.join)
 

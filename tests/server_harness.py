@@ -60,11 +60,13 @@ class ServerProcess:
 
     def __init__(self, model: str, *extra_args: str, wait_serving: bool = True,
                  speculative: bool = False, port: Optional[int] = 0,
-                 env: Optional[dict[str, str]] = None):
+                 env: Optional[dict[str, str]] = None, new_session: bool = False):
+        """new_session: the server leads a process group of its own (signals to the group)."""
         self.command = serve_command(model, *extra_args, speculative=speculative, port=port)
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True,
-                                        env=None if env is None else {**os.environ, **env})
+                                        env=None if env is None else {**os.environ, **env},
+                                        start_new_session=new_session)
         self.log: list[str] = []
         self._log_changed = threading.Condition()
         threading.Thread(target=self._read_log, daemon=True).start()

@@ -89,13 +89,19 @@ def test_engine_death_fails_calls_fast_and_goes_not_serving(tiny_model):
         assert server.stop() == 0
 
 
-def test_sigterm_drains_in_flight_calls_then_exits(tiny_model):
-    server = ServerProcess(tiny_model)
+@pytest.mark.parametrize("to_group", [False, True], ids=["server", "process-group"])
+def test_sigterm_drains_in_flight_calls_then_exits(tiny_model, to_group):
+    """SIGTERM to the server, or to its whole process group (systemd, `kill -- -PGID`: the
+    engine and the text workers get it too, and must leave stopping to the server)."""
+    server = ServerProcess(tiny_model, new_session=to_group)
     with server.client() as client:
         stream = iter(client.generate_stream("def add", max_new_tokens=500, ignore_eos=True,
                                              temperature=0))
         first = next(stream)
-        server.process.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(server.process.pid, signal.SIGTERM)
+        else:
+            server.process.send_signal(signal.SIGTERM)
         server.wait_for_log("draining")
         with pytest.raises(Unavailable):
             client.generate("hi", max_new_tokens=2, timeout=10)
@@ -104,6 +110,7 @@ def test_sigterm_drains_in_flight_calls_then_exits(tiny_model):
     assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 500
     assert server.process.wait(60) == 0
     assert wait_until(lambda: not os.path.exists(f"/proc/{server.engine_pid}"), 10)
+    assert not [line for line in server.log if " ERROR " in line], server.log
 
 
 def _self_signed_cert(directory) -> tuple[str, str]:

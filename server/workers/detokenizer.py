@@ -139,7 +139,8 @@ def run_detokenizer(link: DetokenizerLink) -> None:
     """Process entry: serve steps until the server says stop (or is gone)."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s detokenizer %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when it stops
+    for stop in (signal.SIGINT, signal.SIGTERM):  # sent to the whole process group (Ctrl-C,
+        signal.signal(stop, signal.SIG_IGN)        # systemd): the server decides when it stops
     serve_detokenizer(link)
 
 

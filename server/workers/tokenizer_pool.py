@@ -35,7 +35,8 @@ class PoolBroken(Exception):
 
 def _init(make_state: Callable[[], Any]) -> None:
     global _state
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when workers stop
+    for stop in (signal.SIGINT, signal.SIGTERM):  # sent to the whole process group (Ctrl-C,
+        signal.signal(stop, signal.SIG_IGN)        # systemd): the server decides when they stop
     _state = make_state()
 
 
