@@ -5,7 +5,9 @@ Two ZeroMQ sockets connect it to the server: it PULLs ServerToEngine messages (a
 query, shutdown) and PUSHes EngineToServer messages (ready, one columnar BatchOutput per scheduler step,
 rejections, load reports). The loop drains incoming messages without blocking while there is
 work, runs one `engine.step()`, and blocks on the socket only when nothing is left to run.
-A third socket carries Heartbeats from a thread of their own, for the server's watchdog.
+A third socket carries Heartbeats from a thread of their own, for the server's watchdog. With
+`kv_events_endpoint` set, the prefix cache's block events of each iteration go out as one batch
+(engine/kv_events.py), for gateways and the data-parallel router.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.kv_events import KVEventPublisher
 from specserve.engine.progress import progress
 from specserve.engine.wire import (encode_batch, grammar_health_to_proto, info_to_proto, load_to_proto,
                                    sampling_from_add_request)
@@ -74,10 +77,14 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
     outputs.setsockopt(zmq.LINGER, 2000)  # let the last messages (e.g. EngineFailed) go out
     outputs.connect(link.outputs)
     server_pid = os.getppid()
-    engine = heartbeat = None
+    engine = heartbeat = kv_events = None
     try:
+        # Before the weights load: a bad or busy endpoint fails the start at once.
+        kv_events = kv_event_publisher(config, context)
         engine = (start_engine or start_warm_engine)(config)
-        loop = _EngineLoop(engine, requests, outputs, server_pid)
+        if kv_events is not None:
+            engine.record_kv_events()  # the warm-up's cached blocks are the first batch
+        loop = _EngineLoop(engine, requests, outputs, server_pid, kv_events)
         # Watched from the moment the server hears "ready", so beating starts before that.
         heartbeat = HeartbeatThread(context, link, loop)
         heartbeat.start()
@@ -94,9 +101,19 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
             heartbeat.stop()  # before context.term(), which waits for every socket to close
         if engine is not None:
             engine.shutdown()
+        if kv_events is not None:
+            kv_events.close()
         requests.close(linger=0)
         outputs.close()
         context.term()
+
+
+def kv_event_publisher(config: EngineConfig, context: zmq.Context) -> Optional[KVEventPublisher]:
+    """The KV-event publisher the config asks for (its sockets bound or connected), or None."""
+    if config.kv_events_endpoint is None:
+        return None
+    return KVEventPublisher(context, config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                            config.kv_events_topic)
 
 
 def one_line(error: BaseException) -> str:
@@ -161,8 +178,13 @@ def _ready_message(engine) -> ipc.EngineReady:
 
 
 class _EngineLoop:
-    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket, server_pid: int):
+    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket, server_pid: int,
+                 kv_events: Optional[KVEventPublisher] = None):
         self.engine = engine
+        self.kv_events = kv_events
+        # vLLM's `medium` of the blocks: where the KV pool lives.
+        self._kv_medium = (None if kv_events is None
+                           else "GPU" if engine.core.device.type == "cuda" else "CPU")
         self.requests = requests
         self.outputs = outputs
         self.server_pid = server_pid
@@ -183,6 +205,8 @@ class _EngineLoop:
                 self._handle(message)
             if self.engine.has_unfinished():
                 self._step()
+            if self.kv_events is not None:  # the step's changes, and a flush's between steps
+                self.kv_events.publish(self.engine.take_kv_events(), self._kv_medium)
             self.report_grammar()
             self.iterations += 1
         logger.warning("server process %d is gone; engine exiting", self.server_pid)
