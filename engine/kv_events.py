@@ -50,6 +50,32 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
 
 
+def offset_endpoint(endpoint: str, by: int) -> str:
+    """`endpoint` with its port moved up by `by` (ipc://: the path suffixed with -by), for one
+    of several engines on a host (vLLM offsets its data-parallel ranks' ports the same way)."""
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}-{by}" if by else endpoint
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + by}"
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
+    """A payload's timestamp and events (the inverse of encode_batch; medium and lora_id are
+    dropped)."""
+    timestamp, wire = msgpack.unpackb(payload)
+    events: list[KVEvent] = []
+    for event in wire:
+        if event[0] == "BlockStored":
+            events.append(BlockStored(tuple(event[1]), event[2], tuple(event[3]), event[4]))
+        elif event[0] == "BlockRemoved":
+            events.append(BlockRemoved(tuple(event[1])))
+        elif event[0] == "AllBlocksCleared":
+            events.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV-cache event {event[0]!r}")
+    return timestamp, events
+
+
 def encode_batch(events: Sequence[KVEvent], medium: Optional[str], timestamp: float) -> bytes:
     """One KVEventBatch payload (msgpack), as vLLM encodes it."""
     wire = []
@@ -71,8 +97,11 @@ class KVEventPublisher:
     endpoint fails the engine's start with ValueError naming the field; then a thread owns
     them. `publish` is called from the engine loop's thread only."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, replay_endpoint: Optional[str] = None,
-                 topic: str = "", buffer_batches: int = REPLAY_BUFFER_BATCHES):
+    def __init__(self, context: zmq.Context, endpoint: Optional[str],
+                 replay_endpoint: Optional[str] = None, topic: str = "",
+                 server: Optional[str] = None, buffer_batches: int = REPLAY_BUFFER_BATCHES):
+        """endpoint: the user's (--kv-events-endpoint); server: an address the serving process
+        bound for its own router (data-parallel replicas), connected to as well."""
         self._topic = topic.encode()
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
         self._sequence = itertools.count()
@@ -80,7 +109,10 @@ class KVEventPublisher:
         try:
             self._pub = _socket(context, zmq.PUB, sockets)
             self._pub.setsockopt(zmq.SNDHWM, PUB_HIGH_WATER_MARK)
-            _attach(self._pub, "kv_events_endpoint", endpoint, bind=binds(endpoint))
+            if endpoint is not None:
+                _attach(self._pub, "kv_events_endpoint", endpoint, bind=binds(endpoint))
+            if server is not None:
+                self._pub.connect(server)
             self._replay = None
             if replay_endpoint is not None:
                 self._replay = _socket(context, zmq.ROUTER, sockets)

@@ -52,6 +52,9 @@ class ServerLink:
     outputs: str
     heartbeats: str
     heartbeat_interval_s: float
+    # Where the server's router reads this engine's KV-cache events (a SUB socket it bound;
+    # data-parallel replicas), or None.
+    kv_events: Optional[str] = None
 
 
 # Builds what the loop drives from the config: an `Engine`, or for benchmarks of the server
@@ -80,7 +83,7 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
     engine = heartbeat = kv_events = None
     try:
         # Before the weights load: a bad or busy endpoint fails the start at once.
-        kv_events = kv_event_publisher(config, context)
+        kv_events = kv_event_publisher(config, context, link.kv_events)
         engine = (start_engine or start_warm_engine)(config)
         if kv_events is not None:
             engine.record_kv_events()  # the warm-up's cached blocks are the first batch
@@ -108,12 +111,14 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
         context.term()
 
 
-def kv_event_publisher(config: EngineConfig, context: zmq.Context) -> Optional[KVEventPublisher]:
-    """The KV-event publisher the config asks for (its sockets bound or connected), or None."""
-    if config.kv_events_endpoint is None:
+def kv_event_publisher(config: EngineConfig, context: zmq.Context,
+                       server: Optional[str] = None) -> Optional[KVEventPublisher]:
+    """The KV-event publisher the config (and the server's router, at `server`) asks for, its
+    sockets bound or connected; None when neither does."""
+    if config.kv_events_endpoint is None and server is None:
         return None
     return KVEventPublisher(context, config.kv_events_endpoint, config.kv_events_replay_endpoint,
-                            config.kv_events_topic)
+                            config.kv_events_topic, server)
 
 
 def one_line(error: BaseException) -> str:

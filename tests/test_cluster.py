@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve import cli
+from specserve.engine.kvcache.block_events import chain_hashes
 from specserve.server.cluster.routing import (PrefixRouter, ReplicaState, RoutingConfig,
-                                              RoutingPolicy, block_hashes)
+                                              RoutingPolicy)
 
 DEMO_TARGET = str(Path(__file__).resolve().parents[1] / "models" / "demo-target")
 GREEDY = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -34,10 +35,10 @@ def _states(*loads: int) -> list[ReplicaState]:
 
 def test_block_hashes_chain_over_whole_blocks():
     a, b = list(range(10)), list(range(8)) + [99, 98]
-    assert len(block_hashes(a, 4)) == 2  # the partial last block is not hashed
-    assert block_hashes(a, 4) == block_hashes(b, 4)  # they differ only past the whole blocks
+    assert len(chain_hashes(a, 4)) == 2  # the partial last block is not hashed
+    assert chain_hashes(a, 4) == chain_hashes(b, 4)  # they differ only past the whole blocks
     # A block's hash names its whole prefix: equal blocks after different ones differ.
-    assert block_hashes([1, 2, 3, 4, 5, 6], 3)[1] != block_hashes([0, 2, 3, 4, 5, 6], 3)[1]
+    assert chain_hashes([1, 2, 3, 4, 5, 6], 3)[1] != chain_hashes([0, 2, 3, 4, 5, 6], 3)[1]
 
 
 def test_a_repeated_prefix_goes_back_to_its_replica():
