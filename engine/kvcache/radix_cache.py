@@ -23,6 +23,10 @@ Ownership: a slot is free (in the allocator), in this tree, or owned by one runn
 Tree nodes are reference-counted by the running requests whose cached prefix passes through
 them; unreferenced nodes are `evictable` (reclaimable on demand, least recently used leaves
 first). LRU time is a counter, not a clock, so every tensor-parallel rank evicts the same.
+
+With a BlockEventRecorder attached (`record_events`: the engine process, for
+--kv-events-endpoint and the data-parallel router), inserts, splits, evictions and flushes are
+also reported as block events (block_events.py); without one they cost nothing more.
 """
 from __future__ import annotations
 
