@@ -45,6 +45,7 @@ REPLAY_BUFFER_BATCHES = 10_000
 PUB_HIGH_WATER_MARK = 100_000
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
+
 def binds(endpoint: str) -> bool:
     """Whether the PUB socket binds `endpoint` (else it connects to it): vLLM's rule."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")

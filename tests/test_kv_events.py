@@ -12,7 +12,7 @@ import zmq
 
 from server_harness import free_port
 from specserve.engine import EngineConfig
-from specserve.engine.kv_events import END_OF_REPLAY, KVEventPublisher, encode_batch
+from specserve.engine.kv_events import END_OF_REPLAY, KVEventPublisher, decode_batch, encode_batch
 from specserve.engine.kvcache.block_events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                                     chain_hashes)
 from specserve.engine.kvcache.pools import TokenSlotAllocator
@@ -220,6 +220,9 @@ def test_the_payload_is_vllms_array_layout():
     assert ts == 12.5
     assert wire == [["BlockStored", [11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU"],
                     ["BlockRemoved", [12], "GPU"], ["AllBlocksCleared"]]
+    assert decode_batch(encode_batch(events, "GPU", 12.5)) == (12.5, events)
+    with pytest.raises(ValueError, match="unknown KV-cache event 'BlockMoved'"):
+        decode_batch(msgpack.packb([0.0, [["BlockMoved", [1]]]]))
     big = 2**64 - 1  # hashes are unsigned 64-bit
     assert msgpack.unpackb(encode_batch([BlockRemoved((big,))], None, 0.0))[1] == [
         ["BlockRemoved", [big], None]]

@@ -1,6 +1,7 @@
 """The data-parallel router reads its replicas' KV-cache events (no Ray: synthetic events and
 an in-process publisher): its choice follows what the engines store, evict and clear; lost
-batches drop a replica's view; each replica's user endpoint gets a port of its own."""
+batches drop a replica's view (an undecodable one is skipped); each replica's user endpoint
+gets a port of its own."""
 from __future__ import annotations
 
 import asyncio
@@ -129,7 +130,8 @@ def test_lost_batches_drop_the_replicas_view(tmp_path):
                     break
             assert router.route(PROMPT, [ReplicaState(0, 0)]).matched_tokens == 12
             other = list(range(300, 308))
-            send(sequence + 3, [_stored(other)])  # three batches lost
+            pub.send_multipart([b"", sequence.to_bytes(8, "big"), b"\xc1"])  # not msgpack: skipped
+            send(sequence + 4, [_stored(other)])  # three batches lost
             for _ in range(200):
                 await asyncio.sleep(0.05)
                 if len(router._seen[0]) == 2:
