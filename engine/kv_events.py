@@ -51,15 +51,6 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
 
 
-def offset_endpoint(endpoint: str, by: int) -> str:
-    """`endpoint` with its port moved up by `by` (ipc://: the path suffixed with -by), for one
-    of several engines on a host (vLLM offsets its data-parallel ranks' ports the same way)."""
-    if endpoint.startswith("ipc://"):
-        return f"{endpoint}-{by}" if by else endpoint
-    host, port = endpoint.rsplit(":", 1)
-    return f"{host}:{int(port) + by}"
-
-
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
     """A payload's timestamp and events (the inverse of encode_batch; medium and lora_id are
     dropped)."""

@@ -6,8 +6,8 @@ query, shutdown) and PUSHes EngineToServer messages (ready, one columnar BatchOu
 rejections, load reports). The loop drains incoming messages without blocking while there is
 work, runs one `engine.step()`, and blocks on the socket only when nothing is left to run.
 A third socket carries Heartbeats from a thread of their own, for the server's watchdog. With
-`kv_events_endpoint` set, the prefix cache's block events of each iteration go out as one batch
-(engine/kv_events.py), for gateways and the data-parallel router.
+`kv_events_endpoint` set, or the data-parallel router's address in the ServerLink, the prefix
+cache's block events of each iteration go out as one batch (engine/kv_events.py).
 """
 from __future__ import annotations
 

@@ -338,6 +338,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             # Configuration errors (ValueError naming the field) are usage errors.
             configs = (engine_config_from_args(args), _server_config_from_args(args),
                        _cluster_config_from_args(args))
+            if configs[2] is not None:  # each replica's kv-events port: the last one's fits
+                from specserve.server.cluster.config import replica_engine_config
+
+                replica_engine_config(configs[0], configs[2].data_parallel - 1)
         elif args.server is None:
             return _generate_offline(args)
     except ValueError as e:

@@ -15,7 +15,8 @@ from specserve.engine.kv_events import KVEventPublisher, encode_batch
 from specserve.engine.kvcache.block_events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                                     chain_hashes)
 from specserve.server.cluster.cache_events import ReplicaCacheEvents
-from specserve.server.cluster.config import ClusterConfig
+from specserve import cli
+from specserve.server.cluster.config import ClusterConfig, replica_engine_config
 from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.cluster.routing import PrefixRouter, ReplicaState, RoutingConfig
 from specserve.server.config import ServerConfig
@@ -58,16 +59,24 @@ def test_a_replica_set_names_blocks_as_its_engines_and_spreads_user_endpoints():
                           kv_events_replay_endpoint="tcp://*:6000", kv_events_block_size=8)
     replicas = ReplicaSet(config, ServerConfig(), ClusterConfig(data_parallel=3))
     assert replicas.router.config.block_size == 8
-    assert replicas.replica_config(0) == config
-    second = replicas.replica_config(2)
+    assert replica_engine_config(config, 0) == config
+    second = replica_engine_config(config, 2)
     assert (second.kv_events_endpoint, second.kv_events_replay_endpoint) == (
         "tcp://*:5559", "tcp://*:6002")
-    ipc = ReplicaSet(EngineConfig(kv_events_endpoint="ipc:///tmp/kv"), ServerConfig(),
-                     ClusterConfig(data_parallel=2))
-    assert ipc.replica_config(1).kv_events_endpoint == "ipc:///tmp/kv-1"
+    ipc = EngineConfig(kv_events_endpoint="ipc:///tmp/kv")
+    assert replica_engine_config(ipc, 1).kv_events_endpoint == "ipc:///tmp/kv-1"
     with pytest.raises(ValueError, match="kv_events_endpoint"):  # past the last port
-        ReplicaSet(EngineConfig(kv_events_endpoint="tcp://*:65535"), ServerConfig(),
-                   ClusterConfig(data_parallel=2)).replica_config(1)
+        replica_engine_config(EngineConfig(kv_events_endpoint="tcp://*:65535"), 1)
+
+
+def test_the_cli_refuses_replica_ports_past_the_last(capsys):
+    pytest.importorskip("ray")  # --data-parallel needs it before the ports are checked
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--data-parallel", "2", "--kv-events-endpoint", "tcp://*:65535"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "kv_events_endpoint (--kv-events-endpoint): must be tcp://HOST:PORT" in error
+    assert "data-parallel replica 1 publishes at the port + 1" in error
 
 
 def test_an_engines_publisher_reaches_the_router_through_the_replicas_socket(tmp_path):

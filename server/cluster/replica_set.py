@@ -30,12 +30,11 @@ from typing import Any, Callable, Optional
 import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.kv_events import offset_endpoint
 from specserve.engine.outputs import EngineInfo, EngineLoad
 from specserve.engine.process import StartEngine
 from specserve.proto import generate_pb2 as pb
 from specserve.server.cluster.cache_events import ReplicaCacheEvents
-from specserve.server.cluster.config import ClusterConfig
+from specserve.server.cluster.config import ClusterConfig, replica_engine_config
 from specserve.server.cluster.routing import PrefixRouter, ReplicaState, RoutingPolicy
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineLauncher, EngineUnavailable
@@ -263,22 +262,10 @@ class ReplicaSet:
             on_gap=lambda: self.router.forget(index))
         replica.cache_events.start()
 
-    def replica_config(self, index: int) -> EngineConfig:
-        """Replica `index`'s engine config: a --kv-events-endpoint (and replay endpoint) of the
-        user's moves up by the index (port + index, as vLLM's data-parallel ranks), so that
-        replicas on one node do not share it."""
-        config = self.config
-        if config.kv_events_endpoint is None or index == 0:
-            return config
-        return config.replace(
-            kv_events_endpoint=offset_endpoint(config.kv_events_endpoint, index),
-            kv_events_replay_endpoint=None if config.kv_events_replay_endpoint is None
-            else offset_endpoint(config.kv_events_replay_endpoint, index))
-
     def _start_engine(self, replica: _Replica) -> None:
         config = self.server_config
         events = replica.cache_events
-        client = EngineClient(self.replica_config(replica.index), EngineWatchdog(
+        client = EngineClient(replica_engine_config(self.config, replica.index), EngineWatchdog(
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher,
             kv_events=None if events is None else events.address)
