@@ -186,6 +186,21 @@ class Engine:
         """Steps run, host time blocked on results, accept lengths (SchedulerMetrics)."""
         return self.core.scheduler.metrics
 
+    def record_kv_events(self) -> None:
+        """Record the prefix cache's block events (config.kv_events_block_size) for
+        `take_kv_events`, starting with the blocks it holds now; the engine process publishes
+        them. This rank's cache only: every tp rank's cache makes the same changes."""
+        cache = self.core.scheduler.slots.cache
+        if cache is None:
+            raise ValueError("kv_events_endpoint (--kv-events-endpoint): reports the prefix "
+                             "cache, which is disabled (--disable-prefix-cache)")
+        cache.record_events(self.config.kv_events_block_size)
+
+    def take_kv_events(self) -> list:
+        """The block events (kvcache/block_events.py) since the last call, in order."""
+        cache = self.core.scheduler.slots.cache
+        return cache.events.take() if cache is not None and cache.events is not None else []
+
     def take_step_stats(self) -> list:
         """What the steps processed since the last call took (engine/outputs.py StepStat)."""
         return self.core.scheduler.metrics.take_step_stats()

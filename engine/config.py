@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -34,6 +35,21 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 def _require(cond: bool, field_name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{field_name}: {message}")
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+
+
+def check_zmq_endpoint(field_name: str, endpoint: str) -> None:
+    """Raise ValueError naming the field (and its flag) unless `endpoint` is tcp://HOST:PORT or
+    ipc://PATH."""
+    match = _TCP_ENDPOINT.fullmatch(endpoint) if isinstance(endpoint, str) else None
+    if isinstance(endpoint, str) and endpoint.startswith("ipc://") and len(endpoint) > 6:
+        return
+    flag = "--" + field_name.replace("_", "-")
+    _require(match is not None and 1 <= int(match.group(2)) <= 65535, f"{field_name} ({flag})",
+             f"must be tcp://HOST:PORT (a host of * binds every interface) or ipc://PATH, "
+             f"got {endpoint!r}")
 
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
@@ -279,6 +295,14 @@ class EngineConfig:
     # Structured outputs: a grammar must compile within this many seconds (in the grammar
     # process); past it the request fails with INVALID_ARGUMENT naming the field.
     grammar_compile_seconds: float = 10.0
+    # KV-cache events for gateways (engine/kv_events.py; docs/deployment.md "KV events"): the
+    # prefix cache's stored and evicted blocks of kv_events_block_size tokens, published as
+    # vLLM does on a ZeroMQ PUB socket at this endpoint; None: off (no socket). The replay
+    # endpoint (a ROUTER, bound) answers requests for the batches from a sequence number on.
+    kv_events_endpoint: Optional[str] = None
+    kv_events_replay_endpoint: Optional[str] = None
+    kv_events_topic: str = ""
+    kv_events_block_size: int = 16
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -315,6 +339,24 @@ class EngineConfig:
                  f"must be 'auto' or 'fp8', got {self.quantization!r}")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(self, name) is not None:
+                check_zmq_endpoint(name, getattr(self, name))
+        _require(self.kv_events_replay_endpoint is None or self.kv_events_endpoint is not None,
+                 "kv_events_replay_endpoint (--kv-events-replay-endpoint)",
+                 "replays the events of --kv-events-endpoint; give that too")
+        _require(self.kv_events_endpoint is None or self.enable_prefix_cache,
+                 "kv_events_endpoint (--kv-events-endpoint)",
+                 "reports the prefix cache, which is disabled (--disable-prefix-cache)")
+        _require(isinstance(self.kv_events_topic, str), "kv_events_topic",
+                 f"must be text, got {self.kv_events_topic!r}")
+        _require(isinstance(self.kv_events_block_size, int)
+                 and not isinstance(self.kv_events_block_size, bool)
+                 and self.kv_events_block_size >= 1, "kv_events_block_size (--kv-events-block-size)",
+                 f"must be an integer >= 1, got {self.kv_events_block_size!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

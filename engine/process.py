@@ -5,7 +5,9 @@ Two ZeroMQ sockets connect it to the server: it PULLs ServerToEngine messages (a
 query, shutdown) and PUSHes EngineToServer messages (ready, one columnar BatchOutput per scheduler step,
 rejections, load reports). The loop drains incoming messages without blocking while there is
 work, runs one `engine.step()`, and blocks on the socket only when nothing is left to run.
-A third socket carries Heartbeats from a thread of their own, for the server's watchdog.
+A third socket carries Heartbeats from a thread of their own, for the server's watchdog. With
+`kv_events_endpoint` set, or the data-parallel router's address in the ServerLink, the prefix
+cache's block events of each iteration go out as one batch (engine/kv_events.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.kv_events import KVEventPublisher
 from specserve.engine.progress import progress
 from specserve.engine.wire import (encode_batch, grammar_health_to_proto, info_to_proto, load_to_proto,
                                    sampling_from_add_request)
@@ -49,6 +52,9 @@ class ServerLink:
     outputs: str
     heartbeats: str
     heartbeat_interval_s: float
+    # Where the server's router reads this engine's KV-cache events (a SUB socket it bound;
+    # data-parallel replicas), or None.
+    kv_events: Optional[str] = None
 
 
 # Builds what the loop drives from the config: an `Engine`, or for benchmarks of the server
@@ -75,10 +81,14 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
     outputs.setsockopt(zmq.LINGER, 2000)  # let the last messages (e.g. EngineFailed) go out
     outputs.connect(link.outputs)
     server_pid = os.getppid()
-    engine = heartbeat = None
+    engine = heartbeat = kv_events = None
     try:
+        # Before the weights load: a bad or busy endpoint fails the start at once.
+        kv_events = kv_event_publisher(config, context, link.kv_events)
         engine = (start_engine or start_warm_engine)(config)
-        loop = _EngineLoop(engine, requests, outputs, server_pid)
+        if kv_events is not None:
+            engine.record_kv_events()  # the warm-up's cached blocks are the first batch
+        loop = _EngineLoop(engine, requests, outputs, server_pid, kv_events)
         # Watched from the moment the server hears "ready", so beating starts before that.
         heartbeat = HeartbeatThread(context, link, loop)
         heartbeat.start()
@@ -95,9 +105,21 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
             heartbeat.stop()  # before context.term(), which waits for every socket to close
         if engine is not None:
             engine.shutdown()
+        if kv_events is not None:
+            kv_events.close()
         requests.close(linger=0)
         outputs.close()
         context.term()
+
+
+def kv_event_publisher(config: EngineConfig, context: zmq.Context,
+                       server: Optional[str] = None) -> Optional[KVEventPublisher]:
+    """The KV-event publisher the config (and the server's router, at `server`) asks for, its
+    sockets bound or connected; None when neither does."""
+    if config.kv_events_endpoint is None and server is None:
+        return None
+    return KVEventPublisher(context, config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                            config.kv_events_topic, server)
 
 
 def one_line(error: BaseException) -> str:
@@ -162,8 +184,13 @@ def _ready_message(engine) -> ipc.EngineReady:
 
 
 class _EngineLoop:
-    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket, server_pid: int):
+    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket, server_pid: int,
+                 kv_events: Optional[KVEventPublisher] = None):
         self.engine = engine
+        self.kv_events = kv_events
+        # vLLM's `medium` of the blocks: where the KV pool lives.
+        self._kv_medium = (None if kv_events is None
+                           else "GPU" if engine.core.device.type == "cuda" else "CPU")
         self.requests = requests
         self.outputs = outputs
         self.server_pid = server_pid
@@ -184,6 +211,8 @@ class _EngineLoop:
                 self._handle(message)
             if self.engine.has_unfinished():
                 self._step()
+            if self.kv_events is not None:  # the step's changes, and a flush's between steps
+                self.kv_events.publish(self.engine.take_kv_events(), self._kv_medium)
             self.report_grammar()
             self.iterations += 1
         logger.warning("server process %d is gone; engine exiting", self.server_pid)

@@ -131,8 +131,11 @@ class LocalLauncher(EngineLauncher):
 class EngineClient:
     def __init__(self, config: EngineConfig, watchdog: EngineWatchdog,
                  start_engine: Optional[StartEngine] = None,
-                 launcher: EngineLauncher = LocalLauncher()):
+                 launcher: EngineLauncher = LocalLauncher(), kv_events: Optional[str] = None):
+        """kv_events: an address where the engine also sends its KV-cache events (the
+        data-parallel router's; engine/kv_events.py)."""
         self.config = config
+        self.kv_events = kv_events
         self.watchdog = watchdog
         self.start_engine = start_engine  # None: the real Engine (see run_engine_process)
         self.launcher = launcher
@@ -187,7 +190,8 @@ class EngineClient:
         else:
             addresses = [f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
                          for sock in sockets]
-        link = ServerLink(*addresses, heartbeat_interval_s=self.watchdog.heartbeat_interval_s)
+        link = ServerLink(*addresses, heartbeat_interval_s=self.watchdog.heartbeat_interval_s,
+                          kv_events=self.kv_events)
         self._ready = loop.create_future()
         self.handle = self.launcher.launch(self.config, link, self.start_engine)
         self.handle.watch_exit(self._on_process_exit)

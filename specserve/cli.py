@@ -73,6 +73,21 @@ _SPEC_FLAGS = {"algorithm": "speculative_algorithm", "draft_model": "draft_model
                "num_draft_tokens": "speculative_num_draft_tokens"}
 
 
+def _add_kv_events_args(parser: argparse.ArgumentParser) -> None:
+    """`serve` only: the engine process publishes them (an offline engine has no publisher)."""
+    k = parser.add_argument_group("KV-cache events for gateways (vLLM's format; docs/deployment.md)")
+    k.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish the prefix cache's stored and evicted blocks on a ZeroMQ PUB "
+                        "socket: bound for a host of * (tcp://*:5557), else connected to")
+    k.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="bind a ROUTER socket that replays buffered event batches from a "
+                        "sequence number")
+    k.add_argument("--kv-events-topic", default=None,
+                   help="the topic frame of every message (llm-d: kv@POD_IP@MODEL)")
+    k.add_argument("--kv-events-block-size", type=int, default=None, metavar="N",
+                   help="tokens per hashed block (default 16)")
+
+
 def _spec_config_from_args(args: argparse.Namespace):
     given = {name: getattr(args, dest) for name, dest in _SPEC_FLAGS.items()
              if getattr(args, dest) is not None}
@@ -91,8 +106,11 @@ def _spec_config_from_args(args: argparse.Namespace):
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig that the engine flags describe (shared by serve and generate)."""
     optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens",
-                                                        "prefill_interleave_tokens")
-                if getattr(args, name) is not None}
+                                                        "prefill_interleave_tokens",
+                                                        "kv_events_endpoint",
+                                                        "kv_events_replay_endpoint",
+                                                        "kv_events_topic", "kv_events_block_size")
+                if getattr(args, name, None) is not None}
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend,
                         kv_cache_dtype=args.kv_cache_dtype,
@@ -112,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the gRPC server")
     _add_engine_args(serve)
+    _add_kv_events_args(serve)
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=None,
@@ -324,6 +343,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             # Configuration errors (ValueError naming the field) are usage errors.
             configs = (engine_config_from_args(args), _server_config_from_args(args),
                        _cluster_config_from_args(args))
+            if configs[2] is not None:  # each replica's kv-events port: the last one's fits
+                from specserve.server.cluster.config import replica_engine_config
+
+                replica_engine_config(configs[0], configs[2].data_parallel - 1)
         elif args.server is None:
             return _generate_offline(args)
     except ValueError as e:

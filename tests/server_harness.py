@@ -172,3 +172,23 @@ def assert_complete_ttft_stages(access_log_line: str) -> None:
     stages = ttft_stages(access_log_line)
     assert tuple(stages) == TTFT_STAGE_NAMES, access_log_line
     assert all(ms >= 0 for ms in stages.values()), access_log_line
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (Linux /proc: its socket inodes in LISTEN)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports

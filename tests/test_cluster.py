@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from hypothesis import strategies as st
 
 from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve import cli
+from specserve.engine.kvcache.block_events import chain_hashes
 from specserve.server.cluster.routing import (PrefixRouter, ReplicaState, RoutingConfig,
-                                              RoutingPolicy, block_hashes)
+                                              RoutingPolicy)
 
 DEMO_TARGET = str(Path(__file__).resolve().parents[1] / "models" / "demo-target")
 GREEDY = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -34,10 +36,10 @@ def _states(*loads: int) -> list[ReplicaState]:
 
 def test_block_hashes_chain_over_whole_blocks():
     a, b = list(range(10)), list(range(8)) + [99, 98]
-    assert len(block_hashes(a, 4)) == 2  # the partial last block is not hashed
-    assert block_hashes(a, 4) == block_hashes(b, 4)  # they differ only past the whole blocks
+    assert len(chain_hashes(a, 4)) == 2  # the partial last block is not hashed
+    assert chain_hashes(a, 4) == chain_hashes(b, 4)  # they differ only past the whole blocks
     # A block's hash names its whole prefix: equal blocks after different ones differ.
-    assert block_hashes([1, 2, 3, 4, 5, 6], 3)[1] != block_hashes([0, 2, 3, 4, 5, 6], 3)[1]
+    assert chain_hashes([1, 2, 3, 4, 5, 6], 3)[1] != chain_hashes([0, 2, 3, 4, 5, 6], 3)[1]
 
 
 def test_a_repeated_prefix_goes_back_to_its_replica():
@@ -179,6 +181,7 @@ def dp_server(ray_cluster):
     server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
                            "--data-parallel", "2", "--engine-heartbeat-timeout", "2",
                            "--metrics-port", str(free_port()), "--http-port", "0",
+                           "--log-level", "DEBUG",  # the routing decisions
                            speculative=True)
     yield server
     assert server.stop() == 0, "\n".join(server.log[-30:])
@@ -241,6 +244,28 @@ def _idle(client) -> bool:
     rows = client.server_load().replicas
     return all(row.serving and row.num_running == row.num_waiting == row.kv_used_tokens == 0
                for row in rows)
+
+
+def test_the_router_knows_what_the_engines_cached_from_their_events(dp_server):
+    """A follow-up turn (prompt, answer, more) is routed expecting the answer's blocks cached
+    too: the engine cached them when the call finished and said so in its KV-cache events, while
+    the router sent only the prompt (its own record would match the prompt's whole blocks, 64
+    tokens)."""
+    prompt = [(11 * i) % 500 + 3 for i in range(70)]
+    start = len(dp_server.log)
+    with dp_server.client() as client:
+        answer = client.generate(prompt_token_ids=prompt, max_new_tokens=40, temperature=0.0,
+                                 ignore_eos=True).token_ids
+        time.sleep(1.0)  # the events: published by the step that finished the call
+        client.generate(prompt_token_ids=prompt + list(answer) + [5, 6], max_new_tokens=1)
+
+    def matched() -> list[int]:
+        return [int(m) for line in dp_server.log[start:]
+                for m in re.findall(r"\(\w+, (\d+) tokens expected cached\)", line)]
+
+    assert wait_until(lambda: len(matched()) == 2)
+    first, follow_up = matched()
+    assert first == 0 and follow_up >= 96  # 6 blocks of 16: prompt and answer (pair keys: 109)
 
 
 def test_a_killed_replica_fails_its_calls_the_other_serves_and_it_returns(dp_server):

@@ -23,6 +23,10 @@ Ownership: a slot is free (in the allocator), in this tree, or owned by one runn
 Tree nodes are reference-counted by the running requests whose cached prefix passes through
 them; unreferenced nodes are `evictable` (reclaimable on demand, least recently used leaves
 first). LRU time is a counter, not a clock, so every tensor-parallel rank evicts the same.
+
+With a BlockEventRecorder attached (`record_events`: the engine process, for
+--kv-events-endpoint and the data-parallel router), inserts, splits, evictions and flushes are
+also reported as block events (block_events.py); without one they cost nothing more.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from specserve.engine.kvcache.block_events import BlockEventRecorder
 from specserve.engine.kvcache.pools import TokenSlotAllocator
 
 
@@ -86,6 +91,16 @@ class RadixCache:
         self.num_queried = 0     # prompt positions looked up at admission, and of those
         self.num_hit = 0         # the ones served from the cache (the hit rate's terms)
         self.num_evicted = 0     # slots given back to the allocator, since start
+        self.events: Optional[BlockEventRecorder] = None  # KV-cache events: off unless recorded
+
+    def record_events(self, block_size: int) -> BlockEventRecorder:
+        """Report the tree's changes as block events (block_events.py) from now on; the blocks
+        it holds already come first, as stored."""
+        token_of = (lambda key: key >> 32) if self.pair_keys else (lambda key: key)
+        self.events = BlockEventRecorder(block_size, token_of)
+        for node in self._nodes():  # parents before their children
+            self.events.stored(node)
+        return self.events
 
     # --- keys ------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], num_positions: int) -> list[int]:
@@ -161,6 +176,8 @@ class RadixCache:
             node.children[keys[pos]] = leaf
             self.size += len(leaf.key)
             self.evictable_size += len(leaf.key)
+            if self.events is not None:
+                self.events.stored(leaf)
             node = leaf
         self._touch(node)
         return InsertResult(already, len(keys))
@@ -195,13 +212,18 @@ class RadixCache:
             self.num_evicted += len(leaf.key)
             self.size -= len(leaf.key)
             self.evictable_size -= len(leaf.key)
+            if self.events is not None:
+                self.events.removed(leaf)
             if parent is not self.root and not parent.children and parent.ref == 0:
                 heapq.heappush(leaves, (parent.last_use, parent.serial, parent))
         return freed
 
     def flush(self) -> int:
         """Free every cached slot no running request uses; returns the number freed."""
-        return self.evict(self.evictable_size)
+        freed = self.evict(self.evictable_size)
+        if self.events is not None and self.size == 0:
+            self.events.cleared()
+        return freed
 
     # --- checks ----------------------------------------------------------------------------
     def cached_slots(self) -> list[torch.Tensor]:
@@ -228,6 +250,8 @@ class RadixCache:
         node.parent.children[node.key[0]] = upper
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
         upper.children[node.key[0]] = node
+        if self.events is not None:
+            self.events.split(upper, node)
         return upper
 
     def _ref(self, node: _Node, delta: int) -> None:

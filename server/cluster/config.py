@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specserve.engine.config import EngineConfig
 from specserve.server.cluster.routing import RoutingConfig
 
 INSTALL_HINT = "install Ray with: pip install 'specserve[ray]'"
@@ -50,6 +51,29 @@ class ClusterConfig:
         if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
             raise ValueError(f"restart_backoff_s: must be > 0 and <= max_restart_backoff_s, got "
                              f"{self.restart_backoff_s}")
+
+
+def replica_engine_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica `index`'s engine config: a --kv-events-endpoint (and replay endpoint) of the
+    user's moves up by the index (port + index; ipc://: the path suffixed -index), as vLLM's
+    data-parallel ranks do, so that replicas on one node do not share it. ValueError naming
+    the field when a port passes 65535."""
+    if config.kv_events_endpoint is None or index == 0:
+        return config
+    try:
+        return config.replace(
+            kv_events_endpoint=_offset_endpoint(config.kv_events_endpoint, index),
+            kv_events_replay_endpoint=None if config.kv_events_replay_endpoint is None
+            else _offset_endpoint(config.kv_events_replay_endpoint, index))
+    except ValueError as e:
+        raise ValueError(f"{e} (data-parallel replica {index} publishes at the port + {index})") from e
+
+
+def _offset_endpoint(endpoint: str, by: int) -> str:
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}-{by}"
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + by}"
 
 
 def require_ray() -> None:

@@ -6,7 +6,8 @@ whose engine runs in a Ray actor (ray_replicas.py), so every guarantee of one en
 routed per request, KV freed on abort, the watchdog) holds per replica. The set adds:
 
 - Routing (routing.py): a request goes to one replica, all its n sequences with it, chosen by
-  prefix affinity bounded by load; aborts follow the request to its replica.
+  prefix affinity bounded by load; aborts follow the request to its replica. The router reads
+  each replica's KV-cache events (cache_events.py) to know what its prefix cache holds.
 - Failure isolation: a replica whose engine dies (or that its watchdog kills) fails only its
   own calls (UNAVAILABLE) and leaves routing at once; the set is available while any replica
   serves, and reports death (health NOT_SERVING) only when none does, and recovery when one
@@ -19,16 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
 from specserve.engine.outputs import EngineInfo, EngineLoad
 from specserve.engine.process import StartEngine
 from specserve.proto import generate_pb2 as pb
-from specserve.server.cluster.config import ClusterConfig
-from specserve.server.cluster.routing import PrefixRouter, ReplicaState
+from specserve.server.cluster.cache_events import ReplicaCacheEvents
+from specserve.server.cluster.config import ClusterConfig, replica_engine_config
+from specserve.server.cluster.routing import PrefixRouter, ReplicaState, RoutingPolicy
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient, EngineLauncher, EngineUnavailable
 from specserve.server.ops.watchdog import EngineWatchdog, WatchdogReport, WatchdogState
@@ -65,6 +72,7 @@ class _Replica:
         self.index = index
         self.launcher = launcher
         self.client: Optional[EngineClient] = None
+        self.cache_events: Optional[ReplicaCacheEvents] = None  # its engine's KV-cache events
         self.serving = False
         self.served_once = False
         self.active_streams = 0
@@ -83,7 +91,14 @@ class ReplicaSet:
         self.info: Optional[EngineInfo] = None
         self.tokenizer: Any = None
         self.replicas: list[_Replica] = []
-        self.router = PrefixRouter(cluster.data_parallel, cluster.routing)
+        # Blocks named as the engines' events name them.
+        self.router = PrefixRouter(cluster.data_parallel, dataclasses.replace(
+            cluster.routing, block_size=engine_config.kv_events_block_size))
+        # Prefix routing reads the replicas' KV-cache events (there are none without a cache).
+        self._reads_cache_events = (cluster.routing.policy is RoutingPolicy.PREFIX
+                                    and engine_config.enable_prefix_cache)
+        self._zmq: Optional[zmq.asyncio.Context] = None  # of the event sockets
+        self._ipc_dir: Optional[str] = None
         self._routes: dict[str, _Replica] = {}  # rid -> the replica serving it
         self.last_rows: list[ReplicaLoad] = []  # of the latest load query
         self.routed: collections.Counter[tuple[int, str]] = collections.Counter()  # (replica, reason)
@@ -115,6 +130,8 @@ class ReplicaSet:
             return
         self.replicas = [_Replica(i, launcher) for i, launcher in enumerate(launchers)]
         for replica in self.replicas:
+            if self._reads_cache_events:
+                self._read_cache_events(replica)
             self._start_engine(replica)
         try:
             # Every replica serves the same model; all must start, as one engine must.
@@ -145,6 +162,11 @@ class ReplicaSet:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(r.client.shutdown() for r in self.replicas if r.client is not None))
+        await asyncio.gather(*(r.cache_events.close() for r in self.replicas
+                               if r.cache_events is not None))
+        if self._zmq is not None:
+            self._zmq.term()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineUnavailable("the server is shutting down"))
         if self.replicas:
@@ -227,11 +249,26 @@ class ReplicaSet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _read_cache_events(self, replica: _Replica) -> None:
+        """Bind the replica's event socket (kept across its engine's restarts) and apply what
+        arrives to the router."""
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+            self._ipc_dir = tempfile.mkdtemp(prefix="specserve-kv-events-")
+        index = replica.index
+        replica.cache_events = ReplicaCacheEvents(
+            self._zmq, replica.launcher.bind_host, self._ipc_dir, f"replica-{index}",
+            on_events=lambda events: self.router.apply_events(index, events),
+            on_gap=lambda: self.router.forget(index))
+        replica.cache_events.start()
+
     def _start_engine(self, replica: _Replica) -> None:
         config = self.server_config
-        client = EngineClient(self.config, EngineWatchdog(
+        events = replica.cache_events
+        client = EngineClient(replica_engine_config(self.config, replica.index), EngineWatchdog(
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
-            self.start_engine, replica.launcher)
+            self.start_engine, replica.launcher,
+            kv_events=None if events is None else events.address)
         client.on_death(lambda reason: self._on_death(replica, client, reason))
         client.on_steps = lambda steps, load: self._on_replica_steps(replica.index, steps, load)
         client.on_grammar = lambda health: self.on_grammar is not None and self.on_grammar(health)

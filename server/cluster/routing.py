@@ -1,13 +1,18 @@
 """Which data-parallel replica serves a request: prefix-cache affinity, bounded by load.
 
 Each replica's engine keeps a radix prefix cache, so a prompt is cheapest on the replica that
-last served its longest prefix. The router cannot ask the engines what they hold (that would be
-a round trip per request), so it remembers what it sent where: a prompt is cut into blocks of
-`block_size` tokens and each block is named by a hash chained over every block before it (a
-block hash therefore stands for the whole prefix up to its end, as in vLLM's and SGLang's
-block-hash indexes). Each replica keeps an LRU set of the chain hashes it was sent, bounded at
-about what its KV cache holds; the longest run of a prompt's leading chain hashes found in a
-replica's set is that replica's expected hit.
+holds its longest prefix. A prompt is cut into blocks of `block_size` tokens, each named by a
+hash chained over every block before it (engine/kvcache/block_events.py: a block hash stands
+for the whole prefix up to its end, as in vLLM's block-hash indexes); per replica the router
+keeps the set of chain hashes it believes cached (an LRU bounded near a KV pool's size), and
+the longest run of a prompt's leading hashes in a replica's set is that replica's expected hit.
+
+The engines say what they cache: each replica publishes its KV-cache events (BlockStored,
+BlockRemoved, AllBlocksCleared; cache_events.py reads them), which `apply_events` applies, so
+evictions and flushes leave the router's view as they happen. Events come after the prefill
+that caches a prompt, so the router also adds a prompt's blocks when it routes it (the next
+request with that prefix, arriving before the events, still goes there); an engine that never
+caches them (the request failed first) leaves those entries until the LRU bound drops them.
 
 Load bounds the affinity: the replica with the longest hit is chosen only if its load (the
 requests in flight to it through this server: exact and current, where the engines' own
@@ -29,10 +34,12 @@ from __future__ import annotations
 
 import collections
 import enum
-import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
+
+from specserve.engine.kvcache.block_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                                    KVEvent, chain_hashes)
 
 
 class RoutingPolicy(enum.Enum):
@@ -43,7 +50,9 @@ class RoutingPolicy(enum.Enum):
 @dataclass(frozen=True)
 class RoutingConfig:
     policy: RoutingPolicy = RoutingPolicy.PREFIX
-    block_size: int = 32           # tokens per hashed block (a partial last block is not hashed)
+    # Tokens per hashed block (a partial last block is not hashed); the replica set uses its
+    # engines' kv_events_block_size, the size their events name blocks by.
+    block_size: int = 16
     max_blocks_per_replica: int = 8192  # LRU bound of each replica's remembered chain hashes
     max_load_imbalance: int = 8    # affinity yields once its replica is this much busier
     max_kv_use: float = 0.9        # ... or once its KV pool is fuller than this
@@ -77,22 +86,12 @@ class Route:
     reason: str          # "affinity" | "least_loaded" | "round_robin" (for the metrics)
 
 
-def block_hashes(prompt: Sequence[int], block_size: int) -> list[bytes]:
-    """The chain hashes of the prompt's whole blocks: hash i covers tokens [0, (i+1)*block_size)."""
-    hashes, previous = [], b""
-    for start in range(0, len(prompt) - block_size + 1, block_size):
-        block = ",".join(map(str, prompt[start:start + block_size])).encode()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
-        hashes.append(previous)
-    return hashes
-
-
 class PrefixRouter:
     """Not thread-safe: called on the server's event loop only."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig = RoutingConfig()):
         self.config = config
-        self._seen: list[collections.OrderedDict[bytes, None]] = [
+        self._seen: list[collections.OrderedDict[int, None]] = [
             collections.OrderedDict() for _ in range(num_replicas)]
         self._tie_break = itertools.count()
 
@@ -103,7 +102,7 @@ class PrefixRouter:
             raise ValueError("replicas: no live replica to route to")
         if self.config.policy is RoutingPolicy.ROUND_ROBIN:
             return Route(replicas[next(self._tie_break) % len(replicas)].index, 0, "round_robin")
-        hashes = block_hashes(prompt, self.config.block_size)
+        hashes = chain_hashes(prompt, self.config.block_size)
         roomy = [r for r in replicas if r.kv_use <= self.config.max_kv_use] or replicas
         matched = {r.index: self._matched_blocks(r.index, hashes) for r in roomy}
         least = min(r.load for r in roomy)
@@ -119,17 +118,30 @@ class PrefixRouter:
         return Route(chosen.index, matched[chosen.index] * self.config.block_size, reason)
 
     def forget(self, replica: int) -> None:
-        """The replica restarted (or was flushed): its cache is empty."""
+        """The replica restarted (or was flushed, or its events were lost): its cache is empty,
+        or unknown."""
         self._seen[replica].clear()
 
-    def _matched_blocks(self, replica: int, hashes: list[bytes]) -> int:
+    def apply_events(self, replica: int, events: Sequence[KVEvent]) -> None:
+        """What the replica's engine reported of its prefix cache (cache_events.py)."""
+        seen = self._seen[replica]
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._remember(replica, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    seen.pop(h, None)
+            elif isinstance(event, AllBlocksCleared):
+                seen.clear()
+
+    def _matched_blocks(self, replica: int, hashes: list[int]) -> int:
         seen = self._seen[replica]
         for count, h in enumerate(hashes):
             if h not in seen:
                 return count
         return len(hashes)
 
-    def _remember(self, replica: int, hashes: list[bytes]) -> None:
+    def _remember(self, replica: int, hashes: Sequence[int]) -> None:
         seen = self._seen[replica]
         for h in hashes:
             seen[h] = None
