@@ -192,3 +192,28 @@ def listening_tcp_ports(pid: int) -> set[int]:
                 if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                     ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def replay_kv_events(context, address: str, start: int) -> list[tuple[int, bytes]]:
+    """The batches a KV-event replay socket sends back from sequence `start` (a DEALER: the
+    replay is several messages, then END_OF_REPLAY)."""
+    import zmq
+
+    from specserve.engine.kv_events import END_OF_REPLAY
+
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        answers = []
+        while True:
+            assert dealer.poll(10_000), "the replay did not end"
+            empty, sequence, payload = dealer.recv_multipart()
+            assert empty == b""
+            if sequence == END_OF_REPLAY:
+                assert payload == b""
+                return answers
+            answers.append((int.from_bytes(sequence, "big"), payload))
+    finally:
+        dealer.close()

@@ -10,9 +10,9 @@ import pytest
 import torch
 import zmq
 
-from server_harness import free_port
+from server_harness import free_port, replay_kv_events
 from specserve.engine import EngineConfig
-from specserve.engine.kv_events import END_OF_REPLAY, KVEventPublisher, decode_batch, encode_batch
+from specserve.engine.kv_events import KVEventPublisher, decode_batch, encode_batch
 from specserve.engine.kvcache.block_events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                                     chain_hashes)
 from specserve.engine.kvcache.pools import TokenSlotAllocator
@@ -262,25 +262,6 @@ class _Subscriber:
         self.sub.close()
 
 
-def _replay(context, address: str, start: int) -> list[tuple[int, bytes]]:
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(address)
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        answers = []
-        while True:
-            assert dealer.poll(10_000), "the replay did not end"
-            empty, sequence, payload = dealer.recv_multipart()
-            assert empty == b""
-            if sequence == END_OF_REPLAY:
-                assert payload == b""
-                return answers
-            answers.append((int.from_bytes(sequence, "big"), payload))
-    finally:
-        dealer.close()
-
-
 def test_batches_are_numbered_without_gaps_and_a_replay_returns_exactly_the_later_ones(context):
     port, replay_port = free_port(), free_port()
     publisher = KVEventPublisher(context, f"tcp://*:{port}", f"tcp://*:{replay_port}",
@@ -298,10 +279,10 @@ def test_batches_are_numbered_without_gaps_and_a_replay_returns_exactly_the_late
             assert wire == [["BlockRemoved", [i + 1], "GPU"]] and ts > 0
             live[sequence] = wire
         start = last + 8
-        replayed = _replay(context, f"tcp://127.0.0.1:{replay_port}", start)
+        replayed = replay_kv_events(context, f"tcp://127.0.0.1:{replay_port}", start)
         assert [s for s, _ in replayed] == list(range(start, last + 21))
         assert all(msgpack.unpackb(p)[1] == live[s] for s, p in replayed)
-        assert _replay(context, f"tcp://127.0.0.1:{replay_port}", last + 21) == []  # none yet
+        assert replay_kv_events(context, f"tcp://127.0.0.1:{replay_port}", last + 21) == []  # none yet
     finally:
         sub.close()
         publisher.close()
@@ -318,7 +299,7 @@ def test_the_replay_buffer_is_bounded_and_a_malformed_request_is_ignored(context
         bad.setsockopt(zmq.LINGER, 0)
         bad.connect(f"tcp://127.0.0.1:{replay_port}")
         bad.send_multipart([b"", b"\x01"])  # not 8 bytes
-        replayed = _replay(context, f"tcp://127.0.0.1:{replay_port}", 0)
+        replayed = replay_kv_events(context, f"tcp://127.0.0.1:{replay_port}", 0)
         assert [s for s, _ in replayed] == [7, 8, 9]  # the last three of 0..9
         assert [msgpack.unpackb(p)[1] for _, p in replayed] == [
             [["BlockRemoved", [i], None]] for i in (8, 9, 10)]

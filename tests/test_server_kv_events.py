@@ -10,9 +10,8 @@ import pytest
 import zmq
 
 from helpers import make_tiny_checkpoint, random_prompts
-from server_harness import (ServerProcess, engine_is_idle, free_port, listening_tcp_ports,
+from server_harness import (ServerProcess, replay_kv_events, engine_is_idle, free_port, listening_tcp_ports,
                             serve_and_exit, wait_until)
-from specserve.engine.kv_events import END_OF_REPLAY
 from specserve.engine.kvcache.block_events import chain_hashes
 
 BLOCK = 16
@@ -173,20 +172,9 @@ def test_sequence_numbers_have_no_gaps_and_a_replay_returns_exactly_the_later_ba
     assert sequences == list(range(sequences[0], sequences[0] + len(sequences)))
     start = sequences[len(sequences) // 2]
     context = zmq.Context()
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{server.replay_port}")
     try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert dealer.poll(10_000), "the replay did not end"
-            _, sequence, payload = dealer.recv_multipart()
-            if sequence == END_OF_REPLAY:
-                break
-            replayed.append((int.from_bytes(sequence, "big"), payload))
+        replayed = replay_kv_events(context, f"tcp://127.0.0.1:{server.replay_port}", start)
     finally:
-        dealer.close()
         context.term()
     while stream.received[-1][0] < replayed[-1][0]:  # any batch still on its way live
         assert stream.receive(10_000)
