@@ -21,7 +21,8 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, GrammarHealth, StepOutput
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
-from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, RequestChange, spawn_followers
+from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, RequestChange,
+                                 spawn_followers)
 
 
 class Engine:
@@ -105,10 +106,6 @@ class Engine:
         bad_bias = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
-        if sampling.grammar is not None and self.config.tp_size > 1:
-            # The grammar process serves one rank's device; the followers would sample unmasked.
-            raise ValueError(f"structured_output: not supported with tp_size={self.config.tp_size} "
-                             f"(structured outputs need tp_size=1)")
         if sampling.grammar is not None and core.scheduler.grammars is None:
             raise ValueError("structured_output: this model has no tokenizer.json, which grammars need")
         if core.scheduler.has_request(rid):
@@ -120,9 +117,9 @@ class Engine:
         """Start the grammar process and compile a small schema in it (at start-up, before
         the first constrained request: that one then pays nothing extra). True once warm; False
         if it did not warm within `timeout` (it goes on starting); None without structured
-        outputs (no tokenizer.json, or tensor parallelism)."""
+        outputs (no tokenizer.json)."""
         grammars = self.core.scheduler.grammars
-        if grammars is None or self.config.tp_size > 1:
+        if grammars is None:
             return None
         grammars.start()
         return grammars.wait_warm(timeout)
@@ -131,7 +128,7 @@ class Engine:
         """The grammar service's state (None without one), after restarting it if it died and
         nothing constrained is in flight (the server's health service reads this)."""
         scheduler = self.core.scheduler
-        if scheduler.grammars is None or self.config.tp_size > 1:
+        if scheduler.grammars is None:
             return None
         scheduler.tend_grammars()
         return scheduler.grammars.health()
@@ -149,6 +146,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         core = self.core
+        news = core.scheduler.hear_grammars()
+        if news is not None:  # every rank takes it before this step's schedule
+            self._change(GrammarNews(*news))
         if core.tp_group is not None:
             changes, self._changes = self._changes, []
             core.tp_group.exchange(changes)

@@ -54,7 +54,18 @@ class FlushPrefixCache(NamedTuple):
             cache.flush()
 
 
-RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache]
+class GrammarNews(NamedTuple):
+    """What rank 0's grammar service said before this step (Scheduler.hear_grammars): every
+    rank's scheduler takes it at the same point, so all admit, fail and end the same requests."""
+    messages: list
+    dead: bool
+
+    def apply(self, core: EngineCore) -> None:
+        with core.ctx.schedule_context():  # ending a request frees KV
+            core.scheduler.take_grammar_news(self.messages, self.dead)
+
+
+RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache, GrammarNews]
 
 
 def spawn_followers(config: EngineConfig, init_method: str) -> list:

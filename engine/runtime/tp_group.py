@@ -55,9 +55,10 @@ class TPGroup:
         self.control = dist.new_group(list(range(size)), backend="gloo")
         self.rank = rank
 
-    def exchange(self, ops: list[Any]) -> list[Any]:
-        """Rank 0's control messages for this step, on every rank."""
-        box = [ops if self.rank == 0 else None]
+    def exchange(self, value: Any) -> Any:
+        """Rank 0's value on every rank (the others pass anything): its control messages at the
+        start of each step, and what the scheduler takes from rank 0 alone (scheduler.py)."""
+        box = [value if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
