@@ -50,6 +50,8 @@ class Engine:
             for p in self._followers:
                 p.kill()
             raise
+        # Every rank's state at shutdown (tensor parallelism; builder.EngineCore.close).
+        self.rank_states: Optional[list] = None
         self._seed_rng = random.Random(config.seed)
         self._rid_counter = itertools.count()
 
@@ -285,7 +287,7 @@ class Engine:
     def shutdown(self) -> None:
         if self.core is None:
             return
-        self.core.close()
+        self.rank_states = self.core.close()
         self.core = None
         for p in self._followers:
             p.join(timeout=60)

@@ -41,7 +41,7 @@ from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import Worker
-from specserve.engine.runtime.tp_group import Stop, TPGroup
+from specserve.engine.runtime.tp_group import RankState, Stop, TPGroup
 from specserve.engine.runtime.worker import NormalWorker, HistoryTable, TargetModel
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
@@ -95,9 +95,16 @@ class EngineCore:
     def kv_pool(self) -> TokenToKVPool | MLATokenToKVPool:
         return self.runner.kv_pool
 
-    def close(self) -> None:
+    def rank_state(self) -> RankState:
+        cache = self.scheduler.slots.cache
+        evictable = cache.evictable_size if cache is not None else 0
+        return RankState(len(self.scheduler.reqs), self.req_to_token.num_free,
+                         self.allocator.num_slots - self.allocator.num_free - evictable)
+
+    def close(self) -> Optional[list[RankState]]:
         """Tell the followers to stop (rank 0), process what is in flight, release graphs and
-        streams, tear down the TP groups."""
+        streams, tear down the TP groups. With tensor parallelism, rank 0 returns every rank's
+        state after the drain (and logs an error if a rank's differs from its own)."""
         if self.tp_group is not None and self.rank == 0:
             # First: every rank then drains the same batches (the scheduler may take rank 0's
             # value of something while it processes one; scheduler.py).
@@ -111,10 +118,15 @@ class EngineCore:
         self.ctx.close()
         if self.scheduler.grammars is not None:  # after the last forward that talks to it
             self.scheduler.grammars.close()
+        states = None
         if self.tp_group is not None:
+            states = self.tp_group.gather(self.rank_state())
+            if states is not None and any(state != states[0] for state in states):
+                logger.error("the tp ranks diverged: their states at shutdown are %s", states)
             # Every rank tears its communicators down before rank 0 waits for the others:
             # NCCL's teardown can wait for the peers, so joining first would deadlock.
             self.tp_group.close()
+        return states
 
 
 @contextlib.contextmanager

@@ -1,11 +1,15 @@
-"""Tensor parallelism on the CPU: two ranks over gloo give exactly the single-rank output."""
+"""Tensor parallelism on the CPU: two ranks over gloo give exactly the single-rank output,
+structured outputs included."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
-from helpers import make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import assert_no_leaks, make_predictable_pair, make_tiny_checkpoint, random_prompts
 
 from specserve.engine import SamplingParams, SpecConfig
+from specserve.engine.runtime.tp_group import RankState
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -77,16 +81,127 @@ def test_tp_errors_name_the_field(tmp_path):
         Engine(EngineConfig(model=path, device="cpu", tp_size=3, spec=None))
 
 
-def test_tp_refuses_structured_outputs(pair, make_engine):
-    """Unsupported, so refused by name: the grammar process masks one rank's logits only."""
+@pytest.fixture(scope="module")
+def shared_embedding_pair(pair, tmp_path_factory):
+    """The pair with a head that shares the target's (vocabulary-parallel) embedding, so the
+    draft forward all-reduces: ranks drafting different tokens would mix their partial sums."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    head = str(tmp_path_factory.mktemp("shared") / "head")
+    shutil.copytree(pair[1], head)
+    weights = load_file(f"{head}/model.safetensors")
+    del weights["embed_tokens.weight"]
+    save_file(weights, f"{head}/model.safetensors", metadata={"format": "pt"})
+    return pair[0], head
+
+
+def _constrained_batch():
     from specserve.engine import GrammarSpec
 
-    engine = make_engine(pair[0], tp_size=2, spec=None)
-    constrained = SamplingParams(max_new_tokens=4, grammar=GrammarSpec(kind="json_object"))
-    with pytest.raises(ValueError, match="^structured_output: not supported with tp_size=2"):
-        engine.add_request("json", [1, 2, 3], constrained)
-    assert not engine.has_unfinished()
-    assert engine.generate(prompt_token_ids=[[1, 2, 3]], sampling=GREEDY)[0].token_ids  # still serves
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer", "maximum": 99},
+                                                          "bb": {"type": "string", "maxLength": 3}},
+                         "required": ["a", "bb"], "additionalProperties": False})
+    prompts = random_prompts(6, seed=11, max_len=12)
+    params = [SamplingParams(max_new_tokens=28, temperature=0.0, grammar=GrammarSpec("json_schema", schema)),
+              SamplingParams(max_new_tokens=20, temperature=0.0, grammar=GrammarSpec("regex", "(yes|no)!")),
+              SamplingParams(max_new_tokens=20, temperature=0.0, grammar=GrammarSpec("ebnf", 'root ::= "(" [0-9]+ ")"')),
+              SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, n=2, grammar=GrammarSpec("json_object")),
+              SamplingParams(max_new_tokens=4, grammar=GrammarSpec("regex", "a(b"))]
+    return prompts, params
+
+
+def _summary(outs):
+    return [(o.token_ids, o.finish_reason, o.error, o.num_verify_steps, o.num_accepted_drafts) for o in outs]
+
+
+@pytest.mark.parametrize("spec,overlap", [
+    (None, True), (None, False),
+    (dict(num_steps=3, topk=1, num_draft_tokens=4), True),
+    (dict(num_steps=3, topk=1, num_draft_tokens=4), False),
+    (dict(num_steps=3, topk=2, num_draft_tokens=6), True),
+    (dict(num_steps=3, topk=2, num_draft_tokens=6), False),
+], ids=["plain-overlap", "plain-normal", "chain-overlap", "chain-normal", "tree-overlap", "tree-normal"])
+def test_tp2_structured_outputs_match_tp1(shared_embedding_pair, make_engine, spec, overlap):
+    """JSON schema, regex, EBNF, n=2 sampled and unconstrained requests in one batch give at
+    tp=2 exactly tp=1's tokens, and the same accepted drafts (every rank drafts under rank 0's
+    masks); a grammar that does not compile fails its request by field on both; afterwards no
+    rank holds a request, a row or a KV slot."""
+    from specserve.engine import Engine, EngineConfig
+
+    target, head = shared_embedding_pair
+    prompts, params = _constrained_batch()
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    expected = make_engine(target, spec=spec_cfg, enable_overlap=overlap).generate(
+        prompt_token_ids=prompts, sampling=params)
+    engine = Engine(EngineConfig(model=target, device="cpu", dtype="float32", spec=spec_cfg, tp_size=2,
+                                 enable_overlap=overlap))
+    try:
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+        assert_no_leaks(engine)
+        rows = engine.core.req_to_token.num_rows
+    finally:
+        engine.shutdown()
+    assert _summary(outs) == _summary(expected)
+    assert outs[1].text in ("yes!", "no!") and outs[2].text.startswith("(") and outs[2].text.endswith(")")
+    assert json.loads(outs[0].text).keys() == {"a", "bb"}
+    assert [o.index for o in outs[4:6]] == [0, 1]
+    bad = outs[6]
+    assert bad.finish_reason == "error" and bad.error.code == "INVALID_ARGUMENT" and bad.token_ids == []
+    assert bad.error.message.startswith("structured_output.regex: ")
+    assert engine.rank_states == [RankState(0, rows, 0)] * 2
+
+
+def test_tp2_constrained_requests_fail_on_every_rank_when_the_grammar_process_dies(pair):
+    """Rank 0's grammar process killed mid-run: every rank ends the constrained requests
+    (UNAVAILABLE) at the same step, the unconstrained one runs to its end as at tp=1, and the
+    service restarts and serves again; no rank holds anything afterwards."""
+    import os
+    import signal
+    import time
+
+    from specserve.engine import Engine, EngineConfig, GrammarSpec
+
+    prompts = random_prompts(3, seed=5, max_len=10)
+    bound = SamplingParams(max_new_tokens=40, temperature=0.0, grammar=GrammarSpec("regex", "[ab]{60}"))
+    free = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model=pair[0], device="cpu", dtype="float32", spec=None, tp_size=2))
+    try:
+        alone = engine.generate(prompt_token_ids=[prompts[2]], sampling=free)[0].token_ids
+        for rid, prompt, params in (("c0", prompts[0], bound), ("c1", prompts[1], bound), ("u", prompts[2], free)):
+            engine.add_request(rid, prompt, params)
+        got = {rid: [[], None, None] for rid in ("c0", "c1", "u")}
+        killed = False
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.rid][0] += out.new_token_ids
+                if out.finished:
+                    got[out.rid][1:] = [out.finish_reason, out.error]
+            if not killed and len(got["c0"][0]) >= 3:
+                os.kill(engine.core.scheduler.grammars._proc.pid, signal.SIGKILL)
+                killed = True
+        assert killed
+        for rid in ("c0", "c1"):
+            assert got[rid][1] == "error" and got[rid][2].code == "UNAVAILABLE", got[rid]
+            assert set(engine.tokenizer.decode(got[rid][0])) <= {"a", "b"}
+        assert got["u"][:2] == [alone, "length"]
+        # Restarted at most RESTART_INTERVAL_SECONDS after its last start.
+        deadline = time.monotonic() + 60
+        while True:
+            again = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(
+                max_new_tokens=8, temperature=0.0, grammar=GrammarSpec("regex", "(yes|no)!")))[0]
+            if again.finish_reason != "error":
+                break
+            assert again.error.code == "UNAVAILABLE" and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert again.text in ("yes!", "no!") and engine.grammar_health() == (True, 1, "")
+        assert_no_leaks(engine)
+        rows = engine.core.req_to_token.num_rows
+    finally:
+        engine.shutdown()
+    assert engine.rank_states == [RankState(0, rows, 0)] * 2
 
 
 @pytest.mark.gpu
