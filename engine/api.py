@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing.connection
 import os
 import random
 import time
@@ -22,7 +23,11 @@ from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, Gra
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, RequestChange,
-                                 spawn_followers)
+                                 TPRankDied, spawn_followers)
+
+# After a failed tp step: how long to wait for a dead rank's exit to show (its sockets close
+# first), so that the error names it.
+RANK_EXIT_GRACE_S = 1.0
 
 
 class Engine:
@@ -32,7 +37,8 @@ class Engine:
         """tp_init_method: the other tp ranks were started elsewhere (server/cluster: Ray actors,
         possibly on other nodes, each on its own GPU) and meet rank 0 there; None: spawn them
         here."""
-        self._followers: list = []
+        self._followers: list = []   # the other tp ranks' processes, when spawned here
+        self._out_of_step = False     # a tp step failed: the ranks are no longer in lock step
         self._rendezvous: Optional[Rendezvous] = None  # held while the tp ranks run
         self._changes: list[RequestChange] = []  # for the other ranks, sent at the next step
         try:
@@ -148,6 +154,24 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         core = self.core
+        if core.tp_group is None:
+            return self._step()
+        self.check_ranks()
+        try:
+            return self._step()
+        except Exception as e:
+            # The others may be inside this step's collectives or past it: never in step again.
+            self._out_of_step = True
+            # A collective with a dead peer fails at once (gloo); its exit may show a moment later.
+            if self._followers:
+                multiprocessing.connection.wait([p.sentinel for p in self._followers], RANK_EXIT_GRACE_S)
+            failure = self.rank_failure()
+            if failure is not None:
+                raise TPRankDied(failure) from e
+            raise
+
+    def _step(self) -> list[StepOutput]:
+        core = self.core
         news = core.scheduler.hear_grammars()
         if news is not None:  # every rank takes it before this step's schedule
             self._change(GrammarNews(*news))
@@ -158,6 +182,27 @@ class Engine:
         # the current stream is per thread, and several engines may share one).
         with core.ctx.schedule_context():
             return core.scheduler.step()
+
+    def rank_failure(self) -> Optional[str]:
+        """Why the engine cannot go on, if a tensor-parallel rank it spawned has died (None
+        while they all live). Safe from any thread: it only looks at their processes'
+        sentinels. (Ranks started elsewhere, tp_init_method, fail this rank's collectives.)"""
+        sentinels = [p.sentinel for p in self._followers]
+        dead = multiprocessing.connection.wait(sentinels, timeout=0) if sentinels else []
+        if not dead:
+            return None
+        rank = 1 + sentinels.index(dead[0])
+        return f"tp_size: rank {rank} (pid {self._followers[rank - 1].pid}) died; the engine cannot go on"
+
+    def check_ranks(self) -> None:
+        """Raise (TPRankDied) if a tensor-parallel rank died, or a failed step left the ranks
+        out of step: every later step would wait for the others forever."""
+        failure = self.rank_failure()
+        if failure is not None:
+            self._out_of_step = True
+            raise TPRankDied(failure)
+        if self._out_of_step:
+            raise RuntimeError("tp_size: a step failed and the ranks are out of step; restart the engine")
 
     def has_unfinished(self) -> bool:
         return self.core.scheduler.has_unfinished()
@@ -285,14 +330,17 @@ class Engine:
             self.step()
 
     def shutdown(self) -> None:
+        """Stop the engine, and its other tp ranks. After a failed step it waits for nothing
+        the others would have to answer, and kills them."""
         if self.core is None:
             return
-        self.rank_states = self.core.close()
+        self.rank_states = self.core.close(in_step=not self._out_of_step)
         self.core = None
         for p in self._followers:
-            p.join(timeout=60)
+            p.join(timeout=0 if self._out_of_step else 60)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
 
     def __enter__(self):
         return self

@@ -101,23 +101,24 @@ class EngineCore:
         return RankState(len(self.scheduler.reqs), self.req_to_token.num_free,
                          self.allocator.num_slots - self.allocator.num_free - evictable)
 
-    def close(self) -> Optional[list[RankState]]:
+    def close(self, in_step: bool = True) -> Optional[list[RankState]]:
         """Tell the followers to stop (rank 0), process what is in flight, release graphs and
         streams, tear down the TP groups. With tensor parallelism, rank 0 returns every rank's
-        state after the drain (and logs an error if a rank's differs from its own)."""
+        state after the drain (and logs an error if a rank's differs from its own). in_step
+        False: a step failed and the ranks are out of step (or one is dead), so nothing is sent
+        to the others and nothing in flight is waited for."""
+        if not in_step:
+            self._release()
+            if self.tp_group is not None:
+                self.tp_group.close()
+            return None
         if self.tp_group is not None and self.rank == 0:
             # First: every rank then drains the same batches (the scheduler may take rank 0's
             # value of something while it processes one; scheduler.py).
             self.tp_group.exchange([Stop()])
         with self.ctx.schedule_context():
             self.scheduler.drain()
-        for graphs in (self.worker.graphs, *self.worker.sampled_graphs.values(),
-                       self.worker.constrained_graphs, self.worker.extend_graphs):
-            if graphs is not None:
-                graphs.release()
-        self.ctx.close()
-        if self.scheduler.grammars is not None:  # after the last forward that talks to it
-            self.scheduler.grammars.close()
+        self._release()
         states = None
         if self.tp_group is not None:
             states = self.tp_group.gather(self.rank_state())
@@ -127,6 +128,16 @@ class EngineCore:
             # NCCL's teardown can wait for the peers, so joining first would deadlock.
             self.tp_group.close()
         return states
+
+    def _release(self) -> None:
+        """Graphs, streams and the grammar service (after the last forward that talks to it)."""
+        for graphs in (self.worker.graphs, *self.worker.sampled_graphs.values(),
+                       self.worker.constrained_graphs, self.worker.extend_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.ctx.close()
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.close()
 
 
 @contextlib.contextmanager

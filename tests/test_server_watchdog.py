@@ -91,9 +91,16 @@ def test_serve_flags_set_the_watchdog_timeouts():
 
 def test_heartbeat_thread_reports_the_loop_count():
     """The engine-side heartbeat thread beats while the main loop stands still, and each beat
-    carries the loop's current iteration count."""
+    carries the loop's current iteration count; it stops once a tensor-parallel rank died."""
+    class Ranks:
+        failure = None
+
+        def rank_failure(self):
+            return self.failure
+
     class StuckLoop:
         iterations = 5
+        engine = Ranks()
 
     context = zmq.Context()
     beats = context.socket(zmq.PULL)
@@ -108,6 +115,10 @@ def test_heartbeat_thread_reports_the_loop_count():
         StuckLoop.iterations = 6
         while ipc.Heartbeat.FromString(beats.recv()).loop_iterations != 6:
             pass
+        # A dead tp rank: the beats stop (the loop may be stuck in a collective for good).
+        StuckLoop.engine.failure = "tp_size: rank 1 (pid 7) died; the engine cannot go on"
+        heartbeat.join(10)
+        assert not heartbeat.is_alive()
     finally:
         heartbeat.stop()
         beats.close()

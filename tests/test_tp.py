@@ -2,7 +2,13 @@
 structured outputs included."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -158,10 +164,6 @@ def test_tp2_constrained_requests_fail_on_every_rank_when_the_grammar_process_di
     """Rank 0's grammar process killed mid-run: every rank ends the constrained requests
     (UNAVAILABLE) at the same step, the unconstrained one runs to its end as at tp=1, and the
     service restarts and serves again; no rank holds anything afterwards."""
-    import os
-    import signal
-    import time
-
     from specserve.engine import Engine, EngineConfig, GrammarSpec
 
     prompts = random_prompts(3, seed=5, max_len=10)
@@ -202,6 +204,85 @@ def test_tp2_constrained_requests_fail_on_every_rank_when_the_grammar_process_di
     finally:
         engine.shutdown()
     assert engine.rank_states == [RankState(0, rows, 0)] * 2
+
+
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_dead_follower_fails_the_engine_instead_of_hanging(pair, overlap):
+    """SIGKILL rank 1 mid-generation: rank 0's next step raises TPRankDied naming it (the
+    collective with the dead peer fails, no wait), every later step refuses, and shutdown
+    returns without waiting for the dead rank. Killed while the engine is idle, the next
+    check_ranks() says so before any collective is tried."""
+    from specserve.engine import Engine, EngineConfig
+    from specserve.engine.tp import TPRankDied
+
+    for when in ("running", "idle"):
+        engine = Engine(EngineConfig(model=pair[0], device="cpu", dtype="float32", spec=None, tp_size=2,
+                                     enable_overlap=overlap))
+        try:
+            follower = engine._followers[0]
+            if when == "running":
+                for i, prompt in enumerate(random_prompts(3, seed=1, max_len=12)):
+                    engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=400, temperature=0.0,
+                                                                       ignore_eos=True))
+                for _ in range(3):
+                    engine.step()
+                assert engine.has_unfinished() and engine.rank_failure() is None
+            os.kill(follower.pid, signal.SIGKILL)
+            with pytest.raises(TPRankDied, match=rf"^tp_size: rank 1 \(pid {follower.pid}\) died"):
+                if when == "idle":
+                    assert _wait_until(lambda: engine.rank_failure() is not None, 30)
+                    engine.check_ranks()
+                while engine.has_unfinished():  # a step or two at most: the next collective fails
+                    engine.step()
+            with pytest.raises(RuntimeError, match="^tp_size: "):
+                engine.step()
+        finally:
+            started = time.monotonic()
+            engine.shutdown()
+        assert time.monotonic() - started < 30  # it waited for no collective
+        assert engine.rank_states is None
+
+
+def test_a_follower_exits_when_rank_0_dies(pair, tmp_path):
+    """Rank 0's process SIGKILLed (its followers are orphaned while they wait in a collective):
+    the follower exits by itself."""
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import time\n"
+        "from specserve.engine import Engine, EngineConfig\n"
+        "if __name__ == '__main__':\n"
+        f"    engine = Engine(EngineConfig(model={pair[0]!r}, device='cpu', dtype='float32', spec=None, tp_size=2))\n"
+        "    print(engine._followers[0].pid, flush=True)\n"
+        "    time.sleep(600)\n")
+
+    def gone(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not reaped yet
+        except FileNotFoundError:
+            return True
+
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    follower = None
+    try:
+        follower = int(rank0.stdout.readline())
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.wait(30)
+        assert _wait_until(lambda: gone(follower), 60), "the follower outlived rank 0"
+    finally:
+        rank0.kill()
+        if follower is not None and not gone(follower):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(follower, signal.SIGKILL)
 
 
 @pytest.mark.gpu
