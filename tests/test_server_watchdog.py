@@ -1,6 +1,7 @@
 """The engine watchdog: a frozen engine (SIGSTOP) turns health NOT_SERVING and ends the calls in
 flight with UNAVAILABLE; a stuck main loop trips the stall timeout; the engine's heartbeat thread
-beats on during a long step and carries the loop's progress."""
+beats on during a long step and carries the loop's progress (and stops once a tp rank died); a
+dead tp rank fails the engine."""
 from __future__ import annotations
 
 import contextlib
@@ -159,3 +160,52 @@ def test_frozen_engine_goes_not_serving_and_fails_calls(tiny_model):
             os.kill(server.engine_pid, signal.SIGCONT)
         assert server.stop() == 0
 
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (tp followers; not its forkserver)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if ppid == pid and b"spawn_main" in f.read():
+                    found.append(int(entry))
+    return found
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat ("Z": exited, not reaped yet), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_a_dead_tp_rank_fails_the_engine(tiny_model):
+    """tp=2 over gloo: rank 1 SIGKILLed mid-stream ends the stream with UNAVAILABLE saying
+    which rank died, and health goes NOT_SERVING (not a frozen engine)."""
+    metrics_port = free_port()
+    server = ServerProcess(tiny_model, "--tp", "2", "--metrics-port", str(metrics_port))
+    try:
+        (follower,) = _spawned_children(server.engine_pid)
+        with server.client() as client:
+            stream = iter(client.generate_stream("def add", max_new_tokens=500, ignore_eos=True,
+                                                 timeout=120))
+            next(stream)
+            os.kill(follower, signal.SIGKILL)
+            with pytest.raises(Unavailable, match=r"tp_size: rank 1 \(pid \d+\) died"):
+                for _ in stream:
+                    pass
+            assert client.health() == "NOT_SERVING"
+            assert http_get(f"http://127.0.0.1:{metrics_port}/health") == (503, "NOT_SERVING\n")
+            with pytest.raises(Unavailable):
+                client.generate("hi", max_new_tokens=2)
+        # The engine process exits (its parent, the server, reaps it at its own exit).
+        assert wait_until(lambda: _process_state(server.engine_pid) in ("gone", "Z"), 60)
+    finally:
+        server.stop()
