@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from helpers import assert_no_leaks, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import (assert_no_leaks, make_predictable_pair, make_tiny_checkpoint, process_exited,
+                     random_prompts)
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime.tp_group import RankState
@@ -264,23 +265,16 @@ def test_a_follower_exits_when_rank_0_dies(pair, tmp_path):
         "    print(engine._followers[0].pid, flush=True)\n"
         "    time.sleep(600)\n")
 
-    def gone(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not reaped yet
-        except FileNotFoundError:
-            return True
-
     rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     follower = None
     try:
         follower = int(rank0.stdout.readline())
         os.kill(rank0.pid, signal.SIGKILL)
         rank0.wait(30)
-        assert _wait_until(lambda: gone(follower), 60), "the follower outlived rank 0"
+        assert _wait_until(lambda: process_exited(follower), 60), "the follower outlived rank 0"
     finally:
         rank0.kill()
-        if follower is not None and not gone(follower):
+        if follower is not None and not process_exited(follower):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(follower, signal.SIGKILL)
 
@@ -306,6 +300,28 @@ def test_gpu_tp_matches_tp1(pair, make_engine, spec, graphs, tp, custom_all_redu
                                               custom_all_reduce=custom_all_reduce,
                                               max_running_requests=8).generate(prompt_token_ids=prompts,
                                                                                sampling=GREEDY)]
+            for size in (1, tp)]
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("spec", [None, dict(num_steps=3, topk=1, num_draft_tokens=4),
+                                  dict(num_steps=3, topk=2, num_draft_tokens=6)], ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_tp_structured_outputs_match_tp1(shared_embedding_pair, make_engine, spec, graphs, tp):
+    """As test_tp2_structured_outputs_match_tp1 over NCCL, the masks' broadcast inside the
+    constrained CUDA graphs included."""
+    import torch
+
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    target, head = shared_embedding_pair
+    prompts, params = _constrained_batch()
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = [_summary(make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs,
+                                 tp_size=size, spec=spec_cfg, max_total_tokens=4096,
+                                 max_running_requests=8).generate(prompt_token_ids=prompts, sampling=params))
             for size in (1, tp)]
     assert outs[0] == outs[1]
 
