@@ -96,6 +96,7 @@ class EngineCore:
         return self.runner.kv_pool
 
     def rank_state(self) -> RankState:
+        """What this rank's scheduler holds (close() compares the ranks')."""
         cache = self.scheduler.slots.cache
         evictable = cache.evictable_size if cache is not None else 0
         return RankState(len(self.scheduler.reqs), self.req_to_token.num_free,
