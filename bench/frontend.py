@@ -128,6 +128,12 @@ class SyntheticEngine:
     def grammar_health(self) -> None:
         return None  # no grammar service
 
+    def rank_failure(self) -> None:
+        return None  # one rank
+
+    def check_ranks(self) -> None:
+        pass
+
     def load(self) -> EngineLoad:
         return EngineLoad(num_running=len(self.running), num_waiting=0, kv_used_tokens=0,
                           kv_total_tokens=1, mean_accept_length=float(self.shape.tokens_per_step),

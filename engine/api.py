@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing.connection
 import os
 import random
 import time
@@ -21,7 +22,12 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, GrammarHealth, StepOutput
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
-from specserve.engine.tp import AbortRequest, AddRequest, FlushPrefixCache, RequestChange, spawn_followers
+from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, RequestChange,
+                                 TPRankDied, spawn_followers)
+
+# After a failed tp step: how long to wait for a dead rank's exit to show (its sockets close
+# first), so that the error names it.
+RANK_EXIT_GRACE_S = 1.0
 
 
 class Engine:
@@ -31,7 +37,8 @@ class Engine:
         """tp_init_method: the other tp ranks were started elsewhere (server/cluster: Ray actors,
         possibly on other nodes, each on its own GPU) and meet rank 0 there; None: spawn them
         here."""
-        self._followers: list = []
+        self._followers: list = []   # the other tp ranks' processes, when spawned here
+        self._out_of_step = False     # a tp step failed: the ranks are no longer in lock step
         self._rendezvous: Optional[Rendezvous] = None  # held while the tp ranks run
         self._changes: list[RequestChange] = []  # for the other ranks, sent at the next step
         try:
@@ -49,6 +56,8 @@ class Engine:
             for p in self._followers:
                 p.kill()
             raise
+        # Every rank's state at shutdown (tensor parallelism; builder.EngineCore.close).
+        self.rank_states: Optional[list] = None
         self._seed_rng = random.Random(config.seed)
         self._rid_counter = itertools.count()
 
@@ -105,10 +114,6 @@ class Engine:
         bad_bias = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
-        if sampling.grammar is not None and self.config.tp_size > 1:
-            # The grammar process serves one rank's device; the followers would sample unmasked.
-            raise ValueError(f"structured_output: not supported with tp_size={self.config.tp_size} "
-                             f"(structured outputs need tp_size=1)")
         if sampling.grammar is not None and core.scheduler.grammars is None:
             raise ValueError("structured_output: this model has no tokenizer.json, which grammars need")
         if core.scheduler.has_request(rid):
@@ -120,9 +125,9 @@ class Engine:
         """Start the grammar process and compile a small schema in it (at start-up, before
         the first constrained request: that one then pays nothing extra). True once warm; False
         if it did not warm within `timeout` (it goes on starting); None without structured
-        outputs (no tokenizer.json, or tensor parallelism)."""
+        outputs (no tokenizer.json)."""
         grammars = self.core.scheduler.grammars
-        if grammars is None or self.config.tp_size > 1:
+        if grammars is None:
             return None
         grammars.start()
         return grammars.wait_warm(timeout)
@@ -131,7 +136,7 @@ class Engine:
         """The grammar service's state (None without one), after restarting it if it died and
         nothing constrained is in flight (the server's health service reads this)."""
         scheduler = self.core.scheduler
-        if scheduler.grammars is None or self.config.tp_size > 1:
+        if scheduler.grammars is None:
             return None
         scheduler.tend_grammars()
         return scheduler.grammars.health()
@@ -149,6 +154,27 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         core = self.core
+        if core.tp_group is None:
+            return self._step()
+        self.check_ranks()
+        try:
+            return self._step()
+        except Exception as e:
+            # The others may be inside this step's collectives or past it: never in step again.
+            self._out_of_step = True
+            # A collective with a dead peer fails at once (gloo); its exit may show a moment later.
+            if self._followers:
+                multiprocessing.connection.wait([p.sentinel for p in self._followers], RANK_EXIT_GRACE_S)
+            failure = self.rank_failure()
+            if failure is not None:
+                raise TPRankDied(failure) from e
+            raise
+
+    def _step(self) -> list[StepOutput]:
+        core = self.core
+        news = core.scheduler.hear_grammars()
+        if news is not None:  # every rank takes it before this step's schedule
+            self._change(GrammarNews(*news))
         if core.tp_group is not None:
             changes, self._changes = self._changes, []
             core.tp_group.exchange(changes)
@@ -156,6 +182,27 @@ class Engine:
         # the current stream is per thread, and several engines may share one).
         with core.ctx.schedule_context():
             return core.scheduler.step()
+
+    def rank_failure(self) -> Optional[str]:
+        """Why the engine cannot go on, if a tensor-parallel rank it spawned has died (None
+        while they all live). Safe from any thread: it only looks at their processes'
+        sentinels. (Ranks started elsewhere, tp_init_method, fail this rank's collectives.)"""
+        sentinels = [p.sentinel for p in self._followers]
+        dead = multiprocessing.connection.wait(sentinels, timeout=0) if sentinels else []
+        if not dead:
+            return None
+        rank = 1 + sentinels.index(dead[0])
+        return f"tp_size: rank {rank} (pid {self._followers[rank - 1].pid}) died; the engine cannot go on"
+
+    def check_ranks(self) -> None:
+        """Raise (TPRankDied) if a tensor-parallel rank died, or a failed step left the ranks
+        out of step: every later step would wait for the others forever."""
+        failure = self.rank_failure()
+        if failure is not None:
+            self._out_of_step = True
+            raise TPRankDied(failure)
+        if self._out_of_step:
+            raise RuntimeError("tp_size: a step failed and the ranks are out of step; restart the engine")
 
     def has_unfinished(self) -> bool:
         return self.core.scheduler.has_unfinished()
@@ -298,14 +345,17 @@ class Engine:
             self.step()
 
     def shutdown(self) -> None:
+        """Stop the engine, and its other tp ranks. After a failed step it waits for nothing
+        the others would have to answer, and kills them."""
         if self.core is None:
             return
-        self.core.close()
+        self.rank_states = self.core.close(in_step=not self._out_of_step)
         self.core = None
         for p in self._followers:
-            p.join(timeout=60)
+            p.join(timeout=0 if self._out_of_step else 60)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
 
     def __enter__(self):
         return self

@@ -19,7 +19,9 @@ import torch
 from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+from specserve.engine.grammar.channel import ChannelLayout
 from specserve.engine.grammar.process import GrammarService
+from specserve.engine.grammar.ranks import BroadcastMasks, FollowerGrammars
 from specserve.engine.kvcache.fp8 import KVScales, is_fp8, kv_cache_dtype, resolve_kv_scales
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
@@ -39,7 +41,7 @@ from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import Worker
-from specserve.engine.runtime.tp_group import Stop, TPGroup
+from specserve.engine.runtime.tp_group import RankState, Stop, TPGroup
 from specserve.engine.runtime.worker import NormalWorker, HistoryTable, TargetModel
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
@@ -93,24 +95,50 @@ class EngineCore:
     def kv_pool(self) -> TokenToKVPool | MLATokenToKVPool:
         return self.runner.kv_pool
 
-    def close(self) -> None:
-        """Process what is in flight, release graphs and streams, tear down the TP groups (on
-        rank 0 after telling the followers to stop)."""
+    def rank_state(self) -> RankState:
+        """What this rank's scheduler holds (close() compares the ranks')."""
+        cache = self.scheduler.slots.cache
+        evictable = cache.evictable_size if cache is not None else 0
+        return RankState(len(self.scheduler.reqs), self.req_to_token.num_free,
+                         self.allocator.num_slots - self.allocator.num_free - evictable)
+
+    def close(self, in_step: bool = True) -> Optional[list[RankState]]:
+        """Tell the followers to stop (rank 0), process what is in flight, release graphs and
+        streams, tear down the TP groups. With tensor parallelism, rank 0 returns every rank's
+        state after the drain (and logs an error if a rank's differs from its own). in_step
+        False: a step failed and the ranks are out of step (or one is dead), so nothing is sent
+        to the others and nothing in flight is waited for."""
+        if not in_step:
+            self._release()
+            if self.tp_group is not None:
+                self.tp_group.close()
+            return None
+        if self.tp_group is not None and self.rank == 0:
+            # First: every rank then drains the same batches (the scheduler may take rank 0's
+            # value of something while it processes one; scheduler.py).
+            self.tp_group.exchange([Stop()])
         with self.ctx.schedule_context():
             self.scheduler.drain()
+        self._release()
+        states = None
+        if self.tp_group is not None:
+            states = self.tp_group.gather(self.rank_state())
+            if states is not None and any(state != states[0] for state in states):
+                logger.error("the tp ranks diverged: their states at shutdown are %s", states)
+            # Every rank tears its communicators down before rank 0 waits for the others:
+            # NCCL's teardown can wait for the peers, so joining first would deadlock.
+            self.tp_group.close()
+        return states
+
+    def _release(self) -> None:
+        """Graphs, streams and the grammar service (after the last forward that talks to it)."""
         for graphs in (self.worker.graphs, *self.worker.sampled_graphs.values(),
                        self.worker.constrained_graphs, self.worker.extend_graphs):
             if graphs is not None:
                 graphs.release()
         self.ctx.close()
-        if self.scheduler.grammars is not None:  # after the last forward that talks to it
+        if self.scheduler.grammars is not None:
             self.scheduler.grammars.close()
-        if self.tp_group is not None:
-            if self.rank == 0:
-                self.tp_group.exchange([Stop()])
-            # Every rank tears its communicators down before rank 0 waits for the others:
-            # NCCL's teardown can wait for the peers, so joining first would deadlock.
-            self.tp_group.close()
 
 
 @contextlib.contextmanager
@@ -249,10 +277,19 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
     # first constrained request, or Engine.warm_grammar) loads it; the channel is sized for the
     # largest batch now.
+    # With tensor parallelism only rank 0 runs it, and broadcasts its masks (grammar/ranks.py).
     if tokenizer is not None:
-        target.grammar = GrammarService(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size,
-                                        eos_token_ids, num_rows, None if spec is None else worker.tree,
-                                        device, compile_seconds=config.grammar_compile_seconds)
+        tree = None if spec is None else worker.tree
+        if rank == 0:
+            target.grammar = GrammarService(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size,
+                                            eos_token_ids, num_rows, tree, device,
+                                            compile_seconds=config.grammar_compile_seconds)
+        if tp_group is not None:
+            layout = ChannelLayout.of(num_rows, cfg.vocab_size, tree)
+            if rank == 0:
+                target.grammar.device = BroadcastMasks(tp_group.model, target.grammar.device, layout, device)
+            else:
+                target.grammar = FollowerGrammars(BroadcastMasks(tp_group.model, None, layout, device))
     # With a draft model a position's key is (its token, the next one): its draft KV reads both.
     cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)
@@ -264,7 +301,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None,
-        grammars=target.grammar)
+        grammars=target.grammar, rank0_value=None if tp_group is None else tp_group.exchange)
     logger.info("KV pool: %d slots of %s; max_context_len %d; %s attention; prefix cache %s; %s",
                 num_slots, str(kv_dtype).replace("torch.", ""), max_context_len,
                 type(attn).__name__, "on" if cache is not None else "off",

@@ -205,6 +205,7 @@ class _EngineLoop:
 
     def run(self) -> None:
         while os.getppid() == self.server_pid:
+            self.engine.check_ranks()  # a dead tp rank fails the engine at once, idle or not
             for message in self._receive(block=not self.engine.has_unfinished()):
                 if message.WhichOneof("kind") == "shutdown":
                     return
@@ -284,8 +285,9 @@ class HeartbeatThread(threading.Thread):
     """Sends a Heartbeat with the main loop's iteration count every heartbeat interval.
 
     A thread, so that beats go on during a long step and stop only when the whole process does
-    (the server's watchdog tells the two apart; see server/ops/watchdog.py). It has a socket of its
-    own: ZeroMQ sockets must not be shared between threads.
+    (the server's watchdog tells the two apart; see server/ops/watchdog.py), or when a
+    tensor-parallel rank died. It has a socket of its own: ZeroMQ sockets must not be shared
+    between threads.
     """
 
     def __init__(self, context: zmq.Context, link: ServerLink, loop: _EngineLoop):
@@ -302,6 +304,13 @@ class HeartbeatThread(threading.Thread):
         beats.connect(self.link.heartbeats)
         try:
             while True:
+                failure = self.loop.engine.rank_failure()
+                if failure is not None:
+                    # The loop raises (EngineFailed) unless its step waits for the dead rank
+                    # in a collective that never returns (NCCL): the missing beats then make
+                    # the server's watchdog fail the engine within its heartbeat timeout.
+                    logger.error("%s: heartbeats stop", failure)
+                    return
                 try:
                     beats.send(ipc.Heartbeat(loop_iterations=self.loop.iterations)
                                .SerializeToString(), zmq.NOBLOCK)

@@ -4,6 +4,9 @@ Followers are local processes here; server/cluster starts them as Ray actors ins
 nodes included) and points rank 0 at them with `Engine(config, tp_init_method=...)`."""
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -12,6 +15,8 @@ from specserve.engine.builder import EngineCore, build_engine
 from specserve.engine.config import EngineConfig, SamplingParams, sequence_seed
 from specserve.engine.runtime.tp_group import Stop
 from specserve.engine.scheduler.schedule_batch import PromptScores, Req, SharedPrefix
+
+ORPHAN_CHECK_SECONDS = 1.0  # how often a local follower looks for rank 0's process
 
 
 class AddRequest(NamedTuple):
@@ -54,7 +59,22 @@ class FlushPrefixCache(NamedTuple):
             cache.flush()
 
 
-RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache]
+class GrammarNews(NamedTuple):
+    """What rank 0's grammar service said before this step (Scheduler.hear_grammars): every
+    rank's scheduler takes it at the same point, so all admit, fail and end the same requests."""
+    messages: list
+    dead: bool
+
+    def apply(self, core: EngineCore) -> None:
+        with core.ctx.schedule_context():  # ending a request frees KV
+            core.scheduler.take_grammar_news(self.messages, self.dead)
+
+
+RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache, GrammarNews]
+
+
+class TPRankDied(RuntimeError):
+    """A tensor-parallel rank's process died: the others cannot go on (every step needs it)."""
 
 
 def spawn_followers(config: EngineConfig, init_method: str) -> list:
@@ -69,7 +89,12 @@ def spawn_followers(config: EngineConfig, init_method: str) -> list:
 def run_follower(config: EngineConfig, rank: int, init_method: str,
                  local_ranks: bool = True) -> None:
     """Ranks > 0: mirror rank 0's steps until it stops. local_ranks: as for build_engine (False
-    for a rank that a cluster scheduler placed, e.g. a Ray actor on another node)."""
+    for a rank that a cluster scheduler placed, e.g. a Ray actor on another node). A local
+    follower exits once rank 0's process is gone: a collective that waits for a dead peer may
+    never return (NCCL), and an orphan would hold its GPU."""
+    if local_ranks:
+        threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
+                         name="specserve-tp-parent-watch").start()
     core = build_engine(config, rank, init_method, local_ranks)
     while True:
         changes = core.tp_group.exchange([])
@@ -80,3 +105,9 @@ def run_follower(config: EngineConfig, rank: int, init_method: str,
         with core.ctx.schedule_context():
             core.scheduler.step()
     core.close()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_CHECK_SECONDS)
+    os._exit(1)

@@ -464,3 +464,12 @@ def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, *
     core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width,
                                    constrained=constrained)
     return engine, graphs
+
+
+def process_exited(pid: int) -> bool:
+    """The process is gone, or exited and waits for its parent to reap it (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -492,7 +492,7 @@ def test_a_matcher_error_fails_only_its_request(pair, make_engine, tmp_path):
     def fail(got):
         if not failed and len(got["c"][0]) >= 3:
             serial = next(iter(scheduler._constrained))
-            scheduler._grammar_news([("error", serial, "token 122 is outside the grammar")])
+            scheduler.take_grammar_news([("error", serial, "token 122 is outside the grammar")], False)
             failed.append(True)
 
     got = _run(engine, {"c": (prompts[0], bound), "u": (prompts[1], free)}, fail)

@@ -1,6 +1,7 @@
 """The engine watchdog: a frozen engine (SIGSTOP) turns health NOT_SERVING and ends the calls in
 flight with UNAVAILABLE; a stuck main loop trips the stall timeout; the engine's heartbeat thread
-beats on during a long step and carries the loop's progress."""
+beats on during a long step and carries the loop's progress (and stops once a tp rank died); a
+dead tp rank fails the engine."""
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +9,10 @@ import os
 import signal
 
 import pytest
+import torch
 import zmq
 
+from helpers import process_exited
 from server_harness import ServerProcess, free_port, http_get, wait_until
 from specserve.clients import Unavailable
 from specserve.engine.process import HeartbeatThread, ServerLink
@@ -91,9 +94,16 @@ def test_serve_flags_set_the_watchdog_timeouts():
 
 def test_heartbeat_thread_reports_the_loop_count():
     """The engine-side heartbeat thread beats while the main loop stands still, and each beat
-    carries the loop's current iteration count."""
+    carries the loop's current iteration count; it stops once a tensor-parallel rank died."""
+    class Ranks:
+        failure = None
+
+        def rank_failure(self):
+            return self.failure
+
     class StuckLoop:
         iterations = 5
+        engine = Ranks()
 
     context = zmq.Context()
     beats = context.socket(zmq.PULL)
@@ -108,6 +118,10 @@ def test_heartbeat_thread_reports_the_loop_count():
         StuckLoop.iterations = 6
         while ipc.Heartbeat.FromString(beats.recv()).loop_iterations != 6:
             pass
+        # A dead tp rank: the beats stop (the loop may be stuck in a collective for good).
+        StuckLoop.engine.failure = "tp_size: rank 1 (pid 7) died; the engine cannot go on"
+        heartbeat.join(10)
+        assert not heartbeat.is_alive()
     finally:
         heartbeat.stop()
         beats.close()
@@ -148,3 +162,49 @@ def test_frozen_engine_goes_not_serving_and_fails_calls(tiny_model):
             os.kill(server.engine_pid, signal.SIGCONT)
         assert server.stop() == 0
 
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (tp followers; not its forkserver)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if ppid == pid and b"spawn_main" in f.read():
+                    found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_dead_tp_rank_fails_the_engine(tiny_model, device):
+    """tp=2: rank 1 SIGKILLed mid-stream ends the stream with UNAVAILABLE saying which rank
+    died, and health goes NOT_SERVING (not a frozen engine). On the CPU (gloo) the step's
+    collective with the dead rank fails at once; on GPUs an NCCL collective may wait for it
+    for good, and then the heartbeats stop (the server's heartbeat timeout)."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    metrics_port = free_port()
+    server = ServerProcess(tiny_model, "--tp", "2", "--device", device, "--metrics-port", str(metrics_port))
+    try:
+        (follower,) = _spawned_children(server.engine_pid)
+        with server.client() as client:
+            stream = iter(client.generate_stream("def add", max_new_tokens=500, ignore_eos=True,
+                                                 timeout=120))
+            next(stream)
+            os.kill(follower, signal.SIGKILL)
+            died = r"tp_size: rank 1 \(pid \d+\) died" if device == "cpu" else r"died|no heartbeat"
+            with pytest.raises(Unavailable, match=died):
+                for _ in stream:
+                    pass
+            assert client.health() == "NOT_SERVING"
+            assert http_get(f"http://127.0.0.1:{metrics_port}/health") == (503, "NOT_SERVING\n")
+            with pytest.raises(Unavailable):
+                client.generate("hi", max_new_tokens=2)
+        # The engine process exits (its parent, the server, reaps it at its own exit).
+        assert wait_until(lambda: process_exited(server.engine_pid), 60)
+    finally:
+        assert server.stop() == 0

@@ -431,12 +431,10 @@ class GrammarService:
 
     # --- control messages --------------------------------------------------------------------
     def add(self, key, spec: GrammarSpec, stop_ids) -> GrammarState:
-        state = GrammarState()
-        if self.dead:
-            state.ready, state.error = True, GONE
-        else:
-            self._send(("add", key, spec, sorted(stop_ids)))
-        return state
+        """Compile a request's grammar (a dead service sends nothing: the scheduler's next news
+        says it is dead, which ends the request)."""
+        self._send(("add", key, spec, sorted(stop_ids)))
+        return GrammarState()
 
     def plan(self, kind: str, rows: int, keys) -> None:
         """A constrained step is being launched: batch row b is request keys[b] (None: no

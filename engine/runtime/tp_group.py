@@ -11,7 +11,7 @@ ranks never disagree about what was generated.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,14 @@ from specserve.engine.layers.parallel import TensorParallel
 
 class Stop(NamedTuple):
     """Rank 0's last control message: it is shutting down, and so are the followers."""
+
+
+class RankState(NamedTuple):
+    """What one rank's scheduler holds. Every rank's must equal rank 0's: they make the same
+    decisions (gathered at shutdown, where a difference means the ranks diverged)."""
+    num_requests: int
+    free_rows: int
+    held_slots: int   # KV slots requests hold (cached prefixes nobody pins left out)
 
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=5)  # a rank's wait for the others to join
@@ -55,11 +63,18 @@ class TPGroup:
         self.control = dist.new_group(list(range(size)), backend="gloo")
         self.rank = rank
 
-    def exchange(self, ops: list[Any]) -> list[Any]:
-        """Rank 0's control messages for this step, on every rank."""
-        box = [ops if self.rank == 0 else None]
+    def exchange(self, value: Any) -> Any:
+        """Rank 0's value on every rank (the others pass anything): its control messages at the
+        start of each step, and what the scheduler takes from rank 0 alone (scheduler.py)."""
+        box = [value if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def gather(self, value: Any) -> Optional[list]:
+        """Every rank's value, in rank order, on rank 0 (None on the others)."""
+        out = [None] * dist.get_world_size(self.control) if self.rank == 0 else None
+        dist.gather_object(value, out, dst=0, group=self.control)
+        return out
 
     def close(self) -> None:
         dist.destroy_process_group()

@@ -17,13 +17,19 @@ the masks depend on and waits for the masks on the device (grammar/channel.py). 
 and mixed batches keep the overlap loop like any other, and the scheduler thread never waits
 for them. Greedy constrained decode steps replay CUDA graphs like the others (the worker
 chooses; mixed batches included).
+
+Tensor parallelism: only rank 0 has the grammar process, and every scheduler must make the same
+decisions. So nothing the service says is read where only rank 0 could read it: the engine
+collects it between steps (`hear_grammars`) and hands it to every rank with the step's request
+changes (`take_grammar_news`), and the one read that must follow a result (was the service dead
+when a constrained batch's result came back?) is rank 0's value on every rank (`rank0_value`).
 """
 from __future__ import annotations
 
 import collections
 import logging
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.grammar.process import GONE, GrammarService
@@ -68,7 +74,11 @@ class SchedulerMetrics:
 class Scheduler:
     def __init__(self, *, worker: Worker, slots: RequestSlots, policy: AdmissionPolicy,
                  outputs: OutputProcessor, vocab_size: int, eos_ids, enable_overlap: bool,
-                 speculative: bool, grammars: Optional[GrammarService] = None):
+                 speculative: bool, grammars: Optional[GrammarService] = None,
+                 rank0_value: Optional[Callable[[Any], Any]] = None):
+        """grammars: the grammar process (a follower rank's stand-in, grammar/ranks.py); None:
+        no tokenizer for grammars. rank0_value: rank 0's value of something every rank passes
+        its own of (tensor parallelism: the control group's broadcast); None: one rank."""
         self.worker = worker
         self.slots = slots
         self.policy = policy
@@ -84,8 +94,10 @@ class Scheduler:
         self.metrics = SchedulerMetrics(policy)
         self._sampling_key, self._sampling = None, None
         self._serial = 0
-        self.grammars = grammars          # the grammar process; None: no tokenizer for grammars
+        self.grammars = grammars
+        self._rank0_value = rank0_value or (lambda value: value)
         self._compiling: list[Req] = []   # waiting for their grammar to compile
+        self._idle_for_grammar = False    # the last step ran nothing, waiting for a compile
         self._constrained: dict[int, Req] = {}  # unfinished requests with a grammar, by serial
         self._last_result_at = 0.0        # perf_counter() of the last processed batch's result
 
@@ -132,9 +144,6 @@ class Scheduler:
 
     # --- one iteration: schedule -> launch -> process ----------------------------------------
     def step(self) -> list[StepOutput]:
-        if self.grammars is not None and self.grammars.started:
-            self._grammar_news(self.grammars.poll())
-            self.tend_grammars()
         decision = self.policy.schedule(nothing_in_flight=not self.inflight)
         if decision is not None:
             launched_at = time.perf_counter()
@@ -145,8 +154,7 @@ class Scheduler:
                         r.admitted_at = launched_at
             self.inflight.append(InflightBatch(decision, launched, launched_at,
                                                len(self.policy.running) - len(decision.reqs)))
-        elif self._compiling and not self.inflight:
-            self._grammar_news(self.grammars.poll(GRAMMAR_WAIT_SECONDS))
+        self._idle_for_grammar = decision is None and bool(self._compiling) and not self.inflight
         keep = 1 if (self.enable_overlap and decision is not None) else 0
         while len(self.inflight) > keep:
             self._process(self.inflight.popleft())
@@ -159,11 +167,24 @@ class Scheduler:
         while self.inflight:
             self._process(self.inflight.popleft())
 
-    def _grammar_news(self, messages: list) -> None:
-        """What the grammar process said: a request whose grammar compiled may be admitted; one
-        that failed to compile (a bad grammar, or over its budget: INVALID_ARGUMENT) or whose
-        matcher failed (INTERNAL) ends with an error. If the process is gone, every constrained
-        request ends (UNAVAILABLE; unconstrained ones go on)."""
+    def hear_grammars(self) -> Optional[tuple[list, bool]]:
+        """Rank 0's (or the only rank's) news from the grammar service since the last step:
+        (messages, whether it is dead), None if there is nothing to tell. The engine hands it to
+        every rank's `take_grammar_news` before the next step. Restarts a dead service first
+        where it may; after a step that ran nothing but wait for a compile, waits a few ms for
+        the answer instead of spinning."""
+        if self.grammars is None or not self.grammars.started:
+            return None
+        self.tend_grammars()
+        messages = self.grammars.poll(GRAMMAR_WAIT_SECONDS if self._idle_for_grammar else 0.0)
+        dead = self.grammars.dead
+        return (messages, dead) if messages or dead else None
+
+    def take_grammar_news(self, messages: list, dead: bool) -> None:
+        """What the grammar process said (`hear_grammars`): a request whose grammar compiled may
+        be admitted; one that failed to compile (a bad grammar, or over its budget:
+        INVALID_ARGUMENT) or whose matcher failed (INTERNAL) ends with an error. If the process
+        is `dead`, every constrained request ends (UNAVAILABLE; unconstrained ones go on)."""
         for kind, serial, error in messages:
             req = self._constrained.get(serial)
             if req is None:
@@ -177,7 +198,7 @@ class Scheduler:
                 logger.warning("request %s: structured output failed (%s): %s", req.rid, kind, error.message)
                 self._finish(req, "error", error)
         for req in list(self._constrained.values()):
-            if self.grammars.dead or req.grammar.error is not None:
+            if dead or req.grammar.error is not None:
                 self._finish(req, "error", req.grammar.error or GONE)
         self._compiling = [r for r in self._compiling
                            if not r.grammar.ready and r.status is not ReqStatus.FINISHED]
@@ -236,14 +257,17 @@ class Scheduler:
         top = _top_lists(result.top_ids, result.top_logprobs)
         if decision.mode is ForwardMode.EXTEND and result.prompt_logprobs is not None:
             self._deliver_prompt_logprobs(decision, result)
+        # Its masks may have been the all-allowed ones of a dead service's released channel.
+        released = (any(r.grammar is not None for r in decision.reqs)
+                    and self._rank0_value(self.grammars.dead))
         for i, req in enumerate(decision.reqs):
             if decision.mode is ForwardMode.EXTEND and not decision.samples[i]:
                 continue
             req.num_inflight_tokens -= 1
             if req.status is ReqStatus.FINISHED:
                 continue
-            if req.grammar is not None and self.grammars.dead:
-                self._finish(req, "error", GONE)  # its masks may have been the released all-allowed ones
+            if req.grammar is not None and released:
+                self._finish(req, "error", GONE)
                 continue
             k = req.sampling.top_logprobs
             num_before = len(req.output_ids)
