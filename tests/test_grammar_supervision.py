@@ -104,8 +104,7 @@ def test_killed_grammar_process_fails_its_requests_visibly_then_restarts(server,
             text="x", sampling=pb.SamplingParams(max_new_tokens=300),
             structured_output=pb.StructuredOutput(regex="[ab]{2000}")))
         threads = [threading.Thread(target=whole, args=("whole", LONG)),
-                   threading.Thread(target=whole, args=("n2", {**LONG, "n": 2})),
-                   threading.Thread(target=free)]
+                   threading.Thread(target=whole, args=("n2", {**LONG, "n": 2}))]
         for t in threads:
             t.start()
         with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True},
@@ -113,8 +112,11 @@ def test_killed_grammar_process_fails_its_requests_visibly_then_restarts(server,
             lines = response.iter_lines()
             first = [next(lines) for _ in range(2)]   # the stream has started (one event, "")
             assert first[0].startswith("data: {") and next(grpc_stream).token_ids
-            # Every sequence is running (6: the stream, gRPC, whole, n = 2, and the free one;
-            # with 5, "whole" could still be on its way and arrive after the restart).
+            # Every constrained sequence is running (5: the stream, gRPC, whole, n = 2), then
+            # the free one (started last: it would finish first and never count with them).
+            assert wait_until(lambda: client.server_load().num_running >= 5, 30)
+            threads.append(threading.Thread(target=free))
+            threads[-1].start()
             assert wait_until(lambda: client.server_load().num_running >= 6, 30)
             os.kill(_grammar_pid(server), signal.SIGKILL)
             events = first[:1] + [line for line in lines if line.startswith("data: ")]
