@@ -3,11 +3,14 @@
 # JSON go straight to $OUT (kept if the call runs out of time; the device tool brings back at
 # most 8 files, so run few phases a call).
 #   bash bench/device_session.sh "phase phase ..."     (carry: wheels)
-# Phases: tests, kernels, sweep, llama, longctx, moe, qwen3, profile (PROFILES="model:mode:bs ..."),
+# Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
+# profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word turns on the custom all-reduce),
 # dsv3, prefix, structured, serving, accuracy (see below).
 set -uo pipefail
 OUT=${OUT:-out}; LOGS=$OUT; mkdir -p "$OUT"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
+# NVLink multicast stays off in every process on the lent machines (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
     > /tmp/pip.log 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site
@@ -35,9 +38,10 @@ for phase in $1; do case $phase in
           run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
   qwen3)  run qwen3 $B --models qwen3-30b-a3b --batch-sizes 1,16,64 --modes plain,chain --out $LOGS/qwen3.json ;;
-  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs <<< "$m"
-             run profile_${model}_${mode}_$bs python $PWD/bench/step_profile.py --model $model --mode $mode \
-                 --batch-size $bs --out $LOGS/profile_${model}_${mode}_$bs.json
+  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs tp ar <<< "$m"
+             name=profile_${model}_${mode}_${bs}_tp${tp:-1}${ar:+_$ar}
+             run $name python $PWD/bench/step_profile.py --model $model --mode $mode --batch-size $bs \
+                 --tp ${tp:-1} ${ar:+--custom-all-reduce} --out $LOGS/$name.json
            done ;;
   dsv3)   run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;

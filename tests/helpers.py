@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import pytest
 import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
@@ -473,3 +474,21 @@ def process_exited(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+# Where a tensor-parallel test runs: two gloo ranks on the CPU, and 2 or 4 GPUs of one host
+# (NCCL, the Triton kernels; the tests' dtype stays fp32, so tp=1 and tp>1 must agree exactly).
+TP_PLACEMENTS = [pytest.param(("cpu", 2), id="cpu-tp2"),
+                 pytest.param(("cuda", 2), marks=pytest.mark.gpu, id="cuda-tp2"),
+                 pytest.param(("cuda", 4), marks=pytest.mark.gpu, id="cuda-tp4")]
+
+
+def tp_placement(placement: tuple[str, int]) -> tuple[int, dict]:
+    """(tp size, the engine arguments of the placement's device); skips a GPU placement that
+    needs more GPUs than the host has."""
+    device, tp = placement
+    if device == "cpu":
+        return tp, {}
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    return tp, dict(device="cuda", attention_backend="triton")

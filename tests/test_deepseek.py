@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (cached_checkpoints, deepseek_config, hf_greedy, hf_logits, make_eagle3_head,
-                     make_predictable_pair, random_prompts)
+from helpers import (TP_PLACEMENTS, cached_checkpoints, deepseek_config, hf_greedy, hf_logits, make_eagle3_head,
+                     make_predictable_pair, random_prompts, tp_placement)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -328,16 +328,18 @@ def test_tree_compaction_keeps_prefill_latents(ds_pair, make_engine):
 
 
 # --- tensor parallelism ------------------------------------------------------------------
+@pytest.mark.parametrize("placement", TP_PLACEMENTS)
 @pytest.mark.parametrize("spec", [None, TREE], ids=["plain", "tree"])
-def test_tp2_matches_tp1(ds_pair, make_engine, spec):
+def test_tp_matches_tp1(ds_pair, make_engine, spec, placement):
+    size, device = tp_placement(placement)
     target, head = ds_pair
     prompts = random_prompts(4, seed=13, max_len=30)
     params = [GREEDY, SamplingParams(max_new_tokens=12, temperature=0.9, seed=4, ignore_eos=True),
               GREEDY, SamplingParams(max_new_tokens=3, temperature=0.0)]
     spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
     outs = []
-    for tp in (1, 2):
-        engine = make_engine(target, tp_size=tp, spec=spec_cfg)
+    for tp in (1, size):
+        engine = make_engine(target, tp_size=tp, spec=spec_cfg, **device)
         outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)])
         if tp == 2:
             model = engine.core.runner.model

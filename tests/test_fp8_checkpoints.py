@@ -16,7 +16,8 @@ import os
 import pytest
 import torch
 from fp8_quantizer import FP8, quantize_checkpoint
-from helpers import hf_greedy, hf_logits, make_predictable_pair, make_tiny_checkpoint, random_prompts
+from helpers import (TP_PLACEMENTS, hf_greedy, hf_logits, make_predictable_pair, make_tiny_checkpoint, random_prompts,
+                     tp_placement)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -148,12 +149,15 @@ def test_nextn_on_an_fp8_deepseek_equals_plain(tmp_path, make_engine, overlap):
     assert engine.metrics.mean_accept_length > 1.3
 
 
+@pytest.mark.parametrize("placement", TP_PLACEMENTS)
 @pytest.mark.parametrize("arch,block", [("llama", (16, 32)), ("deepseek_v3", (16, 16))])
-def test_tp2_matches_tp1_with_fp8_shards(quantized, make_engine, arch, block):
+def test_tp_matches_tp1_with_fp8_shards(quantized, make_engine, arch, block, placement):
+    size, device = tp_placement(placement)
     fp8, _ = quantized(arch, "block", block)
     prompts = random_prompts(3, seed=9, max_len=20)
-    outs = [[o.token_ids for o in make_engine(fp8, tp_size=tp).generate(prompt_token_ids=prompts, sampling=GREEDY)]
-            for tp in (1, 2)]
+    outs = [[o.token_ids for o in make_engine(fp8, tp_size=tp, **device).generate(prompt_token_ids=prompts,
+                                                                                  sampling=GREEDY)]
+            for tp in (1, size)]
     assert outs[0] == outs[1]
 
 

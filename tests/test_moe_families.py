@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_quantizer import FP8, quantize_checkpoint
-from helpers import (cached_checkpoints, hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair,
-                     moe_family_config, random_prompts)
+from helpers import (TP_PLACEMENTS, cached_checkpoints, hf_greedy, hf_logits, make_eagle3_head, make_predictable_pair,
+                     moe_family_config, random_prompts, tp_placement)
 
 from specserve.engine import SamplingParams, SpecConfig
 
@@ -208,15 +208,17 @@ def test_eagle3_head_on_moe_target(tmp_path, checkpoints, make_engine, name, sha
 
 
 # --- tensor parallelism --------------------------------------------------------------------
+@pytest.mark.parametrize("placement", TP_PLACEMENTS)
 @pytest.mark.parametrize("arch,spec", [("qwen3_moe", None), ("mixtral", TREE)], ids=["qwen3-plain", "mixtral-tree"])
-def test_tp2_matches_tp1(pairs, make_engine, arch, spec):
+def test_tp_matches_tp1(pairs, make_engine, arch, spec, placement):
+    size, device = tp_placement(placement)
     (target, head), prompts, _, _ = pairs(arch)
     params = [GREEDY, SamplingParams(max_new_tokens=10, temperature=0.9, seed=4, ignore_eos=True),
               SamplingParams(max_new_tokens=3, temperature=0.0)]
     spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
     outs = []
-    for tp in (1, 2):
-        engine = make_engine(target, tp_size=tp, spec=spec_cfg)
+    for tp in (1, size):
+        engine = make_engine(target, tp_size=tp, spec=spec_cfg, **device)
         outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts[:3], sampling=params)])
         if tp == 2:
             experts = engine.core.runner.model.layers[1].mlp.experts

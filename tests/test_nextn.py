@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from helpers import (VOCAB, cached_prefix_slots, make_tiny_checkpoint, random_prompts, run_aborting,
-                     steady_state_steps)
+from helpers import (TP_PLACEMENTS, VOCAB, cached_prefix_slots, make_tiny_checkpoint, random_prompts,
+                     run_aborting, steady_state_steps, tp_placement)
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.spec.eagle_worker import Drafted
@@ -338,12 +338,18 @@ def test_retraction_and_abort_mid_speculation(predictable, reference, make_engin
     assert {rid: outs[rid] for rid in reasons} == {str(i): expected[i] for i in long_ids}
 
 
+@pytest.mark.parametrize("placement", TP_PLACEMENTS)
 @pytest.mark.parametrize("shape,overlap", [(CHAIN, True), (TREE, False)], ids=["chain-overlap", "tree-normal"])
-def test_tp2_matches_tp1(predictable, reference, make_engine, shape, overlap):
-    """Two ranks over gloo: the module's heads and experts are split like the target's."""
+def test_tp_matches_tp1(predictable, reference, make_engine, shape, overlap, placement):
+    """Two (or on GPUs four) ranks: the module's heads and experts are split like the target's;
+    the output is plain decoding's at tp=1 on the same device."""
+    size, device = tp_placement(placement)
     prompts, params, expected = reference
-    engine = make_engine(predictable, tp_size=2, spec=_nextn(**shape), enable_overlap=overlap)
-    assert engine.core.draft_runner.model.attention.num_heads == 2
+    if device:  # the GPU's own plain tp=1 output (the module's reference is the CPU's)
+        expected = [o.token_ids for o in make_engine(predictable, **device).generate(
+            prompt_token_ids=prompts[:6], sampling=params[:6])]
+    engine = make_engine(predictable, tp_size=size, spec=_nextn(**shape), enable_overlap=overlap, **device)
+    assert engine.core.draft_runner.model.attention.num_heads == 4 // size
     outs = engine.generate(prompt_token_ids=prompts[:6], sampling=params[:6])
     assert [o.token_ids for o in outs] == expected[:6]
     assert engine.metrics.mean_accept_length > 1.5
