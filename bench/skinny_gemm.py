@@ -40,6 +40,11 @@ SHAPES = {  # name: (N, K) of the weight; gate_up is the fused [2I, K] gate/up w
     # DeepSeek-V2-Lite (q and kv_a in one weight; the dense first layer's MLP), Qwen3-30B-A3B.
     "v2l.q_kv_a": (3648, 2048), "v2l.o": (2048, 2048), "v2l.gate_up": (21888, 2048), "v2l.down": (2048, 10944),
     "q3moe.qkv": (5120, 2048), "q3moe.o": (2048, 4096),
+    # One rank's shard at tensor parallelism (qkv/gate_up split by rows, o/down by columns).
+    "8b.tp2.qkv": (3072, 4096), "8b.tp2.o": (4096, 2048), "8b.tp2.gate_up": (14336, 4096), "8b.tp2.down": (4096, 7168),
+    "8b.tp4.qkv": (1536, 4096), "8b.tp4.o": (4096, 1024), "8b.tp4.gate_up": (7168, 4096), "8b.tp4.down": (4096, 3584),
+    "70b.tp4.qkv": (2560, 8192), "70b.tp4.o": (8192, 2048), "70b.tp4.gate_up": (14336, 8192),
+    "70b.tp4.down": (8192, 7168),
 }
 ROTATION_BYTES = 128 << 20   # weight copies cycled through: more than an H100/H200's 50 MiB L2
 MIN_CALLS = 20               # calls per graph

@@ -48,6 +48,46 @@ def test_tensor_parallel_uses_its_reducer_and_one_rank_none():
     assert TensorParallel(1, 0, None, reducer).all_reduce(x) is x and len(calls) == 1
 
 
+# --- the one-shot row kernel in Triton's interpreter: every rank's push, then every rank's reduce --
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on machines without CUDA")
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_shot_rows_in_the_interpreter(world, dtype):
+    """Several calls of different row counts (the epochs and the slot parity advance per row),
+    with and without the residual add and norm: every rank gets the same bits, those of the
+    unfused path (the sum rounded once, then layers/fused.py's add_rmsnorm)."""
+    from specserve.engine.layers.fused import add_rmsnorm
+    from specserve.engine.layers.one_shot import OneShotBuffers
+
+    slot_bytes, cols = 4 * 24 * dtype.itemsize, 24  # 4 rows a slot
+    data_bytes, num_flags = OneShotBuffers.sizes(world, slot_bytes, min_row_bytes=cols * dtype.itemsize)
+    data = [torch.zeros(data_bytes, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(num_flags, dtype=torch.int32) for _ in range(world)]
+    buffer_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    ranks = [OneShotBuffers(world, r, data[r], flags[r], buffer_ptrs, flag_ptrs, slot_bytes) for r in range(world)]
+    gen = torch.Generator().manual_seed(world)
+    weight = torch.rand(cols, generator=gen).to(dtype)
+    for call, rows in enumerate([3, 1, 4, 2, 3]):
+        assert all(r.rows_fit(torch.empty(rows, cols, dtype=dtype)) for r in ranks)
+        parts = [torch.randn(rows, cols, generator=gen).to(dtype) for _ in range(world)]
+        residual = torch.randn(rows, cols, generator=gen).to(dtype)
+        total = sum(p.float() for p in parts).to(dtype)  # rank order, fp32, rounded once
+        fused = call % 2 == 0
+        for r in ranks:
+            r.run(parts[r.rank], residual if fused else None, weight, 1e-6, push=True, reduce=False)
+        outs = [r.run(parts[r.rank], residual if fused else None, weight, 1e-6, push=False, reduce=True)
+                for r in ranks]
+        for out in outs:
+            if fused:
+                want_out, want_res = add_rmsnorm(total, residual, weight, 1e-6)
+                assert torch.equal(out[0], want_out) and torch.equal(out[1], want_res)
+            else:
+                assert torch.equal(out, total)
+    assert [r.epochs.tolist() for r in ranks] == [[5, 4, 3, 1]] * world  # calls each row ran in
+    assert not ranks[0].rows_fit(torch.empty(5, cols, dtype=dtype))  # more rows than a slot holds
+
+
 # --- GPUs ---------------------------------------------------------------------------------------
 SIZES = (1, 7, 2048, 4096 * 3, 65536 + 5, 262144, 1 << 20, (1 << 22) + 3)  # elements
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float16: NCCL's, whatever the size
@@ -100,12 +140,44 @@ def _check_ranks(rank: int, world: int, store_path: str, failures) -> None:
                 if not _graph_case(reducer, x, want, world):
                     failures.append(f"rank {rank} graph {dtype} {numel}")
         assert seen == set(Algorithm), seen
+        _check_add_rmsnorm(reducer, group, device, rank, world, failures)
     except BaseException as e:  # reported by the parent
         failures.append(f"rank {rank}: {e!r}")
         raise
     finally:
         torch.cuda.synchronize()
         dist.destroy_process_group()
+
+
+def _check_add_rmsnorm(reducer, group, device, rank: int, world: int, failures) -> None:
+    """The fused kernel's (normed, residual) equal NCCL's sum then add_rmsnorm, eagerly and
+    replayed from a graph, for decode-sized row counts of the 8B shape."""
+    from specserve.engine.layers.fused import add_rmsnorm
+
+    for rows in (1, 5, 64):
+        shared = torch.Generator(device=device).manual_seed(rows)  # the same on every rank
+        residual = torch.randn(rows, 4096, generator=shared, device=device).to(torch.bfloat16)
+        weight = torch.rand(4096, generator=shared, device=device).to(torch.bfloat16)
+        own = torch.Generator(device=device).manual_seed(100 * rank + rows)
+        x = torch.randint(-8, 8, (rows, 4096), generator=own, device=device).to(torch.bfloat16)
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        want = add_rmsnorm(total, residual, weight, 1e-5)
+        got = reducer.add_rmsnorm(x.clone(), residual, weight, 1e-5)
+        if got is None or not all(map(torch.equal, got, want)):
+            failures.append(f"rank {rank} add_rmsnorm eager rows={rows}")
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = reducer.add_rmsnorm(static, residual, weight, 1e-5)
+        for replay in range(3):
+            static.copy_(x + replay)
+            graph.replay()
+            shifted = add_rmsnorm((total.float() + world * replay).to(torch.bfloat16), residual, weight, 1e-5)
+            if not all(map(torch.equal, out, shifted)):
+                failures.append(f"rank {rank} add_rmsnorm graph rows={rows} replay={replay}")
+        torch.cuda.synchronize(device)
+        del graph
 
 
 @pytest.mark.gpu

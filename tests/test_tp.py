@@ -70,6 +70,26 @@ def test_tp4_matches_tp1(pair, make_engine, spec, overlap):
     assert outs[0] == outs[1]
 
 
+def test_tp2_eagle3_reads_reduced_features(pair, make_engine, tmp_path):
+    """At tp > 1 a Llama block passes its MLP's partial sum on (the next norm reduces it), and
+    the layers an EAGLE-3 head reads are reduced on a copy: the outputs and accept lengths equal
+    tp=1's with the deferred reductions on. (The random head's drafts are rarely accepted, so
+    this checks the path runs exactly, not the features' values.)"""
+    from helpers import make_eagle3_head
+
+    head = make_eagle3_head(str(tmp_path / "head"), target_layers=2)
+    prompts = random_prompts(3, seed=5, max_len=30)
+    spec = SpecConfig(algorithm="eagle3", draft_model=head, num_steps=3, topk=1, num_draft_tokens=4)
+    runs = []
+    for tp in (1, 2):
+        engine = make_engine(pair[0], tp_size=tp, spec=spec)
+        runs.append(([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=GREEDY)],
+                     engine.metrics.mean_accept_length))
+        if tp == 2:
+            assert engine.core.runner.model.partial_sums
+    assert runs[0] == runs[1]
+
+
 def test_tp2_replicates_a_single_kv_head(tmp_path, make_engine):
     path = make_tiny_checkpoint(str(tmp_path), "qwen2", num_kv_heads=1, seed=2)
     prompts = random_prompts(3, seed=2)

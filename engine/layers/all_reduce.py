@@ -22,9 +22,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from specserve.engine.layers.one_shot import symmetric_one_shot
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,9 @@ class AllReduceSizes:
 
 
 class SymmetricAllReduce:
-    """One- and two-shot all-reduce over a symmetric-memory buffer, NCCL past it."""
+    """One- and two-shot all-reduce over a symmetric-memory buffer, NCCL past it; rows of
+    activations go through our own one-shot kernel (layers/one_shot.py), which can also add
+    the residual and apply the RMSNorm that follow a row-parallel layer."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
                  sizes: AllReduceSizes = AllReduceSizes()):
@@ -74,8 +79,28 @@ class SymmetricAllReduce:
         self.group_name = group.group_name
         self.buffer = symm_mem.empty(sizes.two_shot_max, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)  # every rank, collectively
+        self.rows = symmetric_one_shot(group, device)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(RMSNorm(sum + residual) * weight, sum + residual) in one kernel, or None where the
+        rows do not fit it (the caller then all-reduces and normalises)."""
+        rows = self._as_rows(x)
+        if rows is None or residual.shape != x.shape or not residual.is_contiguous():
+            return None
+        out, res_out = self.rows.run(rows, residual.view(rows.shape), weight, eps)
+        return out.view(x.shape), res_out.view(x.shape)
+
+    def _as_rows(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if not x.is_contiguous() or x.dim() == 0:
+            return None
+        rows = x.view(-1, x.shape[-1])
+        return rows if self.rows.rows_fit(rows) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._as_rows(x)
+        if rows is not None:
+            return self.rows.run(rows).view(x.shape)
         nbytes = x.numel() * x.element_size()
         algorithm = (self.sizes.algorithm(nbytes) if x.is_contiguous() and x.dtype in DTYPES
                      else Algorithm.NCCL)
@@ -105,8 +130,10 @@ def make_all_reduce(group: dist.ProcessGroup, size: int, device: torch.device,
         logger.info("custom all-reduce off (%s): NCCL does every all-reduce", why_not)
         return None
     reducer = SymmetricAllReduce(group, device)
-    logger.info("custom all-reduce: one-shot up to %d KiB, two-shot up to %d KiB, NCCL past it",
-                reducer.sizes.one_shot_max >> 10, reducer.sizes.two_shot_max >> 10)
+    logger.info("custom all-reduce: rows up to %d KiB a rank through the one-shot kernel (residual "
+                "add and RMSNorm fused), torch's one-shot up to %d KiB, two-shot up to %d KiB, NCCL "
+                "past it", reducer.rows.slot_bytes >> 10, reducer.sizes.one_shot_max >> 10,
+                reducer.sizes.two_shot_max >> 10)
     return reducer
 
 

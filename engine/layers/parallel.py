@@ -42,6 +42,14 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
+        """norm(sum over the ranks of x, residual): (normed, new residual), in one kernel where
+        the reducer has one (layers/one_shot.py) and the rows fit it, else the all-reduce and
+        then the norm."""
+        add_rmsnorm = getattr(self.reducer, "add_rmsnorm", None)
+        fused = add_rmsnorm(x, residual, norm.weight, norm.eps) if add_rmsnorm is not None else None
+        return fused if fused is not None else norm(self.all_reduce(x), residual)
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
@@ -141,7 +149,9 @@ class ColumnParallelLinear(QuantizableLinear):
 
 
 class RowParallelLinear(QuantizableLinear):
-    """y = all_reduce(x_local W_local^T): the input features are split."""
+    """y = all_reduce(x_local W_local^T): the input features are split. With `reduce` off the
+    layer returns this rank's partial sum, and the caller reduces it (fused with what follows:
+    TensorParallel.all_reduce_add_rmsnorm)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
         super().__init__()
@@ -149,9 +159,11 @@ class RowParallelLinear(QuantizableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, end - start))
         _mark(self.weight, [(1, start, end)])
         self.tp = tp
+        self.reduce = True
 
     def forward(self, x):
-        return self.tp.all_reduce(linear(x, self.weight, None, self.skinny_gemm, self.scale))
+        y = linear(x, self.weight, None, self.skinny_gemm, self.scale)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def set_skinny_gemm(model: nn.Module, enabled: bool) -> None:

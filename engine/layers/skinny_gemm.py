@@ -113,7 +113,12 @@ def _num_sms(device: torch.device) -> int:
 
 # Measured best configs, (m, n, k, paired) -> config, as `bench/skinny_gemm.py --sweep`
 # prints them; shapes not listed take the rule of `default_config`.
-TUNED_CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {}
+TUNED_CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {
+    # One rank's o_proj of the 8B shape at tp=4 and tp=2 (H100 sweep, 2026-11-27: 5.3 and
+    # 7.9 us against the rule's 6.2 and 9.2; the other tp shards are within 2 % of the rule).
+    (1, 4096, 1024, False): SkinnyConfig(block_n=64, block_k=256, split_k=1, num_warps=2, num_stages=4),
+    (1, 4096, 2048, False): SkinnyConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=6),
+}
 
 # (N, K) of a weight -> the largest M the skinny kernel runs it for (cuBLAS above), from
 # `bench/skinny_gemm.py`; weights not listed: MAX_ROWS.

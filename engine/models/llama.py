@@ -87,6 +87,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = self.make_attention(cfg, layer_id, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg, layer_id, tp)
+        self.tp = tp
+        self.partial_sums = False  # see defer_reduce
 
     def make_attention(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
                        tp: TensorParallel) -> nn.Module:
@@ -95,14 +97,31 @@ class DecoderLayer(nn.Module):
     def make_mlp(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
+    def can_defer_reduce(self) -> bool:
+        """Whether this block's two all-reduces can move into the norms after them: Llama's own
+        attention and MLP, each ending in one row-parallel layer."""
+        return type(self.self_attn) is Attention and type(self.mlp) is MLP
+
+    def defer_reduce(self) -> None:
+        """o_proj and down_proj return their partial sums; the norm after each reduces it in
+        the same kernel (TensorParallel.all_reduce_add_rmsnorm). The block then takes and
+        returns the MLP's partial sum: the model reduces the last one (LlamaForCausalLM)."""
+        self.self_attn.o_proj.reduce = self.mlp.down_proj.reduce = False
+        self.partial_sums = True
+
+    def add_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
+        if self.partial_sums:
+            return self.tp.all_reduce_add_rmsnorm(x, residual, norm)
+        return norm(x, residual)
+
     def forward(self, x, residual, positions, fb):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.add_norm(self.input_layernorm, x, residual)
         x = self.self_attn(x, positions, fb)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.add_norm(self.post_attention_layernorm, x, residual)
         return self.mlp(x), residual
 
 
@@ -134,15 +153,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # With tensor parallelism every block's all-reduces move into the norms after them (one
+        # kernel with the custom all-reduce): all blocks or none, since a block reduces its
+        # predecessor's output.
+        self.partial_sums = tp.size > 1 and all(layer.can_defer_reduce() for layer in self.layers)
+        if self.partial_sums:
+            for layer in self.layers:
+                layer.defer_reduce()
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, residual = self.embed_tokens(fb.input_ids), None
         captured = {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, fb.positions, fb)
-            if i in fb.aux_hidden_layers:
-                captured[i] = x + residual
-        x, _ = self.norm(x, residual)
+            if i in fb.aux_hidden_layers:  # (a partial sum is reduced on a copy: x stays partial)
+                captured[i] = (self.tp.all_reduce(x.clone()) if self.partial_sums else x) + residual
+        if self.partial_sums:
+            x, _ = self.tp.all_reduce_add_rmsnorm(x, residual, self.norm)
+        else:
+            x, _ = self.norm(x, residual)
         if not captured:
             return x, None
         return x, torch.cat([captured[i] for i in fb.aux_hidden_layers], dim=-1)
