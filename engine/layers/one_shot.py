@@ -64,14 +64,19 @@ if triton is not None:
                 peer = tl.load(buffers_ptr + r).to(tl.pointer_type(dtype))
                 tl.store(peer + slot + cols, x, mask=mask)
             tl.debug_barrier()  # every thread's stores are before the flags (cumulative release)
+            # One system-scope fence (the first flag's release) orders the data before every
+            # flag: the later relaxed stores follow it in program order (PTX's release pattern).
             for r in tl.static_range(WORLD):
                 flags = tl.load(flags_ptr + r).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(flags + row * WORLD + rank, epoch, sem="release", scope="sys")
+                tl.atomic_xchg(flags + row * WORLD + rank, epoch, sem="release" if r == 0 else "relaxed",
+                               scope="sys")
         if REDUCE:
             own_flags = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32))
             for r in tl.static_range(WORLD):
-                while tl.atomic_add(own_flags + row * WORLD + r, 0, sem="acquire", scope="sys") != epoch:
+                while tl.atomic_add(own_flags + row * WORLD + r, 0, sem="relaxed", scope="sys") != epoch:
                     pass
+            # ... and one acquire after every flag was seen orders the reads after all of them.
+            tl.atomic_add(own_flags + row * WORLD + rank, 0, sem="acquire", scope="sys")
             release_dependents(PDL)
             own = tl.load(buffers_ptr + rank).to(tl.pointer_type(dtype))
             acc = tl.zeros([BLOCK], dtype=tl.float32)
