@@ -25,7 +25,7 @@ from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 # Coarse kernel families, first match wins (names differ between cuBLAS/cuDNN/Triton versions).
 FAMILIES = [("gemm", r"gemm|gemv|cutlass|sm90_|ampere_|splitKreduce|nvjet"),
             ("attention", r"_decode_|_extend|attention|flash"),
-            ("all-reduce", r"nccl|all_reduce|allreduce|symm"), ("norm", r"rms|norm"), ("rope+kv store", r"rope|rotary"),
+            ("all-reduce", r"nccl|all_reduce|allreduce|one_shot|symm"), ("norm", r"rms|norm"), ("rope+kv store", r"rope|rotary"),
             ("activation", r"silu|act_and_mul|gelu"), ("sampling/accept", r"argmax|sample|accept|topk|sort"),
             ("copy/index", r"copy|index|gather|scatter|cat|fill|elementwise")]
 
