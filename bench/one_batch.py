@@ -41,6 +41,11 @@ SHAPES = {
     # Llama-3.3-70B, Llama-3.1-8B and Llama-3.2-1B shapes (random weights).
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # Llama-3.1-405B with 16 of its 126 layers: one 8-GPU node's model, cut to fit 4 GPUs in FP8
+    # ([E33]: the tp code and kernels at its widths; per-rank shards as at tp=4).
+    "llama-405b-16l": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=16,
+                           num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+                           tie_word_embeddings=False),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
