@@ -92,7 +92,7 @@ class SymmetricAllReduce:
         return out.view(x.shape), res_out.view(x.shape)
 
     def _as_rows(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        if not x.is_contiguous() or x.dim() == 0:
+        if not x.is_contiguous() or x.dim() == 0 or not x.is_floating_point():
             return None
         rows = x.view(-1, x.shape[-1])
         return rows if self.rows.rows_fit(rows) else None

@@ -10,7 +10,8 @@ still inside the CUDA graph (860 us). Here one program per row:
 1. pushes its row into slot [parity][its rank][row] of every rank's buffer (NVLink stores,
    which do not wait for a reply as remote loads do), then, after a CTA barrier, raises its
    flag in every rank's flag table: flag[row][its rank] = epoch, a release at system scope;
-2. waits until flag[row][r] == epoch in its own table for every rank r (acquire, system scope);
+2. waits until flag[row][r] >= epoch in its own table for every rank r (acquire, system scope;
+   not ==: a faster rank that finished this call may already have raised its next epoch);
 3. sums the ranks' rows from its own buffer in rank order 0..n-1 in fp32 (every rank the same
    order, so every rank gets the same bits), rounds to the activation dtype (the all-reduce's
    output), and with a residual adds it and normalises it as `add_rmsnorm` does.
@@ -73,7 +74,8 @@ if triton is not None:
         if REDUCE:
             own_flags = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32))
             for r in tl.static_range(WORLD):
-                while tl.atomic_add(own_flags + row * WORLD + r, 0, sem="relaxed", scope="sys") != epoch:
+                # At least the epoch: a fast rank may already have raised its next one.
+                while tl.atomic_add(own_flags + row * WORLD + r, 0, sem="relaxed", scope="sys") < epoch:
                     pass
             # ... and one acquire after every flag was seen orders the reads after all of them.
             tl.atomic_add(own_flags + row * WORLD + rank, 0, sem="acquire", scope="sys")
