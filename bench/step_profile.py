@@ -55,7 +55,7 @@ def main():
         bench_force_accept_len=3, **SPEC_MODES[args.mode])
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
                                  max_running_requests=max(args.batch_size, 1), max_context_len=4096,
-                                 cuda_graph=True, mem_fraction=0.5))
+                                 cuda_graph=True, gpu_memory_utilization=0.6))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(args.batch_size):

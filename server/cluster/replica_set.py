@@ -265,7 +265,8 @@ class ReplicaSet:
     def _start_engine(self, replica: _Replica) -> None:
         config = self.server_config
         events = replica.cache_events
-        client = EngineClient(replica_engine_config(self.config, replica.index), EngineWatchdog(
+        client = EngineClient(replica_engine_config(self.config, replica.index,
+                                                    self.cluster.gpus_per_rank), EngineWatchdog(
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher,
             kv_events=None if events is None else events.address)
