@@ -77,6 +77,10 @@ class _Replica:
         self.served_once = False
         self.active_streams = 0
         self.restarts = 0
+        # Engine steps reported and the seconds they took (StepStat): how busy the engine is
+        # kept, against the wall clock (bench/data_parallel.py's per-replica profile).
+        self.steps = 0
+        self.step_seconds = 0.0
         self.failures_in_a_row = 0
 
 
@@ -291,6 +295,9 @@ class ReplicaSet:
                 callback()
 
     def _on_replica_steps(self, index: int, steps: list, load: Optional[EngineLoad]) -> None:
+        replica = self.replicas[index]
+        replica.steps += len(steps)
+        replica.step_seconds += sum(step.seconds for step in steps)
         if load is not None:
             self._step_loads[index] = load
         if self.on_steps is not None:
