@@ -161,12 +161,13 @@ def run_server_and_load(engine_config, cluster, port: int, metrics_port: int,
         wait_serving(f"http://127.0.0.1:{metrics_port}/health")
         for prompts, rate, concurrency, max_new_tokens, client_procs in workloads:
             before = replica_counters(metrics_url) if cluster is not None else {}
-            workers = worker_pids(server.pid)
-            workers_cpu = -sum(process_cpu_seconds(p) for p in workers)
+            # Workers may start during the row (the tokenizer pool's, on demand): from 0 then.
+            workers_before = {p: process_cpu_seconds(p) for p in worker_pids(server.pid)}
             row = asyncio.run(run_load(f"127.0.0.1:{port}", prompts, rate, concurrency,
                                        max_new_tokens, seed=0, client_procs=client_procs,
                                        server_pid=server.pid, metrics_url=metrics_url))
-            workers_cpu += sum(process_cpu_seconds(p) for p in workers)
+            workers_cpu = sum(process_cpu_seconds(p) - workers_before.get(p, 0.0)
+                              for p in worker_pids(server.pid))
             if cluster is not None:
                 seconds = row["requests"] / row["requests_per_s"]
                 front_cpu = row["server_cpu_us_per_token"] * row["output_tokens_per_s"] \
