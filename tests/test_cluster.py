@@ -147,13 +147,15 @@ def test_cluster_flag_errors_name_the_field():
 # --- a local Ray cluster -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A head and two worker nodes (processes of this machine, each a Ray node of its own)."""
+    """A head and two worker nodes (processes of this machine, each a Ray node of its own).
+    The workers' 4 logical CPUs (Ray's accounting, not cores) hold a replica of tp 2 (a bundle
+    of 2 on one node) beside the --data-parallel 2 server's replicas wherever they went."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(2):
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()
     yield cluster
     cluster.shutdown()
