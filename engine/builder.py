@@ -323,7 +323,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         # Constrained steps get graphs of their own only where requests may carry a grammar.
         graph_memory_bytes = _capture_graphs(worker, device, num_rows, row_width,
                                              constrained=scheduler.grammars is not None,
-                                             sampled=config.cuda_graph_sampled)
+                                             sampled=config.cuda_graph_sampled,
+                                             estimate=_graph_reserve_bytes(config, cfg, dtype,
+                                                                           num_rows, spec))
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(
@@ -337,9 +339,10 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 
 
 def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_width: int,
-                    constrained: bool, sampled: bool) -> int:
+                    constrained: bool, sampled: bool, estimate: int) -> int:
     """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool);
-    the bytes they hold, logged: the pool and the static inputs."""
+    the bytes they hold, logged (the pool and the static inputs) beside the `estimate` that
+    sizing by share reserved for them."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
@@ -347,8 +350,9 @@ def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_wid
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the warm-up forwards' cached blocks; the graphs keep their pool
     graph_bytes = torch.cuda.memory_reserved(device) - before
-    logger.info("CUDA graphs: %d captured, holding %.1f MiB (one shared memory pool)",
-                sum(len(graphs.captured) for graphs in _graph_sets(worker)), graph_bytes / MiB)
+    logger.info("CUDA graphs: %d captured, holding %.1f MiB (one shared memory pool; %.1f MiB "
+                "estimated)", sum(len(graphs.captured) for graphs in _graph_sets(worker)),
+                graph_bytes / MiB, estimate / MiB)
     return graph_bytes
 
 
@@ -483,20 +487,32 @@ def _reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, n
     logits of every token, or a full decode step), the CUDA graphs' one shared pool (about the
     largest captured step's: a decode step of every row, or a 2048-token captured extend) and
     the tables."""
-    tp = config.tp_size
     chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else context_len
-    decode_tokens = num_rows * (1 if spec is None else max(spec.num_draft_tokens, spec.topk))
-
-    def workspace(tokens: int, logit_rows: int) -> int:
-        return forward_workspace_bytes(tokens, logit_rows, cfg.hidden_size,
-                                       cfg.intermediate_size // tp, cfg.vocab_size,
-                                       dtype.itemsize)
-
-    eager = workspace(max(chunk, decode_tokens), max(chunk, decode_tokens))
-    graphs = 0
-    if config.cuda_graph is not False:
-        graphs = workspace(max(decode_tokens, TOKEN_BUCKETS[-1]), decode_tokens + MAX_REQUESTS)
+    tokens = max(chunk, _decode_tokens(num_rows, spec))
+    eager = _workspace(config, cfg, dtype, tokens, tokens)
+    graphs = 0 if config.cuda_graph is False else \
+        _graph_reserve_bytes(config, cfg, dtype, num_rows, spec)
     return eager + graphs + TABLES_BYTES
+
+
+def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
+                         spec: Optional[SpecConfig]) -> int:
+    """The graphs' pool, estimated: the largest captured step's transients."""
+    decode_tokens = _decode_tokens(num_rows, spec)
+    return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
+                      decode_tokens + MAX_REQUESTS)
+
+
+def _decode_tokens(num_rows: int, spec: Optional[SpecConfig]) -> int:
+    """Tokens of a decode step of every row (a verify block, or a tree level's branches)."""
+    return num_rows * (1 if spec is None else max(spec.num_draft_tokens, spec.topk))
+
+
+def _workspace(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, tokens: int,
+               logit_rows: int) -> int:
+    return forward_workspace_bytes(tokens, logit_rows, cfg.hidden_size,
+                                   cfg.intermediate_size // config.tp_size, cfg.vocab_size,
+                                   dtype.itemsize)
 
 
 def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend,
