@@ -1,8 +1,11 @@
 """GPU checks of memory (`pytest -m gpu`): the CUDA graphs of every batch size and step kind
 share one memory pool captured on one stream, give the outputs of graphs captured each into a
 pool of its own, and hold less; two engines of gpu_memory_utilization 0.4 start and serve side
-by side on one GPU."""
+by side on one GPU, in one process and as two processes started together (as two Ray replicas
+on --gpus-per-rank 0.5 do)."""
 from __future__ import annotations
+
+import multiprocessing
 
 import pytest
 import torch
@@ -72,3 +75,41 @@ def test_two_engines_of_04_share_one_gpu(pair, make_engine, prompts):
     assert torch.cuda.memory_reserved() - reserved_before <= 0.8 * total
     expected = _outputs(first, prompts)
     assert _outputs(second, prompts) == expected
+
+
+def _engine_on_a_share(target: str, head: str, prompts: list, fraction: float, results) -> None:
+    """One engine process: start on `fraction` of the GPU, generate, report."""
+    from specserve.engine import Engine, EngineConfig
+
+    try:
+        spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN)
+        with Engine(EngineConfig(model=target, device="cuda", attention_backend="triton",
+                                 cuda_graph=True, spec=spec,
+                                 gpu_memory_utilization=fraction)) as engine:
+            outs = engine.generate(prompt_token_ids=prompts, sampling=GREEDY)
+            results.put(("ok", engine.core.allocator.num_slots, [o.token_ids for o in outs]))
+    except BaseException as e:  # reported, so that the test says why
+        results.put(("failed", repr(e), None))
+
+
+def test_two_engine_processes_of_04_start_together_on_one_gpu(pair, prompts):
+    """Both size their pools while the other loads and allocates: each from its own share of
+    the device's total, so both fit, whichever allocates first."""
+    target, head = pair
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_engine_on_a_share,
+                                 args=(target, head, prompts, 0.4, results)) for _ in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        reports = [results.get(timeout=280) for _ in processes]  # within pytest's 300 s
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+    assert [status for status, _, _ in reports] == ["ok", "ok"], reports
+    (_, first_slots, first_tokens), (_, second_slots, second_tokens) = reports
+    assert second_slots == pytest.approx(first_slots, rel=0.02)
+    assert first_tokens == second_tokens
