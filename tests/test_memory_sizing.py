@@ -16,7 +16,9 @@ from specserve.engine.kvcache.sizing import (GiB, MiB, NON_TORCH_BYTES, SLOT_IND
                                              TABLES_BYTES, MemoryShare, forward_workspace_bytes,
                                              kv_pool_slots)
 from specserve.engine.models.model_config import ModelConfig
-from specserve.server.cluster.config import replica_engine_config
+from specserve.server.cluster.config import ClusterConfig, replica_engine_config
+from specserve.server.cluster.replica_set import ReplicaSet
+from specserve.server.config import ServerConfig
 
 H100 = 80 * GiB
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -167,6 +169,16 @@ def test_a_replica_on_a_fraction_of_a_gpu_takes_that_fraction_of_the_share():
     with pytest.raises(ValueError, match=r"^gpus_per_rank \(--gpus-per-rank\): 0.5 would put "
                                          r"tensor-parallel ranks"):
         replica_engine_config(config.replace(tp_size=2), 0, 0.5)
+
+
+def test_the_replica_set_starts_each_engine_on_its_share():
+    config = EngineConfig(gpu_memory_utilization=0.8, kv_events_endpoint="tcp://*:5557")
+    replicas = ReplicaSet(config, ServerConfig(), ClusterConfig(data_parallel=2, gpus_per_rank=0.5))
+    second = replicas.engine_config(1)
+    assert second.gpu_memory_utilization == pytest.approx(0.4)
+    assert second.kv_events_endpoint == "tcp://*:5558"
+    whole = ReplicaSet(config, ServerConfig(), ClusterConfig(data_parallel=2))
+    assert whole.engine_config(1).gpu_memory_utilization == 0.8
 
 
 def test_serve_refuses_a_fraction_of_a_gpu_per_rank_with_tp(capsys):

@@ -266,11 +266,15 @@ class ReplicaSet:
             on_gap=lambda: self.router.forget(index))
         replica.cache_events.start()
 
+    def engine_config(self, index: int) -> EngineConfig:
+        """Replica `index`'s engine config: its share of a GPU on a fraction of one, its own
+        KV-event ports (replica_engine_config)."""
+        return replica_engine_config(self.config, index, self.cluster.gpus_per_rank)
+
     def _start_engine(self, replica: _Replica) -> None:
         config = self.server_config
         events = replica.cache_events
-        client = EngineClient(replica_engine_config(self.config, replica.index,
-                                                    self.cluster.gpus_per_rank), EngineWatchdog(
+        client = EngineClient(self.engine_config(replica.index), EngineWatchdog(
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher,
             kv_events=None if events is None else events.address)
