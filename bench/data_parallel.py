@@ -1,42 +1,77 @@
-"""Data-parallel replicas: throughput of --data-parallel N vs one engine, and TTFT of prefix
-affinity routing vs round robin on shared system prompts.
+"""Data-parallel replicas: throughput of N replicas vs one engine (with where the front's time
+goes), and TTFT of prefix affinity vs round robin on a load under cache pressure.
 
-    # one GPU holding two small replicas (Ray reserves half a GPU each; each KV pool is sized)
-    python bench/data_parallel.py --launch demo --gpus-per-rank 0.5 --out dp_h100.json
+    # one GPU: two replicas sharing it (Ray reserves half a GPU each; each engine sizes its KV
+    # pool from half of --gpu-memory-utilization)
+    python bench/data_parallel.py --launch llama-1b --setups 2x1@0.5 --out dp_1gpu.json
 
-    # several GPUs of one host: one replica per GPU (llama-8b shape, 4 replicas vs 1)
-    python bench/data_parallel.py --launch llama-8b --data-parallel 4 --gpus-per-rank 1 ...
+    # four GPUs of one host: four replicas of one GPU each, then two of tp 2
+    python bench/data_parallel.py --launch llama-8b --setups 4x1,2x2 --out dp_4gpu.json
 
     # several hosts: start Ray on each (ray start --head / ray start --address=HEAD:6379), then
-    python bench/data_parallel.py --launch llama-8b --data-parallel 8 --ray-address auto ...
+    python bench/data_parallel.py --launch llama-8b --setups 8x1 --ray-address auto ...
 
-Two parts, each against servers this script starts (one at a time, the same engine config):
+A setup `NxT[@G]` is N replicas of tensor-parallel size T, G GPUs per rank (default 1 on GPUs;
+0.5: two replicas share a GPU). Each setup runs against servers this script starts, one at a
+time:
 
-- throughput: random prompts, all at once, at each --concurrency (64-256 streams), one engine
-  (no Ray: the server as it runs today) vs --data-parallel N replicas;
-- ttft: --tenants system prompts of --system-prompt-tokens (each request one of them, picked at
-  random, plus its own question) at --rate requests/s, N replicas routed by prefix affinity vs
-  round robin. With affinity each tenant's prompt stays cached on one replica (a hit for all
-  but its first request); round robin makes every replica prefill every tenant's prompt, and
-  holds N copies of it in KV.
+- throughput: random prompts, all at once, at each --concurrency: one engine of tp T (no Ray:
+  the server as it runs alone; measured once per T) vs the N replicas (prefix routing). With
+  the replicas, the front's profile: the server process's CPU time (% of one core; its threads
+  together) and its tokenizer/detokenizer worker processes', and per replica its engine steps
+  per second and how busy they kept it (step seconds / wall seconds, from
+  specserve_replica_engine_step_seconds). Replicas far from busy while the front process sits
+  near 100% of a core say the one front holds them back; busy replicas, that they are the
+  limit.
+- affinity: a cache-pressure load. --tenants system prompts of --system-prompt-tokens (default:
+  as many as fill (N + 1) / 2 KV pools of --pressure-kv-tokens each: more than one replica can
+  keep cached, while N replicas that split them by affinity hold (N + 1) / 2N <= 3/4 of a pool
+  each), each request one of them at random plus its own question, at --rate-per-replica x N
+  requests/s. Prefix affinity keeps each tenant on one replica (a hit after its first request);
+  round robin makes every replica cache every tenant, so they evict one another.
 
 Every run starts with a cold prefix cache (bench/serving.py flushes it). Writes --out (JSON rows)
-and prints a table.
+and prints the tables.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
+import math
 import multiprocessing
+import os
 import random
+import re
 import time
+import urllib.request
+from typing import NamedTuple, Optional
 
-from serving import launched_engine_config, make_prompts, run_load, serve_launched
+from serving import (launched_engine_config, make_prompts, process_cpu_seconds, run_load,
+                     serve_launched)
 
 from specserve.server.cluster.config import ClusterConfig
 from specserve.server.cluster.routing import RoutingConfig, RoutingPolicy
+
+
+class Setup(NamedTuple):
+    replicas: int
+    tp: int
+    gpus_per_rank: Optional[float]
+
+    @property
+    def label(self) -> str:
+        share = "" if self.gpus_per_rank is None else f" @{self.gpus_per_rank:g} GPU"
+        return f"{self.replicas}x tp{self.tp}{share}"
+
+
+def parse_setup(text: str) -> Setup:
+    match = re.fullmatch(r"(\d+)x(\d+)(?:@([\d.]+))?", text.strip())
+    if match is None or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise argparse.ArgumentTypeError(f"--setups: {text!r} is not NxT or NxT@G (e.g. 4x1, "
+                                         f"2x2, 2x1@0.5)")
+    return Setup(int(match.group(1)), int(match.group(2)),
+                 None if match.group(3) is None else float(match.group(3)))
 
 
 def tenants_workload(n: int, tenants: int, system_tokens: int, words: int, vocab: int,
@@ -47,19 +82,103 @@ def tenants_workload(n: int, tenants: int, system_tokens: int, words: int, vocab
     return [{"prompt_token_ids": rng.choice(systems) + new(words)} for _ in range(n)]
 
 
-def run_server_and_load(engine_config, cluster, port: int, workloads) -> list[dict]:
-    """Start a server (cluster None: one engine, no Ray), run each (prompts, rate, concurrency,
-    max_new_tokens) load against it, stop it."""
-    server = multiprocessing.get_context("spawn").Process(
-        target=serve_launched, args=(engine_config, port, None, cluster))
-    server.start()
+def pressure_tenants(replicas: int, kv_tokens: int, system_tokens: int) -> int:
+    """Tenants whose prompts fill (N + 1) / 2 pools of kv_tokens (at least 2 tenants/replica)."""
+    return max(2 * replicas, math.ceil((replicas + 1) / 2 * kv_tokens / system_tokens))
+
+
+# --- the front's profile ---------------------------------------------------------------------
+REPLICA_COUNTER = re.compile(
+    r'^specserve_replica_engine_(steps|step_seconds)_total\{replica="(\d+)"\} (\S+)$', re.M)
+
+
+def replica_counters(metrics_url: str) -> dict:
+    """{(steps | step_seconds, replica): value} from the server's /metrics ({} if unreadable)."""
     try:
-        return [asyncio.run(run_load(f"127.0.0.1:{port}", prompts, rate, concurrency,
-                                     max_new_tokens, seed=0, client_procs=client_procs))
-                for prompts, rate, concurrency, max_new_tokens, client_procs in workloads]
+        body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    except OSError:
+        return {}
+    return {(what, int(replica)): float(value)
+            for what, replica, value in REPLICA_COUNTER.findall(body)}
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The server's multiprocessing children (its tokenizer and detokenizer workers; not a local
+    Ray's processes, which are not started by multiprocessing)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read().rpartition(")")[2].split()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and b"multiprocessing" in cmdline:
+            children.append(int(entry))
+    return children
+
+
+def front_profile(before: dict, after: dict, seconds: float, front_cpu: float,
+                  workers_cpu: float) -> dict:
+    replicas = sorted({replica for _, replica in after})
+    delta = lambda what, r: after.get((what, r), 0.0) - before.get((what, r), 0.0)  # noqa: E731
+    return {"front_cpu_pct": round(100 * front_cpu / seconds, 1),
+            "front_workers_cpu_pct": round(100 * workers_cpu / seconds, 1),
+            "replica_steps_per_s": [round(delta("steps", r) / seconds, 1) for r in replicas],
+            "replica_busy_pct": [round(100 * delta("step_seconds", r) / seconds, 1)
+                                 for r in replicas]}
+
+
+def wait_serving(health_url: str, timeout_s: float = 1200.0) -> None:
+    """Until the server's /health says SERVING, so that no row counts its start-up (CPU,
+    histograms, counters)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if urllib.request.urlopen(health_url, timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{health_url}: not serving after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+# --- one server, its loads ---------------------------------------------------------------------
+def run_server_and_load(engine_config, cluster, port: int, metrics_port: int,
+                        workloads) -> list[dict]:
+    """Start a server (cluster None: one engine, no Ray), run each (prompts, rate, concurrency,
+    max_new_tokens, client_procs) load against it, stop it. With a cluster, each row carries
+    the front's profile."""
+    server = multiprocessing.get_context("spawn").Process(
+        target=serve_launched, args=(engine_config, port, None, cluster),
+        kwargs=dict(metrics_port=metrics_port))
+    server.start()
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    rows = []
+    try:
+        wait_serving(f"http://127.0.0.1:{metrics_port}/health")
+        for prompts, rate, concurrency, max_new_tokens, client_procs in workloads:
+            before = replica_counters(metrics_url) if cluster is not None else {}
+            # Workers may start during the row (the tokenizer pool's, on demand): from 0 then.
+            workers_before = {p: process_cpu_seconds(p) for p in worker_pids(server.pid)}
+            row = asyncio.run(run_load(f"127.0.0.1:{port}", prompts, rate, concurrency,
+                                       max_new_tokens, seed=0, client_procs=client_procs,
+                                       server_pid=server.pid, metrics_url=metrics_url))
+            workers_cpu = sum(process_cpu_seconds(p) - workers_before.get(p, 0.0)
+                              for p in worker_pids(server.pid))
+            if cluster is not None:
+                seconds = row["requests"] / row["requests_per_s"]
+                front_cpu = row["server_cpu_us_per_token"] * row["output_tokens_per_s"] \
+                    * seconds / 1e6
+                row["front"] = front_profile(before, replica_counters(metrics_url), seconds,
+                                             front_cpu, workers_cpu)
+            rows.append(row)
     finally:
         server.terminate()  # SIGTERM: drains, stops the engines (and its local Ray), exits
         server.join(180)
+    return rows
 
 
 def main():
@@ -68,71 +187,103 @@ def main():
     ap.add_argument("--spec", choices=["plain", "chain", "tree"], default="chain")
     ap.add_argument("--accept-len", type=int, default=3, help="shapes: forced accept length")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--data-parallel", type=int, default=2)
+    ap.add_argument("--setups", default="2x1@0.5", type=lambda s: [parse_setup(x) for x in s.split(",")],
+                    help="comma-separated NxT[@G]: N replicas of tp T, G GPUs per rank "
+                         "(default 2x1@0.5: two replicas sharing one GPU)")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
-    ap.add_argument("--gpus-per-rank", type=float, default=None,
-                    help="0.5: two replicas share one GPU (default: 1 per rank on GPUs)")
-    ap.add_argument("--max-total-tokens", type=int, default=131072,
-                    help="KV slots per replica (and of the one engine), so shares of a GPU fit")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="each engine's share of a GPU (a replica on G < 1 GPU takes G x this)")
     ap.add_argument("--max-context-len", type=int, default=4096)
-    ap.add_argument("--concurrency", default="64,128,256", help="throughput part")
+    ap.add_argument("--concurrency", default="64,256", help="throughput part")
     ap.add_argument("--prompt-words", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tenants", type=int, default=8, help="ttft part: system prompts")
+    ap.add_argument("--pressure-kv-tokens", type=int, default=65536,
+                    help="affinity part: each replica's KV pool (--max-total-tokens)")
+    ap.add_argument("--tenants", type=int, default=None,
+                    help="affinity part: system prompts (default: they fill (N + 1) / 2 pools)")
     ap.add_argument("--system-prompt-tokens", type=int, default=2048)
-    ap.add_argument("--ttft-requests", type=int, default=256)
-    ap.add_argument("--rate", type=float, default=16.0, help="ttft part: requests/s (Poisson)")
+    ap.add_argument("--ttft-requests", type=int, default=512)
+    ap.add_argument("--rate-per-replica", type=float, default=8.0,
+                    help="affinity part: requests/s (Poisson) per replica")
     ap.add_argument("--ttft-concurrency", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--port", type=int, default=50071)
-    ap.add_argument("--parts", default="throughput,ttft")
+    ap.add_argument("--metrics-port", type=int, default=50081)
+    ap.add_argument("--parts", default="throughput,affinity")
     ap.add_argument("--out", default="bench_data_parallel.json")
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    engine_config = dataclasses.replace(
-        launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
-                               args.max_context_len, args.device),
-        max_total_tokens=args.max_total_tokens)
+    parts = args.parts.split(",")
 
-    def cluster(policy: RoutingPolicy) -> ClusterConfig:
-        return ClusterConfig(data_parallel=args.data_parallel, ray_address=args.ray_address,
-                             gpus_per_rank=args.gpus_per_rank,
+    def engine_config(tp: int, **overrides):
+        return launched_engine_config(
+            args.launch, args.spec, args.accept_len, max(concurrencies, default=64),
+            args.max_context_len, args.device, tp_size=tp, cuda_graph_sampled=False,
+            gpu_memory_utilization=args.gpu_memory_utilization, **overrides)
+
+    def cluster(setup: Setup, policy: RoutingPolicy) -> ClusterConfig:
+        return ClusterConfig(data_parallel=setup.replicas, ray_address=args.ray_address,
+                             gpus_per_rank=setup.gpus_per_rank,
                              routing=RoutingConfig(policy=policy))
 
     rows = []
 
-    def record(part: str, label: str, results: list[dict]) -> None:
+    def record(part: str, label: str, results: list[dict], **extra) -> None:
         for result in results:
-            rows.append(dict(part=part, label=label, **result))
+            rows.append(dict(part=part, label=label, **extra, **result))
             print(json.dumps(rows[-1]), flush=True)
 
-    parts = args.parts.split(",")
-    if "throughput" in parts:
-        workloads = [(make_prompts(2 * c, 0, args.prompt_words, args.vocab,
-                                   token_ids=args.launch != "demo"), float("inf"), c,
-                      args.max_new_tokens, args.client_procs) for c in concurrencies]
-        record("throughput", "one engine",
-               run_server_and_load(engine_config, None, args.port, workloads))
-        record("throughput", f"dp={args.data_parallel}",
-               run_server_and_load(engine_config, cluster(RoutingPolicy.PREFIX), args.port,
-                                   workloads))
-    if "ttft" in parts:
-        prompts = tenants_workload(args.ttft_requests, args.tenants, args.system_prompt_tokens,
-                                   args.prompt_words, args.vocab, seed=1)
-        workload = [(prompts, args.rate, args.ttft_concurrency, 32, args.client_procs)]
-        for policy in RoutingPolicy:
-            record("ttft", f"dp={args.data_parallel} {policy.value}",
-                   run_server_and_load(engine_config, cluster(policy), args.port, workload))
-    json.dump({"launch": args.launch, "spec": args.spec, "data_parallel": args.data_parallel,
-               "gpus_per_rank": args.gpus_per_rank, "date": time.strftime("%Y-%m-%d"),
-               "rows": rows}, open(args.out, "w"), indent=1)
-    print(f"\n{'part':>10} {'label':>22} {'conc':>4} {'rate':>5} {'tok/s':>8} {'TTFT p50':>9} "
+    def serve(config, cluster_config, workloads):
+        return run_server_and_load(config, cluster_config, args.port, args.metrics_port, workloads)
+
+    baselines_done = set()
+    for setup in args.setups:
+        if "throughput" in parts:
+            workloads = [(make_prompts(2 * c, 0, args.prompt_words, args.vocab,
+                                       token_ids=args.launch != "demo"), float("inf"), c,
+                          args.max_new_tokens, args.client_procs) for c in concurrencies]
+            if setup.tp not in baselines_done:
+                baselines_done.add(setup.tp)
+                record("throughput", f"1x tp{setup.tp} (one engine)",
+                       serve(engine_config(setup.tp), None, workloads))
+            record("throughput", setup.label,
+                   serve(engine_config(setup.tp), cluster(setup, RoutingPolicy.PREFIX), workloads))
+        if "affinity" in parts:
+            tenants = args.tenants or pressure_tenants(setup.replicas, args.pressure_kv_tokens,
+                                                       args.system_prompt_tokens)
+            prompts = tenants_workload(args.ttft_requests, tenants, args.system_prompt_tokens,
+                                       args.prompt_words, args.vocab, seed=1)
+            workload = [(prompts, args.rate_per_replica * setup.replicas, args.ttft_concurrency,
+                         32, args.client_procs)]
+            config = engine_config(setup.tp, max_total_tokens=args.pressure_kv_tokens)
+            for policy in RoutingPolicy:
+                record("affinity", f"{setup.label} {policy.value}",
+                       serve(config, cluster(setup, policy), workload), tenants=tenants,
+                       kv_tokens_per_replica=args.pressure_kv_tokens)
+    json.dump({"launch": args.launch, "spec": args.spec,
+               "setups": [s._asdict() for s in args.setups],
+               "gpu_memory_utilization": args.gpu_memory_utilization,
+               "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
+    print_tables(rows)
+
+
+def print_tables(rows: list[dict]) -> None:
+    print(f"\n{'part':>10} {'label':>28} {'conc':>4} {'rate':>5} {'tok/s':>8} {'TTFT p50':>9} "
           f"{'p99':>7} {'TPOT p50':>9} {'cached':>7}")
     for r in rows:
-        print(f"{r['part']:>10} {r['label']:>22} {r['concurrency']:>4} {r['rate']:>5} "
+        print(f"{r['part']:>10} {r['label']:>28} {r['concurrency']:>4} {r['rate']:>5} "
               f"{r['output_tokens_per_s']:8.1f} {r['ttft_ms_p50']:9.1f} {r['ttft_ms_p99']:7.1f} "
               f"{r['tpot_ms_p50']:9.2f} {r['cached_tokens_mean']:7.1f}")
+    fronts = [r for r in rows if "front" in r]
+    if fronts:
+        print(f"\n{'front profile':>28} {'conc':>4} {'front CPU%':>10} {'workers%':>8}  "
+              f"per replica: steps/s | busy %")
+        for r in fronts:
+            f = r["front"]
+            print(f"{r['label']:>28} {r['concurrency']:>4} {f['front_cpu_pct']:10.1f} "
+                  f"{f['front_workers_cpu_pct']:8.1f}  {f['replica_steps_per_s']} | "
+                  f"{f['replica_busy_pct']}")
 
 
 if __name__ == "__main__":

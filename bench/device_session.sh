@@ -5,7 +5,7 @@
 #   bash bench/device_session.sh "phase phase ..."     (carry: wheels)
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
 # profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word turns on the custom all-reduce),
-# dsv3, prefix, structured, serving, accuracy (see below).
+# dsv3, prefix, structured, serving, accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
 set -uo pipefail
 OUT=${OUT:-out}; LOGS=$OUT; mkdir -p "$OUT"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
@@ -56,5 +56,20 @@ for phase in $1; do case $phase in
                  --server 127.0.0.1:50151 --http-port 50152 --out $LOGS/serving_$api.json
            done ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
+  # Data-parallel (E29): Ray's slim wheel and its four dependencies in wheels/ray
+  # (../shared/docs/device-wheels.md). dp1: the memory GPU tests, two replicas on one GPU.
+  dp1|dp4|dp2x2)
+          python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+              wheels/ray/*.whl >> /tmp/pip.log 2>&1 || echo "ray wheels: install failed"
+          export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+          DP="python $PWD/bench/data_parallel.py --port 50171 --metrics-port 50181"
+          case $phase in
+            dp1)   run graph_memory pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
+                       $PWD/tests/test_graph_memory.py
+                   run dp_1gpu $DP --launch llama-1b --setups 2x1@0.5 --out $LOGS/dp_1gpu.json ;;
+            dp4)   run dp_4x1 $DP --launch llama-8b --setups 4x1 --out $LOGS/dp_4x1.json ;;
+            dp2x2) run dp_2x2 $DP --launch llama-8b --setups 2x2 --parts throughput \
+                       --out $LOGS/dp_2x2.json ;;
+          esac ;;
   *) echo "unknown phase $phase" ;;
 esac; done

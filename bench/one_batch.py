@@ -291,7 +291,7 @@ def main():
                                if BACKEND_ROWS[backend].needs_cpu_seq_lens is None
                                else BACKEND_ROWS[backend].needs_cpu_seq_lens,
                                cuda_graph=BACKEND_ROWS[backend].cuda_graph and variant != "no-graph",
-                               mem_fraction=0.5,
+                               gpu_memory_utilization=0.6,
                                chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
                                skinny_gemm=variant != "no-skinny-gemm", tp_size=tp,
                                custom_all_reduce=variant == "custom-all-reduce",

@@ -58,7 +58,7 @@ def main():
         bench_force_accept_len=3, **SPEC_MODES[args.mode])
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
                                  max_running_requests=max(args.batch_size, 1), max_context_len=4096,
-                                 cuda_graph=True, mem_fraction=0.5, tp_size=args.tp,
+                                 cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
                                  custom_all_reduce=args.custom_all_reduce))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)

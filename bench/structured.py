@@ -141,7 +141,7 @@ def _steps_engine(args) -> Engine:
     spec = SpecConfig(algorithm="eagle3", draft_model=draft, num_steps=3, topk=1, num_draft_tokens=4)
     return Engine(EngineConfig(model=target, device=args.device, dtype="bfloat16", load_format="dummy",
                                spec=spec, max_running_requests=max(args.batch_sizes), max_context_len=4096,
-                               cuda_graph=True, mem_fraction=0.6))
+                               cuda_graph=True, gpu_memory_utilization=0.7))
 
 
 # The costliest state to mask, for as long as the run lasts: inside a JSON string that never

@@ -26,6 +26,9 @@ from specserve.engine.kvcache.fp8 import KVScales, is_fp8, kv_cache_dtype, resol
 from specserve.engine.kvcache.pools import (
     MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator, TokenToKVPool)
 from specserve.engine.kvcache.radix_cache import RadixCache
+from specserve.engine.kvcache.sizing import (GiB, MiB, NON_TORCH_BYTES, SLOT_INDEX_BYTES,
+                                             TABLES_BYTES, MemoryShare, forward_workspace_bytes,
+                                             kv_pool_slots)
 from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range, set_skinny_gemm
 from specserve.engine.models.checkpoint_dir import check_checkpoint_dir, read_config
@@ -37,6 +40,7 @@ from specserve.engine.models.loader import (CheckpointReader, init_dummy_weights
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
+from specserve.engine.runtime.captured_extend import MAX_REQUESTS, TOKEN_BUCKETS
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
@@ -90,6 +94,7 @@ class EngineCore:
     uses_cuda_graphs: bool
     tp_group: Optional[TPGroup]
     weight_format: str            # the linear weights: the dtype's name, or the FP8 format
+    graph_memory_bytes: int = 0   # what the CUDA graphs hold (their pool and static inputs)
 
     @property
     def kv_pool(self) -> TokenToKVPool | MLATokenToKVPool:
@@ -132,10 +137,8 @@ class EngineCore:
 
     def _release(self) -> None:
         """Graphs, streams and the grammar service (after the last forward that talks to it)."""
-        for graphs in (self.worker.graphs, *self.worker.sampled_graphs.values(),
-                       self.worker.constrained_graphs, self.worker.extend_graphs):
-            if graphs is not None:
-                graphs.release()
+        for graphs in _graph_sets(self.worker):
+            graphs.release()
         self.ctx.close()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.close()
@@ -183,6 +186,8 @@ def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
 def _build(config: EngineConfig, rank: int, model_path: str, device: torch.device, cfg: ModelConfig,
            tp_group: Optional[TPGroup]) -> EngineCore:
     dtype = resolve_dtype(config.dtype, device)
+    # What this engine allocates is counted from here (another engine may share the process).
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     eos_token_ids = tuple(_eos_ids(model_path, cfg))
     tokenizer = Tokenizer(model_path, list(eos_token_ids)) \
         if os.path.exists(os.path.join(model_path, "tokenizer.json")) else None
@@ -226,10 +231,18 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     # The target's pool may be FP8 (with the checkpoint's scales); drafts keep the model dtype.
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     kv_scales = _kv_scales(config, model_path, cfg.num_layers) if is_fp8(kv_dtype) else None
-    num_slots = _num_kv_slots(config, cfg, attn_layer, dtype, kv_dtype, device, num_rows, spec,
-                              model_context, step_slots)
-    max_context_len = fit_context_to_pool(model_context, num_slots, step_slots)
+    # The draft's weights and the request table before the pool is sized: it gets what they leave.
+    head = None
+    if spec is not None and spec.algorithm == "nextn":
+        head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
+                               dummy=config.load_format == "dummy", fp8_block=dummy_fp8_block)
+    elif spec is not None:
+        head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
+                               dummy=config.load_format == "dummy")
     req_to_token = ReqToTokenPool(num_rows, row_width, device)
+    num_slots = _num_kv_slots(config, cfg, attn_layer, dtype, kv_dtype, device, num_rows, spec,
+                              model_context, step_slots, allocated_before)
+    max_context_len = fit_context_to_pool(model_context, num_slots, step_slots)
     allocator = TokenSlotAllocator(num_slots, device)
 
     def attention_backend(num_heads: int, num_kv_heads: int, head_dim: int,
@@ -254,15 +267,11 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     draft_runner = None
     if spec is not None and spec.algorithm == "nextn":
         # Its own one-layer latent pool, addressed by the target's slots like any draft's.
-        head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
-                               dummy=config.load_format == "dummy", fp8_block=dummy_fp8_block)
         mla = head.config.mla
         draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool, attention_backend(
             head.attention.num_heads, 1, head.attention.kv_head_dim, mla.kv_lora_rank))
     elif spec is not None:
-        head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
-                               dummy=config.load_format == "dummy")
         dcfg = head.config
         draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool,
@@ -308,11 +317,15 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                 "plain decoding" if spec is None else
                 f"{spec.algorithm} {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}")
     uses_cuda_graphs = _wants_cuda_graphs(config, device, attn, cfg)
+    graph_memory_bytes = 0
     if uses_cuda_graphs:
         logger.info("capturing CUDA graphs for batch sizes up to %d", num_rows)
         # Constrained steps get graphs of their own only where requests may carry a grammar.
-        worker.enable_cuda_graphs(num_rows, row_width, constrained=scheduler.grammars is not None,
-                                  sampled=config.cuda_graph_sampled)
+        graph_memory_bytes = _capture_graphs(worker, device, num_rows, row_width,
+                                             constrained=scheduler.grammars is not None,
+                                             sampled=config.cuda_graph_sampled,
+                                             estimate=_graph_reserve_bytes(config, cfg, dtype,
+                                                                           num_rows, spec))
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(
@@ -322,7 +335,32 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         spec=spec, ctx=ctx, req_to_token=req_to_token, allocator=allocator, runner=runner,
         draft_runner=draft_runner, worker=worker, scheduler=scheduler,
         needs_cpu_seq_lens=needs_cpu_seq_lens, uses_cuda_graphs=uses_cuda_graphs, tp_group=tp_group,
-        weight_format=weight_format)
+        weight_format=weight_format, graph_memory_bytes=graph_memory_bytes)
+
+
+def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_width: int,
+                    constrained: bool, sampled: bool, estimate: int) -> int:
+    """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool);
+    the bytes they hold, logged (the pool and the static inputs) beside the `estimate` that
+    sizing by share reserved for them."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    worker.enable_cuda_graphs(num_rows, row_width, constrained=constrained, sampled=sampled)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the warm-up forwards' cached blocks; the graphs keep their pool
+    graph_bytes = torch.cuda.memory_reserved(device) - before
+    logger.info("CUDA graphs: %d captured, holding %.1f MiB (one shared memory pool; %.1f MiB "
+                "estimated)", sum(len(graphs.captured) for graphs in _graph_sets(worker)),
+                graph_bytes / MiB, estimate / MiB)
+    return graph_bytes
+
+
+def _graph_sets(worker: Worker) -> list:
+    """The worker's captured GraphedSteps (decode variants and extends)."""
+    return [graphs for graphs in (worker.graphs, *worker.sampled_graphs.values(),
+                                  worker.constrained_graphs, worker.extend_graphs)
+            if graphs is not None]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -404,9 +442,12 @@ def _kv_scales(config: EngineConfig, model_path: str, num_layers: int) -> KVScal
 
 def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: torch.dtype,
                   kv_dtype: torch.dtype, device: torch.device, num_rows: int,
-                  spec: Optional[SpecConfig], context_len: int, step_slots: int) -> int:
+                  spec: Optional[SpecConfig], context_len: int, step_slots: int,
+                  allocated_before: int) -> int:
     """Slots of the memory budget, at the target pool's bytes (`kv_dtype`: FP8 counts one byte
-    an element) plus the draft's one layer (the model's `dtype`)."""
+    an element) plus the draft's one layer (the model's `dtype`). On CUDA the budget is the
+    engine's share of the device (kvcache/sizing.py): what it allocated since
+    `allocated_before` (weights, the request table) and its reserve are taken off."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     if cfg.mla is not None:
@@ -423,12 +464,55 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
             per_slot += TokenToKVPool.bytes_per_slot(1, attn_layer.num_kv_heads, cfg.head_dim,
                                                      dtype)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * config.mem_fraction) // per_slot
+        torch.cuda.empty_cache()  # the loader's freed buffers: not this engine's to keep
+        free, total = torch.cuda.mem_get_info(device)
+        share = MemoryShare(
+            total=total, free=free, fraction=config.gpu_memory_utilization,
+            held=torch.cuda.memory_allocated(device) - allocated_before + NON_TORCH_BYTES,
+            reserve=_reserve_bytes(config, cfg, dtype, num_rows, spec, context_len))
+        slots = kv_pool_slots(share, per_slot + SLOT_INDEX_BYTES, min_slots=step_slots + 1)
+        logger.info("memory: %s; the KV pool takes %.2f GiB (%d slots)", share.describe(),
+                    slots * per_slot / GiB, slots)
+        return slots
     # CPU: enough for every row at full context, capped by a fraction of physical memory.
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     full = num_rows * peak_slots(context_len, step_slots)
     return max(16, min(full, int(physical * 0.25) // per_slot))
+
+
+def _reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
+                   spec: Optional[SpecConfig], context_len: int) -> int:
+    """What the engine allocates besides the KV pool once it is sized (kvcache/sizing.py):
+    the largest eager forward's transients (a prefill chunk, whose prompt logprobs may take
+    logits of every token, or a full decode step), the CUDA graphs' one shared pool (about the
+    largest captured step's: a decode step of every row, or a 2048-token captured extend) and
+    the tables."""
+    chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else context_len
+    tokens = max(chunk, _decode_tokens(num_rows, spec))
+    eager = _workspace(config, cfg, dtype, tokens, tokens)
+    graphs = 0 if config.cuda_graph is False else \
+        _graph_reserve_bytes(config, cfg, dtype, num_rows, spec)
+    return eager + graphs + TABLES_BYTES
+
+
+def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
+                         spec: Optional[SpecConfig]) -> int:
+    """The graphs' pool, estimated: the largest captured step's transients."""
+    decode_tokens = _decode_tokens(num_rows, spec)
+    return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
+                      decode_tokens + MAX_REQUESTS)
+
+
+def _decode_tokens(num_rows: int, spec: Optional[SpecConfig]) -> int:
+    """Tokens of a decode step of every row (a verify block, or a tree level's branches)."""
+    return num_rows * (1 if spec is None else max(spec.num_draft_tokens, spec.topk))
+
+
+def _workspace(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, tokens: int,
+               logit_rows: int) -> int:
+    return forward_workspace_bytes(tokens, logit_rows, cfg.hidden_size,
+                                   cfg.intermediate_size // config.tp_size, cfg.vocab_size,
+                                   dtype.itemsize)
 
 
 def _wants_cuda_graphs(config: EngineConfig, device: torch.device, attn: AttentionBackend,

@@ -254,8 +254,11 @@ class EngineConfig:
     device: str = "auto"            # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"             # "auto" (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     max_running_requests: int = 64
-    max_total_tokens: Optional[int] = None  # KV pool slots; None: mem_fraction of free memory
-    mem_fraction: float = 0.85
+    max_total_tokens: Optional[int] = None  # KV pool slots; None: sized by gpu_memory_utilization
+    # The fraction of the device's total memory this engine may take in all (weights, KV pool,
+    # CUDA graphs, activations): the KV pool gets what the rest leaves (kvcache/sizing.py).
+    # vLLM's --gpu-memory-utilization; two engines of 0.45 share one GPU. CUDA only.
+    gpu_memory_utilization: float = 0.9
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; 0 or less disables
     # Decode fairness: while some request decodes, an extend step computes at most this many
     # prompt tokens (longer prompts are chunked; cached prefixes are free) and is followed by a
@@ -310,7 +313,11 @@ class EngineConfig:
         _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _require(self.max_total_tokens is None or self.max_total_tokens >= 16,
                  "max_total_tokens", "must be >= 16")
-        _require(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "must be in (0, 1]")
+        _require(isinstance(self.gpu_memory_utilization, (int, float))
+                 and not isinstance(self.gpu_memory_utilization, bool)
+                 and 0.0 < self.gpu_memory_utilization <= 1.0,
+                 "gpu_memory_utilization (--gpu-memory-utilization)",
+                 f"must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
         _require(isinstance(self.prefill_interleave_tokens, int) and self.prefill_interleave_tokens >= 0,
                  "prefill_interleave_tokens",
                  f"must be an integer >= 0 (0 turns it off), got {self.prefill_interleave_tokens!r}")

@@ -24,7 +24,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-running-requests", type=int, default=None)
-    g.add_argument("--max-total-tokens", type=int, default=None, help="KV-cache slots")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV-cache slots (default: what --gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="the fraction of each GPU's total memory the engine may take in all: "
+                        "weights, CUDA graphs, activations, and the KV pool in what is left "
+                        "(default 0.9; with --gpus-per-rank below 1, each replica's is this "
+                        "times its share)")
     g.add_argument("--prefill-interleave-tokens", type=int, default=None, metavar="N",
                    help="decode fairness: while requests decode, an extend (prefill) step "
                         "computes at most N prompt tokens and is followed by a decode step "
@@ -106,6 +112,7 @@ def _spec_config_from_args(args: argparse.Namespace):
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig that the engine flags describe (shared by serve and generate)."""
     optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens",
+                                                        "gpu_memory_utilization",
                                                         "prefill_interleave_tokens",
                                                         "kv_events_endpoint",
                                                         "kv_events_replay_endpoint",
@@ -190,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix (default): the replica holding the longest cached prefix unless "
                         "it is much busier; round-robin: each replica in turn")
     c.add_argument("--gpus-per-rank", type=float, default=None,
-                   help="GPUs Ray reserves per tp rank (default 1 on GPUs); 0.5 puts two small "
-                        "replicas on one GPU (size their KV with --max-total-tokens)")
+                   help="GPUs Ray reserves per tp rank (default 1 on GPUs); 0.5 puts two "
+                        "replicas of --tp 1 on one GPU, each taking half the memory that "
+                        "--gpu-memory-utilization gives an engine")
 
     generate = commands.add_parser("generate", help="generate once, offline or through a server")
     _add_engine_args(generate)
@@ -346,7 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if configs[2] is not None:  # each replica's kv-events port: the last one's fits
                 from specserve.server.cluster.config import replica_engine_config
 
-                replica_engine_config(configs[0], configs[2].data_parallel - 1)
+                replica_engine_config(configs[0], configs[2].data_parallel - 1,
+                                      configs[2].gpus_per_rank)
         elif args.server is None:
             return _generate_offline(args)
     except ValueError as e:

@@ -147,13 +147,15 @@ def test_cluster_flag_errors_name_the_field():
 # --- a local Ray cluster -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A head and two worker nodes (processes of this machine, each a Ray node of its own)."""
+    """A head and two worker nodes (processes of this machine, each a Ray node of its own).
+    The workers' 4 logical CPUs (Ray's accounting, not cores) hold a replica of tp 2 (a bundle
+    of 2 on one node) beside the --data-parallel 2 server's replicas wherever they went."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(2):
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()
     yield cluster
     cluster.shutdown()
@@ -236,6 +238,14 @@ def test_data_parallel_greedy_equals_one_engine_and_affinity_hits(dp_server,
         assert f'specserve_replica_serving{{replica="{replica}"}} 1.0' in metrics
         assert f'specserve_replica_watchdog{{replica="{replica}",state="ok"}} 1.0' in metrics
     assert 'specserve_replica_routed_requests_total{reason="affinity"' in metrics
+    # Every replica that was sent calls reported the steps that served them, and their time.
+    for replica in set(re.findall(r'specserve_replica_routed_requests_total\{reason="\w+",'
+                                  r'replica="(\d)"\}', metrics)):
+        steps = re.search(rf'specserve_replica_engine_steps_total{{replica="{replica}"}} (\S+)',
+                          metrics)
+        busy = re.search(rf'specserve_replica_engine_step_seconds_total{{replica="{replica}"}} '
+                         rf'(\S+)', metrics)
+        assert float(steps.group(1)) >= 8 and float(busy.group(1)) > 0
     assert "specserve_kv_total_tokens 16384.0" in metrics  # the totals: both replicas
 
 
@@ -318,6 +328,38 @@ def test_tp2_replica_equals_one_engine(ray_cluster, single_engine_outputs, place
             assert wait_until(lambda: _idle(client), timeout=20)
     finally:
         assert server.stop() == 0
+
+
+def test_two_tp2_replicas_equal_one_engine(ray_cluster, single_engine_outputs):
+    """--data-parallel 2 --tp 2: each replica a bundle of two CPUs whose engine spawns its rank
+    1 beside it, meeting at a rendezvous of its own (gloo); both serve, greedy tokens equal one
+    tp=1 engine's, and every KV slot comes back."""
+    prompts, expected = single_engine_outputs
+    server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address, "--data-parallel",
+                           "2", "--tp", "2", "--routing", "round-robin",
+                           "--log-level", "DEBUG", speculative=True)  # DEBUG: the routes
+    try:
+        with server.client() as client:
+            results = [None] * len(prompts)
+
+            def one(i):
+                results[i] = client.generate(prompt_token_ids=prompts[i], **GREEDY)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert [r.token_ids for r in results] == expected
+            assert [client.generate(prompt_token_ids=p, **GREEDY).token_ids
+                    for p in prompts[:2]] == expected[:2]
+            assert wait_until(lambda: _idle(client), timeout=20)
+            assert [row.replica for row in client.server_load().replicas] == [0, 1]
+    finally:
+        assert server.stop() == 0
+    # Round robin: each replica (its own tp group) answered half of the six calls.
+    routed = re.findall(r"-> replica (\d) \(round_robin", "\n".join(server.log))
+    assert sorted(routed) == ["0"] * 3 + ["1"] * 3
 
 
 def test_a_frozen_replica_is_killed_and_restarted(dp_server):

@@ -1,7 +1,9 @@
 """CUDA graphs of decode steps, one per batch-size bucket.
 
 A step is a chain of functions, each captured as one graph: the first reads the static
-input buffers, each later one reads the previous one's outputs (all in one memory pool).
+input buffers, each later one reads the previous one's outputs. Every graph of an engine (all
+batch sizes, largest first, and every step kind) is captured into one memory pool on one
+stream (GraphPool), so the pool holds about the largest step's transients plus the outputs.
 Between two parts the caller may run host glue such as recording an event, which is why a
 speculative iteration is two graphs: verify (then `publish_ready` is recorded) and
 draft-extend. A constrained step (structured outputs) is captured the same way: its signal and
@@ -19,6 +21,18 @@ import torch
 from specserve.engine.progress import progress
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class GraphPool:
+    """One memory pool that graphs share, and the one stream every capture into it (and its
+    warm-up) runs on. PyTorch's allocator hands a freed block only to an allocation on the
+    stream that freed it, so captures on different streams (a new one per capture) could not
+    reuse each other's transients although they shared the pool: each bucket kept a
+    largest-batch's worth of its own."""
+
+    def __init__(self, device: torch.device):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
 
 
 class _Captured(NamedTuple):
@@ -45,7 +59,7 @@ class GraphedStep:
             [b for b in buckets if b < max_batch_size] + [max_batch_size]
         # Given another GraphedStep's pool, the two share memory: each keeps its parts' outputs
         # alive, so a capture reuses only the other's transients, and one step replays at a time.
-        self.pool = pool
+        self.pool: Optional[GraphPool] = pool
         self.captured: dict[int, _Captured] = {}
 
     def bucket_for(self, bs: int):
@@ -58,6 +72,8 @@ class GraphedStep:
         # (Off CUDA only the tests' eager stand-in captures: nothing to protect.)
         on_cuda = torch.device(self.device).type == "cuda"
         if on_cuda:
+            if self.pool is None:
+                self.pool = GraphPool(self.device)
             gc.collect()
             gc.disable()
         try:
@@ -76,7 +92,7 @@ class GraphedStep:
 
     def _capture(self, bs: int) -> None:
         inputs = self.make_inputs(bs)
-        stream = torch.cuda.Stream(self.device)
+        stream = self.pool.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up (Triton compiles, allocator settles)
             x = inputs
@@ -87,10 +103,8 @@ class GraphedStep:
         graphs, outputs, x = [], [], inputs
         for part in self.parts:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream):
                 x = part(x)
-            if self.pool is None:
-                self.pool = graph.pool()
             graphs.append(graph)
             outputs.append(x)
         self.captured[bs] = _Captured(graphs, inputs, outputs)

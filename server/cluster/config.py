@@ -32,8 +32,8 @@ class ClusterConfig:
     tp_placement: TPPlacement = TPPlacement.NODE
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     # GPUs Ray reserves per tp rank; None: 1 when the cluster has GPUs and the device is not
-    # cpu, else 0. A fraction puts several small replicas on one GPU (then give each engine a
-    # KV pool that fits its share: EngineConfig.max_total_tokens).
+    # cpu, else 0. A fraction puts several small replicas on one GPU, each engine's
+    # gpu_memory_utilization scaled by it (replica_engine_config), so that they fit together.
     gpus_per_rank: Optional[float] = None
     # A replica that died is started again after this long (then doubled per restart in a row
     # without serving, up to max_restart_backoff_s), so a crash loop does not spin.
@@ -53,11 +53,22 @@ class ClusterConfig:
                              f"{self.restart_backoff_s}")
 
 
-def replica_engine_config(config: EngineConfig, index: int) -> EngineConfig:
-    """Replica `index`'s engine config: a --kv-events-endpoint (and replay endpoint) of the
-    user's moves up by the index (port + index; ipc://: the path suffixed -index), as vLLM's
-    data-parallel ranks do, so that replicas on one node do not share it. ValueError naming
-    the field when a port passes 65535."""
+def replica_engine_config(config: EngineConfig, index: int,
+                          gpus_per_rank: Optional[float] = None) -> EngineConfig:
+    """Replica `index`'s engine config. On a fraction of a GPU (`gpus_per_rank` below 1) its
+    gpu_memory_utilization is the user's times that fraction: two replicas of 0.5 take what one
+    engine would. A --kv-events-endpoint (and replay endpoint) of the user's moves up by the
+    index (port + index; ipc://: the path suffixed -index), as vLLM's data-parallel ranks do,
+    so that replicas on one node do not share it. ValueError naming the field when a port
+    passes 65535, or for a fraction of a GPU per rank with --tp (two ranks of one engine on one
+    GPU)."""
+    if gpus_per_rank is not None and 0 < gpus_per_rank < 1:
+        if config.tp_size > 1:
+            raise ValueError(f"gpus_per_rank (--gpus-per-rank): {gpus_per_rank:g} would put "
+                             f"tensor-parallel ranks of one replica on one GPU; with --tp "
+                             f"{config.tp_size} give 1 (or more)")
+        config = config.replace(
+            gpu_memory_utilization=config.gpu_memory_utilization * gpus_per_rank)
     if config.kv_events_endpoint is None or index == 0:
         return config
     try:

@@ -34,6 +34,13 @@ class ReplicaCollector(Collector):
         restarts = CounterMetricFamily("specserve_replica_restarts",
                                        "Times the replica's engine was started again",
                                        labels=["replica"])
+        steps = CounterMetricFamily("specserve_replica_engine_steps",
+                                    "Engine steps the replica reported", labels=["replica"])
+        step_seconds = CounterMetricFamily(
+            "specserve_replica_engine_step_seconds",
+            "Seconds the replica's engine steps took (the host's view, as "
+            "specserve_engine_step_seconds): against the wall clock, how busy it was kept",
+            labels=["replica"])
         watchdog = GaugeMetricFamily("specserve_replica_watchdog",
                                      "The replica's engine watchdog state (1 for the current one)",
                                      labels=["replica", "state"])
@@ -42,10 +49,12 @@ class ReplicaCollector(Collector):
             serving.add_metric([label], float(r.serving))
             streams.add_metric([label], r.active_streams)
             restarts.add_metric([label], r.restarts)
+            steps.add_metric([label], r.steps)
+            step_seconds.add_metric([label], r.step_seconds)
             state = r.client.watchdog.state if r.client is not None else WatchdogState.STARTING
             for s in WatchdogState:
                 watchdog.add_metric([label, s.value], float(s is state))
-        yield from (serving, streams, restarts, watchdog)
+        yield from (serving, streams, restarts, watchdog, steps, step_seconds)
         routed = CounterMetricFamily("specserve_replica_routed_requests",
                                      "Requests routed to the replica, by why (affinity: it held "
                                      "the longest prefix; least_loaded)",

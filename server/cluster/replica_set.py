@@ -77,6 +77,10 @@ class _Replica:
         self.served_once = False
         self.active_streams = 0
         self.restarts = 0
+        # Engine steps reported and the seconds they took (StepStat): how busy the engine is
+        # kept, against the wall clock (bench/data_parallel.py's per-replica profile).
+        self.steps = 0
+        self.step_seconds = 0.0
         self.failures_in_a_row = 0
 
 
@@ -262,10 +266,15 @@ class ReplicaSet:
             on_gap=lambda: self.router.forget(index))
         replica.cache_events.start()
 
+    def engine_config(self, index: int) -> EngineConfig:
+        """Replica `index`'s engine config: its share of a GPU on a fraction of one, its own
+        KV-event ports (replica_engine_config)."""
+        return replica_engine_config(self.config, index, self.cluster.gpus_per_rank)
+
     def _start_engine(self, replica: _Replica) -> None:
         config = self.server_config
         events = replica.cache_events
-        client = EngineClient(replica_engine_config(self.config, replica.index), EngineWatchdog(
+        client = EngineClient(self.engine_config(replica.index), EngineWatchdog(
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher,
             kv_events=None if events is None else events.address)
@@ -290,6 +299,9 @@ class ReplicaSet:
                 callback()
 
     def _on_replica_steps(self, index: int, steps: list, load: Optional[EngineLoad]) -> None:
+        replica = self.replicas[index]
+        replica.steps += len(steps)
+        replica.step_seconds += sum(step.seconds for step in steps)
         if load is not None:
             self._step_loads[index] = load
         if self.on_steps is not None:

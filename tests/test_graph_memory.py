@@ -1,0 +1,115 @@
+"""GPU checks of memory (`pytest -m gpu`): the CUDA graphs of every batch size and step kind
+share one memory pool captured on one stream, give the outputs of graphs captured each into a
+pool of its own, and hold less; two engines of gpu_memory_utilization 0.4 start and serve side
+by side on one GPU, in one process and as two processes started together (as two Ray replicas
+on --gpus-per-rank 0.5 do)."""
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from helpers import make_predictable_pair, random_prompts
+
+from specserve.engine import SamplingParams, SpecConfig
+from specserve.engine.runtime import cuda_graph
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(12, seed=33, max_len=50)
+
+
+def _outputs(engine, prompts) -> list:
+    return [[o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=sampling)]
+            for sampling in (GREEDY, SAMPLED)]
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "chain"])
+def test_one_shared_graph_pool_equals_a_pool_per_capture(pair, make_engine, prompts, monkeypatch,
+                                                         speculative):
+    target, head = pair
+    spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN) if speculative else None
+    kwargs = dict(device="cuda", attention_backend="triton", cuda_graph=True, spec=spec,
+                  max_running_requests=64, max_total_tokens=8192)
+    shared = make_engine(target, **kwargs)
+    shared_outputs, shared_bytes = _outputs(shared, prompts), shared.core.graph_memory_bytes
+
+    capture = cuda_graph.GraphedStep._capture
+
+    def own_pool(self, bs):  # before the shared pool: every bucket a pool (and stream) of its own
+        self.pool = cuda_graph.GraphPool(self.device)
+        capture(self, bs)
+
+    monkeypatch.setattr(cuda_graph.GraphedStep, "_capture", own_pool)
+    separate = make_engine(target, **kwargs)
+    assert _outputs(separate, prompts) == shared_outputs
+    assert 0 < shared_bytes < separate.core.graph_memory_bytes
+
+
+def test_two_engines_of_04_share_one_gpu(pair, make_engine, prompts):
+    """Each sizes its KV pool from 0.4 of the device's total, not from what is free: the second
+    fits beside the first, and together they stay within 0.8 of the device."""
+    target, head = pair
+    spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN)
+    _, total = torch.cuda.mem_get_info()
+    torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved()  # earlier tests' leftovers are not theirs
+    engines = [make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True,
+                           spec=spec, gpu_memory_utilization=0.4) for _ in range(2)]
+    first, second = engines
+    assert first.core.allocator.num_slots > 0
+    # The second saw 0.4 of the device gone, and still took the same share.
+    assert second.core.allocator.num_slots == pytest.approx(first.core.allocator.num_slots, rel=0.01)
+    assert torch.cuda.memory_reserved() - reserved_before <= 0.8 * total
+    expected = _outputs(first, prompts)
+    assert _outputs(second, prompts) == expected
+
+
+def _engine_on_a_share(target: str, head: str, prompts: list, fraction: float, results) -> None:
+    """One engine process: start on `fraction` of the GPU, generate, report."""
+    from specserve.engine import Engine, EngineConfig
+
+    try:
+        spec = SpecConfig(algorithm="eagle", draft_model=head, **CHAIN)
+        with Engine(EngineConfig(model=target, device="cuda", attention_backend="triton",
+                                 cuda_graph=True, spec=spec,
+                                 gpu_memory_utilization=fraction)) as engine:
+            outs = engine.generate(prompt_token_ids=prompts, sampling=GREEDY)
+            results.put(("ok", engine.core.allocator.num_slots, [o.token_ids for o in outs]))
+    except BaseException as e:  # reported, so that the test says why
+        results.put(("failed", repr(e), None))
+
+
+def test_two_engine_processes_of_04_start_together_on_one_gpu(pair, prompts):
+    """Both size their pools while the other loads and allocates: each from its own share of
+    the device's total, so both fit, whichever allocates first."""
+    target, head = pair
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_engine_on_a_share,
+                                 args=(target, head, prompts, 0.4, results)) for _ in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        reports = [results.get(timeout=280) for _ in processes]  # within pytest's 300 s
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+    assert [status for status, _, _ in reports] == ["ok", "ok"], reports
+    (_, first_slots, first_tokens), (_, second_slots, second_tokens) = reports
+    assert second_slots == pytest.approx(first_slots, rel=0.02)
+    assert first_tokens == second_tokens
