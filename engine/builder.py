@@ -47,7 +47,9 @@ from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.scheduler import Scheduler
-from specserve.engine.spec.eagle_worker import EagleWorker
+from specserve.engine.spec.eagle_drafter import ModelDrafter
+from specserve.engine.spec.ngram import NgramDrafter
+from specserve.engine.spec.spec_worker import SpecWorker
 from specserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.engine")
@@ -84,7 +86,7 @@ class EngineCore:
     allocator: TokenSlotAllocator
     runner: ModelRunner
     draft_runner: Optional[ModelRunner]
-    worker: Worker                # NormalWorker or EagleWorker
+    worker: Worker                # NormalWorker or SpecWorker
     scheduler: Scheduler
     needs_cpu_seq_lens: bool
     uses_cuda_graphs: bool
@@ -260,7 +262,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool, attention_backend(
             head.attention.num_heads, 1, head.attention.kv_head_dim, mla.kv_lora_rank))
-    elif spec is not None:
+    elif spec is not None and spec.algorithm != "ngram":
         head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy")
         dcfg = head.config
@@ -273,13 +275,17 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
                          HistoryTable(num_rows, cfg.vocab_size, device))
-    worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
+    if spec is None:
+        worker = NormalWorker(target)
+    else:
+        drafter = NgramDrafter(target, spec) if spec.algorithm == "ngram" else ModelDrafter(target, draft_runner, spec)
+        worker = SpecWorker(target, drafter, spec)
     # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
     # first constrained request, or Engine.warm_grammar) loads it; the channel is sized for the
     # largest batch now.
     # With tensor parallelism only rank 0 runs it, and broadcasts its masks (grammar/ranks.py).
     if tokenizer is not None:
-        tree = None if spec is None else worker.tree
+        tree = None if spec is None else worker.drafter.grammar_shape
         if rank == 0:
             target.grammar = GrammarService(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size,
                                             eos_token_ids, num_rows, tree, device,
@@ -291,7 +297,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
             else:
                 target.grammar = FollowerGrammars(BroadcastMasks(tp_group.model, None, layout, device))
     # With a draft model a position's key is (its token, the next one): its draft KV reads both.
-    cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
+    cache = RadixCache(allocator, pair_keys=draft_runner is not None) if config.enable_prefix_cache else None
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)
     scheduler = Scheduler(
         worker=worker, slots=slots,
@@ -350,6 +356,8 @@ def resolve_spec(config: EngineConfig) -> Optional[SpecConfig]:
             return SpecConfig(draft_model=demo_draft)
         return None
     spec = config.spec
+    if spec.algorithm == "ngram":  # drafts from the requests' own tokens
+        return spec
     if spec.draft_model is None:
         if spec.algorithm == "nextn":  # the module ships inside the target checkpoint
             spec = dataclasses.replace(spec, draft_model=target_path(config))
@@ -414,12 +422,12 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
                                                    cfg.mla.qk_rope_head_dim, kv_dtype)
         if spec is not None and spec.algorithm == "nextn":  # one latent layer of its own
             per_slot += MLATokenToKVPool.bytes_per_slot(1, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, dtype)
-        elif spec is not None:  # an EAGLE head's one layer: at most full MHA of the hidden width
+        elif spec is not None and spec.algorithm != "ngram":  # an EAGLE head's one layer: at most full MHA
             per_slot += TokenToKVPool.bytes_per_slot(1, 1, cfg.hidden_size, dtype)
     else:
         per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers, attn_layer.num_kv_heads,
                                                 cfg.head_dim, kv_dtype)
-        if spec is not None:  # an EAGLE head's one layer of the target's KV shape
+        if spec is not None and spec.algorithm != "ngram":  # an EAGLE head's one layer of the target's KV shape
             per_slot += TokenToKVPool.bytes_per_slot(1, attn_layer.num_kv_heads, cfg.head_dim,
                                                      dtype)
     if device.type == "cuda":
