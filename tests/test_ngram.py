@@ -205,6 +205,36 @@ def test_cli_takes_ngram_without_a_draft_model():
                                                             ngram_max=3)
 
 
+def test_server_speculates_with_ngram_and_reports_it_by_method(target):
+    """`serve --speculative-algorithm ngram`: no draft model, greedy output unchanged, and the
+    metrics by method."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_harness import ServerProcess, free_port, http_get
+    from specserve.engine import Engine, EngineConfig
+
+    prompt = "abcabcabc def abcabc"
+    with Engine(EngineConfig(model=target, device="cpu", dtype="float32", spec=None)) as engine:
+        expected = engine.generate(prompts=[prompt], sampling=GREEDY)[0].token_ids
+    port = free_port()
+    server = ServerProcess(target, "--speculative-algorithm", "ngram", "--metrics-port", str(port), speculative=True)
+    try:
+        with server.client() as client:
+            info = client.model_info()
+            assert (info.spec.algorithm, info.spec.num_draft_tokens, info.spec.draft_model) == ("ngram", 4, "")
+            out = client.generate(prompt, max_new_tokens=40, temperature=0, ignore_eos=True)
+            assert out.token_ids == expected and out.spec.accepted_drafts > 0
+        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+        samples = {(m.name, tuple(m.labels.items())): m.value
+                   for family in text_string_to_metric_families(body) for m in family.samples}
+        method = (("method", "ngram"),)
+        assert samples[("specserve_spec_method_verify_steps_total", method)] == out.spec.verify_steps
+        assert samples[("specserve_spec_method_accepted_draft_tokens_total", method)] == out.spec.accepted_drafts
+        assert samples[("specserve_spec_draft_depth", method)] == 3
+    finally:
+        assert server.stop() == 0
+
+
 # --- GPU (pytest -m gpu) ---------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
