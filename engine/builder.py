@@ -47,6 +47,7 @@ from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.scheduler import Scheduler
+from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
 from specserve.engine.spec.eagle_drafter import ModelDrafter
 from specserve.engine.spec.ngram import NgramDrafter
 from specserve.engine.spec.spec_worker import SpecWorker
@@ -134,10 +135,7 @@ class EngineCore:
 
     def _release(self) -> None:
         """Graphs, streams and the grammar service (after the last forward that talks to it)."""
-        for graphs in (self.worker.graphs, *self.worker.sampled_graphs.values(),
-                       self.worker.constrained_graphs, self.worker.extend_graphs):
-            if graphs is not None:
-                graphs.release()
+        self.worker.release_graphs()
         self.ctx.close()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.close()
@@ -279,7 +277,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         worker = NormalWorker(target)
     else:
         drafter = NgramDrafter(target, spec) if spec.algorithm == "ngram" else ModelDrafter(target, draft_runner, spec)
-        worker = SpecWorker(target, drafter, spec)
+        worker = (AdaptiveSpecWorker if spec.adaptive else SpecWorker)(target, drafter, spec)
     # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
     # first constrained request, or Engine.warm_grammar) loads it; the channel is sized for the
     # largest batch now.
@@ -319,6 +317,10 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         # Constrained steps get graphs of their own only where requests may carry a grammar.
         worker.enable_cuda_graphs(num_rows, row_width, constrained=scheduler.grammars is not None,
                                   sampled=config.cuda_graph_sampled)
+    if spec is not None and spec.adaptive:
+        times = worker.measure_step_times(num_rows, row_width)
+        logger.info("adaptive speculation: step ms by batch size and draft depth %s",
+                    {bs: {d: round(1000 * times.seconds(bs, d), 3) for d in times.depths} for bs in times.buckets})
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(

@@ -66,6 +66,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-eagle-topk", type=int, default=None)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="default: num_steps + 1 with topk 1 (chain drafting)")
+    s.add_argument("--speculative-adaptive", action="store_true", default=None,
+                   help="chain drafting: each step's draft depth (plain decoding included) chosen "
+                        "from the batch size and the measured acceptance")
     s.add_argument("--speculative-ngram-max", type=int, default=None,
                    help="ngram: the longest suffix looked up (default 4)")
     s.add_argument("--speculative-ngram-min", type=int, default=None,
@@ -76,7 +79,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 _SPEC_FLAGS = {"algorithm": "speculative_algorithm", "draft_model": "draft_model",
                "num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
                "num_draft_tokens": "speculative_num_draft_tokens", "ngram_max": "speculative_ngram_max",
-               "ngram_min": "speculative_ngram_min"}
+               "ngram_min": "speculative_ngram_min", "adaptive": "speculative_adaptive"}
 
 
 def _add_kv_events_args(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,14 @@
-"""Adaptive speculation's depth choice against a stub step-time table (spec/adaptive.py)."""
+"""Adaptive speculation: the depth choice against a stub step-time table (spec/adaptive.py), and
+the engine's output unchanged by any choice of depths (spec/adaptive_worker.py)."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
+from helpers import random_prompts
+
+from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.spec.adaptive import AcceptanceEstimate, DepthPolicy, StepTimes, expected_tokens
 
 # Milliseconds, shaped like the issue's H100 8B numbers: at bs=1 a 3-draft chain step costs
@@ -96,3 +102,128 @@ def test_bad_settings_are_refused_naming_the_field():
         AcceptanceEstimate(decay=1.0)
     with pytest.raises(ValueError, match=r"^probe_every:"):
         DepthPolicy(TIMES, AcceptanceEstimate(), probe_every=0)
+
+
+# --- the engine: any choice of depths leaves the output unchanged ---------------------------------
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from helpers import make_predictable_pair
+
+    return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
+
+
+class RandomDepths:
+    """A stand-in policy: a seeded random depth per step (the worker's depths, plain included)."""
+
+    def __init__(self, depths, seed: int):
+        self.depths = depths
+        self.rng = random.Random(seed)
+        self.chosen = []
+
+    def choose(self, batch_size: int) -> int:
+        self.chosen.append(self.rng.choice(self.depths))
+        return self.chosen[-1]
+
+
+def _spec(pair, algorithm: str, **kwargs) -> SpecConfig:
+    draft = None if algorithm == "ngram" else pair[1]
+    return SpecConfig(algorithm=algorithm, draft_model=draft, num_steps=4, num_draft_tokens=5, adaptive=True,
+                      **kwargs)
+
+
+def _randomise(engine, seed: int) -> RandomDepths:
+    worker = engine.core.worker
+    worker.policy = RandomDepths(sorted(worker.workers), seed)
+    return worker.policy
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    from specserve.engine import Engine, EngineConfig
+
+    prompts = random_prompts(8, seed=3, max_len=24)
+    params = [SamplingParams(max_new_tokens=[3, 30][i % 2], temperature=[0.0, 0.8][i % 3 == 2],
+                             seed=100 + i, n=2 if i == 5 else 1, ignore_eos=True) for i in range(8)]
+    with Engine(EngineConfig(model=pair[0], device="cpu", dtype="float32", spec=None)) as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    return prompts, params, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_depths_leave_greedy_and_seeded_outputs_unchanged(pair, reference, make_engine, algorithm, overlap):
+    prompts, params, expected = reference
+    engine = make_engine(pair[0], spec=_spec(pair, algorithm), enable_overlap=overlap)
+    assert sorted(engine.core.worker.workers) == [0, 1, 2, 4]
+    policy = _randomise(engine, seed=7)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    assert set(policy.chosen) == {0, 1, 2, 4}
+
+
+def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine, monkeypatch):
+    """Every depth's captured step (the CPU stand-in), requests retracted in between."""
+    from helpers import graphed_engine
+
+    prompts, params, expected = reference
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, "eagle"),
+                                    max_total_tokens=110)
+    _randomise(engine, seed=8)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    assert engine.metrics.num_retractions > 0
+    replayed = {id(g) for g, _, _ in graphs.replays}
+    for worker in engine.core.worker.workers.values():  # greedy or sampled variants
+        assert replayed & {id(g) for g in (worker.graphs, *worker.sampled_graphs.values())}
+
+
+def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, make_engine):
+    engine = make_engine(pair[0], spec=_spec(pair, "eagle"), max_running_requests=4)
+    worker = engine.core.worker
+    times = worker.policy.times
+    assert times.buckets == [1, 4] and times.depths == (0, 1, 2, 4)
+    assert all(times.seconds(bs, d) > 0 for bs in (1, 4) for d in times.depths)
+    before = worker.estimate.rate
+    prompts = random_prompts(4, seed=5, max_len=20)
+    engine.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_new_tokens=30, temperature=0.0,
+                                                                      ignore_eos=True))
+    # The predictable pair accepts most drafts: the estimate rose from its prior.
+    assert worker.estimate.rate > before
+
+
+def test_adaptive_config_errors_name_the_field():
+    from specserve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^spec.adaptive:"):
+        SpecConfig(draft_model="/d", num_steps=3, topk=2, num_draft_tokens=6, adaptive=True)
+    with pytest.raises(ValueError, match=r"^spec.adaptive:"):
+        EngineConfig(spec=SpecConfig(adaptive=True), tp_size=2)
+
+
+def test_cli_turns_adaptive_on():
+    from specserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--speculative-algorithm", "ngram",
+                                      "--speculative-adaptive"])
+    assert engine_config_from_args(args).spec == SpecConfig(algorithm="ngram", adaptive=True)
+    plain = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"])
+    assert engine_config_from_args(plain).spec == "default"
+
+
+# --- GPU (pytest -m gpu) ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+def test_gpu_adaptive_graphs_every_depth_and_keeps_outputs(pair, reference, make_engine, algorithm):
+    """Graphs for every depth, a table measured from their replays, random depths equal to
+    plain decoding, and the policy's own steps without a blocking host sync."""
+    from helpers import steady_state_steps
+
+    prompts, params, expected = reference
+    engine = make_engine(pair[0], device="cuda", attention_backend="triton", max_running_requests=16,
+                         spec=_spec(pair, algorithm))
+    worker = engine.core.worker
+    assert engine.core.uses_cuda_graphs and all(w.graphs is not None for w in worker.workers.values())
+    assert worker.policy.times.buckets == worker.deepest.graphs.buckets
+    policy = worker.policy
+    _randomise(engine, seed=9)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    worker.policy = policy
+    steady_state_steps(engine, [5, 6, 7, 8])

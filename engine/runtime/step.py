@@ -99,6 +99,8 @@ class Worker(Protocol):
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None: ...
 
+    def release_graphs(self) -> None: ...
+
 
 def launch_forward(ctx: DeviceContext, inputs: Any,
                    body: Callable[[Any], StepResult]) -> Launched:

@@ -44,6 +44,10 @@ class Drafter(Protocol):
     # hidden state; else these layers' outputs (EAGLE-3).
     feature_layers: Optional[tuple[int, ...]]
 
+    def at_depth(self, depth: int) -> "Drafter":
+        """The same drafter (its state shared) drafting chains of `depth` tokens, 0 included
+        (adaptive speculation: spec/adaptive_worker.py)."""
+
     def prefill_inputs(self, step: ExtendStep) -> Any:
         """Schedule side: the device inputs `after_prefill` needs beyond the target's."""
 

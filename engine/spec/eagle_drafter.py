@@ -15,6 +15,7 @@ A prefill runs the same draft-extend over the prompt (`after_prefill`).
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -66,6 +67,13 @@ class ModelDrafter:
         self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
                                              next(head.parameters()).dtype)
 
+    def at_depth(self, depth: int) -> "ModelDrafter":
+        """This drafter drafting chains of `depth` tokens (adaptive speculation; the state is
+        shared: it lives in the FutureMap)."""
+        drafter = copy.copy(self)
+        drafter.shape = drafter.grammar_shape = tree_ops.TreeShape(1, depth, depth + 1)
+        return drafter
+
     @property
     def _channel(self) -> DeviceChannel:
         return self.target.grammar.device
@@ -110,6 +118,9 @@ class ModelDrafter:
 
     # --- decode ----------------------------------------------------------------------------
     def draft(self, s: SpecDecodeInputs, snap: Snapshot) -> tree_ops.DraftNodes:
+        if self.shape.num_steps == 0:  # a plain step (the draft-extend still follows it)
+            none = s.rows.new_zeros((s.rows.shape[0], 0))
+            return tree_ops.DraftNodes(none, none)
         drafting = self._draft_start(s, snap.kv)
         for _ in range(1, self.shape.num_steps):
             drafting = self._draft_grow(self._draft_forward(drafting))

@@ -13,6 +13,7 @@ and matches with tensor ops over the batch.
 """
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -80,6 +81,13 @@ class NgramDrafter:
         table = target.req_to_token.table
         # Token at (row, position) of each request (row 0: padding rows).
         self.tokens = torch.zeros_like(table)
+
+    def at_depth(self, depth: int) -> "NgramDrafter":
+        """This drafter drafting `depth` tokens (adaptive speculation; the token table is shared)."""
+        drafter = copy.copy(self)
+        drafter.shape = TreeShape(1, depth, depth + 1)
+        drafter.grammar_shape = TreeShape(1, 1, depth + 1)
+        return drafter
 
     @property
     def _channel(self) -> DeviceChannel:

@@ -20,7 +20,7 @@ from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
-from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphs_for
+from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphs_for, release_graphs
 from specserve.engine.spec.drafter import CapturedExtendHalf, Drafter
 from specserve.engine.spec.verifier import SpecDecodeInputs, Verified, Verifier
 
@@ -139,33 +139,39 @@ class SpecWorker:
 
     # --- CUDA graphs -------------------------------------------------------------------------
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False,
-                           sampled: bool = True) -> None:
+                           sampled: bool = True, pool=None, extends: bool = True) -> None:
         """Capture the greedy decode step per bucket; with `sampled` its sampled variants
         (temperature; temperature and top-k/top-p/min-p: the verify samples every node with
         the batch's per-row buffers) in the same memory pool; with `constrained` (the engine
         has a grammar process) the constrained step too, in that pool: the same two halves,
-        with the signal and wait kernels inside."""
+        with the signal and wait kernels inside. `pool`: another worker's graphs' (adaptive
+        speculation: one step replays at a time); `extends`: capture extends too."""
         device = self.target.ctx.device
-        self.graphs = GraphedStep([self._verify_half, self._extend_half], self.graph_inputs(width),
-                                  pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device)
+        self.graphs = GraphedStep(self.decode_parts(), self.graph_inputs(width),
+                                  pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device, pool=pool)
         self.graphs.capture_all("greedy speculative decode")
         if sampled:
             for variant in (SAMPLED, FILTERED):
-                graphs = GraphedStep([self._verify_half, self._extend_half],
-                                     self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
+                graphs = GraphedStep(self.decode_parts(), self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
                                      max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
                 graphs.capture_all(f"{variant} speculative decode")
                 self.sampled_graphs[variant] = graphs
         if constrained:
-            self.constrained_graphs = GraphedStep([self._verify_half, self._extend_half],
-                                                  self.graph_inputs(width, constrained=True),
+            self.constrained_graphs = GraphedStep(self.decode_parts(), self.graph_inputs(width, constrained=True),
                                                   pad=GRAPH_PAD, max_batch_size=max_batch_size,
                                                   device=device, pool=self.graphs.pool)
             with self.target.grammar.device.captured():
                 self.constrained_graphs.capture_all("constrained speculative decode")
-        parts = self.captured_extend_parts(width)
+        parts = self.captured_extend_parts(width) if extends else None
         if parts is not None:
             self.extend_graphs = self.target.capture_extends(parts, max_batch_size, width, self.graphs.pool)
+
+    def decode_parts(self) -> list:
+        """A decode step's two halves (each a CUDA graph when captured)."""
+        return [self._verify_half, self._extend_half]
+
+    def release_graphs(self) -> None:
+        release_graphs(self)
 
     def graph_inputs(self, width: int, constrained: bool = False, variant: str = GREEDY):
         """make_inputs(bs) of the captured decode steps (constrained ones talk to the grammar

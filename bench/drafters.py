@@ -1,19 +1,20 @@
-"""N-gram (prompt lookup) drafting against plain decoding at bs=1, on a workload whose answers
-copy their prompt.
+"""Drafters against plain decoding: n-gram (prompt lookup) at bs=1 on a workload whose answers
+copy their prompt, and adaptive speculation's depth choice at forced acceptance.
 
-    python bench/ngram_copy.py --out ngram_copy.json
+    python bench/drafters.py --out drafters.json
 
-Workload (the demo pair, real weights): windows of the demo's held-out code
+Copy workload (the demo pair, real weights): windows of the demo's held-out code
 (`models/demo-heldout.txt`), each prompt a window, a separator line and the window's first
 lines again; greedy decoding then copies the rest of the window (a code-edit or summarising
 request repeats its context the same way). One request at a time; rows per mode: decode
 tokens/s from each request's first token to its last, tokens per verify step, and whether the
-output equals plain decoding's token for token. Modes: plain, ngram at two draft depths, and
-the bundled EAGLE-3 head (chain) for reference.
+output equals plain decoding's token for token. Modes: plain, ngram at two draft depths and
+adaptive, and the bundled EAGLE-3 head (chain, and adaptive) for reference.
 
 `--shape llama-8b` adds rows on random weights (bench/one_batch.py's shapes) at a forced accept
-length (`SpecConfig.bench_force_accept_len`): the step cost of the chain verify with copied
-drafts and no draft model, against plain and EAGLE-3 chain steps.
+length (`SpecConfig.bench_force_accept_len`) per batch size (`--batch-sizes`): the step cost of
+the chain verify with copied drafts and no draft model, and whether adaptive speculation keeps
+up with the best of plain and the fixed chain (issue E32: >= 0.97x it, never below plain).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ SEPARATOR = "\n\n# The same code again, unchanged:\n"
 MODES = {"plain": None,
          "ngram-4": dict(algorithm="ngram", num_steps=3, num_draft_tokens=4),
          "ngram-8": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8),
-         "eagle3-chain": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4)}
+         "ngram-8-adaptive": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8, adaptive=True),
+         "eagle3-chain": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4),
+         "eagle3-adaptive": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4, adaptive=True)}
 
 
 def copy_prompts(tokenizer, n: int, window: int, head: int) -> list[list[int]]:
@@ -87,23 +90,29 @@ def demo_rows(args) -> list[dict]:
 
 
 def forced_rows(args) -> list[dict]:
-    """Random weights at a forced accept length: each mode's step cost (bench/one_batch.py)."""
+    """Random weights at a forced accept length: each mode's decode speed per batch size
+    (bench/one_batch.py's run_one)."""
     from one_batch import run_one, write_shape
 
     target, draft = write_shape(tempfile.mkdtemp(), args.shape)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for mode, shape in MODES.items():
         spec = None if shape is None else SpecConfig(
             draft_model=draft if shape["algorithm"] == "eagle3" else None,
             bench_force_accept_len=min(args.accept_len, shape["num_draft_tokens"] - 1), **shape)
         engine = Engine(EngineConfig(model=target, device=args.device, dtype="bfloat16", load_format="dummy",
-                                     spec=spec, max_running_requests=4, max_context_len=4096, mem_fraction=0.5))
-        r = run_one(engine, 1, 128, 64)
+                                     spec=spec, max_running_requests=max(batch_sizes), max_context_len=4096,
+                                     mem_fraction=0.5, chunked_prefill_size=max(batch_sizes) * 128))
+        for bs in batch_sizes:
+            r = run_one(engine, bs, 128, 64)
+            plain = next((p for p in rows if p["mode"] == "plain" and p["batch_size"] == bs), None)
+            rows.append(dict(model=args.shape, mode=mode, batch_size=bs, decode_tokens_per_s=r["decode_tokens_per_s"],
+                             step_ms=r["step_ms"], accept_length=r["accept_length"],
+                             syncs_per_step=r["syncs_per_step"],
+                             speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
+            print(json.dumps(rows[-1]), flush=True)
         engine.shutdown()
-        rows.append(dict(model=args.shape, mode=mode, batch_size=1, decode_tokens_per_s=r["decode_tokens_per_s"],
-                         step_ms=r["step_ms"], accept_length=r["accept_length"], syncs_per_step=r["syncs_per_step"],
-                         speedup=r["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"] if rows else 1.0))
-        print(json.dumps(rows[-1]), flush=True)
         del engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -120,15 +129,16 @@ def main():
     ap.add_argument("--shape", default="llama-8b", help="forced-accept rows on this random-weight shape; "
                                                         "none: skip them")
     ap.add_argument("--accept-len", type=int, default=3)
-    ap.add_argument("--out", default="bench_ngram_copy.json")
+    ap.add_argument("--batch-sizes", default="1,16,64", help="of the forced-accept rows")
+    ap.add_argument("--out", default="bench_drafters.json")
     args = ap.parse_args()
     rows = demo_rows(args) + (forced_rows(args) if args.shape != "none" else [])
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     json.dump({"device": device, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{device}")
-    print(f"{'model':10} {'mode':14} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
+    print(f"{'model':10} {'mode':18} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
     for r in rows:
-        print(f"{r['model']:10} {r['mode']:14} {r['batch_size']:>3} {r['decode_tokens_per_s']:9.1f} "
+        print(f"{r['model']:10} {r['mode']:18} {r['batch_size']:>3} {r['decode_tokens_per_s']:9.1f} "
               f"{r['accept_length']:5.2f} {r['speedup']:8.2f} {str(r.get('exact', '-')):>6}")
 
 
