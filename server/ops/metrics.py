@@ -104,7 +104,8 @@ class ServerMetrics:
             "ends)", ["method"], registry=r)
         self.spec_draft_depth = Gauge(
             "specserve_spec_draft_depth",
-            "Draft tokens per request each verify step checks, by drafting method", ["method"],
+            "Draft tokens per request a verify step checks (at most, with adaptive speculation), "
+            "by drafting method", ["method"],
             registry=r)
         self._spec_method: Optional[str] = None  # set once the engine says how it speculates
         self.time_to_first_token = Histogram("specserve_time_to_first_token_seconds",
