@@ -87,7 +87,7 @@ class EngineCore:
     allocator: TokenSlotAllocator
     runner: ModelRunner
     draft_runner: Optional[ModelRunner]
-    worker: Worker                # NormalWorker or SpecWorker
+    worker: Worker                # NormalWorker, SpecWorker or AdaptiveSpecWorker
     scheduler: Scheduler
     needs_cpu_seq_lens: bool
     uses_cuda_graphs: bool
@@ -320,7 +320,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if spec is not None and spec.adaptive:
         times = worker.measure_step_times(num_rows, row_width)
         logger.info("adaptive speculation: step ms by batch size and draft depth %s",
-                    {bs: {d: round(1000 * times.seconds(bs, d), 3) for d in times.depths} for bs in times.buckets})
+                    {bs: {d: round(1000 * times.seconds(bs, d), 3) for d in times.depths}
+                     for bs in times.buckets})
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(

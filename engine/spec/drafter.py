@@ -35,7 +35,6 @@ class CapturedExtendHalf(NamedTuple):
 
 
 class Drafter(Protocol):
-    name: str                           # the SpecConfig algorithm, for metrics
     shape: TreeShape                    # the tree its nodes fill (chain: topk 1)
     # The draft levels a constrained step masks (the grammar process walks them, then the
     # verify tree): `shape` for a model drafter; none (num_steps 1) for copied drafts.

@@ -56,7 +56,6 @@ class ModelDrafter:
     """A draft model's drafter (spec/drafter.py Drafter)."""
 
     def __init__(self, target: TargetModel, draft: ModelRunner, spec: SpecConfig):
-        self.name = spec.algorithm
         self.target = target
         self.draft_runner = draft
         self.future_map = target.future_map

@@ -69,7 +69,6 @@ class NgramDrafter:
     """Prompt-lookup drafter (spec/drafter.py Drafter): a chain of num_draft_tokens - 1 copied
     tokens per request."""
 
-    name = "ngram"
     feature_layers = None
 
     def __init__(self, target: TargetModel, spec: SpecConfig):
