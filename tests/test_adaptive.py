@@ -189,6 +189,40 @@ def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, mak
     assert worker.estimate.rate > before
 
 
+class Recorded(DepthPolicy):
+    """The policy, its choices recorded."""
+
+    chosen: list
+
+    def choose(self, batch_size: int) -> int:
+        self.chosen.append(super().choose(batch_size))
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("spec_cost,expected_depth", [(10.0, 0), (1.0, 4)], ids=["costly", "free"])
+def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypatch, spec_cost, expected_depth):
+    """A stub table where drafting costs 10x a plain step: plain steps (and a probe now and
+    then); where it costs nothing: the deepest. The output is plain decoding's either way."""
+    prompts = random_prompts(3, seed=6, max_len=16)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in make_engine(pair[0]).generate(prompt_token_ids=prompts, sampling=params)]
+    engine = make_engine(pair[0], spec=_spec(pair, "eagle"))
+    worker = engine.core.worker
+    table = StepTimes({4: {d: 1.0 if d == 0 else spec_cost for d in worker.workers}})
+    worker.policy = Recorded(table, worker.estimate, probe_every=8)
+    worker.policy.chosen = []
+    launched = []  # (depth of the worker that ran the step, its verify's node count)
+    for depth, sub in worker.workers.items():
+        def launch(step, depth=depth, sub=sub, run=sub.launch_decode):
+            launched.append((depth, sub.verifier.shape.num_draft_tokens))
+            return run(step)
+        monkeypatch.setattr(sub, "launch_decode", launch)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    chosen = worker.policy.chosen
+    assert chosen.count(expected_depth) > len(chosen) * 0.8
+    assert launched == [(d, d + 1) for d in chosen]
+
+
 def test_adaptive_config_errors_name_the_field():
     from specserve.engine import EngineConfig
 

@@ -183,7 +183,7 @@ class ModelDrafter:
             extend_lens_cpu=[D] * bs, out_cache_loc=v.loc.reshape(-1),
             seq_lens_cpu=plus(s.seq_lens_cpu, D), max_seq_len=s.width)
         ext_hidden = self.draft_runner.forward(fb, v.feats).view(bs, D, -1)
-        self._stash_draft_state(s.rows, ext_hidden[arange(bs, s.rows.device), accept.lengths - 1])
+        self._stash_draft_state(s.rows, ext_hidden[arange(bs, s.rows.device), v.last])
 
     def _stash_draft_state(self, rows, last_hidden):
         topk_p, topk_index = self.draft_runner.model.topk(last_hidden, self.shape.topk)

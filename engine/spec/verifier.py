@@ -73,6 +73,7 @@ class Verified(NamedTuple):
     chain_pos: torch.Tensor           # [bs, D] S + i: the row positions of the verify nodes' KV
     loc: torch.Tensor                 # [bs, D] the verify nodes' KV slots (at chain_pos)
     accept: tree_ops.Accept
+    last: torch.Tensor                # [bs] accept.lengths - 1: the path's last node
     choice: TokenChoice               # the target's token per node [bs, D] (logprobs, top)
     feats: torch.Tensor               # [bs * D, F] per node (after `compact`: path first)
 
@@ -139,7 +140,7 @@ class Verifier:
         self.future_map.publish(s.rows, s.S + accept.lengths)
         if s.constrained:  # the matchers advance (and fill the next masks) during the rest
             self._channel.signal(accept.tokens, accept.lengths)
-        return Verified(s, v.kv, tree.slot_positions, v.loc, accept, choice, v.feats)
+        return Verified(s, v.kv, tree.slot_positions, v.loc, accept, accept.lengths - 1, choice, v.feats)
 
     def compact(self, v: Verified) -> Verified:
         """Tree: move the accepted path to the front of each request's block (its target KV,
@@ -156,8 +157,7 @@ class Verifier:
         result: tokens (and logprobs) along the accepted path."""
         s, accept = v.inputs, v.accept
         path_tokens = accept.tokens  # [bs, D]: tokens emitted along the path, then padding
-        last = accept.lengths - 1
-        self.future_map.stash_tokens(s.rows, path_tokens.gather(1, last[:, None]).squeeze(1))
+        self.future_map.stash_tokens(s.rows, path_tokens.gather(1, v.last[:, None]).squeeze(1))
         if s.info.any_penalty:
             for j in range(self.shape.num_draft_tokens):
                 self.target.history.mark(s.rows, path_tokens[:, j], j < accept.lengths)
