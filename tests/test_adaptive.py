@@ -18,8 +18,11 @@ TIMES = StepTimes({1: {0: 6.0, 1: 6.2, 3: 6.6, 5: 7.2},
                    64: {0: 10.0, 1: 12.0, 3: 15.5, 5: 19.0}})
 
 
-def _policy(rate: float, probe_every: int = 4) -> DepthPolicy:
-    return DepthPolicy(TIMES, AcceptanceEstimate(prior=rate), probe_every=probe_every)
+ROWS = list(range(1, 65))
+
+
+def _policy(probe_every: int = 4, prior: float = 0.5, decay: float = 0.5) -> DepthPolicy:
+    return DepthPolicy(TIMES, AcceptanceEstimate(64, prior=prior, decay=decay), probe_every=probe_every)
 
 
 def test_expected_tokens():
@@ -30,20 +33,21 @@ def test_expected_tokens():
 
 
 def test_deep_drafts_at_small_batches_plain_at_large_ones_with_poor_acceptance():
-    assert _policy(0.8).best(1) == 5
-    assert _policy(0.02).best(1) == 0        # 1.02 tokens for 1.03x the time
+    policy = _policy()
+    assert policy.best(1, 0.8) == 5
+    assert policy.best(1, 0.02) == 0        # 1.02 tokens for 1.03x the time
     # The same acceptance: one draft pays at bs=1 (1.2 tokens, 1.03x), not at bs=64 (1.2x).
-    assert _policy(0.2).best(1) == 1 and _policy(0.2).best(64) == 0
+    assert policy.best(1, 0.2) == 1 and policy.best(64, 0.2) == 0
     # bs=64 at a middling rate: a 3-draft step's 1.74 tokens for 1.55x lose to one draft.
-    assert _policy(0.45).best(64) == 1
-    assert _policy(0.7).best(64) == 3
+    assert policy.best(64, 0.45) == 1
+    assert policy.best(64, 0.7) == 3
 
 
 def test_the_choice_maximises_tokens_per_second():
+    policy = _policy()
     for rate in [i / 20 for i in range(21)]:
         for bs in (1, 2, 16, 40, 64, 200):
-            policy = _policy(rate)
-            chosen = policy.best(bs)
+            chosen = policy.best(bs, rate)
             speed = {d: expected_tokens(rate, d) / TIMES.seconds(bs, d) for d in TIMES.depths}
             assert speed[chosen] == max(speed.values())
             # Never below plain decoding.
@@ -57,31 +61,43 @@ def test_batches_between_buckets_take_the_next_larger_bucket():
     assert TIMES.depths == (0, 1, 3, 5)
 
 
-def test_acceptance_estimate_counts_truncated_runs():
-    est = AcceptanceEstimate(prior=0.5, decay=0.5)
-    est.update(3, [4, 4])                   # every draft accepted: 6 of 6 tried
-    assert est.rate == pytest.approx((0.5 * 0.5 + 6) / (0.5 * 1 + 6))
-    est.update(0, [1, 1, 1])                # plain steps say nothing
-    assert est.rate == pytest.approx((0.5 * 0.5 + 6) / (0.5 * 1 + 6))
-    low = AcceptanceEstimate(prior=1.0, decay=0.5)
+def test_acceptance_estimate_counts_truncated_runs_per_row():
+    est = AcceptanceEstimate(8, prior=0.5, decay=0.5)
+    est.update(3, [1, 2], [4, 4])            # every draft accepted: 3 of 3 tried a row
+    assert est.rate([1]) == est.rate([1, 2]) == pytest.approx((0.5 * 0.5 + 3) / (0.5 * 1 + 3))
+    assert est.rate([3]) == 0.5              # a row no step ran: the prior
+    est.update(0, [1, 2, 3], [1, 1, 1])      # plain steps say nothing
+    assert est.rate([1, 2]) == pytest.approx((0.5 * 0.5 + 3) / (0.5 * 1 + 3))
     for _ in range(20):
-        low.update(3, [1, 2])               # 0 of 1 and 1 of 2 tried
-    assert low.rate == pytest.approx(1 / 3, abs=1e-4)
+        est.update(3, [3, 4], [1, 2])        # 0 of 1 tried, 1 of 2
+    assert est.rate([3]) == pytest.approx(0.0, abs=1e-4) and est.rate([4]) == pytest.approx(0.5, abs=1e-4)
+    assert est.rate([3, 4]) == pytest.approx(1 / 3, abs=1e-4)  # pooled: 1 of 3 tried
+    est.reset([1])                            # a new request in row 1
+    assert est.rate([1]) == 0.5
+
+
+def test_a_batch_is_chosen_for_by_its_own_requests():
+    policy = _policy()
+    est = policy.estimate
+    for _ in range(10):
+        est.update(5, [1], [6])              # row 1 accepts everything
+        est.update(5, [2], [1])              # row 2 nothing
+    assert policy.choose([1]) == 5 and policy.choose([2]) == 0
 
 
 def test_falls_back_to_plain_and_probes_back_when_acceptance_recovers():
-    est = AcceptanceEstimate(prior=0.9, decay=0.5)
-    policy = DepthPolicy(TIMES, est, probe_every=4)
-    assert policy.choose(64) == 5
+    policy = _policy(prior=0.9)
+    est = policy.estimate
+    assert policy.choose(ROWS) == 5
     for _ in range(6):
-        est.update(5, [1] * 64)             # nothing accepted: plain wins
-    assert est.rate < 0.1
-    chosen = [policy.choose(64) for _ in range(10)]
+        est.update(5, ROWS, [1] * 64)        # nothing accepted: plain wins
+    assert est.rate(ROWS) < 0.1
+    chosen = [policy.choose(ROWS) for _ in range(10)]
     # Plain, with a probe at the smallest depth after every 4 plain steps in a row.
     assert chosen == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
     for _ in range(6):
-        est.update(1, [2] * 64)             # the probes are accepted again
-    assert policy.choose(64) == 5
+        est.update(1, ROWS, [2] * 64)        # the probes are accepted again
+    assert policy.choose(ROWS) == 5
 
 
 @pytest.mark.parametrize("seconds,field", [
@@ -97,11 +113,11 @@ def test_bad_tables_are_refused_naming_the_field(seconds, field):
 
 def test_bad_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"^prior:"):
-        AcceptanceEstimate(prior=1.5)
+        AcceptanceEstimate(4, prior=1.5)
     with pytest.raises(ValueError, match=r"^decay:"):
-        AcceptanceEstimate(decay=1.0)
+        AcceptanceEstimate(4, decay=1.0)
     with pytest.raises(ValueError, match=r"^probe_every:"):
-        DepthPolicy(TIMES, AcceptanceEstimate(), probe_every=0)
+        DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=0)
 
 
 # --- the engine: any choice of depths leaves the output unchanged ---------------------------------
@@ -120,7 +136,7 @@ class RandomDepths:
         self.rng = random.Random(seed)
         self.chosen = []
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, rows) -> int:
         self.chosen.append(self.rng.choice(self.depths))
         return self.chosen[-1]
 
@@ -181,12 +197,16 @@ def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, mak
     times = worker.policy.times
     assert times.buckets == [1, 4] and times.depths == (0, 1, 2, 4)
     assert all(times.seconds(bs, d) > 0 for bs in (1, 4) for d in times.depths)
-    before = worker.estimate.rate
+    # Measured times are the machine's: choose by a table where drafting is free, so that the
+    # steps draft (and their acceptance is measured) whatever this machine timed.
+    worker.policy = DepthPolicy(StepTimes({4: {d: 1.0 for d in times.depths}}), worker.estimate)
+    rows = list(range(1, 5))
+    before = worker.estimate.rate(rows)
     prompts = random_prompts(4, seed=5, max_len=20)
     engine.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_new_tokens=30, temperature=0.0,
                                                                       ignore_eos=True))
-    # The predictable pair accepts most drafts: the estimate rose from its prior.
-    assert worker.estimate.rate > before
+    # The predictable pair accepts most drafts: its rows' estimate rose from the prior.
+    assert worker.estimate.rate(rows) > before
 
 
 class Recorded(DepthPolicy):
@@ -194,8 +214,8 @@ class Recorded(DepthPolicy):
 
     chosen: list
 
-    def choose(self, batch_size: int) -> int:
-        self.chosen.append(super().choose(batch_size))
+    def choose(self, rows) -> int:
+        self.chosen.append(super().choose(rows))
         return self.chosen[-1]
 
 

@@ -7,7 +7,7 @@ step of 3 drafts costs 1.55x a plain step (8B, issue E32), so below 1.55 tokens 
 loss, while at bs=1 it costs ~1.1x. `StepTimes` holds the step time of every (batch-size
 bucket, depth) the engine can run, measured at start-up; `AcceptanceEstimate` the per-draft
 acceptance rate, from the accept lengths the scheduler reads anyway (no host sync); and
-`DepthPolicy.choose` their best trade-off. The choice changes only how many drafts are verified,
+`DepthPolicy.choose` their best trade-off for the requests of a step. The choice changes only how many drafts are verified,
 never which tokens are emitted (the verifier accepts the target's own tokens).
 """
 from __future__ import annotations
@@ -48,32 +48,38 @@ class StepTimes:
 
 
 class AcceptanceEstimate:
-    """The per-draft acceptance rate: an exponentially weighted ratio of accepted drafts to
-    drafts tried (a request tries drafts until the first rejection: k accepted of d tried
-    counts k successes of k + 1 trials, or of d when all d were accepted)."""
+    """Per request row, the per-draft acceptance rate: an exponentially weighted ratio of
+    accepted drafts to drafts tried, over the row's steps (a request tries drafts until the
+    first rejection: k accepted of d tried counts k successes of k + 1 trials, or of d when all
+    d were accepted). A row starts at the prior (`reset`: a request prefilled into it, again
+    after a retraction); a batch's rate pools its rows' counts."""
 
-    def __init__(self, prior: float = 0.5, decay: float = 0.9):
+    def __init__(self, num_rows: int, prior: float = 0.5, decay: float = 0.9):
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior: must be in [0, 1], got {prior!r}")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay: must be in (0, 1), got {decay!r}")
+        self.prior = prior
         self.decay = decay
-        self._accepted = prior  # one pseudo-trial of weight 1 at the prior
-        self._tried = 1.0
+        # One pseudo-trial of weight 1 at the prior per row (row 0: padding, never read).
+        self._accepted = [prior] * (num_rows + 1)
+        self._tried = [1.0] * (num_rows + 1)
 
-    @property
-    def rate(self) -> float:
-        return self._accepted / self._tried
+    def reset(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            self._accepted[r], self._tried[r] = self.prior, 1.0
 
-    def update(self, depth: int, accept_lens: Sequence[int]) -> None:
-        """A step of `depth` drafts per request and the tokens each request emitted (accepted
-        drafts + 1). A plain step (depth 0) says nothing about drafts."""
-        if depth == 0 or not accept_lens:
+    def rate(self, rows: Sequence[int]) -> float:
+        return sum(self._accepted[r] for r in rows) / sum(self._tried[r] for r in rows)
+
+    def update(self, depth: int, rows: Sequence[int], accept_lens: Sequence[int]) -> None:
+        """A step of `depth` drafts per request and the tokens each of its rows emitted
+        (accepted drafts + 1). A plain step (depth 0) says nothing about drafts."""
+        if depth == 0:
             return
-        accepted = sum(n - 1 for n in accept_lens)
-        tried = sum(min(n, depth) for n in accept_lens)
-        self._accepted = self.decay * self._accepted + accepted
-        self._tried = self.decay * self._tried + tried
+        for r, n in zip(rows, accept_lens):
+            self._accepted[r] = self.decay * self._accepted[r] + n - 1
+            self._tried[r] = self.decay * self._tried[r] + min(n, depth)
 
 
 class DepthPolicy:
@@ -89,15 +95,15 @@ class DepthPolicy:
         self.probe_every = probe_every
         self._plain_steps = 0
 
-    def best(self, batch_size: int) -> int:
-        """The depth of the most expected tokens per second at the current acceptance."""
-        rate = self.estimate.rate
+    def best(self, batch_size: int, rate: float) -> int:
+        """The depth of the most expected tokens per second at acceptance `rate`."""
         return max(self.times.depths,
                    key=lambda d: (expected_tokens(rate, d) / self.times.seconds(batch_size, d), -d))
 
-    def choose(self, batch_size: int) -> int:
-        """This step's depth (`best`, or a probe after a run of plain steps)."""
-        depth = self.best(batch_size)
+    def choose(self, rows: Sequence[int]) -> int:
+        """The depth of a step over these request rows (`best` at their acceptance, or a probe
+        after a run of plain steps)."""
+        depth = self.best(len(rows), self.estimate.rate(rows))
         if depth == 0 and len(self.times.depths) > 1:
             self._plain_steps += 1
             if self._plain_steps > self.probe_every:

@@ -10,8 +10,8 @@ verifier accepts the target's own. Constrained batches run at num_steps (the gra
 walks a fixed draft shape); prefills run on the deepest worker (their drafter bookkeeping does
 not depend on the depth).
 
-Acceptance reaches the policy when the scheduler reads a step's result (the host has it then:
-no sync added). The step times are measured once, after the graphs are captured
+Acceptance reaches the policy, per request row, when the scheduler reads a step's result (the
+host has it then: no sync added); a row starts from the prior when a prefill ends into it. The step times are measured once, after the graphs are captured
 (`measure_step_times`): each depth's step replayed on its static inputs per batch-size bucket
 (eagerly, off CUDA, at the smallest and largest bucket).
 """
@@ -40,9 +40,10 @@ def adaptive_depths(num_steps: int) -> tuple[int, ...]:
 class ObservedResult:
     """A step's PendingResult whose host read also feeds the acceptance estimate."""
 
-    def __init__(self, pending: PendingResult, depth: int, estimate: AcceptanceEstimate):
+    def __init__(self, pending: PendingResult, depth: int, rows: list[int], estimate: AcceptanceEstimate):
         self.pending = pending
         self.depth = depth
+        self.rows = rows
         self.estimate = estimate
 
     @property
@@ -51,7 +52,7 @@ class ObservedResult:
 
     def wait(self) -> StepResult:
         result = self.pending.wait()
-        self.estimate.update(self.depth, result.accept_lens.tolist())
+        self.estimate.update(self.depth, self.rows, result.accept_lens.tolist())
         return result
 
 
@@ -63,7 +64,7 @@ class AdaptiveSpecWorker:
         self.workers = {depth: SpecWorker(target, drafter.at_depth(depth), spec)
                         for depth in adaptive_depths(spec.num_steps)}
         self.deepest = self.workers[spec.num_steps]
-        self.estimate = AcceptanceEstimate()
+        self.estimate = AcceptanceEstimate(target.req_to_token.num_rows)
         self.policy: Optional[DepthPolicy] = None  # once measure_step_times ran
 
     # What the engine reads of a worker: the deepest's (it runs prefills and constrained steps).
@@ -87,15 +88,16 @@ class AdaptiveSpecWorker:
         return self.deepest.slots_per_request()
 
     def launch_extend(self, step: ExtendStep) -> Launched:
+        self.estimate.reset([row for row, samples in zip(step.rows, step.samples) if samples])
         return self.deepest.launch_extend(step)
 
     def launch_decode(self, step: DecodeStep) -> Launched:
         if step.grammar is not None or self.policy is None:
             depth = self.spec.num_steps
         else:
-            depth = self.policy.choose(len(step.rows))
+            depth = self.policy.choose(step.rows)
         launched = self.workers[depth].launch_decode(step)
-        return launched._replace(result=ObservedResult(launched.result, depth, self.estimate))
+        return launched._replace(result=ObservedResult(launched.result, depth, step.rows, self.estimate))
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False,
                            sampled: bool = True) -> None:
