@@ -103,7 +103,7 @@ class AdaptiveSpecWorker:
                            sampled: bool = True) -> None:
         """Every depth's graphs, in the deepest's memory pool; extends once (the deepest's)."""
         self.deepest.enable_cuda_graphs(max_batch_size, width, constrained, sampled)
-        for depth, worker in self.workers.items():
+        for worker in self.workers.values():
             if worker is not self.deepest:  # constrained batches run at the full depth only
                 worker.enable_cuda_graphs(max_batch_size, width, False, sampled,
                                           pool=self.deepest.graphs.pool, extends=False)
