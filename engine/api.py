@@ -87,7 +87,7 @@ class Engine:
             dtype=str(core.dtype).replace("torch.", ""), device=str(core.device),
             eos_token_ids=core.eos_token_ids,
             spec=None if spec is None else dataclasses.replace(
-                spec, draft_model=_folder_name(spec.draft_model)),
+                spec, draft_model=spec.draft_model and _folder_name(spec.draft_model)),
             weight_dtype=core.weight_format, kv_cache_dtype=str(core.kv_pool.k_buffer[0].dtype).replace("torch.", ""))
 
     # --- requests ----------------------------------------------------------------------------

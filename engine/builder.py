@@ -51,7 +51,10 @@ from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.scheduler import Scheduler
-from specserve.engine.spec.eagle_worker import EagleWorker
+from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
+from specserve.engine.spec.eagle_drafter import ModelDrafter
+from specserve.engine.spec.ngram import NgramDrafter
+from specserve.engine.spec.spec_worker import SpecWorker
 from specserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.engine")
@@ -88,7 +91,7 @@ class EngineCore:
     allocator: TokenSlotAllocator
     runner: ModelRunner
     draft_runner: Optional[ModelRunner]
-    worker: Worker                # NormalWorker or EagleWorker
+    worker: Worker                # NormalWorker, SpecWorker or AdaptiveSpecWorker
     scheduler: Scheduler
     needs_cpu_seq_lens: bool
     uses_cuda_graphs: bool
@@ -137,8 +140,7 @@ class EngineCore:
 
     def _release(self) -> None:
         """Graphs, streams and the grammar service (after the last forward that talks to it)."""
-        for graphs in _graph_sets(self.worker):
-            graphs.release()
+        self.worker.release_graphs()
         self.ctx.close()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.close()
@@ -236,7 +238,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if spec is not None and spec.algorithm == "nextn":
         head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy", fp8_block=dummy_fp8_block)
-    elif spec is not None:
+    elif spec is not None and spec.algorithm != "ngram":  # n-gram drafting has no model
         head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy")
     req_to_token = ReqToTokenPool(num_rows, row_width, device)
@@ -271,7 +273,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool, attention_backend(
             head.attention.num_heads, 1, head.attention.kv_head_dim, mla.kv_lora_rank))
-    elif spec is not None:
+    elif spec is not None and spec.algorithm != "ngram":
         dcfg = head.config
         draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool,
@@ -282,13 +284,17 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
                          HistoryTable(num_rows, cfg.vocab_size, device))
-    worker = NormalWorker(target) if spec is None else EagleWorker(target, draft_runner, spec)
+    if spec is None:
+        worker = NormalWorker(target)
+    else:
+        drafter = NgramDrafter(target, spec) if spec.algorithm == "ngram" else ModelDrafter(target, draft_runner, spec)
+        worker = (AdaptiveSpecWorker if spec.adaptive else SpecWorker)(target, drafter, spec)
     # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
     # first constrained request, or Engine.warm_grammar) loads it; the channel is sized for the
     # largest batch now.
     # With tensor parallelism only rank 0 runs it, and broadcasts its masks (grammar/ranks.py).
     if tokenizer is not None:
-        tree = None if spec is None else worker.tree
+        tree = None if spec is None else worker.drafter.grammar_shape
         if rank == 0:
             target.grammar = GrammarService(os.path.join(model_path, "tokenizer.json"), cfg.vocab_size,
                                             eos_token_ids, num_rows, tree, device,
@@ -300,7 +306,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
             else:
                 target.grammar = FollowerGrammars(BroadcastMasks(tp_group.model, None, layout, device))
     # With a draft model a position's key is (its token, the next one): its draft KV reads both.
-    cache = RadixCache(allocator, pair_keys=spec is not None) if config.enable_prefix_cache else None
+    cache = RadixCache(allocator, pair_keys=draft_runner is not None) if config.enable_prefix_cache else None
     slots = RequestSlots(req_to_token, allocator, ctx, worker.slots_per_request(), cache)
     scheduler = Scheduler(
         worker=worker, slots=slots,
@@ -326,6 +332,11 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                              sampled=config.cuda_graph_sampled,
                                              estimate=_graph_reserve_bytes(config, cfg, dtype,
                                                                            num_rows, spec))
+    if spec is not None and spec.adaptive:
+        times = worker.measure_step_times(num_rows, row_width)
+        logger.info("adaptive speculation: step ms by batch size and draft depth %s",
+                    {bs: {d: round(1000 * times.seconds(bs, d), 3) for d in times.depths}
+                     for bs in times.buckets})
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(
@@ -388,6 +399,8 @@ def resolve_spec(config: EngineConfig) -> Optional[SpecConfig]:
             return SpecConfig(draft_model=demo_draft)
         return None
     spec = config.spec
+    if spec.algorithm == "ngram":  # drafts from the requests' own tokens
+        return spec
     if spec.draft_model is None:
         if spec.algorithm == "nextn":  # the module ships inside the target checkpoint
             spec = dataclasses.replace(spec, draft_model=target_path(config))
@@ -455,12 +468,12 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
                                                    cfg.mla.qk_rope_head_dim, kv_dtype)
         if spec is not None and spec.algorithm == "nextn":  # one latent layer of its own
             per_slot += MLATokenToKVPool.bytes_per_slot(1, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, dtype)
-        elif spec is not None:  # an EAGLE head's one layer: at most full MHA of the hidden width
+        elif spec is not None and spec.algorithm != "ngram":  # an EAGLE head's one layer: at most full MHA
             per_slot += TokenToKVPool.bytes_per_slot(1, 1, cfg.hidden_size, dtype)
     else:
         per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers, attn_layer.num_kv_heads,
                                                 cfg.head_dim, kv_dtype)
-        if spec is not None:  # an EAGLE head's one layer of the target's KV shape
+        if spec is not None and spec.algorithm != "ngram":  # an EAGLE head's one layer of the target's KV shape
             per_slot += TokenToKVPool.bytes_per_slot(1, attn_layer.num_kv_heads, cfg.head_dim,
                                                      dtype)
     if device.type == "cuda":

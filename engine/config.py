@@ -210,9 +210,11 @@ class SpecConfig:
     """EAGLE speculative decoding. Chain drafting is topk == 1 (num_draft_tokens = num_steps + 1).
 
     "nextn" drafts with DeepSeek-V3's multi-token-prediction module the EAGLE-1 way; its
-    draft_model defaults to the target checkpoint, which stores the module."""
+    draft_model defaults to the target checkpoint, which stores the module. "ngram" copies
+    drafts from the request's own tokens (prompt lookup: the longest earlier occurrence of its
+    last ngram_max..ngram_min tokens); no draft model, chain only."""
 
-    algorithm: str = "eagle3"       # "eagle3" | "eagle" | "nextn"
+    algorithm: str = "eagle3"       # "eagle3" | "eagle" | "nextn" | "ngram"
     # None: the bundled demo draft (only with the demo target); with nextn, the target itself
     draft_model: Optional[str] = None
     num_steps: int = 3
@@ -221,10 +223,25 @@ class SpecConfig:
     # Bench-only: accept exactly this many draft tokens per verify (random weights). Refused by
     # the server; see bench/one_batch.py.
     bench_force_accept_len: Optional[int] = None
+    ngram_max: int = 4              # ngram: the longest suffix looked up
+    ngram_min: int = 1              # ngram: the shortest suffix a match may have
+    # Chain drafting: each step's depth (0 = plain .. num_steps) chosen from the batch size and
+    # the measured acceptance, by step times measured at start-up (spec/adaptive.py).
+    adaptive: bool = False
 
     def __post_init__(self):
-        _require(self.algorithm in ("eagle", "eagle3", "nextn"), "spec.algorithm",
-                 f"must be 'eagle', 'eagle3' or 'nextn', got {self.algorithm!r}")
+        _require(self.algorithm in ("eagle", "eagle3", "nextn", "ngram"), "spec.algorithm",
+                 f"must be 'eagle', 'eagle3', 'nextn' or 'ngram', got {self.algorithm!r}")
+        if self.algorithm == "ngram":
+            _require(self.draft_model is None, "spec.draft_model",
+                     "ngram drafts from the request's own tokens: no draft model")
+            _require(self.topk == 1, "spec.topk", f"ngram drafts a chain: must be 1, got {self.topk!r}")
+        _require(not self.adaptive or self.topk == 1, "spec.adaptive",
+                 f"chooses chain depths: needs topk 1, got {self.topk!r}")
+        _require(isinstance(self.ngram_min, int) and self.ngram_min >= 1, "spec.ngram_min",
+                 f"must be >= 1, got {self.ngram_min!r}")
+        _require(isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "spec.ngram_max",
+                 f"must be >= ngram_min ({self.ngram_min!r}), got {self.ngram_max!r}")
         _require(isinstance(self.num_steps, int) and self.num_steps >= 1, "spec.num_steps",
                  f"must be >= 1, got {self.num_steps!r}")
         _require(isinstance(self.topk, int) and self.topk >= 1, "spec.topk",
@@ -329,6 +346,9 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"), "load_format",
                  f"must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
+        # Every rank must choose the same depths, and each would measure its own step times.
+        _require(not (self.tp_size > 1 and isinstance(self.spec, SpecConfig) and self.spec.adaptive),
+                 "spec.adaptive", "not supported with tp_size > 1")
         _require(isinstance(self.enable_prefix_cache, bool), "enable_prefix_cache",
                  f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(isinstance(self.skinny_gemm, bool), "skinny_gemm",

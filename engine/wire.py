@@ -101,8 +101,9 @@ def info_to_proto(info: EngineInfo) -> pb.ModelInfo:
 
 
 def info_from_proto(msg: pb.ModelInfo) -> EngineInfo:
-    spec = SpecConfig(**{name: getattr(msg.spec, name) for name in _SPEC_FIELDS}) \
-        if msg.HasField("spec") else None
+    # An unset draft_model (ngram has none) arrives as "".
+    spec = SpecConfig(**{name: getattr(msg.spec, name) or None if name == "draft_model" else getattr(msg.spec, name)
+                         for name in _SPEC_FIELDS}) if msg.HasField("spec") else None
     return EngineInfo(model=msg.model, architecture=msg.architecture, vocab_size=msg.vocab_size,
                       max_context_len=msg.max_context_len, dtype=msg.dtype, device=msg.device,
                       eos_token_ids=tuple(msg.eos_token_ids), spec=spec, weight_dtype=msg.weight_dtype,

@@ -240,6 +240,7 @@ class SpecserveServer:
             stop.cancel()
             return 1
         self.core.on_engine_ready(info, self.engine.tokenizer)
+        self.metrics.observe_speculation(info.spec)
         await self.core.warm_up()
         await self.health.set_serving(True)
         logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,

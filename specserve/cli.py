@@ -65,18 +65,27 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-speculative", action="store_true", help="plain decoding")
     s.add_argument("--draft-model", default=None,
                    help="EAGLE draft model folder (nextn: default the --model checkpoint)")
-    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn"],
-                   help="nextn: DeepSeek-V3's multi-token-prediction module as the draft")
+    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn", "ngram"],
+                   help="nextn: DeepSeek-V3's multi-token-prediction module as the draft; ngram: "
+                        "drafts copied from the request's own prompt and output (no draft model)")
     s.add_argument("--speculative-num-steps", type=int, default=None)
     s.add_argument("--speculative-eagle-topk", type=int, default=None)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="default: num_steps + 1 with topk 1 (chain drafting)")
+    s.add_argument("--speculative-adaptive", action="store_true", default=None,
+                   help="chain drafting: each step's draft depth (plain decoding included) chosen "
+                        "from the batch size and the measured acceptance")
+    s.add_argument("--speculative-ngram-max", type=int, default=None,
+                   help="ngram: the longest suffix looked up (default 4)")
+    s.add_argument("--speculative-ngram-min", type=int, default=None,
+                   help="ngram: the shortest suffix a match may have (default 1)")
 
 
 # SpecConfig field -> its flag's dest.
 _SPEC_FLAGS = {"algorithm": "speculative_algorithm", "draft_model": "draft_model",
                "num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
-               "num_draft_tokens": "speculative_num_draft_tokens"}
+               "num_draft_tokens": "speculative_num_draft_tokens", "ngram_max": "speculative_ngram_max",
+               "ngram_min": "speculative_ngram_min", "adaptive": "speculative_adaptive"}
 
 
 def _add_kv_events_args(parser: argparse.ArgumentParser) -> None:

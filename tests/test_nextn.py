@@ -15,7 +15,6 @@ from helpers import (TP_PLACEMENTS, VOCAB, cached_prefix_slots, make_tiny_checkp
                      run_aborting, steady_state_steps, tp_placement)
 
 from specserve.engine import SamplingParams, SpecConfig
-from specserve.engine.spec.eagle_worker import Drafted
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
@@ -228,16 +227,14 @@ def test_draft_matches_transformers_reference(tmp_path, make_engine, shape, modu
     hf_target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = make_engine(path, spec=_nextn(**shape), enable_overlap=False)
     worker = engine.core.worker
-    drafted = []  # the trees, from the part that finishes the drafting
-    level_drafted = worker._level_drafted
+    drafted = []  # the trees the verifier checks
+    tree_of = worker.verifier.tree_of
 
-    def record(d):
-        out = level_drafted(d)
-        if isinstance(out, Drafted):
-            drafted.append(out.tree)
-        return out
+    def record(*args):
+        drafted.append(tree_of(*args))
+        return drafted[-1]
 
-    worker._level_drafted = record
+    worker.verifier.tree_of = record
     prompt = random_prompts(1, seed=12, min_len=9, max_len=9)[0]
     engine.add_request("r", prompt, SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
     produced = []

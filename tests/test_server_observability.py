@@ -62,6 +62,11 @@ def test_metrics_after_a_few_calls(server, results):
                                                                      for r in results)
     assert samples[("specserve_spec_accepted_draft_tokens_total", ())] == sum(
         r.spec.accepted_drafts for r in results) > 0
+    eagle = (("method", "eagle"),)
+    assert samples[("specserve_spec_method_verify_steps_total", eagle)] == sum(r.spec.verify_steps for r in results)
+    assert samples[("specserve_spec_method_accepted_draft_tokens_total", eagle)] == sum(
+        r.spec.accepted_drafts for r in results)
+    assert samples[("specserve_spec_draft_depth", eagle)] == 3
     for histogram in ("queue_time", "time_to_first_token", "time_per_output_token"):
         # One observation per call the engine ran (the refused one never reached it).
         assert samples[(f"specserve_{histogram}_seconds_count", ())] == 2, histogram

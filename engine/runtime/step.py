@@ -82,7 +82,7 @@ class Launched(NamedTuple):
 
 
 class Worker(Protocol):
-    """What the scheduler and the engine need of a worker (NormalWorker, EagleWorker)."""
+    """What the scheduler and the engine need of a worker (NormalWorker, spec/spec_worker.py SpecWorker)."""
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
     sampled_graphs: dict  # variant (layers/sampler.py: SAMPLED, FILTERED) -> its graphs; {} without
@@ -98,6 +98,8 @@ class Worker(Protocol):
     def launch_decode(self, step: DecodeStep) -> Launched: ...
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None: ...
+
+    def release_graphs(self) -> None: ...
 
 
 def launch_forward(ctx: DeviceContext, inputs: Any,

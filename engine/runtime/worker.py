@@ -389,6 +389,9 @@ class NormalWorker:
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
+    def release_graphs(self) -> None:
+        release_graphs(self)
+
     def decode_parts(self, width: int):
         """(forward, pick, constrained_step) of a captured greedy decode: the forward's logits,
         the argmax token (stashed in the FutureMap), and a whole constrained step: signal the
@@ -445,6 +448,14 @@ def graph_decode_inputs(device):
     """make_inputs(bs) of the captured plain decodes."""
     return lambda bs: GraphedDecodeInputs(*(torch.zeros(bs, dtype=torch.int64, device=device)
                                             for _ in GraphedDecodeInputs._fields))
+
+
+def release_graphs(worker) -> None:
+    """Free a worker's captured graphs (engine shutdown)."""
+    for graphs in (worker.graphs, *worker.sampled_graphs.values(), worker.constrained_graphs,
+                   worker.extend_graphs):
+        if graphs is not None:
+            graphs.release()
 
 
 def graphs_for(worker, info: SamplingInfo, constrained: bool, bs: int) -> Optional[GraphedStep]:

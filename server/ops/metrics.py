@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector
 
+from specserve.engine.config import SpecConfig
 from specserve.engine.outputs import EngineLoad, GrammarHealth, StepStat
 from specserve.server.ops.watchdog import WatchdogReport, WatchdogState
 from specserve.server.request_record import TTFT_STAGES, RequestRecord
@@ -91,6 +92,22 @@ class ServerMetrics:
             "specserve_spec_accepted_draft_tokens",
             "Draft tokens the target model accepted, summed over requests (counted when a "
             "request ends)", registry=r)
+        # The same by drafting method (the engine's --speculative-algorithm), and the draft depth
+        # it verifies: what acceptance a method gets on this traffic, at what depth.
+        self.spec_method_verify_steps = Counter(
+            "specserve_spec_method_verify_steps",
+            "Target-model verify forwards by drafting method (counted when a request ends)",
+            ["method"], registry=r)
+        self.spec_method_accepted_draft_tokens = Counter(
+            "specserve_spec_method_accepted_draft_tokens",
+            "Draft tokens the target model accepted by drafting method (counted when a request "
+            "ends)", ["method"], registry=r)
+        self.spec_draft_depth = Gauge(
+            "specserve_spec_draft_depth",
+            "Draft tokens per request a verify step checks (at most, with adaptive speculation), "
+            "by drafting method", ["method"],
+            registry=r)
+        self._spec_method: Optional[str] = None  # set once the engine says how it speculates
         self.time_to_first_token = Histogram("specserve_time_to_first_token_seconds",
                                              "From the call's arrival to its first token",
                                              buckets=_LATENCY_BUCKETS, registry=r)
@@ -176,7 +193,16 @@ class ServerMetrics:
             self.time_per_output_token.observe(record.time_per_output_token)
         self.spec_verify_steps.inc(record.verify_steps)
         self.spec_accepted_draft_tokens.inc(record.accepted_drafts)
+        if self._spec_method is not None:
+            self.spec_method_verify_steps.labels(self._spec_method).inc(record.verify_steps)
+            self.spec_method_accepted_draft_tokens.labels(self._spec_method).inc(record.accepted_drafts)
         self.prompt_cached_tokens.inc(record.cached_tokens)
+
+    def observe_speculation(self, spec: Optional[SpecConfig]) -> None:
+        """The engine's speculative configuration, once it is ready (None: plain decoding)."""
+        if spec is not None:
+            self._spec_method = spec.algorithm
+            self.spec_draft_depth.labels(spec.algorithm).set(spec.num_draft_tokens - 1)
 
     def observe_ttft_stages(self, record: RequestRecord) -> None:
         for name, seconds in record.ttft_stages().items():

@@ -1,0 +1,146 @@
+"""Drafters against plain decoding: n-gram (prompt lookup) at bs=1 on a workload whose answers
+copy their prompt, and adaptive speculation's depth choice at forced acceptance.
+
+    python bench/drafters.py --out drafters.json
+
+Copy workload (the demo pair, real weights): windows of the demo's held-out code
+(`models/demo-heldout.txt`), each prompt a window, a separator line and the window's first
+lines again; greedy decoding then copies the rest of the window (a code-edit or summarising
+request repeats its context the same way). One request at a time; rows per mode: decode
+tokens/s from each request's first token to its last, tokens per verify step, and whether the
+output equals plain decoding's token for token. Modes: plain, ngram at two draft depths and
+adaptive, and the bundled EAGLE-3 head (chain, and adaptive) for reference.
+
+`--shape llama-8b` adds rows on random weights (bench/one_batch.py's shapes) at a forced accept
+length (`SpecConfig.bench_force_accept_len`) per batch size (`--batch-sizes`): the step cost of
+the chain verify with copied drafts and no draft model, and whether adaptive speculation keeps
+up with the best of plain and the fixed chain (issue E32: >= 0.97x it, never below plain).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.builder import demo_models_dir
+
+HELDOUT = Path(__file__).resolve().parents[1] / "models" / "demo-heldout.txt"
+SEPARATOR = "\n\n# The same code again, unchanged:\n"
+MODES = {"plain": None,
+         "ngram-4": dict(algorithm="ngram", num_steps=3, num_draft_tokens=4),
+         "ngram-8": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8),
+         "ngram-8-adaptive": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8, adaptive=True),
+         "eagle3-chain": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4),
+         "eagle3-adaptive": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4, adaptive=True)}
+
+
+def copy_prompts(tokenizer, n: int, window: int, head: int) -> list[list[int]]:
+    """`n` prompts: a `window`-token stretch of held-out code, the separator, and the stretch's
+    first `head` tokens (the answer continues the copy)."""
+    ids = tokenizer.encode(HELDOUT.read_text())
+    sep = tokenizer.encode(SEPARATOR, add_special_tokens=False)
+    step = max(window, (len(ids) - window) // n)
+    return [ids[i:i + window] + sep + ids[i:i + head] for i in range(0, step * n, step)]
+
+
+def decode_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
+    """(token ids per prompt, decode tokens/s over all requests, tokens per verify step), one
+    request at a time."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    outputs, decode_tokens, decode_seconds, verify = [], 0, 0.0, 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        tokens, first, last = [], None, None
+        while engine.has_unfinished():
+            for out in engine.step():
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    first = now if first is None else first
+                    last = now
+                tokens += out.new_token_ids
+                verify += out.num_verify_steps if out.finished else 0
+        outputs.append(tokens)
+        decode_tokens += len(tokens) - 1
+        decode_seconds += last - first
+    return outputs, decode_tokens / decode_seconds, (sum(map(len, outputs)) / verify if verify else 1.0)
+
+
+def demo_rows(args) -> list[dict]:
+    rows, plain = [], None
+    draft = str(demo_models_dir() / "demo-draft")
+    for mode, shape in MODES.items():
+        spec = None if shape is None else SpecConfig(
+            draft_model=draft if shape["algorithm"] == "eagle3" else None, **shape)
+        with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=4)) as engine:
+            prompts = copy_prompts(engine.core.tokenizer, args.num_prompts, args.window, args.head)
+            decode_speed(engine, prompts[:1], 16)  # warm-up (first graph replays, allocations)
+            outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens)
+        plain = outputs if mode == "plain" else plain
+        rows.append(dict(model="demo", mode=mode, batch_size=1, decode_tokens_per_s=tps, accept_length=accept,
+                         exact=outputs == plain, speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0))
+        print(json.dumps(rows[-1]), flush=True)
+        gc.collect()
+    return rows
+
+
+def forced_rows(args) -> list[dict]:
+    """Random weights at a forced accept length: each mode's decode speed per batch size
+    (bench/one_batch.py's run_one)."""
+    from one_batch import run_one, write_shape
+
+    target, draft = write_shape(tempfile.mkdtemp(), args.shape)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    for mode, shape in MODES.items():
+        spec = None if shape is None else SpecConfig(
+            draft_model=draft if shape["algorithm"] == "eagle3" else None,
+            bench_force_accept_len=min(args.accept_len, shape["num_draft_tokens"] - 1), **shape)
+        engine = Engine(EngineConfig(model=target, device=args.device, dtype="bfloat16", load_format="dummy",
+                                     spec=spec, max_running_requests=max(batch_sizes), max_context_len=4096,
+                                     gpu_memory_utilization=0.6, chunked_prefill_size=max(batch_sizes) * 128))
+        for bs in batch_sizes:
+            r = run_one(engine, bs, 128, 64)
+            plain = next((p for p in rows if p["mode"] == "plain" and p["batch_size"] == bs), None)
+            rows.append(dict(model=args.shape, mode=mode, batch_size=bs, decode_tokens_per_s=r["decode_tokens_per_s"],
+                             step_ms=r["step_ms"], accept_length=r["accept_length"],
+                             syncs_per_step=r["syncs_per_step"],
+                             speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
+            print(json.dumps(rows[-1]), flush=True)
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--window", type=int, default=320, help="held-out tokens a prompt copies from")
+    ap.add_argument("--head", type=int, default=24, help="of them, repeated after the separator")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--shape", default="llama-8b", help="forced-accept rows on this random-weight shape; "
+                                                        "none: skip them")
+    ap.add_argument("--accept-len", type=int, default=3)
+    ap.add_argument("--batch-sizes", default="1,16,64", help="of the forced-accept rows")
+    ap.add_argument("--out", default="bench_drafters.json")
+    args = ap.parse_args()
+    rows = demo_rows(args) + (forced_rows(args) if args.shape != "none" else [])
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    json.dump({"device": device, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
+    print(f"\n{device}")
+    print(f"{'model':10} {'mode':18} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
+    for r in rows:
+        print(f"{r['model']:10} {r['mode']:18} {r['batch_size']:>3} {r['decode_tokens_per_s']:9.1f} "
+              f"{r['accept_length']:5.2f} {r['speedup']:8.2f} {str(r.get('exact', '-')):>6}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Adaptive speculation's choice: per step, the chain draft depth that emits the most tokens per
+second for this batch size at the acceptance measured so far, plain decoding (depth 0) when
+it wins.
+
+Speculation pays only while a step's extra tokens outweigh its extra cost: an H100 bs=64 chain
+step of 3 drafts costs 1.55x a plain step (8B, issue E32), so below 1.55 tokens a step it is a
+loss, while at bs=1 it costs ~1.1x. `StepTimes` holds the step time of every (batch-size
+bucket, depth) the engine can run, measured at start-up; `AcceptanceEstimate` the per-draft
+acceptance rate, from the accept lengths the scheduler reads anyway (no host sync); and
+`DepthPolicy.choose` their best trade-off for the requests of a step. The choice changes only how many drafts are verified,
+never which tokens are emitted (the verifier accepts the target's own tokens).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Mapping, Sequence
+
+
+def expected_tokens(accept_rate: float, depth: int) -> float:
+    """Tokens a chain step of `depth` drafts emits when each draft is accepted with probability
+    `accept_rate` once its predecessors were: 1 + a + a^2 + ... + a^depth."""
+    return sum(accept_rate ** i for i in range(depth + 1))
+
+
+class StepTimes:
+    """Seconds of a decode step by (batch size, draft depth), measured per batch-size bucket (the
+    CUDA graphs' buckets); depth 0 is a plain decode step."""
+
+    def __init__(self, seconds: Mapping[int, Mapping[int, float]]):
+        """`seconds[bucket][depth]`: every bucket has the same depths, depth 0 among them."""
+        if not seconds:
+            raise ValueError("step_times: no batch-size buckets")
+        depths = {tuple(sorted(row)) for row in seconds.values()}
+        if len(depths) != 1 or 0 not in next(iter(depths)):
+            raise ValueError(f"step_times: every bucket needs the same depths, 0 (plain) among "
+                             f"them; got {sorted(depths)}")
+        if any(not t > 0 for row in seconds.values() for t in row.values()):
+            raise ValueError("step_times: a step time is not positive")
+        self.buckets = sorted(seconds)
+        self.depths: tuple[int, ...] = next(iter(depths))
+        self._seconds = {b: dict(row) for b, row in seconds.items()}
+
+    def seconds(self, batch_size: int, depth: int) -> float:
+        """The time of the smallest bucket that holds the batch (a batch is padded up to it),
+        or of the largest bucket past it."""
+        i = min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)
+        return self._seconds[self.buckets[i]][depth]
+
+
+class AcceptanceEstimate:
+    """Per request row, the per-draft acceptance rate: an exponentially weighted ratio of
+    accepted drafts to drafts tried, over the row's steps (a request tries drafts until the
+    first rejection: k accepted of d tried counts k successes of k + 1 trials, or of d when all
+    d were accepted). A row starts at the prior (`reset`: a request prefilled into it, again
+    after a retraction); a batch's rate pools its rows' counts."""
+
+    def __init__(self, num_rows: int, prior: float = 0.5, decay: float = 0.9):
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior: must be in [0, 1], got {prior!r}")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay: must be in (0, 1), got {decay!r}")
+        self.prior = prior
+        self.decay = decay
+        # One pseudo-trial of weight 1 at the prior per row (row 0: padding, never read).
+        self._accepted = [prior] * (num_rows + 1)
+        self._tried = [1.0] * (num_rows + 1)
+
+    def reset(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            self._accepted[r], self._tried[r] = self.prior, 1.0
+
+    def rate(self, rows: Sequence[int]) -> float:
+        return sum(self._accepted[r] for r in rows) / sum(self._tried[r] for r in rows)
+
+    def update(self, depth: int, rows: Sequence[int], accept_lens: Sequence[int]) -> None:
+        """A step of `depth` drafts per request and the tokens each of its rows emitted
+        (accepted drafts + 1). A plain step (depth 0) says nothing about drafts."""
+        if depth == 0:
+            return
+        for r, n in zip(rows, accept_lens):
+            self._accepted[r] = self.decay * self._accepted[r] + n - 1
+            self._tried[r] = self.decay * self._tried[r] + min(n, depth)
+
+
+class DepthPolicy:
+    """Chooses each step's depth: the most expected tokens per second; on a tie the shallower.
+    After `probe_every` plain steps in a row one step drafts at the smallest depth, so that the
+    acceptance keeps being measured while plain decoding wins (traffic changes phase)."""
+
+    def __init__(self, times: StepTimes, estimate: AcceptanceEstimate, probe_every: int = 32):
+        if probe_every < 1:
+            raise ValueError(f"probe_every: must be >= 1, got {probe_every!r}")
+        self.times = times
+        self.estimate = estimate
+        self.probe_every = probe_every
+        self._plain_steps = 0
+
+    def best(self, batch_size: int, rate: float) -> int:
+        """The depth of the most expected tokens per second at acceptance `rate`."""
+        return max(self.times.depths,
+                   key=lambda d: (expected_tokens(rate, d) / self.times.seconds(batch_size, d), -d))
+
+    def choose(self, rows: Sequence[int]) -> int:
+        """The depth of a step over these request rows (`best` at their acceptance, or a probe
+        after a run of plain steps)."""
+        depth = self.best(len(rows), self.estimate.rate(rows))
+        if depth == 0 and len(self.times.depths) > 1:
+            self._plain_steps += 1
+            if self._plain_steps > self.probe_every:
+                self._plain_steps = 0
+                return self.times.depths[1]
+            return 0
+        self._plain_steps = 0
+        return depth

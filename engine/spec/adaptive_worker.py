@@ -1,0 +1,155 @@
+"""Adaptive speculation (`SpecConfig.adaptive`, chain drafting): each decode step's draft depth
+chosen by spec/adaptive.py's `DepthPolicy` from the batch size and the measured acceptance.
+
+One `SpecWorker` per depth (`adaptive_depths`: 0, 1, about half num_steps, num_steps) over the
+same target, the same drafter state (`Drafter.at_depth` shares it) and the deepest's KV
+reservation, with CUDA graphs for every depth in one memory pool. Depth 0 is a plain step
+through the verify path (one node: the bonus token), so the drafter's state stays current
+whatever the next step picks. The choice never changes a request's tokens: every depth's
+verifier accepts the target's own. Constrained batches run at num_steps (the grammar process
+walks a fixed draft shape); prefills run on the deepest worker (their drafter bookkeeping does
+not depend on the depth).
+
+Acceptance reaches the policy, per request row, when the scheduler reads a step's result (the
+host has it then: no sync added); a row starts from the prior when a prefill ends into it. The step times are measured once, after the graphs are captured
+(`measure_step_times`): each depth's step replayed on its static inputs per batch-size bucket
+(eagerly, off CUDA, at the smallest and largest bucket).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from specserve.engine.config import SpecConfig
+from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, PendingResult, StepResult
+from specserve.engine.runtime.worker import TargetModel
+from specserve.engine.spec.adaptive import AcceptanceEstimate, DepthPolicy, StepTimes
+from specserve.engine.spec.drafter import Drafter
+from specserve.engine.spec.spec_worker import SpecWorker
+
+MEASURE_REPEATS = 3
+
+
+def adaptive_depths(num_steps: int) -> tuple[int, ...]:
+    """The draft depths adaptive speculation chooses among (each has its graphs)."""
+    return tuple(sorted({0, 1, (num_steps + 1) // 2, num_steps}))
+
+
+class ObservedResult:
+    """A step's PendingResult whose host read also feeds the acceptance estimate."""
+
+    def __init__(self, pending: PendingResult, depth: int, rows: list[int], estimate: AcceptanceEstimate):
+        self.pending = pending
+        self.depth = depth
+        self.rows = rows
+        self.estimate = estimate
+
+    @property
+    def copy_done(self):
+        return self.pending.copy_done
+
+    def wait(self) -> StepResult:
+        result = self.pending.wait()
+        self.estimate.update(self.depth, self.rows, result.accept_lens.tolist())
+        return result
+
+
+class AdaptiveSpecWorker:
+    def __init__(self, target: TargetModel, drafter: Drafter, spec: SpecConfig):
+        self.target = target
+        self.drafter = drafter
+        self.spec = spec
+        self.workers = {depth: SpecWorker(target, drafter.at_depth(depth), spec)
+                        for depth in adaptive_depths(spec.num_steps)}
+        self.deepest = self.workers[spec.num_steps]
+        self.estimate = AcceptanceEstimate(target.req_to_token.num_rows)
+        self.policy: Optional[DepthPolicy] = None  # once measure_step_times ran
+
+    # What the engine reads of a worker: the deepest's (it runs prefills and constrained steps).
+    @property
+    def graphs(self):
+        return self.deepest.graphs
+
+    @property
+    def sampled_graphs(self) -> dict:
+        return self.deepest.sampled_graphs
+
+    @property
+    def constrained_graphs(self):
+        return self.deepest.constrained_graphs
+
+    @property
+    def extend_graphs(self):
+        return self.deepest.extend_graphs
+
+    def slots_per_request(self) -> int:
+        return self.deepest.slots_per_request()
+
+    def launch_extend(self, step: ExtendStep) -> Launched:
+        self.estimate.reset([row for row, samples in zip(step.rows, step.samples) if samples])
+        return self.deepest.launch_extend(step)
+
+    def launch_decode(self, step: DecodeStep) -> Launched:
+        if step.grammar is not None or self.policy is None:
+            depth = self.spec.num_steps
+        else:
+            depth = self.policy.choose(step.rows)
+        launched = self.workers[depth].launch_decode(step)
+        return launched._replace(result=ObservedResult(launched.result, depth, step.rows, self.estimate))
+
+    def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False,
+                           sampled: bool = True) -> None:
+        """Every depth's graphs, in the deepest's memory pool; extends once (the deepest's)."""
+        self.deepest.enable_cuda_graphs(max_batch_size, width, constrained, sampled)
+        for worker in self.workers.values():
+            if worker is not self.deepest:  # constrained batches run at the full depth only
+                worker.enable_cuda_graphs(max_batch_size, width, False, sampled,
+                                          pool=self.deepest.graphs.pool, extends=False)
+
+    def release_graphs(self) -> None:
+        for worker in self.workers.values():
+            worker.release_graphs()
+
+    def measure_step_times(self, max_batch_size: int, width: int) -> StepTimes:
+        """Time every depth's greedy step per bucket on its static inputs (padded rows: they
+        write only the padding row and slot 0), and choose by them from now on."""
+        graphed = self.deepest.graphs is not None
+        buckets = self.deepest.graphs.buckets if graphed else sorted({1, max_batch_size})
+        seconds = {bs: {depth: _time(_static_step(worker, bs, width), self.target.ctx.device)
+                        for depth, worker in self.workers.items()} for bs in buckets}
+        self.policy = DepthPolicy(StepTimes(seconds), self.estimate)
+        return self.policy.times
+
+
+def _static_step(worker: SpecWorker, bs: int, width: int):
+    """One greedy decode step of `worker` on its bucket's static inputs: the graphs' replay,
+    or the parts run eagerly."""
+    if worker.graphs is not None:
+        captured = worker.graphs.captured[bs]
+        return lambda: [worker.graphs.replay(captured, part) for part in range(len(worker.graphs.parts))]
+    inputs = worker.graph_inputs(width)(bs)
+
+    def run():
+        x = inputs
+        for part in worker.decode_parts():
+            x = part(x)
+
+    return run
+
+
+def _time(run, device: torch.device) -> float:
+    """Seconds one call of `run` takes (the best of MEASURE_REPEATS after a warm-up)."""
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(MEASURE_REPEATS + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,67 @@
+"""The drafter interface: what a draft method gives the speculative worker (spec/spec_worker.py).
+
+A drafter proposes D - 1 draft nodes per request under the bonus token (spec/tree.py
+`DraftNodes`: tokens, and the parent of each); the verifier (spec/verifier.py) checks them
+with one target forward and accepts the target's own tokens, so a drafter cannot change what
+a request outputs, only how many tokens a step emits. A new draft method is one module that
+implements this Protocol:
+
+* `eagle_drafter.ModelDrafter`: a draft model (EAGLE-1, EAGLE-3 heads; DeepSeek-V3's NextN
+  module) that reads the target's features; chain or tree.
+* `ngram.NgramDrafter`: prompt lookup, copies from the request's own tokens; chain, no model.
+
+Every method runs on the forward stream (inside the step's CUDA graphs where the worker
+captured them) except `prefill_inputs`, which runs on the schedule side.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Protocol
+
+import torch
+
+from specserve.engine.runtime.captured_extend import CapturedExtendInputs
+from specserve.engine.runtime.step import ExtendStep
+from specserve.engine.runtime.worker import ForwardInputs, Sampled
+from specserve.engine.spec.tree import DraftNodes, TreeShape
+from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified
+
+
+class CapturedExtendHalf(NamedTuple):
+    """What a captured extend's target half hands the drafter's part."""
+
+    inputs: CapturedExtendInputs
+    tokens: torch.Tensor      # [R] the sampled tokens
+    feats: torch.Tensor       # the target features the draft reads
+
+
+class Drafter(Protocol):
+    shape: TreeShape                    # the tree its nodes fill (chain: topk 1)
+    # The draft levels a constrained step masks (the grammar process walks them, then the
+    # verify tree): `shape` for a model drafter; none (num_steps 1) for copied drafts.
+    grammar_shape: TreeShape
+    # The target features the drafter reads after each forward: None, none; () the last
+    # hidden state; else these layers' outputs (EAGLE-3).
+    feature_layers: Optional[tuple[int, ...]]
+
+    def at_depth(self, depth: int) -> "Drafter":
+        """The same drafter (its state shared) drafting chains of `depth` tokens, 0 included
+        (adaptive speculation: spec/adaptive_worker.py)."""
+
+    def prefill_inputs(self, step: ExtendStep) -> Any:
+        """Schedule side: the device inputs `after_prefill` needs beyond the target's."""
+
+    def after_prefill(self, step_inputs: Any, target: ForwardInputs, sampled: Sampled) -> None:
+        """After a prefill's target forward (its new lengths published): the drafter's state
+        for the prefilled requests' first decode."""
+
+    def draft(self, s: SpecDecodeInputs, snap: Snapshot) -> DraftNodes:
+        """The D - 1 draft nodes of every request of the batch (a constrained batch: the grammar
+        process's committed masks first, then each of `grammar_shape`'s levels)."""
+
+    def after_verify(self, v: Verified) -> None:
+        """After acceptance (and compaction): the drafter's state for the next iteration."""
+
+    def captured_extend_part(self, width: int) -> Optional[Callable[[CapturedExtendHalf], torch.Tensor]]:
+        """The second part of a captured extend (runtime/captured_extend.py) over rows of KV
+        bound `width`: reads what the target half returns, returns its sampled tokens; None:
+        extends stay eager."""

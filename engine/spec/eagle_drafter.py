@@ -1,0 +1,190 @@
+"""Drafting with a draft model: EAGLE-1 and EAGLE-3 heads, and DeepSeek-V3's NextN module
+(models/eagle.py, models/nextn.py), chain or tree (spec/tree.py).
+
+The drafter's device state per request between iterations is the draft's view of its next
+token (`topk_p`, `topk_index`) with its pre-norm hidden state (FutureMap `draft_state`). Draft
+row at position p reads (feature of token p, token p+1), so the draft KV of a request covers
+positions < S after every iteration.
+
+  draft:   num_steps - 1 draft forwards extend the first level (from the stash) into a tree
+  (the verifier checks it: spec/verifier.py)
+  extend:  one draft forward over the D nodes (compacted to the accepted path first in tree
+           mode) with the target's features; the row of the last accepted node gives the
+           next draft input, which is stashed.
+A prefill runs the same draft-extend over the prompt (`after_prefill`).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from specserve.engine.aranges import arange
+from specserve.engine.config import SpecConfig
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
+from specserve.engine.grammar.channel import DeviceChannel
+from specserve.engine.runtime.future_map import DraftState
+from specserve.engine.runtime.model_runner import ModelRunner
+from specserve.engine.runtime.step import ExtendStep
+from specserve.engine.runtime.worker import ForwardInputs, Sampled, TargetModel
+from specserve.engine.spec import tree as tree_ops
+from specserve.engine.spec.drafter import CapturedExtendHalf
+from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified, plus
+
+
+class EagleExtendInputs(NamedTuple):
+    # Draft rows read (feature of token p, token p + 1): the inputs shifted left by one; the
+    # last row of a chunk takes the next prompt token or, at the end, the sampled token.
+    shifted_ids: torch.Tensor   # [T]
+    samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
+
+
+class Drafting(NamedTuple):
+    """What a part of the drafting hands the next, before draft step `step` (1-based)."""
+
+    inputs: SpecDecodeInputs
+    kv: KVRows                        # the snapshot of the batch's rows, by batch index
+    builder: Any                      # tree.DraftChainBuilder or DraftTreeBuilder
+    branch_S: torch.Tensor            # S per frontier branch
+    step: int
+    out_hidden: Optional[torch.Tensor] = None  # the draft forward's output, once it ran
+
+
+class ModelDrafter:
+    """A draft model's drafter (spec/drafter.py Drafter)."""
+
+    def __init__(self, target: TargetModel, draft: ModelRunner, spec: SpecConfig):
+        self.target = target
+        self.draft_runner = draft
+        self.future_map = target.future_map
+        self.shape = self.grammar_shape = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
+        # EAGLE-3 reads target features from several layers, EAGLE-1 the last hidden state.
+        self.feature_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
+        head = draft.model
+        self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
+                                             next(head.parameters()).dtype)
+
+    def at_depth(self, depth: int) -> "ModelDrafter":
+        """This drafter drafting chains of `depth` tokens (adaptive speculation; the state is
+        shared: it lives in the FutureMap)."""
+        drafter = copy.copy(self)
+        drafter.shape = drafter.grammar_shape = tree_ops.TreeShape(1, depth, depth + 1)
+        return drafter
+
+    @property
+    def _channel(self) -> DeviceChannel:
+        return self.target.grammar.device
+
+    # --- prefill ---------------------------------------------------------------------------
+    def prefill_inputs(self, step: ExtendStep) -> EagleExtendInputs:
+        shifted = []
+        for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
+            shifted += fill[start + 1:end + 1] + [0] * samples
+        return EagleExtendInputs(self.target.to_device(shifted), self.target.to_device(step.samples, torch.bool))
+
+    def after_prefill(self, inputs: EagleExtendInputs, target: ForwardInputs, sampled: Sampled) -> None:
+        """Draft-extend over the prompt chunk with the target's features; stash the next draft input."""
+        shifted_ids = inputs.shifted_ids.clone()
+        shifted_ids[target.sample_rows] = torch.where(inputs.samples, sampled.tokens,
+                                                      shifted_ids[target.sample_rows])
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, target.rows),
+            prefix_lens=target.prefix_lens, extend_lens_cpu=target.extend_lens_cpu,
+            out_cache_loc=target.out_cache_loc, seq_lens_cpu=target.seq_lens_cpu,
+            max_seq_len=target.max_seq_len)
+        draft_hidden = self.draft_runner.forward(fb, sampled.aux_hidden if self.feature_layers else sampled.hidden)
+        self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
+
+    def captured_extend_part(self, width: int):
+        return functools.partial(self._captured_extend_draft_half, width)
+
+    def _captured_extend_draft_half(self, width: int, half: CapturedExtendHalf) -> torch.Tensor:
+        s = half.inputs
+        # Sampled entries past the batch point at token T - 1 too: the duplicates write the
+        # token sampled from that same row, so any order gives the same ids.
+        shifted = s.shifted.index_copy(0, s.last, half.tokens)
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted, positions=s.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, s.rows), prefix_lens=s.prefix_lens,
+            extend_lens_cpu=[s.max_chunk] * s.rows.shape[0], extend_lens=s.extend_lens,
+            out_cache_loc=s.loc, max_seq_len=width)
+        draft_hidden = self.draft_runner.forward(fb, half.feats)
+        self._stash_draft_state(s.sampled_rows, draft_hidden[s.last])
+        return half.tokens
+
+    # --- decode ----------------------------------------------------------------------------
+    def draft(self, s: SpecDecodeInputs, snap: Snapshot) -> tree_ops.DraftNodes:
+        if self.shape.num_steps == 0:  # a plain step (the draft-extend still follows it)
+            none = s.rows.new_zeros((s.rows.shape[0], 0))
+            return tree_ops.DraftNodes(none, none)
+        drafting = self._draft_start(s, snap.kv)
+        for _ in range(1, self.shape.num_steps):
+            drafting = self._draft_grow(self._draft_forward(drafting))
+        return drafting
+
+    def _draft_start(self, s: SpecDecodeInputs, kv: KVRows) -> "Drafting":
+        """The first draft level from the stash (rank 0's tree is the tree: the draft runs on
+        every rank)."""
+        state = self.future_map.gather_draft_state(s.rows)
+        k = self.shape.topk
+        topk_p, topk_index = state.topk_p, state.topk_index
+        if s.constrained:
+            # The stashed first level was drafted before the last step's tokens reached the
+            # matchers: draft it again from the stashed hidden state, under the committed masks.
+            self._channel.signal()
+            topk_p, topk_index = self.draft_runner.model.topk(state.hidden, k,
+                                                              bitmask=self._channel.masks(s.rows.shape[0]))
+        builder = tree_ops.draft_builder(self.shape, topk_p, topk_index, state.hidden)
+        branch_S = s.S.repeat_interleave(k) if self.shape.is_tree else s.S
+        return self._level_drafted(Drafting(s, kv, builder, branch_S, 1))
+
+    def _draft_forward(self, d: "Drafting") -> "Drafting":
+        """Draft step d.step's forward over the frontier."""
+        tokens, parent_hidden = d.builder.frontier()
+        branch_kv, loc = d.builder.step_kv(d.kv.table, d.inputs.S, d.branch_S, d.step)
+        positions = d.branch_S + (d.step - 1)  # also the KV length before this token
+        branches = d.branch_S.shape[0]
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=tokens, positions=positions,
+            kv_rows=KVRows.by_batch_index(branch_kv), prefix_lens=positions,
+            extend_lens_cpu=[1] * branches, out_cache_loc=loc, max_seq_len=branch_kv.shape[1])
+        return d._replace(out_hidden=self.draft_runner.forward(fb, parent_hidden))
+
+    def _draft_grow(self, d: "Drafting"):
+        """The next level from the forward's top-k (structured outputs: each frontier node
+        drafts from the tokens its path allows)."""
+        bitmask = self._channel.masks(d.branch_S.shape[0]) if d.inputs.constrained else None
+        # A chain needs only each step's argmax, not its probability.
+        d.builder.expand(*self.draft_runner.model.topk(d.out_hidden, self.shape.topk, with_probs=self.shape.is_tree,
+                                                       bitmask=bitmask), d.out_hidden)
+        return self._level_drafted(d._replace(step=d.step + 1, out_hidden=None))
+
+    def _level_drafted(self, d: "Drafting"):
+        """After a level: the Drafting of the next draft step, or after the last the drafted
+        nodes. Constrained, the paths the next masks walk go to the grammar process before the
+        forward that the masks wait for (it walks them while the forward runs)."""
+        if d.step < self.shape.num_steps:
+            if d.inputs.constrained:
+                self._channel.signal(*d.builder.candidates())
+            return d
+        return d.builder.finish()
+
+    def after_verify(self, v: Verified) -> None:
+        """Draft-extend over the (compacted) accepted path, stash the next draft input."""
+        s, accept = v.inputs, v.accept
+        bs, D = s.rows.shape[0], self.shape.num_draft_tokens
+        # The accepted path now sits at the verify nodes' row positions and slots (compacted).
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=accept.tokens.reshape(-1),
+            positions=v.chain_pos.reshape(-1), kv_rows=v.kv, prefix_lens=s.S,
+            extend_lens_cpu=[D] * bs, out_cache_loc=v.loc.reshape(-1),
+            seq_lens_cpu=plus(s.seq_lens_cpu, D), max_seq_len=s.width)
+        ext_hidden = self.draft_runner.forward(fb, v.feats).view(bs, D, -1)
+        self._stash_draft_state(s.rows, ext_hidden[arange(bs, s.rows.device), v.last])
+
+    def _stash_draft_state(self, rows, last_hidden):
+        topk_p, topk_index = self.draft_runner.model.topk(last_hidden, self.shape.topk)
+        self.future_map.stash_draft_state(rows, DraftState(topk_p, topk_index, last_hidden))

@@ -1,0 +1,125 @@
+"""N-gram (prompt lookup) drafting: drafts copied from the request's own prompt and output.
+
+The longest suffix of a request's known tokens (at most `max_n`, at least `min_n` tokens) that
+occurred earlier in them is looked up, and the tokens that followed its latest earlier
+occurrence are the drafts (vLLM's prompt lookup, SGLang's and TensorRT-LLM's n-gram drafting).
+No draft model: agentic, code-edit, RAG and summarisation traffic repeats its context, and the
+verifier (spec/verifier.py) keeps the output exactly the target's whatever is copied.
+
+Everything runs on the device, inside the step (and its CUDA graphs), so it adds no host sync:
+the drafter keeps every request's tokens in a table by (request row, position), written by the
+prefill (the whole sequence once its prefill ends) and by each verify (the emitted tokens),
+and matches with tensor ops over the batch.
+"""
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple
+
+import torch
+
+from specserve.engine.aranges import arange
+from specserve.engine.config import SpecConfig
+from specserve.engine.grammar.channel import DeviceChannel
+from specserve.engine.runtime.step import ExtendStep
+from specserve.engine.runtime.worker import ForwardInputs, Sampled, TargetModel
+from specserve.engine.spec.tree import DraftNodes, TreeShape
+from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified
+
+
+def propose(tokens: torch.Tensor, lengths: torch.Tensor, num_drafts: int, min_n: int, max_n: int) -> torch.Tensor:
+    """Drafts [bs, num_drafts] for sequences `tokens` [bs, W] of which the first `lengths` [bs]
+    (>= 2) are known: the longest suffix of n in [min_n, max_n] tokens that also ends at an
+    earlier position j (the latest such j among the longest), then the tokens after j.
+
+    The copy runs from j + 1 up to the last known token and then repeats that stretch: a match
+    ending d tokens before the end says the sequence continues as it did after j, d tokens
+    ahead, so the copy's continuation is the copy itself (a periodic run drafts its period).
+    Without a match (no earlier occurrence of even min_n tokens) the last token is repeated."""
+    bs, W = tokens.shape
+    device = tokens.device
+    last = lengths - 1                                                  # the last known token
+    k = arange(max_n, device)
+    suffix = tokens.gather(1, (last[:, None] - k).clamp(min=0))         # [bs, max_n]: token at last - k
+    ends = arange(W, device)                                            # a match's end j
+    back = ends[:, None] - k                                            # [W, max_n]: j - k
+    window = tokens[:, back.clamp(min=0)]                               # [bs, W, max_n]: token at j - k
+    # Token j - k matches suffix token k while both exist; a match may not reach the suffix
+    # itself (j < last), and its length is the run of matches from k = 0.
+    same = (window == suffix[:, None, :]) & (back >= 0) & (k <= last[:, None, None])
+    run = same.to(torch.int32).cumprod(dim=2).sum(dim=2)               # [bs, W]
+    run = torch.where(ends < last[:, None], run, 0)
+    score = torch.where(run >= min_n, run * W + ends, -1)              # longest, then latest
+    best, j = score.max(dim=1)
+    j = torch.where(best >= 0, j, last - 1)
+    period = last - j                                                   # d >= 1
+    t = arange(num_drafts, device)
+    return tokens.gather(1, j[:, None] + 1 + t % period[:, None])
+
+
+class NgramPrefill(NamedTuple):
+    """Each request whose prefill ends: its whole sequence, by (row, position)."""
+
+    rows: torch.Tensor       # [N]
+    positions: torch.Tensor  # [N]
+    tokens: torch.Tensor     # [N]
+
+
+class NgramDrafter:
+    """Prompt-lookup drafter (spec/drafter.py Drafter): a chain of num_draft_tokens - 1 copied
+    tokens per request."""
+
+    feature_layers = None
+
+    def __init__(self, target: TargetModel, spec: SpecConfig):
+        self.target = target
+        self.shape = TreeShape(1, spec.num_steps, spec.num_draft_tokens)
+        # Copied drafts are not masked: the grammar process only masks the verify tree.
+        self.grammar_shape = TreeShape(1, 1, spec.num_draft_tokens)
+        self.min_n, self.max_n = spec.ngram_min, spec.ngram_max
+        table = target.req_to_token.table
+        # Token at (row, position) of each request (row 0: padding rows).
+        self.tokens = torch.zeros_like(table)
+
+    def at_depth(self, depth: int) -> "NgramDrafter":
+        """This drafter drafting `depth` tokens (adaptive speculation; the token table is shared)."""
+        drafter = copy.copy(self)
+        drafter.shape = TreeShape(1, depth, depth + 1)
+        drafter.grammar_shape = TreeShape(1, 1, depth + 1)
+        return drafter
+
+    @property
+    def _channel(self) -> DeviceChannel:
+        return self.target.grammar.device
+
+    def prefill_inputs(self, step: ExtendStep) -> NgramPrefill:
+        rows, positions, tokens = [], [], []
+        for row, fill, (_, end), samples in zip(step.rows, step.fill_ids, step.chunks, step.samples):
+            if samples:  # chunks before it: the whole sequence is written once, with its cached prefix
+                rows += [row] * end
+                positions += range(end)
+                tokens += fill[:end]
+        to = self.target.to_device
+        return NgramPrefill(to(rows), to(positions), to(tokens))
+
+    def after_prefill(self, inputs: NgramPrefill, target: ForwardInputs, sampled: Sampled) -> None:
+        self.tokens[inputs.rows, inputs.positions] = inputs.tokens
+        # The sampled token (rows of chunks that sample nothing write padding row 0).
+        self.tokens[target.stash_rows, target.prefix_lens + target.extend_lens] = sampled.tokens
+
+    def captured_extend_part(self, width: int):
+        return None  # a captured extend has no host view of a cached prefix's tokens
+
+    def draft(self, s: SpecDecodeInputs, snap: Snapshot) -> DraftNodes:
+        """The bonus token at S is the last known one (written by the last verify or prefill)."""
+        if s.constrained:  # the grammar process's first phase, the committed masks: not needed here
+            self._channel.signal()
+            self._channel.masks(s.rows.shape[0])
+        keep = self.shape.num_draft_tokens - 1
+        drafts = propose(self.tokens[s.rows, :s.width], s.S + 1, keep, self.min_n, self.max_n)
+        return DraftNodes(drafts, arange(keep, drafts.device).expand_as(drafts))
+
+    def after_verify(self, v: Verified) -> None:
+        """The emitted tokens at S + 1 ...: the accepted run's (and past it, tokens the next
+        iteration does not read: it reads up to its bonus token)."""
+        self.tokens[v.inputs.rows[:, None], v.chain_pos + 1] = v.accept.tokens

@@ -1,0 +1,283 @@
+"""Adaptive speculation: the depth choice against a stub step-time table (spec/adaptive.py), and
+the engine's output unchanged by any choice of depths (spec/adaptive_worker.py)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import random_prompts
+
+from specserve.engine import SamplingParams, SpecConfig
+from specserve.engine.spec.adaptive import AcceptanceEstimate, DepthPolicy, StepTimes, expected_tokens
+
+# Milliseconds, shaped like the issue's H100 8B numbers: at bs=1 a 3-draft chain step costs
+# ~1.1x a plain one, at bs=64 1.55x.
+TIMES = StepTimes({1: {0: 6.0, 1: 6.2, 3: 6.6, 5: 7.2},
+                   16: {0: 7.0, 1: 7.6, 3: 8.5, 5: 9.6},
+                   64: {0: 10.0, 1: 12.0, 3: 15.5, 5: 19.0}})
+
+
+ROWS = list(range(1, 65))
+
+
+def _policy(probe_every: int = 4, prior: float = 0.5, decay: float = 0.5) -> DepthPolicy:
+    return DepthPolicy(TIMES, AcceptanceEstimate(64, prior=prior, decay=decay), probe_every=probe_every)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == 1.75
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_deep_drafts_at_small_batches_plain_at_large_ones_with_poor_acceptance():
+    policy = _policy()
+    assert policy.best(1, 0.8) == 5
+    assert policy.best(1, 0.02) == 0        # 1.02 tokens for 1.03x the time
+    # The same acceptance: one draft pays at bs=1 (1.2 tokens, 1.03x), not at bs=64 (1.2x).
+    assert policy.best(1, 0.2) == 1 and policy.best(64, 0.2) == 0
+    # bs=64 at a middling rate: a 3-draft step's 1.74 tokens for 1.55x lose to one draft.
+    assert policy.best(64, 0.45) == 1
+    assert policy.best(64, 0.7) == 3
+
+
+def test_the_choice_maximises_tokens_per_second():
+    policy = _policy()
+    for rate in [i / 20 for i in range(21)]:
+        for bs in (1, 2, 16, 40, 64, 200):
+            chosen = policy.best(bs, rate)
+            speed = {d: expected_tokens(rate, d) / TIMES.seconds(bs, d) for d in TIMES.depths}
+            assert speed[chosen] == max(speed.values())
+            # Never below plain decoding.
+            assert speed[chosen] >= speed[0]
+
+
+def test_batches_between_buckets_take_the_next_larger_bucket():
+    assert TIMES.seconds(2, 3) == TIMES.seconds(16, 3) == 8.5
+    assert TIMES.seconds(17, 0) == 10.0
+    assert TIMES.seconds(500, 5) == 19.0   # past the largest: the largest
+    assert TIMES.depths == (0, 1, 3, 5)
+
+
+def test_acceptance_estimate_counts_truncated_runs_per_row():
+    est = AcceptanceEstimate(8, prior=0.5, decay=0.5)
+    est.update(3, [1, 2], [4, 4])            # every draft accepted: 3 of 3 tried a row
+    assert est.rate([1]) == est.rate([1, 2]) == pytest.approx((0.5 * 0.5 + 3) / (0.5 * 1 + 3))
+    assert est.rate([3]) == 0.5              # a row no step ran: the prior
+    est.update(0, [1, 2, 3], [1, 1, 1])      # plain steps say nothing
+    assert est.rate([1, 2]) == pytest.approx((0.5 * 0.5 + 3) / (0.5 * 1 + 3))
+    for _ in range(20):
+        est.update(3, [3, 4], [1, 2])        # 0 of 1 tried, 1 of 2
+    assert est.rate([3]) == pytest.approx(0.0, abs=1e-4) and est.rate([4]) == pytest.approx(0.5, abs=1e-4)
+    assert est.rate([3, 4]) == pytest.approx(1 / 3, abs=1e-4)  # pooled: 1 of 3 tried
+    est.reset([1])                            # a new request in row 1
+    assert est.rate([1]) == 0.5
+
+
+def test_a_batch_is_chosen_for_by_its_own_requests():
+    policy = _policy()
+    est = policy.estimate
+    for _ in range(10):
+        est.update(5, [1], [6])              # row 1 accepts everything
+        est.update(5, [2], [1])              # row 2 nothing
+    assert policy.choose([1]) == 5 and policy.choose([2]) == 0
+
+
+def test_falls_back_to_plain_and_probes_back_when_acceptance_recovers():
+    policy = _policy(prior=0.9)
+    est = policy.estimate
+    assert policy.choose(ROWS) == 5
+    for _ in range(6):
+        est.update(5, ROWS, [1] * 64)        # nothing accepted: plain wins
+    assert est.rate(ROWS) < 0.1
+    chosen = [policy.choose(ROWS) for _ in range(10)]
+    # Plain, with a probe at the smallest depth after every 4 plain steps in a row.
+    assert chosen == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    for _ in range(6):
+        est.update(1, ROWS, [2] * 64)        # the probes are accepted again
+    assert policy.choose(ROWS) == 5
+
+
+@pytest.mark.parametrize("seconds,field", [
+    ({}, "step_times"),
+    ({1: {1: 5.0, 3: 6.0}}, "step_times"),            # no plain step
+    ({1: {0: 5.0, 3: 6.0}, 8: {0: 5.0}}, "step_times"),  # buckets disagree on depths
+    ({1: {0: 5.0, 3: 0.0}}, "step_times"),
+])
+def test_bad_tables_are_refused_naming_the_field(seconds, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        StepTimes(seconds)
+
+
+def test_bad_settings_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^prior:"):
+        AcceptanceEstimate(4, prior=1.5)
+    with pytest.raises(ValueError, match=r"^decay:"):
+        AcceptanceEstimate(4, decay=1.0)
+    with pytest.raises(ValueError, match=r"^probe_every:"):
+        DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=0)
+
+
+# --- the engine: any choice of depths leaves the output unchanged ---------------------------------
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from helpers import make_predictable_pair
+
+    return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
+
+
+class RandomDepths:
+    """A stand-in policy: a seeded random depth per step (the worker's depths, plain included)."""
+
+    def __init__(self, depths, seed: int):
+        self.depths = depths
+        self.rng = random.Random(seed)
+        self.chosen = []
+
+    def choose(self, rows) -> int:
+        self.chosen.append(self.rng.choice(self.depths))
+        return self.chosen[-1]
+
+
+def _spec(pair, algorithm: str, **kwargs) -> SpecConfig:
+    draft = None if algorithm == "ngram" else pair[1]
+    return SpecConfig(algorithm=algorithm, draft_model=draft, num_steps=4, num_draft_tokens=5, adaptive=True,
+                      **kwargs)
+
+
+def _randomise(engine, seed: int) -> RandomDepths:
+    worker = engine.core.worker
+    worker.policy = RandomDepths(sorted(worker.workers), seed)
+    return worker.policy
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    from specserve.engine import Engine, EngineConfig
+
+    prompts = random_prompts(8, seed=3, max_len=24)
+    params = [SamplingParams(max_new_tokens=[3, 30][i % 2], temperature=[0.0, 0.8][i % 3 == 2],
+                             seed=100 + i, n=2 if i == 5 else 1, ignore_eos=True) for i in range(8)]
+    with Engine(EngineConfig(model=pair[0], device="cpu", dtype="float32", spec=None)) as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    return prompts, params, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_depths_leave_greedy_and_seeded_outputs_unchanged(pair, reference, make_engine, algorithm, overlap):
+    prompts, params, expected = reference
+    engine = make_engine(pair[0], spec=_spec(pair, algorithm), enable_overlap=overlap)
+    assert sorted(engine.core.worker.workers) == [0, 1, 2, 4]
+    policy = _randomise(engine, seed=7)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    assert set(policy.chosen) == {0, 1, 2, 4}
+
+
+def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine, monkeypatch):
+    """Every depth's captured step (the CPU stand-in), requests retracted in between."""
+    from helpers import graphed_engine
+
+    prompts, params, expected = reference
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, "eagle"),
+                                    max_total_tokens=110)
+    _randomise(engine, seed=8)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    assert engine.metrics.num_retractions > 0
+    replayed = {id(g) for g, _, _ in graphs.replays}
+    for worker in engine.core.worker.workers.values():  # greedy or sampled variants
+        assert replayed & {id(g) for g in (worker.graphs, *worker.sampled_graphs.values())}
+
+
+def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, make_engine):
+    engine = make_engine(pair[0], spec=_spec(pair, "eagle"), max_running_requests=4)
+    worker = engine.core.worker
+    times = worker.policy.times
+    assert times.buckets == [1, 4] and times.depths == (0, 1, 2, 4)
+    assert all(times.seconds(bs, d) > 0 for bs in (1, 4) for d in times.depths)
+    # Measured times are the machine's: choose by a table where drafting is free, so that the
+    # steps draft (and their acceptance is measured) whatever this machine timed.
+    worker.policy = DepthPolicy(StepTimes({4: {d: 1.0 for d in times.depths}}), worker.estimate)
+    rows = list(range(1, 5))
+    before = worker.estimate.rate(rows)
+    prompts = random_prompts(4, seed=5, max_len=20)
+    engine.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_new_tokens=30, temperature=0.0,
+                                                                      ignore_eos=True))
+    # The predictable pair accepts most drafts: its rows' estimate rose from the prior.
+    assert worker.estimate.rate(rows) > before
+
+
+class Recorded(DepthPolicy):
+    """The policy, its choices recorded."""
+
+    chosen: list
+
+    def choose(self, rows) -> int:
+        self.chosen.append(super().choose(rows))
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("spec_cost,expected_depth", [(10.0, 0), (1.0, 4)], ids=["costly", "free"])
+def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypatch, spec_cost, expected_depth):
+    """A stub table where drafting costs 10x a plain step: plain steps (and a probe now and
+    then); where it costs nothing: the deepest. The output is plain decoding's either way."""
+    prompts = random_prompts(3, seed=6, max_len=16)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in make_engine(pair[0]).generate(prompt_token_ids=prompts, sampling=params)]
+    engine = make_engine(pair[0], spec=_spec(pair, "eagle"))
+    worker = engine.core.worker
+    table = StepTimes({4: {d: 1.0 if d == 0 else spec_cost for d in worker.workers}})
+    worker.policy = Recorded(table, worker.estimate, probe_every=8)
+    worker.policy.chosen = []
+    launched = []  # (depth of the worker that ran the step, its verify's node count)
+    for depth, sub in worker.workers.items():
+        def launch(step, depth=depth, sub=sub, run=sub.launch_decode):
+            launched.append((depth, sub.verifier.shape.num_draft_tokens))
+            return run(step)
+        monkeypatch.setattr(sub, "launch_decode", launch)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    chosen = worker.policy.chosen
+    assert chosen.count(expected_depth) > len(chosen) * 0.8
+    assert launched == [(d, d + 1) for d in chosen]
+
+
+def test_adaptive_config_errors_name_the_field():
+    from specserve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^spec.adaptive:"):
+        SpecConfig(draft_model="/d", num_steps=3, topk=2, num_draft_tokens=6, adaptive=True)
+    with pytest.raises(ValueError, match=r"^spec.adaptive:"):
+        EngineConfig(spec=SpecConfig(adaptive=True), tp_size=2)
+
+
+def test_cli_turns_adaptive_on():
+    from specserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--speculative-algorithm", "ngram",
+                                      "--speculative-adaptive"])
+    assert engine_config_from_args(args).spec == SpecConfig(algorithm="ngram", adaptive=True)
+    plain = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"])
+    assert engine_config_from_args(plain).spec == "default"
+
+
+# --- GPU (pytest -m gpu) ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+def test_gpu_adaptive_graphs_every_depth_and_keeps_outputs(pair, reference, make_engine, algorithm):
+    """Graphs for every depth, a table measured from their replays, random depths equal to
+    plain decoding, and the policy's own steps without a blocking host sync."""
+    from helpers import steady_state_steps
+
+    prompts, params, expected = reference
+    engine = make_engine(pair[0], device="cuda", attention_backend="triton", max_running_requests=16,
+                         spec=_spec(pair, algorithm))
+    worker = engine.core.worker
+    assert engine.core.uses_cuda_graphs and all(w.graphs is not None for w in worker.workers.values())
+    assert worker.policy.times.buckets == worker.deepest.graphs.buckets
+    policy = worker.policy
+    _randomise(engine, seed=9)
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    worker.policy = policy
+    steady_state_steps(engine, [5, 6, 7, 8])
