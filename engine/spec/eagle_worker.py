@@ -38,7 +38,10 @@ from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
-from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
+from specserve.engine.runtime.mixed_step import (DecodeRows, join_verify_result, logit_rows,
+                                                 mixed_forward_batch, sample_chunks)
+from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
+                                           launch_forward)
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphs_for
 from specserve.engine.spec import tree as tree_ops
 
@@ -143,33 +146,87 @@ class EagleWorker:
         bucket = None if self.extend_graphs is None else extend_bucket(step, self.extend_graphs.buckets)
         if bucket is not None:
             return self._replay_captured_extend(step, bucket)
-        target = self.target.extend_inputs(step)
-        shifted = []
-        for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
-            shifted += fill[start + 1:end + 1] + [0] * samples
-        inputs = EagleExtendInputs(target, self.target.to_device(shifted),
-                                   self.target.to_device(step.samples, torch.bool))
+        inputs = self._extend_inputs(step)
+        target = inputs.target
         self.target.plan_grammar(ONE, len(step.rows), step.grammar)
         publish_ready = self.future_map.new_publish_event()
 
         def body(read_done) -> StepResult:
             sampled = self.target.forward_and_sample(target, read_done, self.aux_layers)
-            shifted_ids = inputs.shifted_ids.clone()
-            shifted_ids[target.sample_rows] = torch.where(inputs.samples, sampled.tokens,
-                                                          shifted_ids[target.sample_rows])
             self.future_map.publish(target.stash_rows, target.prefix_lens + target.extend_lens)
             publish_ready.record()
-            fb = ForwardBatch(
-                mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions,
-                kv_rows=KVRows(self.target.req_to_token.table, target.rows),
-                prefix_lens=target.prefix_lens, extend_lens_cpu=target.extend_lens_cpu,
-                out_cache_loc=target.out_cache_loc, seq_lens_cpu=target.seq_lens_cpu,
-                max_seq_len=target.max_seq_len)
-            draft_hidden = self.draft.forward(fb, sampled.aux_hidden if self.aux_layers else sampled.hidden)
-            self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
+            self._draft_extend_chunks(inputs, sampled.tokens,
+                                      sampled.aux_hidden if self.aux_layers else sampled.hidden,
+                                      KVRows(self.target.req_to_token.table, target.rows))
             return sampled.step_result()
 
         return launch_forward(self.target.ctx, inputs, body)
+
+    def _extend_inputs(self, step: ExtendStep) -> EagleExtendInputs:
+        target = self.target.extend_inputs(step)
+        shifted = []
+        for fill, (start, end), samples in zip(step.fill_ids, step.chunks, step.samples):
+            shifted += fill[start + 1:end + 1] + [0] * samples
+        return EagleExtendInputs(target, self.target.to_device(shifted),
+                                 self.target.to_device(step.samples, torch.bool))
+
+    def _draft_extend_chunks(self, inputs: EagleExtendInputs, tokens: torch.Tensor, feats: torch.Tensor,
+                             kv: KVRows) -> None:
+        """The draft forward over prefill chunks (`tokens`: what each sampled; `feats`: the
+        target's features of their tokens), and each chunk's next draft input stashed."""
+        target = inputs.target
+        shifted_ids = inputs.shifted_ids.clone()
+        shifted_ids[target.sample_rows] = torch.where(inputs.samples, tokens, shifted_ids[target.sample_rows])
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions,
+            kv_rows=kv, prefix_lens=target.prefix_lens, extend_lens_cpu=target.extend_lens_cpu,
+            out_cache_loc=target.out_cache_loc, seq_lens_cpu=target.seq_lens_cpu,
+            max_seq_len=target.max_seq_len)
+        draft_hidden = self.draft.forward(fb, feats)
+        self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
+
+    # --- mixed: verify rows and prefill chunks in one target forward --------------------------
+    def mixed_row_tokens(self) -> int:
+        return self.tree.num_draft_tokens if self.target.runner.attn_backend.supports_mixed_forward else 0
+
+    def launch_mixed(self, step: MixedStep) -> Launched:
+        """Draft the decode rows, then one target forward over their verify nodes and the
+        chunks (runtime/mixed_step.py), then accept and draft-extend each part as its own step
+        does. The chunks' table rows are read through a snapshot taken with the decode rows'."""
+        D = self.tree.num_draft_tokens
+        rows = self.target.to_device(step.decode.rows)
+        seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
+        chunks = self._extend_inputs(step.extend)
+        c = chunks.target
+        width = max(max(step.decode.allocated_lens), c.max_seq_len)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, width, step.decode.sampling)
+        publish_ready = self.future_map.new_publish_event()
+
+        def body(read_done) -> StepResult:
+            drafting = self._draft_start(inputs)
+            chunk_kv = self.target.req_to_token.table[c.rows, :width]
+            read_done.record()
+            for _ in range(1, self.tree.num_steps):
+                drafting = self._draft_grow(self._draft_forward(drafting))
+            tree, n = drafting.tree, rows.shape[0] * D
+            loc = drafting.kv.table.gather(1, tree.slot_positions)
+            verify_rows = DecodeRows(tree.tokens.reshape(-1), tree.positions.reshape(-1), seq_lens,
+                                     loc.reshape(-1), D, _plus(seq_lens_cpu, D), tree.mask)
+            kv = KVRows.by_batch_index(torch.cat([drafting.kv.table, chunk_kv]))
+            hidden, aux = self.target.runner.forward(
+                mixed_forward_batch(verify_rows, c, kv, width, self.aux_layers))
+            feats = aux if self.aux_layers else hidden
+            logits = self.target.model.compute_logits(hidden[logit_rows(n, c)])
+            verified = self._verify_accept(Verifying(inputs, drafting.kv, tree, loc, logits[:n], feats[:n]))
+            tokens = self.target.model.tp.broadcast(sample_chunks(logits[n:], c))
+            self.future_map.stash_tokens(c.stash_rows, tokens)
+            self.future_map.publish(c.stash_rows, c.prefix_lens + c.extend_lens)
+            publish_ready.record()
+            result = self._extend_half(verified)
+            self._draft_extend_chunks(chunks, tokens, feats[n:], KVRows.by_batch_index(chunk_kv))
+            return join_verify_result(result, tokens)
+
+        return launch_forward(self.target.ctx, (inputs, chunks), body)
 
     def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
