@@ -542,10 +542,3 @@ def record_steps(engine, old_order: bool = False) -> list[Step]:
 
     policy.schedule = recording
     return steps
-
-
-def separate_extends(engine):
-    """Turn the engine's mixed steps off: prompts run in extends of their own, as with a
-    worker whose attention backend cannot mix (FlashInfer)."""
-    engine.core.scheduler.policy.mixed_row_tokens = 0
-    return engine

@@ -11,8 +11,7 @@ import random
 
 import pytest
 
-from helpers import (Step, assert_no_leaks, drive, make_predictable_pair, random_prompts,
-                     record_steps, separate_extends)
+from helpers import Step, assert_no_leaks, drive, make_predictable_pair, random_prompts, record_steps
 
 from specserve.engine import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.scheduler.mixed_batch import prompt_budget
@@ -56,8 +55,11 @@ def _burst(seed: int = 11):
 
 
 def _engine(make_engine, model, mixed: bool, **kw):
-    engine = make_engine(model, **kw)
-    return engine if mixed else separate_extends(engine)
+    """mixed=False: prompts in extends of their own (EngineConfig.mixed_steps; what a worker
+    whose attention backend cannot mix runs)."""
+    engine = make_engine(model, mixed_steps=mixed, **kw)
+    assert engine.core.scheduler.policy.mixed_row_tokens == (1 if mixed else 0)
+    return engine
 
 
 # --- the step sequence -----------------------------------------------------------------------
@@ -249,6 +251,7 @@ def test_the_cli_flag(capsys):
     assert config().prefill_interleave_tokens == 1024
     assert config("--prefill-interleave-tokens", "0").prefill_interleave_tokens == 0
     assert config("--prefill-interleave-tokens", "64").prefill_interleave_tokens == 64
+    assert config().mixed_steps and not config("--disable-mixed-steps").mixed_steps
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--prefill-interleave-tokens", "-1"])
     assert exit_info.value.code == 2
