@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -475,9 +475,9 @@ def process_exited(pid: int) -> bool:
         return True
 
 
-def drive(engine, arrivals, max_steps: int = 3000):
+def drive(engine, arrivals, max_steps: int = 3000, accepted: Optional[dict] = None):
     """Add (step, rid, prompt, params) arrivals at their steps and run to the end; returns
-    {(rid, index): (tokens, finish_reason)}."""
+    {(rid, index): (tokens, finish_reason)}; `accepted` gets each sequence's accepted drafts."""
     tokens, results = {}, {}
     expected = sum(params.n for *_, params in arrivals)
     for step in range(max_steps):
@@ -489,6 +489,8 @@ def drive(engine, arrivals, max_steps: int = 3000):
             tokens.setdefault(key, []).extend(out.new_token_ids)
             if out.finished:
                 results[key] = (tokens[key], out.finish_reason)
+                if accepted is not None:
+                    accepted[key] = out.num_accepted_drafts
         if len(results) == expected and not engine.has_unfinished():
             break
     assert len(results) == expected, "not every request finished"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import (assert_no_leaks, drive, graphed_engine, make_predictable_pair, random_prompts,
-                     record_steps)
+from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, make_predictable_pair,
+                     random_prompts, record_steps)
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.forward_batch import ForwardMode
@@ -56,11 +56,11 @@ def alone(pair, make_engine, mode: str) -> dict:
     if mode not in _REFERENCES:
         engine = make_engine(pair[0], spec=_spec(pair, mode), enable_overlap=False, enable_prefix_cache=False,
                              prefill_interleave_tokens=0)
-        results = {}
+        results, accepted = {}, {}
         for _, rid, prompt, params in _arrivals():
-            results.update(drive(engine, [(0, rid, prompt, params)]))
+            results.update(drive(engine, [(0, rid, prompt, params)], accepted=accepted))
         assert engine.metrics.num_mixed_steps == 0
-        _REFERENCES[mode] = results
+        _REFERENCES[mode] = results, accepted
     return _REFERENCES[mode]
 
 
@@ -72,11 +72,14 @@ def _rode(steps, rid: str) -> list:
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("mode", list(SHAPES))
 def test_arrivals_ride_with_decode_rows_and_outputs_equal_each_alone(pair, make_engine, mode, overlap, cache):
-    expected = alone(pair, make_engine, mode)
+    expected, expected_accepted = alone(pair, make_engine, mode)
     engine = make_engine(pair[0], spec=_spec(pair, mode), enable_overlap=overlap, enable_prefix_cache=cache,
                          prefill_interleave_tokens=BUDGET)
     steps = record_steps(engine)
-    assert drive(engine, _arrivals()) == expected
+    accepted = {}
+    assert drive(engine, _arrivals(), accepted=accepted) == expected
+    # The drafts too: each chunk's draft-extend left the draft state a prefill alone leaves.
+    assert accepted == expected_accepted
     # Every arrival's prompt rode in decode steps' forwards: no extend of its own while others
     # decoded (the first two met an idle engine).
     assert not any(s.extend and s.decoding for s in steps)
@@ -103,7 +106,7 @@ def test_arrivals_ride_with_decode_rows_and_outputs_equal_each_alone(pair, make_
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_overlap_under_random_forward_delays(pair, make_engine, monkeypatch, mode):
     """Seeded sleeps around every forward reorder host and device progress in the overlap loop."""
-    expected = alone(pair, make_engine, mode)
+    expected, _ = alone(pair, make_engine, mode)
     monkeypatch.setenv("SPECSERVE_FORWARD_DELAY", "5:3")
     engine = make_engine(pair[0], spec=_spec(pair, mode), enable_overlap=True, prefill_interleave_tokens=BUDGET)
     assert drive(engine, _arrivals()) == expected
@@ -114,7 +117,7 @@ def test_overlap_under_random_forward_delays(pair, make_engine, monkeypatch, mod
 def test_graphed_decode_steps_and_eager_mixed_steps_interleave(pair, make_engine, monkeypatch, mode):
     """With (CPU stand-in) CUDA graphs the decode steps between arrivals replay them and the
     mixed steps run eagerly; the outputs stay those of each request alone."""
-    expected = alone(pair, make_engine, mode)
+    expected, _ = alone(pair, make_engine, mode)
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, mode),
                                     prefill_interleave_tokens=BUDGET)
     graphs.replays.clear()
@@ -122,6 +125,22 @@ def test_graphed_decode_steps_and_eager_mixed_steps_interleave(pair, make_engine
     assert engine.metrics.num_mixed_steps > 0
     worker = engine.core.worker
     assert any(g is worker.graphs or g in worker.sampled_graphs.values() for g, _, _ in graphs.replays)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_an_eagle3_head_reads_the_chunks_features(pair, make_engine, tmp_path, mode):
+    """EAGLE-3 (the bench's head) drafts from several target layers' features: each part's
+    draft-extend reads its own rows of them."""
+    head = make_eagle3_head(str(tmp_path / "head"), target_layers=2)
+    spec = SpecConfig(algorithm="eagle3", draft_model=head, **SHAPES[mode])
+    arrivals = _arrivals()[:4]
+    expected = {}
+    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
+    engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
+    assert drive(engine, arrivals) == expected
+    assert engine.metrics.num_mixed_steps > 0
 
 
 @pytest.mark.parametrize("mode", ["plain", "chain", "tree"])
@@ -143,7 +162,7 @@ def test_requests_that_cannot_ride_get_extends_of_their_own(pair, make_engine):
     """A request asking for logprobs arrives while others decode: it is prefilled in an extend
     of its own (then a decode step is owed); while it decodes, no prompt rides (a grammar's
     request alike); its outputs and the others' stay exact."""
-    expected = alone(pair, make_engine, "chain")
+    expected, _ = alone(pair, make_engine, "chain")
     engine = make_engine(pair[0], spec=_spec(pair, "chain"), prefill_interleave_tokens=BUDGET)
     steps = record_steps(engine)
     arrivals = _arrivals()
