@@ -213,9 +213,10 @@ def test_outputs_equal_the_rule_off(pair, make_engine, overlap, speculative):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "chain"])
-def test_outputs_equal_the_rule_off_under_retraction(pair, make_engine, overlap, speculative):
-    spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **CHAIN) if speculative else None
+@pytest.mark.parametrize("shape", [None, CHAIN, dict(num_steps=2, topk=2, num_draft_tokens=4)],
+                         ids=["plain", "chain", "tree"])
+def test_outputs_equal_the_rule_off_under_retraction(pair, make_engine, overlap, shape):
+    spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **shape) if shape else None
     prompts = random_prompts(8, seed=31, min_len=10, max_len=30)
     arrivals = [(i // 2, f"r{i}", p, _greedy(40)) for i, p in enumerate(prompts)]
     results = {}
