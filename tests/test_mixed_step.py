@@ -221,3 +221,20 @@ def test_a_mixed_decision_lists_decode_rows_first(pair, make_engine):
         assert d.decode_reqs == d.reqs[:d.num_decode] and d.extend_reqs == d.reqs[d.num_decode:]
         assert len(d.chunks) == len(d.samples) == len(d.extend_reqs) > 0
         assert not any(r.is_prefilling for r in d.decode_reqs)
+
+
+def test_a_request_that_cannot_ride_is_not_passed_over_by_the_prefix_order(pair, make_engine):
+    """With the prefix cache, admission takes the longest cached prefix first: a request that
+    cannot ride (logprobs) may come first there although it arrived last. The mixed step stops
+    at it and the next step is an extend that takes it, while the others still decode."""
+    base = random_prompts(1, seed=71, min_len=40, max_len=40)[0]
+    engine = make_engine(pair[0], spec=_spec(pair, "chain"), prefill_interleave_tokens=BUDGET)
+    engine.generate(prompt_token_ids=[base], sampling=_greedy(2))  # caches `base`
+    steps = record_steps(engine)
+    fresh = random_prompts(1, seed=72, min_len=20, max_len=20)[0]
+    scored = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    got = drive(engine, [(0, "d", random_prompts(1, seed=73, max_len=6)[0], _greedy(40)),
+                         (3, "fresh", fresh, _greedy(4)), (3, "scored", base + [5, 6], scored)])
+    own = _rode(steps, "scored")
+    assert len(own) == 1 and own[0].extend and own[0].decoding  # taken while "d" decoded
+    assert len(got[("scored", 0)][0]) == 4 and len(got[("fresh", 0)][0]) == 4

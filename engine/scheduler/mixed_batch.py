@@ -12,8 +12,9 @@ that prompts still advance while a large batch decodes.
 A request whose sampling needs per-row device state the mixed forward does not carry rides
 in no mixed step: a grammar (the grammar process plans one kind of step per launch), repeat
 penalties (the penalty table's prefill init), logprobs and prompt logprobs (their result
-shapes). While such a request decodes or waits at the head of the queue, the policy keeps the
-separate-extend order (an extend, then a decode step owed).
+shapes). While such a request decodes, the policy keeps the separate-extend order (an extend,
+then a decode step owed); when a mixed step's prefill reaches one (mid-prefill, or next in the
+admission order), the step stops there and the next one is a separate extend, which takes it.
 """
 from __future__ import annotations
 

@@ -41,6 +41,9 @@ class AdmissionPolicy:
         self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
         self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
         self.mixed_row_tokens = mixed_row_tokens
+        # A mixed step's prefill stopped at a request that cannot ride: the next step that is
+        # not a decode step owed is a separate extend, which takes it (in admission order).
+        self._non_rider_next = False
         self._last_was_extend = False  # the last decision schedule() returned (and was launched)
         self.max_context_len = max_context_len
         self.waiting: collections.deque[Req] = collections.deque()
@@ -67,24 +70,17 @@ class AdmissionPolicy:
         decoding = self.interleave_tokens > 0 and bool(self._decode_ready())
         if decoding and self._last_was_extend:
             decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
-        elif decoding and self.mixed_row_tokens and self._head_rides_mixed():
+        elif (decoding and self.mixed_row_tokens and not self._non_rider_next
+              and all(rides_mixed(r) for r in self._decode_ready())):
             decision = self._mixed(nothing_in_flight)
         else:
+            self._non_rider_next = False
             budget = min(self.chunk_budget, self.interleave_tokens) if decoding else self.chunk_budget
             decision = self._prefill(budget) or self._decode(nothing_in_flight)
         self._last_was_extend = decision is not None and decision.mode is ForwardMode.EXTEND
         return decision
 
     # --- mixed ---------------------------------------------------------------------------
-    def _head_rides_mixed(self) -> bool:
-        """Whether every decoding request and the next prompt to prefill (mid-prefill first,
-        then the queue's head) may ride in a mixed step."""
-        if not all(rides_mixed(r) for r in self._decode_ready()):
-            return False
-        head = next((r for r in self.running if r.is_prefilling), None) or \
-            (self.waiting[0] if self.waiting else None)
-        return head is None or rides_mixed(head)
-
     def _mixed(self, nothing_in_flight: bool) -> Optional[Decision]:
         """A decode step of every request that may grow, with prompt chunks riding along (a
         plain decode step when no prompt is ready, a plain extend when nobody is left to
@@ -107,13 +103,14 @@ class AdmissionPolicy:
         """Prefill chunks computing at most `budget` tokens (a cached or shared prefix is
         mapped, not computed, so it is free). `reserved`: slots a decode step launched with
         these chunks reserves; `only`: the requests that may take a chunk (the first that may
-        not ends the decision, so none is bypassed)."""
+        not ends the decision, so none is bypassed, and `_non_rider_next` is set)."""
         taken = reserved  # slots this decision's chunks (and the decode rows) take when built
         reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
                 if only is not None and not only(req):
+                    self._non_rider_next = True
                     break
                 n = min(budget, len(req.fill_ids) - req.num_prefilled, self.slots.num_free - taken)
                 if n == 0:
@@ -130,7 +127,8 @@ class AdmissionPolicy:
         headroom = sum(self.slots.to_reserve(r) for r in self.running) - reserved
         can_admit = lambda: (budget > 0 and len(self.running) < self.max_running  # noqa: E731
                              and self.slots.num_free_rows > 0)
-        for req in self._admission_order() if self.waiting and can_admit() else ():
+        admitting = self.waiting and can_admit() and not self._non_rider_next
+        for req in self._admission_order() if admitting else ():
             if not can_admit():
                 break
             if req.shared is not None and req.shared.blocks(req):
@@ -140,6 +138,7 @@ class AdmissionPolicy:
             if req.waits_for_grammar:
                 continue
             if only is not None and not only(req):
+                self._non_rider_next = True
                 break
             # It prefills prompt + outputs so far, past what its row can map (a cached or a
             # shared prefix).
