@@ -238,3 +238,33 @@ def test_a_request_that_cannot_ride_is_not_passed_over_by_the_prefix_order(pair,
     own = _rode(steps, "scored")
     assert len(own) == 1 and own[0].extend and own[0].decoding  # taken while "d" decoded
     assert len(got[("scored", 0)][0]) == 4 and len(got[("fresh", 0)][0]) == 4
+
+
+@pytest.mark.parametrize("victim", ["long", "d0"], ids=["riding-chunk", "decode-row"])
+@pytest.mark.parametrize("mode", ["plain", "tree"])
+def test_an_abort_during_mixed_steps_frees_its_kv(pair, make_engine, mode, victim):
+    """Aborted while its prompt rides in chunks (or while it decodes next to riding chunks),
+    with a step in flight: its KV is freed, the others' outputs stay each one's alone."""
+    expected, _ = alone(pair, make_engine, mode)
+    engine = make_engine(pair[0], spec=_spec(pair, mode), prefill_interleave_tokens=BUDGET)
+    steps = record_steps(engine)
+    arrivals = _arrivals() + [(3, "one", random_prompts(1, seed=81, max_len=9)[0], _greedy(1))]
+    tokens, finished = {}, {}
+    for step in range(400):
+        for at, rid, prompt, params in arrivals:
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        if step == 4:
+            assert any(s.mixed and ("long", 0) in s.reqs for s in steps)  # "long" is riding
+            assert engine.core.scheduler.reqs[("long", 0)].is_prefilling  # ... not done yet
+            engine.abort(victim)
+        for out in engine.step():
+            tokens.setdefault((out.rid, out.index), []).extend(out.new_token_ids)
+            if out.finished:
+                finished[(out.rid, out.index)] = out.finish_reason
+        if not engine.has_unfinished():
+            break
+    assert finished.pop((victim, 0)) == "abort"
+    assert len(tokens.pop(("one", 0))) == 1 and finished.pop(("one", 0)) == "length"
+    assert {k: (tokens[k], finished[k]) for k in finished} == {k: v for k, v in expected.items() if k[0] != victim}
+    assert_no_leaks(engine)
