@@ -313,6 +313,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         policy=AdmissionPolicy(slots, max_running_requests=num_rows,
                                chunked_prefill_size=config.chunked_prefill_size,
                                prefill_interleave_tokens=config.prefill_interleave_tokens,
+                               mixed_row_tokens=worker.mixed_row_tokens() if config.mixed_steps else 0,
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None,

@@ -277,12 +277,16 @@ class EngineConfig:
     # vLLM's --gpu-memory-utilization; two engines of 0.45 share one GPU. CUDA only.
     gpu_memory_utilization: float = 0.9
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; 0 or less disables
-    # Decode fairness: while some request decodes, an extend step computes at most this many
-    # prompt tokens (longer prompts are chunked; cached prefixes are free) and is followed by a
-    # decode step, so decode streams never wait behind two extends in a row. With nobody
-    # decoding, an extend is bounded by chunked_prefill_size only. 0 turns it off (prefill
-    # first: extends back to back while prompts wait).
+    # Decode fairness: while some request decodes, prompt chunks ride in its decode step's
+    # forward, which computes at most this many tokens, the decode rows' included (where a
+    # step cannot mix: an extend of at most this many prompt tokens, then a decode step;
+    # docs/architecture.md "The mixed step"). Long prompts are chunked; cached prefixes are
+    # free. With nobody decoding, an extend is bounded by chunked_prefill_size only. 0 turns
+    # it off (prefill first: extends back to back while prompts wait).
     prefill_interleave_tokens: int = 1024
+    # Prompt chunks ride in decode steps (docs/architecture.md "The mixed step"); False: the
+    # separate bounded extends above (what a FlashInfer target always runs).
+    mixed_steps: bool = True
     max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_overlap: bool = True
     spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off

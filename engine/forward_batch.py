@@ -22,6 +22,8 @@ class ForwardMode(enum.Enum):
     DECODE = enum.auto()         # one new token per request
     TARGET_VERIFY = enum.auto()  # num_draft_tokens per request, tree mask
     DRAFT_EXTEND = enum.auto()   # fixed width num_draft_tokens per request, causal
+    # Decode (or verify) rows and prefill chunks in one target forward (runtime/mixed_step.py)
+    MIXED = enum.auto()
 
 
 class KVRows(NamedTuple):

@@ -32,9 +32,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default 0.9; with --gpus-per-rank below 1, each replica's is this "
                         "times its share)")
     g.add_argument("--prefill-interleave-tokens", type=int, default=None, metavar="N",
-                   help="decode fairness: while requests decode, an extend (prefill) step "
-                        "computes at most N prompt tokens and is followed by a decode step "
-                        "(default 1024; 0: off, prefill first)")
+                   help="decode fairness: while requests decode, prompt chunks ride in their "
+                        "decode step, whose forward computes at most N tokens, the decode rows' "
+                        "included (default 1024; 0: off, prefill first)")
+    g.add_argument("--disable-mixed-steps", action="store_true",
+                   help="prefill in extend steps of their own (at most --prefill-interleave-tokens "
+                        "prompt tokens each, then a decode step) instead of riding in decode steps")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -131,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         attention_backend=args.attention_backend,
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
+                        mixed_steps=not args.disable_mixed_steps,
                         custom_all_reduce=args.custom_all_reduce,
                         cuda_graph=False if args.disable_cuda_graph else None,
                         cuda_graph_sampled=not args.disable_cuda_graph_sampled,

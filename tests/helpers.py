@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 import pytest
 import torch
@@ -492,3 +492,74 @@ def tp_placement(placement: tuple[str, int]) -> tuple[int, dict]:
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     return tp, dict(device="cuda", attention_backend="triton")
+
+
+def drive(engine, arrivals, max_steps: int = 3000, accepted: Optional[dict] = None):
+    """Add (step, rid, prompt, params) arrivals at their steps and run to the end; returns
+    {(rid, index): (tokens, finish_reason)}; `accepted` gets each sequence's accepted drafts."""
+    tokens, results = {}, {}
+    expected = sum(params.n for *_, params in arrivals)
+    for step in range(max_steps):
+        for at, rid, prompt, params in arrivals:
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            key = (out.rid, out.index)
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.finished:
+                results[key] = (tokens[key], out.finish_reason)
+                if accepted is not None:
+                    accepted[key] = out.num_accepted_drafts
+        if len(results) == expected and not engine.has_unfinished():
+            break
+    assert len(results) == expected, "not every request finished"
+    return results
+
+
+class Step(NamedTuple):
+    """One launched decision (record_steps). `extend`: a separate extend; `mixed`: a decode step
+    with prompt chunks riding along (ForwardMode.MIXED)."""
+
+    extend: bool
+    computed: int        # prompt tokens its chunks compute (cached prefixes excluded)
+    decoding: bool       # some running request could take a decode step when it was scheduled
+    reqs: tuple          # the requests whose chunks it runs (extend, mixed), or that decode
+    chunks: tuple
+    mixed: bool = False
+    num_decode: int = 0  # decode rows of a decode or mixed step
+
+
+def could_decode(req) -> bool:
+    from specserve.engine.scheduler.schedule_batch import ReqStatus
+
+    return (req.status is ReqStatus.RUNNING and not req.is_prefilling
+            and len(req.output_ids) + req.num_inflight_tokens < req.sampling.max_new_tokens)
+
+
+def record_steps(engine, old_order: bool = False) -> list[Step]:
+    """Every decision the engine launches from now on, in launch order. old_order: schedule as
+    the policy did before decode fairness (prefill first, then decode)."""
+    from specserve.engine.forward_batch import ForwardMode
+
+    policy = engine.core.scheduler.policy
+    steps: list[Step] = []
+    if old_order:
+        schedule = lambda nothing_in_flight: (policy._prefill(policy.chunk_budget)  # noqa: E731
+                                              or policy._decode(nothing_in_flight))
+    else:
+        schedule = policy.schedule
+
+    def recording(nothing_in_flight: bool):
+        decoding = any(could_decode(r) for r in policy.running)
+        decision = schedule(nothing_in_flight)
+        if decision is not None:
+            chunked = decision.extend_reqs
+            steps.append(Step(decision.mode is ForwardMode.EXTEND,
+                              sum(end - start for start, end in decision.chunks) if chunked else 0,
+                              decoding, tuple(r.key for r in (chunked or decision.reqs)),
+                              tuple(decision.chunks), decision.mode is ForwardMode.MIXED,
+                              len(decision.decode_reqs)))
+        return decision
+
+    policy.schedule = recording
+    return steps

@@ -163,3 +163,51 @@ def test_gpu_sampling_fields_match_plain(pair, make_engine, prompts, shape, over
         if p.prompt_logprobs is not None:
             torch.testing.assert_close(torch.tensor(s.prompt_logprobs), torch.tensor(p.prompt_logprobs),
                                        atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+def test_gpu_mixed_steps_match_each_request_alone(pair, make_engine, prompts, shape, graphs):
+    """Requests arriving while others decode ride in their steps (runtime/mixed_step.py) on the
+    Triton backend, between graphed decode steps; outputs equal each request run alone."""
+    from helpers import drive
+
+    target, head = pair
+    spec = None if shape is None else SpecConfig(algorithm="eagle", draft_model=head, **shape)
+    arrivals = [(2 * i, f"r{i}", p, GREEDY) for i, p in enumerate(prompts[:6])]
+    alone = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec,
+                        prefill_interleave_tokens=0)
+    expected = {}
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone, [(0, rid, prompt, params)]))
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec,
+                         prefill_interleave_tokens=64)
+    assert drive(engine, arrivals) == expected
+    assert engine.metrics.num_mixed_steps > 0
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_gpu_mixed_steps_have_no_blocking_sync(pair, make_engine, shape):
+    """A long request decodes while short prompts arrive and ride in its steps: no blocking
+    host sync in those steps on the GPU-only path (CUDA's sync debug mode raises on one)."""
+    target, head = pair
+    spec = SpecConfig(algorithm="eagle", draft_model=head, **shape)
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True, spec=spec)
+    assert not engine.core.needs_cpu_seq_lens
+    engine.add_request("long", [5, 6, 7, 8], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(12):
+            if i % 3 == 0:
+                engine.add_request(f"a{i}", list(range(10, 40)),
+                                   SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.metrics.num_mixed_steps > 0
+    engine.abort("long")
+    while engine.has_unfinished():
+        engine.step()

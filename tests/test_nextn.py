@@ -141,6 +141,7 @@ def test_greedy_parity_with_plain_decoding(predictable, reference, make_engine, 
     assert engine.core.needs_cpu_seq_lens is needs_cpu
     assert _staggered(engine, prompts, params) == expected
     assert engine.metrics.mean_accept_length > 1.5  # really speculating
+    assert engine.metrics.num_mixed_steps > 0  # arrivals rode with the verify rows (MLA target)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])

@@ -1,19 +1,20 @@
-"""Decode fairness (EngineConfig.prefill_interleave_tokens): while some request decodes, an
-extend step computes at most the budget and the next step is a decode step; with nobody
-decoding, an extend is bounded by chunked_prefill_size only; 0 is the old prefill-first order."""
+"""Decode fairness (EngineConfig.prefill_interleave_tokens): while some request decodes, prompt
+chunks ride with its decode step in one mixed step, the budget counting the decode rows' tokens
+too (scheduler/mixed_batch.py); with mixed steps off (a backend that cannot mix, or a request
+that cannot ride) an extend step computes at most the budget and the next step is a decode
+step; with nobody decoding, an extend is bounded by chunked_prefill_size only; 0 is the old
+prefill-first order."""
 from __future__ import annotations
 
 import math
 import random
-from typing import NamedTuple
 
 import pytest
 
-from helpers import assert_no_leaks, make_predictable_pair, random_prompts
+from helpers import Step, assert_no_leaks, drive, make_predictable_pair, random_prompts, record_steps
 
 from specserve.engine import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
-from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.scheduler.schedule_batch import ReqStatus
+from specserve.engine.scheduler.mixed_batch import prompt_budget
 
 BUDGET = 8
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
@@ -25,68 +26,21 @@ def pair(tmp_path_factory):
     return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
 
 
-class Step(NamedTuple):
-    extend: bool
-    computed: int        # prompt tokens the extend computes (its chunks; cached prefixes excluded)
-    decoding: bool       # some running request could take a decode step when it was scheduled
-    reqs: tuple
-    chunks: tuple
-
-
-def _could_decode(req) -> bool:
-    return (req.status is ReqStatus.RUNNING and not req.is_prefilling
-            and len(req.output_ids) + req.num_inflight_tokens < req.sampling.max_new_tokens)
-
-
-def record_steps(engine, old_order: bool = False) -> list[Step]:
-    """Every decision the engine launches from now on, in launch order. old_order: schedule as
-    the policy did before decode fairness (prefill first, then decode)."""
-    policy = engine.core.scheduler.policy
-    steps: list[Step] = []
-    if old_order:
-        schedule = lambda nothing_in_flight: (policy._prefill(policy.chunk_budget)  # noqa: E731
-                                              or policy._decode(nothing_in_flight))
-    else:
-        schedule = policy.schedule
-
-    def recording(nothing_in_flight: bool):
-        decoding = any(_could_decode(r) for r in policy.running)
-        decision = schedule(nothing_in_flight)
-        if decision is not None:
-            extend = decision.mode is ForwardMode.EXTEND
-            steps.append(Step(extend, sum(end - start for start, end in decision.chunks) if extend else 0,
-                              decoding, tuple(r.key for r in decision.reqs), tuple(decision.chunks)))
-        return decision
-
-    policy.schedule = recording
-    return steps
-
-
-def assert_decode_fair(steps: list[Step], budget: int) -> None:
+def assert_decode_fair(steps: list[Step], budget: int, row_tokens: int = 1) -> None:
     for i, step in enumerate(steps):
         if step.extend and step.decoding:
             assert step.computed <= budget, f"step {i}: an extend of {step.computed} tokens while requests decode"
             assert i == 0 or not steps[i - 1].extend, f"step {i}: two extends in a row while requests decode"
+        if step.mixed:
+            assert step.decoding and step.num_decode > 0
+            assert step.computed <= prompt_budget(budget, step.num_decode, row_tokens), \
+                f"step {i}: {step.computed} prompt tokens ride with {step.num_decode} decode rows"
 
 
-def drive(engine, arrivals, max_steps: int = 3000):
-    """Add (step, rid, prompt, params) arrivals at their steps and run to the end; returns
-    {(rid, index): (tokens, finish_reason)}."""
-    tokens, results = {}, {}
-    expected = sum(params.n for *_, params in arrivals)
-    for step in range(max_steps):
-        for at, rid, prompt, params in arrivals:
-            if at == step:
-                engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            key = (out.rid, out.index)
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.finished:
-                results[key] = (tokens[key], out.finish_reason)
-        if len(results) == expected and not engine.has_unfinished():
-            break
-    assert len(results) == expected, "not every request finished"
-    return results
+def assert_rides(steps: list[Step]) -> None:
+    """No request ever waited behind an extend: while some request decodes, prompts only ride."""
+    stalls = [i for i, s in enumerate(steps) if s.extend and s.decoding]
+    assert not stalls, f"steps {stalls}: extends of their own while requests decode"
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -100,27 +54,45 @@ def _burst(seed: int = 11):
             + [(5, f"b{i}", prompts[4 + i], _greedy(6)) for i in range(12)])
 
 
+def _engine(make_engine, model, mixed: bool, **kw):
+    """mixed=False: prompts in extends of their own (EngineConfig.mixed_steps; what a worker
+    whose attention backend cannot mix runs)."""
+    engine = make_engine(model, mixed_steps=mixed, **kw)
+    assert engine.core.scheduler.policy.mixed_row_tokens == (1 if mixed else 0)
+    return engine
+
+
 # --- the step sequence -----------------------------------------------------------------------
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_burst_of_arrivals_is_interleaved_with_decode_steps(tiny_model, make_engine, overlap):
+def test_a_burst_of_arrivals_is_interleaved_with_decode_steps(tiny_model, make_engine, overlap, mixed):
     arrivals = _burst()
     burst_tokens = sum(len(p) for at, _, p, _ in arrivals if at == 5)
     assert burst_tokens > 25 * BUDGET
-    engine = make_engine(tiny_model, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
+    engine = _engine(make_engine, tiny_model, mixed, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
     steps = record_steps(engine)
     got = drive(engine, arrivals)
     assert_decode_fair(steps, BUDGET)
     # The first wave met an idle engine: one extend of all four prompts, uncapped.
     assert steps[0].extend and not steps[0].decoding
     assert steps[0].computed == sum(len(p) for at, _, p, _ in arrivals if at == 0) > BUDGET
-    capped = [s for s in steps if s.extend and s.decoding]
-    assert len(capped) >= math.ceil(burst_tokens / BUDGET)
+    # While the first four decode, the burst rides with their steps (mixed) or runs in extends
+    # of at most the budget between them; once they are done, what is left is one extend.
+    carried = [s for s in steps if (s.mixed if mixed else s.extend and s.decoding)]
+    idle = [s for s in steps[1:] if s.extend and not s.decoding]
+    assert len(carried) >= 20 and len(idle) <= 1
+    assert sum(s.computed for s in carried + idle) == burst_tokens
+    assert engine.metrics.num_mixed_steps == (len(carried) if mixed else 0)
+    assert engine.metrics.num_mixed_prompt_tokens == (sum(s.computed for s in carried) if mixed else 0)
+    if mixed:
+        assert_rides(steps)
     assert all(reason == "length" for _, reason in got.values())
     off = make_engine(tiny_model, enable_overlap=overlap, prefill_interleave_tokens=0)
     off_steps = record_steps(off)
     assert drive(off, arrivals) == got
     # Without the rule the burst is one extend, launched while the first four decode.
     assert any(s.extend and s.decoding and s.computed == burst_tokens for s in off_steps)
+    assert not any(s.mixed for s in off_steps)
     assert_no_leaks(engine)
 
 
@@ -142,19 +114,23 @@ def test_with_nobody_decoding_the_first_extend_is_bounded_by_the_chunk_budget_on
     assert off_steps[0] == steps[0]  # an idle engine's first extend is what it was
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_prompt_longer_than_the_budget_is_chunked_between_decode_steps(tiny_model, make_engine, overlap):
+def test_a_prompt_longer_than_the_budget_is_chunked_between_decode_steps(tiny_model, make_engine, overlap,
+                                                                         mixed):
     short = random_prompts(2, seed=6, min_len=5, max_len=10)
     long = random_prompts(1, seed=7, min_len=100, max_len=100)[0]
     arrivals = [(0, "d0", short[0], _greedy(60)), (0, "d1", short[1], _greedy(60)),
                 (3, "long", long, _greedy(8))]
-    engine = make_engine(tiny_model, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
+    engine = _engine(make_engine, tiny_model, mixed, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
     steps = record_steps(engine)
     got = drive(engine, arrivals)
     assert_decode_fair(steps, BUDGET)
-    mine = [s for s in steps if ("long", 0) in s.reqs and s.extend]
-    assert len(mine) == math.ceil(len(long) / BUDGET)
-    # Its chunks cover the prompt in order, each followed by a decode step of the others.
+    mine = [s for s in steps if ("long", 0) in s.reqs and (s.extend or s.mixed)]
+    # Mixed, each chunk rides with the two decode rows: the budget less their two tokens.
+    assert len(mine) == math.ceil(len(long) / (prompt_budget(BUDGET, 2, 1) if mixed else BUDGET))
+    assert all(s.mixed == mixed for s in mine)
+    # Its chunks cover the prompt in order (separate: each followed by a decode step of the others).
     chunks = [s.chunks[s.reqs.index(("long", 0))] for s in mine]
     assert chunks[0][0] == 0 and chunks[-1][1] == len(long)
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
@@ -163,17 +139,19 @@ def test_a_prompt_longer_than_the_budget_is_chunked_between_decode_steps(tiny_mo
     assert drive(off, arrivals) == got
 
 
-def test_a_cached_prefix_is_not_counted(tiny_model, make_engine):
-    """A prompt whose first 60 tokens are cached computes only its tail: one small extend."""
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
+def test_a_cached_prefix_is_not_counted(tiny_model, make_engine, mixed):
+    """A prompt whose first 60 tokens are cached computes only its tail: one small chunk."""
     base = random_prompts(1, seed=8, min_len=60, max_len=60)[0]
-    engine = make_engine(tiny_model, prefill_interleave_tokens=BUDGET)
+    engine = _engine(make_engine, tiny_model, mixed, prefill_interleave_tokens=BUDGET)
     engine.generate(prompt_token_ids=[base], sampling=_greedy(2))   # caches `base`
     steps = record_steps(engine)
     arrivals = [(0, "d", random_prompts(1, seed=9, max_len=8)[0], _greedy(30)),
                 (3, "warm", base + [5, 6, 7], _greedy(4))]
     got = drive(engine, arrivals)
-    mine = [s for s in steps if ("warm", 0) in s.reqs and s.extend]
+    mine = [s for s in steps if ("warm", 0) in s.reqs and (s.extend or s.mixed)]
     assert len(mine) == 1 and mine[0].decoding and mine[0].computed <= 4  # the tail (and base's last token)
+    assert mine[0].mixed == mixed
     assert_decode_fair(steps, BUDGET)
     assert len(got[("warm", 0)][0]) == 4
 
@@ -225,30 +203,35 @@ def test_outputs_equal_the_rule_off(pair, make_engine, overlap, speculative):
         results[budget] = drive(engine, arrivals)
         assert_no_leaks(engine)
         if budget:
-            assert_decode_fair(steps, budget)
-            assert any(s.extend and s.decoding and s.computed == budget for s in steps)  # it chunked
+            assert_decode_fair(steps, budget, engine.core.worker.mixed_row_tokens())
+            assert any(s.mixed for s in steps)  # prompts rode with decode steps
+            # ... and the constrained requests (which cannot ride) had extends of their own.
+            assert any(s.extend and s.decoding for s in steps)
         if speculative:
             assert engine.metrics.mean_accept_length > 1.5
     assert results[BUDGET] == results[0]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "chain"])
-def test_outputs_equal_the_rule_off_under_retraction(pair, make_engine, overlap, speculative):
-    spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **CHAIN) if speculative else None
+@pytest.mark.parametrize("shape", [None, CHAIN, dict(num_steps=2, topk=2, num_draft_tokens=4)],
+                         ids=["plain", "chain", "tree"])
+def test_outputs_equal_the_rule_off_under_retraction(pair, make_engine, overlap, shape):
+    spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **shape) if shape else None
     prompts = random_prompts(8, seed=31, min_len=10, max_len=30)
     arrivals = [(i // 2, f"r{i}", p, _greedy(40)) for i, p in enumerate(prompts)]
     results = {}
-    for budget in (0, BUDGET):
+    budget = 32  # the prompts ride fast enough to fill the pool while four verify rows decode
+    for rule in (0, budget):
         engine = make_engine(pair[0], spec=spec, enable_overlap=overlap, max_total_tokens=260,
-                             prefill_interleave_tokens=budget)
+                             prefill_interleave_tokens=rule)
         steps = record_steps(engine)
-        results[budget] = drive(engine, arrivals)
+        results[rule] = drive(engine, arrivals)
         assert engine.metrics.num_retractions > 0
         assert_no_leaks(engine)
-        if budget:
-            assert_decode_fair(steps, budget)
-    assert results[BUDGET] == results[0]
+        if rule:
+            assert_decode_fair(steps, rule, engine.core.worker.mixed_row_tokens())
+            assert engine.metrics.num_mixed_steps > 0
+    assert results[budget] == results[0]
 
 
 # --- configuration -------------------------------------------------------------------------
@@ -269,6 +252,7 @@ def test_the_cli_flag(capsys):
     assert config().prefill_interleave_tokens == 1024
     assert config("--prefill-interleave-tokens", "0").prefill_interleave_tokens == 0
     assert config("--prefill-interleave-tokens", "64").prefill_interleave_tokens == 64
+    assert config().mixed_steps and not config("--disable-mixed-steps").mixed_steps
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--prefill-interleave-tokens", "-1"])
     assert exit_info.value.code == 2

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import (assert_no_leaks, make_predictable_pair, make_tiny_checkpoint, process_exited,
+from helpers import (assert_no_leaks, drive, make_predictable_pair, make_tiny_checkpoint, process_exited,
                      random_prompts)
 
 from specserve.engine import SamplingParams, SpecConfig
@@ -88,6 +88,27 @@ def test_tp2_eagle3_reads_reduced_features(pair, make_engine, tmp_path):
         if tp == 2:
             assert engine.core.runner.model.partial_sums
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("spec,overlap", [
+    (None, True), (dict(num_steps=3, topk=2, num_draft_tokens=6), False),
+], ids=["plain-overlap", "tree-normal"])
+def test_tp2_mixed_steps_match_tp1(pair, make_engine, spec, overlap):
+    """Requests arriving while others decode ride in their steps (mixed steps) on every rank
+    alike: the ranks' policies decide the same, and the output is the single rank's."""
+    target, head = pair
+    prompts = random_prompts(4, seed=17, min_len=8, max_len=30)
+    arrivals = [(0, "a", prompts[0], GREEDY), (2, "b", prompts[1], GREEDY),
+                (3, "c", prompts[2], SamplingParams(max_new_tokens=10, temperature=0.8, seed=3, ignore_eos=True)),
+                (5, "d", prompts[3], GREEDY)]
+    spec_cfg = None if spec is None else SpecConfig(algorithm="eagle", draft_model=head, **spec)
+    outs = []
+    for tp in (1, 2):
+        engine = make_engine(target, tp_size=tp, spec=spec_cfg, enable_overlap=overlap,
+                             prefill_interleave_tokens=16)
+        outs.append(drive(engine, arrivals))
+        assert engine.metrics.num_mixed_steps > 0
+    assert outs[0] == outs[1]
 
 
 def test_tp2_replicates_a_single_kv_head(tmp_path, make_engine):

@@ -29,6 +29,9 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False  # metadata built by device ops from static buffers
     # Reads `ForwardBatch.extend_lens` (device lengths under host bounds): captured extends.
     supports_device_extend_lens: bool = False
+    # Runs a mixed forward (runtime/mixed_step.py): ragged new-token counts over device prefix
+    # lengths, with a [bs, max_extend, max_extend] custom mask when a tree verify rides along.
+    supports_mixed_forward: bool = False
     # Set up by `preallocate_verify_mask`: verify's tree mask, filled in place after drafting.
     verify_custom_mask: Optional[torch.Tensor] = None
 

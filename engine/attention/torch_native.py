@@ -25,6 +25,7 @@ class _Metadata(NamedTuple):
 
 class TorchNativeAttnBackend(AttentionBackend):
     supports_device_extend_lens = True  # the token layout from the device lengths then
+    supports_mixed_forward = True
 
     def __init__(self, needs_cpu_seq_lens: bool):
         self.needs_cpu_seq_lens = needs_cpu_seq_lens

@@ -46,6 +46,15 @@ class DecodeStep(NamedTuple):
     grammar: Optional[tuple] = None   # constrained: per row the request's grammar key (or None)
 
 
+class MixedStep(NamedTuple):
+    """Decode (or speculative verify) rows and prefill chunks that ride in one target forward
+    (runtime/mixed_step.py): the decode rows come first in the batch, then the chunks. Each
+    part has its own SamplingInfo (the decode part's is the one the plain decode steps reuse)."""
+
+    decode: DecodeStep
+    extend: ExtendStep
+
+
 class StepResult(NamedTuple):
     """A forward's outputs: on the device inside the forward, on the host after `copy_done`."""
 
@@ -96,6 +105,12 @@ class Worker(Protocol):
     def launch_extend(self, step: ExtendStep) -> Launched: ...
 
     def launch_decode(self, step: DecodeStep) -> Launched: ...
+
+    def mixed_row_tokens(self) -> int:
+        """Tokens a decode row adds to a mixed step's forward (1, or the verify width); 0: the
+        worker runs no mixed steps (its attention backend cannot)."""
+
+    def launch_mixed(self, step: MixedStep) -> Launched: ...
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None: ...
 

@@ -26,7 +26,9 @@ from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, extend_buckets, load_captured_extend,
     make_captured_extend_inputs, pack_captured_extend)
-from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
+from specserve.engine.runtime.mixed_step import DecodeRows, logit_rows, mixed_forward_batch, sample_chunks
+from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
+                                           launch_forward)
 
 
 class HistoryInit(NamedTuple):
@@ -330,6 +332,30 @@ class NormalWorker:
             return StepResult(tokens[:bs])
 
         return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
+
+    def mixed_row_tokens(self) -> int:
+        return 1 if self.target.runner.attn_backend.supports_mixed_forward else 0
+
+    def launch_mixed(self, step: MixedStep) -> Launched:
+        """One decode token per decode row and the prefill chunks in one forward
+        (runtime/mixed_step.py)."""
+        target = self.target
+        decode, chunks = target.decode_inputs(step.decode), target.extend_inputs(step.extend)
+        bs = len(step.decode.rows)
+
+        def body(read_done) -> StepResult:
+            rows = DecodeRows(target.future_map.resolve_input_ids(decode.input_ids), decode.positions,
+                              decode.prefix_lens, decode.out_cache_loc, 1, decode.seq_lens_cpu)
+            kv = KVRows(target.req_to_token.table, torch.cat([decode.rows, chunks.rows]))
+            fb = mixed_forward_batch(rows, chunks, kv, max(decode.max_seq_len, chunks.max_seq_len))
+            hidden, _ = target.runner.forward(fb, read_done=read_done)
+            logits = target.model.compute_logits(hidden[logit_rows(bs, chunks)])
+            decoded = sample(logits[:bs], decode.sampling_info, decode.sample_rows, decode.positions + 1)
+            tokens = target.model.tp.broadcast(torch.cat([decoded.tokens, sample_chunks(logits[bs:], chunks)]))
+            target.future_map.stash_tokens(torch.cat([decode.stash_rows, chunks.stash_rows]), tokens)
+            return StepResult(tokens)
+
+        return launch_forward(target.ctx, (decode, chunks), body)
 
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)

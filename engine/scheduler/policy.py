@@ -7,16 +7,21 @@ decode step, the most recently admitted request is retracted: its KV is freed (o
 prefix cache, cached and evictable) and it waits to be prefilled again over prompt + outputs.
 
 Decode fairness (`prefill_interleave_tokens` > 0): while some running request could take a
-decode step, an extend computes at most that many tokens, and an extend is always followed by
-a decode step, so decoding requests never wait behind more than one bounded extend. With
-nobody decoding (an idle server's first arrivals) an extend is bounded by the chunk budget only.
+decode step, prompts ride with it in one mixed step (the worker's `mixed_row_tokens` > 0;
+scheduler/mixed_batch.py: the budget counts the decode rows' tokens too), so decoding requests
+never wait behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
+`rides_mixed`), or the worker runs none, an extend computes at most that many tokens and is
+always followed by a decode step, so decoding requests never wait behind more than one
+bounded extend. With nobody decoding (an idle server's first arrivals) an extend is bounded by
+the chunk budget only.
 """
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Callable, Optional
 
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.scheduler.mixed_batch import prompt_budget, rides_mixed
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
 
@@ -28,11 +33,17 @@ MAX_BYPASS = 32
 
 class AdmissionPolicy:
     def __init__(self, slots: RequestSlots, *, max_running_requests: int, chunked_prefill_size: int,
-                 max_context_len: int, prefill_interleave_tokens: int = 0):
+                 max_context_len: int, prefill_interleave_tokens: int = 0, mixed_row_tokens: int = 0):
+        """mixed_row_tokens: tokens a decode row adds to a mixed step (Worker.mixed_row_tokens);
+        0: no mixed steps."""
         self.slots = slots
         self.max_running = max_running_requests
         self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
         self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
+        self.mixed_row_tokens = mixed_row_tokens
+        # A mixed step's prefill stopped at a request that cannot ride: the next step that is
+        # not a decode step owed is a separate extend, which takes it (in admission order).
+        self._non_rider_next = False
         self._last_was_extend = False  # the last decision schedule() returned (and was launched)
         self.max_context_len = max_context_len
         self.waiting: collections.deque[Req] = collections.deque()
@@ -59,21 +70,48 @@ class AdmissionPolicy:
         decoding = self.interleave_tokens > 0 and bool(self._decode_ready())
         if decoding and self._last_was_extend:
             decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
+        elif (decoding and self.mixed_row_tokens and not self._non_rider_next
+              and all(rides_mixed(r) for r in self._decode_ready())):
+            decision = self._mixed(nothing_in_flight)
         else:
+            self._non_rider_next = False
             budget = min(self.chunk_budget, self.interleave_tokens) if decoding else self.chunk_budget
             decision = self._prefill(budget) or self._decode(nothing_in_flight)
         self._last_was_extend = decision is not None and decision.mode is ForwardMode.EXTEND
         return decision
 
+    # --- mixed ---------------------------------------------------------------------------
+    def _mixed(self, nothing_in_flight: bool) -> Optional[Decision]:
+        """A decode step of every request that may grow, with prompt chunks riding along (a
+        plain decode step when no prompt is ready, a plain extend when nobody is left to
+        decode after retractions)."""
+        decode = self._decode(nothing_in_flight)
+        if decode is None:
+            return self._prefill(self.chunk_budget)
+        reserved = sum(self.slots.to_reserve(r) for r in decode.reqs)
+        budget = min(self.chunk_budget,
+                     prompt_budget(self.interleave_tokens, len(decode.reqs), self.mixed_row_tokens))
+        extend = self._prefill(budget, reserved=reserved, only=rides_mixed)
+        if extend is None:
+            return decode
+        return Decision(ForwardMode.MIXED, decode.reqs + extend.reqs, extend.chunks, extend.samples,
+                        extend.prompt_spans, num_decode=len(decode.reqs))
+
     # --- prefill -------------------------------------------------------------------------
-    def _prefill(self, budget: int) -> Optional[Decision]:
+    def _prefill(self, budget: int, reserved: int = 0,
+                 only: Optional[Callable[[Req], bool]] = None) -> Optional[Decision]:
         """Prefill chunks computing at most `budget` tokens (a cached or shared prefix is
-        mapped, not computed, so it is free)."""
-        taken = 0  # slots this decision's chunks take when the step is built
+        mapped, not computed, so it is free). `reserved`: slots a decode step launched with
+        these chunks reserves; `only`: the requests that may take a chunk (the first that may
+        not ends the decision, so none is bypassed, and `_non_rider_next` is set)."""
+        taken = reserved  # slots this decision's chunks (and the decode rows) take when built
         reqs, chunks, spans = [], [], []
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if req.is_prefilling and budget > 0:
+                if only is not None and not only(req):
+                    self._non_rider_next = True
+                    break
                 n = min(budget, len(req.fill_ids) - req.num_prefilled, self.slots.num_free - taken)
                 if n == 0:
                     break
@@ -86,10 +124,11 @@ class AdmissionPolicy:
         # the new one (a speculative step reserves several slots each): admitting into slots
         # that step needs would force a retraction straight away. A cached prefix is not
         # prefilled, but pinning it takes its slots out of the evictable ones.
-        headroom = sum(self.slots.to_reserve(r) for r in self.running)
+        headroom = sum(self.slots.to_reserve(r) for r in self.running) - reserved
         can_admit = lambda: (budget > 0 and len(self.running) < self.max_running  # noqa: E731
                              and self.slots.num_free_rows > 0)
-        for req in self._admission_order() if self.waiting and can_admit() else ():
+        admitting = self.waiting and can_admit() and not self._non_rider_next
+        for req in self._admission_order() if admitting else ():
             if not can_admit():
                 break
             if req.shared is not None and req.shared.blocks(req):
@@ -98,6 +137,9 @@ class AdmissionPolicy:
                 break
             if req.waits_for_grammar:
                 continue
+            if only is not None and not only(req):
+                self._non_rider_next = True
+                break
             # It prefills prompt + outputs so far, past what its row can map (a cached or a
             # shared prefix).
             cached = self.slots.peek_prefix(req)

@@ -172,13 +172,26 @@ class Req:
 class Decision(NamedTuple):
     """What the next launch covers. EXTEND: per request, the [start, end) chunk of its fill
     ids, whether it samples a token and the prompt tokens it scores (Req.take_prompt_span);
-    DECODE: one (speculative) step per request."""
+    DECODE: one (speculative) step per request; MIXED: one decode step of the first
+    `num_decode` requests and the chunks of the others (chunks, samples and prompt_spans are
+    theirs), in one forward."""
 
     mode: ForwardMode
     reqs: list[Req]
     chunks: Sequence[tuple[int, int]] = ()
     samples: Sequence[bool] = ()
     prompt_spans: Sequence[Optional[tuple[int, int]]] = ()
+    num_decode: int = 0
+
+    @property
+    def decode_reqs(self) -> list[Req]:
+        return self.reqs[:self.num_decode] if self.mode is ForwardMode.MIXED else \
+            (self.reqs if self.mode is ForwardMode.DECODE else [])
+
+    @property
+    def extend_reqs(self) -> list[Req]:
+        return self.reqs[self.num_decode:] if self.mode is ForwardMode.MIXED else \
+            (self.reqs if self.mode is ForwardMode.EXTEND else [])
 
 
 class InflightBatch(NamedTuple):

@@ -35,7 +35,7 @@ from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.grammar.process import GONE, GrammarService
 from specserve.engine.layers.sampler import SamplingInfo
 from specserve.engine.outputs import FinishError, StepOutput, StepStat
-from specserve.engine.runtime.step import Launched, Worker
+from specserve.engine.runtime.step import Launched, MixedStep, Worker
 from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
@@ -53,6 +53,8 @@ class SchedulerMetrics:
         self.host_blocked_seconds = 0.0   # waiting for results (copy_done)
         self.num_verify_steps = 0
         self.num_spec_tokens = 0
+        self.num_mixed_steps = 0          # decode steps that carried prompt chunks (MIXED)
+        self.num_mixed_prompt_tokens = 0  # the prompt tokens they computed
         # Steps processed since the last take_step_stats() (the engine process sends them with
         # its outputs); bounded, for an engine whose steps nobody takes (benches, tests).
         self.step_stats: collections.deque[StepStat] = collections.deque(maxlen=4096)
@@ -148,10 +150,9 @@ class Scheduler:
         if decision is not None:
             launched_at = time.perf_counter()
             launched = self._launch(decision)
-            if decision.mode is ForwardMode.EXTEND:
-                for r in decision.reqs:
-                    if not r.admitted_at:
-                        r.admitted_at = launched_at
+            for r in decision.extend_reqs:
+                if not r.admitted_at:
+                    r.admitted_at = launched_at
             self.inflight.append(InflightBatch(decision, launched, launched_at,
                                                len(self.policy.running) - len(decision.reqs)))
         self._idle_for_grammar = decision is None and bool(self._compiling) and not self.inflight
@@ -221,11 +222,25 @@ class Scheduler:
         if decision.mode is ForwardMode.EXTEND:
             step = self.slots.extend_step(decision, sampling)._replace(grammar=grammar)
             launched = self.worker.launch_extend(step)
+        elif decision.mode is ForwardMode.MIXED:  # no grammar rides in one (mixed_batch.py)
+            launched = self.worker.launch_mixed(self._mixed_step(decision))
         else:
             step = self.slots.decode_step(decision.reqs, sampling, commit_fed_token=not self.speculative)
             launched = self.worker.launch_decode(step._replace(grammar=grammar))
         self.slots.last_read_done = launched.read_done
         return launched
+
+    def _mixed_step(self, decision: Decision) -> MixedStep:
+        """The decode rows' step (their SamplingInfo is the one plain decode steps reuse), then
+        the chunks' (slots in that order: the decode reservation was counted first)."""
+        decode_reqs, extend_reqs = decision.decode_reqs, decision.extend_reqs
+        decode = self.slots.decode_step(decode_reqs, self._sampling_info(decode_reqs),
+                                        commit_fed_token=not self.speculative)
+        chunks = decision._replace(mode=ForwardMode.EXTEND, reqs=extend_reqs, num_decode=0)
+        extend = self.slots.extend_step(chunks, self._build_sampling(extend_reqs))
+        self.metrics.num_mixed_steps += 1
+        self.metrics.num_mixed_prompt_tokens += sum(end - start for start, end in decision.chunks)
+        return MixedStep(decode, extend)
 
     def _sampling_info(self, reqs: list[Req]) -> SamplingInfo:
         """Rebuilt only when the batch's requests change (its tensors are read-only, so batches
@@ -233,10 +248,13 @@ class Scheduler:
         key = tuple(r.serial for r in reqs)
         if key != self._sampling_key:
             self._sampling_key = key
-            self._sampling = SamplingInfo.build([r.sampling for r in reqs], [r.seed for r in reqs],
-                                                [len(r.prompt_ids) for r in reqs], self.eos_ids,
-                                                self.vocab_size, self.slots.ctx.device)
+            self._sampling = self._build_sampling(reqs)
         return self._sampling
+
+    def _build_sampling(self, reqs: list[Req]) -> SamplingInfo:
+        return SamplingInfo.build([r.sampling for r in reqs], [r.seed for r in reqs],
+                                  [len(r.prompt_ids) for r in reqs], self.eos_ids,
+                                  self.vocab_size, self.slots.ctx.device)
 
     # --- results -------------------------------------------------------------------------
     def _process(self, batch: InflightBatch) -> None:
@@ -245,10 +263,10 @@ class Scheduler:
         done = time.perf_counter()
         self.metrics.host_blocked_seconds += done - t0
         decision = batch.decision
-        extend = decision.mode is ForwardMode.EXTEND
+        extend = decision.mode is ForwardMode.EXTEND  # a mixed step counts as a decode step
         self.metrics.step_stats.append(StepStat(
             extend, done - max(batch.launched_at, self._last_result_at),
-            sum(end - start for start, end in decision.chunks) if extend else len(decision.reqs),
+            sum(end - start for start, end in decision.chunks) if extend else len(decision.decode_reqs),
             batch.num_others))
         self._last_result_at = done
         tokens = result.token_ids.tolist()
@@ -260,8 +278,12 @@ class Scheduler:
         # Its masks may have been the all-allowed ones of a dead service's released channel.
         released = (any(r.grammar is not None for r in decision.reqs)
                     and self._rank0_value(self.grammars.dead))
+        # Rows from `prefill_from` on are prefill chunks (decision.samples); a mixed
+        # speculative step gives each the token its chunk sampled in column 0.
+        prefill_from = len(decision.reqs) - len(decision.extend_reqs)
         for i, req in enumerate(decision.reqs):
-            if decision.mode is ForwardMode.EXTEND and not decision.samples[i]:
+            prefill = i >= prefill_from
+            if prefill and not decision.samples[i - prefill_from]:
                 continue
             req.num_inflight_tokens -= 1
             if req.status is ReqStatus.FINISHED:
@@ -271,8 +293,9 @@ class Scheduler:
                 continue
             k = req.sampling.top_logprobs
             num_before = len(req.output_ids)
-            if lengths is None:
-                reason = self.outputs.deliver(req, [tokens[i]], None if logprobs is None else [logprobs[i]],
+            if lengths is None or prefill:
+                token = tokens[i] if lengths is None else tokens[i][0]
+                reason = self.outputs.deliver(req, [token], None if logprobs is None else [logprobs[i]],
                                               None if top is None else [top[i][:k]])
             else:
                 n = lengths[i]
@@ -290,7 +313,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             else:
-                if decision.mode is ForwardMode.EXTEND and req.status is ReqStatus.RUNNING:
+                if prefill and req.status is ReqStatus.RUNNING:
                     self.slots.cache_prefilled(req)
                 self._emit(req)
 

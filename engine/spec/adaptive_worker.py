@@ -91,6 +91,11 @@ class AdaptiveSpecWorker:
         self.estimate.reset([row for row, samples in zip(step.rows, step.samples) if samples])
         return self.deepest.launch_extend(step)
 
+    def mixed_row_tokens(self) -> int:
+        """No mixed steps: prompts get extends of their own (each depth's step times are
+        measured for decode batches alone, which a riding prompt would skew)."""
+        return 0
+
     def launch_decode(self, step: DecodeStep) -> Launched:
         if step.grammar is not None or self.policy is None:
             depth = self.spec.num_steps

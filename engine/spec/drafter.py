@@ -19,9 +19,10 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
+from specserve.engine.forward_batch import KVRows
 from specserve.engine.runtime.captured_extend import CapturedExtendInputs
 from specserve.engine.runtime.step import ExtendStep
-from specserve.engine.runtime.worker import ForwardInputs, Sampled
+from specserve.engine.runtime.worker import ForwardInputs
 from specserve.engine.spec.tree import DraftNodes, TreeShape
 from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified
 
@@ -50,9 +51,12 @@ class Drafter(Protocol):
     def prefill_inputs(self, step: ExtendStep) -> Any:
         """Schedule side: the device inputs `after_prefill` needs beyond the target's."""
 
-    def after_prefill(self, step_inputs: Any, target: ForwardInputs, sampled: Sampled) -> None:
+    def after_prefill(self, step_inputs: Any, target: ForwardInputs, tokens: torch.Tensor,
+                      feats: torch.Tensor, kv: KVRows) -> None:
         """After a prefill's target forward (its new lengths published): the drafter's state
-        for the prefilled requests' first decode."""
+        for the prefilled requests' first decode. `tokens`: what each chunk sampled; `feats`:
+        the target's features (`feature_layers`' outputs, else its last hidden states) of the
+        chunks' tokens; `kv`: the chunks' request-table rows (a mixed step's snapshot)."""
 
     def draft(self, s: SpecDecodeInputs, snap: Snapshot) -> DraftNodes:
         """The D - 1 draft nodes of every request of the batch (a constrained batch: the grammar

@@ -28,7 +28,7 @@ from specserve.engine.grammar.channel import DeviceChannel
 from specserve.engine.runtime.future_map import DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import ExtendStep
-from specserve.engine.runtime.worker import ForwardInputs, Sampled, TargetModel
+from specserve.engine.runtime.worker import ForwardInputs, TargetModel
 from specserve.engine.spec import tree as tree_ops
 from specserve.engine.spec.drafter import CapturedExtendHalf
 from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified, plus
@@ -84,18 +84,17 @@ class ModelDrafter:
             shifted += fill[start + 1:end + 1] + [0] * samples
         return EagleExtendInputs(self.target.to_device(shifted), self.target.to_device(step.samples, torch.bool))
 
-    def after_prefill(self, inputs: EagleExtendInputs, target: ForwardInputs, sampled: Sampled) -> None:
+    def after_prefill(self, inputs: EagleExtendInputs, target: ForwardInputs, tokens: torch.Tensor,
+                      feats: torch.Tensor, kv: KVRows) -> None:
         """Draft-extend over the prompt chunk with the target's features; stash the next draft input."""
         shifted_ids = inputs.shifted_ids.clone()
-        shifted_ids[target.sample_rows] = torch.where(inputs.samples, sampled.tokens,
-                                                      shifted_ids[target.sample_rows])
+        shifted_ids[target.sample_rows] = torch.where(inputs.samples, tokens, shifted_ids[target.sample_rows])
         fb = ForwardBatch(
-            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions,
-            kv_rows=KVRows(self.target.req_to_token.table, target.rows),
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions, kv_rows=kv,
             prefix_lens=target.prefix_lens, extend_lens_cpu=target.extend_lens_cpu,
             out_cache_loc=target.out_cache_loc, seq_lens_cpu=target.seq_lens_cpu,
             max_seq_len=target.max_seq_len)
-        draft_hidden = self.draft_runner.forward(fb, sampled.aux_hidden if self.feature_layers else sampled.hidden)
+        draft_hidden = self.draft_runner.forward(fb, feats)
         self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
 
     def captured_extend_part(self, width: int):

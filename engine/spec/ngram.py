@@ -20,9 +20,10 @@ import torch
 
 from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
+from specserve.engine.forward_batch import KVRows
 from specserve.engine.grammar.channel import DeviceChannel
 from specserve.engine.runtime.step import ExtendStep
-from specserve.engine.runtime.worker import ForwardInputs, Sampled, TargetModel
+from specserve.engine.runtime.worker import ForwardInputs, TargetModel
 from specserve.engine.spec.tree import DraftNodes, TreeShape
 from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified
 
@@ -102,10 +103,11 @@ class NgramDrafter:
         to = self.target.to_device
         return NgramPrefill(to(rows), to(positions), to(tokens))
 
-    def after_prefill(self, inputs: NgramPrefill, target: ForwardInputs, sampled: Sampled) -> None:
+    def after_prefill(self, inputs: NgramPrefill, target: ForwardInputs, tokens: torch.Tensor,
+                      feats: torch.Tensor, kv: KVRows) -> None:
         self.tokens[inputs.rows, inputs.positions] = inputs.tokens
         # The sampled token (rows of chunks that sample nothing write padding row 0).
-        self.tokens[target.stash_rows, target.prefix_lens + target.extend_lens] = sampled.tokens
+        self.tokens[target.stash_rows, target.prefix_lens + target.extend_lens] = tokens
 
     def captured_extend_part(self, width: int):
         return None  # a captured extend has no host view of a cached prefix's tokens

@@ -14,15 +14,19 @@ from typing import NamedTuple
 import torch
 
 from specserve.engine.config import SpecConfig
+from specserve.engine.forward_batch import KVRows
 from specserve.engine.grammar.process import ONE, SPEC
 from specserve.engine.layers.sampler import GREEDY, SAMPLED, FILTERED, graph_sampling_info, load_graph_sampling
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
-from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, StepResult, launch_forward
+from specserve.engine.runtime.mixed_step import (DecodeRows, join_verify_result, logit_rows,
+                                                 mixed_forward_batch, sample_chunks)
+from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
+                                           launch_forward)
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphs_for, release_graphs
 from specserve.engine.spec.drafter import CapturedExtendHalf, Drafter
-from specserve.engine.spec.verifier import SpecDecodeInputs, Verified, Verifier
+from specserve.engine.spec.verifier import SpecDecodeInputs, Verified, Verifier, Verifying, plus
 
 
 # Padded rows of a captured decode step: pool row 0, length 1 (they write nowhere that matters).
@@ -65,10 +69,55 @@ class SpecWorker:
             sampled = self.target.forward_and_sample(target, read_done, layers)
             self.future_map.publish(target.stash_rows, target.prefix_lens + target.extend_lens)
             publish_ready.record()
-            self.drafter.after_prefill(inputs.drafter, target, sampled)
+            self.drafter.after_prefill(inputs.drafter, target, sampled.tokens,
+                                       sampled.aux_hidden if layers else sampled.hidden,
+                                       KVRows(self.target.req_to_token.table, target.rows))
             return sampled.step_result()
 
         return launch_forward(self.target.ctx, inputs, body)
+
+    # --- mixed: verify rows and prefill chunks in one target forward --------------------------
+    def mixed_row_tokens(self) -> int:
+        return (self.drafter.shape.num_draft_tokens
+                if self.target.runner.attn_backend.supports_mixed_forward else 0)
+
+    def launch_mixed(self, step: MixedStep) -> Launched:
+        """Draft the decode rows, then one target forward over their verify nodes and the
+        chunks (runtime/mixed_step.py), then accept and finish each part as its own step does.
+        The chunks' table rows are read through a snapshot taken with the decode rows'."""
+        D = self.drafter.shape.num_draft_tokens
+        rows = self.target.to_device(step.decode.rows)
+        seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
+        c = self.target.extend_inputs(step.extend)
+        chunks = SpecExtendInputs(c, self.drafter.prefill_inputs(step.extend))
+        width = max(max(step.decode.allocated_lens), c.max_seq_len)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, width, step.decode.sampling)
+        layers = self.drafter.feature_layers or ()
+        publish_ready = self.future_map.new_publish_event()
+
+        def body(read_done) -> StepResult:
+            snap = self.verifier.snapshot(inputs)
+            chunk_kv = self.target.req_to_token.table[c.rows, :width]
+            read_done.record()
+            tree = self.verifier.tree_of(inputs, snap, self.drafter.draft(inputs, snap))
+            n = rows.shape[0] * D
+            loc = snap.kv.table.gather(1, tree.slot_positions)
+            verify_rows = DecodeRows(tree.tokens.reshape(-1), tree.positions.reshape(-1), seq_lens,
+                                     loc.reshape(-1), D, plus(seq_lens_cpu, D), tree.mask)
+            kv = KVRows.by_batch_index(torch.cat([snap.kv.table, chunk_kv]))
+            hidden, aux = self.target.runner.forward(mixed_forward_batch(verify_rows, c, kv, width, layers))
+            feats = aux if layers else hidden
+            logits = self.target.model.compute_logits(hidden[logit_rows(n, c)])
+            verified = self.verifier.accept(Verifying(inputs, snap.kv, tree, loc, logits[:n], feats[:n]))
+            tokens = self.target.model.tp.broadcast(sample_chunks(logits[n:], c))
+            self.future_map.stash_tokens(c.stash_rows, tokens)
+            self.future_map.publish(c.stash_rows, c.prefix_lens + c.extend_lens)
+            publish_ready.record()
+            result = self._extend_half(verified)
+            self.drafter.after_prefill(chunks.drafter, c, tokens, feats[n:], KVRows.by_batch_index(chunk_kv))
+            return join_verify_result(result, tokens)
+
+        return launch_forward(self.target.ctx, (inputs, chunks), body)
 
     def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""

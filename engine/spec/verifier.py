@@ -101,7 +101,7 @@ class Verifier:
 
     def verify(self, s: SpecDecodeInputs, snap: Snapshot, nodes: tree_ops.DraftNodes) -> Verified:
         """Tree of the drafted nodes, verify forward, accept, publish."""
-        return self._verify_accept(self._verify_forward(s, snap.kv, self.tree_of(s, snap, nodes)))
+        return self.accept(self._verify_forward(s, snap.kv, self.tree_of(s, snap, nodes)))
 
     def tree_of(self, s: SpecDecodeInputs, snap: Snapshot, nodes: tree_ops.DraftNodes) -> tree_ops.Tree:
         """The verify layout (rank 0's drafts are the drafts: the drafter runs on every rank).
@@ -129,7 +129,7 @@ class Verifier:
         return Verifying(s, kv, tree, loc, self.target.model.compute_logits(hidden),
                          aux if self.feature_layers else hidden)
 
-    def _verify_accept(self, v: Verifying) -> Verified:
+    def accept(self, v: Verifying) -> Verified:
         """The target's token at every node (masked: inside the grammar), accept, publish."""
         s, tree, logits = v.inputs, v.tree, v.logits
         if s.constrained:

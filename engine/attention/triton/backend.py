@@ -69,6 +69,7 @@ class TritonAttnBackend(AttentionBackend):
     needs_cpu_seq_lens = False
     supports_cuda_graphs = True
     supports_device_extend_lens = True
+    supports_mixed_forward = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
                  device: torch.device, *, max_batch_size: int = 128,
