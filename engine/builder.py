@@ -371,7 +371,7 @@ def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_wid
 def _graph_sets(worker: Worker) -> list:
     """The worker's captured GraphedSteps (decode variants and extends)."""
     return [graphs for graphs in (worker.graphs, *worker.sampled_graphs.values(),
-                                  worker.constrained_graphs, worker.extend_graphs)
+                                  *worker.constrained_graphs.values(), worker.extend_graphs)
             if graphs is not None]
 
 

@@ -314,6 +314,7 @@ def test_graphed_constrained_steps_equal_eager_ones(pair, make_engine, monkeypat
     eager = make_engine(pair[0], spec=spec).generate(prompt_token_ids=prompts, sampling=params)
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, spec=spec)
     worker = engine.core.worker
+    greedy_constrained = worker.constrained_graphs["greedy"]
     constrained_steps = []
     launch = worker.launch_decode
     monkeypatch.setattr(worker, "launch_decode",
@@ -322,23 +323,30 @@ def test_graphed_constrained_steps_equal_eager_ones(pair, make_engine, monkeypat
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     starts = [(g, rows.shape[0]) for g, rows, part in graphs.replays if part == 0 and rows is not None]
     # Every decode step replayed: constrained ones the constrained graphs, the others the plain.
-    assert sum(g is worker.constrained_graphs for g, _ in starts) == sum(constrained_steps) > 0
+    assert sum(g is greedy_constrained for g, _ in starts) == sum(constrained_steps) > 0
     assert sum(g is worker.graphs for g, _ in starts) == len(constrained_steps) - sum(constrained_steps)
-    assert {bs for g, bs in starts if g is worker.constrained_graphs} >= {8}
+    assert {bs for g, bs in starts if g is greedy_constrained} >= {8}
     # One graph a step (two halves speculating), as unconstrained: no host work between parts.
-    parts = len(worker.constrained_graphs.parts)
+    parts = len(greedy_constrained.parts)
     assert parts == len(worker.graphs.parts) == (1 if shape is None else 2)
-    assert all(p < parts for g, _, p in graphs.replays if g is worker.constrained_graphs)
+    assert all(p < parts for g, _, p in graphs.replays if g is greedy_constrained)
 
 
-def test_sampled_constrained_batches_stay_eager(pair, make_engine, monkeypatch):
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize("variant,extra", [("sampled", {}), ("filtered", dict(top_p=0.9, top_k=20))],
+                         ids=["sampled", "filtered"])
+def test_sampled_constrained_batches_replay_their_graphs(pair, make_engine, monkeypatch, shape, variant, extra):
+    """temperature > 0 with a grammar (the common JSON case) replays the constrained graphs of
+    its sampling variant, seeded draws equal to the eager constrained step's."""
     prompts = random_prompts(3, seed=12, max_len=10)
-    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, grammar=GrammarSpec("json_object"))
-    eager = make_engine(pair[0], spec=_spec(pair[1], **TREE)).generate(prompt_token_ids=prompts, sampling=params)
-    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, spec=_spec(pair[1], **TREE))
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, grammar=GrammarSpec("json_object"), **extra)
+    spec = None if shape is None else _spec(pair[1], **shape)
+    eager = make_engine(pair[0], spec=spec).generate(prompt_token_ids=prompts, sampling=params)
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, spec=spec)
     outs = engine.generate(prompt_token_ids=prompts, sampling=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    assert not [r for r in graphs.replays if r[0] is engine.core.worker.constrained_graphs]
+    replayed = {g for g, rows, _ in graphs.replays if rows is not None}
+    assert engine.core.worker.constrained_graphs[variant] in replayed
 
 
 def test_padded_mask_rows_allow_every_token(compiler):
@@ -378,9 +386,9 @@ def test_gpu_graphed_constrained_steps_equal_eager(make_engine, shape):
         engine = make_engine(None, cuda_graph=graphs, **kwargs)
         worker = engine.core.worker
         if graphs:
-            assert worker.constrained_graphs is not None
-            replay = worker.constrained_graphs.replay
-            worker.constrained_graphs.replay = lambda c, p: replays.append(p) or replay(c, p)
+            greedy_constrained = worker.constrained_graphs["greedy"]
+            replay = greedy_constrained.replay
+            greedy_constrained.replay = lambda c, p: replays.append(p) or replay(c, p)
         outs.append([o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)])
     assert outs[1] == outs[0]
     assert replays.count(0) > 0

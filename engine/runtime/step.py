@@ -95,7 +95,7 @@ class Worker(Protocol):
 
     graphs: Any  # the captured CUDA graphs (GraphedStep), or None
     sampled_graphs: dict  # variant (layers/sampler.py: SAMPLED, FILTERED) -> its graphs; {} without
-    constrained_graphs: Any  # those of batches with a grammar (greedy), or None
+    constrained_graphs: dict  # those of batches with a grammar, by sampling variant
     extend_graphs: Any  # the captured extends (runtime/captured_extend.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)
 

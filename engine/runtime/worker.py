@@ -7,6 +7,7 @@ with a draft model.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -304,8 +305,9 @@ class NormalWorker:
     def __init__(self, target: TargetModel):
         self.target = target
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
-        self.constrained_graphs = None  # GraphedStep of constrained decodes (with a grammar process)
         self.sampled_graphs: dict[str, GraphedStep] = {}  # SAMPLED / FILTERED -> GraphedStep
+        # GREEDY / SAMPLED / FILTERED -> GraphedStep of constrained decodes (with a grammar process)
+        self.constrained_graphs: dict[str, GraphedStep] = {}
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
 
     def slots_per_request(self) -> int:
@@ -385,33 +387,38 @@ class NormalWorker:
                            sampled: bool = True) -> None:
         """Capture the greedy decode per bucket; with `sampled` the sampled variants
         (temperature; temperature and top-k/top-p/min-p) in the same memory pool; with
-        `constrained` (the engine has a grammar process) a constrained variant in that pool too,
-        whose signal and wait kernels talk to the grammar process: the unconstrained graph
-        applies no mask."""
+        `constrained` (the engine has a grammar process) a constrained variant of each in that
+        pool too, whose signal and wait kernels talk to the grammar process: the unconstrained
+        graphs apply no mask."""
         device = self.target.ctx.device
         forward, pick, constrained_step = self.decode_parts(width)
-        self.graphs = GraphedStep([lambda s: pick(forward(s))], graph_decode_inputs(device), pad={},
-                                  max_batch_size=max_batch_size, device=device)
-        self.graphs.capture_all("greedy decode")
+        # variant -> (its last op, make_inputs(bs) of its static inputs)
+        variants = {GREEDY: (pick, graph_decode_inputs(device))}
         if sampled:
             vocab_size = self.target.model.config.vocab_size
             pick_sampled = self.sampled_pick()
             for variant in (SAMPLED, FILTERED):
-                make = graph_decode_inputs(device)
-
-                def make_inputs(bs, make=make, variant=variant):
+                def make_inputs(bs, make=graph_decode_inputs(device), variant=variant):
                     return SampledDecodeInputs(*make(bs), graph_sampling_info(bs, vocab_size, device, variant))
 
-                graphs = GraphedStep([lambda s: pick_sampled(forward(s))], make_inputs, pad={},
-                                     max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
-                graphs.capture_all(f"{variant} decode")
+                variants[variant] = (pick_sampled, make_inputs)
+        for variant, (pick_tokens, make_inputs) in variants.items():
+            graphs = GraphedStep([lambda s, pick_tokens=pick_tokens: pick_tokens(forward(s))], make_inputs,
+                                 pad={}, max_batch_size=max_batch_size, device=device,
+                                 pool=None if self.graphs is None else self.graphs.pool)
+            graphs.capture_all(f"{variant} decode")
+            if variant == GREEDY:
+                self.graphs = graphs
+            else:
                 self.sampled_graphs[variant] = graphs
         if constrained:
-            self.constrained_graphs = GraphedStep([constrained_step], graph_decode_inputs(device), pad={},
-                                                  max_batch_size=max_batch_size, device=device,
-                                                  pool=self.graphs.pool)
             with self.target.grammar.device.captured():
-                self.constrained_graphs.capture_all("constrained decode")
+                for variant, (pick_tokens, make_inputs) in variants.items():
+                    graphs = GraphedStep([functools.partial(constrained_step, pick_tokens=pick_tokens)],
+                                         make_inputs, pad={}, max_batch_size=max_batch_size, device=device,
+                                         pool=self.graphs.pool)
+                    graphs.capture_all(f"constrained {variant} decode")
+                    self.constrained_graphs[variant] = graphs
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
@@ -421,7 +428,8 @@ class NormalWorker:
     def decode_parts(self, width: int):
         """(forward, pick, constrained_step) of a captured greedy decode: the forward's logits,
         the argmax token (stashed in the FutureMap), and a whole constrained step: signal the
-        grammar process, forward, wait for the committed masks, masked pick, signal its tokens."""
+        grammar process, forward, wait for the committed masks, masked pick (`pick_tokens`:
+        argmax, or a sampled variant's), signal its tokens."""
         target = self.target
 
         def forward(s: GraphedDecodeInputs) -> tuple[GraphedDecodeInputs, torch.Tensor]:
@@ -440,11 +448,11 @@ class NormalWorker:
             target.future_map.stash_tokens(s.rows, tokens)
             return tokens
 
-        def constrained_step(s: GraphedDecodeInputs) -> torch.Tensor:
+        def constrained_step(s: GraphedDecodeInputs, pick_tokens=pick) -> torch.Tensor:
             channel = target.grammar.device
             channel.signal()
             s, logits = forward(s)
-            tokens = pick((s, apply_token_bitmask(logits, channel.masks(logits.shape[0]))))
+            tokens = pick_tokens((s, apply_token_bitmask(logits, channel.masks(logits.shape[0]))))
             channel.signal(tokens)
             return tokens
 
@@ -478,22 +486,22 @@ def graph_decode_inputs(device):
 
 def release_graphs(worker) -> None:
     """Free a worker's captured graphs (engine shutdown)."""
-    for graphs in (worker.graphs, *worker.sampled_graphs.values(), worker.constrained_graphs,
+    for graphs in (worker.graphs, *worker.sampled_graphs.values(), *worker.constrained_graphs.values(),
                    worker.extend_graphs):
         if graphs is not None:
             graphs.release()
 
 
 def graphs_for(worker, info: SamplingInfo, constrained: bool, bs: int) -> Optional[GraphedStep]:
-    """The captured variant (worker.graphs, .sampled_graphs[...], .constrained_graphs) that runs
-    exactly the sampling ops the eager step would for this batch, or None: eager. Constrained
-    batches have greedy graphs only; penalties, logit_bias, min_new_tokens and logprobs stay
-    eager (layers/sampler.py graph_variant)."""
+    """The captured variant (worker.graphs, .sampled_graphs[...], .constrained_graphs[...]) that
+    runs exactly the sampling ops the eager step would for this batch, or None: eager.
+    Penalties, logit_bias, min_new_tokens and logprobs stay eager (layers/sampler.py
+    graph_variant)."""
     variant = graph_variant(info)
     if variant is None:
         return None
     if constrained:
-        graphs = worker.constrained_graphs if variant == GREEDY else None
+        graphs = worker.constrained_graphs.get(variant)
     else:
         graphs = worker.graphs if variant == GREEDY else worker.sampled_graphs.get(variant)
     return graphs if graphs is not None and graphs.bucket_for(bs) is not None else None

@@ -47,7 +47,8 @@ class SpecWorker:
         self.verifier = Verifier(target, drafter.shape, drafter.feature_layers or (),
                                  spec.bench_force_accept_len)
         self.graphs = None  # GraphedStep once enable_cuda_graphs() ran
-        self.constrained_graphs = None  # GraphedStep of constrained steps (with a grammar process)
+        # GREEDY / SAMPLED / FILTERED -> GraphedStep of constrained steps (with a grammar process)
+        self.constrained_graphs: dict[str, GraphedStep] = {}
         self.sampled_graphs: dict[str, GraphedStep] = {}  # SAMPLED / FILTERED -> GraphedStep
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
 
@@ -206,11 +207,14 @@ class SpecWorker:
                 graphs.capture_all(f"{variant} speculative decode")
                 self.sampled_graphs[variant] = graphs
         if constrained:
-            self.constrained_graphs = GraphedStep(self.decode_parts(), self.graph_inputs(width, constrained=True),
-                                                  pad=GRAPH_PAD, max_batch_size=max_batch_size,
-                                                  device=device, pool=self.graphs.pool)
             with self.target.grammar.device.captured():
-                self.constrained_graphs.capture_all("constrained speculative decode")
+                for variant in (GREEDY, *self.sampled_graphs):
+                    graphs = GraphedStep(self.decode_parts(),
+                                         self.graph_inputs(width, constrained=True, variant=variant),
+                                         pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device,
+                                         pool=self.graphs.pool)
+                    graphs.capture_all(f"constrained {variant} speculative decode")
+                    self.constrained_graphs[variant] = graphs
         parts = self.captured_extend_parts(width) if extends else None
         if parts is not None:
             self.extend_graphs = self.target.capture_extends(parts, max_batch_size, width, self.graphs.pool)
