@@ -50,9 +50,9 @@ from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.skinny_gemm import (
     MAX_ROWS, default_config, fp8_weight_config, skinny_gemm)
-from specserve.engine.quantization.fp8 import (
+from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
-from specserve.engine.quantization.fp8_gemm import block_scaled_matmul, quantize_activations
+from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),

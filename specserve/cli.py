@@ -14,7 +14,8 @@ import logging
 import sys
 from typing import Optional
 
-from specserve.engine.config import DEFAULT, KV_CACHE_DTYPES, EngineConfig, SpecConfig
+from specserve.engine.config import (
+    DEFAULT, KV_CACHE_DTYPES, QUANTIZATION_FLAGS, EngineConfig, SpecConfig)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -46,10 +47,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-all-reduce", action="store_true",
                    help="with --tp > 1 on GPUs: small all-reduces over symmetric memory (one- "
                         "and two-shot; experimental), NCCL past 8 MiB (default: NCCL for all)")
-    g.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+    g.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                    help="weight format: auto (default) serves the checkpoint's own "
-                        "(its quantization_config: FP8 block-wise, per-channel or per-tensor); "
-                        "fp8 requires an FP8 checkpoint")
+                        "(its quantization_config: FP8 block-wise, per-channel or per-tensor; "
+                        "AWQ or GPTQ INT4); fp8 on a 16-bit checkpoint quantizes it at load "
+                        "(per channel); awq, gptq and fp8 must match a quantized checkpoint's own")
     g.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (no radix prefix cache)")
     g.add_argument("--grammar-compile-seconds", type=float, default=10.0,

@@ -1,4 +1,4 @@
-"""The FP8-weight kernels against the reference (engine/quantization/fp8.py): the skinny GEMM
+"""The FP8-weight kernels against the reference (engine/layers/fp8_weight.py): the skinny GEMM
 reading FP8 weights with their scales (W8A16, and the W8A8 option) in its three epilogues, the
 large-M W8A8 GEMM with its activation quantiser, and the fused MoE with FP8 experts.
 
@@ -27,9 +27,9 @@ from specserve.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from specserve.engine.layers.skinny_gemm import (  # noqa: E402
     SkinnyConfig, SkinnyWorkspace, default_config, fp8_weight_config, skinny_gemm,
     skinny_qkv_rope, workspace_for)
-from specserve.engine.quantization.fp8 import (  # noqa: E402
+from specserve.engine.layers.fp8_weight import (  # noqa: E402
     FP8_DTYPE, WeightScale, dequantize, fp8_linear_reference, scale_grid_shape)
-from specserve.engine.quantization.fp8_gemm import (  # noqa: E402
+from specserve.engine.layers.fp8_gemm import (  # noqa: E402
     ACT_GROUP, BlockScaledConfig, block_scaled_matmul, quantize_activations,
     quantize_activations_reference)
 
@@ -214,11 +214,12 @@ def test_skinny_fp8_refuses_a_grid_that_does_not_cover_the_weight():
 
 
 def test_fp8_layers_take_the_skinny_kernels(monkeypatch):
-    """FP8 ColumnParallelLinear/RowParallelLinear layers (after `use_fp8`) through the skinny
+    """FP8 ColumnParallelLinear/RowParallelLinear layers (with `Fp8LinearMethod`) through the skinny
     kernels (allowed on CPU tensors here): forward, gate/up with SiLU-and-mul, and the fused
     q/k/v + RoPE + KV store, each the reference's result; the kernels really run."""
-    from specserve.engine.layers import parallel
+    from specserve.engine.layers import linear_method
     from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear
+    from specserve.engine.quantization.fp8 import Fp8LinearMethod
 
     calls = []
     real_gemm, real_qkv = skinny_module.skinny_gemm, skinny_module.skinny_qkv_rope
@@ -226,11 +227,11 @@ def test_fp8_layers_take_the_skinny_kernels(monkeypatch):
                         lambda x, w, scale=None: x.numel() // w.shape[1] <= skinny_module.MAX_ROWS)
     monkeypatch.setattr(skinny_module, "skinny_gemm",
                         lambda *a, **kw: calls.append(("gemm", kw["scale"] is not None)) or real_gemm(*a, **kw))
-    monkeypatch.setattr(parallel, "skinny_qkv_rope",  # (imported there by name)
+    monkeypatch.setattr(linear_method, "skinny_qkv_rope",  # (imported there by name)
                         lambda *a, **kw: calls.append(("qkv", kw["scale"] is not None)) or real_qkv(*a, **kw))
 
     def fp8_layer(layer, block, seed):
-        layer.use_fp8(*block)
+        layer.use_method(Fp8LinearMethod(block))
         w8, scale = fp8_weight(*layer.weight.shape, block, seed=seed)
         layer.weight.data.copy_(w8)
         layer.weight_scale.data.copy_(scale.values)
@@ -359,8 +360,8 @@ def test_fused_moe_fp8_matches_torch_path(case, block):
 _COMPILE_FP8_FOR_SM90 = """
 import torch
 from specserve.engine.layers import fused_moe_triton as moe, skinny_gemm as sk
-from specserve.engine.quantization import fp8_gemm as q
-from specserve.engine.quantization.fp8 import FP8_DTYPE
+from specserve.engine.layers import fp8_gemm as q
+from specserve.engine.layers.fp8_weight import FP8_DTYPE
 from sm90_compile import compile_sm90, t
 
 bf16, f32, i32, fp8 = torch.bfloat16, torch.float32, torch.int32, FP8_DTYPE
@@ -442,7 +443,7 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
 
 def quantize_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, WeightScale]:
     """A checkpoint's FP8 form of w [..., N, K]: per (block_n, block_k) block, scale = amax / 448."""
-    from specserve.engine.quantization.fp8 import expand_scale
+    from specserve.engine.layers.fp8_weight import expand_scale
 
     n, k = w.shape[-2:]
     gn, gk = scale_grid_shape(n, k, *block)
@@ -532,7 +533,7 @@ def test_gpu_block_scaled_matmul_llama_shapes(shape, m):
     Hopper cuBLAS's blockwise FP8 GEMM) and the Triton kernel: the product of the quantised
     operands within a bf16 rounding; within FP8's error of the reference."""
     from specserve.engine.layers.skinny_gemm import linear
-    from specserve.engine.quantization.fp8_gemm import (
+    from specserve.engine.layers.fp8_gemm import (
         block_scaled_matmul, fp8_matmul, runs_block_scaled, runs_cublas_blockwise)
 
     n, k = LLAMA_8B[shape]
@@ -576,7 +577,7 @@ def test_gpu_fp8_kernels_in_a_cuda_graph():
     kernel with its quantiser, FP8 experts: captured once and replayed with new inputs:
     eager's bits every replay, counters at zero."""
     from specserve.engine.layers.fused_moe_triton import fused_experts
-    from specserve.engine.quantization.fp8_gemm import fp8_matmul
+    from specserve.engine.layers.fp8_gemm import fp8_matmul
 
     weights = {name: _gpu_fp8_weight(n, k, seed=i) for i, (name, (n, k)) in enumerate(LLAMA_8B.items())}
     small = {name: torch.zeros(4, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in LLAMA_8B.items()}

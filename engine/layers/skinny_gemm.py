@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
-from specserve.engine.quantization.fp8 import FP8_DTYPE, WeightScale
-from specserve.engine.quantization.fp8_gemm import (
+from specserve.engine.layers.fp8_weight import FP8_DTYPE, WeightScale
+from specserve.engine.layers.fp8_gemm import (
     ACT_GROUP, check_weight, fp8_matmul, fp8_supported, k_uniform, quantize_activations)
 
 try:
@@ -202,7 +202,7 @@ def can_use(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale] 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            skinny: bool = True, scale: Optional[WeightScale] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the skinny GEMM where `can_use` picks it and `skinny`
-    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (quantization/fp8.py):
+    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (layers/fp8_weight.py):
     the skinny GEMM reads it as it is, else `fp8_matmul`."""
     if skinny and can_use(x, weight, scale):
         return skinny_gemm(x, weight, bias, scale=scale)
@@ -221,7 +221,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 if triton is not None:
-    from specserve.engine.quantization.fp8_gemm import (
+    from specserve.engine.layers.fp8_gemm import (
         activation_scales, dequantize_tile, scaled_dot, weight_scales)
 
     @triton.jit

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.pdl import launch_options, wait_for_predecessor
-from specserve.engine.quantization.fp8 import FP8_DTYPE, FP8_MAX, WeightScale, fp8_linear_reference
+from specserve.engine.layers.fp8_weight import FP8_DTYPE, FP8_MAX, WeightScale, fp8_linear_reference
 
 try:
     import triton
