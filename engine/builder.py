@@ -33,11 +33,11 @@ from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.loader import (CheckpointReader, init_dummy_weights, load_llama,
-                                             use_fp8_everywhere)
+                                             use_fp8_everywhere, use_int4_everywhere)
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
-from specserve.engine.quantization.config import resolve_quantization
+from specserve.engine.quantization.config import Int4Config, resolve_quantization
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
@@ -211,7 +211,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     weight_format = cfg.quantization.name if cfg.quantization is not None else \
         str(dtype).replace("torch.", "")
     if config.load_format == "dummy":
-        if dummy_fp8_block is not None:
+        if isinstance(cfg.quantization, Int4Config):
+            use_int4_everywhere(model, cfg.quantization)
+        elif dummy_fp8_block is not None:
             use_fp8_everywhere(model, dummy_fp8_block)
             weight_format = f"fp8 (block {dummy_fp8_block[0]}x{dummy_fp8_block[1]})"
         init_dummy_weights(model, config.seed)

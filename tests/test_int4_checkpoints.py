@@ -232,3 +232,56 @@ def test_int4_and_online_fp8_served_through_grpc_and_http(int4, tiny_model):
             assert httpx.get(http_url + "/v1/models").json()["data"][0]["weight_dtype"] == weight_dtype
         finally:
             assert server.stop() == 0
+
+
+def test_missing_int4_tensor_is_named(int4, tmp_path):
+    path = shutil.copytree(int4("llama", "awq", 32)[0], tmp_path / "m")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.qzeros"]
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.down_proj.qzeros'"):
+        Engine(EngineConfig(model=str(path), device="cpu", spec=None))
+
+
+@pytest.mark.parametrize("flag", ["awq", "gptq"])
+def test_random_int4_weights_for_benchmarks(tiny_model, make_engine, flag):
+    engine = make_engine(tiny_model, load_format="dummy", quantization=flag)
+    down = engine.core.runner.model.layers[0].mlp.down_proj
+    assert down.qweight.dtype == torch.int32 and down.group_size == 128
+    assert engine.core.weight_format == f"int4 {flag} (group 128{', sym' if flag == 'gptq' else ''})"
+    out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_new_tokens
+
+
+# --- on a GPU: the W4A16 kernels in the engine, under CUDA graphs ------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None, CHAIN], ids=["plain", "chain"])
+def test_gpu_int4_graphs_match_eager_and_spec_matches_plain(int4, make_engine, tmp_path, spec):
+    """fp32 activations on CUDA: the decode kernel and the dequantise + cuBLAS prefill read the
+    INT4 weights; graphs replay exactly what eager runs, and speculation keeps plain's tokens."""
+    path, _ = int4("llama", "gptq", 32, True)
+    prompts = random_prompts(6, seed=17, max_len=40)
+    spec_cfg = None
+    if spec is not None:
+        from helpers import make_eagle3_head
+        spec_cfg = SpecConfig(algorithm="eagle3", draft_model=make_eagle3_head(str(tmp_path / "head"), target_layers=2),
+                              **spec)
+    kwargs = dict(device="cuda", attention_backend="triton", max_total_tokens=4096, max_running_requests=8)
+    outs = [[o.token_ids for o in make_engine(path, cuda_graph=graphs, spec=s, **kwargs).generate(
+        prompt_token_ids=prompts, sampling=GREEDY)] for graphs, s in ((False, spec_cfg), (True, spec_cfg), (True, None))]
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_gpu_bf16_logits_close_to_the_dequantized_model(int4, make_engine, fmt):
+    """bf16 activations: the INT4 kernels against the dequantized weights run by the same
+    engine in bf16 (cuBLAS): a 64-token prefill (dequantise + cuBLAS) and a 5-token one (the
+    decode kernel), each within bf16 roundings over a model."""
+    path, ref = int4("llama", fmt, 32, fmt == "gptq")
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=4)
+    ours, theirs = make_engine(path, **kw), make_engine(ref, **kw)
+    for prompt in (ids, ids[:5]):
+        a, b = ours.prompt_logits(prompt).float(), theirs.prompt_logits(prompt).float()
+        assert ((a - b).norm() / b.norm()).item() < 2e-2

@@ -16,9 +16,10 @@ from specserve.engine.layers.linear_method import PartSlice
 from specserve.engine.layers.parallel import QuantizableLinear
 from specserve.engine.models.checkpoint_dir import open_safetensors, safetensors_files
 from specserve.engine.progress import progress
-from specserve.engine.quantization.config import Scheme
+from specserve.engine.quantization.config import Int4Config, Scheme
 from specserve.engine.quantization.fp8 import (
     Fp8LinearMethod, Fp8Target, is_fp8, load_scale, require_quant_config, scale_block)
+from specserve.engine.quantization.int4 import Int4LinearMethod
 from specserve.engine.quantization.methods import linear_method_for
 
 # our fused name part -> checkpoint parts, concatenated along dim 0 in this order
@@ -227,16 +228,25 @@ def load_llama(model: nn.Module, path: str) -> None:
 DUMMY_STD = 0.02
 DUMMY_FP8_SCALE = DUMMY_STD / 64  # random FP8 values of std 64 stand for weights of std 0.02
 DUMMY_FP8_ROWS = 65536  # rows of an FP8 parameter drawn at a time
+DUMMY_INT4_ZERO = 8
+DUMMY_INT4_SCALE = DUMMY_STD / 4.6  # uniform codes 0..15 less 8 have a std of about 4.6
 
 
 def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks on model shapes that are not on disk (norms stay 1); FP8
-    layers get FP8 values and a constant scale grid of the same magnitude."""
+    layers get FP8 values and a constant scale grid of the same magnitude, INT4 layers random
+    codes, zero points 8 and constant scales."""
     gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if hasattr(param, "scale_block"):
                 param.fill_(DUMMY_FP8_SCALE)
+            elif param.dtype == torch.int32:  # INT4 codes, eight a word
+                param.random_(-2 ** 31, 2 ** 31, generator=gen)
+            elif param.dtype == torch.uint8:  # INT4 zero points
+                param.fill_(DUMMY_INT4_ZERO)
+            elif name.endswith(".scales"):  # INT4 scales
+                param.fill_(DUMMY_INT4_SCALE)
             elif param.dtype == torch.float8_e4m3fn:  # in slices: fp32 values are 4x the bytes
                 for part in param.view(-1, param.shape[-1]).split(DUMMY_FP8_ROWS):
                     values = torch.empty(part.shape, device=param.device).normal_(
@@ -255,6 +265,13 @@ def use_fp8_everywhere(module: nn.Module, block: tuple[int, int]) -> None:
             sub.use_method(Fp8LinearMethod(block))
         elif hasattr(sub, "w13") and hasattr(sub, "use_fp8"):
             sub.use_fp8(*block)
+
+
+def use_int4_everywhere(module: nn.Module, config: Int4Config) -> None:
+    """Every linear layer in INT4 (random-weight benchmarks of INT4 shapes)."""
+    for sub in module.modules():
+        if isinstance(sub, QuantizableLinear):
+            sub.use_method(Int4LinearMethod(config))
 
 
 def finish_loading(module: nn.Module) -> None:

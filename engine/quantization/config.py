@@ -36,6 +36,7 @@ SUPPORTED = ("fp8 (block-wise, DeepSeek-V3 style, or per-tensor), compressed-ten
              "float-quantized FP8 (per-tensor, per-channel or block-wise weights), awq (4-bit, "
              "version gemm) and gptq (4-bit, desc_act false)")
 INT4_GROUP_SIZES = (32, 64, 128, -1)  # -1: one group over all of K (per channel)
+DUMMY_INT4_GROUP = 128  # random INT4 weights: the published checkpoints' usual groups
 # `--quantization` values (engine/config.py): "auto" serves the checkpoint as stored; the
 # others must match it, except "fp8", which quantizes a 16-bit checkpoint at load.
 
@@ -114,16 +115,17 @@ Scheme = Union[QuantConfig, Int4Config, OnlineFp8Config]
 def resolve_quantization(flag: str, checkpoint: Optional[Scheme], model: str, mla: bool = False,
                          dummy: bool = False) -> Optional[Scheme]:
     """The scheme served for `--quantization flag` and the checkpoint's own: the checkpoint's
-    ("auto", or a flag naming it), online FP8 ("fp8" on a 16-bit checkpoint), or refused by
-    name when they disagree or the model cannot take it (INT4 with MLA; INT4 random weights)."""
-    scheme = _resolve(flag, checkpoint, model)
-    if isinstance(scheme, Int4Config) and (mla or dummy):
-        what = "MLA attention (DeepSeek)" if mla else "random weights (load_format dummy)"
-        raise UnsupportedQuantization(f"quantization: {scheme.name} is not supported with {what}")
+    ("auto", or a flag naming it), online FP8 ("fp8" on a 16-bit checkpoint; random weights:
+    block-wise FP8), random INT4 weights (awq / gptq with `dummy`), or refused by name when
+    they disagree or the model cannot take it (INT4 with MLA)."""
+    scheme = _resolve(flag, checkpoint, model, dummy)
+    if isinstance(scheme, Int4Config) and mla:
+        raise UnsupportedQuantization(f"quantization: {scheme.name} is not supported with MLA "
+                                      f"attention (DeepSeek)")
     return scheme
 
 
-def _resolve(flag: str, checkpoint: Optional[Scheme], model: str) -> Optional[Scheme]:
+def _resolve(flag: str, checkpoint: Optional[Scheme], model: str, dummy: bool) -> Optional[Scheme]:
     if flag not in QUANTIZATION_FLAGS:
         raise UnsupportedQuantization(f"quantization: {flag!r} is not supported; supported: "
                                       f"{', '.join(QUANTIZATION_FLAGS)}")
@@ -132,6 +134,8 @@ def _resolve(flag: str, checkpoint: Optional[Scheme], model: str) -> Optional[Sc
     if checkpoint is None:
         if flag == "fp8":
             return ONLINE_FP8
+        if dummy:  # random INT4 weights for the benchmarks' rows, in the common layout
+            return Int4Config(flag, DUMMY_INT4_GROUP, sym=flag == "gptq", zero_offset=0)
         raise UnsupportedQuantization(f"quantization: {flag!r} needs a {flag} checkpoint, but "
                                       f"{model} has no quantization_config (a 16-bit checkpoint; "
                                       f"only 'fp8' quantizes at load)")

@@ -1,0 +1,125 @@
+"""The W4A16 kernels (engine/layers/int4_gemm.py) against the torch reference.
+
+In the interpreter on the CPU (small shapes; N not a multiple of the column tile, group sizes
+32, 64 and one group over K): the decode kernel on tl.dot in fp32 (exact operands: the
+interpreter's bf16 dot is wrong) and on multiply-and-sum in fp16, split-K on and off, with a
+bias; the dequantise kernel of the large-M path bit for bit; the pack/unpack round trip.
+Marked `gpu`: Llama-8B shapes in bf16, against the reference and inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specserve.engine.layers.int4_gemm import (  # noqa: E402
+    Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
+    int4_linear, int4_linear_reference, pack_rows, unpack_rows, w4a16_gemm)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+N, K = 72, 256
+
+
+def int4_weight(n: int, k: int, group: int, seed: int, scale_dtype=torch.float16) -> Int4Weight:
+    """Random codes, zero points and scales (powers of two over 1/64..1/8 in the interpreter
+    tests: products with small-integer activations are exact, so only roundings differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (2.0 ** -torch.randint(3, 7, (n, groups), generator=gen)).to(scale_dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+    return Int4Weight(pack_rows(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group)
+
+
+def rows(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-4, 5, (m, k), generator=gen).to(dtype).to(DEVICE)
+
+
+def test_pack_unpack_round_trip_and_dequantize():
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (5, 64), generator=gen, dtype=torch.uint8)
+    packed = pack_rows(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 8)
+    assert torch.equal(unpack_rows(packed), codes)
+    assert int(packed[0, 0]) & 0xF == int(codes[0, 0]) and (int(packed[0, 0]) >> 28) & 0xF == int(codes[0, 7])
+    w = Int4Weight(packed, torch.full((5, 2), 0.5), torch.full((5, 2), 3, dtype=torch.uint8), 32)
+    torch.testing.assert_close(dequantize_int4(w), (codes.float() - 3) * 0.5, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group", [32, 64, K], ids=["g32", "g64", "per-channel"])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_kernel_on_dot_equals_the_reference(group, split_k, m):
+    w = int4_weight(N, K, group, seed=group + m)
+    x = rows(m, K, seed=m)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    config = W4Config(block_n=32, block_k=min(group, 64), split_k=split_k, num_warps=4, num_stages=2)
+    out = w4a16_gemm(x, w, bias, config)
+    torch.testing.assert_close(out, int4_linear_reference(x, w, bias), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_decode_kernel_fp16_roundings_equal_the_reference(split_k):
+    """Multiply-and-sum in fp16: the dequantised weight rounded to fp16 as the reference rounds
+    it, exact sums, one rounding of the output."""
+    w = int4_weight(N, K, 32, seed=9)
+    x = rows(3, K, seed=4, dtype=torch.float16)
+    config = W4Config(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2, dot=False)
+    assert torch.equal(w4a16_gemm(x, w, None, config), int4_linear_reference(x, w))
+
+
+def test_dequantize_kernel_is_the_reference_bit_for_bit():
+    w = int4_weight(N, K, 64, seed=5)
+    assert torch.equal(dequantize_int4_gpu(w, torch.float16, block_n=32, block_k=64),
+                       dequantize_int4(w, torch.float16))
+
+
+def test_config_steps_lie_in_one_group():
+    assert default_w4_config(1, 4096, 4096, 128, torch.device("cpu")).block_k == 128
+    assert default_w4_config(1, 4096, 4096, 32, torch.device("cpu")).block_k == 32
+    config = default_w4_config(1, 1024, 4096, 128, torch.device("cpu"))
+    assert config.split_k > 1 and 4096 // config.split_k >= 512  # few tiles: K is split
+    with pytest.raises(AssertionError, match="must lie in one group"):
+        w4a16_gemm(rows(1, K, 0), int4_weight(N, K, 32, 0), None, W4Config(32, 64, 1, 4, 2))
+
+
+def test_int4_linear_on_the_cpu_is_the_reference():
+    w = int4_weight(N, K, 32, seed=1)
+    x = torch.randn(20, K)
+    if DEVICE.type == "cpu":
+        assert torch.equal(int4_linear(x, w), int4_linear_reference(x, w))
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand((n, k // 128), generator=gen, device="cuda") * 0.01 + 0.001).half()
+    zeros = torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda", dtype=torch.uint8)
+    return Int4Weight(pack_rows(codes), scales, zeros, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_gpu_int4_llama_shapes(shape, m):
+    """bf16: the decode kernel (m <= 16) and the dequantise + cuBLAS path (64) against the
+    reference within a bf16 rounding; deterministic; the same inside a CUDA graph."""
+    n, k = LLAMA_8B[shape]
+    w = _gpu_weight(n, k, seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = int4_linear(x, w)
+    ref = x.float() @ dequantize_int4(w, torch.bfloat16).float().t()
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, int4_linear(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
