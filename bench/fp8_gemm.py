@@ -1,5 +1,5 @@
-"""FP8-weight GEMMs against bf16 at Llama-8B and DeepSeek-V3 shapes: microseconds, GB/s, % of
-copy bandwidth, TFLOP/s, and each FP8 variant's error.
+"""FP8- and INT4-weight GEMMs against bf16 at Llama-8B and DeepSeek-V3 shapes: microseconds,
+GB/s, % of copy bandwidth, TFLOP/s, and each quantized variant's error.
 
     python bench/fp8_gemm.py --out bench_fp8_gemm.json
     python bench/fp8_gemm.py --shapes 8b.qkv,8b.down --rows 1,16 --no-moe --out quick.json
@@ -17,6 +17,10 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     quantiser included (where this torch/cuBLAS supports it)
 - `scaled_mm_row`   torch._scaled_mm rowwise: the weight re-quantised per channel, x per token
                     in torch (another checkpoint format: its error is not comparable)
+- `w4a16_skinny`    INT4 (group 128, AWQ/GPTQ's usual) by the W4A16 decode kernel (M <= 16;
+                    the engine's, layers/int4_gemm.py); its error is against its own
+                    dequantised weight
+- `w4a16_dequant`   INT4 at large M: the dequantise kernel, then cuBLAS (the engine's prefill)
 
 Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
 cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
@@ -53,6 +57,8 @@ from specserve.engine.layers.skinny_gemm import (
 from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
+from specserve.engine.layers.int4_gemm import (
+    Int4Weight, dequantize_int4, dequantize_int4_gpu, pack_rows, w4a16_gemm)
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -60,6 +66,7 @@ SHAPES = {  # name: (N, K) of the weight
     "v3.expert_gate_up": (4096, 7168), "v3.expert_down": (7168, 2048), "v3.q_b": (24576, 1536),
 }
 BLOCK = (128, 128)
+INT4_GROUP = 128
 MOE = dict(experts=256, top_k=8, hidden=7168, inter=2048)
 
 
@@ -92,8 +99,19 @@ class Weights:
             if with_rowwise:
                 w8_row, s_row = quantize_rows_torch(self.bf16[-1])
                 self.rowwise.append((w8_row.t(), s_row.t().contiguous()))  # [K, N] column-major
+        # INT4 copies: half FP8's bytes each, so twice as many rotate through L2.
+        self.int4 = [random_int4(n, k, device) for _ in range(2 * copies)]
         self.n, self.k = n, k
         self.scale_bytes = self.fp8[0][1].values.numel() * 4
+        self.int4_extra_bytes = n * (k // INT4_GROUP) * 3  # fp16 scales and uint8 zeros
+
+
+def random_int4(n: int, k: int, device) -> Int4Weight:
+    """Random codes, zero points and scales of a weight of std ~0.02 in group-128 INT4."""
+    codes = torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8)
+    groups = k // INT4_GROUP
+    return Int4Weight(pack_rows(codes), torch.full((n, groups), 0.0043, device=device).half(),
+                      torch.randint(6, 10, (n, groups), device=device, dtype=torch.uint8), INT4_GROUP)
 
 
 def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
@@ -105,6 +123,9 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
         ops["skinny_bf16"] = ("bf16", lambda x, w: skinny_gemm(x, w))
         ops["w8a16_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
+        ops["w4a16_skinny"] = ("int4", lambda x, w: w4a16_gemm(x, w))
+    else:
+        ops["w4a16_dequant"] = ("int4", lambda x, w: F.linear(x, dequantize_int4_gpu(w, x.dtype)))
     ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
     ops["scaled_mm_block"] = ("fp8", scaled_mm_block)
     ops["scaled_mm_row"] = ("rowwise", scaled_mm_row)
@@ -137,15 +158,19 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
             inputs = [torch.randn(m, k, device=device).bfloat16() for _ in range(num_inputs)]
             x0 = inputs[0]
             reference = x0.float() @ dequantize(*weights.fp8[0], torch.float32).t()
+            int4_reference = x0.float() @ dequantize_int4(weights.int4[0], torch.bfloat16).float().t()
             for variant, (kind, op) in dense_variants(m, n, k).items():
-                pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise}[kind]
-                weight_bytes = n * k * (2 if kind == "bf16" else 1)
-                extra = weights.scale_bytes if kind == "fp8" else (4 * n if kind == "rowwise" else 0)
+                pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise,
+                        "int4": weights.int4}[kind]
+                weight_bytes = n * k * {"bf16": 2, "int4": 0.5}.get(kind, 1)
+                extra = {"fp8": weights.scale_bytes, "rowwise": 4 * n,
+                         "int4": weights.int4_extra_bytes}.get(kind, 0)
                 calls = [lambda i=i: op(inputs[i % num_inputs], pool[i % len(pool)])
                          for i in range(num_calls)]
                 row = dict(part="dense", shape=name, n=n, k=k, m=m, variant=variant)
                 try:
-                    err = float((op(x0, pool[0]).float() - reference).norm() / reference.norm())
+                    ref = int4_reference if kind == "int4" else reference
+                    err = float((op(x0, pool[0]).float() - ref).norm() / ref.norm())
                     seconds = time_per_call(calls)
                 except Exception as e:  # an unsupported variant (torch build, device): go on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -205,8 +205,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
                 device, "" if cfg.quantization is None else f", {cfg.quantization.name} weights")
-    dummy_fp8_block = None
-    if config.load_format == "dummy" and cfg.quantization is not None:
+    dummy_fp8_block = None  # random FP8 weights: the checkpoint's blocks, else 128x128
+    if config.load_format == "dummy" and cfg.quantization is not None \
+            and not isinstance(cfg.quantization, Int4Config):
         dummy_fp8_block = getattr(cfg.quantization, "weight_block", None) or DUMMY_FP8_BLOCK
     weight_format = cfg.quantization.name if cfg.quantization is not None else \
         str(dtype).replace("torch.", "")
