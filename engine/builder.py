@@ -169,7 +169,7 @@ def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
     # The weight format served: the checkpoint's, or FP8 quantized at load (--quantization).
     cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
         config.quantization, cfg.quantization, model_path, mla=cfg.mla is not None,
-        dummy=config.load_format == "dummy"))
+        dummy=config.load_format == "dummy", lm_head=config.quantize_lm_head))
     tp_group = None
     if config.tp_size > 1:  # rank 0 checked that the model splits before spawning the others
         if device.type == "cuda":

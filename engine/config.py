@@ -296,6 +296,8 @@ class EngineConfig:
     # "fp8" serves FP8 weights, quantizing a 16-bit checkpoint at load (per channel; with
     # load_format="dummy": random block-wise FP8); "awq" / "gptq" require such a checkpoint.
     quantization: str = "auto"
+    # With quantization "fp8" on a 16-bit checkpoint: the (untied) LM head in FP8 too.
+    quantize_lm_head: bool = False
     # Structured outputs: a grammar must compile within this many seconds (in the grammar
     # process); past it the request fails with INVALID_ARGUMENT naming the field.
     grammar_compile_seconds: float = 10.0
@@ -341,6 +343,8 @@ class EngineConfig:
                  "attention backend; use attention_backend 'triton' (or 'auto', 'torch')")
         _require(self.quantization in QUANTIZATION_FLAGS, "quantization",
                  f"must be one of {', '.join(QUANTIZATION_FLAGS)}, got {self.quantization!r}")
+        _require(not self.quantize_lm_head or self.quantization == "fp8", "quantize_lm_head",
+                 "quantizes the LM head at load: it needs quantization 'fp8'")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
         self._check_kv_events()

@@ -177,13 +177,14 @@ def test_unknown_quantization_flag_is_refused_by_name():
 
 
 # --- online FP8: --quantization fp8 on a 16-bit checkpoint ---------------------------------
-def _per_channel_reference(src: str, dst: str) -> str:
-    """The model online FP8 stands for: every decoder linear weight quantized per output row
-    (scale amax / 448) and multiplied back out in fp32 (tests/fp8_quantizer.py's quantize_rows)."""
+def _per_channel_reference(src: str, dst: str, lm_head: bool = False) -> str:
+    """The model online FP8 stands for: every decoder linear weight (and with `lm_head` the LM
+    head) quantized per output row (scale amax / 448) and multiplied back out in fp32
+    (tests/fp8_quantizer.py's quantize_rows)."""
     os.makedirs(dst)
     tensors = {}
     for name, w in load_file(os.path.join(src, "model.safetensors")).items():
-        if name.endswith("_proj.weight") and "layers." in name:
+        if (name.endswith("_proj.weight") and "layers." in name) or (lm_head and name == "lm_head.weight"):
             q, s = quantize_rows(w)
             w = q.float() * s
         tensors[name] = w.float()
@@ -206,11 +207,36 @@ def test_online_fp8_matches_the_per_channel_reference(tiny_model, make_engine, t
     torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
 
 
-def test_online_fp8_tp2_matches_tp1(tiny_model, make_engine):
-    """A row-parallel rank's slice is scaled by its whole row's amax: tp=2 gives tp=1's tokens."""
+def test_online_fp8_with_the_lm_head(tiny_model, make_engine, tmp_path):
+    engine = make_engine(tiny_model, quantization="fp8", quantize_lm_head=True)
+    model = engine.core.runner.model
+    assert model.lm_head.weight.dtype == torch.float8_e4m3fn
+    assert model.embed_tokens.weight.dtype == torch.float32  # untied: the embedding stays
+    assert engine.core.weight_format == "fp8 (per-channel, quantized at load, LM head too)"
+    ref = _per_channel_reference(tiny_model, str(tmp_path / "ref"), lm_head=True)
+    ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_quantize_lm_head_needs_online_fp8(tiny_model, tmp_path):
+    from fp8_quantizer import quantize_checkpoint as quantize_fp8
+
+    with pytest.raises(ValueError, match="quantize_lm_head.*needs quantization 'fp8'"):
+        EngineConfig(model=tiny_model, quantize_lm_head=True)
+    fp8 = quantize_fp8(tiny_model, str(tmp_path / "fp8"), "ct-channel")  # already FP8: not online
+    with pytest.raises(ValueError, match=r"quantize_lm_head: .* stored as fp8 \(per-channel\)"):
+        Engine(EngineConfig(model=fp8, device="cpu", spec=None, quantization="fp8", quantize_lm_head=True))
+
+
+@pytest.mark.parametrize("lm_head", [False, True], ids=["linear-layers", "with-lm-head"])
+def test_online_fp8_tp2_matches_tp1(tiny_model, make_engine, tmp_path, lm_head):
+    """A row-parallel rank's slice is scaled by its whole row's amax: tp=2 gives tp=1's tokens
+    (with the LM head: an odd vocabulary, so the last rank's shard has a zero padding row)."""
+    model = make_tiny_checkpoint(str(tmp_path / "odd"), "llama", vocab_size=321) if lm_head else tiny_model
     prompts = random_prompts(3, seed=9, max_len=20)
-    outs = [[o.token_ids for o in make_engine(tiny_model, quantization="fp8", tp_size=tp).generate(
-        prompt_token_ids=prompts, sampling=GREEDY)] for tp in (1, 2)]
+    outs = [[o.token_ids for o in make_engine(model, quantization="fp8", quantize_lm_head=lm_head,
+                                              tp_size=tp).generate(prompt_token_ids=prompts, sampling=GREEDY)]
+            for tp in (1, 2)]
     assert outs[0] == outs[1]
 
 

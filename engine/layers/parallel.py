@@ -185,8 +185,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
-    """Logits over the rank's vocabulary range, gathered so every rank holds all of them."""
+class ParallelLMHead(QuantizableLinear):
+    """Logits over the rank's vocabulary range, gathered so every rank holds all of them. A
+    16-bit head runs cuBLAS (F.linear) at every size; a quantized one (online FP8 with
+    `quantize_lm_head`) its method."""
 
     def __init__(self, dim: int, vocab_size: int, tp: TensorParallel):
         super().__init__()
@@ -198,7 +200,8 @@ class ParallelLMHead(nn.Module):
         self.tp = tp
 
     def forward(self, x):
-        logits = self.tp.all_gather_last_dim(F.linear(x, self.weight).float())
+        local = F.linear(x, self.weight) if self.method is UNQUANTIZED else self.method.apply(self, x, None)
+        logits = self.tp.all_gather_last_dim(local.float())
         return logits[..., :self.vocab_size]
 
 

@@ -102,23 +102,30 @@ class Int4Config:
 @dataclass(frozen=True)
 class OnlineFp8Config:
     """`--quantization fp8` on a 16-bit checkpoint: every linear layer quantized at load, one
-    scale per output row (quantization/fp8.py)."""
+    scale per output row (quantization/fp8.py); with `lm_head` the untied LM head too."""
 
+    lm_head: bool = False
     online = True
-    name = "fp8 (per-channel, quantized at load)"
 
-
-ONLINE_FP8 = OnlineFp8Config()
+    @property
+    def name(self) -> str:
+        return f"fp8 (per-channel, quantized at load{', LM head too' if self.lm_head else ''})"
 Scheme = Union[QuantConfig, Int4Config, OnlineFp8Config]
 
 
 def resolve_quantization(flag: str, checkpoint: Optional[Scheme], model: str, mla: bool = False,
-                         dummy: bool = False) -> Optional[Scheme]:
+                         dummy: bool = False, lm_head: bool = False) -> Optional[Scheme]:
     """The scheme served for `--quantization flag` and the checkpoint's own: the checkpoint's
     ("auto", or a flag naming it), online FP8 ("fp8" on a 16-bit checkpoint; random weights:
     block-wise FP8), random INT4 weights (awq / gptq with `dummy`), or refused by name when
-    they disagree or the model cannot take it (INT4 with MLA)."""
+    they disagree or the model cannot take it (INT4 with MLA). `lm_head`: online FP8
+    quantizes the LM head too."""
     scheme = _resolve(flag, checkpoint, model, dummy)
+    if lm_head:
+        if not isinstance(scheme, OnlineFp8Config):
+            raise UnsupportedQuantization(f"quantize_lm_head: quantizes a 16-bit checkpoint's LM "
+                                          f"head at load; {model} is stored as {scheme.name}")
+        scheme = OnlineFp8Config(lm_head=True)
     if isinstance(scheme, Int4Config) and mla:
         raise UnsupportedQuantization(f"quantization: {scheme.name} is not supported with MLA "
                                       f"attention (DeepSeek)")
@@ -133,7 +140,7 @@ def _resolve(flag: str, checkpoint: Optional[Scheme], model: str, dummy: bool) -
         return checkpoint
     if checkpoint is None:
         if flag == "fp8":
-            return ONLINE_FP8
+            return OnlineFp8Config()
         if dummy:  # random INT4 weights for the benchmarks' rows, in the common layout
             return Int4Config(flag, DUMMY_INT4_GROUP, sym=flag == "gptq", zero_offset=0)
         raise UnsupportedQuantization(f"quantization: {flag!r} needs a {flag} checkpoint, but "

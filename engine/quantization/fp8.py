@@ -26,6 +26,7 @@ from torch import nn
 
 from specserve.engine.layers.fp8_weight import FP8_DTYPE, FP8_MAX, WeightScale, scale_grid_shape
 from specserve.engine.layers.linear_method import LinearMethod, PartSlice, method_parameter, read_parts
+from specserve.engine.layers.parallel import ParallelLMHead
 from specserve.engine.quantization.config import QuantConfig
 
 FP8_STORAGE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
@@ -52,11 +53,14 @@ class Fp8LinearMethod(LinearMethod):
             weight, grid = read_parts(reader, parts), load_scale(reader, parts, self.quant, self.block)
         what = parts[0].key.removesuffix(".weight")
         for target, value, name in ((layer.weight, weight, "weight"), (layer.weight_scale, grid, "scales")):
-            if value.shape != target.shape:
+            # A vocabulary shard's padding rows (the last rank's LM head) stay zero.
+            padded = isinstance(layer, ParallelLMHead) and value.shape[0] <= target.shape[0]
+            if value.shape[1:] != target.shape[1:] or (value.shape[0] != target.shape[0] and not padded):
                 raise ValueError(f"model: {what}: checkpoint {name} give shape {tuple(value.shape)}, "
                                  f"expected {tuple(target.shape)}")
             with torch.no_grad():
-                target.copy_(value)
+                target.zero_()
+                target[:value.shape[0]].copy_(value)
 
     def fp8_scale(self, layer: nn.Module) -> WeightScale:
         return weight_scale(layer.weight_scale)
