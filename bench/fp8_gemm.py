@@ -11,6 +11,9 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
 - `cublas_bf16`     F.linear on the bf16 weight (the FP8 weight dequantised)
 - `skinny_bf16`     the 16-bit skinny GEMM on that weight (M <= 16)
 - `w8a16_skinny`    the skinny GEMM reading the FP8 weight and its scales (M <= 16; the engine's)
+- `w8a16_skinny_wide` the same with `SkinnyConfig.fp8_wide`: K steps of the 16-bit step's bytes
+                    (512 FP8 columns over four 128-blocks, scales broadcast in registers): if it
+                    leads, set `skinny_gemm.FP8_WIDE_STEPS = True`
 - `w8a8_skinny`     its `fp8_activations` option: x quantised per 128-column group, FP8 dot
 - `w8a8_triton`     the large-M block-scaled kernel, quantiser included (`fp8_matmul` on CUDA)
 - `scaled_mm_block` torch._scaled_mm with 1x128 activation and 128x128 weight scales, the
@@ -122,6 +125,8 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
                                  ._replace(fp8_activations=True), BLOCK[1], k)
         ops["skinny_bf16"] = ("bf16", lambda x, w: skinny_gemm(x, w))
         ops["w8a16_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], scale=w[1]))
+        wide = default_config(m, n, k, False, torch.device("cuda"))._replace(fp8_wide=True)
+        ops["w8a16_skinny_wide"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=wide, scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
         ops["w4a16_skinny"] = ("int4", lambda x, w: w4a16_gemm(x, w))
     else:

@@ -123,3 +123,42 @@ def test_gpu_int4_llama_shapes(shape, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+# --- compiled for Hopper (no GPU needed) -----------------------------------------------------------
+
+# That Triton compiles the W4A16 kernels for an H100 (the unpacking reshape, bf16 tensor cores),
+# in a child process without TRITON_INTERPRET, from their launch arguments (tests/sm90_compile.py).
+_COMPILE_INT4_FOR_SM90 = """
+import torch
+from specserve.engine.layers import int4_gemm as g
+from sm90_compile import compile_sm90, t
+
+bf16, f16, f32, i32, u8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8
+for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
+    for m in (1, 16):
+        c = g.default_w4_config(m, n, k, 128, torch.device("cpu"))
+        ptx = compile_sm90(g._w4a16_kernel, dict(
+            x=t(bf16), qweight=t(i32), scales=t(f16), zeros=t(u8), bias=t(bf16),
+            out=t(f32 if c.split_k > 1 else bf16), M=m, N=n, K=k, n_groups=k // 128, group_size=128,
+            k_per_split=k // c.split_k, stride_xm=k, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, DOT=True, DOT_PRECISION="tf32", PDL=True), c.num_warps, c.num_stages)
+        assert "mma" in ptx and "griddepcontrol.wait" in ptx, name
+        print("compiled", name, m)
+ptx = compile_sm90(g._dequantize_kernel, dict(
+    qweight=t(i32), scales=t(f16), zeros=t(u8), out=t(bf16), N=4096, K=4096, n_groups=32,
+    group_size=128, BLOCK_N=64, BLOCK_K=128, PDL=True), 4, 1)
+print("compiled dequantize")
+"""
+
+
+def test_int4_kernels_compile_for_hopper():
+    import subprocess
+    import sys
+
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_INT4_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 5

@@ -372,7 +372,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, alignment
         # fp32 operands would run as TF32 on tensor cores; keep an fp32 engine exact.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         FP8_WEIGHT=scale is not None,
-        K_UNIFORM=scale is not None and k_uniform(scale, w.shape[2], config.block_k),
+        K_UNIFORM=scale is not None and k_uniform(scale.block_k, w.shape[2], config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -106,10 +106,6 @@ class ColumnParallelLinear(QuantizableLinear):
         if self.bias is not None:
             _mark(self.bias, [(0, s, e) for s, e in parts])
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def forward(self, x):
         return self.method.apply(self, x, self.bias)
 
