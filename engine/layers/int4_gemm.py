@@ -13,8 +13,10 @@ rounded to the activation dtype (the reference's weight, bit for bit, in every k
   loads a tile of packed words (4x fewer bytes than bf16), unpacks and dequantises it in
   registers (a K step lies inside one group: one scale and zero per row a step), and takes
   the product with x on tensor cores (rows padded to 16) or, off the dot path, with
-  multiply-and-sum. Split-K programs store fp32 partials that one sum adds in a fixed order
-  (deterministic; no host work: capturable in a CUDA graph).
+  multiply-and-sum. The rest is the skinny GEMM's (layers/skinny_gemm.py): split-K partials
+  merged in a fixed order by the last program of a tile (its workspace and arrival counters;
+  deterministic, no second kernel, capturable in a CUDA graph), the bias, and for the fused
+  gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile and its up tile).
 - Large M (prefill): `_dequantize_kernel` writes the weight in the activation dtype, then
   cuBLAS (a GEMM at M in the hundreds is compute-bound: the extra write and read of the
   16-bit weight is a few percent of it).
@@ -28,16 +30,23 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.pdl import launch_options, wait_for_predecessor
+from specserve.engine.layers.activation import silu_and_mul
+from specserve.engine.layers.skinny_gemm import (
+    PARTIAL_CAPACITY, SkinnyWorkspace, _num_sms, _scratch_values, workspace_for)
+from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.engine.layers.skinny_gemm import (
+        _accumulate, _add_bias, _epilogue, _merge_splits, _pair_rows)
 except ImportError:  # the CPU build needs no Triton
     triton = None
 
 PACK = 8          # 4-bit codes per int32
 MAX_ROWS = 16     # M above this dequantises and runs cuBLAS
+STEP_CODES = 256  # the decode kernel's K step (128 bytes of a weight row); not yet tuned
 
 
 class Int4Weight(NamedTuple):
@@ -57,7 +66,7 @@ class W4Config(NamedTuple):
     """Launch parameters of the decode kernel."""
 
     block_n: int
-    block_k: int     # a multiple of 8 dividing the group size (a step in one group)
+    block_k: int     # a multiple of 8 inside one group, or spanning whole groups (`step_groups`)
     split_k: int
     num_warps: int
     num_stages: int
@@ -99,28 +108,32 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = N
     (where `skinny` allows), the dequantise kernel and cuBLAS for more, the reference on the CPU."""
     if triton is None or not x.is_cuda:
         return int4_linear_reference(x, w, bias)
-    m = x.numel() // w.shape[1]
-    if skinny and 1 <= m <= MAX_ROWS:
+    if skinny and 1 <= x.numel() // w.shape[1] <= MAX_ROWS:
         return w4a16_gemm(x, w, bias)
     return F.linear(x, dequantize_int4_gpu(w, x.dtype), bias)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
+def int4_linear_silu_and_mul(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
+                             skinny: bool = True) -> torch.Tensor:
+    """silu_and_mul(int4_linear(x, w, bias)) for a fused [2I, K] gate/up weight: one kernel
+    where the decode kernel runs."""
+    if triton is not None and x.is_cuda and skinny and 1 <= x.numel() // w.shape[1] <= MAX_ROWS:
+        return w4a16_gemm(x, w, bias, silu_mul=True)
+    return silu_and_mul(int4_linear(x, w, bias, skinny=False))
 
 
 @functools.lru_cache(maxsize=None)
-def default_w4_config(m: int, n: int, k: int, group_size: int,
+def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = False,
                       device: torch.device = torch.device("cuda")) -> W4Config:
-    """Not yet measured on a device (bench/fp8_gemm.py --int4 times it): the skinny GEMM's rule
-    (32-column tiles, K split until about a program an SM, each slice at least 512 deep), K
-    steps of 128 codes (64 bytes a row) cut to the group size."""
-    block_k = min(128, group_size if group_size > 0 else 128)
+    """Not yet measured on a device (bench/fp8_gemm.py's w4a16 rows time it): the skinny GEMM's
+    rule (32-column tiles, K split until about a program an SM, each slice at least 512 deep,
+    the partials within the workspace), K steps of `STEP_CODES` codes (128 bytes a row)
+    spanning whole groups of 128 or less (their scales and zeros broadcast in registers). `n`: output columns (of each half with `paired`)."""
+    block_k = STEP_CODES
     tiles = -(-n // 32)
     split_k = 1
-    while tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512:
+    while (tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
+           and _scratch_values(2 * split_k, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     return W4Config(block_n=32, block_k=block_k, split_k=split_k, num_warps=4,
                     num_stages=4 if split_k > 1 else 3)
@@ -136,37 +149,54 @@ def check_int4(w: Int4Weight) -> None:
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
-               config: Optional[W4Config] = None) -> torch.Tensor:
-    """x [..., K] (at most 16 rows) @ W^T (+ bias) in x's dtype, the decode kernel."""
-    n, k = w.shape
+               silu_mul: bool = False, config: Optional[W4Config] = None,
+               workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
+    """x [..., K] (at most 16 rows) @ W^T (+ bias) in x's dtype, the decode kernel; with
+    `silu_mul`, silu_and_mul of it for a fused [2I, K] gate/up weight (result [..., I])."""
+    n_rows, k = w.shape
     check_int4(w)
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
     assert 1 <= m <= MAX_ROWS and x.shape[-1] == k
-    config = config or default_w4_config(m, n, k, w.group_size, x.device)
-    assert config.block_k % PACK == 0 and (w.group_size >= k or w.group_size % config.block_k == 0), \
-        f"a K step of {config.block_k} must lie in one group of {w.group_size}"
+    if silu_mul:
+        assert n_rows % 2 == 0, "silu_mul needs the fused [2I, K] gate/up weight"
+    n_cols = n_rows // 2 if silu_mul else n_rows
+    config = config or default_w4_config(m, n_cols, k, w.group_size, silu_mul, x.device)
+    groups = step_groups(w.group_size, k, config.block_k)
+    assert config.block_k % PACK == 0 and groups, \
+        f"a K step of {config.block_k} must lie in one group of {w.group_size} or span whole ones"
     if bias is not None:
-        assert bias.shape == (n,)
-    split = config.split_k
-    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
-    grid = (triton.cdiv(n, config.block_n), split)
-    _w4a16_kernel[grid](
-        x2, w.qweight, w.scales, w.zeros, bias if bias is not None and split == 1 else x2, out,
-        m, n, k, w.scales.shape[1], w.group_size, k_per_split, x2.stride(0),
-        HAS_BIAS=bias is not None and split == 1,
+        assert bias.shape == (n_rows,) and bias.is_contiguous()
+    y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n_cols, config.block_n)
+    partials = arrivals = y  # never touched without split-K
+    if config.split_k > 1:
+        workspace = workspace or workspace_for(x.device)
+        assert _scratch_values(config.split_k, m, n_cols, silu_mul) <= workspace.partials.numel()
+        assert tiles <= workspace.arrivals.numel()
+        partials, arrivals = workspace.partials, workspace.arrivals
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    _w4a16_kernel[(tiles, config.split_k)](
+        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
+        m, n_cols, k, w.scales.shape[1], w.group_size, k_per_split, x2.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=config.split_k,
         BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT=config.dot,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=groups, DOT=config.dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
-    if split > 1:  # the partials' sum in split order (deterministic), bias in fp32, one rounding
-        y = out.sum(dim=0)
-        if bias is not None:
-            y += bias.float()
-        out = y.to(x.dtype)
-    return out.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], n_cols)
+
+
+def step_groups(group_size: int, k: int, block_k: int) -> int:
+    """The groups a K step of `block_k` reads per weight row: 1 where it lies inside one group
+    (steps start at multiples of block_k), block_k / group_size where it spans whole groups (a
+    power of two: a group is a reshape of the tile), else 0 (not served)."""
+    if group_size >= k or group_size % block_k == 0:
+        return 1
+    if group_size & (group_size - 1) == 0 and block_k % group_size == 0:
+        return block_k // group_size
+    return 0
 
 
 def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
@@ -175,76 +205,99 @@ def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
     n, k = w.shape
     check_int4(w)
     out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
-    block_k = min(block_k, w.group_size) if w.group_size < k else block_k
+    groups = step_groups(w.group_size, k, block_k)
+    assert groups, f"a block of {block_k} columns must lie in a group of {w.group_size} or span whole ones"
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         w.qweight, w.scales, w.zeros, out, n, k, w.scales.shape[1], w.group_size,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **launch_options(w.qweight.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUPS=groups, num_warps=4,
+        **launch_options(w.qweight.device))
     return out
 
 
 if triton is not None:
     @triton.jit
     def _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                          dtype: tl.constexpr):
         """W[rows, k:k + BLOCK_K] in `dtype` (columns past K are zeros): the packed words
         loaded once ([BLOCK_N, BLOCK_K / 8]), unpacked by shifts in registers, scaled with
-        the rows' one scale and zero of the step's group."""
+        the rows' scale and zero of each of the GROUPS groups the step spans (`step_groups`;
+        groups past K read the last one: their codes are zeros)."""
         words = k // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(qweight + rows[:, None] * (K // 8) + words[None, :],
                          mask=words[None, :] < K // 8, other=0)
         shifts = tl.arange(0, 8) * 4
         codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-        codes = tl.reshape(codes, (BLOCK_N, BLOCK_K))
-        group = rows * n_groups + k // group_size
-        scale = tl.load(scales + group).to(tl.float32)
-        zero = tl.load(zeros + group).to(tl.float32)
-        return ((codes.to(tl.float32) - zero[:, None]) * scale[:, None]).to(dtype)
+        codes = tl.reshape(codes, (BLOCK_N, GROUPS, BLOCK_K // GROUPS)).to(tl.float32)
+        group = tl.minimum(k // group_size + tl.arange(0, GROUPS), n_groups - 1)
+        at = rows[:, None] * n_groups + group[None, :]
+        scale = tl.load(scales + at).to(tl.float32)[:, :, None]
+        zero = tl.load(zeros + at).to(tl.float32)[:, :, None]
+        return tl.reshape((codes - zero) * scale, (BLOCK_N, BLOCK_K)).to(dtype)
 
     @triton.jit
-    def _w4a16_kernel(x, qweight, scales, zeros, bias, out, M, N, K, n_groups, group_size,
-                      k_per_split, stride_xm, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _w4a16_kernel(x, qweight, scales, zeros, bias, y, partials, arrivals, M, n_cols, K,
+                      n_groups, group_size, k_per_split, stride_xm, stride_ym,
+                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUPS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      PDL: tl.constexpr):
+        # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
         wait_for_predecessor(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # past the end: row N - 1, never stored
+        if SILU_MUL:
+            rows, partner_rows = _pair_rows(offs_n, n_cols, n_cols)
+        else:  # columns past the end read row 0: never stored
+            rows = tl.where(offs_n < n_cols, offs_n, 0).to(tl.int64)
+            partner_rows = rows
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         dtype = x.dtype.element_ty
         if DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
         for k in range(k_begin, k_end, BLOCK_K):
-            w_tile = _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
-                                       BLOCK_N, BLOCK_K, dtype)
             x_tile = tl.load(x + offs_m[:, None] * stride_xm + k + offs_k[None, :],
                              mask=m_mask[:, None] & ((k + offs_k) < K)[None, :], other=0.0)
-            if DOT:
-                acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
-            else:
-                acc += x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+            w_tile = _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
+                                       BLOCK_N, BLOCK_K, GROUPS, dtype)
+            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
+            if SILU_MUL:
+                up_tile = _dequantized_tile(qweight, scales, zeros, partner_rows, k, n_groups,
+                                            group_size, K, BLOCK_N, BLOCK_K, GROUPS, dtype)
+                acc_up = _accumulate(acc_up, x_tile, up_tile, DOT, DOT_PRECISION)
         if not DOT:
             acc = tl.sum(acc, axis=2)
-        if HAS_BIAS:
-            acc += tl.load(bias + rows).to(tl.float32)[None, :]
-        mask = m_mask[:, None] & (offs_n < N)[None, :]
-        ptrs = out + split * M * N + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ptrs, acc.to(out.dtype.element_ty), mask=mask)
+            acc_up = tl.sum(acc_up, axis=2)
+        release_dependents(PDL)
+        out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
+        last = True
+        if SPLIT_K > 1:
+            last, acc, acc_up = _merge_splits(acc, acc_up, partials, arrivals, tile, split, M,
+                                              n_cols, offs_m, offs_n, out_mask, SILU_MUL,
+                                              SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            if HAS_BIAS:
+                acc, acc_up = _add_bias(acc, acc_up, bias, rows, partner_rows, SILU_MUL)
+            _epilogue(acc, acc_up, y, offs_m, offs_n, out_mask, stride_ym, SILU_MUL)
 
     @triton.jit
     def _dequantize_kernel(qweight, scales, zeros, out, N, K, n_groups, group_size,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                           PDL: tl.constexpr):
         wait_for_predecessor(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.program_id(1) * BLOCK_K
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
         tile = _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
-                                 BLOCK_N, BLOCK_K, out.dtype.element_ty)
+                                 BLOCK_N, BLOCK_K, GROUPS, out.dtype.element_ty)
         offs_k = k + tl.arange(0, BLOCK_K)
         mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
         tl.store(out + rows[:, None] * K + offs_k[None, :], tile, mask=mask)

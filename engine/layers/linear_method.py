@@ -23,7 +23,6 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.skinny_gemm import (
     can_fuse_qkv_rope, linear, linear_silu_and_mul, skinny_qkv_rope)
 
@@ -92,9 +91,3 @@ class LinearMethod:
 
 
 UNQUANTIZED = LinearMethod()
-
-
-def unfused_silu_and_mul(method: LinearMethod, layer: nn.Module, x: torch.Tensor,
-                         bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The GEMM, then the activation kernel: for formats whose kernel has no SiLU epilogue."""
-    return silu_and_mul(method.apply(layer, x, bias))

@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specserve.engine.layers.int4_gemm import PACK, Int4Weight, int4_linear, pack_rows
-from specserve.engine.layers.linear_method import (
-    LinearMethod, PartSlice, method_parameter, unfused_silu_and_mul)
+from specserve.engine.layers.int4_gemm import (
+    PACK, Int4Weight, int4_linear, int4_linear_silu_and_mul, pack_rows)
+from specserve.engine.layers.linear_method import LinearMethod, PartSlice, method_parameter
 from specserve.engine.quantization.config import Int4Config
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i holds column AWQ_ORDER[i] of its eight
@@ -35,7 +35,8 @@ QUANTIZED_TENSORS = ("qweight", "qzeros", "scales")
 
 class Int4LinearMethod(LinearMethod):
     """An INT4 linear layer: `qweight` int32 [N, K / 8], `scales` [N, G], `zeros` uint8 [N, G]
-    (layers/int4_gemm.py's form); no SiLU or RoPE epilogues (the GEMM, then those kernels)."""
+    (layers/int4_gemm.py's form); the decode kernel has the SiLU-and-mul epilogue, not the
+    RoPE one (q/k/v: the GEMM, then the RoPE kernel)."""
 
     def __init__(self, config: Int4Config):
         self.config = config
@@ -128,7 +129,7 @@ class Int4LinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
                            bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return unfused_silu_and_mul(self, layer, x, bias)
+        return int4_linear_silu_and_mul(x, self.weight(layer), bias, layer.skinny_gemm)
 
     def fuses_qkv_rope(self, layer: nn.Module, x: torch.Tensor, head_dim: int, qk_norm: bool) -> bool:
         return False
