@@ -17,7 +17,7 @@ Layouts (W the nn.Linear weight [N, K], G = K / group_size):
 - GPTQ (AutoGPTQ QuantLinear, checkpoint_format "gptq"): qweight int32 [K / 8, N]: word i of
   column n holds input rows 8i .. 8i + 7, row 8i + j at bits 4j; qzeros int32 [G, N / 8]:
   columns in order, each stored as z - 1 (masked to 4 bits); scales fp16 [G, N];
-  g_idx int32 [K] = k // group_size.
+  g_idx int32 [K] = k // group_size. "gptq_v2" (GPTQModel's): the same with qzeros = z.
 `dequantized_copy` beside it: the same model with W = (q - z) * s in fp32, for transformers.
 """
 from __future__ import annotations
@@ -86,10 +86,11 @@ def awq_tensors(q, z, s) -> dict[str, torch.Tensor]:
             "qzeros": pack_columns(z.t().contiguous(), AWQ_ORDER), "scales": s.t().contiguous()}
 
 
-def gptq_tensors(q, z, s, group_size: int) -> dict[str, torch.Tensor]:
+def gptq_tensors(q, z, s, group_size: int, v2: bool = False) -> dict[str, torch.Tensor]:
     k = q.shape[1]
     g = k if group_size < 0 else group_size
-    return {"qweight": pack_rows(q.t().contiguous()), "qzeros": pack_columns((z - 1).t().contiguous(), list(range(8))),
+    stored = z if v2 else z - 1
+    return {"qweight": pack_rows(q.t().contiguous()), "qzeros": pack_columns(stored.t().contiguous(), list(range(8))),
             "scales": s.t().contiguous(), "g_idx": (torch.arange(k) // g).to(torch.int32)}
 
 
@@ -98,14 +99,14 @@ def quant_config(fmt: str, group_size: int, sym: bool) -> dict:
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
     return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
-            "sym": sym, "true_sequential": True, "checkpoint_format": "gptq", "lm_head": False}
+            "sym": sym, "true_sequential": True, "checkpoint_format": fmt, "lm_head": False}
 
 
 def quantize_checkpoint(src: str, dst: str, fmt: str, group_size: int = 32, sym: bool = False,
                         reference: str | None = None) -> str:
-    """Write `src` (one safetensors file) in `fmt` ("awq" or "gptq") to `dst`; with
+    """Write `src` (one safetensors file) in `fmt` ("awq", "gptq" or "gptq_v2") to `dst`; with
     `reference`, the dequantized fp32 model there."""
-    assert fmt in ("awq", "gptq") and not (fmt == "awq" and sym)
+    assert fmt in ("awq", "gptq", "gptq_v2") and not (fmt == "awq" and sym)
     os.makedirs(dst, exist_ok=True)
     out, ref = {}, {}
     for name, w in load_file(os.path.join(src, "model.safetensors")).items():
@@ -114,7 +115,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, group_size: int = 32, sym:
             continue
         q, z, s = quantize_groups(w, group_size, sym)
         base = name[:-len("weight")]
-        packed = awq_tensors(q, z, s) if fmt == "awq" else gptq_tensors(q, z, s, group_size)
+        packed = awq_tensors(q, z, s) if fmt == "awq" else gptq_tensors(q, z, s, group_size, fmt == "gptq_v2")
         out.update({base + key: value for key, value in packed.items()})
         if fmt == "gptq":  # what the stored z - 1 means: a zero point of 0 wraps to 15 + 1
             z = ((z - 1) & 0xF) + 1

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 # (arch, format, group size, sym)
 CASES = [("llama", "awq", 32, False), ("llama", "gptq", 32, True), ("llama", "gptq", 64, False),
-         ("mistral", "gptq", -1, True), ("qwen2", "awq", 64, False)]
+         ("llama", "gptq_v2", 32, False), ("mistral", "gptq", -1, True), ("qwen2", "awq", 64, False)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def test_logits_match_dequantized_reference(int4, make_engine, arch, fmt, group,
     attn = engine.core.runner.model.layers[0].self_attn
     assert attn.qkv_proj.qweight.dtype == torch.int32 and not hasattr(attn.qkv_proj, "weight")
     assert attn.o_proj.qweight.shape == (64, 64 // 8)  # packed along K, not dequantised at load
-    expected_name = f"int4 {fmt} ({'per-channel' if group < 0 else f'group {group}'}{', sym' if sym else ''})"
+    method = fmt.removesuffix("_v2")
+    expected_name = f"int4 {method} ({'per-channel' if group < 0 else f'group {group}'}{', sym' if sym else ''})"
     assert engine.core.weight_format == expected_name
     ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     torch.testing.assert_close(engine.prompt_logits(ids), hf_logits(ref, ids), atol=2e-4, rtol=1e-4)

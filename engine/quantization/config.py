@@ -11,7 +11,6 @@ Formats served, as their tools write them:
 - `quant_method: "compressed-tensors"`, `format: "float-quantized"` (llm-compressor's FP8,
   FP8_DYNAMIC and FP8_BLOCK schemes): 8-bit float weights, strategy tensor / channel / block,
   `weight_scale` ([1], [N, 1] or [ceil(N/bn), ceil(K/bk)]).
-
 - `quant_method: "awq"` (AutoAWQ, `version: "gemm"`): 4-bit weights packed eight to an int32
   along the output features in AWQ's interleaved order, `qzeros`, fp16 `scales` per group of
   `group_size` input features (`Int4Config`, quantization/int4.py).
