@@ -38,8 +38,8 @@ random routing each call; bytes are the experts a call touches.
 
 A variant that fails prints its error and the rest go on. The last table summarises.
 `--sweep` (long: split it over runs with --shapes/--rows) also searches W8A16 skinny configs
-at M <= 16 (bench/skinny_gemm.py's coordinate descent from the FP8 default) and prints the
-best three per shape and M: the data for FP8 entries of the skinny rule.
+and W4A16 decode configs at M <= 16 (bench/skinny_gemm.py's coordinate descent from each
+default) and prints the best three per shape and M: the data for their rules.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
 from specserve.engine.layers.int4_gemm import (
-    Int4Weight, dequantize_int4, dequantize_int4_gpu, pack_rows, w4a16_gemm)
+    Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu, pack_rows, w4a16_gemm)
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -191,6 +191,7 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
                 print(json.dumps(row), flush=True)
             if args.sweep and m <= MAX_ROWS:
                 sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+                sweep_w4a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
             del inputs
         del weights
         torch.cuda.empty_cache()
@@ -219,6 +220,32 @@ def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
     timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
     for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
         print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+
+
+def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
+                num_calls: int, bandwidth: float, rows: list[dict]) -> None:
+    """The W4A16 decode kernel's configs by the same coordinate descent (its W4Config has the
+    skinny config's axes; K steps over several groups broadcast their scales)."""
+    n, k = weights.n, weights.k
+    total = n * k // 2 + weights.int4_extra_bytes + m * k * 2 + m * n * 2
+
+    def time_config(c) -> float | None:
+        calls = [lambda i=i: w4a16_gemm(inputs[i % len(inputs)], weights.int4[i % len(weights.int4)], config=c)
+                 for i in range(num_calls)]
+        try:
+            seconds = time_per_call(calls)
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            print(f"{name} m={m} {config_name(c)}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"sweep w4a16 {config_name(c)}",
+                         config=c._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
+                         fraction_of_copy=total / seconds / bandwidth))
+        return seconds
+
+    start = default_w4_config(m, n, k, INT4_GROUP, device=torch.device("cuda"))
+    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
+    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
+        print(f"best w4a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
 
 
 def random_fp8_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, WeightScale]:
@@ -295,7 +322,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,4,16,64,512,4096", help="M values")
     ap.add_argument("--no-moe", action="store_true", help="skip DeepSeek-V3's routed experts")
-    ap.add_argument("--sweep", action="store_true", help="also search W8A16 skinny configs (M <= 16)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also search W8A16 skinny and W4A16 decode configs (M <= 16)")
     ap.add_argument("--sweep-rounds", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     ap.add_argument("--out", default="bench_fp8_gemm.json")

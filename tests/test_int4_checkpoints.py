@@ -26,7 +26,8 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 # (arch, format, group size, sym)
 CASES = [("llama", "awq", 32, False), ("llama", "gptq", 32, True), ("llama", "gptq", 64, False),
-         ("llama", "gptq_v2", 32, False), ("mistral", "gptq", -1, True), ("qwen2", "awq", 64, False)]
+         ("llama", "gptq_v2", 32, False), ("mistral", "gptq", -1, True), ("qwen2", "awq", 64, False),
+         ("qwen3", "awq", 32, False)]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def test_logits_match_dequantized_reference(int4, make_engine, arch, fmt, group,
     engine = make_engine(path)
     attn = engine.core.runner.model.layers[0].self_attn
     assert attn.qkv_proj.qweight.dtype == torch.int32 and not hasattr(attn.qkv_proj, "weight")
-    assert attn.o_proj.qweight.shape == (64, 64 // 8)  # packed along K, not dequantised at load
+    k_o = attn.num_heads * attn.head_dim
+    assert attn.o_proj.qweight.shape == (64, k_o // 8)  # packed along K, not dequantised at load
     method = fmt.removesuffix("_v2")
     expected_name = f"int4 {method} ({'per-channel' if group < 0 else f'group {group}'}{', sym' if sym else ''})"
     assert engine.core.weight_format == expected_name
@@ -312,3 +314,20 @@ def test_gpu_bf16_logits_close_to_the_dequantized_model(int4, make_engine, fmt):
     for prompt in (ids, ids[:5]):
         a, b = ours.prompt_logits(prompt).float(), theirs.prompt_logits(prompt).float()
         assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lm_head", [False, True], ids=["linear-layers", "with-lm-head"])
+def test_gpu_online_fp8_graphs_match_eager_and_spec_matches_plain(tiny_model, make_engine, tmp_path, lm_head):
+    """fp32 on CUDA: the online FP8 weights through the skinny GEMM (the LM head's too with
+    `quantize_lm_head`); graphs replay what eager runs, chain speculation keeps plain's tokens."""
+    from helpers import make_eagle3_head
+
+    prompts = random_prompts(6, seed=17, max_len=40)
+    spec = SpecConfig(algorithm="eagle3", draft_model=make_eagle3_head(str(tmp_path / "head"), target_layers=2),
+                      **CHAIN)
+    kwargs = dict(device="cuda", attention_backend="triton", max_total_tokens=4096, max_running_requests=8,
+                  quantization="fp8", quantize_lm_head=lm_head)
+    outs = [[o.token_ids for o in make_engine(tiny_model, cuda_graph=graphs, spec=s, **kwargs).generate(
+        prompt_token_ids=prompts, sampling=GREEDY)] for graphs, s in ((False, spec), (True, spec), (True, None))]
+    assert outs[0] == outs[1] == outs[2]
