@@ -234,6 +234,7 @@ def test_random_fp8_weights_for_benchmarks(tiny_model, make_engine):
     layer = engine.core.runner.model.layers[0]
     assert layer.mlp.gate_up_proj.weight.dtype == FP8
     assert layer.mlp.gate_up_proj.weight_scale.scale_block == (128, 128)
+    assert engine.core.runner.model.lm_head.weight.dtype == torch.float32  # the LM head stays
     out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_new_tokens
 

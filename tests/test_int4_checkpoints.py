@@ -277,6 +277,7 @@ def test_random_int4_weights_for_benchmarks(tiny_model, make_engine, flag):
     engine = make_engine(tiny_model, load_format="dummy", quantization=flag)
     down = engine.core.runner.model.layers[0].mlp.down_proj
     assert down.qweight.dtype == torch.int32 and down.group_size == 128
+    assert engine.core.runner.model.lm_head.weight.dtype == torch.float32  # the LM head stays
     assert engine.core.weight_format == f"int4 {flag} (group 128{', sym' if flag == 'gptq' else ''})"
     out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling=GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_new_tokens

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from specserve.engine.layers.linear_method import PartSlice
-from specserve.engine.layers.parallel import QuantizableLinear
+from specserve.engine.layers.parallel import ParallelLMHead, QuantizableLinear
 from specserve.engine.models.checkpoint_dir import open_safetensors, safetensors_files
 from specserve.engine.progress import progress
 from specserve.engine.quantization.config import Int4Config, Scheme
@@ -258,19 +258,20 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
 
 
 def use_fp8_everywhere(module: nn.Module, block: tuple[int, int]) -> None:
-    """Every linear layer and expert stack in FP8 with `block` scales (random-weight benchmarks
-    of FP8 shapes; a checkpoint's own layout comes from `load_module_weights`)."""
+    """Every linear layer but the LM head, and every expert stack, in FP8 with `block` scales
+    (random-weight benchmarks of FP8 shapes; a checkpoint's own layout comes from
+    `load_module_weights`)."""
     for sub in module.modules():
-        if isinstance(sub, QuantizableLinear):
+        if isinstance(sub, QuantizableLinear) and not isinstance(sub, ParallelLMHead):
             sub.use_method(Fp8LinearMethod(block))
         elif hasattr(sub, "w13") and hasattr(sub, "use_fp8"):
             sub.use_fp8(*block)
 
 
 def use_int4_everywhere(module: nn.Module, config: Int4Config) -> None:
-    """Every linear layer in INT4 (random-weight benchmarks of INT4 shapes)."""
+    """Every linear layer but the LM head in INT4 (random-weight benchmarks of INT4 shapes)."""
     for sub in module.modules():
-        if isinstance(sub, QuantizableLinear):
+        if isinstance(sub, QuantizableLinear) and not isinstance(sub, ParallelLMHead):
             sub.use_method(Int4LinearMethod(config))
 
 
