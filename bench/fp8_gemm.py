@@ -20,10 +20,10 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     quantiser included (where this torch/cuBLAS supports it)
 - `scaled_mm_row`   torch._scaled_mm rowwise: the weight re-quantised per channel, x per token
                     in torch (another checkpoint format: its error is not comparable)
-- `w4a16_skinny`    INT4 (group 128, AWQ/GPTQ's usual) by the W4A16 decode kernel (M <= 16;
-                    the engine's, layers/int4_gemm.py); its error is against its own
-                    dequantised weight
-- `w4a16_dequant`   INT4 at large M: the dequantise kernel, then cuBLAS (the engine's prefill)
+- `w4a16_kernel`    INT4 (group 128, AWQ/GPTQ's usual) by the W4A16 kernel (layers/int4_gemm.py:
+                    split-K at M <= 16, row tiles of 64 up to 256; the engine's there); its
+                    error is against its own dequantised weight
+- `w4a16_dequant`   INT4 by the dequantise kernel, then cuBLAS (the engine's above 256 rows)
 
 Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
 cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
@@ -61,7 +61,8 @@ from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
 from specserve.engine.layers.int4_gemm import (
-    Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu, pack_rows, w4a16_gemm)
+    TILED_MAX_ROWS, Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu, pack_rows,
+    w4a16_gemm)
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -128,8 +129,9 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
         wide = default_config(m, n, k, False, torch.device("cuda"))._replace(fp8_wide=True)
         ops["w8a16_skinny_wide"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=wide, scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
-        ops["w4a16_skinny"] = ("int4", lambda x, w: w4a16_gemm(x, w))
-    else:
+    if m <= TILED_MAX_ROWS:
+        ops["w4a16_kernel"] = ("int4", lambda x, w: w4a16_gemm(x, w))
+    if m > MAX_ROWS:
         ops["w4a16_dequant"] = ("int4", lambda x, w: F.linear(x, dequantize_int4_gpu(w, x.dtype)))
     ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
     ops["scaled_mm_block"] = ("fp8", scaled_mm_block)

@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 $PY -m pytest -q -m gpu tests/test_int4_kernels.py tests/test_int4_checkpoints.py \
     tests/test_fp8_kernels.py tests/test_fp8_checkpoints.py 2>&1 | tee "$OUT/gpu_tests.txt" \
     || echo "GPU TESTS FAILED: see $OUT/gpu_tests.txt (the benchmarks still run)"
-$PY bench/fp8_gemm.py --shapes 8b.qkv,8b.o,8b.gate_up,8b.down --rows 1,16,512 --no-moe \
+$PY bench/fp8_gemm.py --shapes 8b.qkv,8b.o,8b.gate_up,8b.down --rows 1,16,64,512 --no-moe \
     --out "$OUT/fp8_int4_gemm.json" 2>&1 | tee "$OUT/gemm.txt"
 $PY bench/one_batch.py --models llama-8b --batch-sizes 1 --modes plain,chain --steps 48 \
     --quantizations auto,fp8,awq --out "$OUT/one_batch.json" 2>&1 | tee "$OUT/one_batch.txt"

@@ -3,8 +3,8 @@
 In the interpreter on the CPU (small shapes; N not a multiple of the column tile, group sizes
 32, 64 and one group over K): the decode kernel on tl.dot in fp32 (exact operands: the
 interpreter's bf16 dot is wrong) and on multiply-and-sum in fp16, split-K on and off (its
-arrival counters left at zero), with a bias and with the SiLU-and-mul epilogue; the dequantise
-kernel of the large-M path bit for bit; the pack/unpack round trip.
+arrival counters left at zero), with a bias and with the SiLU-and-mul epilogue; its mid-M row
+tiles; the dequantise kernel of the large-M path bit for bit; the pack/unpack round trip.
 Marked `gpu`: Llama-8B shapes in bf16, against the reference and inside a CUDA graph.
 """
 from __future__ import annotations
@@ -92,6 +92,21 @@ def test_decode_kernel_fp16_roundings_equal_the_reference(split_k, epilogue):
     assert torch.equal(out, silu_and_mul(reference) if silu else reference)
 
 
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+def test_mid_m_row_tiles_equal_the_reference(silu):
+    """70 rows (two row tiles of 64, the second partial), fp32 on tl.dot, K not split, a bias."""
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, K, 32, seed=21)
+    x = rows(70, K, seed=22) / 16  # gates of a few units: the interpreter's exp stays finite
+    bias = torch.randn(n_rows, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    config = W4Config(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config)
+    reference = int4_linear_reference(x, w, bias)
+    torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
+    with pytest.raises(AssertionError, match="K not split"):
+        w4a16_gemm(x, w, bias, config=config._replace(split_k=2))
+
+
 def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
     w = int4_weight(2 * N, K, 64, seed=2)
     x = torch.randn(4, K).to(DEVICE)
@@ -137,11 +152,11 @@ def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
-@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
 def test_gpu_int4_llama_shapes(shape, m):
-    """bf16: the decode kernel (m <= 16; gate/up with its SiLU-and-mul epilogue) and the
-    dequantise + cuBLAS path (64) against the reference within bf16 roundings; deterministic;
-    the same inside a CUDA graph."""
+    """bf16: the decode kernel (m <= 16, split-K; gate/up with its SiLU-and-mul epilogue), its
+    row tiles (64) and the dequantise + cuBLAS path (300) against the reference within bf16
+    roundings; deterministic; the same inside a CUDA graph."""
     n, k = LLAMA_8B[shape]
     silu = shape == "gate_up"
     w = _gpu_weight(n, k, seed=m)

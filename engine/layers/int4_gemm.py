@@ -17,6 +17,9 @@ rounded to the activation dtype (the reference's weight, bit for bit, in every k
   merged in a fixed order by the last program of a tile (its workspace and arrival counters;
   deterministic, no second kernel, capturable in a CUDA graph), the bias, and for the fused
   gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile and its up tile).
+- Mid M (17-256 rows: large decode batches, verify steps): the same kernel over row tiles of
+  64, K not split: each program still reads its weight tile once per row tile, where
+  dequantising the whole weight first would write and read it again in 16 bits.
 - Large M (prefill): `_dequantize_kernel` writes the weight in the activation dtype, then
   cuBLAS (a GEMM at M in the hundreds is compute-bound: the extra write and read of the
   16-bit weight is a few percent of it).
@@ -45,7 +48,9 @@ except ImportError:  # the CPU build needs no Triton
     triton = None
 
 PACK = 8          # 4-bit codes per int32
-MAX_ROWS = 16     # M above this dequantises and runs cuBLAS
+MAX_ROWS = 16     # decode-sized M: one row tile, K split across programs
+TILED_MAX_ROWS = 256  # M up to this: row tiles of TILE_ROWS, no split; above: dequantise + cuBLAS
+TILE_ROWS = 64
 STEP_CODES = 256  # the decode kernel's K step (128 bytes of a weight row); not yet tuned
 
 
@@ -104,11 +109,11 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight,
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
                 skinny: bool = True) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) in x's dtype: the decode kernel for up to 16 rows on CUDA
+    """x [..., K] @ W^T (+ bias) in x's dtype: the W4A16 kernel for up to 256 rows on CUDA
     (where `skinny` allows), the dequantise kernel and cuBLAS for more, the reference on the CPU."""
     if triton is None or not x.is_cuda:
         return int4_linear_reference(x, w, bias)
-    if skinny and 1 <= x.numel() // w.shape[1] <= MAX_ROWS:
+    if skinny and 1 <= x.numel() // w.shape[1] <= TILED_MAX_ROWS:
         return w4a16_gemm(x, w, bias)
     return F.linear(x, dequantize_int4_gpu(w, x.dtype), bias)
 
@@ -116,8 +121,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = N
 def int4_linear_silu_and_mul(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
                              skinny: bool = True) -> torch.Tensor:
     """silu_and_mul(int4_linear(x, w, bias)) for a fused [2I, K] gate/up weight: one kernel
-    where the decode kernel runs."""
-    if triton is not None and x.is_cuda and skinny and 1 <= x.numel() // w.shape[1] <= MAX_ROWS:
+    where the W4A16 kernel runs."""
+    if triton is not None and x.is_cuda and skinny and 1 <= x.numel() // w.shape[1] <= TILED_MAX_ROWS:
         return w4a16_gemm(x, w, bias, silu_mul=True)
     return silu_and_mul(int4_linear(x, w, bias, skinny=False))
 
@@ -132,7 +137,7 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     block_k = STEP_CODES
     tiles = -(-n // 32)
     split_k = 1
-    while (tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
+    while (m <= MAX_ROWS and tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
            and _scratch_values(2 * split_k, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     return W4Config(block_n=32, block_k=block_k, split_k=split_k, num_warps=4,
@@ -151,14 +156,15 @@ def check_int4(w: Int4Weight) -> None:
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
                silu_mul: bool = False, config: Optional[W4Config] = None,
                workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
-    """x [..., K] (at most 16 rows) @ W^T (+ bias) in x's dtype, the decode kernel; with
-    `silu_mul`, silu_and_mul of it for a fused [2I, K] gate/up weight (result [..., I])."""
+    """x [..., K] (at most 256 rows) @ W^T (+ bias) in x's dtype, the W4A16 kernel (more than 16
+    rows: row tiles of 64, K not split); with `silu_mul`, silu_and_mul of it for a fused
+    [2I, K] gate/up weight (result [..., I])."""
     n_rows, k = w.shape
     check_int4(w)
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
-    assert 1 <= m <= MAX_ROWS and x.shape[-1] == k
+    assert 1 <= m <= TILED_MAX_ROWS and x.shape[-1] == k
     if silu_mul:
         assert n_rows % 2 == 0, "silu_mul needs the fused [2I, K] gate/up weight"
     n_cols = n_rows // 2 if silu_mul else n_rows
@@ -176,13 +182,16 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         assert _scratch_values(config.split_k, m, n_cols, silu_mul) <= workspace.partials.numel()
         assert tiles <= workspace.arrivals.numel()
         partials, arrivals = workspace.partials, workspace.arrivals
+    assert m <= MAX_ROWS or (config.split_k == 1 and config.dot), \
+        "more than 16 rows: row tiles on tl.dot, K not split"
+    block_m = (max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m)) \
+        if m <= MAX_ROWS else TILE_ROWS
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    _w4a16_kernel[(tiles, config.split_k)](
+    _w4a16_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
         m, n_cols, k, w.scales.shape[1], w.group_size, k_per_split, x2.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=config.split_k,
-        BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=groups, DOT=config.dot,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=groups, DOT=config.dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], n_cols)
@@ -251,7 +260,7 @@ if triton is not None:
         else:  # columns past the end read row 0: never stored
             rows = tl.where(offs_n < n_cols, offs_n, 0).to(tl.int64)
             partner_rows = rows
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # one row tile with split-K
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         dtype = x.dtype.element_ty
