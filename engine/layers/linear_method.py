@@ -37,10 +37,9 @@ class PartSlice(NamedTuple):
     end: int
 
 
-def read_parts(reader, parts: list[PartSlice], key=lambda part: part.key) -> torch.Tensor:
-    """This rank's slices of the parts' tensors (named by `key`), concatenated along the
-    output rows."""
-    pieces = [reader.get_shard(key(p), p.dim, p.start, p.end) for p in parts]
+def read_parts(reader, parts: list[PartSlice]) -> torch.Tensor:
+    """This rank's slices of the parts' tensors, concatenated along the output rows."""
+    pieces = [reader.get_shard(p.key, p.dim, p.start, p.end) for p in parts]
     return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
 
 
