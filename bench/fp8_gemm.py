@@ -1,5 +1,5 @@
-"""FP8-weight GEMMs against bf16 at Llama-8B and DeepSeek-V3 shapes: microseconds, GB/s, % of
-copy bandwidth, TFLOP/s, and each FP8 variant's error.
+"""FP8- and INT4-weight GEMMs against bf16 at Llama-8B and DeepSeek-V3 shapes: microseconds,
+GB/s, % of copy bandwidth, TFLOP/s, and each quantized variant's error.
 
     python bench/fp8_gemm.py --out bench_fp8_gemm.json
     python bench/fp8_gemm.py --shapes 8b.qkv,8b.down --rows 1,16 --no-moe --out quick.json
@@ -11,12 +11,19 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
 - `cublas_bf16`     F.linear on the bf16 weight (the FP8 weight dequantised)
 - `skinny_bf16`     the 16-bit skinny GEMM on that weight (M <= 16)
 - `w8a16_skinny`    the skinny GEMM reading the FP8 weight and its scales (M <= 16; the engine's)
+- `w8a16_skinny_wide` the same with `SkinnyConfig.fp8_wide`: K steps of the 16-bit step's bytes
+                    (512 FP8 columns over four 128-blocks, scales broadcast in registers): if it
+                    leads, set `skinny_gemm.FP8_WIDE_STEPS = True`
 - `w8a8_skinny`     its `fp8_activations` option: x quantised per 128-column group, FP8 dot
 - `w8a8_triton`     the large-M block-scaled kernel, quantiser included (`fp8_matmul` on CUDA)
 - `scaled_mm_block` torch._scaled_mm with 1x128 activation and 128x128 weight scales, the
                     quantiser included (where this torch/cuBLAS supports it)
 - `scaled_mm_row`   torch._scaled_mm rowwise: the weight re-quantised per channel, x per token
                     in torch (another checkpoint format: its error is not comparable)
+- `w4a16_kernel`    INT4 (group 128, AWQ/GPTQ's usual) by the W4A16 kernel (layers/int4_gemm.py:
+                    split-K at M <= 16, row tiles of 64 up to 256; the engine's there); its
+                    error is against its own dequantised weight
+- `w4a16_dequant`   INT4 by the dequantise kernel, then cuBLAS (the engine's above 256 rows)
 
 Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
 cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
@@ -31,8 +38,8 @@ random routing each call; bytes are the experts a call touches.
 
 A variant that fails prints its error and the rest go on. The last table summarises.
 `--sweep` (long: split it over runs with --shapes/--rows) also searches W8A16 skinny configs
-at M <= 16 (bench/skinny_gemm.py's coordinate descent from the FP8 default) and prints the
-best three per shape and M: the data for FP8 entries of the skinny rule.
+and W4A16 decode configs at M <= 16 (bench/skinny_gemm.py's coordinate descent from each
+default) and prints the best three per shape and M: the data for their rules.
 """
 from __future__ import annotations
 
@@ -50,9 +57,12 @@ from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.skinny_gemm import (
     MAX_ROWS, default_config, fp8_weight_config, skinny_gemm)
-from specserve.engine.quantization.fp8 import (
+from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
-from specserve.engine.quantization.fp8_gemm import block_scaled_matmul, quantize_activations
+from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
+from specserve.engine.layers.int4_gemm import (
+    TILED_MAX_ROWS, Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu, pack_rows,
+    w4a16_gemm)
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -60,6 +70,7 @@ SHAPES = {  # name: (N, K) of the weight
     "v3.expert_gate_up": (4096, 7168), "v3.expert_down": (7168, 2048), "v3.q_b": (24576, 1536),
 }
 BLOCK = (128, 128)
+INT4_GROUP = 128
 MOE = dict(experts=256, top_k=8, hidden=7168, inter=2048)
 
 
@@ -92,8 +103,19 @@ class Weights:
             if with_rowwise:
                 w8_row, s_row = quantize_rows_torch(self.bf16[-1])
                 self.rowwise.append((w8_row.t(), s_row.t().contiguous()))  # [K, N] column-major
+        # INT4 copies: half FP8's bytes each, so twice as many rotate through L2.
+        self.int4 = [random_int4(n, k, device) for _ in range(2 * copies)]
         self.n, self.k = n, k
         self.scale_bytes = self.fp8[0][1].values.numel() * 4
+        self.int4_extra_bytes = n * (k // INT4_GROUP) * 3  # fp16 scales and uint8 zeros
+
+
+def random_int4(n: int, k: int, device) -> Int4Weight:
+    """Random codes, zero points and scales of a weight of std ~0.02 in group-128 INT4."""
+    codes = torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8)
+    groups = k // INT4_GROUP
+    return Int4Weight(pack_rows(codes), torch.full((n, groups), 0.0043, device=device).half(),
+                      torch.randint(6, 10, (n, groups), device=device, dtype=torch.uint8), INT4_GROUP)
 
 
 def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
@@ -104,7 +126,13 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
                                  ._replace(fp8_activations=True), BLOCK[1], k)
         ops["skinny_bf16"] = ("bf16", lambda x, w: skinny_gemm(x, w))
         ops["w8a16_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], scale=w[1]))
+        wide = default_config(m, n, k, False, torch.device("cuda"))._replace(fp8_wide=True)
+        ops["w8a16_skinny_wide"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=wide, scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
+    if m <= TILED_MAX_ROWS:
+        ops["w4a16_kernel"] = ("int4", lambda x, w: w4a16_gemm(x, w))
+    if m > MAX_ROWS:
+        ops["w4a16_dequant"] = ("int4", lambda x, w: F.linear(x, dequantize_int4_gpu(w, x.dtype)))
     ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
     ops["scaled_mm_block"] = ("fp8", scaled_mm_block)
     ops["scaled_mm_row"] = ("rowwise", scaled_mm_row)
@@ -137,15 +165,19 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
             inputs = [torch.randn(m, k, device=device).bfloat16() for _ in range(num_inputs)]
             x0 = inputs[0]
             reference = x0.float() @ dequantize(*weights.fp8[0], torch.float32).t()
+            int4_reference = x0.float() @ dequantize_int4(weights.int4[0], torch.bfloat16).float().t()
             for variant, (kind, op) in dense_variants(m, n, k).items():
-                pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise}[kind]
-                weight_bytes = n * k * (2 if kind == "bf16" else 1)
-                extra = weights.scale_bytes if kind == "fp8" else (4 * n if kind == "rowwise" else 0)
+                pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise,
+                        "int4": weights.int4}[kind]
+                weight_bytes = n * k * {"bf16": 2, "int4": 0.5}.get(kind, 1)
+                extra = {"fp8": weights.scale_bytes, "rowwise": 4 * n,
+                         "int4": weights.int4_extra_bytes}.get(kind, 0)
                 calls = [lambda i=i: op(inputs[i % num_inputs], pool[i % len(pool)])
                          for i in range(num_calls)]
                 row = dict(part="dense", shape=name, n=n, k=k, m=m, variant=variant)
                 try:
-                    err = float((op(x0, pool[0]).float() - reference).norm() / reference.norm())
+                    ref = int4_reference if kind == "int4" else reference
+                    err = float((op(x0, pool[0]).float() - ref).norm() / ref.norm())
                     seconds = time_per_call(calls)
                 except Exception as e:  # an unsupported variant (torch build, device): go on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -161,6 +193,7 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
                 print(json.dumps(row), flush=True)
             if args.sweep and m <= MAX_ROWS:
                 sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+                sweep_w4a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
             del inputs
         del weights
         torch.cuda.empty_cache()
@@ -189,6 +222,32 @@ def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
     timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
     for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
         print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+
+
+def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
+                num_calls: int, bandwidth: float, rows: list[dict]) -> None:
+    """The W4A16 decode kernel's configs by the same coordinate descent (its W4Config has the
+    skinny config's axes; K steps over several groups broadcast their scales)."""
+    n, k = weights.n, weights.k
+    total = n * k // 2 + weights.int4_extra_bytes + m * k * 2 + m * n * 2
+
+    def time_config(c) -> float | None:
+        calls = [lambda i=i: w4a16_gemm(inputs[i % len(inputs)], weights.int4[i % len(weights.int4)], config=c)
+                 for i in range(num_calls)]
+        try:
+            seconds = time_per_call(calls)
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            print(f"{name} m={m} {config_name(c)}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"sweep w4a16 {config_name(c)}",
+                         config=c._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
+                         fraction_of_copy=total / seconds / bandwidth))
+        return seconds
+
+    start = default_w4_config(m, n, k, INT4_GROUP, device=torch.device("cuda"))
+    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
+    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
+        print(f"best w4a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
 
 
 def random_fp8_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, WeightScale]:
@@ -265,7 +324,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,4,16,64,512,4096", help="M values")
     ap.add_argument("--no-moe", action="store_true", help="skip DeepSeek-V3's routed experts")
-    ap.add_argument("--sweep", action="store_true", help="also search W8A16 skinny configs (M <= 16)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also search W8A16 skinny and W4A16 decode configs (M <= 16)")
     ap.add_argument("--sweep-rounds", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     ap.add_argument("--out", default="bench_fp8_gemm.json")

@@ -257,7 +257,8 @@ def main():
     ap.add_argument("--max-context-len", type=int, default=4096)
     ap.add_argument("--quantizations", default="auto",
                     help="comma list of: auto (the checkpoint's, bf16 for random shapes), fp8 (random "
-                         "block-wise FP8 weights; the draft stays bf16)")
+                         "block-wise FP8 weights; on a 16-bit checkpoint, quantized at load), awq or "
+                         "gptq (random group-128 INT4 weights); the draft stays bf16")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="comma list of the target's KV pool dtypes: auto (the model's), fp8_e4m3 "
                          "(1.0 scales on random weights); auto,fp8_e4m3 is an A/B in one run")

@@ -36,11 +36,12 @@ from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
 from specserve.engine.models.llama import LlamaForCausalLM
 from specserve.engine.models.loader import (CheckpointReader, init_dummy_weights, load_llama,
-                                             use_fp8_everywhere)
+                                             use_fp8_everywhere, use_int4_everywhere)
 from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.captured_extend import MAX_REQUESTS, TOKEN_BUCKETS
+from specserve.engine.quantization.config import Int4Config, resolve_quantization
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
 from specserve.engine.runtime.model_runner import ModelRunner
@@ -170,6 +171,10 @@ def build_engine(config: EngineConfig, rank: int = 0, init_method: str = "",
     # Random weights (load_format "dummy") need the folder's config.json only.
     check = read_config if config.load_format == "dummy" else check_checkpoint_dir
     cfg = ModelConfig.from_dict(check(model_path, "model"))
+    # The weight format served: the checkpoint's, or FP8 quantized at load (--quantization).
+    cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
+        config.quantization, cfg.quantization, model_path, mla=cfg.mla is not None,
+        dummy=config.load_format == "dummy", lm_head=config.quantize_lm_head))
     tp_group = None
     if config.tp_size > 1:  # rank 0 checked that the model splits before spawning the others
         if device.type == "cuda":
@@ -207,22 +212,20 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     logger.info("loading %s: %s, %d layers, %s on %s%s", "random weights" if config.load_format == "dummy"
                 else model_path, cfg.architecture, cfg.num_layers, str(dtype).replace("torch.", ""),
                 device, "" if cfg.quantization is None else f", {cfg.quantization.name} weights")
-    dummy_fp8_block = None
-    if config.load_format == "dummy" and (config.quantization == "fp8" or cfg.quantization is not None):
-        dummy_fp8_block = cfg.quantization.weight_block if cfg.quantization is not None \
-            and cfg.quantization.weight_block else DUMMY_FP8_BLOCK
+    dummy_fp8_block = None  # random FP8 weights: the checkpoint's blocks, else 128x128
+    if config.load_format == "dummy" and cfg.quantization is not None \
+            and not isinstance(cfg.quantization, Int4Config):
+        dummy_fp8_block = getattr(cfg.quantization, "weight_block", None) or DUMMY_FP8_BLOCK
     weight_format = cfg.quantization.name if cfg.quantization is not None else \
-        f"fp8 (block {dummy_fp8_block[0]}x{dummy_fp8_block[1]})" if dummy_fp8_block is not None else \
         str(dtype).replace("torch.", "")
     if config.load_format == "dummy":
-        if dummy_fp8_block is not None:
+        if isinstance(cfg.quantization, Int4Config):
+            use_int4_everywhere(model, cfg.quantization)
+        elif dummy_fp8_block is not None:
             use_fp8_everywhere(model, dummy_fp8_block)
+            weight_format = f"fp8 (block {dummy_fp8_block[0]}x{dummy_fp8_block[1]})"
         init_dummy_weights(model, config.seed)
     else:
-        if config.quantization == "fp8" and cfg.quantization is None:
-            raise ValueError(f"quantization: 'fp8' asks for FP8 weights, but {model_path} has no "
-                             f"quantization_config (a 16-bit checkpoint; quantising at load is not "
-                             f"supported)")
         load_llama(model, model_path)
     model.eval()
     set_skinny_gemm(model, config.skinny_gemm)

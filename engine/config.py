@@ -57,6 +57,9 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 MAX_GRAMMAR_CHARS = 64 * 1024
 
 
+QUANTIZATION_FLAGS = ("auto", "fp8", "awq", "gptq")  # quantization/config.py: what each serves
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match (structured outputs): any JSON object, a JSON schema,
@@ -314,8 +317,11 @@ class EngineConfig:
     # (engine/kvcache/fp8.py). The draft's one-layer pool keeps the model's dtype.
     kv_cache_dtype: str = "auto"
     # Weight format: "auto" serves the checkpoint as it is stored (its quantization_config);
-    # "fp8" requires FP8 weights (with load_format="dummy": random block-wise FP8 weights).
+    # "fp8" serves FP8 weights, quantizing a 16-bit checkpoint at load (per channel; with
+    # load_format="dummy": random block-wise FP8); "awq" / "gptq" require such a checkpoint.
     quantization: str = "auto"
+    # With quantization "fp8" on a 16-bit checkpoint: the (untied) LM head in FP8 too.
+    quantize_lm_head: bool = False
     # Structured outputs: a grammar must compile within this many seconds (in the grammar
     # process); past it the request fails with INVALID_ARGUMENT naming the field.
     grammar_compile_seconds: float = 10.0
@@ -366,8 +372,10 @@ class EngineConfig:
         _require(self.kv_cache_dtype == "auto" or self.attention_backend != "flashinfer",
                  "kv_cache_dtype", f"{self.kv_cache_dtype} is not supported by the flashinfer "
                  "attention backend; use attention_backend 'triton' (or 'auto', 'torch')")
-        _require(self.quantization in ("auto", "fp8"), "quantization",
-                 f"must be 'auto' or 'fp8', got {self.quantization!r}")
+        _require(self.quantization in QUANTIZATION_FLAGS, "quantization",
+                 f"must be one of {', '.join(QUANTIZATION_FLAGS)}, got {self.quantization!r}")
+        _require(not self.quantize_lm_head or self.quantization == "fp8", "quantize_lm_head",
+                 "quantizes the LM head at load: it needs quantization 'fp8'")
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
         self._check_kv_events()

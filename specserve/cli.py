@@ -14,7 +14,8 @@ import logging
 import sys
 from typing import Optional
 
-from specserve.engine.config import DEFAULT, KV_CACHE_DTYPES, EngineConfig, SpecConfig
+from specserve.engine.config import (
+    DEFAULT, KV_CACHE_DTYPES, QUANTIZATION_FLAGS, EngineConfig, SpecConfig)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +56,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-all-reduce", action="store_true",
                    help="with --tp > 1 on GPUs: small all-reduces over symmetric memory (one- "
                         "and two-shot; experimental), NCCL past 8 MiB (default: NCCL for all)")
-    g.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+    g.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                    help="weight format: auto (default) serves the checkpoint's own "
-                        "(its quantization_config: FP8 block-wise, per-channel or per-tensor); "
-                        "fp8 requires an FP8 checkpoint")
+                        "(its quantization_config: FP8 block-wise, per-channel or per-tensor; "
+                        "AWQ or GPTQ INT4); fp8 on a 16-bit checkpoint quantizes it at load "
+                        "(per channel); awq, gptq and fp8 must match a quantized checkpoint's own")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization fp8 on a 16-bit checkpoint: the (untied) LM head in "
+                        "FP8 too (per vocabulary row)")
     g.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (no radix prefix cache)")
     g.add_argument("--grammar-compile-seconds", type=float, default=10.0,
@@ -138,7 +143,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         custom_all_reduce=args.custom_all_reduce,
                         cuda_graph=False if args.disable_cuda_graph else None,
                         cuda_graph_sampled=not args.disable_cuda_graph_sampled,
-                        quantization=args.quantization,
+                        quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                         enable_prefix_cache=not args.disable_prefix_cache,
                         grammar_compile_seconds=args.grammar_compile_seconds,
                         spec=_spec_config_from_args(args), **optional)

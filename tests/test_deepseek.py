@@ -385,8 +385,8 @@ def test_unsupported_deepseek_options_are_named():
         ModelConfig.from_dict(dict(base, topk_method="group_limited_greedy", n_group=3, topk_group=1))
     with pytest.raises(ValueError, match="scoring_func"):
         ModelConfig.from_dict(dict(base, scoring_func="sigmoid"))
-    with pytest.raises(ValueError, match="quantization_config quant_method 'awq'"):
-        ModelConfig.from_dict(dict(base, quantization_config={"quant_method": "awq"}))
+    with pytest.raises(ValueError, match="quantization_config quant_method 'mxfp4'"):
+        ModelConfig.from_dict(dict(base, quantization_config={"quant_method": "mxfp4"}))
 
 
 @pytest.mark.gpu

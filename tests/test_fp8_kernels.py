@@ -1,4 +1,4 @@
-"""The FP8-weight kernels against the reference (engine/quantization/fp8.py): the skinny GEMM
+"""The FP8-weight kernels against the reference (engine/layers/fp8_weight.py): the skinny GEMM
 reading FP8 weights with their scales (W8A16, and the W8A8 option) in its three epilogues, the
 large-M W8A8 GEMM with its activation quantiser, and the fused MoE with FP8 experts.
 
@@ -25,11 +25,11 @@ from specserve.engine.layers import skinny_gemm as skinny_module  # noqa: E402
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from specserve.engine.layers.skinny_gemm import (  # noqa: E402
-    SkinnyConfig, SkinnyWorkspace, default_config, fp8_weight_config, skinny_gemm,
+    SkinnyConfig, SkinnyWorkspace, default_config, fp8_weight_config, scale_columns, skinny_gemm,
     skinny_qkv_rope, workspace_for)
-from specserve.engine.quantization.fp8 import (  # noqa: E402
+from specserve.engine.layers.fp8_weight import (  # noqa: E402
     FP8_DTYPE, WeightScale, dequantize, fp8_linear_reference, scale_grid_shape)
-from specserve.engine.quantization.fp8_gemm import (  # noqa: E402
+from specserve.engine.layers.fp8_gemm import (  # noqa: E402
     ACT_GROUP, BlockScaledConfig, block_scaled_matmul, quantize_activations,
     quantize_activations_reference)
 
@@ -148,6 +148,61 @@ def test_fp8_configs_take_whole_scale_blocks():
     assert (w8a8.block_k, w8a8.block_n) == (ACT_GROUP, 64)
 
 
+def test_fp8_wide_steps_config():
+    """`fp8_wide`: K steps twice the 16-bit config's, at its stages, where they lie in one
+    k-block or span whole power-of-two k-blocks; else the narrow rule."""
+    wide = config(block_k=256)._replace(num_stages=3, fp8_wide=True)
+    assert fp8_weight_config(wide, 128, 4096)[1:5] == (512, 1, 4, 3)     # four 128-blocks a step
+    assert fp8_weight_config(wide, 4096, 4096).block_k == 512            # one k-block over K
+    assert fp8_weight_config(wide, 1024, 4096).block_k == 512            # inside one k-block
+    assert fp8_weight_config(wide, 48, 4096).block_k == 16               # 48 is no power of two
+    assert scale_columns(128, 4096, 512) == 4 and scale_columns(128, 4096, 64) == 1
+    assert scale_columns(24, 4096, 32) == 0                              # per element
+
+
+WIDE_BLOCKS = {"16x32": (16, 32), "1x16": (1, 16), "1x128": (1, 128), "channel": (1, K)}
+
+
+@pytest.mark.parametrize("block", list(WIDE_BLOCKS))
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "silu_mul"])
+def test_skinny_fp8_wide_steps_round_as_the_reference(block, epilogue):
+    """Wide K steps (64 or 128 columns over 16- or 32-wide k-blocks: 2 to 8 scales a row a
+    step, broadcast in registers) give the narrow steps' results: fp16 bit for bit through
+    multiply-and-sum, fp32 through tl.dot; split-K on and off, K's tail partial."""
+    silu = epilogue == "silu_mul"
+    n_rows = 2 * N if silu else N
+    w8, scale = fp8_weight(n_rows, K, WIDE_BLOCKS[block], seed=13)
+    for dtype, dot in ((torch.float16, False), (torch.float32, True)):
+        bias = (torch.randint(-8, 9, (n_rows,)) / 4).to(DEVICE, dtype) if epilogue == "bias" else None
+        for m, split_k, block_k in ((1, 1, 32), (5, 2, 64)):
+            cfg = config(block_k=block_k, split_k=split_k, dot=dot)._replace(fp8_wide=True)
+            assert fp8_weight_config(cfg, scale.block_k, K).block_k == 2 * block_k
+            x = sparse_rows(m, K, dtype, seed=m) if dtype == torch.float16 else dense_rows(m, K, seed=m)
+            out = skinny_gemm(x, w8, bias, silu_mul=silu, config=cfg, workspace=_workspace(), scale=scale)
+            if dtype == torch.float16:
+                assert torch.equal(out, exact_reference(x, w8, scale, bias, silu))
+            else:
+                ref = fp8_linear_reference(x, w8, scale, bias)
+                torch.testing.assert_close(out, silu_and_mul(ref) if silu else ref, rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_fp8_qkv_rope_wide_steps():
+    """The q/k/v + RoPE epilogue with wide K steps over 16x32 blocks (fp16, bit for bit)."""
+    n_rows = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None).to(DEVICE)
+    positions, loc = torch.tensor([5, 63], device=DEVICE), torch.tensor([7, 2], device=DEVICE)
+    w8, scale = fp8_weight(n_rows, K, (16, 32), seed=14)
+    x = sparse_rows(2, K, torch.float16, seed=2)
+    k_cache = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    cfg = config(block_n=4, block_k=32, split_k=2, dot=False)._replace(fp8_wide=True)
+    q = skinny_qkv_rope(x, w8, None, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin, k_cache,
+                        v_cache, loc, config=cfg, workspace=_workspace(), scale=scale)
+    expected = _qkv_rope_reference(x, dequantize(w8, scale, torch.float16), None, positions, rotary, loc)
+    for got, want in zip((q, k_cache, v_cache), expected):
+        assert torch.equal(got, want)
+
+
 def test_skinny_fp8_silu_mul_and_default_config_fp32():
     """gate/up with SiLU-and-mul under the rule's config (K split, 128x128 blocks), fp32."""
     w8, scale = fp8_weight(2 * N, 1024, (128, 128), seed=4)
@@ -214,11 +269,12 @@ def test_skinny_fp8_refuses_a_grid_that_does_not_cover_the_weight():
 
 
 def test_fp8_layers_take_the_skinny_kernels(monkeypatch):
-    """FP8 ColumnParallelLinear/RowParallelLinear layers (after `use_fp8`) through the skinny
+    """FP8 ColumnParallelLinear/RowParallelLinear layers (with `Fp8LinearMethod`) through the skinny
     kernels (allowed on CPU tensors here): forward, gate/up with SiLU-and-mul, and the fused
     q/k/v + RoPE + KV store, each the reference's result; the kernels really run."""
-    from specserve.engine.layers import parallel
+    from specserve.engine.layers import linear_method
     from specserve.engine.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear
+    from specserve.engine.quantization.fp8 import Fp8LinearMethod
 
     calls = []
     real_gemm, real_qkv = skinny_module.skinny_gemm, skinny_module.skinny_qkv_rope
@@ -226,11 +282,11 @@ def test_fp8_layers_take_the_skinny_kernels(monkeypatch):
                         lambda x, w, scale=None: x.numel() // w.shape[1] <= skinny_module.MAX_ROWS)
     monkeypatch.setattr(skinny_module, "skinny_gemm",
                         lambda *a, **kw: calls.append(("gemm", kw["scale"] is not None)) or real_gemm(*a, **kw))
-    monkeypatch.setattr(parallel, "skinny_qkv_rope",  # (imported there by name)
+    monkeypatch.setattr(linear_method, "skinny_qkv_rope",  # (imported there by name)
                         lambda *a, **kw: calls.append(("qkv", kw["scale"] is not None)) or real_qkv(*a, **kw))
 
     def fp8_layer(layer, block, seed):
-        layer.use_fp8(*block)
+        layer.use_method(Fp8LinearMethod(block))
         w8, scale = fp8_weight(*layer.weight.shape, block, seed=seed)
         layer.weight.data.copy_(w8)
         layer.weight_scale.data.copy_(scale.values)
@@ -359,17 +415,17 @@ def test_fused_moe_fp8_matches_torch_path(case, block):
 _COMPILE_FP8_FOR_SM90 = """
 import torch
 from specserve.engine.layers import fused_moe_triton as moe, skinny_gemm as sk
-from specserve.engine.quantization import fp8_gemm as q
-from specserve.engine.quantization.fp8 import FP8_DTYPE
+from specserve.engine.layers import fp8_gemm as q
+from specserve.engine.layers.fp8_weight import FP8_DTYPE
 from sm90_compile import compile_sm90, t
 
 bf16, f32, i32, fp8 = torch.bfloat16, torch.float32, torch.int32, FP8_DTYPE
 cpu = torch.device("cpu")
 
-def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False):
+def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=False):
     n_cols = n_rows // 2 if silu or qkv else n_rows
     c = (sk._qkv_rope_config(m, n_rows, k, 128, cpu, qk_norm) if qkv
-         else sk.default_config(m, n_cols, k, silu, cpu))._replace(fp8_activations=act)
+         else sk.default_config(m, n_cols, k, silu, cpu))._replace(fp8_activations=act, fp8_wide=wide)
     c = sk.fp8_weight_config(c, 128 if uniform else 24, k)
     x = t(fp8 if act else bf16)
     fp8_args = sk._Fp8Args(t(f32), t(f32), k // 128, k // 128, 128, 128 if uniform else 24)
@@ -379,7 +435,8 @@ def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False):
                 arrivals=t(i32), M=m, n_cols=n_cols, K=k, k_per_split=k // c.split_k, stride_xm=k,
                 stride_wn=k, stride_ym=n_cols, fp8=fp8_args, BLOCK_M=16, BLOCK_N=c.block_n,
                 BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, SILU_MUL=silu, DOT=True,
-                EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True, K_UNIFORM=uniform,
+                EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True,
+                SCALE_COLS=sk.scale_columns(128 if uniform else 24, k, c.block_k),
                 FP8_ACT=act, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0,
                 v_scale_inv=1.0, KV_FP8=False)
     kernel = sk._skinny_qkv_rope_kernel if qkv else sk._skinny_gemm_kernel
@@ -395,6 +452,9 @@ def check(name, ptx, *needles):
 check("w8a16 gate_up", skinny(1, 28672, 4096, True, False, True), "e4m3", "mma")
 check("w8a16 per-element", skinny(16, 6144, 4096, False, False, False), "e4m3", "mma")
 check("w8a16 qkv_rope", skinny(1, 6144, 4096, False, False, True, qkv=True), "e4m3", "mma")
+# Wide steps: 512 FP8 columns a step over four 128-column k-blocks (scales broadcast)
+check("w8a16 wide gate_up", skinny(1, 28672, 4096, True, False, True, wide=True), "e4m3", "mma")
+check("w8a16 wide down", skinny(16, 4096, 14336, False, False, True, wide=True), "e4m3", "mma")
 # Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128) with its per-head q/k norm
 check("w8a16 qkv_rope qk_norm", skinny(1, 5120, 2048, False, False, True, qkv=True, qk_norm=True),
       "e4m3", "mma", "rsqrt")
@@ -432,7 +492,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 9
+    assert done.stdout.count("compiled") == 11
 
 
 # --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------
@@ -442,7 +502,7 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
 
 def quantize_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, WeightScale]:
     """A checkpoint's FP8 form of w [..., N, K]: per (block_n, block_k) block, scale = amax / 448."""
-    from specserve.engine.quantization.fp8 import expand_scale
+    from specserve.engine.layers.fp8_weight import expand_scale
 
     n, k = w.shape[-2:]
     gn, gk = scale_grid_shape(n, k, *block)
@@ -532,7 +592,7 @@ def test_gpu_block_scaled_matmul_llama_shapes(shape, m):
     Hopper cuBLAS's blockwise FP8 GEMM) and the Triton kernel: the product of the quantised
     operands within a bf16 rounding; within FP8's error of the reference."""
     from specserve.engine.layers.skinny_gemm import linear
-    from specserve.engine.quantization.fp8_gemm import (
+    from specserve.engine.layers.fp8_gemm import (
         block_scaled_matmul, fp8_matmul, runs_block_scaled, runs_cublas_blockwise)
 
     n, k = LLAMA_8B[shape]
@@ -576,7 +636,7 @@ def test_gpu_fp8_kernels_in_a_cuda_graph():
     kernel with its quantiser, FP8 experts: captured once and replayed with new inputs:
     eager's bits every replay, counters at zero."""
     from specserve.engine.layers.fused_moe_triton import fused_experts
-    from specserve.engine.quantization.fp8_gemm import fp8_matmul
+    from specserve.engine.layers.fp8_gemm import fp8_matmul
 
     weights = {name: _gpu_fp8_weight(n, k, seed=i) for i, (name, (n, k)) in enumerate(LLAMA_8B.items())}
     small = {name: torch.zeros(4, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in LLAMA_8B.items()}

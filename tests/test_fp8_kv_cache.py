@@ -427,7 +427,7 @@ ptx["skinny qkv store"] = compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     fp8=sk._Fp8Args(t(f32), t(f32), 32, 32, 128, 128), k_scale_inv=50.0, v_scale_inv=40.0,
     norm_eps=1e-6, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, QK_NORM=False, BLOCK_M=16, BLOCK_N=c.block_n,
     BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
-    DOT_PRECISION="tf32", FP8_WEIGHT=False, K_UNIFORM=True, FP8_ACT=False, PDL=True),
+    DOT_PRECISION="tf32", FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, PDL=True),
     c.num_warps, c.num_stages)
 for name, text in ptx.items():
     # Loads convert e4m3 pairs (then to the query's bf16); stores round to nearest even with

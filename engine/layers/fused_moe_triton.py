@@ -24,7 +24,7 @@
 
 Weights stay in their checkpoint layout: w13 [E, 2I, H] (gate rows, then up rows) and
 w2 [E, H, I], read as [K, N] tiles through their strides. FP8 experts (W8A16): each weight
-tile is dequantised in fp32 with its expert's scale grid (quantization/fp8.py) and rounded to
+tile is dequantised in fp32 with its expert's scale grid (layers/fp8_weight.py) and rounded to
 the activation dtype before the dot, as the torch path's `dequantize` does; one scale per
 column a K step where the step lies in one k-block of the grid, else one per element.
 """
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.engine.quantization.fp8 import WeightScale
-from specserve.engine.quantization.fp8_gemm import (
+from specserve.engine.layers.fp8_weight import WeightScale
+from specserve.engine.layers.fp8_gemm import (
     check_weight, dequantize_tile, k_uniform, weight_scales)
 
 
@@ -372,7 +372,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, alignment
         # fp32 operands would run as TF32 on tensor cores; keep an fp32 engine exact.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         FP8_WEIGHT=scale is not None,
-        K_UNIFORM=scale is not None and k_uniform(scale, w.shape[2], config.block_k),
+        K_UNIFORM=scale is not None and k_uniform(scale.block_k, w.shape[2], config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -382,7 +382,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
     """Routed experts' output [T, H] for x [T, H], w13 [E, 2I, H] (gate rows then up rows),
     w2 [E, H, I], topk_weights [T, k] (fp32) and topk_ids [T, k] (distinct experts a token).
-    With scales, w13 and w2 are FP8 (both or neither; quantization/fp8.py, a grid per expert)."""
+    With scales, w13 and w2 are FP8 (both or neither; layers/fp8_weight.py, a grid per expert)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]

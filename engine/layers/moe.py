@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.quantization.fp8 import WeightScale, dequantize
+from specserve.engine.layers.fp8_weight import WeightScale, dequantize
 
 _triton_fused_experts = _decode_fused_experts = _softmax_topk = _router_softmax_topk = None
 MAX_DECODE_TOKENS = MAX_ROUTER_TOKENS = 0  # the decode kernels' bounds, set where they import
@@ -125,7 +125,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor, w13_scale: Optional[WeightScale] = None,
                   w2_scale: Optional[WeightScale] = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts; x: [T, H].
-    With scales the stacked weights are FP8 (quantization/fp8.py), dequantised per expert.
+    With scales the stacked weights are FP8 (layers/fp8_weight.py), dequantised per expert.
 
     Experts run one after another over their tokens and add in ascending expert order, as
     transformers does, so fp32 results match it bit for bit. The per-expert token counts are

@@ -20,9 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
-from specserve.engine.layers.skinny_gemm import (
-    can_fuse_qkv_rope, linear, linear_silu_and_mul, skinny_qkv_rope)
+from specserve.engine.layers.linear_method import UNQUANTIZED, LinearMethod
 
 
 @dataclass(frozen=True)
@@ -80,22 +78,27 @@ def _mark(param: nn.Parameter, shards: list[tuple[int, int, int]]) -> None:
 
 
 class QuantizableLinear(nn.Module):
-    """A linear layer whose weight is 16-bit, or FP8 with a scale grid after `use_fp8` (the
-    loader calls it for weights the checkpoint stores in FP8)."""
+    """A linear layer whose weight is held and applied by its `method` (layers/linear_method.py):
+    16-bit as built, or a quantization format's the loader sets with `use_method`."""
 
     skinny_gemm = True  # see set_skinny_gemm
 
     def __init__(self):
         super().__init__()
-        self.register_parameter("weight_scale", None)
+        self.method: LinearMethod = UNQUANTIZED
 
-    def use_fp8(self, block_n: int, block_k: int) -> None:
-        self.weight = fp8_parameter(self.weight)
-        self.weight_scale = scale_parameter(self.weight, block_n, block_k)
+    def use_method(self, method: LinearMethod) -> None:
+        """Hold the weight in `method`'s format (its parameters replace the 16-bit weight)."""
+        self.method = method
+        method.create_weights(self)
+
+    def after_loading(self) -> None:
+        self.method.after_loading(self)
 
     @property
     def scale(self):
-        return weight_scale(self.weight_scale)
+        """The FP8 scale grid (layers/fp8_weight.py) of an FP8 weight, else None."""
+        return self.method.fp8_scale(self)
 
 
 class ColumnParallelLinear(QuantizableLinear):
@@ -111,18 +114,13 @@ class ColumnParallelLinear(QuantizableLinear):
         if self.bias is not None:
             _mark(self.bias, [(0, s, e) for s, e in parts])
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.skinny_gemm, self.scale)
+        return self.method.apply(self, x, self.bias)
 
     def fuses_qkv_rope(self, x: torch.Tensor, head_dim: int, qk_norm: bool = False) -> bool:
         """Whether `forward_qkv_rope` runs here (the skinny GEMM with its RoPE epilogue, and
         with `qk_norm` the per-head q/k RMSNorm before it)."""
-        return self.skinny_gemm and can_fuse_qkv_rope(x, self.weight, head_dim, self.scale,
-                                                      qk_norm)
+        return self.method.fuses_qkv_rope(self, x, head_dim, qk_norm)
 
     def forward_qkv_rope(self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                          rotary: nn.Module, positions: torch.Tensor, k_cache: torch.Tensor,
@@ -138,14 +136,15 @@ class ColumnParallelLinear(QuantizableLinear):
             q_norm, k_norm = qk_norm
             assert q_norm.eps == k_norm.eps
             norms = (q_norm.weight, k_norm.weight, q_norm.eps)
-        return skinny_qkv_rope(x, self.weight, self.bias, num_q_heads, num_kv_heads, positions,
-                               rotary.cos, rotary.sin, k_cache, v_cache, loc, scale=self.scale,
-                               k_scale=k_scale, v_scale=v_scale, qk_norm=norms)
+        return self.method.apply_qkv_rope(
+            self, x, self.bias, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            positions=positions, cos=rotary.cos, sin=rotary.sin, k_cache=k_cache, v_cache=v_cache,
+            loc=loc, k_scale=k_scale, v_scale=v_scale, qk_norm=norms)
 
     def forward_silu_and_mul(self, x):
         """silu_and_mul(self(x)) for a gate/up layer (its gate rows, then its up rows): one
         kernel where the skinny GEMM runs."""
-        return linear_silu_and_mul(x, self.weight, self.bias, self.skinny_gemm, self.scale)
+        return self.method.apply_silu_and_mul(self, x, self.bias)
 
 
 class RowParallelLinear(QuantizableLinear):
@@ -162,7 +161,7 @@ class RowParallelLinear(QuantizableLinear):
         self.reduce = True
 
     def forward(self, x):
-        y = linear(x, self.weight, None, self.skinny_gemm, self.scale)
+        y = self.method.apply(self, x, None)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -194,8 +193,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
-    """Logits over the rank's vocabulary range, gathered so every rank holds all of them."""
+class ParallelLMHead(QuantizableLinear):
+    """Logits over the rank's vocabulary range, gathered so every rank holds all of them. A
+    16-bit head runs cuBLAS (F.linear) at every size; a quantized one (online FP8 with
+    `quantize_lm_head`) its method."""
 
     def __init__(self, dim: int, vocab_size: int, tp: TensorParallel):
         super().__init__()
@@ -207,7 +208,8 @@ class ParallelLMHead(nn.Module):
         self.tp = tp
 
     def forward(self, x):
-        logits = self.tp.all_gather_last_dim(F.linear(x, self.weight).float())
+        local = F.linear(x, self.weight) if self.method is UNQUANTIZED else self.method.apply(self, x, None)
+        logits = self.tp.all_gather_last_dim(local.float())
         return logits[..., :self.vocab_size]
 
 

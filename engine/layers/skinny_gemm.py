@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
-from specserve.engine.quantization.fp8 import FP8_DTYPE, WeightScale
-from specserve.engine.quantization.fp8_gemm import (
+from specserve.engine.layers.fp8_weight import FP8_DTYPE, WeightScale
+from specserve.engine.layers.fp8_gemm import (
     ACT_GROUP, check_weight, fp8_matmul, fp8_supported, k_uniform, quantize_activations)
 
 try:
@@ -81,6 +81,11 @@ class SkinnyConfig(NamedTuple):
     # needs dot) instead of W8A16 (the weight dequantised into x's dtype). To be chosen per
     # shape from bench/fp8_gemm.py's measurements.
     fp8_activations: bool = False
+    # With an FP8 weight (W8A16): K steps twice the 16-bit config's, so a row's step is the
+    # same bytes as the 16-bit kernel's (`fp8_weight_config`), the scales of the k-blocks a
+    # step spans loaded per row and broadcast in registers. Off by default until measured
+    # (`bench/fp8_gemm.py`'s w8a16_skinny_wide rows; `FP8_WIDE_STEPS`).
+    fp8_wide: bool = False
 
 
 class SkinnyWorkspace:
@@ -110,6 +115,10 @@ def _num_sms(device: torch.device) -> int:
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
 
+
+# The default for `SkinnyConfig.fp8_wide` in the rule's configs: flip to True where
+# bench/fp8_gemm.py shows w8a16_skinny_wide ahead of w8a16_skinny on the device.
+FP8_WIDE_STEPS = False
 
 # Measured best configs, (m, n, k, paired) -> config, as `bench/skinny_gemm.py --sweep`
 # prints them; shapes not listed take the rule of `default_config`.
@@ -154,8 +163,10 @@ def rule_config(m: int, n: int, k: int, paired: bool, device: torch.device,
            and _scratch_values(split_k * 2, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     if split_k == 1:
-        return SkinnyConfig(block_n=block_n, block_k=256, split_k=1, num_warps=4, num_stages=3)
-    return SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4)
+        return SkinnyConfig(block_n=block_n, block_k=256, split_k=1, num_warps=4, num_stages=3,
+                            fp8_wide=FP8_WIDE_STEPS)
+    return SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4,
+                        fp8_wide=FP8_WIDE_STEPS)
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -177,7 +188,16 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
     Where steps are cut, stages are added (up to 8) to keep the config's K elements in
     flight per row: a decode GEMM is a stream of weight rows, and the rule measured for 16-bit
     weights wanted 768 in flight (half the bytes in FP8). Not yet measured for FP8:
-    `bench/fp8_gemm.py --sweep`."""
+    `bench/fp8_gemm.py --sweep`.
+
+    With `fp8_wide` (W8A16): K steps of twice the config's (the 16-bit step's bytes a row, at
+    the 16-bit stages), where they lie in one k-block or span whole power-of-two k-blocks
+    (`scale_columns`): a row's step is then one wide load and a few scales, not one narrow
+    step a block."""
+    if config.fp8_wide and not config.fp8_activations:
+        wide = 2 * config.block_k
+        if scale_columns(scale_block_k, k, wide):
+            return config._replace(block_k=wide)
     block_k, block_n = config.block_k, config.block_n
     if config.fp8_activations:  # FP8 tensor cores take 64 weight rows (see `_sum_tiles`)
         block_k, block_n = min(block_k, ACT_GROUP), max(block_n, 64)
@@ -186,6 +206,19 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
         block_k = step if step >= 16 else block_k
     stages = min(8, max(config.num_stages, config.num_stages * config.block_k // block_k))
     return config._replace(block_k=block_k, block_n=block_n, num_stages=stages)
+
+
+def scale_columns(scale_block_k: int, k: int, block_k: int) -> int:
+    """The scale-grid columns a K step of `block_k` reads per weight row: 1 where the step lies
+    in one k-block (`k_uniform`), block_k / scale_block_k where it spans whole k-blocks (a
+    power of two at least 16 wide, so a block is a reshape of the tile), else 0 (a scale per
+    element)."""
+    if k_uniform(scale_block_k, k, block_k):
+        return 1
+    bk = scale_block_k
+    if bk >= 16 and bk & (bk - 1) == 0 and block_k % bk == 0:
+        return block_k // bk
+    return 0
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale] = None) -> bool:
@@ -207,7 +240,7 @@ def can_use(x: torch.Tensor, weight: torch.Tensor, scale: Optional[WeightScale] 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            skinny: bool = True, scale: Optional[WeightScale] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the skinny GEMM where `can_use` picks it and `skinny`
-    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (quantization/fp8.py):
+    allows it (the layers' A/B switch). With `scale`, `weight` is FP8 (layers/fp8_weight.py):
     the skinny GEMM reads it as it is, else `fp8_matmul`."""
     if skinny and can_use(x, weight, scale):
         return skinny_gemm(x, weight, bias, scale=scale)
@@ -226,7 +259,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 if triton is not None:
-    from specserve.engine.quantization.fp8_gemm import (
+    from specserve.engine.layers.fp8_gemm import (
         activation_scales, dequantize_tile, scaled_dot, weight_scales)
 
     @triton.jit
@@ -242,7 +275,7 @@ if triton is not None:
     @triton.jit
     def _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k, K,
                          DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
+                         FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
                          FP8_ACT: tl.constexpr):
         """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`."""
         if FP8_ACT:  # acc [BLOCK_N, BLOCK_M]: W x^T (see _sum_tiles)
@@ -251,11 +284,29 @@ if triton is not None:
                              activation_scales(fp8.x_scale, offs_m, m_mask, fp8.stride_xsm, k))
         else:
             if FP8_WEIGHT:
-                w_tile = dequantize_tile(
-                    w_tile, weight_scales(fp8.w_scale, scale_rows[:, None], k, offs_k[None, :], K,
-                                          fp8.block_k, K_UNIFORM), x_tile.dtype)
+                if SCALE_COLS > 1:
+                    w_tile = _dequantize_grouped(w_tile, fp8.w_scale, scale_rows, k, K, fp8.block_k,
+                                                 SCALE_COLS, x_tile.dtype)
+                else:
+                    w_tile = dequantize_tile(
+                        w_tile, weight_scales(fp8.w_scale, scale_rows[:, None], k, offs_k[None, :], K,
+                                              fp8.block_k, SCALE_COLS == 1), x_tile.dtype)
             acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
         return acc
+
+    @triton.jit
+    def _dequantize_grouped(w_tile, w_scale, scale_rows, k, K, scale_block_k,
+                            GROUPS: tl.constexpr, dtype: tl.constexpr):
+        """W8A16 for a K step spanning GROUPS whole k-blocks of the grid (`fp8_weight_config`'s
+        wide steps): the rows' GROUPS scales loaded once ([BLOCK_N, GROUPS]) and broadcast over
+        their blocks in registers; the same fp32 products and rounding as `dequantize_tile`.
+        Blocks past K read the grid's last column (their weights are zeros)."""
+        block_n: tl.constexpr = w_tile.shape[0]
+        block_k: tl.constexpr = w_tile.shape[1]
+        cols = tl.minimum(k // scale_block_k + tl.arange(0, GROUPS), tl.cdiv(K, scale_block_k) - 1)
+        scales = tl.load(w_scale + scale_rows[:, None] + cols[None, :])
+        w = tl.reshape(w_tile.to(tl.float32), (block_n, GROUPS, block_k // GROUPS)) * scales[:, :, None]
+        return tl.reshape(w, (block_n, block_k)).to(dtype)
 
     @triton.jit
     def _pair_rows(cols, n_cols, half):
@@ -272,14 +323,15 @@ if triton is not None:
                    fp8, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr,
-                   K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr):
+                   SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr):
         """x[:, k_begin:k_end] against the weight rows `rows` (and `partner_rows` when PAIRED):
         the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED).
 
         FP8_WEIGHT: w is float8_e4m3fn with the scale grid `fp8` describes. W8A16 (x 16/32-bit):
         each weight tile is dequantised into x's dtype before the product (`dequantize_tile`;
-        K_UNIFORM: one scale per row a step, else per element). FP8_ACT (W8A8, DOT and
-        K_UNIFORM only, BLOCK_K dividing ACT_GROUP): x is FP8 too, with per-row group scales,
+        SCALE_COLS (`scale_columns`): 1, one scale per row a step; G > 1, a step spans G whole
+        k-blocks, G scales per row (`_dequantize_grouped`); 0, one per element). FP8_ACT (W8A8,
+        DOT and SCALE_COLS 1 only, BLOCK_K dividing ACT_GROUP): x is FP8 too, with per-row group scales,
         and each step's FP8 product is scaled in fp32 (`scaled_dot`). The product is taken
         transposed, W x^T ([BLOCK_N, BLOCK_M], transposed once after the loop): FP8 tensor
         cores (wgmma) want 64 rows or more on the left, and x has 16 at most, the weight
@@ -311,7 +363,7 @@ if triton is not None:
                 x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
             acc = _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k,
-                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, K_UNIFORM, FP8_ACT)
+                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, SCALE_COLS, FP8_ACT)
             if PAIRED:
                 if EVEN_K:
                     up_tile = tl.load(partner_ptrs + k)
@@ -319,7 +371,7 @@ if triton is not None:
                     up_tile = tl.load(partner_ptrs + k, mask=k_mask[None, :], other=0.0)
                 acc_up = _accumulate_step(acc_up, x_tile, up_tile, fp8, partner_scale_rows, offs_m,
                                           m_mask, k, offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT,
-                                          K_UNIFORM, FP8_ACT)
+                                          SCALE_COLS, FP8_ACT)
         if FP8_ACT:
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
@@ -388,7 +440,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr, FP8_ACT: tl.constexpr, PDL: tl.constexpr,
+        FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr, PDL: tl.constexpr,
     ):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
         wait_for_predecessor(PDL)
@@ -405,7 +457,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, SILU_MUL,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT)
+                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT)
         release_dependents(PDL)
         out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
         last = True
@@ -439,7 +491,7 @@ if triton is not None:
         KV_FP8: tl.constexpr, QK_NORM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, K_UNIFORM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
         FP8_ACT: tl.constexpr, PDL: tl.constexpr,
     ):
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
@@ -460,7 +512,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, K_UNIFORM, FP8_ACT)
+                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT)
         release_dependents(PDL)
         m_mask = offs_m < M
         out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
@@ -570,7 +622,7 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
         assert config.dot or not config.fp8_activations, "FP8 activations need tl.dot"
         x_scale, stride_xsm = unused, 1
         if config.fp8_activations:
-            assert ACT_GROUP % config.block_k == 0 and k_uniform(scale, k, config.block_k), \
+            assert ACT_GROUP % config.block_k == 0 and k_uniform(scale.block_k, k, config.block_k), \
                 "with FP8 activations a K step lies in one activation group and one k-block"
             x_in, x_scale = quantize_activations(x2)
             stride_xsm = x_scale.stride(0)
@@ -590,7 +642,7 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
         # fp32 operands would silently run as TF32 on tensor cores; keep them exact.
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         FP8_WEIGHT=scale is not None,
-        K_UNIFORM=scale is not None and k_uniform(scale, k, config.block_k),
+        SCALE_COLS=0 if scale is None else scale_columns(scale.block_k, k, config.block_k),
         FP8_ACT=scale is not None and config.fp8_activations,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device))
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k

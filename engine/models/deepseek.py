@@ -19,7 +19,7 @@ from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.layers import mla_decode
-from specserve.engine.layers.fp8_params import fp8_parameter, scale_parameter, weight_scale
+from specserve.engine.quantization.fp8 import fp8_parameter, scale_parameter, weight_scale
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.moe import route, run_experts
 from specserve.engine.layers.moe_decode import MAX_DECODE_TOKENS
@@ -29,7 +29,7 @@ from specserve.engine.layers.rotary import RotaryEmbedding, yarn_mscale
 from specserve.engine.layers.skinny_gemm import linear
 from specserve.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from specserve.engine.models.model_config import ModelConfig
-from specserve.engine.quantization.fp8 import dequantize
+from specserve.engine.layers.fp8_weight import dequantize
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:

@@ -12,12 +12,15 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from specserve.engine.layers.parallel import QuantizableLinear
+from specserve.engine.layers.linear_method import PartSlice
+from specserve.engine.layers.parallel import ParallelLMHead, QuantizableLinear
 from specserve.engine.models.checkpoint_dir import open_safetensors, safetensors_files
-from specserve.engine.models.fp8_loading import (
-    Fp8Target, PartSlice, is_fp8, load_scale, require_quant_config, scale_block, weight_parts)
 from specserve.engine.progress import progress
-from specserve.engine.quantization.config import QuantConfig
+from specserve.engine.quantization.config import Int4Config, Scheme
+from specserve.engine.quantization.fp8 import (
+    Fp8LinearMethod, Fp8Target, is_fp8, load_scale, require_quant_config, scale_block)
+from specserve.engine.quantization.int4 import Int4LinearMethod
+from specserve.engine.quantization.methods import linear_method_for
 
 # our fused name part -> checkpoint parts, concatenated along dim 0 in this order
 FUSED_PARTS = {
@@ -69,20 +72,21 @@ class CheckpointReader:
 def load_module_weights(module: nn.Module, reader: CheckpointReader,
                         to_checkpoint_name: Callable[[str], str],
                         optional: Callable[[str], bool] = lambda name: False,
-                        quant: Optional[QuantConfig] = None) -> None:
+                        quant: Optional[Scheme] = None) -> None:
     """Fill every parameter of `module` from the checkpoint.
 
     `to_checkpoint_name` maps our (unfused) parameter name to the checkpoint key; parameters
     for which `optional(name)` is True may be absent (e.g. a tied lm_head). A missing
-    tensor or a shape mismatch is an error that names it. Layers whose checkpoint weights are
-    FP8 become FP8 layers first (`quant` says how the checkpoint scales them); an FP8 tensor
-    for a layer that cannot hold one is refused, never converted.
+    tensor or a shape mismatch is an error that names it. Linear layers the checkpoint stores
+    quantized (`quant` says how) take their format's method first, which loads its own
+    tensors (layers/linear_method.py); an FP8 tensor for a layer that cannot hold one is
+    refused, never converted.
     """
-    _adopt_fp8_layers(module, reader, to_checkpoint_name, quant)
+    _adopt_quantized_layers(module, reader, to_checkpoint_name, quant)
     params = list(module.named_parameters(remove_duplicate=True))
     for name, param in progress(params, len(params), f"loading {reader.name}", "tensors"):
-        if hasattr(param, "scale_block"):  # an FP8 weight's scales: loaded by _adopt_fp8_layers
-            continue
+        if getattr(param, "loaded_by_method", False):
+            continue  # a quantized layer's tensors (FP8 experts: their scales) are loaded already
         if hasattr(param, "stacked_experts"):
             _load_stacked_experts(param, reader, to_checkpoint_name(name))
             continue
@@ -118,53 +122,58 @@ def _refuse_fp8_into_16_bits(reader: CheckpointReader, keys: list[str], param: n
                          f"quantizable layer here; FP8 is served for the linear layers and experts")
 
 
-def _adopt_fp8_layers(module: nn.Module, reader: CheckpointReader, to_checkpoint_name: Callable[[str], str],
-                      quant: Optional[QuantConfig]) -> None:
-    """Every linear layer (and expert stack) the checkpoint stores in FP8 becomes an FP8 layer
-    with its scale grid loaded (engine/models/fp8_loading.py)."""
+def _adopt_quantized_layers(module: nn.Module, reader: CheckpointReader,
+                            to_checkpoint_name: Callable[[str], str], quant: Optional[Scheme]) -> None:
+    """Every linear layer the checkpoint stores quantized (or, with online FP8, every one) takes
+    its format's method and loads its tensors; every expert stack stored in FP8 becomes FP8
+    with its scale grids loaded."""
     for mod_name, sub in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        targets = _fp8_targets(sub, prefix, to_checkpoint_name)
-        parts = [p for t in targets for expert in t.experts for p in expert]
-        if not parts or not all(p.key in reader for p in parts):
-            continue  # not quantizable, or reported (or optional) when the weight is loaded
-        fp8 = [is_fp8(reader, p.key) for p in parts]
-        if not any(fp8):
-            continue
-        if not all(fp8):
-            raise ValueError(f"model: {prefix}: some checkpoint tensors are float8 and some not "
-                             f"({[p.key for p in parts]}); one layer needs one format")
-        quant = require_quant_config(quant, parts[0].key)
-        # Each distinct pattern of tensor shapes and slices (an expert stack's routed experts
-        # share one; its shared slots are other slices of the shared MLP's wider tensors).
-        patterns = {tuple((tuple(reader.shape(p.key)), *p[1:]) for p in parts): parts
-                    for t in targets for parts in t.experts}
-        blocks = {scale_block(parts, reader, quant, prefix.rstrip(".")) for parts in patterns.values()}
-        # One grid form for both expert stacks: row scales wherever one needs them; per-row
-        # (channel, tensor) scales span the wider stack's K, one column each.
-        block = (min(b[0] for b in blocks), max(b[1] for b in blocks))
-        sub.use_fp8(*block)
-        with torch.no_grad():
-            for t in targets:
-                grids = [load_scale(reader, expert, quant, block) for expert in t.experts]
-                grid = torch.stack(grids) if t.stacked else grids[0]
-                target = getattr(sub, t.scale_name)
-                if grid.shape != target.shape:
-                    raise ValueError(f"model: {prefix}{t.scale_name}: checkpoint scales give shape "
-                                     f"{tuple(grid.shape)}, expected {tuple(target.shape)}")
-                target.copy_(grid)
+        if isinstance(sub, QuantizableLinear):
+            keys = [to_checkpoint_name(p) for p in _checkpoint_parts(prefix + "weight")]
+            parts = [PartSlice(k, *shard) for k, shard in zip(keys, sub.weight.shards)]
+            method = linear_method_for(quant, reader, parts, prefix.rstrip("."), sub)
+            if method is not None:
+                sub.use_method(method)
+                method.load_weights(sub, reader, parts)
+        elif hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of experts
+            _adopt_fp8_experts(sub, prefix, reader, to_checkpoint_name, quant)
 
 
-def _fp8_targets(sub: nn.Module, prefix: str, to_checkpoint_name: Callable[[str], str]) -> list[Fp8Target]:
-    """The scale grids an FP8 version of `sub` has and the checkpoint tensors of each: a linear
-    layer's one weight, or an expert stack's w13 and w2 (one list of parts per expert)."""
-    if isinstance(sub, QuantizableLinear):
-        keys = [to_checkpoint_name(p) for p in _checkpoint_parts(prefix + "weight")]
-        return [Fp8Target("weight_scale", [weight_parts(sub.weight, keys)], stacked=False)]
-    if hasattr(sub, "w13") and hasattr(sub, "use_fp8"):  # a stack of experts
-        return [Fp8Target(f"{name}_scale", _slot_parts(getattr(sub, name), to_checkpoint_name(prefix + name)),
-                          stacked=True) for name in ("w13", "w2")]
-    return []
+def _adopt_fp8_experts(sub: nn.Module, prefix: str, reader: CheckpointReader,
+                       to_checkpoint_name: Callable[[str], str], quant: Optional[Scheme]) -> None:
+    targets = [Fp8Target(f"{name}_scale", _slot_parts(getattr(sub, name), to_checkpoint_name(prefix + name)))
+               for name in ("w13", "w2")]
+    parts = [p for t in targets for expert in t.experts for p in expert]
+    if any(p.key.removesuffix("weight") + "qweight" in reader for p in parts):
+        raise ValueError(f"model: {prefix.rstrip('.')}: INT4 MoE experts are not supported "
+                         f"(INT4 is served for the dense linear layers)")
+    if not parts or not all(p.key in reader for p in parts):
+        return  # reported when the weight is loaded
+    fp8 = [is_fp8(reader, p.key) for p in parts]
+    if not any(fp8):
+        return
+    if not all(fp8):
+        raise ValueError(f"model: {prefix}: some checkpoint tensors are float8 and some not "
+                         f"({[p.key for p in parts]}); one layer needs one format")
+    quant = require_quant_config(quant, parts[0].key)
+    # Each distinct pattern of tensor shapes and slices (an expert stack's routed experts
+    # share one; its shared slots are other slices of the shared MLP's wider tensors).
+    patterns = {tuple((tuple(reader.shape(p.key)), *p[1:]) for p in parts): parts
+                for t in targets for parts in t.experts}
+    blocks = {scale_block(parts, reader, quant, prefix.rstrip(".")) for parts in patterns.values()}
+    # One grid form for both expert stacks: row scales wherever one needs them; per-row
+    # (channel, tensor) scales span the wider stack's K, one column each.
+    block = (min(b[0] for b in blocks), max(b[1] for b in blocks))
+    sub.use_fp8(*block)
+    with torch.no_grad():
+        for t in targets:
+            grid = torch.stack([load_scale(reader, expert, quant, block) for expert in t.experts])
+            target = getattr(sub, t.scale_name)
+            if grid.shape != target.shape:
+                raise ValueError(f"model: {prefix}{t.scale_name}: checkpoint scales give shape "
+                                 f"{tuple(grid.shape)}, expected {tuple(target.shape)}")
+            target.copy_(grid)
 
 
 def _slot_parts(param: nn.Parameter, key: str) -> list[list[PartSlice]]:
@@ -219,16 +228,25 @@ def load_llama(model: nn.Module, path: str) -> None:
 DUMMY_STD = 0.02
 DUMMY_FP8_SCALE = DUMMY_STD / 64  # random FP8 values of std 64 stand for weights of std 0.02
 DUMMY_FP8_ROWS = 65536  # rows of an FP8 parameter drawn at a time
+DUMMY_INT4_ZERO = 8
+DUMMY_INT4_SCALE = DUMMY_STD / 4.6  # uniform codes 0..15 less 8 have a std of about 4.6
 
 
 def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks on model shapes that are not on disk (norms stay 1); FP8
-    layers get FP8 values and a constant scale grid of the same magnitude."""
+    layers get FP8 values and a constant scale grid of the same magnitude, INT4 layers random
+    codes, zero points 8 and constant scales."""
     gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if hasattr(param, "scale_block"):
                 param.fill_(DUMMY_FP8_SCALE)
+            elif param.dtype == torch.int32:  # INT4 codes, eight a word
+                param.random_(-2 ** 31, 2 ** 31, generator=gen)
+            elif param.dtype == torch.uint8:  # INT4 zero points
+                param.fill_(DUMMY_INT4_ZERO)
+            elif name.endswith(".scales"):  # INT4 scales
+                param.fill_(DUMMY_INT4_SCALE)
             elif param.dtype == torch.float8_e4m3fn:  # in slices: fp32 values are 4x the bytes
                 for part in param.view(-1, param.shape[-1]).split(DUMMY_FP8_ROWS):
                     values = torch.empty(part.shape, device=param.device).normal_(
@@ -240,11 +258,21 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
 
 
 def use_fp8_everywhere(module: nn.Module, block: tuple[int, int]) -> None:
-    """Every linear layer and expert stack in FP8 with `block` scales (random-weight benchmarks
-    of FP8 shapes; a checkpoint's own layout comes from `load_module_weights`)."""
+    """Every linear layer but the LM head, and every expert stack, in FP8 with `block` scales
+    (random-weight benchmarks of FP8 shapes; a checkpoint's own layout comes from
+    `load_module_weights`)."""
     for sub in module.modules():
-        if isinstance(sub, QuantizableLinear) or (hasattr(sub, "w13") and hasattr(sub, "use_fp8")):
+        if isinstance(sub, QuantizableLinear) and not isinstance(sub, ParallelLMHead):
+            sub.use_method(Fp8LinearMethod(block))
+        elif hasattr(sub, "w13") and hasattr(sub, "use_fp8"):
             sub.use_fp8(*block)
+
+
+def use_int4_everywhere(module: nn.Module, config: Int4Config) -> None:
+    """Every linear layer but the LM head in INT4 (random-weight benchmarks of INT4 shapes)."""
+    for sub in module.modules():
+        if isinstance(sub, QuantizableLinear) and not isinstance(sub, ParallelLMHead):
+            sub.use_method(Int4LinearMethod(config))
 
 
 def finish_loading(module: nn.Module) -> None:

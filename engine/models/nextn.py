@@ -170,4 +170,5 @@ def load_nextn_head(path: str, target_model: nn.Module, max_position: int, dtype
 
 
 def _same(mine: nn.Module, target: nn.Module) -> bool:
-    return mine.weight.shape == target.weight.shape and torch.equal(mine.weight, target.weight)
+    return (mine.weight.shape == target.weight.shape and mine.weight.dtype == target.weight.dtype
+            and torch.equal(mine.weight, target.weight))

@@ -1,2 +1,3 @@
-"""Quantized checkpoints: which formats the engine serves (config), and the FP8 weight
-representation every kernel and the reference agree on (fp8)."""
+"""Quantized weights: which formats the engine serves and how `--quantization` selects them
+(config), the linear layers' method of each format (fp8, int4; layers/linear_method.py is the
+seam), and which method a layer takes (methods)."""

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from specserve.engine.pdl import launch_options, wait_for_predecessor
-from specserve.engine.quantization.fp8 import FP8_DTYPE, FP8_MAX, WeightScale, fp8_linear_reference
+from specserve.engine.layers.fp8_weight import FP8_DTYPE, FP8_MAX, WeightScale, fp8_linear_reference
 
 try:
     import triton
@@ -79,10 +79,11 @@ def fp8_supported(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda" and device_capability(device) >= (8, 9)
 
 
-def k_uniform(scale: WeightScale, k: int, block_k: int) -> bool:
-    """Whether each K step of `block_k` (steps start at multiples of it) lies in one k-block of
-    the scale grid: one scale per weight row and step instead of one per element."""
-    return scale.block_k % block_k == 0 or scale.block_k >= k
+def k_uniform(scale_block_k: int, k: int, block_k: int) -> bool:
+    """Whether each K step of `block_k` (steps start at multiples of it) lies in one k-block,
+    `scale_block_k` wide, of the scale grid: one scale per weight row and step instead of one
+    per element."""
+    return scale_block_k % block_k == 0 or scale_block_k >= k
 
 
 def check_weight(weight: torch.Tensor, scale: WeightScale) -> None:
@@ -142,7 +143,7 @@ def block_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: WeightScal
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     config = config or default_block_scaled_config(m)
-    assert ACT_GROUP % config.block_k == 0 and k_uniform(scale, k, config.block_k), \
+    assert ACT_GROUP % config.block_k == 0 and k_uniform(scale.block_k, k, config.block_k), \
         f"K steps of {config.block_k} must lie in one activation group and one weight k-block " \
         f"({scale.block_n}x{scale.block_k})"
     if bias is not None:
@@ -168,7 +169,7 @@ def runs_block_scaled(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale)
     block over all of K)."""
     return (x.is_cuda and fp8_supported(x.device) and weight.dim() == 2 and weight.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16)
-            and k_uniform(scale, weight.shape[1], ACT_GROUP))
+            and k_uniform(scale.block_k, weight.shape[1], ACT_GROUP))
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: WeightScale,

@@ -1,0 +1,218 @@
+"""The W4A16 kernels (engine/layers/int4_gemm.py) against the torch reference.
+
+In the interpreter on the CPU (small shapes; N not a multiple of the column tile, group sizes
+32, 64 and one group over K): the decode kernel on tl.dot in fp32 (exact operands: the
+interpreter's bf16 dot is wrong) and on multiply-and-sum in fp16, split-K on and off (its
+arrival counters left at zero), with a bias and with the SiLU-and-mul epilogue; its mid-M row
+tiles; the dequantise kernel of the large-M path bit for bit; the pack/unpack round trip.
+Marked `gpu`: Llama-8B shapes in bf16, against the reference and inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
+from specserve.engine.layers.int4_gemm import (  # noqa: E402
+    Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
+    int4_linear, int4_linear_reference, int4_linear_silu_and_mul, pack_rows, step_groups,
+    unpack_rows, w4a16_gemm)
+from specserve.engine.layers.skinny_gemm import SkinnyWorkspace  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+N, K = 72, 256
+
+
+def int4_weight(n: int, k: int, group: int, seed: int, scale_dtype=torch.float16) -> Int4Weight:
+    """Random codes, zero points and scales (powers of two over 1/64..1/8 in the interpreter
+    tests: products with small-integer activations are exact, so only roundings differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (2.0 ** -torch.randint(3, 7, (n, groups), generator=gen)).to(scale_dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+    return Int4Weight(pack_rows(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group)
+
+
+def _workspace() -> SkinnyWorkspace:
+    return SkinnyWorkspace(DEVICE, partial_capacity=1 << 16, counter_capacity=64)
+
+
+def rows(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-4, 5, (m, k), generator=gen).to(dtype).to(DEVICE)
+
+
+def test_pack_unpack_round_trip_and_dequantize():
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (5, 64), generator=gen, dtype=torch.uint8)
+    packed = pack_rows(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 8)
+    assert torch.equal(unpack_rows(packed), codes)
+    assert int(packed[0, 0]) & 0xF == int(codes[0, 0]) and (int(packed[0, 0]) >> 28) & 0xF == int(codes[0, 7])
+    w = Int4Weight(packed, torch.full((5, 2), 0.5), torch.full((5, 2), 3, dtype=torch.uint8), 32)
+    torch.testing.assert_close(dequantize_int4(w), (codes.float() - 3) * 0.5, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group", [32, 64, K], ids=["g32", "g64", "per-channel"])
+@pytest.mark.parametrize("block_k", [32, 128], ids=["step-in-a-group", "step-over-groups"])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_kernel_on_dot_equals_the_reference(group, block_k, split_k, m):
+    """fp32 on tl.dot: K steps inside one group, or spanning 2 or 4 whole groups (their scales
+    and zeros broadcast); split-K; a bias."""
+    w = int4_weight(N, K, group, seed=group + m)
+    x = rows(m, K, seed=m)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    config = W4Config(block_n=32, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+    workspace = _workspace()
+    out = w4a16_gemm(x, w, bias, config=config, workspace=workspace)
+    torch.testing.assert_close(out, int4_linear_reference(x, w, bias), rtol=0, atol=1e-5)
+    assert not workspace.arrivals.any()  # ready for the next launch (and graph replay)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "silu_mul"])
+def test_decode_kernel_fp16_roundings_equal_the_reference(split_k, epilogue):
+    """Multiply-and-sum in fp16: the dequantised weight rounded to fp16 as the reference rounds
+    it, exact sums, one rounding of the output (bias added in fp32 first), then for the fused
+    gate/up weight silu_and_mul's roundings."""
+    silu = epilogue == "silu_mul"
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, K, 32, seed=9)
+    x = rows(3, K, seed=4, dtype=torch.float16)
+    bias = (torch.randint(-8, 9, (n_rows,)) / 4).to(DEVICE, torch.float16) if epilogue == "bias" else None
+    config = W4Config(block_n=16, block_k=64, split_k=split_k, num_warps=4, num_stages=2, dot=False)
+    out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config, workspace=_workspace())
+    reference = F.linear(x.double(), dequantize_int4(w, torch.float16).double(),
+                         None if bias is None else bias.double()).to(torch.float16)
+    assert torch.equal(out, silu_and_mul(reference) if silu else reference)
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+def test_mid_m_row_tiles_equal_the_reference(silu):
+    """70 rows (two row tiles of 64, the second partial), fp32 on tl.dot, K not split, a bias."""
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, K, 32, seed=21)
+    x = rows(70, K, seed=22) / 16  # gates of a few units: the interpreter's exp stays finite
+    bias = torch.randn(n_rows, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    config = W4Config(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config)
+    reference = int4_linear_reference(x, w, bias)
+    torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
+    with pytest.raises(AssertionError, match="K not split"):
+        w4a16_gemm(x, w, bias, config=config._replace(split_k=2))
+
+
+def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
+    w = int4_weight(2 * N, K, 64, seed=2)
+    x = torch.randn(4, K).to(DEVICE)
+    if DEVICE.type == "cpu":
+        assert torch.equal(int4_linear_silu_and_mul(x, w), silu_and_mul(int4_linear_reference(x, w)))
+
+
+@pytest.mark.parametrize("group,block_k", [(64, 64), (32, 128)], ids=["one-group", "four-groups"])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(group, block_k):
+    w = int4_weight(N, K, group, seed=5)
+    assert torch.equal(dequantize_int4_gpu(w, torch.float16, block_n=32, block_k=block_k),
+                       dequantize_int4(w, torch.float16))
+
+
+def test_config_steps_take_whole_groups():
+    cpu = torch.device("cpu")
+    assert default_w4_config(1, 4096, 4096, 128, device=cpu).block_k == 256
+    config = default_w4_config(1, 1024, 4096, 128, device=cpu)
+    assert config.split_k > 1 and 4096 // config.split_k >= 512  # few tiles: K is split
+    assert (step_groups(128, 4096, 256), step_groups(128, 4096, 64), step_groups(4096, 4096, 256)) == (2, 1, 1)
+    with pytest.raises(AssertionError, match="must lie in one group of 48 or span whole ones"):
+        w4a16_gemm(rows(1, 96, 0), int4_weight(N, 96, 48, 0), config=W4Config(32, 32, 1, 4, 2))
+
+
+def test_int4_linear_on_the_cpu_is_the_reference():
+    w = int4_weight(N, K, 32, seed=1)
+    x = torch.randn(20, K)
+    if DEVICE.type == "cpu":
+        assert torch.equal(int4_linear(x, w), int4_linear_reference(x, w))
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand((n, k // 128), generator=gen, device="cuda") * 0.01 + 0.001).half()
+    zeros = torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda", dtype=torch.uint8)
+    return Int4Weight(pack_rows(codes), scales, zeros, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+def test_gpu_int4_llama_shapes(shape, m):
+    """bf16: the decode kernel (m <= 16, split-K; gate/up with its SiLU-and-mul epilogue), its
+    row tiles (64) and the dequantise + cuBLAS path (300) against the reference within bf16
+    roundings; deterministic; the same inside a CUDA graph."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w = _gpu_weight(n, k, seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    run = (lambda: int4_linear_silu_and_mul(x, w)) if silu else (lambda: int4_linear(x, w))
+    out = run()
+    ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
+    ref = silu_and_mul(ref) if silu else ref
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, run())  # deterministic split-K
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+
+
+# --- compiled for Hopper (no GPU needed) -----------------------------------------------------------
+
+# That Triton compiles the W4A16 kernels for an H100 (the unpacking reshape, bf16 tensor cores),
+# in a child process without TRITON_INTERPRET, from their launch arguments (tests/sm90_compile.py).
+_COMPILE_INT4_FOR_SM90 = """
+import torch
+from specserve.engine.layers import int4_gemm as g
+from sm90_compile import compile_sm90, t
+
+bf16, f16, f32, i32, u8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8
+for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
+    silu = name == "gate_up"
+    n_cols = n // 2 if silu else n
+    for m in (1, 16):
+        c = g.default_w4_config(m, n_cols, k, 128, silu, torch.device("cpu"))
+        ptx = compile_sm90(g._w4a16_kernel, dict(
+            x=t(bf16), qweight=t(i32), scales=t(f16), zeros=t(u8), bias=t(bf16), y=t(bf16),
+            partials=t(f32), arrivals=t(i32), M=m, n_cols=n_cols, K=k, n_groups=k // 128,
+            group_size=128, k_per_split=k // c.split_k, stride_xm=k, stride_ym=n_cols,
+            HAS_BIAS=False, SILU_MUL=silu, SPLIT_K=c.split_k, BLOCK_M=16, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, GROUPS=g.step_groups(128, k, c.block_k), DOT=True,
+            DOT_PRECISION="tf32", PDL=True), c.num_warps, c.num_stages)
+        assert "mma" in ptx and "griddepcontrol.wait" in ptx, name
+        print("compiled", name, m)
+ptx = compile_sm90(g._dequantize_kernel, dict(
+    qweight=t(i32), scales=t(f16), zeros=t(u8), out=t(bf16), N=4096, K=4096, n_groups=32,
+    group_size=128, BLOCK_N=64, BLOCK_K=128, GROUPS=1, PDL=True), 4, 1)
+print("compiled dequantize")
+"""
+
+
+def test_int4_kernels_compile_for_hopper():
+    import subprocess
+    import sys
+
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_INT4_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 5
