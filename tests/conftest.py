@@ -54,6 +54,10 @@ def make_engine():
     def build(model: str, **overrides):
         kwargs = dict(model=model, device="cpu", dtype="float32", spec=None)
         kwargs.update(overrides)
+        if kwargs["device"] != "cpu" and "max_total_tokens" not in kwargs:
+            # A test holds several engines at once (a reference beside the one under test):
+            # each takes a fifth of the GPU, not the default share meant for one per device.
+            kwargs.setdefault("gpu_memory_utilization", 0.2)
         if (kwargs.get("attention_backend") == "triton" and kwargs["device"] == "cpu"
                 and torch.cuda.is_available()):
             # Triton runs on the CPU only in its interpreter, which a CUDA machine does not use
