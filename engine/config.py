@@ -303,8 +303,9 @@ class EngineConfig:
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     tp_size: int = 1
     # With tp_size > 1 on GPUs: small all-reduces over symmetric memory (one- and two-shot,
-    # engine/layers/all_reduce.py), NCCL for the rest. Opt-in until its GPU tests have run to
-    # the end (issue E28's note); False: NCCL for every all-reduce.
+    # engine/layers/all_reduce.py), NCCL for the rest. Experimental and opt-in: its kernel's GPU
+    # tests pass, but an engine GPU parity test with CUDA graphs at tp=2 hangs with it (E28's
+    # note); False: NCCL for every all-reduce.
     custom_all_reduce: bool = False
     # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
     # model, the draft's KV too); False prefills every prompt from scratch.

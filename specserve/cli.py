@@ -54,8 +54,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "of the time")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
     g.add_argument("--custom-all-reduce", action="store_true",
-                   help="with --tp > 1 on GPUs: small all-reduces over symmetric memory (one- "
-                        "and two-shot; experimental), NCCL past 8 MiB (default: NCCL for all)")
+                   help="with --tp > 1 on GPUs: all-reduces of activation rows through a one-shot "
+                        "kernel over symmetric memory (residual add and RMSNorm fused), NCCL past "
+                        "8 MiB (default: NCCL for all). EXPERIMENTAL: an engine GPU test with CUDA "
+                        "graphs hangs with it (docs/architecture.md); for measurements only")
     g.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                    help="weight format: auto (default) serves the checkpoint's own "
                         "(its quantization_config: FP8 block-wise, per-channel or per-tensor; "
