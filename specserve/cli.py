@@ -56,8 +56,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-all-reduce", action="store_true",
                    help="with --tp > 1 on GPUs: all-reduces of activation rows through a one-shot "
                         "kernel over symmetric memory (residual add and RMSNorm fused), NCCL past "
-                        "8 MiB (default: NCCL for all). EXPERIMENTAL: an engine GPU test with CUDA "
-                        "graphs hangs with it (docs/architecture.md); for measurements only")
+                        "8 MiB (default: NCCL for all). EXPERIMENTAL: an engine GPU test at tp=2 "
+                        "hangs with it (docs/architecture.md); for measurements only")
     g.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                    help="weight format: auto (default) serves the checkpoint's own "
                         "(its quantization_config: FP8 block-wise, per-channel or per-tensor; "

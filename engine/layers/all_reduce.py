@@ -130,8 +130,8 @@ def make_all_reduce(group: dist.ProcessGroup, size: int, device: torch.device,
         logger.info("custom all-reduce off (%s): NCCL does every all-reduce", why_not)
         return None
     reducer = SymmetricAllReduce(group, device)
-    logger.warning("custom all-reduce is experimental: an engine GPU test with CUDA graphs at "
-                   "tp=2 hangs with it (docs/architecture.md); for measurements only")
+    logger.warning("custom all-reduce is experimental: an engine GPU test at tp=2 hangs with it "
+                   "(docs/architecture.md); for measurements only")
     logger.info("custom all-reduce: rows up to %d KiB a rank through the one-shot kernel (residual "
                 "add and RMSNorm fused), torch's one-shot up to %d KiB, two-shot up to %d KiB, NCCL "
                 "past it", reducer.rows.slot_bytes >> 10, reducer.sizes.one_shot_max >> 10,
