@@ -302,9 +302,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     tp_size: int = 1
-    # With tp_size > 1 on GPUs: small all-reduces over symmetric memory (one- and two-shot,
-    # engine/layers/all_reduce.py), NCCL for the rest. Experimental and opt-in: its kernel's GPU
-    # tests pass, but an engine GPU parity test at tp=2 hangs with it, in its teardown or the next case
+    # With tp_size > 1 on GPUs: small all-reduces over symmetric memory (engine/layers/
+    # all_reduce.py), NCCL for the rest. Experimental and opt-in: its kernels' GPU tests pass,
+    # but an engine GPU parity test at tp=2 hangs with it, in its teardown or the next case
     # (E28's note); False: NCCL for every all-reduce.
     custom_all_reduce: bool = False
     # Radix prefix cache: requests reuse the KV of cached prompt prefixes (and, with a draft
