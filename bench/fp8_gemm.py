@@ -208,20 +208,27 @@ def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
         calls = [lambda i=i: skinny_gemm(inputs[i % len(inputs)], weights.fp8[i % len(weights.fp8)][0],
                                          config=c, scale=weights.fp8[i % len(weights.fp8)][1])
                  for i in range(num_calls)]
-        try:
-            seconds = time_per_call(calls)
-        except Exception as e:  # a config the compiler refuses (shared memory)
-            print(f"{name} m={m} {config_name(c)}: {type(e).__name__}: {str(e)[:120]}")
-            return None
-        rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"sweep {config_name(c)}",
-                         config=c._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
-                         fraction_of_copy=total / seconds / bandwidth))
-        return seconds
+        return _record_sweep(rows, name, m, n, k, "sweep", c, calls, total, bandwidth)
 
     start = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda")), BLOCK[1], k)
     timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
     for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
         print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+
+
+def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: str, config,
+                  calls: list, total: int, bandwidth: float) -> float | None:
+    """Seconds a call of one swept config takes (its row appended), or None where the compiler
+    refuses the config (shared memory)."""
+    try:
+        seconds = time_per_call(calls)
+    except Exception as e:
+        print(f"{name} m={m} {config_name(config)}: {type(e).__name__}: {str(e)[:120]}")
+        return None
+    rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"{label} {config_name(config)}",
+                     config=config._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
+                     fraction_of_copy=total / seconds / bandwidth))
+    return seconds
 
 
 def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
@@ -234,15 +241,7 @@ def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
     def time_config(c) -> float | None:
         calls = [lambda i=i: w4a16_gemm(inputs[i % len(inputs)], weights.int4[i % len(weights.int4)], config=c)
                  for i in range(num_calls)]
-        try:
-            seconds = time_per_call(calls)
-        except Exception as e:  # a config the compiler refuses (shared memory)
-            print(f"{name} m={m} {config_name(c)}: {type(e).__name__}: {str(e)[:120]}")
-            return None
-        rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"sweep w4a16 {config_name(c)}",
-                         config=c._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
-                         fraction_of_copy=total / seconds / bandwidth))
-        return seconds
+        return _record_sweep(rows, name, m, n, k, "sweep w4a16", c, calls, total, bandwidth)
 
     start = default_w4_config(m, n, k, INT4_GROUP, device=torch.device("cuda"))
     timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)

@@ -113,12 +113,19 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, block: tuple[int, int] = (
                 out[base + "input_scale"] = torch.tensor([0.05])
             ref[name] = dequantize(q, s, None)
         out[name] = q
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return write_quantized(src, dst, out, _config(fmt, block), ref, reference)
+
+
+def write_quantized(src: str, dst: str, tensors: dict, quantization_config: dict, ref: dict,
+                    reference: str | None) -> str:
+    """`tensors` as `dst`'s checkpoint (src's config with `quantization_config`, src's
+    tokenizer files); with `reference`, `ref` there as a plain fp32 checkpoint."""
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     _copy_side_files(src, dst)
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(dict(config, quantization_config=_config(fmt, block)), f)
+        json.dump(dict(config, quantization_config=quantization_config), f)
     if reference is not None:
         os.makedirs(reference, exist_ok=True)
         save_file(ref, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})

@@ -22,12 +22,11 @@ Layouts (W the nn.Linear weight [N, K], G = K / group_size):
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from fp8_quantizer import _copy_side_files
-from safetensors.torch import load_file, save_file
+from fp8_quantizer import write_quantized
+from safetensors.torch import load_file
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -120,16 +119,4 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, group_size: int = 32, sym:
         if fmt == "gptq":  # what the stored z - 1 means: a zero point of 0 wraps to 15 + 1
             z = ((z - 1) & 0xF) + 1
         ref[name] = dequantize(q, z, s, group_size)
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    _copy_side_files(src, dst)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(dict(config, quantization_config=quant_config(fmt, group_size, sym)), f)
-    if reference is not None:
-        os.makedirs(reference, exist_ok=True)
-        save_file(ref, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
-        _copy_side_files(src, reference)
-        with open(os.path.join(reference, "config.json"), "w") as f:
-            json.dump(dict(config, torch_dtype="float32"), f)
-    return dst
+    return write_quantized(src, dst, out, quant_config(fmt, group_size, sym), ref, reference)

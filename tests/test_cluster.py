@@ -29,6 +29,21 @@ DEMO_TARGET = str(Path(__file__).resolve().parents[1] / "models" / "demo-target"
 GREEDY = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+def _generate_concurrently(client, prompts) -> list:
+    """Every prompt's greedy tokens, the calls in flight together (one thread each)."""
+    results = [None] * len(prompts)
+
+    def one(i):
+        results[i] = client.generate(prompt_token_ids=prompts[i], **GREEDY).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 # --- routing ---------------------------------------------------------------------------------
 def _states(*loads: int) -> list[ReplicaState]:
     return [ReplicaState(i, load) for i, load in enumerate(loads)]
@@ -203,17 +218,7 @@ def test_data_parallel_greedy_equals_one_engine_and_affinity_hits(dp_server,
         load = client.server_load()
         assert [row.replica for row in load.replicas] == [0, 1]
         assert all(row.serving for row in load.replicas)
-        results = [None] * len(prompts)
-
-        def one(i):
-            results[i] = client.generate(prompt_token_ids=prompts[i], **GREEDY)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert [r.token_ids for r in results] == expected
+        assert _generate_concurrently(client, prompts) == expected
         # The shared 64-token system prompt: sent again, it goes where it is cached.
         again = client.generate(prompt_token_ids=prompts[0], **GREEDY)
         assert again.token_ids == expected[0]
@@ -340,17 +345,7 @@ def test_two_tp2_replicas_equal_one_engine(ray_cluster, single_engine_outputs):
                            "--log-level", "DEBUG", speculative=True)  # DEBUG: the routes
     try:
         with server.client() as client:
-            results = [None] * len(prompts)
-
-            def one(i):
-                results[i] = client.generate(prompt_token_ids=prompts[i], **GREEDY)
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert [r.token_ids for r in results] == expected
+            assert _generate_concurrently(client, prompts) == expected
             assert [client.generate(prompt_token_ids=p, **GREEDY).token_ids
                     for p in prompts[:2]] == expected[:2]
             assert wait_until(lambda: _idle(client), timeout=20)
