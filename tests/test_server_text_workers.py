@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from helpers import VOCAB
+from helpers import VOCAB, process_exited
 from specserve.engine.outputs import EngineInfo
 from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
@@ -101,6 +101,14 @@ def test_tokenizer_pool_equals_in_process_and_survives_a_killed_worker(tokenizer
                     await pool.run(calls[ok])
                     await asyncio.sleep(0.05)
             assert await pool.run(calls[ok]) == expected[ok]  # a fresh pool
+            # The broken pool's other worker ends. When the killed worker held the call queue's
+            # lock, only the executor's SIGTERM ends it: a worker that ignored SIGTERM once hung
+            # CI's exit here (so the workers leave the process group instead).
+            for _ in range(300):
+                if process_exited(pids[1]):
+                    break
+                await asyncio.sleep(0.1)
+            assert process_exited(pids[1])
         finally:
             pool.close()
 

@@ -17,7 +17,7 @@ import asyncio
 import functools
 import logging
 import multiprocessing
-import signal
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, TypeVar
@@ -35,8 +35,11 @@ class PoolBroken(Exception):
 
 def _init(make_state: Callable[[], Any]) -> None:
     global _state
-    for stop in (signal.SIGINT, signal.SIGTERM):  # sent to the whole process group (Ctrl-C,
-        signal.signal(stop, signal.SIG_IGN)        # systemd): the server decides when they stop
+    # Out of the server's process group: Ctrl-C and a SIGTERM to the group (systemd, kill --
+    # -PGID) do not reach the workers, and the server decides when they stop. Not by ignoring
+    # SIGTERM: the executor ends the workers of a broken pool with it, and joins them (a worker
+    # that ignored it hung the pool's shutdown and the interpreter's exit).
+    os.setpgrp()
     _state = make_state()
 
 
@@ -45,7 +48,6 @@ def _call(fn: Callable[[Any], T]) -> T:
 
 
 def _pid(_: Any, hold_s: float = 0.0) -> int:
-    import os
     import time
 
     time.sleep(hold_s)  # held, so that the calls of a round spread over every started worker
