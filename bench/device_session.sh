@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
-# A device session of several phases, each within one 10-minute call; each phase's log and
-# JSON go straight to $OUT (kept if the call runs out of time; the device tool brings back at
-# most 8 files, so run few phases a call).
-#   bash bench/device_session.sh "phase phase ..."     (carry: wheels)
+# A device session of several phases, each within one 10-minute call; logs and JSON go to
+# /tmp/logs and are packed into $OUT/logs.tar.gz at the end (the device tool brings back at
+# most 8 files).
+#   bash bench/device_session.sh "phase phase ..."          (carry: wheels)
+#   bash bench/device_session.sh "phase ... | phase ... | ..."
+# The second form runs lanes side by side, lane i alone on GPU i (CUDA_VISIBLE_DEVICES), each
+# within LANE_S seconds, with its own ports: one lease of a 4-GPU machine does four GPUs' work.
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
 # profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word turns on the custom all-reduce),
-# dsv3, prefix, structured, serving, accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
+# dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
+# drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B and 70B at tp
+# 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
 set -uo pipefail
-OUT=${OUT:-out}; LOGS=$OUT; mkdir -p "$OUT"
+OUT=${OUT:-out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
 # NVLink multicast stays off in every process on the lent machines (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
-    > /tmp/pip.log 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site
-python -m pip install -q --no-deps --no-build-isolation . >> /tmp/pip.log 2>&1 || { echo "install failed"; tail /tmp/pip.log; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ -z "${SESSION_INSTALLED:-}" ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
+      > /tmp/pip.log 2>&1 || echo "wheel install failed"
+  export PYTHONPATH=/tmp/site
+  python -m pip install -q --no-deps --no-build-isolation . >> /tmp/pip.log 2>&1 || { echo "install failed"; tail /tmp/pip.log; }
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  export SESSION_INSTALLED=1
+fi
+if [[ "$1" == *"|"* ]]; then
+  IFS='|' read -ra lanes <<< "$1"
+  for i in "${!lanes[@]}"; do
+    CUDA_VISIBLE_DEVICES=$i LANE=$i PACK= timeout "${LANE_S:-540}" bash "$0" "${lanes[$i]}" > "$LOGS/lane$i.txt" 2>&1 &
+  done
+  wait
+  for i in "${!lanes[@]}"; do echo "######## lane $i (GPU $i): ${lanes[$i]}"; cat "$LOGS/lane$i.txt"; done
+  tar -czf "$OUT/logs.tar.gz" -C /tmp logs
+  exit 0
+fi
+PORT=$((50100 + ${LANE:-0} * 100))  # each lane's servers on ports of their own
 B="python $PWD/bench/one_batch.py --steps 48"
 run() {  # name, command...
   local name=$1; shift
@@ -23,9 +42,12 @@ run() {  # name, command...
   (cd /tmp && timeout "${PHASE_S:-560}" "$@") > "$LOGS/$name.log" 2>&1
   echo "== $name rc=$? $((SECONDS - t0))s"; tail -${TAIL:-14} "$LOGS/$name.log"
 }
+ntests=0
 for phase in $1; do case $phase in
-  tests)  run pytest pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
-              $(for t in ${TESTS:-test_fp8_checkpoints.py}; do echo "$PWD/tests/$t"; done) ;;
+  tests|tests:*)  # tests:FILE,FILE::NAME,... names its own test files (else $TESTS)
+          files=${TESTS:-test_fp8_checkpoints.py}; [ "$phase" != tests ] && files=${phase#tests:}
+          run pytest_${LANE:-0}_$((++ntests)) pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
+              $(for t in ${files//,/ }; do echo "$PWD/tests/$t"; done) ;;
   kernels) run fp8_gemm python $PWD/bench/fp8_gemm.py --out $LOGS/fp8_gemm.json ;;
   sweep)  run sweep python $PWD/bench/fp8_gemm.py --sweep --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} \
               --rows ${ROWS:-1,16} --no-moe --out $LOGS/sweep.json ;;
@@ -53,8 +75,29 @@ for phase in $1; do case $phase in
              run serving_$api python $PWD/bench/serving.py --launch llama-8b --text --spec chain --api $api \
                  --rates inf --concurrency ${CONCURRENCY:-64} --num-requests ${NUM_REQUESTS:-128} \
                  --max-new-tokens 128 --client-procs 4 --tokenizer-workers ${TOKENIZER_WORKERS:-2} \
-                 --server 127.0.0.1:50151 --http-port 50152 --out $LOGS/serving_$api.json
+                 --server 127.0.0.1:$PORT --http-port $((PORT + 1)) --metrics-port $((PORT + 2)) --out $LOGS/serving_$api.json
            done ;;
+  mixed)  for api in ${APIS:-grpc openai}; do for how in separate mixed; do
+             flag=""; [ $how = separate ] && flag=--disable-mixed-steps
+             run mixed_${api}_$how python $PWD/bench/serving.py --launch llama-8b --text --spec chain \
+                 --rates inf --num-requests ${NUM_REQUESTS:-512} --max-new-tokens 128 --client-procs 4 \
+                 --tokenizer-workers 2 --api $api --concurrency ${CONCURRENCY:-64,256} $flag --label $how \
+                 --server 127.0.0.1:$PORT --http-port $((PORT + 1)) --metrics-port $((PORT + 2)) \
+                 --out $LOGS/mixed_${api}_$how.json
+           done; done ;;
+  quant)  run quant_gemm python $PWD/bench/fp8_gemm.py --shapes 8b.qkv,8b.o,8b.gate_up,8b.down --rows 1,16,64 \
+              --no-moe --out $LOGS/quant_gemm.json
+          run quant_8b $B --models llama-8b --batch-sizes 1,64 --modes plain,chain --quantizations auto,fp8,awq \
+              --out $LOGS/quant_8b.json ;;
+  drafters) for a in ${ACCEPTS:-3 1}; do
+             run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
+                 --out $LOGS/drafters_a$a.json; done ;;
+  gptfast) run gptfast python $PWD/bench/peers_gptfast.py --gpt-fast-path $PWD/wheels/gptfast --models llama-8b \
+              --out $LOGS/gptfast.json
+          run gptfast_ours $B --models llama-8b --batch-sizes 1 --modes plain --out $LOGS/gptfast_ours.json ;;
+  tp)     run tp $B --models llama-8b --batch-sizes 1,64 --modes plain --tp-sizes 1,2,4 --variants ${TP_VARIANTS:-default} \
+              --out $LOGS/tp_8b.json
+          run tp70 $B --models llama-70b --batch-sizes 1 --modes plain,chain --tp-sizes 4 --out $LOGS/tp_70b.json ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
   # Data-parallel (E29): Ray's slim wheel and its four dependencies in wheels/ray
   # (../shared/docs/device-wheels.md). dp1: the memory GPU tests, two replicas on one GPU.
@@ -62,7 +105,7 @@ for phase in $1; do case $phase in
           python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
               wheels/ray/*.whl >> /tmp/pip.log 2>&1 || echo "ray wheels: install failed"
           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-          DP="python $PWD/bench/data_parallel.py --port 50171 --metrics-port 50181"
+          DP="python $PWD/bench/data_parallel.py --port $((PORT + 71)) --metrics-port $((PORT + 81))"
           case $phase in
             dp1)   run graph_memory pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
                        $PWD/tests/test_graph_memory.py
@@ -73,3 +116,5 @@ for phase in $1; do case $phase in
           esac ;;
   *) echo "unknown phase $phase" ;;
 esac; done
+# Pack the logs for the trip back (the lanes leave it to the session that started them).
+[ -z "${PACK-x}" ] || tar -czf "$OUT/logs.tar.gz" -C /tmp logs
