@@ -56,7 +56,8 @@ def _catch_up(group: dist.ProcessGroup, device: torch.device) -> None:
     dist.all_gather_object(counts, _rendezvous_count, group=group)
     if len(set(counts)) == 1:  # fresh processes, or ones that made the same rendezvous
         return
-    # new_group is collective: every rank makes every rank's group of one, then uses its own.
+    # new_group is collective over the world (a tp engine's world is its group): every rank
+    # makes every rank's group of one, then uses its own.
     alone = [dist.new_group([r], backend="gloo") for r in dist.get_process_group_ranks(group)]
     own = alone[dist.get_rank(group)]
     while _rendezvous_count < max(counts):
