@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import make_predictable_pair, random_prompts, tp_placement
+
 from specserve.engine.layers.all_reduce import DTYPES as ALL_REDUCE_DTYPES
 from specserve.engine.layers.all_reduce import (AllReduceSizes, Algorithm, SymmetricAllReduce,
                                                 make_all_reduce)
@@ -46,6 +48,41 @@ def test_tensor_parallel_uses_its_reducer_and_one_rank_none():
     assert TensorParallel(2, 0, None, reducer).all_reduce(x).tolist() == [2.0, 2.0, 2.0]
     assert calls == [x]
     assert TensorParallel(1, 0, None, reducer).all_reduce(x) is x and len(calls) == 1
+
+
+# --- rendezvous after earlier engines in the process (layers/symmetric_memory.py) ---------------
+def _rendezvous_rank(rank: int, world: int, store_path: str, earlier: list, results) -> None:
+    """One gloo rank whose process made earlier[rank] rendezvous before; torch's rendezvous and
+    allocation (CUDA only) are replaced by recorders of the group each rendezvous went to."""
+    from specserve.engine.layers import symmetric_memory
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        groups = []
+        symmetric_memory._torch_rendezvous = lambda buffer, group: groups.append(
+            dist.get_process_group_ranks(group))
+        symmetric_memory.empty = lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8)
+        symmetric_memory._rendezvous_count = earlier[rank]
+        group = dist.new_group(list(range(world)))
+        for _ in range(2):  # the first catches up, the second finds every rank level
+            symmetric_memory.rendezvous(torch.empty(16, dtype=torch.uint8), group)
+        results[rank] = (groups, symmetric_memory._rendezvous_count)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rendezvous_brings_every_process_to_the_same_count(tmp_path):
+    """A rank whose process made fewer rendezvous (a fresh follower beside a rank 0 that served an
+    earlier engine) first rendezvouses alone as often as it lags; then all rendezvous together."""
+    world, earlier = 3, [2, 0, 1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rendezvous_rank, args=(world, str(tmp_path / "store"), earlier, results), nprocs=world)
+        results = dict(results)
+    everyone = [0, 1, 2]
+    assert results == {0: ([everyone, everyone], 4),
+                       1: ([[1], [1], everyone, everyone], 4),
+                       2: ([[2], everyone, everyone], 4)}
 
 
 # --- the one-shot row kernel in Triton's interpreter: every rank's push, then every rank's reduce --
@@ -191,3 +228,35 @@ def test_equals_nccl_on_gpus(world, tmp_path):
         failures = manager.list()
         mp.spawn(_check_ranks, args=(world, str(tmp_path / "store"), failures), nprocs=world)
         assert list(failures) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240, method="thread")  # a hang dumps every thread's stack and ends the run
+def test_gpu_second_custom_all_reduce_engine_in_one_process(tmp_path):
+    """Two tp=2 engines with the custom all-reduce, one after the other in this process: rank 0
+    runs here both times (with torch's symmetric-memory state from the first), each engine's
+    follower is a new process. Both start and give tp=1's greedy tokens; the second used to hang
+    in its first rendezvous (layers/symmetric_memory.py)."""
+    from specserve.engine import Engine, EngineConfig, SamplingParams
+
+    tp, placement = tp_placement(("cuda", 2))
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    target, _ = make_predictable_pair(str(tmp_path))
+    prompts = random_prompts(4, seed=23, max_len=30)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(**overrides) -> tuple[bool, list]:
+        """(whether the engine's all-reduce is ours, its tokens); the engine is shut down."""
+        config = EngineConfig(model=target, dtype="float32", spec=None, max_total_tokens=4096,
+                              max_running_requests=8, **placement, **overrides)
+        with Engine(config) as engine:
+            tp_group = engine.core.tp_group
+            custom = tp_group is not None and isinstance(tp_group.model.reducer, SymmetricAllReduce)
+            return custom, [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=greedy)]
+
+    _, want = run(tp_size=1)
+    for engine_number in (1, 2):
+        custom, tokens = run(tp_size=tp, custom_all_reduce=True)
+        assert custom, f"engine {engine_number} runs without the custom all-reduce"
+        assert tokens == want, f"engine {engine_number}"

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from specserve.engine.layers import symmetric_memory
 from specserve.engine.layers.one_shot import symmetric_one_shot
 
 logger = logging.getLogger(__name__)
@@ -73,12 +74,10 @@ class SymmetricAllReduce:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
                  sizes: AllReduceSizes = AllReduceSizes()):
-        from torch.distributed import _symmetric_memory as symm_mem
-
         self.group, self.sizes = group, sizes
         self.group_name = group.group_name
-        self.buffer = symm_mem.empty(sizes.two_shot_max, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)  # every rank, collectively
+        self.buffer = symmetric_memory.empty(sizes.two_shot_max, device)
+        self.handle = symmetric_memory.rendezvous(self.buffer, group)  # every rank, collectively
         self.rows = symmetric_one_shot(group, device)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from specserve.engine.layers import symmetric_memory
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 try:
@@ -145,12 +146,10 @@ class OneShotBuffers:
 def symmetric_one_shot(group: dist.ProcessGroup, device: torch.device) -> OneShotBuffers:
     """The group's OneShotBuffers over torch symmetric memory (collective: every rank calls
     it). The flags start at zero on every rank before any rank may raise one."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     data_bytes, num_flags = OneShotBuffers.sizes(world)
-    region = symm_mem.empty(data_bytes + 4 * num_flags, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(region, group)
+    region = symmetric_memory.empty(data_bytes + 4 * num_flags, device)
+    handle = symmetric_memory.rendezvous(region, group)
     region.zero_()
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
