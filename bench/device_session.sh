@@ -4,8 +4,9 @@
 # most 8 files).
 #   bash bench/device_session.sh "phase phase ..."          (carry: wheels)
 #   bash bench/device_session.sh "phase ... | phase ... | ..."
-# The second form runs lanes side by side, lane i alone on GPU i (CUDA_VISIBLE_DEVICES), each
-# within LANE_S seconds, with its own ports: one lease of a 4-GPU machine does four GPUs' work.
+# The second form runs lanes side by side, lane i alone on GPU i (CUDA_VISIBLE_DEVICES; a lane
+# written "0,1= phase ..." gets GPUs 0 and 1), each within LANE_S seconds, with its own ports:
+# one lease of a 4-GPU machine does four GPUs' work.
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
 # profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word turns on the custom all-reduce),
 # dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
@@ -27,10 +28,12 @@ fi
 if [[ "$1" == *"|"* ]]; then
   IFS='|' read -ra lanes <<< "$1"
   for i in "${!lanes[@]}"; do
-    CUDA_VISIBLE_DEVICES=$i LANE=$i PACK= timeout "${LANE_S:-540}" bash "$0" "${lanes[$i]}" > "$LOGS/lane$i.txt" 2>&1 &
+    gpus=$i phases=${lanes[$i]}
+    if [[ $phases =~ ^[[:space:]]*([0-9,]+)=(.*)$ ]]; then gpus=${BASH_REMATCH[1]} phases=${BASH_REMATCH[2]}; fi
+    CUDA_VISIBLE_DEVICES=$gpus LANE=$i PACK= timeout "${LANE_S:-540}" bash "$0" "$phases" > "$LOGS/lane$i.txt" 2>&1 &
   done
   wait
-  for i in "${!lanes[@]}"; do echo "######## lane $i (GPU $i): ${lanes[$i]}"; cat "$LOGS/lane$i.txt"; done
+  for i in "${!lanes[@]}"; do echo "######## lane $i: ${lanes[$i]}"; cat "$LOGS/lane$i.txt"; done
   tar -czf "$OUT/logs.tar.gz" -C /tmp logs
   exit 0
 fi
@@ -44,10 +47,12 @@ run() {  # name, command...
 }
 ntests=0
 for phase in $1; do case $phase in
-  tests|tests:*)  # tests:FILE,FILE::NAME,... names its own test files (else $TESTS)
+  tests|tests:*)  # tests:FILE,FILE::NAME,...[@WORD+WORD] names its test files (else $TESTS)
           files=${TESTS:-test_fp8_checkpoints.py}; [ "$phase" != tests ] && files=${phase#tests:}
+          select=()  # @a+b: only tests whose ids hold a or b (pytest -k "a or b")
+          [[ $files == *@* ]] && { words=${files#*@}; select=(-k "${words//+/ or }"); files=${files%%@*}; }
           run pytest_${LANE:-0}_$((++ntests)) pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
-              $(for t in ${files//,/ }; do echo "$PWD/tests/$t"; done) ;;
+              -o faulthandler_timeout=280 "${select[@]}" $(for t in ${files//,/ }; do echo "$PWD/tests/$t"; done) ;;
   kernels) run fp8_gemm python $PWD/bench/fp8_gemm.py --out $LOGS/fp8_gemm.json ;;
   sweep)  run sweep python $PWD/bench/fp8_gemm.py --sweep --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} \
               --rows ${ROWS:-1,16} --no-moe --out $LOGS/sweep.json ;;
@@ -114,7 +119,7 @@ for phase in $1; do case $phase in
             dp2x2) run dp_2x2 $DP --launch llama-8b --setups 2x2 --parts throughput \
                        --out $LOGS/dp_2x2.json ;;
           esac ;;
-  *) echo "unknown phase $phase" ;;
+  *) echo "unknown phase $phase (GPUs ${CUDA_VISIBLE_DEVICES-})" ;;
 esac; done
 # Pack the logs for the trip back (the lanes leave it to the session that started them).
 [ -z "${PACK-x}" ] || tar -czf "$OUT/logs.tar.gz" -C /tmp logs

@@ -103,7 +103,7 @@ def forced_rows(args) -> list[dict]:
             bench_force_accept_len=min(args.accept_len, shape["num_draft_tokens"] - 1), **shape)
         engine = Engine(EngineConfig(model=target, device=args.device, dtype="bfloat16", load_format="dummy",
                                      spec=spec, max_running_requests=max(batch_sizes), max_context_len=4096,
-                                     gpu_memory_utilization=0.6, chunked_prefill_size=max(batch_sizes) * 128))
+                                     gpu_memory_utilization=0.9, chunked_prefill_size=min(max(batch_sizes) * 128, 8192)))
         for bs in batch_sizes:
             r = run_one(engine, bs, 128, 64)
             plain = next((p for p in rows if p["mode"] == "plain" and p["batch_size"] == bs), None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -358,17 +359,35 @@ def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_wid
     """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool);
     the bytes they hold, logged (the pool and the static inputs) beside the `estimate` that
     sizing by share reserved for them."""
+    gc.collect()  # an earlier engine's graphs freed now, not between the two counts
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved(device)
+    before = _graph_pool_bytes(device)
     worker.enable_cuda_graphs(num_rows, row_width, constrained=constrained, sampled=sampled)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the warm-up forwards' cached blocks; the graphs keep their pool
-    graph_bytes = torch.cuda.memory_reserved(device) - before
+    graph_bytes = _graph_pool_bytes(device) - before + _static_input_bytes(worker)
     logger.info("CUDA graphs: %d captured, holding %.1f MiB (one shared memory pool; %.1f MiB "
                 "estimated)", sum(len(graphs.captured) for graphs in _graph_sets(worker)),
                 graph_bytes / MiB, estimate / MiB)
     return graph_bytes
+
+
+def _graph_pool_bytes(device: torch.device) -> int:
+    """What the process's CUDA graph pools hold on the device: the segments of every pool but
+    the default one. Counted by pool rather than as reserved memory before and after, which
+    moves with whatever else the process frees meanwhile (another engine collected while this
+    one captures: the difference came out negative)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+               if segment.get("device", index) == index and tuple(segment["segment_pool_id"]) != (0, 0))
+
+
+def _static_input_bytes(worker: Worker) -> int:
+    """The captured steps' static input buffers (allocated outside the graphs' pool)."""
+    tensors = {t.data_ptr(): t.nbytes for graphs in _graph_sets(worker) for captured in graphs.captured.values()
+               for t in captured.inputs if isinstance(t, torch.Tensor)}
+    return sum(tensors.values())
 
 
 def _graph_sets(worker: Worker) -> list:
