@@ -78,7 +78,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn", "ngram", "suffix"],
                    help="nextn: DeepSeek-V3's multi-token-prediction module as the draft; ngram: "
                         "drafts copied from the request's own prompt and output (no draft model); "
-                        "suffix: as ngram, and from recent requests' outputs too")
+                        "suffix: as ngram, and from recent requests' outputs too (shared by all "
+                        "clients: a request's speed and accepted-draft count can tell whether "
+                        "recent outputs continued its text)")
     s.add_argument("--speculative-num-steps", type=int, default=None)
     s.add_argument("--speculative-eagle-topk", type=int, default=None)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from helpers import graphed_engine, make_tiny_checkpoint, random_prompts, run_aborting, steady_state_steps
+from helpers import graphed_engine, make_tiny_checkpoint, random_prompts, run_aborting
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.runtime.device import CpuDeviceContext
@@ -359,9 +359,29 @@ def test_gpu_suffix_matches_plain_without_blocking_sync(target, reference, make_
         assert [o.token_ids for o in outs] == expected
         accepted.append(sum(o.num_accepted_drafts for o in outs))
     assert accepted[1] > accepted[0]
-    # A request that ends (its output copied into the ring) among the steps checked for syncs.
+    _no_blocking_sync_while_a_request_ends(engine, prompts[0])
+
+
+def _no_blocking_sync_while_a_request_ends(engine, prompt: list[int]) -> None:
+    """Steps past the start (helpers.steady_state_steps) with a blocking host sync an error,
+    during which a request ends, its output copied into the ring, and a few steps after."""
+    engine.add_request("long", prompt, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
     engine.add_request("ends", random_prompts(1, seed=11, min_len=8, max_len=8)[0],
                        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
-    head = int(engine.core.worker.drafter.corpus.head)
-    steady_state_steps(engine, [5, 6, 7, 8])
-    assert int(engine.core.worker.drafter.corpus.head) != head
+    for _ in range(4):  # prefills and the first iterations (allocation, first graph use)
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    ended = False
+    try:
+        for _ in range(60):
+            ended = any(out.rid == "ends" and out.finished for out in engine.step())
+            if ended:
+                break
+        for _ in range(3):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine.abort("long")
+        engine.step()
+    assert ended

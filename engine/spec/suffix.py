@@ -39,9 +39,11 @@ SENTINEL = -1  # ends each record and fills unwritten space: token ids are >= 0
 
 
 class SuffixCorpus:
-    """The ring buffer of remembered outputs: `tokens` [C] and `head` (where the next record
-    goes; the position of the oldest token) on the device, read inside the steps; the host
-    keeps its own copy of `head` to place records without reading the device."""
+    """The ring buffer of remembered outputs on the device: `tokens` [C], `head` (where the
+    next record goes: the oldest token), and what each step's lookup reads, kept current by
+    every append instead of derived every step: the tokens ending at each position, whether a
+    token follows it, and its age rank. The host keeps its own `head` to place records
+    without reading the device."""
 
     def __init__(self, num_tokens: int, max_n: int, ctx: DeviceContext):
         self.ctx = ctx
@@ -49,11 +51,12 @@ class SuffixCorpus:
         self.tokens = torch.full((num_tokens,), SENTINEL, dtype=torch.int64, device=device)
         self.head = torch.zeros((), dtype=torch.int64, device=device)
         self._head = 0
-        # Constant indices of the lookup (the ring's shape is static): the token k before
-        # each end e, the one after it, and each end's age rank (0 oldest, with `head` 0).
         ends = torch.arange(num_tokens, device=device)
-        self.window_index = (ends[:, None] - torch.arange(max_n, device=device)) % num_tokens
-        self.next_index = (ends + 1) % num_tokens
+        self._window_index = (ends[:, None] - torch.arange(max_n, device=device)) % num_tokens
+        self._next_index = (ends + 1) % num_tokens
+        self.window = self.tokens[self._window_index]     # [C, max_n]: the token k before each end
+        self.followed = torch.zeros(num_tokens, dtype=torch.bool, device=device)  # by a token
+        self.recency = ends.clone()                       # (end - head) mod C: 0 the oldest
 
     @property
     def size(self) -> int:
@@ -73,17 +76,17 @@ class SuffixCorpus:
             self.tokens[start:start + first].copy_(host[:first], non_blocking=True)
             self.tokens[:n - first].copy_(host[first:n], non_blocking=True)
             self.head.copy_(host[n], non_blocking=True)
+            torch.index_select(self.tokens, 0, self._window_index.view(-1), out=self.window.view(-1))
+            torch.ne(self.tokens[self._next_index], SENTINEL, out=self.followed)
+            torch.remainder(arange(self.size, self.tokens.device) - self.head, self.size, out=self.recency)
 
         self.ctx.launch(write)
 
     def match(self, suffix: Suffix, min_n: int) -> Match:
         """The longest match of `suffix` ending anywhere in the ring with a token after it,
         the most recent among the longest (a match's tokens may wrap around the ring's end)."""
-        window = self.tokens[self.window_index]                              # [C, max_n]
-        same = (window[None] == suffix.tokens[:, None, :]) & suffix.known[:, None, :]
-        followed = self.tokens[self.next_index] != SENTINEL
-        recency = (arange(self.size, self.tokens.device) - self.head) % self.size
-        return longest_latest(same, recency[None], followed[None], min_n)
+        same = (self.window[None] == suffix.tokens[:, None, :]) & suffix.known[:, None, :]
+        return longest_latest(same, self.recency[None], self.followed[None], min_n)
 
     def copy(self, match: Match, last_token: torch.Tensor, num_drafts: int) -> torch.Tensor:
         """Drafts [bs, num_drafts]: the tokens after each match's end; from the record's end
