@@ -55,7 +55,7 @@ def longest_latest(same: torch.Tensor, recency: torch.Tensor, valid: torch.Tenso
     of them from k = 0. `recency` [., E] (values in [0, E)): larger is more recent; `valid`
     [., E]: the ends that may match at all."""
     E = same.shape[1]
-    run = same.cumprod(dim=2, dtype=torch.uint8).sum(dim=2, dtype=torch.int32)   # [bs, E]
+    run = same.to(torch.int32).cumprod(dim=2).sum(dim=2)                # [bs, E]
     run = torch.where(valid, run, 0)
     score = torch.where(run >= min_n, run * E + recency, -1)
     best, end = score.max(dim=1)
