@@ -212,6 +212,21 @@ def test_greedy_equals_plain_decoding_as_the_corpus_fills(target, reference, mak
     assert accepted[1] > accepted[0]
 
 
+def test_overlap_under_random_forward_delays(target, reference, make_engine, monkeypatch):
+    """Seeded sleeps around every launch on the forward stream (forwards and the corpus's
+    copies) reorder host and device progress in the overlap loop: outputs unchanged, and the
+    second pass still drafts from the first's outputs."""
+    prompts, params, expected = reference
+    monkeypatch.setenv("SPECSERVE_FORWARD_DELAY", "5:3")
+    engine = make_engine(target, spec=SUFFIX, enable_overlap=True)
+    accepted = []
+    for _ in range(2):
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+        assert [o.token_ids for o in outs] == expected
+        accepted.append(sum(o.num_accepted_drafts for o in outs))
+    assert accepted[1] > accepted[0]
+
+
 def test_captured_steps_equal_eager(target, reference, make_engine, monkeypatch):
     """The CUDA-graph path (the CPU stand-in: each bucket's parts eagerly over padded static
     inputs) reads the same ring: same outputs, and its steps were replayed."""
