@@ -97,7 +97,7 @@ def test_the_longest_wins_a_tie_goes_to_the_own_tokens_then_the_latest(ctx):
     corpus = _corpus(ctx, [[1, 2, 3, 40, 41, 42], [7, 3, 50, 51, 52]])
     # Own: "2 3" (2 tokens) -> 8; corpus: "1 2 3" (3 tokens) -> 40.
     assert _propose([[2, 3, 8, 1, 2, 3]], corpus) == [[40, 41, 42]]
-    # Own: "5 2 3" (3 tokens) beats the corpus's "2 3"... and a tie, "2 3" both, is the own's.
+    # Own: "5 2 3" (3 tokens) beats the corpus's "2 3"; a tie ("2 3" in both) goes to the own.
     assert _propose([[5, 2, 3, 6, 5, 2, 3]], corpus) == [[6, 5, 2]]
     assert _propose([[2, 3, 6, 9, 2, 3]], corpus, min_n=2) == [[6, 9, 2]]
     # In the corpus, "3" alone: the later record's.
