@@ -1,5 +1,6 @@
 """Drafters against plain decoding: n-gram (prompt lookup) at bs=1 on a workload whose answers
-copy their prompt, and adaptive speculation's depth choice at forced acceptance.
+copy their prompt, suffix drafting on one whose answers repeat an earlier request's, and
+adaptive speculation's depth choice at forced acceptance.
 
     python bench/drafters.py --out drafters.json
 
@@ -9,7 +10,12 @@ lines again; greedy decoding then copies the rest of the window (a code-edit or 
 request repeats its context the same way). One request at a time; rows per mode: decode
 tokens/s from each request's first token to its last, tokens per verify step, and whether the
 output equals plain decoding's token for token. Modes: plain, ngram at two draft depths and
-adaptive, and the bundled EAGLE-3 head (chain, and adaptive) for reference.
+adaptive, suffix, and the bundled EAGLE-3 head (chain, and adaptive) for reference.
+
+Repeat workload (suffix drafting across requests): each prompt a window's first `head` tokens
+of held-out code, sent twice in a row (a retried or regenerated request; an agent re-running
+the same step); the second answer repeats the first, which suffix drafting finds in its corpus
+of finished outputs and n-gram drafting cannot see. Same columns, over both requests of a pair.
 
 `--shape llama-8b` adds rows on random weights (bench/one_batch.py's shapes) at a forced accept
 length (`SpecConfig.bench_force_accept_len`) per batch size (`--batch-sizes`): the step cost of
@@ -36,8 +42,16 @@ MODES = {"plain": None,
          "ngram-4": dict(algorithm="ngram", num_steps=3, num_draft_tokens=4),
          "ngram-8": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8),
          "ngram-8-adaptive": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8, adaptive=True),
+         "suffix-4": dict(algorithm="suffix", num_steps=3, num_draft_tokens=4),
          "eagle3-chain": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4),
          "eagle3-adaptive": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4, adaptive=True)}
+
+
+# The repeat workload's modes: n-gram drafting beside suffix drafting, which sees the first answer.
+REPEAT_MODES = {"plain": None, "ngram-4": MODES["ngram-4"], "suffix-4": MODES["suffix-4"],
+                "suffix-8": dict(algorithm="suffix", num_steps=7, num_draft_tokens=8)}
+# The warm-up's prompt: text of neither workload (a suffix drafter remembers its answer).
+WARM_UP = "import os\n\n\ndef main():\n"
 
 
 def copy_prompts(tokenizer, n: int, window: int, head: int) -> list[list[int]]:
@@ -47,6 +61,14 @@ def copy_prompts(tokenizer, n: int, window: int, head: int) -> list[list[int]]:
     sep = tokenizer.encode(SEPARATOR, add_special_tokens=False)
     step = max(window, (len(ids) - window) // n)
     return [ids[i:i + window] + sep + ids[i:i + head] for i in range(0, step * n, step)]
+
+
+def repeat_prompts(tokenizer, n: int, window: int, head: int) -> list[list[int]]:
+    """`n` pairs of the same prompt: the first `head` tokens of a `window`-token stretch of
+    held-out code."""
+    ids = tokenizer.encode(HELDOUT.read_text())
+    step = max(window, (len(ids) - window) // n)
+    return [ids[i:i + head] for i in range(0, step * n, step) for _ in range(2)]
 
 
 def decode_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
@@ -72,18 +94,26 @@ def decode_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
 
 
 def demo_rows(args) -> list[dict]:
+    copy = [(mode, shape, copy_prompts) for mode, shape in MODES.items() if mode in args.modes]
+    repeat = [(mode, shape, repeat_prompts) for mode, shape in REPEAT_MODES.items() if mode in args.modes]
+    return workload_rows(args, "copy", copy) + workload_rows(args, "repeat", repeat)
+
+
+def workload_rows(args, workload: str, modes: list) -> list[dict]:
+    """A row per (mode, its SpecConfig shape, the workload's prompts), plain first."""
     rows, plain = [], None
     draft = str(demo_models_dir() / "demo-draft")
-    for mode, shape in MODES.items():
+    for mode, shape, make_prompts in modes:
         spec = None if shape is None else SpecConfig(
             draft_model=draft if shape["algorithm"] == "eagle3" else None, **shape)
         with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=4)) as engine:
-            prompts = copy_prompts(engine.core.tokenizer, args.num_prompts, args.window, args.head)
-            decode_speed(engine, prompts[:1], 16)  # warm-up (first graph replays, allocations)
+            prompts = make_prompts(engine.core.tokenizer, args.num_prompts, args.window, args.head)
+            decode_speed(engine, [engine.core.tokenizer.encode(WARM_UP)], 16)  # first graph replays, allocations
             outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens)
         plain = outputs if mode == "plain" else plain
-        rows.append(dict(model="demo", mode=mode, batch_size=1, decode_tokens_per_s=tps, accept_length=accept,
-                         exact=outputs == plain, speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0))
+        rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=1, decode_tokens_per_s=tps,
+                         accept_length=accept, exact=outputs == plain,
+                         speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0))
         print(json.dumps(rows[-1]), flush=True)
         gc.collect()
     return rows
@@ -98,6 +128,8 @@ def forced_rows(args) -> list[dict]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for mode, shape in MODES.items():
+        if mode not in args.modes:
+            continue
         spec = None if shape is None else SpecConfig(
             draft_model=draft if shape["algorithm"] == "eagle3" else None,
             bench_force_accept_len=min(args.accept_len, shape["num_draft_tokens"] - 1), **shape)
@@ -130,15 +162,22 @@ def main():
                                                         "none: skip them")
     ap.add_argument("--accept-len", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1,16,64", help="of the forced-accept rows")
+    ap.add_argument("--modes", default=",".join({**MODES, **REPEAT_MODES}),
+                    help="the modes to run, comma-separated (plain among them: the others' baseline)")
     ap.add_argument("--out", default="bench_drafters.json")
     args = ap.parse_args()
+    args.modes = args.modes.split(",")
+    unknown = set(args.modes) - {*MODES, *REPEAT_MODES}
+    if unknown or "plain" not in args.modes:
+        ap.error(f"--modes: plain and any of {sorted({*MODES, *REPEAT_MODES} - {'plain'})}; got {args.modes}")
     rows = demo_rows(args) + (forced_rows(args) if args.shape != "none" else [])
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     json.dump({"device": device, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{device}")
-    print(f"{'model':10} {'mode':18} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
+    print(f"{'model':10} {'workload':8} {'mode':18} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
     for r in rows:
-        print(f"{r['model']:10} {r['mode']:18} {r['batch_size']:>3} {r['decode_tokens_per_s']:9.1f} "
+        print(f"{r['model']:10} {r.get('workload', 'forced'):8} {r['mode']:18} {r['batch_size']:>3} "
+              f"{r['decode_tokens_per_s']:9.1f} "
               f"{r['accept_length']:5.2f} {r['speedup']:8.2f} {str(r.get('exact', '-')):>6}")
 
 

@@ -57,6 +57,7 @@ from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
 from specserve.engine.spec.eagle_drafter import ModelDrafter
 from specserve.engine.spec.ngram import NgramDrafter
 from specserve.engine.spec.spec_worker import SpecWorker
+from specserve.engine.spec.suffix import SuffixDrafter
 from specserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.engine")
@@ -242,7 +243,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if spec is not None and spec.algorithm == "nextn":
         head = load_nextn_head(spec.draft_model, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy", fp8_block=dummy_fp8_block)
-    elif spec is not None and spec.algorithm != "ngram":  # n-gram drafting has no model
+    elif spec is not None and spec.has_draft_model:  # n-gram and suffix drafting have none
         head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy")
     req_to_token = ReqToTokenPool(num_rows, row_width, device)
@@ -277,7 +278,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         draft_pool = MLATokenToKVPool(num_slots, 1, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool, attention_backend(
             head.attention.num_heads, 1, head.attention.kv_head_dim, mla.kv_lora_rank))
-    elif spec is not None and spec.algorithm != "ngram":
+    elif spec is not None and spec.has_draft_model:
         dcfg = head.config
         draft_pool = TokenToKVPool(num_slots, 1, dcfg.num_kv_heads, dcfg.head_dim, dtype, device)
         draft_runner = ModelRunner(head, draft_pool,
@@ -288,10 +289,12 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     needs_cpu_seq_lens = decide_needs_cpu_seq_lens(backends, force=config.needs_cpu_seq_lens)
     target = TargetModel(runner, ctx, FutureMap(num_rows, ctx, needs_cpu_seq_lens), req_to_token,
                          HistoryTable(num_rows, cfg.vocab_size, device))
+    drafter = None
     if spec is None:
         worker = NormalWorker(target)
     else:
-        drafter = NgramDrafter(target, spec) if spec.algorithm == "ngram" else ModelDrafter(target, draft_runner, spec)
+        drafter = (NgramDrafter(target, spec) if spec.algorithm == "ngram" else SuffixDrafter(target, spec)
+                   if spec.algorithm == "suffix" else ModelDrafter(target, draft_runner, spec))
         worker = (AdaptiveSpecWorker if spec.adaptive else SpecWorker)(target, drafter, spec)
     # Structured outputs need the tokenizer's vocabulary: the grammar process (started by the
     # first constrained request, or Engine.warm_grammar) loads it; the channel is sized for the
@@ -321,7 +324,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None,
-        grammars=target.grammar, rank0_value=None if tp_group is None else tp_group.exchange)
+        grammars=target.grammar, rank0_value=None if tp_group is None else tp_group.exchange,
+        finished=drafter.remember if isinstance(drafter, SuffixDrafter) else None)
     logger.info("KV pool: %d slots of %s; max_context_len %d; %s attention; prefix cache %s; %s",
                 num_slots, str(kv_dtype).replace("torch.", ""), max_context_len,
                 type(attn).__name__, "on" if cache is not None else "off",
@@ -422,7 +426,7 @@ def resolve_spec(config: EngineConfig) -> Optional[SpecConfig]:
             return SpecConfig(draft_model=demo_draft)
         return None
     spec = config.spec
-    if spec.algorithm == "ngram":  # drafts from the requests' own tokens
+    if not spec.has_draft_model:  # drafts copied from earlier tokens
         return spec
     if spec.draft_model is None:
         if spec.algorithm == "nextn":  # the module ships inside the target checkpoint
@@ -491,12 +495,12 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
                                                    cfg.mla.qk_rope_head_dim, kv_dtype)
         if spec is not None and spec.algorithm == "nextn":  # one latent layer of its own
             per_slot += MLATokenToKVPool.bytes_per_slot(1, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, dtype)
-        elif spec is not None and spec.algorithm != "ngram":  # an EAGLE head's one layer: at most full MHA
+        elif spec is not None and spec.has_draft_model:  # an EAGLE head's one layer: at most full MHA
             per_slot += TokenToKVPool.bytes_per_slot(1, 1, cfg.hidden_size, dtype)
     else:
         per_slot = TokenToKVPool.bytes_per_slot(cfg.num_layers, attn_layer.num_kv_heads,
                                                 cfg.head_dim, kv_dtype)
-        if spec is not None and spec.algorithm != "ngram":  # an EAGLE head's one layer of the target's KV shape
+        if spec is not None and spec.has_draft_model:  # an EAGLE head's one layer of the target's KV shape
             per_slot += TokenToKVPool.bytes_per_slot(1, attn_layer.num_kv_heads, cfg.head_dim,
                                                      dtype)
     if device.type == "cuda":

@@ -208,6 +208,10 @@ def sequence_seed(seed: int, index: int) -> int:
     return (seed + index) % (1 << 63)
 
 
+# Suffix drafting's corpus (spec/suffix.py): tokens of recent outputs it looks drafts up in.
+SUFFIX_CORPUS_TOKENS = 32768
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE speculative decoding. Chain drafting is topk == 1 (num_draft_tokens = num_steps + 1).
@@ -215,9 +219,10 @@ class SpecConfig:
     "nextn" drafts with DeepSeek-V3's multi-token-prediction module the EAGLE-1 way; its
     draft_model defaults to the target checkpoint, which stores the module. "ngram" copies
     drafts from the request's own tokens (prompt lookup: the longest earlier occurrence of its
-    last ngram_max..ngram_min tokens); no draft model, chain only."""
+    last ngram_max..ngram_min tokens); "suffix" also looks them up in a corpus of recent requests'
+    outputs (spec/suffix.py). Both have no draft model and draft a chain."""
 
-    algorithm: str = "eagle3"       # "eagle3" | "eagle" | "nextn" | "ngram"
+    algorithm: str = "eagle3"       # "eagle3" | "eagle" | "nextn" | "ngram" | "suffix"
     # None: the bundled demo draft (only with the demo target); with nextn, the target itself
     draft_model: Optional[str] = None
     num_steps: int = 3
@@ -226,19 +231,20 @@ class SpecConfig:
     # Bench-only: accept exactly this many draft tokens per verify (random weights). Refused by
     # the server; see bench/one_batch.py.
     bench_force_accept_len: Optional[int] = None
-    ngram_max: int = 4              # ngram: the longest suffix looked up
-    ngram_min: int = 1              # ngram: the shortest suffix a match may have
+    ngram_max: int = 4              # ngram, suffix: the longest suffix looked up
+    ngram_min: int = 1              # ngram, suffix: the shortest suffix a match may have
+    suffix_corpus_tokens: int = SUFFIX_CORPUS_TOKENS  # suffix: the ring of remembered outputs
     # Chain drafting: each step's depth (0 = plain .. num_steps) chosen from the batch size and
     # the measured acceptance, by step times measured at start-up (spec/adaptive.py).
     adaptive: bool = False
 
     def __post_init__(self):
-        _require(self.algorithm in ("eagle", "eagle3", "nextn", "ngram"), "spec.algorithm",
-                 f"must be 'eagle', 'eagle3', 'nextn' or 'ngram', got {self.algorithm!r}")
-        if self.algorithm == "ngram":
+        _require(self.algorithm in ("eagle", "eagle3", "nextn", "ngram", "suffix"), "spec.algorithm",
+                 f"must be 'eagle', 'eagle3', 'nextn', 'ngram' or 'suffix', got {self.algorithm!r}")
+        if not self.has_draft_model:
             _require(self.draft_model is None, "spec.draft_model",
-                     "ngram drafts from the request's own tokens: no draft model")
-            _require(self.topk == 1, "spec.topk", f"ngram drafts a chain: must be 1, got {self.topk!r}")
+                     f"{self.algorithm} copies drafts from earlier tokens: no draft model")
+            _require(self.topk == 1, "spec.topk", f"{self.algorithm} drafts a chain: must be 1, got {self.topk!r}")
         _require(not self.adaptive or self.topk == 1, "spec.adaptive",
                  f"chooses chain depths: needs topk 1, got {self.topk!r}")
         _require(isinstance(self.ngram_min, int) and self.ngram_min >= 1, "spec.ngram_min",
@@ -258,6 +264,19 @@ class SpecConfig:
             _require(2 <= self.num_draft_tokens <= max_nodes + 1, "spec.num_draft_tokens",
                      f"must be in [2, {max_nodes + 1}] for topk={self.topk}, "
                      f"num_steps={self.num_steps}; got {self.num_draft_tokens}")
+        if self.algorithm == "suffix":
+            least = self.ngram_max + self.num_draft_tokens  # a whole match and its drafts
+            _require(isinstance(self.suffix_corpus_tokens, int) and self.suffix_corpus_tokens >= least,
+                     "spec.suffix_corpus_tokens",
+                     f"must be >= ngram_max + num_draft_tokens ({least}), got {self.suffix_corpus_tokens!r}")
+        else:
+            _require(self.suffix_corpus_tokens == SUFFIX_CORPUS_TOKENS, "spec.suffix_corpus_tokens",
+                     f"only suffix drafting has a corpus (algorithm {self.algorithm!r})")
+
+    @property
+    def has_draft_model(self) -> bool:
+        """ngram and suffix copy their drafts from earlier tokens."""
+        return self.algorithm not in ("ngram", "suffix")
 
     @property
     def kv_reserve_per_request(self) -> int:

@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from specserve.engine.config import (
-    DEFAULT, KV_CACHE_DTYPES, QUANTIZATION_FLAGS, EngineConfig, SpecConfig)
+    DEFAULT, KV_CACHE_DTYPES, QUANTIZATION_FLAGS, SUFFIX_CORPUS_TOKENS, EngineConfig, SpecConfig)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +75,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-speculative", action="store_true", help="plain decoding")
     s.add_argument("--draft-model", default=None,
                    help="EAGLE draft model folder (nextn: default the --model checkpoint)")
-    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn", "ngram"],
+    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "eagle3", "nextn", "ngram", "suffix"],
                    help="nextn: DeepSeek-V3's multi-token-prediction module as the draft; ngram: "
-                        "drafts copied from the request's own prompt and output (no draft model)")
+                        "drafts copied from the request's own prompt and output (no draft model); "
+                        "suffix: as ngram, and from recent requests' outputs too (shared by all "
+                        "clients: a request's speed and accepted-draft count can tell whether "
+                        "recent outputs continued its text)")
     s.add_argument("--speculative-num-steps", type=int, default=None)
     s.add_argument("--speculative-eagle-topk", type=int, default=None)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
@@ -86,16 +89,20 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="chain drafting: each step's draft depth (plain decoding included) chosen "
                         "from the batch size and the measured acceptance")
     s.add_argument("--speculative-ngram-max", type=int, default=None,
-                   help="ngram: the longest suffix looked up (default 4)")
+                   help="ngram, suffix: the longest suffix looked up (default 4)")
     s.add_argument("--speculative-ngram-min", type=int, default=None,
-                   help="ngram: the shortest suffix a match may have (default 1)")
+                   help="ngram, suffix: the shortest suffix a match may have (default 1)")
+    s.add_argument("--speculative-suffix-corpus-tokens", type=int, default=None,
+                   help=f"suffix: how many tokens of recent outputs are kept on the device to "
+                        f"draft from (default {SUFFIX_CORPUS_TOKENS})")
 
 
 # SpecConfig field -> its flag's dest.
 _SPEC_FLAGS = {"algorithm": "speculative_algorithm", "draft_model": "draft_model",
                "num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
                "num_draft_tokens": "speculative_num_draft_tokens", "ngram_max": "speculative_ngram_max",
-               "ngram_min": "speculative_ngram_min", "adaptive": "speculative_adaptive"}
+               "ngram_min": "speculative_ngram_min", "suffix_corpus_tokens": "speculative_suffix_corpus_tokens",
+               "adaptive": "speculative_adaptive"}
 
 
 def _add_kv_events_args(parser: argparse.ArgumentParser) -> None:
@@ -123,9 +130,17 @@ def _spec_config_from_args(args: argparse.Namespace):
         return None
     if not given:
         return DEFAULT
+    flags = set(given)  # the fields a flag set
     if "num_draft_tokens" not in given and given.get("topk", 1) == 1:
         given["num_draft_tokens"] = given.get("num_steps", SpecConfig.num_steps) + 1
-    return SpecConfig(**given)
+    try:
+        return SpecConfig(**given)
+    except ValueError as e:  # a usage error: name the flag that set the field
+        field, _, message = str(e).partition(": ")
+        name = field.removeprefix("spec.")
+        if name not in flags:
+            raise
+        raise ValueError(f"{_flag_names([_SPEC_FLAGS[name]])} ({field}): {message}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

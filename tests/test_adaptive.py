@@ -142,7 +142,7 @@ class RandomDepths:
 
 
 def _spec(pair, algorithm: str, **kwargs) -> SpecConfig:
-    draft = None if algorithm == "ngram" else pair[1]
+    draft = None if algorithm in ("ngram", "suffix") else pair[1]
     return SpecConfig(algorithm=algorithm, draft_model=draft, num_steps=4, num_draft_tokens=5, adaptive=True,
                       **kwargs)
 
@@ -165,7 +165,7 @@ def reference(pair):
     return prompts, params, [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "suffix"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_random_depths_leave_greedy_and_seeded_outputs_unchanged(pair, reference, make_engine, algorithm, overlap):
     prompts, params, expected = reference
@@ -264,7 +264,7 @@ def test_cli_turns_adaptive_on():
 
 # --- GPU (pytest -m gpu) ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "suffix"])
 def test_gpu_adaptive_graphs_every_depth_and_keeps_outputs(pair, reference, make_engine, algorithm):
     """Graphs for every depth, a table measured from their replays, random depths equal to
     plain decoding, and the policy's own steps without a blocking host sync."""

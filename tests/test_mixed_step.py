@@ -106,10 +106,11 @@ def test_arrivals_ride_with_decode_rows_and_outputs_equal_each_alone(pair, make_
     assert_no_leaks(engine)
 
 
-def test_ngram_drafting_rides_too(pair, make_engine):
-    """The mixed step is the verifier's, whatever drafts: n-gram drafts (no draft model, the
-    chunks' tokens written into its table) give each request's output alone."""
-    spec = SpecConfig(algorithm="ngram", num_steps=3, num_draft_tokens=4)
+@pytest.mark.parametrize("algorithm", ["ngram", "suffix"])
+def test_copied_drafts_ride_too(pair, make_engine, algorithm):
+    """The mixed step is the verifier's, whatever drafts: n-gram and suffix drafts (no draft
+    model, the chunks' tokens written into its table) give each request's output alone."""
+    spec = SpecConfig(algorithm=algorithm, num_steps=3, num_draft_tokens=4)
     reference = make_engine(pair[0], spec=spec, enable_overlap=False, enable_prefix_cache=False,
                             prefill_interleave_tokens=0)
     expected = {}

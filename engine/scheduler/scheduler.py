@@ -77,10 +77,13 @@ class Scheduler:
     def __init__(self, *, worker: Worker, slots: RequestSlots, policy: AdmissionPolicy,
                  outputs: OutputProcessor, vocab_size: int, eos_ids, enable_overlap: bool,
                  speculative: bool, grammars: Optional[GrammarService] = None,
-                 rank0_value: Optional[Callable[[Any], Any]] = None):
+                 rank0_value: Optional[Callable[[Any], Any]] = None,
+                 finished: Optional[Callable[[list[int], list[int]], None]] = None):
         """grammars: the grammar process (a follower rank's stand-in, grammar/ranks.py); None:
         no tokenizer for grammars. rank0_value: rank 0's value of something every rank passes
-        its own of (tensor parallelism: the control group's broadcast); None: one rank."""
+        its own of (tensor parallelism: the control group's broadcast); None: one rank.
+        finished: told each sequence's prompt and output tokens when it ends (suffix drafting's
+        corpus, spec/suffix.py)."""
         self.worker = worker
         self.slots = slots
         self.policy = policy
@@ -102,6 +105,7 @@ class Scheduler:
         self._idle_for_grammar = False    # the last step ran nothing, waiting for a compile
         self._constrained: dict[int, Req] = {}  # unfinished requests with a grammar, by serial
         self._last_result_at = 0.0        # perf_counter() of the last processed batch's result
+        self._finished = finished
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -347,6 +351,8 @@ class Scheduler:
             del self._constrained[req.serial]
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+        if self._finished is not None:
+            self._finished(req.prompt_ids, req.output_ids)
         del self.reqs[req.key]
         self._num_sequences[req.rid] -= 1
         if not self._num_sequences[req.rid]:

@@ -9,6 +9,7 @@ implements this Protocol:
 * `eagle_drafter.ModelDrafter`: a draft model (EAGLE-1, EAGLE-3 heads; DeepSeek-V3's NextN
   module) that reads the target's features; chain or tree.
 * `ngram.NgramDrafter`: prompt lookup, copies from the request's own tokens; chain, no model.
+* `suffix.SuffixDrafter`: the same, and copies from recent requests' outputs too.
 
 Every method runs on the forward stream (inside the step's CUDA graphs where the worker
 captured them) except `prefill_inputs`, which runs on the schedule side.

@@ -28,34 +28,72 @@ from specserve.engine.spec.tree import DraftNodes, TreeShape
 from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified
 
 
-def propose(tokens: torch.Tensor, lengths: torch.Tensor, num_drafts: int, min_n: int, max_n: int) -> torch.Tensor:
-    """Drafts [bs, num_drafts] for sequences `tokens` [bs, W] of which the first `lengths` [bs]
-    (>= 2) are known: the longest suffix of n in [min_n, max_n] tokens that also ends at an
-    earlier position j (the latest such j among the longest), then the tokens after j.
+class Suffix(NamedTuple):
+    """The last `max_n` known tokens of each request, looked up by the matchers."""
 
-    The copy runs from j + 1 up to the last known token and then repeats that stretch: a match
-    ending d tokens before the end says the sequence continues as it did after j, d tokens
-    ahead, so the copy's continuation is the copy itself (a periodic run drafts its period).
-    Without a match (no earlier occurrence of even min_n tokens) the last token is repeated."""
-    bs, W = tokens.shape
-    device = tokens.device
-    last = lengths - 1                                                  # the last known token
-    k = arange(max_n, device)
-    suffix = tokens.gather(1, (last[:, None] - k).clamp(min=0))         # [bs, max_n]: token at last - k
-    ends = arange(W, device)                                            # a match's end j
+    tokens: torch.Tensor     # [bs, max_n]: the token k before the last known one (k = 0: the last)
+    known: torch.Tensor      # [bs, max_n]: whether that token exists (k <= last)
+
+
+class Match(NamedTuple):
+    """Each request's best match: how many suffix tokens it covers (0: no match of min_n) and
+    the index of the position it ends at."""
+
+    length: torch.Tensor     # [bs]
+    end: torch.Tensor        # [bs]
+
+
+def suffix_of(tokens: torch.Tensor, last: torch.Tensor, max_n: int) -> Suffix:
+    """The suffix of sequences `tokens` [bs, W] whose last known token is at `last` [bs]."""
+    k = arange(max_n, tokens.device)
+    return Suffix(tokens.gather(1, (last[:, None] - k).clamp(min=0)), k <= last[:, None])
+
+
+def longest_latest(same: torch.Tensor, recency: torch.Tensor, valid: torch.Tensor, min_n: int) -> Match:
+    """The longest match, then the most recent among the longest. `same` [bs, E, max_n]: whether
+    the token k before candidate end e equals the suffix's token k; a match's length is the run
+    of them from k = 0. `recency` [., E] (values in [0, E)): larger is more recent; `valid`
+    [., E]: the ends that may match at all."""
+    E = same.shape[1]
+    run = same.to(torch.int32).cumprod(dim=2).sum(dim=2)                # [bs, E]
+    run = torch.where(valid, run, 0)
+    score = torch.where(run >= min_n, run * E + recency, -1)
+    best, end = score.max(dim=1)
+    return Match(torch.where(best >= 0, best // E, 0), end)
+
+
+def own_match(tokens: torch.Tensor, last: torch.Tensor, suffix: Suffix, min_n: int) -> Match:
+    """The best match of `suffix` ending at an earlier position j < last of its own sequence."""
+    W = tokens.shape[1]
+    k = arange(suffix.tokens.shape[1], tokens.device)
+    ends = arange(W, tokens.device)                                     # a match's end j
     back = ends[:, None] - k                                            # [W, max_n]: j - k
     window = tokens[:, back.clamp(min=0)]                               # [bs, W, max_n]: token at j - k
     # Token j - k matches suffix token k while both exist; a match may not reach the suffix
-    # itself (j < last), and its length is the run of matches from k = 0.
-    same = (window == suffix[:, None, :]) & (back >= 0) & (k <= last[:, None, None])
-    run = same.to(torch.int32).cumprod(dim=2).sum(dim=2)               # [bs, W]
-    run = torch.where(ends < last[:, None], run, 0)
-    score = torch.where(run >= min_n, run * W + ends, -1)              # longest, then latest
-    best, j = score.max(dim=1)
-    j = torch.where(best >= 0, j, last - 1)
+    # itself (j < last).
+    same = (window == suffix.tokens[:, None, :]) & (back >= 0) & suffix.known[:, None, :]
+    return longest_latest(same, ends[None], ends < last[:, None], min_n)
+
+
+def copy_own(tokens: torch.Tensor, last: torch.Tensor, match: Match, num_drafts: int) -> torch.Tensor:
+    """Drafts [bs, num_drafts] copied from after the match's end j, up to the last known token
+    and then that stretch again: a match ending d tokens before the end says the sequence
+    continues as it did after j, d tokens ahead, so the copy's continuation is the copy itself
+    (a periodic run drafts its period). Without a match the last token is repeated."""
+    j = torch.where(match.length > 0, match.end, last - 1)
     period = last - j                                                   # d >= 1
-    t = arange(num_drafts, device)
+    t = arange(num_drafts, tokens.device)
     return tokens.gather(1, j[:, None] + 1 + t % period[:, None])
+
+
+def propose(tokens: torch.Tensor, lengths: torch.Tensor, num_drafts: int, min_n: int, max_n: int) -> torch.Tensor:
+    """Drafts [bs, num_drafts] for sequences `tokens` [bs, W] of which the first `lengths` [bs]
+    (>= 2) are known: the longest suffix of n in [min_n, max_n] tokens that also ends at an
+    earlier position j (the latest such j among the longest), then the tokens after j
+    (`copy_own`)."""
+    last = lengths - 1                                                  # the last known token
+    match = own_match(tokens, last, suffix_of(tokens, last, max_n), min_n)
+    return copy_own(tokens, last, match, num_drafts)
 
 
 class NgramPrefill(NamedTuple):
@@ -118,8 +156,12 @@ class NgramDrafter:
             self._channel.signal()
             self._channel.masks(s.rows.shape[0])
         keep = self.shape.num_draft_tokens - 1
-        drafts = propose(self.tokens[s.rows, :s.width], s.S + 1, keep, self.min_n, self.max_n)
+        drafts = self._propose(self.tokens[s.rows, :s.width], s.S + 1, keep)
         return DraftNodes(drafts, arange(keep, drafts.device).expand_as(drafts))
+
+    def _propose(self, tokens: torch.Tensor, lengths: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """The drafts of the batch's sequences (spec/suffix.py looks further)."""
+        return propose(tokens, lengths, num_drafts, self.min_n, self.max_n)
 
     def after_verify(self, v: Verified) -> None:
         """The emitted tokens at S + 1 ...: the accepted run's (and past it, tokens the next
