@@ -83,7 +83,7 @@ for phase in $1; do case $phase in
                  --server 127.0.0.1:$PORT --http-port $((PORT + 1)) --metrics-port $((PORT + 2)) --out $LOGS/serving_$api.json
            done ;;
   mixed)  for api in ${APIS:-grpc openai}; do for how in separate mixed; do
-             flag=""; [ $how = separate ] && flag=--disable-mixed-steps
+             flag=""; [ $how = mixed ] && flag=--mixed-steps
              run mixed_${api}_$how python $PWD/bench/serving.py --launch llama-8b --text --spec chain \
                  --rates inf --num-requests ${NUM_REQUESTS:-512} --max-new-tokens 128 --client-procs 4 \
                  --tokenizer-workers 2 --api $api --concurrency ${CONCURRENCY:-64,256} $flag --label $how \

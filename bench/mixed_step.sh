@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # E30 before/after on one lease: decode stalls behind extends (prompts in extends of their own,
-# --disable-mixed-steps) against prompts riding in the decode steps (the mixed step). 8B chain
+# the default) against prompts riding in the decode steps (--mixed-steps). 8B chain
 # shape, text, 512 requests of 128 new tokens at 64 and 256 streams, both fronts. Per row
 # bench/serving.py prints TTFT, TPOT, the client's inter-token p50/p99, the server's chunk gaps,
 # and the engine's decode / extend step times and decode stalls (from /metrics).
@@ -17,7 +17,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 for api in grpc openai; do
   for mode in separate mixed; do
-    flag=""; [ "$mode" = separate ] && flag=--disable-mixed-steps
+    flag=""; [ "$mode" = mixed ] && flag=--mixed-steps
     python bench/serving.py --launch llama-8b --text --spec chain --rates inf --num-requests 512 \
       --max-new-tokens 128 --client-procs 4 --tokenizer-workers 2 --api "$api" --concurrency 64,256 \
       $flag --label "$mode" --out "$OUT/mixed_${api}_${mode}.json" > "$OUT/mixed_${api}_${mode}.log" 2>&1

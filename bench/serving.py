@@ -397,8 +397,8 @@ def main():
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="with --launch (engine default if unset)")
     ap.add_argument("--prefill-interleave-tokens", type=int, default=None,
                     help="with --launch: the decode-fairness extend budget (engine default if unset; 0: off)")
-    ap.add_argument("--disable-mixed-steps", action="store_true",
-                    help="with --launch: prompts in extends of their own (the before of E30's mixed step)")
+    ap.add_argument("--mixed-steps", action="store_true",
+                    help="with --launch: prompts ride in decode steps (E30's mixed step; else extends of their own)")
     ap.add_argument("--text", action="store_true",
                     help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
     ap.add_argument("--metrics-url", default=None,
@@ -419,7 +419,7 @@ def main():
         engine_config = launched_engine_config(args.launch, args.spec, args.accept_len, max(concurrencies),
                                                args.max_context_len, args.device,
                                                prefix_cache=not args.disable_prefix_cache, text=args.text,
-                                               mixed_steps=not args.disable_mixed_steps,
+                                               mixed_steps=args.mixed_steps,
                                                **{name: getattr(args, name) for name in
                                                   ("chunked_prefill_size", "prefill_interleave_tokens")
                                                   if getattr(args, name) is not None})

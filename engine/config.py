@@ -307,8 +307,9 @@ class EngineConfig:
     # it off (prefill first: extends back to back while prompts wait).
     prefill_interleave_tokens: int = 1024
     # Prompt chunks ride in decode steps (docs/architecture.md "The mixed step"); False: the
-    # separate bounded extends above (what a FlashInfer target always runs).
-    mixed_steps: bool = True
+    # separate bounded extends above (what a FlashInfer target always runs). Off by default:
+    # mixed steps run eagerly and lost 18-28 % of served throughput on an H100 (benchmarks.md).
+    mixed_steps: bool = False
     max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_overlap: bool = True
     spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off

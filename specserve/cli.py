@@ -36,9 +36,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode fairness: while requests decode, prompt chunks ride in their "
                         "decode step, whose forward computes at most N tokens, the decode rows' "
                         "included (default 1024; 0: off, prefill first)")
-    g.add_argument("--disable-mixed-steps", action="store_true",
-                   help="prefill in extend steps of their own (at most --prefill-interleave-tokens "
-                        "prompt tokens each, then a decode step) instead of riding in decode steps")
+    g.add_argument("--mixed-steps", action="store_true",
+                   help="prompt chunks ride in decode steps instead of extend steps of their own (at "
+                        "most --prefill-interleave-tokens prompt tokens each, then a decode step); "
+                        "mixed steps run without CUDA graphs, slower today (docs/benchmarks.md)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -156,7 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         attention_backend=args.attention_backend,
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
-                        mixed_steps=not args.disable_mixed_steps,
+                        mixed_steps=args.mixed_steps,
                         custom_all_reduce=args.custom_all_reduce,
                         cuda_graph=False if args.disable_cuda_graph else None,
                         cuda_graph_sampled=not args.disable_cuda_graph_sampled,

@@ -181,7 +181,7 @@ def test_gpu_mixed_steps_match_each_request_alone(pair, make_engine, prompts, sh
     for _, rid, prompt, params in arrivals:
         expected.update(drive(alone, [(0, rid, prompt, params)]))
     engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=graphs, spec=spec,
-                         prefill_interleave_tokens=64)
+                         prefill_interleave_tokens=64, mixed_steps=True)
     assert drive(engine, arrivals) == expected
     assert engine.metrics.num_mixed_steps > 0
 
@@ -192,7 +192,8 @@ def test_gpu_mixed_steps_have_no_blocking_sync(pair, make_engine, shape):
     host sync in those steps on the GPU-only path (CUDA's sync debug mode raises on one)."""
     target, head = pair
     spec = SpecConfig(algorithm="eagle", draft_model=head, **shape)
-    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True, spec=spec)
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True, spec=spec,
+                         mixed_steps=True)
     assert not engine.core.needs_cpu_seq_lens
     engine.add_request("long", [5, 6, 7, 8], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
     for _ in range(4):

@@ -5,6 +5,8 @@ tree, both loops, the prefix cache on and off, greedy and seeded sampling, n > 1
 prompts; no KV leak. Requests that cannot ride keep extends of their own."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, make_predictable_pair,
@@ -19,6 +21,13 @@ SHAPES = {"plain": None, "chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
           "tree": dict(num_steps=2, topk=2, num_draft_tokens=4)}
 BUDGET = 32  # small enough that the long prompt takes several mixed steps
 _REFERENCES: dict = {}
+
+
+@pytest.fixture
+def make_engine(make_engine):
+    """This module's engines mix prompts into decode steps (off by default) unless a test says
+    otherwise."""
+    return functools.partial(make_engine, mixed_steps=True)
 
 
 @pytest.fixture(scope="module")

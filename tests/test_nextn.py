@@ -137,7 +137,8 @@ def _staggered(engine, prompts, params, seed=0):
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_parity_with_plain_decoding(predictable, reference, make_engine, shape, overlap, needs_cpu):
     prompts, params, expected = reference
-    engine = make_engine(predictable, spec=_nextn(**shape), enable_overlap=overlap, needs_cpu_seq_lens=needs_cpu)
+    engine = make_engine(predictable, spec=_nextn(**shape), enable_overlap=overlap, needs_cpu_seq_lens=needs_cpu,
+                         mixed_steps=True)
     assert engine.core.needs_cpu_seq_lens is needs_cpu
     assert _staggered(engine, prompts, params) == expected
     assert engine.metrics.mean_accept_length > 1.5  # really speculating

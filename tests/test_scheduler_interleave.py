@@ -6,6 +6,7 @@ step; with nobody decoding, an extend is bounded by chunked_prefill_size only; 0
 prefill-first order."""
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -18,6 +19,13 @@ from specserve.engine.scheduler.mixed_batch import prompt_budget
 
 BUDGET = 8
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+
+
+@pytest.fixture
+def make_engine(make_engine):
+    """This module's engines mix prompts into decode steps (off by default) unless a test says
+    otherwise."""
+    return functools.partial(make_engine, mixed_steps=True)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +260,7 @@ def test_the_cli_flag(capsys):
     assert config().prefill_interleave_tokens == 1024
     assert config("--prefill-interleave-tokens", "0").prefill_interleave_tokens == 0
     assert config("--prefill-interleave-tokens", "64").prefill_interleave_tokens == 64
-    assert config().mixed_steps and not config("--disable-mixed-steps").mixed_steps
+    assert not config().mixed_steps and config("--mixed-steps").mixed_steps
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--prefill-interleave-tokens", "-1"])
     assert exit_info.value.code == 2

@@ -105,7 +105,7 @@ def test_tp2_mixed_steps_match_tp1(pair, make_engine, spec, overlap):
     outs = []
     for tp in (1, 2):
         engine = make_engine(target, tp_size=tp, spec=spec_cfg, enable_overlap=overlap,
-                             prefill_interleave_tokens=16)
+                             prefill_interleave_tokens=16, mixed_steps=True)
         outs.append(drive(engine, arrivals))
         assert engine.metrics.num_mixed_steps > 0
     assert outs[0] == outs[1]
