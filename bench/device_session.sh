@@ -8,7 +8,7 @@
 # written "0,1= phase ..." gets GPUs 0 and 1), each within LANE_S seconds, with its own ports:
 # one lease of a 4-GPU machine does four GPUs' work.
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
-# profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word turns on the custom all-reduce),
+# profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word: NCCL for every all-reduce),
 # dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
 # drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B and 70B at tp
 # 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
@@ -68,7 +68,7 @@ for phase in $1; do case $phase in
   profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs tp ar <<< "$m"
              name=profile_${model}_${mode}_${bs}_tp${tp:-1}${ar:+_$ar}
              run $name python $PWD/bench/step_profile.py --model $model --mode $mode --batch-size $bs \
-                 --tp ${tp:-1} ${ar:+--custom-all-reduce} --out $LOGS/$name.json
+                 --tp ${tp:-1} ${ar:+--nccl-all-reduce} --out $LOGS/$name.json
            done ;;
   dsv3)   run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
@@ -100,7 +100,7 @@ for phase in $1; do case $phase in
   gptfast) run gptfast python $PWD/bench/peers_gptfast.py --gpt-fast-path $PWD/wheels/gptfast --models llama-8b \
               --out $LOGS/gptfast.json
           run gptfast_ours $B --models llama-8b --batch-sizes 1 --modes plain --out $LOGS/gptfast_ours.json ;;
-  tp)     run tp $B --models llama-8b --batch-sizes 1,64 --modes plain --tp-sizes 1,2,4 --variants ${TP_VARIANTS:-default} \
+  tp)     run tp $B --models llama-8b --batch-sizes 1,64 --modes plain --tp-sizes 1,2,4 --variants ${TP_VARIANTS:-default,nccl} \
               --out $LOGS/tp_8b.json
           run tp70 $B --models llama-70b --batch-sizes 1 --modes plain,chain --tp-sizes 4 --out $LOGS/tp_70b.json ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;

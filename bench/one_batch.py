@@ -247,8 +247,8 @@ def main():
     ap.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes (GPUs per engine)")
     ap.add_argument("--variants", default="default",
                     help="comma list of: default, no-overlap, sync (needs_cpu_seq_lens=True), no-graph, "
-                         "no-skinny-gemm (cuBLAS for every GEMM), custom-all-reduce (tp > 1: small "
-                         "all-reduces over symmetric memory)")
+                         "no-skinny-gemm (cuBLAS for every GEMM), nccl (tp > 1: NCCL for every "
+                         "all-reduce instead of the custom one)")
     ap.add_argument("--draft", default="eagle3", choices=["eagle3", "nextn"],
                     help="the speculative rows' draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--accept-len", type=int, default=3, help="forced accept length on random weights")
@@ -293,9 +293,11 @@ def main():
                                else BACKEND_ROWS[backend].needs_cpu_seq_lens,
                                cuda_graph=BACKEND_ROWS[backend].cuda_graph and variant != "no-graph",
                                gpu_memory_utilization=0.6,
-                               chunked_prefill_size=max_bs * args.prompt_len,  # one prefill batch
+                               # one prefill batch, or 8k-token chunks of a long one (a bigger
+                               # chunk's reserve for every token's logits would crowd out the KV)
+                               chunked_prefill_size=min(max_bs * args.prompt_len, 8192),
                                skinny_gemm=variant != "no-skinny-gemm", tp_size=tp,
-                               custom_all_reduce=variant == "custom-all-reduce",
+                               custom_all_reduce=variant != "nccl",
                                quantization=quantization, kv_cache_dtype=kv_dtype)
             engine = Engine(cfg)
             weights = weight_bytes(engine)

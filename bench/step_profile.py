@@ -2,7 +2,7 @@
 included), per kernel name, per step.
 
     python bench/step_profile.py --model llama-8b --mode plain --batch-size 1 --out profile.json
-    python bench/step_profile.py --model llama-8b --tp 4 --custom-all-reduce   # rank 0's kernels
+    python bench/step_profile.py --model llama-8b --tp 4 --nccl-all-reduce   # rank 0's kernels
 
 Prints kernels per step, kernel time per step against the step's wall time (the difference is
 gaps between kernels and host time the GPU waits for), and the kernels that take the most time.
@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--draft", default="eagle3", choices=["eagle3", "nextn"],
                     help="a speculative mode's draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (rank 0 is profiled)")
-    ap.add_argument("--custom-all-reduce", action="store_true", help="tp > 1: the symmetric-memory all-reduce")
+    ap.add_argument("--nccl-all-reduce", action="store_true", help="tp > 1: NCCL for every all-reduce")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -59,7 +59,7 @@ def main():
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
                                  max_running_requests=max(args.batch_size, 1), max_context_len=4096,
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
-                                 custom_all_reduce=args.custom_all_reduce))
+                                 custom_all_reduce=not args.nccl_all_reduce))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(args.batch_size):
@@ -94,7 +94,7 @@ def main():
         f[0] += calls
         f[1] += us
     result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "tp": args.tp,
-              "custom_all_reduce": args.custom_all_reduce, "steps": num_steps,
+              "custom_all_reduce": not args.nccl_all_reduce, "steps": num_steps,
               "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
               "kernel_ms_per_step": total_us / num_steps / 1000,
               "families": {f: {"calls_per_step": c / num_steps, "us_per_step": t / num_steps}
@@ -102,7 +102,7 @@ def main():
               "kernels": [{"name": n, "calls_per_step": c / num_steps, "us_per_step": t / num_steps}
                           for n, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]}
     json.dump(result, open(args.out, "w"), indent=1)
-    print(f"{args.model} {args.mode} tp={args.tp}{' custom-ar' if args.custom_all_reduce else ''} "
+    print(f"{args.model} {args.mode} tp={args.tp}{' nccl' if args.nccl_all_reduce else ''} "
           f"bs={args.batch_size}: {num_steps} steps, step {timing['step_ms']:.3f} ms, "
           f"{result['kernels_per_step']:.0f} kernels/step, {result['kernel_ms_per_step']:.3f} ms of kernels/step")
     print(f"{'family':16} {'calls/step':>10} {'us/step':>9}")

@@ -54,11 +54,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(temperature, top-k/p, min-p) run eagerly, and capture takes a third "
                         "of the time")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
-    g.add_argument("--custom-all-reduce", action="store_true",
-                   help="with --tp > 1 on GPUs: all-reduces of activation rows through a one-shot "
-                        "kernel over symmetric memory (residual add and RMSNorm fused), NCCL past "
-                        "8 MiB (default: NCCL for all). EXPERIMENTAL: an engine GPU test at tp=2 "
-                        "hangs with it (docs/architecture.md); for measurements only")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="with --tp > 1 on GPUs: NCCL for every all-reduce (default: activation rows "
+                        "through a one-shot kernel over symmetric memory with the residual add and "
+                        "RMSNorm fused, NCCL past 8 MiB)")
     g.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                    help="weight format: auto (default) serves the checkpoint's own "
                         "(its quantization_config: FP8 block-wise, per-channel or per-tensor; "
@@ -158,7 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_overlap=not args.disable_overlap, tp_size=args.tp,
                         mixed_steps=args.mixed_steps,
-                        custom_all_reduce=args.custom_all_reduce,
+                        custom_all_reduce=not args.disable_custom_all_reduce,
                         cuda_graph=False if args.disable_cuda_graph else None,
                         cuda_graph_sampled=not args.disable_cuda_graph_sampled,
                         quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,

@@ -23,9 +23,9 @@ def test_engine_flags():
     assert (config.cuda_graph, config.cuda_graph_sampled) == (None, True)  # on with CUDA
     graphs = _engine_config("--disable-cuda-graph", "--disable-cuda-graph-sampled")
     assert (graphs.cuda_graph, graphs.cuda_graph_sampled) == (False, False)
-    assert (config.grammar_compile_seconds, config.custom_all_reduce) == (10.0, False)
-    other = _engine_config("--grammar-compile-seconds", "2.5", "--custom-all-reduce")
-    assert (other.grammar_compile_seconds, other.custom_all_reduce) == (2.5, True)
+    assert (config.grammar_compile_seconds, config.custom_all_reduce) == (10.0, True)
+    other = _engine_config("--grammar-compile-seconds", "2.5", "--disable-custom-all-reduce")
+    assert (other.grammar_compile_seconds, other.custom_all_reduce) == (2.5, False)
     with pytest.raises(ValueError, match="^grammar_compile_seconds"):
         _engine_config("--grammar-compile-seconds", "0")
 

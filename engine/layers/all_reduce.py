@@ -13,9 +13,9 @@ CUDA IPC handles exchanged once, signal pads for the barriers) one kernel does t
   reads 2 (n - 1) / n x size, less than one-shot once bandwidth, not latency, dominates.
 * NCCL past the buffer's size (prefill), where its bandwidth-optimal rings win.
 
-The buffer is allocated before any capture, so all three replay inside CUDA graphs. Opt-in
-(EngineConfig.custom_all_reduce, `--custom-all-reduce`); without it or without CUDA, NCCL
-(gloo on the CPU) does every call.
+The buffer is allocated before any capture, so all three replay inside CUDA graphs. On by
+default (EngineConfig.custom_all_reduce; `--disable-custom-all-reduce` turns it off); without
+it or without CUDA, NCCL (gloo on the CPU) does every call.
 """
 from __future__ import annotations
 
@@ -129,8 +129,6 @@ def make_all_reduce(group: dist.ProcessGroup, size: int, device: torch.device,
         logger.info("custom all-reduce off (%s): NCCL does every all-reduce", why_not)
         return None
     reducer = SymmetricAllReduce(group, device)
-    logger.warning("custom all-reduce is experimental: an engine GPU test at tp=2 hangs with it "
-                   "(docs/architecture.md); for measurements only")
     logger.info("custom all-reduce: rows up to %d KiB a rank through the one-shot kernel (residual "
                 "add and RMSNorm fused), torch's one-shot up to %d KiB, two-shot up to %d KiB, NCCL "
                 "past it", reducer.rows.slot_bytes >> 10, reducer.sizes.one_shot_max >> 10,
