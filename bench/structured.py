@@ -167,15 +167,22 @@ def steps(args) -> dict:
         # second the top-k/top-p/min-p variant), the greedy rows' graphs being "unconstrained".
         sampled = SamplingParams(ignore_eos=True, seed=0, **dict(long, temperature=1.0))
         top_p = SamplingParams(ignore_eos=True, seed=0, top_p=0.9, **dict(long, temperature=1.0))
+        # "sampled_json_string": the common JSON case, a grammar under temperature sampling
+        # (the constrained sampled graphs), set against "sampled" in `sampled_ratio`.
+        sampled_json = SamplingParams(grammar=GrammarSpec("ebnf", ENDLESS_JSON_STRING), seed=0,
+                                      **dict(long, temperature=1.0))
         for name, params in (("unconstrained", [free] * bs), ("json_string", [constrained] * bs),
                              ("mixed", [constrained if i % 2 else free for i in range(bs)]),
-                             ("sampled", [sampled] * bs), ("sampled_top_p", [top_p] * bs)):
+                             ("sampled", [sampled] * bs), ("sampled_top_p", [top_p] * bs),
+                             ("sampled_json_string", [sampled_json] * bs)):
             if name == "mixed" and bs == 1:
                 continue
             t, syncs = _steady_steps(engine, prompts, params, args.warmup, args.steps)
             results[f"bs{bs}/{name}"] = {"step_ms": round(t * 1e3, 3), "syncs_per_step": round(syncs, 2)}
         results[f"bs{bs}/ratio"] = round(results[f"bs{bs}/json_string"]["step_ms"]
                                          / results[f"bs{bs}/unconstrained"]["step_ms"], 3)
+        results[f"bs{bs}/sampled_ratio"] = round(results[f"bs{bs}/sampled_json_string"]["step_ms"]
+                                                 / results[f"bs{bs}/sampled"]["step_ms"], 3)
     engine.shutdown()
     return results
 
