@@ -96,7 +96,7 @@ for phase in $1; do case $phase in
               --out $LOGS/quant_8b.json ;;
   drafters) for a in ${ACCEPTS:-3 1}; do
              run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
-                 --out $LOGS/drafters_a$a.json; done ;;
+                 ${DRAFTER_MODES:+--modes $DRAFTER_MODES} --out $LOGS/drafters_a$a.json; done ;;
   gptfast) run gptfast python $PWD/bench/peers_gptfast.py --gpt-fast-path $PWD/wheels/gptfast --models llama-8b \
               --out $LOGS/gptfast.json
           run gptfast_ours $B --models llama-8b --batch-sizes 1 --modes plain --out $LOGS/gptfast_ours.json ;;

@@ -116,6 +116,8 @@ def workload_rows(args, workload: str, modes: list) -> list[dict]:
                          speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0))
         print(json.dumps(rows[-1]), flush=True)
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next engine sizes itself by what is free
     return rows
 
 
