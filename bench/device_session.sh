@@ -10,7 +10,8 @@
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
 # profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word: NCCL for every all-reduce),
 # dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
-# drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B and 70B at tp
+# drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B at tp 1/2/4, then
+# tp70), tp70 (70B at tp 4), tp70fp8 (70B FP8 at tp 2), tpdsv2 (DeepSeek-V2-Lite at tp
 # 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
 set -uo pipefail
 OUT=${OUT:-out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
@@ -101,8 +102,11 @@ for phase in $1; do case $phase in
               --out $LOGS/gptfast.json
           run gptfast_ours $B --models llama-8b --batch-sizes 1 --modes plain --out $LOGS/gptfast_ours.json ;;
   tp)     run tp $B --models llama-8b --batch-sizes 1,64 --modes plain --tp-sizes 1,2,4 --variants ${TP_VARIANTS:-default,nccl} \
-              --out $LOGS/tp_8b.json
-          run tp70 $B --models llama-70b --batch-sizes 1 --modes plain,chain --tp-sizes 4 --out $LOGS/tp_70b.json ;;
+              --out $LOGS/tp_8b.json ;&
+  tp70)   run tp70 $B --models llama-70b --batch-sizes 1 --modes plain,chain --tp-sizes 4 --out $LOGS/tp_70b.json ;;
+  tp70fp8) run tp70fp8 $B --models llama-70b --batch-sizes 1 --modes plain --quantizations fp8 --tp-sizes 2 \
+              --out $LOGS/tp_70b_fp8.json ;;
+  tpdsv2) run tpdsv2 $B --models deepseek-v2-lite --batch-sizes 1 --modes plain --tp-sizes 1,2,4 --out $LOGS/tp_dsv2.json ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
   # Data-parallel (E29): Ray's slim wheel and its four dependencies in wheels/ray
   # (../shared/docs/device-wheels.md). dp1: the memory GPU tests, two replicas on one GPU.
