@@ -152,6 +152,16 @@ def http_get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """A /metrics page's samples: (name, its labels sorted) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(url)
+    assert status == 200, (status, body)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
 # server/request_record.py TTFT_STAGES, in order (the access log's ttft_stages_ms, the
 # specserve_ttft_stage_seconds labels).
 TTFT_STAGE_NAMES = ("prepare", "submit", "to_engine", "engine_queue", "prefill", "to_server",

@@ -208,9 +208,7 @@ def test_cli_takes_ngram_without_a_draft_model():
 def test_server_speculates_with_ngram_and_reports_it_by_method(target):
     """`serve --speculative-algorithm ngram`: no draft model, greedy output unchanged, and the
     metrics by method."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from server_harness import ServerProcess, free_port, http_get
+    from server_harness import ServerProcess, free_port, metric_samples
     from specserve.engine import Engine, EngineConfig
 
     prompt = "abcabcabc def abcabc"
@@ -224,9 +222,7 @@ def test_server_speculates_with_ngram_and_reports_it_by_method(target):
             assert (info.spec.algorithm, info.spec.num_draft_tokens, info.spec.draft_model) == ("ngram", 4, "")
             out = client.generate(prompt, max_new_tokens=40, temperature=0, ignore_eos=True)
             assert out.token_ids == expected and out.spec.accepted_drafts > 0
-        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
-        samples = {(m.name, tuple(m.labels.items())): m.value
-                   for family in text_string_to_metric_families(body) for m in family.samples}
+        samples = metric_samples(f"http://127.0.0.1:{port}/metrics")
         method = (("method", "ngram"),)
         assert samples[("specserve_spec_method_verify_steps_total", method)] == out.spec.verify_steps
         assert samples[("specserve_spec_method_accepted_draft_tokens_total", method)] == out.spec.accepted_drafts

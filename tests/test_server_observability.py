@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import make_predictable_pair
 from server_harness import (TTFT_STAGE_NAMES, ServerProcess, assert_complete_ttft_stages,
-                            free_port, http_get, ttft_stages)
+                            free_port, metric_samples, ttft_stages)
 from specserve.clients import InvalidArgument
 
 MAX_NEW_TOKENS = 16
@@ -42,10 +41,7 @@ def results(server):
 
 
 def _samples(server) -> dict[tuple[str, tuple], float]:
-    status, body = http_get(server.metrics_url)
-    assert status == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body) for s in family.samples}
+    return metric_samples(server.metrics_url)
 
 
 def test_metrics_after_a_few_calls(server, results):

@@ -195,6 +195,17 @@ def test_a_repeated_request_drafts_from_the_earlier_output(target, make_engine, 
     assert (second.num_verify_steps, second.num_accepted_drafts) == (10, 30)
 
 
+def _assert_exact_and_drafting_from_the_first_pass(engine, prompts, params, expected) -> None:
+    """The batch twice on one engine: plain decoding's tokens both times, and more drafts
+    accepted the second time (the first pass's outputs are in the corpus)."""
+    accepted = []
+    for _ in range(2):
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+        assert [o.token_ids for o in outs] == expected
+        accepted.append(sum(o.num_accepted_drafts for o in outs))
+    assert accepted[1] > accepted[0]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("shape", [dict(num_steps=3, num_draft_tokens=4), dict(num_steps=1, num_draft_tokens=2)],
                          ids=["d4", "d2"])
@@ -204,12 +215,7 @@ def test_greedy_equals_plain_decoding_as_the_corpus_fills(target, reference, mak
     prompts, params, expected = reference
     engine = make_engine(target, spec=SpecConfig(algorithm="suffix", **shape), enable_overlap=overlap)
     assert engine.core.draft_runner is None
-    accepted = []
-    for _ in range(2):
-        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
-        assert [o.token_ids for o in outs] == expected
-        accepted.append(sum(o.num_accepted_drafts for o in outs))
-    assert accepted[1] > accepted[0]
+    _assert_exact_and_drafting_from_the_first_pass(engine, prompts, params, expected)
 
 
 def test_overlap_under_random_forward_delays(target, reference, make_engine, monkeypatch):
@@ -219,12 +225,7 @@ def test_overlap_under_random_forward_delays(target, reference, make_engine, mon
     prompts, params, expected = reference
     monkeypatch.setenv("SPECSERVE_FORWARD_DELAY", "5:3")
     engine = make_engine(target, spec=SUFFIX, enable_overlap=True)
-    accepted = []
-    for _ in range(2):
-        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
-        assert [o.token_ids for o in outs] == expected
-        accepted.append(sum(o.num_accepted_drafts for o in outs))
-    assert accepted[1] > accepted[0]
+    _assert_exact_and_drafting_from_the_first_pass(engine, prompts, params, expected)
 
 
 def test_captured_steps_equal_eager(target, reference, make_engine, monkeypatch):
@@ -329,9 +330,7 @@ def test_cli_errors_name_the_flag(flags, flag):
 def test_server_speculates_with_suffix_and_reports_it_by_method(target):
     """`serve --speculative-algorithm suffix`: no draft model; a repeated request's greedy
     output is unchanged and drafted from the first's; the metrics by method."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from server_harness import ServerProcess, free_port, http_get
+    from server_harness import ServerProcess, free_port, metric_samples
 
     prompt = _answer_without_repeats()
     port = free_port()
@@ -345,9 +344,7 @@ def test_server_speculates_with_suffix_and_reports_it_by_method(target):
                     for _ in range(2)]
             assert outs[1].token_ids == outs[0].token_ids
             assert outs[1].spec.accepted_drafts == 30 > outs[0].spec.accepted_drafts
-        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
-        samples = {(m.name, tuple(m.labels.items())): m.value
-                   for family in text_string_to_metric_families(body) for m in family.samples}
+        samples = metric_samples(f"http://127.0.0.1:{port}/metrics")
         method = (("method", "suffix"),)
         assert samples[("specserve_spec_method_verify_steps_total", method)] == sum(o.spec.verify_steps for o in outs)
         assert samples[("specserve_spec_method_accepted_draft_tokens_total", method)] == \
@@ -368,12 +365,7 @@ def test_gpu_suffix_matches_plain_without_blocking_sync(target, reference, make_
     common = dict(device="cuda", attention_backend="triton", max_running_requests=16)
     engine = make_engine(target, cuda_graph=graphs, spec=SUFFIX, **common)
     assert not engine.core.needs_cpu_seq_lens and engine.core.uses_cuda_graphs == graphs
-    accepted = []
-    for _ in range(2):
-        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
-        assert [o.token_ids for o in outs] == expected
-        accepted.append(sum(o.num_accepted_drafts for o in outs))
-    assert accepted[1] > accepted[0]
+    _assert_exact_and_drafting_from_the_first_pass(engine, prompts, params, expected)
     _no_blocking_sync_while_a_request_ends(engine, prompts[0])
 
 
