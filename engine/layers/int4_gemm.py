@@ -205,12 +205,21 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     tuned = TUNED_W4_CONFIGS.get((m, n, k, group_size, paired))
     if tuned is not None:
         return W4Config(**tuned)
-    tiles = -(-n // 64)
+    return W4Config(block_n=64, split_k=split_for(m, n, k, paired, 64, device), num_warps=4,
+                    num_stages=4)
+
+
+def split_for(m: int, n: int, k: int, paired: bool, block_n: int,
+              device: torch.device = torch.device("cuda")) -> int:
+    """The rule's split-K for column tiles of `block_n`: doubled while the programs are fewer
+    than the SMs, each slice stays at least 1024 deep and the partials fit the workspace
+    (none above MAX_ROWS rows)."""
+    tiles = -(-n // block_n)
     split_k = 1
     while (m <= MAX_ROWS and tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 1024
            and _scratch_values(2 * split_k, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
-    return W4Config(block_n=64, split_k=split_k, num_warps=4, num_stages=4)
+    return split_k
 
 
 def check_int4(w: Int4Weight) -> None:
