@@ -256,8 +256,8 @@ for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
         c = g.default_w4_config(m, n_cols, k, 128, silu, torch.device("cpu"))._replace(**variants[variant])
         ptx = compile_sm90(g._w4a16_kernel, dict(
             x=t(bf16), qweight=t(i32), scales=t(f16), zeros=t(u8), bias=t(bf16), y=t(bf16),
-            partials=t(f32), arrivals=t(i32), M=m, n_cols=n_cols, K=k, n_groups=k // 128,
-            group_size=128, k_per_split=k // c.split_k, stride_xm=k, stride_ym=n_cols,
+            partials=t(f32), arrivals=t(i32), M=m, n_cols=n_cols, words_per_row=k // 8, n_groups=k // 128,
+            group_size=128, words_per_split=k // 8 // c.split_k, stride_xm=k, stride_ym=n_cols,
             HAS_BIAS=False, SILU_MUL=silu, SPLIT_K=c.split_k, BLOCK_M=16 if c.dot else 1,
             BLOCK_N=c.block_n, WORDS=words, PLANES_PER_GROUP=g.plane_groups(128, k, words),
             DOT=c.dot, W_LEFT=c.w_left, FMA_DEQUANT=True, ROUND_BITS=c.round_bits,

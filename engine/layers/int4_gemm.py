@@ -268,11 +268,11 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         "more than 16 rows: row tiles on tl.dot, K not split"
     block_m = (max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m)) \
         if m <= MAX_ROWS else TILE_ROWS
-    block_k = PACK * w.interleave
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), block_k) * block_k
+    words_per_split = triton.cdiv(triton.cdiv(k // PACK, config.split_k), w.interleave) * w.interleave
     _w4a16_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
-        m, n_cols, k, w.scales.shape[1], w.group_size, k_per_split, x2.stride(0), y.stride(0),
+        m, n_cols, k // PACK, w.scales.shape[1], w.group_size, words_per_split, x2.stride(0),
+        y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=config.split_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, WORDS=w.interleave,
         PLANES_PER_GROUP=planes_per_group, DOT=config.dot, W_LEFT=config.dot and config.w_left,
@@ -360,15 +360,17 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _w4a16_kernel(x, qweight, scales, zeros, bias, y, partials, arrivals, M, n_cols, K,
-                      n_groups, group_size, k_per_split, stride_xm, stride_ym,
+    def _w4a16_kernel(x, qweight, scales, zeros, bias, y, partials, arrivals, M, n_cols,
+                      words_per_row, n_groups, group_size, words_per_split, stride_xm, stride_ym,
                       HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                       PLANES_PER_GROUP: tl.constexpr, DOT: tl.constexpr, W_LEFT: tl.constexpr,
                       FMA_DEQUANT: tl.constexpr, ROUND_BITS: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows). A K step is
-        # one interleave block (8 * WORDS codes, K a whole number of them): its 8 planes.
+        # one interleave block (WORDS words, 8 * WORDS codes; K a whole number of them): its 8
+        # planes. Offsets count words (K / 8 a row), which keeps the compiler's knowledge of
+        # their alignment: the weight loads are 16-byte vectors.
         wait_for_predecessor(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -391,16 +393,16 @@ if triton is not None:
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
-        words_per_row = K // 8
         w_ptrs = qweight + rows[:, None] * words_per_row + offs_w[None, :]
         up_ptrs = qweight + partner_rows[:, None] * words_per_row + offs_w[None, :]
         x_ptrs = x + offs_m[:, None] * stride_xm + offs_w[None, :]
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
-        for k in range(k_begin, k_end, 8 * WORDS):
-            packed = tl.load(w_ptrs + k // 8)
+        w_begin = split * words_per_split
+        w_end = tl.minimum(w_begin + words_per_split, words_per_row)
+        for word in range(w_begin, w_end, WORDS):
+            packed = tl.load(w_ptrs + word)
             if SILU_MUL:
-                packed_up = tl.load(up_ptrs + k // 8)
+                packed_up = tl.load(up_ptrs + word)
+            k = word * 8
             for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
                 group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
                 a, b = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
