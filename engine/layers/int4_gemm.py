@@ -18,10 +18,10 @@ columns of x, with no reshape or gather in registers. W = 1 is the plain order (
 word k // 8, bits 4 (k % 8)).
 
 - Decode (M <= 16 rows, CUDA): `_w4a16_kernel`, one program per (column tile, K slice). Per
-  plane, a shift and a mask put the nibble into the mantissa of 1.0 (t = 1 + q / 16, a bit
-  pattern: no int-to-float conversion), and one fma per element gives the exact
-  (q - z) s = t (16 s) - (16 + z) s (both terms per row and group, exact in fp32 for 16-bit
-  scales; fp32 scales take (q - z) * s), rounded to the activation dtype. The product
+  plane, a mask (and a shift shared by two planes) put the nibble into the mantissa of 1.0
+  (t = 1 + q 2^-11, a bit pattern: no int-to-float conversion), and one fma per element
+  gives the exact (q - z) s = t (2^11 s) - (2^11 + z) s (both terms per row and group, exact
+  in fp32 for 16-bit scales; fp32 scales take (q - z) * s), rounded to the activation dtype. The product
   with x is either multiply-and-sum on the CUDA cores into per-lane fp32 accumulators
   (`W4Config.dot` off: no 16x row padding; with `round_bits` the bf16 rounding is done by
   integer ops, which keeps the result in fp32 for the next fma and avoids a conversion
@@ -301,35 +301,48 @@ def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
 if triton is not None:
     @triton.jit
     def _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT: tl.constexpr):
-        """Per row of a tile, the two fp32 terms of its dequantisation in `group`: (16 s,
-        -(16 + z) s) for `_dequantized_plane`'s fma (both exact: a 5-bit integer times a
-        16-bit float's 11 or 8 significant bits), or (s, z)."""
+        """Per row of a tile, the fp32 terms of its dequantisation in `group`: for a nibble
+        at bits 12-15 and one at bits 16-19 of `_dequantized_plane`'s float, (2^11 s,
+        -(2^11 + z) s) and (2^7 s, -(2^7 + z) s) (all exact: the offsets are integers of at
+        most 12 bits, s a 16-bit float of at most 11 significant bits); or (s, z) twice."""
         at = rows * n_groups + group
         s = tl.load(scales + at).to(tl.float32)
         z = tl.load(zeros + at).to(tl.float32)
         if FMA_DEQUANT:
-            a = s * 16.0
-            b = tl.fma(-z, s, -a)  # -(z s) - 16 s, both exact: one rounding-free fma
+            a_lo = s * 2048.0
+            b_lo = tl.fma(-z, s, -a_lo)  # -(z s) - 2^11 s: exact, so one rounding-free fma
+            a_hi = s * 128.0
+            b_hi = tl.fma(-z, s, -a_hi)
         else:
-            a, b = s, z
-        return a, b
+            a_lo, b_lo, a_hi, b_hi = s, z, s, z
+        return a_lo, b_lo, a_hi, b_hi
 
     @triton.jit
-    def _dequantized_plane(packed, J: tl.constexpr, a, b, FMA_DEQUANT: tl.constexpr):
+    def _dequantized_plane(packed, J: tl.constexpr, a_lo, b_lo, a_hi, b_hi,
+                           FMA_DEQUANT: tl.constexpr):
         """Nibble J of the words [rows, W] dequantised in fp32: exactly (q - z) s. With
-        FMA_DEQUANT the nibble is moved into the top of a float's mantissa under the
-        exponent of 1.0 (t = 1 + q / 16, no conversion instruction) and t (16 s) - (16 + z) s
-        is one fma whose exact value (q - z) s is representable (`_group_terms`): no rounding."""
+        FMA_DEQUANT the nibble is moved into the mantissa of 1.0, at bits 12-15 (t =
+        1 + q 2^-11) or 16-19 (t = 1 + q 2^-7), so that the eight planes of a word take
+        four shifts (<< 12, << 8, none, >> 8, >> 12 serve two nibbles each but the ends),
+        one mask-and-or and no int-to-float conversion; t a + b (`_group_terms`) is one
+        fma whose exact value (q - z) s is representable: no rounding."""
         if FMA_DEQUANT:
-            if 4 * J <= 19:
-                bits = packed << (19 - 4 * J)
+            HIGH: tl.constexpr = J == 2 or J == 4 or J == 6 or J == 7  # bits 16-19, else 12-15
+            POS: tl.constexpr = 16 if HIGH else 12
+            if POS > 4 * J:
+                bits = packed << (POS - 4 * J)
+            elif POS < 4 * J:
+                bits = packed >> (4 * J - POS)
             else:
-                bits = packed >> (4 * J - 19)
-            t = ((bits & (0xF << 19)) | 0x3F800000).to(tl.float32, bitcast=True)
-            w = tl.fma(t, a[:, None], b[:, None])
+                bits = packed
+            t = ((bits & (0xF << POS)) | 0x3F800000).to(tl.float32, bitcast=True)
+            if HIGH:
+                w = tl.fma(t, a_hi[:, None], b_hi[:, None])
+            else:
+                w = tl.fma(t, a_lo[:, None], b_lo[:, None])
         else:
             q = ((packed >> (4 * J)) & 0xF).to(tl.float32)
-            w = (q - b[:, None]) * a[:, None]
+            w = (q - b_lo[:, None]) * a_lo[:, None]
         return w
 
     @triton.jit
@@ -405,19 +418,19 @@ if triton is not None:
             k = word * 8
             for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
                 group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
-                a, b = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
+                terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
                 if SILU_MUL:
-                    a_up, b_up = _group_terms(scales, zeros, partner_rows, group, n_groups,
-                                              FMA_DEQUANT)
+                    up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
+                                            FMA_DEQUANT)
                 for p in tl.static_range(PLANES_PER_GROUP):
                     j = g * PLANES_PER_GROUP + p
                     x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
-                    w_plane = _rounded(_dequantized_plane(packed, j, a, b, FMA_DEQUANT), dtype,
+                    w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
                                        ROUND_BITS)
                     acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
                     if SILU_MUL:
                         up_plane = _rounded(
-                            _dequantized_plane(packed_up, j, a_up, b_up, FMA_DEQUANT), dtype,
+                            _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
                             ROUND_BITS)
                         acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
                                                 DOT_PRECISION)
