@@ -236,6 +236,36 @@ def test_gpu_int4_llama_shapes(shape, m):
     assert torch.equal(captured, out)
 
 
+VARIANTS = {"dot": {}, "w_left": dict(w_left=True), "fma": dict(dot=False),
+            "fma_bits": dict(dot=False, round_bits=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleave", [16, 32, 64, 128])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_gpu_int4_variants_and_layouts(interleave, variant, m):
+    """Every product variant at every interleave the sweep tries (multiply-and-sum at up to 2
+    rows, as the sweep), 8B gate/up with SiLU-and-mul and split-K, in bf16: within bf16
+    roundings of the reference; the bf16 weight rounding bit for bit (one-hot rows)."""
+    if variant.startswith("fma") and m > 2:
+        pytest.skip("the sweep times multiply-and-sum at up to 2 rows")
+    n, k = LLAMA_8B["gate_up"]
+    base = _gpu_weight(n, k, seed=interleave)
+    w = base._replace(qweight=pack_rows(unpack_rows(base.qweight, base.interleave), interleave),
+                      interleave=interleave)
+    config = W4Config(block_n=32 if variant.startswith("fma") else 64, split_k=2, num_warps=4,
+                      num_stages=4, **VARIANTS[variant])
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = w4a16_gemm(x, w, silu_mul=True, config=config)
+    ref = silu_and_mul((x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    picks = torch.arange(m, device="cuda") * 97
+    one_hot = F.one_hot(picks, k).to(torch.bfloat16)
+    exact = w4a16_gemm(one_hot, w, config=config)
+    assert torch.equal(exact, dequantize_int4(w, torch.bfloat16)[:, picks].t())
+
+
 # --- compiled for Hopper (no GPU needed) -----------------------------------------------------------
 
 # That Triton compiles the W4A16 kernels for an H100 (the unpacking reshape, bf16 tensor cores),
