@@ -221,21 +221,54 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
         torch.cuda.empty_cache()
 
 
+# The W8A16 search's axes: the skinny GEMM's, and the FP8 options (wide K steps over whole
+# scale blocks; deeper pipelines, the FP8 step being half the 16-bit step's bytes).
+W8A16_AXES = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512),
+              "split_k": (1, 2, 4, 8, 16), "num_warps": (2, 4, 8), "num_stages": (3, 4, 6, 8),
+              "fp8_wide": (False, True)}
+
+
 def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
                 num_calls: int, bandwidth: float, rows: list[dict]) -> None:
+    """The W8A16 skinny GEMM's coordinate descent over W8A16_AXES from the rule's config, gate/up
+    as the engine runs it (SiLU-and-mul); each config checked against the reference before
+    timed. Prints the best three and the winner as an FP8_TUNED_CONFIGS line
+    (engine/layers/skinny_gemm.py; the config before `fp8_weight_config`, which the kernel
+    applies)."""
     n, k = weights.n, weights.k
-    total = n * k + weights.scale_bytes + m * k * 2 + m * n * 2
+    paired = name.endswith("gate_up")
+    n_cols = n // 2 if paired else n
+    total = n * k + weights.scale_bytes + m * k * 2 + m * n_cols * 2
+    x0, (w0, s0) = inputs[0], weights.fp8[0]
+    expected = (x0.float() @ dequantize(w0, s0, torch.bfloat16).float().t()).bfloat16()
+    expected = silu_and_mul(expected) if paired else expected
 
     def time_config(c) -> float | None:
+        label = f"sweep {config_name(c)}{' wide' if c.fp8_wide else ''}"
+        try:
+            out = skinny_gemm(x0, w0, silu_mul=paired, config=c, scale=s0)
+        except Exception as e:  # the compiler's refusal (shared memory, registers)
+            print(f"{name} m={m} {label}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        if not torch.allclose(out.float(), expected.float(), rtol=2e-2, atol=2e-2):
+            print(f"{name} m={m} {label}: WRONG RESULT, left out")
+            return None
         calls = [lambda i=i: skinny_gemm(inputs[i % len(inputs)], weights.fp8[i % len(weights.fp8)][0],
-                                         config=c, scale=weights.fp8[i % len(weights.fp8)][1])
+                                         silu_mul=paired, config=c,
+                                         scale=weights.fp8[i % len(weights.fp8)][1])
                  for i in range(num_calls)]
-        return _record_sweep(rows, name, m, n, k, f"sweep {config_name(c)}", c, calls, total, bandwidth)
+        return _record_sweep(rows, name, m, n, k, label, c, calls, total, bandwidth)
 
-    start = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda")), BLOCK[1], k)
-    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
-    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
-        print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+    start = default_config(m, n_cols, k, paired, torch.device("cuda"), fp8=True)
+    timed = sweep(start, m, n_cols, k, paired, args.sweep_rounds, time_config, W8A16_AXES)
+    ranked = sorted(timed.items(), key=lambda item: item[1])
+    for c, seconds in ranked[:3]:
+        print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us {100 * total / seconds / bandwidth:.0f}%  "
+              f"{config_name(c)}{' wide' if c.fp8_wide else ''}", flush=True)
+    if ranked:
+        c, seconds = ranked[0]
+        args.fp8_best.append(f"    {(m, n_cols, k, paired)!r}: {c!r},  # {name}: {seconds * 1e6:.1f} us, "
+                             f"{100 * total / seconds / bandwidth:.0f} %")
 
 
 def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: str, config,
@@ -407,7 +440,7 @@ def main():
     if args.install_int4:
         print("wrote", int4_sweep.install(args.install_int4))
         return
-    args.int4_layouts, args.int4_best = {}, {}
+    args.int4_layouts, args.int4_best, args.fp8_best = {}, {}, []
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows: list[dict] = []
@@ -424,6 +457,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print_table([r for r in rows if r["part"] != "sweep"], bandwidth)
+    if args.fp8_best:
+        print("\nFP8_TUNED_CONFIGS entries (engine/layers/skinny_gemm.py):\n" + "\n".join(args.fp8_best))
     if args.int4_best:
         print_int4_table(args, rows)
         int4_sweep.write_json(args.int4_tuned, torch.cuda.get_device_name(), args.int4_best)
