@@ -30,12 +30,13 @@ from typing import Callable, Optional
 import torch
 
 from specserve.engine.layers.int4_gemm import (
-    MAX_FMA_ACCUMULATORS, MAX_ROWS, Int4Weight, W4Config, pack_rows, plane_groups, split_for,
+    MAX_ROWS, Int4Weight, W4Config, pack_rows, plane_groups, split_for,
     unpack_rows)
 
 INTERLEAVES = (16, 32, 64, 128)
 FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
 FMA_MAX_INTERLEAVE = 64  # and this interleave (wider: a thread's scale work grows, see int4_gemm)
+MAX_FMA_ACCUMULATORS = 128  # fp32 accumulators a thread of the multiply-and-sum path may hold
 TUNED_MODULE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "layers" / "int4_tuned.py"
 
 

@@ -70,12 +70,10 @@ PACK = 8          # 4-bit codes per int32
 MAX_ROWS = 16     # decode-sized M: one row tile, K split across programs
 TILED_MAX_ROWS = 256  # M up to this: row tiles of TILE_ROWS, no split; above: dequantise + cuBLAS
 TILE_ROWS = 64
-MAX_INTERLEAVE = 128  # words a row's decode step reads at most (512 bytes, the bf16 step's)
 # The rule's interleave (not yet measured): a step of 256 codes, two groups of 128, so a
 # thread's scale and zero work is shared by 4 planes of its rows.
 DEFAULT_INTERLEAVE = 32
 MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
-MAX_FMA_ACCUMULATORS = 128  # fp32 accumulators per thread of the multiply-and-sum path
 
 
 class Int4Weight(NamedTuple):
