@@ -2,17 +2,18 @@
 its results as engine/layers/int4_tuned.py.
 
 Per weight shape, the layout is one choice for every M (the codes are interleaved at load):
-the smallest M swept picks it. A search per (shape, M) in two stages, about 20 configs at
-M = 1 and 8 above (Triton compiles each new one once, a second or two; the four 8B shapes at
+the smallest M swept picks it. A search per (shape, M) in two stages, about 21 configs at
+M = 1 and 9 above (Triton compiles each new one once, a second or two; the four 8B shapes at
 M = 1 and 16 take about 4 minutes on an H100):
 
 1. every interleave W (16, 32, 64, 128 words: K steps of 128 to 1024 codes) times every
    product variant (tl.dot, tl.dot with the weight on the left, multiply-and-sum with the
    bf16 rounding by a conversion or by integer ops; multiply-and-sum only at M <= 2 and
-   W <= 64, where its accumulators fit), each at 64-column tiles (32 for multiply-and-sum)
-   and the rule's split; above the smallest M only the chosen W;
+   W <= 64, where its accumulators fit), each at the rule's tiles (128 columns, 64 with the
+   gate/up pair, for the weight on the left; 64 for x on the left; 32 for multiply-and-sum)
+   and split; above the smallest M only the chosen W;
 2. from the best, one axis at a time (keeping the best so far): column tiles of 16 to 128
-   (with the rule's split for them), split-K halved and doubled, 6 stages.
+   (with the rule's split for them), split-K halved and doubled, 8 warps, 6 stages.
 
     python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \\
         --rows 1,16 --no-moe --int4-tuned int4_tuned.json
@@ -56,8 +57,9 @@ def launchable(c: W4Config, m: int, n_cols: int, k: int, paired: bool, interleav
                  <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps))
 
 
-def _variants(m: int, words: int) -> list[dict]:
-    dots = [dict(block_n=64, dot=True), dict(block_n=64, dot=True, w_left=True)]
+def _variants(m: int, words: int, paired: bool) -> list[dict]:
+    """The product variants of stage 1, each at the column tile the rule gives it."""
+    dots = [dict(block_n=64 if paired else 128, dot=True, w_left=True), dict(block_n=64, dot=True)]
     if m > FMA_MAX_ROWS or words > FMA_MAX_INTERLEAVE:
         return dots
     return dots + [dict(block_n=32, dot=False), dict(block_n=32, dot=False, round_bits=True)]
@@ -86,7 +88,7 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
     for words in interleaves:
         if not plane_groups(group, k, words):
             continue
-        for variant in _variants(m, words):
+        for variant in _variants(m, words, paired):
             trial(_with_tile(base._replace(**variant), m, n_cols, k, paired, variant["block_n"],
                              device), words)
     if not timed:
@@ -102,6 +104,7 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
     for split in (start.split_k // 2, start.split_k * 2):
         if split >= 1 and (m <= MAX_ROWS or split == 1):
             trial(start._replace(split_k=split), words)
+    trial(best()._replace(num_warps=8), words)
     trial(best()._replace(num_stages=6), words)
     return timed
 

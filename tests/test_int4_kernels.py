@@ -180,6 +180,8 @@ def test_configs_and_refusals():
     config = default_w4_config(1, 1024, 4096, 128, device=cpu)
     assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
     assert default_w4_config(1, 14336, 4096, 128, True, device=cpu).split_k == 1
+    assert default_w4_config(1, 6144, 4096, 128, device=cpu) == W4Config(128, 4, 4, 4, w_left=True)
+    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 1, 4, 4)  # row tiles
     with pytest.raises(AssertionError, match="must lie in one group of 48"):
         w4a16_gemm(rows(1, 384, 0), int4_weight(N, 384, 48, 0), config=W4Config(32, 1, 4, 2))
     with pytest.raises(AssertionError, match="tl.dot takes planes of at least 16"):
@@ -276,8 +278,8 @@ from specserve.engine.layers import int4_gemm as g
 from sm90_compile import compile_sm90, t
 
 bf16, f16, f32, i32, u8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8
-variants = {"dot": {}, "w_left": dict(w_left=True), "fma": dict(dot=False),
-            "fma_bits": dict(dot=False, round_bits=True)}
+variants = {"dot": dict(w_left=False), "w_left": dict(w_left=True), "fma": dict(dot=False, w_left=False),
+            "fma_bits": dict(dot=False, round_bits=True, w_left=False)}
 for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
     silu = name == "gate_up"
     n_cols = n // 2 if silu else n
@@ -290,7 +292,7 @@ for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
             group_size=128, words_per_split=k // 8 // c.split_k, stride_xm=k, stride_ym=n_cols,
             HAS_BIAS=False, SILU_MUL=silu, SPLIT_K=c.split_k, BLOCK_M=16 if c.dot else 1,
             BLOCK_N=c.block_n, WORDS=words, PLANES_PER_GROUP=g.plane_groups(128, k, words),
-            DOT=c.dot, W_LEFT=c.w_left, FMA_DEQUANT=True, ROUND_BITS=c.round_bits,
+            DOT=c.dot, W_LEFT=c.dot and c.w_left, FMA_DEQUANT=True, ROUND_BITS=c.round_bits,
             DOT_PRECISION="tf32", PDL=True), c.num_warps, c.num_stages)
         assert ("mma" in ptx) == c.dot and "griddepcontrol.wait" in ptx, (name, variant)
         assert "cvt.rn.f32.s32" not in ptx  # the codes become floats by their bits

@@ -37,7 +37,7 @@ def test_search_finds_the_best_layout_and_config_and_times_only_launchable_ones(
     timed = int4_sweep.search(1, n, k, 128, False, int4_sweep.INTERLEAVES, time_config, CPU)
     best, words = min(timed, key=timed.get)
     assert (words, best) == (32, W4Config(block_n=128, split_k=2, num_warps=4, num_stages=6, w_left=True))
-    assert len(seen) == len(set(seen)) == len(timed) <= 20  # each config once; a short search
+    assert len(seen) == len(set(seen)) == len(timed) <= 22  # each config once; a short search
     assert {w for _, w in seen} == set(int4_sweep.INTERLEAVES)
     assert any(not c.dot and c.round_bits for c, _ in seen)  # multiply-and-sum at M = 1
     assert all(int4_sweep.launchable(c, 1, n, k, False, w) for c, w in seen)
