@@ -462,7 +462,8 @@ def main():
     if args.int4_best:
         print_int4_table(args, rows)
         int4_sweep.write_json(args.int4_tuned, torch.cuda.get_device_name(), args.int4_best)
-        print(f"wrote {args.int4_tuned}: install with python bench/fp8_gemm.py --install-int4 {args.int4_tuned}")
+        print(f"wrote {args.int4_tuned}: install with "
+              f"python bench/fp8_gemm.py --install-int4 {args.int4_tuned}")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def test_interleaved_layout():
 def test_layout_rules():
     """A plane lies in one group; K is whole blocks; the rule's interleave is the widest such
     power of two up to 32."""
-    assert (plane_groups(128, 4096, 16), plane_groups(128, 4096, 32), plane_groups(128, 4096, 128)) == (8, 4, 1)
+    assert [plane_groups(128, 4096, words) for words in (16, 32, 128)] == [8, 4, 1]
     assert plane_groups(4096, 4096, 128) == 8          # one group over K
     assert plane_groups(32, 4096, 64) == 0             # a plane of 64 crosses groups of 32
     assert plane_groups(128, 96 * 8, 128) == 0         # K not whole blocks of 1024

@@ -64,7 +64,8 @@ def test_launchable_bounds_the_multiply_and_sum_accumulators():
 def test_relayout_keeps_the_codes():
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (4, 512), generator=gen, dtype=torch.uint8)
-    w = Int4Weight(pack_rows(codes, 16), torch.ones(4, 4).half(), torch.zeros(4, 4, dtype=torch.uint8), 128, 16)
+    w = Int4Weight(pack_rows(codes, 16), torch.ones(4, 4).half(), torch.zeros(4, 4, dtype=torch.uint8),
+                   128, 16)
     moved = int4_sweep.relayout(w, 64)
     assert moved.interleave == 64 and torch.equal(unpack_rows(moved.qweight, 64), codes)
 

@@ -21,16 +21,16 @@ word k // 8, bits 4 (k % 8)).
   plane, a mask (and a shift shared by two planes) put the nibble into the mantissa of 1.0
   (t = 1 + q 2^-11, a bit pattern: no int-to-float conversion), and one fma per element
   gives the exact (q - z) s = t (2^11 s) - (2^11 + z) s (both terms per row and group, exact
-  in fp32 for 16-bit scales; fp32 scales take (q - z) * s), rounded to the activation dtype. The product
-  with x is either multiply-and-sum on the CUDA cores into per-lane fp32 accumulators
-  (`W4Config.dot` off: no 16x row padding; with `round_bits` the bf16 rounding is done by
-  integer ops, which keeps the result in fp32 for the next fma and avoids a conversion
-  instruction), or tl.dot on tensor cores (rows padded to 16; with `w_left` the weight plane
-  is the left operand, Marlin's orientation, so it may stay in registers). The rest is the
-  skinny GEMM's (layers/skinny_gemm.py): split-K partials merged in a fixed order by the
-  last program of a tile (its workspace and arrival counters; deterministic, no second
-  kernel, capturable in a CUDA graph), the bias, and for the fused gate/up weight the
-  SiLU-and-mul epilogue (a program reads a gate tile and its up tile).
+  in fp32 for 16-bit scales; fp32 scales take (q - z) * s), rounded to the activation
+  dtype. The product with x: tl.dot on tensor cores, rows padded to 16 (`W4Config.w_left`,
+  the rule's: the weight plane on the left, Marlin's orientation, so wgmma takes it from
+  registers), or multiply-and-sum on the CUDA cores into per-lane fp32 accumulators
+  (`dot` off: no padding; with `round_bits` the bf16 rounding by integer ops, kept in fp32
+  for the next fma). The rest is the skinny GEMM's (layers/skinny_gemm.py): split-K
+  partials merged in a fixed order by the last program of a tile (its workspace and
+  arrival counters; deterministic, no second kernel, capturable in a CUDA graph), the bias,
+  and for the fused gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile
+  and its up tile).
 - Mid M (17-256 rows: large decode batches, verify steps): the same kernel over row tiles of
   64 on tl.dot, K not split: each program still reads its weight tile once per row tile,
   where dequantising the whole weight first would write and read it again in 16 bits.
