@@ -58,7 +58,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from one_batch import copy_bandwidth  # bench/ is this script's folder
+import int4_sweep  # bench/ is this script's folder
+from one_batch import copy_bandwidth
 from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_call
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.fused_moe_triton import fused_experts
@@ -70,7 +71,6 @@ from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activ
 from specserve.engine.layers.int4_gemm import (
     TILED_MAX_ROWS, Int4Weight, dequantize_int4, dequantize_int4_gpu, interleave_for, pack_rows,
     w4a16_gemm)
-import int4_sweep
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
