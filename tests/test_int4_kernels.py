@@ -168,9 +168,13 @@ def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
         assert torch.equal(int4_linear_silu_and_mul(x, w), silu_and_mul(int4_linear_reference(x, w)))
 
 
-@pytest.mark.parametrize("interleave", [1, 4, 32])
-def test_dequantize_kernel_is_the_reference_bit_for_bit(interleave):
-    w = int4_weight(N, K, 32, seed=5, interleave=interleave)
+@pytest.mark.parametrize("interleave,group,k", [(1, 32, K), (4, 32, K), (32, 32, K), (32, K, K),
+                                                (16, 128, 512), (4, 48, 384)],
+                         ids=["plain", "w4", "w32-g32", "w32-per-channel", "w16-g128", "odd-group"])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(interleave, group, k):
+    """Every interleave, blocks spanning groups, groups spanning blocks, one group over K, and
+    a group size no block aligns with (48: a scale load per plane)."""
+    w = int4_weight(N, k, group, seed=5, interleave=interleave)
     assert torch.equal(dequantize_int4_gpu(w, torch.float16, block_n=32, block_words=16),
                        dequantize_int4(w, torch.float16))
 
@@ -299,7 +303,7 @@ for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
         print("compiled", name, m, variant)
 ptx = compile_sm90(g._dequantize_kernel, dict(
     qweight=t(i32), scales=t(f16), zeros=t(u8), out=t(bf16), N=4096, K=4096, n_groups=32,
-    group_size=128, BLOCK_N=64, BLOCK_WORDS=16, WORDS=32, PDL=True), 4, 1)
+    group_size=128, BLOCK_N=64, BLOCK_WORDS=16, WORDS=32, PLANES_PER_GROUP=4, PDL=True), 4, 1)
 print("compiled dequantize")
 """
 

@@ -289,13 +289,15 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
 def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
                         block_words: int = 16) -> torch.Tensor:
     """`dequantize_int4` by one Triton kernel (the large-M path's weight): a program unpacks
-    [block_n, block_words] packed words, whatever the interleave."""
+    [block_n, block_words] packed words, whatever the interleave and group size."""
     n, k = w.shape
     check_int4(w)
     out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // PACK, block_words))](
         w.qweight, w.scales, w.zeros, out, n, k, w.scales.shape[1], w.group_size,
-        BLOCK_N=block_n, BLOCK_WORDS=block_words, WORDS=w.interleave, num_warps=4,
+        BLOCK_N=block_n, BLOCK_WORDS=block_words, WORDS=w.interleave,
+        # planes sharing a group load its scales once; else (an odd group size) each plane
+        PLANES_PER_GROUP=plane_groups(w.group_size, k, w.interleave) or 1, num_warps=4,
         **launch_options(w.qweight.device))
     return out
 
@@ -458,8 +460,9 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(qweight, scales, zeros, out, N, K, n_groups, group_size,
                            BLOCK_N: tl.constexpr, BLOCK_WORDS: tl.constexpr, WORDS: tl.constexpr,
-                           PDL: tl.constexpr):
-        # Word i of a row holds codes 8 WORDS (i // WORDS) + WORDS j + i % WORDS, j = 0..7.
+                           PLANES_PER_GROUP: tl.constexpr, PDL: tl.constexpr):
+        # Word i of a row holds codes 8 WORDS (i // WORDS) + WORDS j + i % WORDS, j = 0..7;
+        # the scale and zero of a word's code are loaded once for PLANES_PER_GROUP planes.
         wait_for_predecessor(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
@@ -467,11 +470,13 @@ if triton is not None:
         mask = (offs_n < N)[:, None] & (words < K // 8)[None, :]
         packed = tl.load(qweight + rows[:, None] * (K // 8) + words[None, :], mask=mask, other=0)
         first = (words // WORDS) * (8 * WORDS) + words % WORDS
-        for j in tl.static_range(8):
-            cols = first + j * WORDS
-            at = rows[:, None] * n_groups + (tl.minimum(cols, K - 1) // group_size)[None, :]
+        for g in tl.static_range(8 // PLANES_PER_GROUP):
+            group = tl.minimum(first + g * PLANES_PER_GROUP * WORDS, K - 1) // group_size
+            at = rows[:, None] * n_groups + group[None, :]
             scale = tl.load(scales + at).to(tl.float32)
             zero = tl.load(zeros + at).to(tl.float32)
-            q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
-            tl.store(out + rows[:, None] * K + cols[None, :],
-                     ((q - zero) * scale).to(out.dtype.element_ty), mask=mask)
+            for p in tl.static_range(PLANES_PER_GROUP):
+                j = g * PLANES_PER_GROUP + p
+                q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+                tl.store(out + rows[:, None] * K + (first + j * WORDS)[None, :],
+                         ((q - zero) * scale).to(out.dtype.element_ty), mask=mask)
