@@ -193,22 +193,33 @@ def int4_linear_silu_and_mul(x: torch.Tensor, w: Int4Weight, bias: Optional[torc
 @functools.lru_cache(maxsize=None)
 def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = False,
                       device: torch.device = torch.device("cuda")) -> W4Config:
-    """`TUNED_W4_CONFIGS` where measured (`n`: output columns, of each half with `paired`),
-    else a rule not yet timed on a device (`bench/fp8_gemm.py --sweep` times it), chosen by
+    """`TUNED_W4_CONFIGS` where measured (`n`: output columns, of each half with `paired`; at
+    this M or the nearest measured one above, `_tuned_w4_config`), else a rule not yet timed on a device (`bench/fp8_gemm.py --sweep` times it), chosen by
     the instructions per weight element of the compiled loop (ptxas for sm_90, 8B shapes):
     tl.dot with the weight plane on the left (wgmma takes it from registers, x from shared
     memory) over tiles of 128 columns, 64 with the gate/up pair (more spill), about 5.4-5.6
     instructions an element; x on the left over 64 columns 6.2-6.3 (the padded x fragments
     are moved into place for every mma), multiply-and-sum 9-11. K split by `split_for`.
     Above MAX_ROWS: row tiles of 64 on tl.dot with x on the left, K not split."""
-    tuned = TUNED_W4_CONFIGS.get((m, n, k, group_size, paired))
+    tuned = _tuned_w4_config(m, n, k, group_size, paired)
     if tuned is not None:
-        return W4Config(**tuned)
+        return tuned
     if m > MAX_ROWS:
         return W4Config(block_n=64, split_k=1, num_warps=4, num_stages=4)
     block_n = 64 if paired else 128
     return W4Config(block_n=block_n, split_k=split_for(m, n, k, paired, block_n, device),
                     num_warps=4, num_stages=4, w_left=True)
+
+
+def _tuned_w4_config(m: int, n: int, k: int, group_size: int, paired: bool) -> Optional[W4Config]:
+    """The measured config of this shape at M, else at the nearest measured M above it up to
+    MAX_ROWS (a decode-sized kernel pads its rows anyway: a config measured at 16 rows serves
+    fewer; one measured at fewer may not fit more), else None."""
+    swept = [rows for rows, *shape in TUNED_W4_CONFIGS if tuple(shape) == (n, k, group_size, paired)
+             and m <= rows and (rows == m or rows <= MAX_ROWS)]
+    if not swept:
+        return None
+    return W4Config(**TUNED_W4_CONFIGS[min(swept), n, k, group_size, paired])
 
 
 def split_for(m: int, n: int, k: int, paired: bool, block_n: int,
