@@ -2,14 +2,15 @@
 its results as engine/layers/int4_tuned.py.
 
 Per weight shape, the layout is one choice for every M (the codes are interleaved at load):
-the smallest M swept picks it. A search per (shape, M) in two stages, about 21 configs at
+the smallest M swept picks it. A search per (shape, M) in two stages, about 19 configs at
 M = 1 and 9 above (Triton compiles each new one once, a second or two; the four 8B shapes at
-M = 1 and 16 take about 4 minutes on an H100):
+M = 1 and 16 should take about 4 minutes on an H100):
 
 1. every interleave W (16, 32, 64, 128 words: K steps of 128 to 1024 codes) times every
    product variant (tl.dot, tl.dot with the weight on the left, multiply-and-sum with the
-   bf16 rounding by a conversion or by integer ops; multiply-and-sum only at M <= 2 and
-   W <= 64, where its accumulators fit), each at the rule's tiles (128 columns, 64 with the
+   bf16 rounding by a conversion or by integer ops; multiply-and-sum only at M <= 2, where
+   its accumulators fit, and W <= 32: compiled, it takes 9-11 instructions a weight element
+   against tl.dot's 5.4-6.3), each at the rule's tiles (128 columns, 64 with the
    gate/up pair, for the weight on the left; 64 for x on the left; 32 for multiply-and-sum)
    and split; above the smallest M only the chosen W;
 2. from the best, one axis at a time (keeping the best so far): column tiles of 16 to 128
@@ -36,7 +37,7 @@ from specserve.engine.layers.int4_gemm import (
 
 INTERLEAVES = (16, 32, 64, 128)
 FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
-FMA_MAX_INTERLEAVE = 64  # and this interleave (wider: a thread's scale work grows, see int4_gemm)
+FMA_MAX_INTERLEAVE = 32  # and this interleave (see the module docstring)
 MAX_FMA_ACCUMULATORS = 128  # fp32 accumulators a thread of the multiply-and-sum path may hold
 TUNED_MODULE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "layers" / "int4_tuned.py"
 
