@@ -18,10 +18,10 @@ OUT=${OUT:-out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
 # NVLink multicast stays off in every process on the lent machines (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/site  # the wheels (also for a later call that skips the install)
 if [ -z "${SESSION_INSTALLED:-}" ]; then
   python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
       > /tmp/pip.log 2>&1 || echo "wheel install failed"
-  export PYTHONPATH=/tmp/site
   python -m pip install -q --no-deps --no-build-isolation . >> /tmp/pip.log 2>&1 || { echo "install failed"; tail /tmp/pip.log; }
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   export SESSION_INSTALLED=1
@@ -104,7 +104,7 @@ for phase in $1; do case $phase in
           # beside this one keep importing the session's).
           python $PWD/bench/fp8_gemm.py --install-int4 $LOGS/int4_tuned.json > $LOGS/w4install.log 2>&1 &&
             python -m pip install -q --no-deps --no-build-isolation --target /tmp/site_w4 . >> $LOGS/w4install.log 2>&1
-          PYTHONPATH=/tmp/site_w4:$PYTHONPATH run quant_8b_w4tuned $B --models llama-8b --batch-sizes 1,64 \
+          PYTHONPATH=/tmp/site_w4:/tmp/site run quant_8b_w4tuned $B --models llama-8b --batch-sizes 1,64 \
               --modes plain,chain --quantizations auto,awq --out $LOGS/quant_8b_w4tuned.json ;;
   gptfast) run gptfast python $PWD/bench/peers_gptfast.py --gpt-fast-path $PWD/wheels/gptfast --models llama-8b \
               --out $LOGS/gptfast.json
