@@ -283,24 +283,25 @@ def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypat
     assert worker.depth_steps == collections.Counter(chosen)
 
 
-def test_the_engine_feeds_each_steps_wall_time_to_the_table(pair, make_engine):
+def test_the_engine_feeds_each_steps_wall_time_to_the_table(pair, reference, make_engine):
     """Each step the policy chose reports its wall time (host clocks, between result reads):
-    with weight 1 the table holds the last one measured, a plausible step time."""
+    with weight 1 the table holds the last one measured, a plausible step time. The output
+    stays plain decoding's."""
+    prompts, params, expected = reference
     engine = make_engine(pair[0], spec=_spec(pair, "ngram"))
     worker = engine.core.worker
     start = {d: 1e6 for d in worker.workers}   # far above any real step: every one observed moves it
-    worker.policy = Recorded(StepTimes({4: start}), worker.estimate, observe_weight=1.0)
+    worker.policy = Recorded(StepTimes({8: start}), worker.estimate, observe_weight=1.0)
     worker.policy.chosen = []
     t0 = time.perf_counter()
-    engine.generate(prompt_token_ids=random_prompts(2, seed=4, max_len=12),
-                    sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
     elapsed = time.perf_counter() - t0
     # Equal at the start: the deepest first (the most tokens); once measured it is far cheaper
     # than the others' 1e6 s, which no step then measures.
     ran = set(worker.policy.chosen)
     assert ran
     for d in worker.workers:
-        seconds = worker.policy.times.seconds(4, d)
+        seconds = worker.policy.times.seconds(8, d)
         assert (0 < seconds < elapsed) if d in ran else seconds == 1e6
 
 
