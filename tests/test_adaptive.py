@@ -107,8 +107,18 @@ def test_a_step_observed_moves_its_bucket_and_depth_only():
     times.observe(2, 3, 10.0, weight=0.25)    # bs=2 pads to bucket 8
     assert times.seconds(8, 3) == 7.0
     assert (times.seconds(1, 0), times.seconds(1, 3), times.seconds(8, 0)) == (1.0, 2.0, 4.0)
-    times.observe(1, 0, 3.0, weight=1.0)
-    assert times.seconds(1, 0) == 3.0
+    times.observe(1, 0, 1.5, weight=1.0)
+    assert times.seconds(1, 0) == 1.5
+    times.observe(1, 3, 100.0, weight=0.25)  # an outlier counts as twice the current time
+    assert times.seconds(1, 3) == 2.5
+
+
+def test_one_slow_step_does_not_price_the_best_depth_out():
+    """A host pause of 100x a step, once, while the deepest runs: it stays the choice."""
+    policy = DepthPolicy(StepTimes({1: {0: 0.38, 1: 0.38, 4: 0.38, 7: 0.38}}), AcceptanceEstimate(4, prior=0.9))
+    assert policy.choose([1]) == 7
+    policy.observe(1, 7, 38.0)
+    assert [policy.choose([1]) for _ in range(3)] == [7, 7, 7]
 
 
 def test_deeper_drafts_priced_by_kernels_but_free_in_wall_time_go_deepest():

@@ -49,9 +49,12 @@ class StepTimes:
         return self._seconds[self.bucket(batch_size)][depth]
 
     def observe(self, batch_size: int, depth: int, seconds: float, weight: float) -> None:
-        """Move the bucket's time of `depth` toward a step's measured `seconds` by `weight`."""
+        """Move the bucket's time of `depth` toward a step's measured `seconds` by `weight`.
+        A sample counts as at most twice the current time: a pause of the host (a garbage
+        collection, a new request's work) must not price a depth out for good, since a depth
+        priced too high is not run again, so never measured again."""
         row = self._seconds[self.bucket(batch_size)]
-        row[depth] += weight * (seconds - row[depth])
+        row[depth] += weight * (min(seconds, 2 * row[depth]) - row[depth])
 
 
 class AcceptanceEstimate:
