@@ -93,6 +93,11 @@ def decode_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     return outputs, decode_tokens / decode_seconds, (sum(map(len, outputs)) / verify if verify else 1.0)
 
 
+def table_ms(times) -> dict:
+    """An adaptive engine's step-time table (spec/adaptive.py StepTimes) in ms."""
+    return {bs: {d: round(1000 * times.seconds(bs, d), 4) for d in times.depths} for bs in times.buckets}
+
+
 def demo_rows(args) -> list[dict]:
     copy = [(mode, shape, copy_prompts) for mode, shape in MODES.items() if mode in args.modes]
     repeat = [(mode, shape, repeat_prompts) for mode, shape in REPEAT_MODES.items() if mode in args.modes]
@@ -109,11 +114,20 @@ def workload_rows(args, workload: str, modes: list) -> list[dict]:
         with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=4)) as engine:
             prompts = make_prompts(engine.core.tokenizer, args.num_prompts, args.window, args.head)
             decode_speed(engine, [engine.core.tokenizer.encode(WARM_UP)], 16)  # first graph replays, allocations
+            worker = engine.core.worker
+            adaptive = getattr(worker, "policy", None) is not None
+            if adaptive:
+                worker.depth_steps.clear()
+                start_up = table_ms(worker.policy.times)
             outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens)
+            # An adaptive engine: the depths it ran, its step-time table at start-up and after
+            # the steps' wall times refined it.
+            choice = dict(depth_steps=dict(sorted(worker.depth_steps.items())), step_ms_start_up=start_up,
+                          step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
         plain = outputs if mode == "plain" else plain
         rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=1, decode_tokens_per_s=tps,
                          accept_length=accept, exact=outputs == plain,
-                         speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0))
+                         speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0, **choice))
         print(json.dumps(rows[-1]), flush=True)
         gc.collect()
         if torch.cuda.is_available():
@@ -138,13 +152,19 @@ def forced_rows(args) -> list[dict]:
         engine = Engine(EngineConfig(model=target, device=args.device, dtype="bfloat16", load_format="dummy",
                                      spec=spec, max_running_requests=max(batch_sizes), max_context_len=4096,
                                      gpu_memory_utilization=0.9, chunked_prefill_size=min(max(batch_sizes) * 128, 8192)))
+        adaptive = getattr(engine.core.worker, "policy", None) is not None
         for bs in batch_sizes:
+            if adaptive:
+                engine.core.worker.depth_steps.clear()
             r = run_one(engine, bs, 128, 64)
             plain = next((p for p in rows if p["mode"] == "plain" and p["batch_size"] == bs), None)
             rows.append(dict(model=args.shape, mode=mode, batch_size=bs, decode_tokens_per_s=r["decode_tokens_per_s"],
                              step_ms=r["step_ms"], accept_length=r["accept_length"],
                              syncs_per_step=r["syncs_per_step"],
                              speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
+            if adaptive:
+                rows[-1].update(depth_steps=dict(sorted(engine.core.worker.depth_steps.items())),
+                                step_ms_observed=table_ms(engine.core.worker.policy.times))
             print(json.dumps(rows[-1]), flush=True)
         engine.shutdown()
         del engine

@@ -2,7 +2,9 @@
 the engine's output unchanged by any choice of depths (spec/adaptive_worker.py)."""
 from __future__ import annotations
 
+import collections
 import random
+import time
 
 import pytest
 
@@ -100,6 +102,48 @@ def test_falls_back_to_plain_and_probes_back_when_acceptance_recovers():
     assert policy.choose(ROWS) == 5
 
 
+def test_a_step_observed_moves_its_bucket_and_depth_only():
+    times = StepTimes({1: {0: 1.0, 3: 2.0}, 8: {0: 4.0, 3: 6.0}})
+    times.observe(2, 3, 10.0, weight=0.25)    # bs=2 pads to bucket 8
+    assert times.seconds(8, 3) == 7.0
+    assert (times.seconds(1, 0), times.seconds(1, 3), times.seconds(8, 0)) == (1.0, 2.0, 4.0)
+    times.observe(1, 0, 1.5, weight=1.0)
+    assert times.seconds(1, 0) == 1.5
+    times.observe(1, 3, 100.0, weight=0.25)  # an outlier counts as twice the current time
+    assert times.seconds(1, 3) == 2.5
+
+
+def test_one_slow_step_does_not_price_the_best_depth_out():
+    """A host pause of 100x a step, once, while the deepest runs: it stays the choice."""
+    policy = DepthPolicy(StepTimes({1: {0: 0.38, 1: 0.38, 4: 0.38, 7: 0.38}}), AcceptanceEstimate(4, prior=0.9))
+    assert policy.choose([1]) == 7
+    policy.observe(1, 7, 38.0)
+    assert [policy.choose([1]) for _ in range(3)] == [7, 7, 7]
+
+
+def test_deeper_drafts_priced_by_kernels_but_free_in_wall_time_go_deepest():
+    """The start-up table (device time alone) makes 7 drafts cost 1.7x 4, more than the 8
+    tokens against 5 that whole copies give, so depth 4 wins; the loop's steps then take the
+    same wall time at every depth (the host's per-step work dominates: the demo pair at bs=1),
+    and once observed the deepest wins, after a few tries of the cheap depth it had not run."""
+    device = {0: 0.08, 1: 0.09, 4: 0.12, 7: 0.204}
+    policy = DepthPolicy(StepTimes({1: device}), AcceptanceEstimate(4, prior=0.5, decay=0.5))
+    for _ in range(20):
+        policy.estimate.update(4, [1], [5])  # every draft accepted
+    chosen = []
+    for _ in range(40):
+        depth = policy.choose([1])
+        chosen.append(depth)
+        policy.observe(1, depth, 0.38)       # wall time per step, whatever the depth
+    assert chosen[0] == 4
+    assert chosen[-20:] == [7] * 20
+    assert chosen.count(7) > 30 and 0 not in chosen   # plain: never worth a try at this acceptance
+    # Without observing, the device-only table keeps choosing depth 4.
+    fixed = DepthPolicy(StepTimes({1: device}), policy.estimate, observe_weight=0.0)
+    fixed.observe(1, 4, 0.38)
+    assert fixed.choose([1]) == 4 and fixed.times.seconds(1, 4) == 0.12
+
+
 @pytest.mark.parametrize("seconds,field", [
     ({}, "step_times"),
     ({1: {1: 5.0, 3: 6.0}}, "step_times"),            # no plain step
@@ -118,6 +162,8 @@ def test_bad_settings_are_refused_naming_the_field():
         AcceptanceEstimate(4, decay=1.0)
     with pytest.raises(ValueError, match=r"^probe_every:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=0)
+    with pytest.raises(ValueError, match=r"^observe_weight:"):
+        DepthPolicy(TIMES, AcceptanceEstimate(4), observe_weight=1.5)
 
 
 # --- the engine: any choice of depths leaves the output unchanged ---------------------------------
@@ -139,6 +185,9 @@ class RandomDepths:
     def choose(self, rows) -> int:
         self.chosen.append(self.rng.choice(self.depths))
         return self.chosen[-1]
+
+    def observe(self, batch_size: int, depth: int, seconds: float) -> None:
+        pass
 
 
 def _spec(pair, algorithm: str, **kwargs) -> SpecConfig:
@@ -199,7 +248,7 @@ def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, mak
     assert all(times.seconds(bs, d) > 0 for bs in (1, 4) for d in times.depths)
     # Measured times are the machine's: choose by a table where drafting is free, so that the
     # steps draft (and their acceptance is measured) whatever this machine timed.
-    worker.policy = DepthPolicy(StepTimes({4: {d: 1.0 for d in times.depths}}), worker.estimate)
+    worker.policy = DepthPolicy(StepTimes({4: {d: 1.0 for d in times.depths}}), worker.estimate, observe_weight=0.0)
     rows = list(range(1, 5))
     before = worker.estimate.rate(rows)
     prompts = random_prompts(4, seed=5, max_len=20)
@@ -229,7 +278,7 @@ def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypat
     engine = make_engine(pair[0], spec=_spec(pair, "eagle"))
     worker = engine.core.worker
     table = StepTimes({4: {d: 1.0 if d == 0 else spec_cost for d in worker.workers}})
-    worker.policy = Recorded(table, worker.estimate, probe_every=8)
+    worker.policy = Recorded(table, worker.estimate, probe_every=8, observe_weight=0.0)
     worker.policy.chosen = []
     launched = []  # (depth of the worker that ran the step, its verify's node count)
     for depth, sub in worker.workers.items():
@@ -241,6 +290,29 @@ def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypat
     chosen = worker.policy.chosen
     assert chosen.count(expected_depth) > len(chosen) * 0.8
     assert launched == [(d, d + 1) for d in chosen]
+    assert worker.depth_steps == collections.Counter(chosen)
+
+
+def test_the_engine_feeds_each_steps_wall_time_to_the_table(pair, reference, make_engine):
+    """Each step the policy chose reports its wall time (host clocks, between result reads):
+    with weight 1 the table holds the last one measured, a plausible step time. The output
+    stays plain decoding's."""
+    prompts, params, expected = reference
+    engine = make_engine(pair[0], spec=_spec(pair, "ngram"))
+    worker = engine.core.worker
+    start = {d: 1e6 for d in worker.workers}   # far above any real step: every one observed moves it
+    worker.policy = Recorded(StepTimes({8: start}), worker.estimate, observe_weight=1.0)
+    worker.policy.chosen = []
+    t0 = time.perf_counter()
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    elapsed = time.perf_counter() - t0
+    # Equal at the start: the deepest first (the most tokens); once measured it is far cheaper
+    # than the others' 1e6 s, which no step then measures.
+    ran = set(worker.policy.chosen)
+    assert ran
+    for d in worker.workers:
+        seconds = worker.policy.times.seconds(8, d)
+        assert (0 < seconds < elapsed) if d in ran else seconds == 1e6
 
 
 def test_adaptive_config_errors_name_the_field():

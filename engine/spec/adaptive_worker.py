@@ -11,14 +11,17 @@ walks a fixed draft shape); prefills run on the deepest worker (their drafter bo
 not depend on the depth).
 
 Acceptance reaches the policy, per request row, when the scheduler reads a step's result (the
-host has it then: no sync added); a row starts from the prior when a prefill ends into it. The step times are measured once, after the graphs are captured
+host has it then: no sync added); a row starts from the prior when a prefill ends into it. So
+does the step's wall time (host clocks only: from its launch, or the previous result read if
+later, to its read), which refines the start-up table (spec/adaptive.py DepthPolicy). The step times are measured once, after the graphs are captured
 (`measure_step_times`): each depth's step replayed on its static inputs per batch-size bucket
 (eagerly, off CUDA, at the smallest and largest bucket).
 """
 from __future__ import annotations
 
+import collections
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,13 +41,12 @@ def adaptive_depths(num_steps: int) -> tuple[int, ...]:
 
 
 class ObservedResult:
-    """A step's PendingResult whose host read also feeds the acceptance estimate."""
+    """A step's PendingResult whose host read is also reported: `on_read(result, read_at)`
+    (perf_counter seconds)."""
 
-    def __init__(self, pending: PendingResult, depth: int, rows: list[int], estimate: AcceptanceEstimate):
+    def __init__(self, pending: PendingResult, on_read: Callable[[StepResult, float], None]):
         self.pending = pending
-        self.depth = depth
-        self.rows = rows
-        self.estimate = estimate
+        self.on_read = on_read
 
     @property
     def copy_done(self):
@@ -52,7 +54,7 @@ class ObservedResult:
 
     def wait(self) -> StepResult:
         result = self.pending.wait()
-        self.estimate.update(self.depth, self.rows, result.accept_lens.tolist())
+        self.on_read(result, time.perf_counter())
         return result
 
 
@@ -66,6 +68,8 @@ class AdaptiveSpecWorker:
         self.deepest = self.workers[spec.num_steps]
         self.estimate = AcceptanceEstimate(target.req_to_token.num_rows)
         self.policy: Optional[DepthPolicy] = None  # once measure_step_times ran
+        self.depth_steps: collections.Counter[int] = collections.Counter()  # decode steps run per depth
+        self._last_read = 0.0  # perf_counter of the last step result read
 
     # What the engine reads of a worker: the deepest's (it runs prefills and constrained steps).
     @property
@@ -89,7 +93,11 @@ class AdaptiveSpecWorker:
 
     def launch_extend(self, step: ExtendStep) -> Launched:
         self.estimate.reset([row for row, samples in zip(step.rows, step.samples) if samples])
-        return self.deepest.launch_extend(step)
+        launched = self.deepest.launch_extend(step)
+        return launched._replace(result=ObservedResult(launched.result, self._read_extend))
+
+    def _read_extend(self, result: StepResult, read_at: float) -> None:
+        self._last_read = read_at
 
     def mixed_row_tokens(self) -> int:
         """No mixed steps: prompts get extends of their own (each depth's step times are
@@ -97,12 +105,19 @@ class AdaptiveSpecWorker:
         return 0
 
     def launch_decode(self, step: DecodeStep) -> Launched:
-        if step.grammar is not None or self.policy is None:
-            depth = self.spec.num_steps
-        else:
-            depth = self.policy.choose(step.rows)
+        policy = None if step.grammar is not None else self.policy  # the policy's own choice
+        depth = self.spec.num_steps if policy is None else policy.choose(step.rows)
+        self.depth_steps[depth] += 1
+        launched_at = time.perf_counter()
         launched = self.workers[depth].launch_decode(step)
-        return launched._replace(result=ObservedResult(launched.result, depth, step.rows, self.estimate))
+
+        def read(result: StepResult, read_at: float) -> None:
+            self.estimate.update(depth, step.rows, result.accept_lens.tolist())
+            if policy is not None:
+                policy.observe(len(step.rows), depth, read_at - max(launched_at, self._last_read))
+            self._last_read = read_at
+
+        return launched._replace(result=ObservedResult(launched.result, read))
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False,
                            sampled: bool = True) -> None:
