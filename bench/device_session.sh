@@ -52,7 +52,7 @@ for phase in $1; do case $phase in
           files=${TESTS:-test_fp8_checkpoints.py}; [ "$phase" != tests ] && files=${phase#tests:}
           select=()  # @a+b: only tests whose ids hold a or b (pytest -k "a or b")
           [[ $files == *@* ]] && { words=${files#*@}; select=(-k "${words//+/ or }"); files=${files%%@*}; }
-          run pytest_${LANE:-0}_$((++ntests)) pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
+          run pytest_${LANE:-main}_$$_$((++ntests)) pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
               -o faulthandler_timeout=280 "${select[@]}" $(for t in ${files//,/ }; do echo "$PWD/tests/$t"; done) ;;
   kernels) run fp8_gemm python $PWD/bench/fp8_gemm.py --out $LOGS/fp8_gemm.json ;;
   sweep)  run sweep python $PWD/bench/fp8_gemm.py --sweep --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} \
