@@ -183,6 +183,26 @@ def random_prompts(n: int, *, seed: int, min_len: int = 1, max_len: int = 40,
     return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
 
 
+def copying_prompts() -> list[list[int]]:
+    """Prompts for copying drafters (n-gram, suffix): random ones, and ones that repeat
+    themselves."""
+    plain = random_prompts(6, seed=3, max_len=24)
+    return plain + [p + p[: len(p) // 2] + p for p in random_prompts(4, seed=8, min_len=4, max_len=12)]
+
+
+def plain_copying_reference(target: str) -> tuple[list, list, list]:
+    """(prompts, params, plain greedy decoding's tokens) over `copying_prompts`, of mixed
+    lengths: requests finish while others still decode."""
+    from specserve.engine import Engine, EngineConfig, SamplingParams
+
+    prompts = copying_prompts()
+    params = [SamplingParams(max_new_tokens=[1, 2, 17, 40][i % 4], temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
+    with Engine(EngineConfig(model=target, device="cpu", dtype="float32", spec=None)) as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
+    return prompts, params, [o.token_ids for o in outs]
+
+
 def assert_slot_accounting(engine) -> None:
     """Every KV slot is exactly one of: free, held by the prefix cache, owned by a running
     request (its row past its cached or shared prefix), or by the shared prompt prefix of an

@@ -162,6 +162,17 @@ def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(body) for s in family.samples}
 
 
+def assert_spec_method_metrics(metrics_url: str, method: str, outputs: list, draft_depth: int) -> None:
+    """/metrics counts the verify steps and accepted drafts of `outputs` (the client's
+    generate results, all of this server's calls) under their draft method, and its depth."""
+    samples = metric_samples(metrics_url)
+    labels = (("method", method),)
+    assert samples[("specserve_spec_method_verify_steps_total", labels)] == sum(o.spec.verify_steps for o in outputs)
+    assert samples[("specserve_spec_method_accepted_draft_tokens_total", labels)] == \
+        sum(o.spec.accepted_drafts for o in outputs)
+    assert samples[("specserve_spec_draft_depth", labels)] == draft_depth
+
+
 # server/request_record.py TTFT_STAGES, in order (the access log's ttft_stages_ms, the
 # specserve_ttft_stage_seconds labels).
 TTFT_STAGE_NAMES = ("prepare", "submit", "to_engine", "engine_queue", "prefill", "to_server",

@@ -2,12 +2,14 @@
 engine's output exactly plain decoding's (both loops, graphs, grammars, n > 1, retraction)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from helpers import graphed_engine, make_predictable_pair, random_prompts, run_aborting, steady_state_steps
+from helpers import (copying_prompts, graphed_engine, make_predictable_pair, plain_copying_reference, random_prompts,
+                     run_aborting, steady_state_steps)
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.spec.ngram import propose
@@ -84,22 +86,9 @@ def target(tmp_path_factory):
     return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))[0]
 
 
-def _prompts():
-    """Random prompts, and prompts that repeat themselves."""
-    plain = random_prompts(6, seed=3, max_len=24)
-    return plain + [p + p[: len(p) // 2] + p for p in random_prompts(4, seed=8, min_len=4, max_len=12)]
-
-
 @pytest.fixture(scope="module")
 def reference(target):
-    from specserve.engine import Engine, EngineConfig
-
-    prompts = _prompts()
-    params = [SamplingParams(max_new_tokens=[1, 2, 17, 40][i % 4], temperature=0.0, ignore_eos=True)
-              for i in range(len(prompts))]
-    with Engine(EngineConfig(model=target, device="cpu", dtype="float32", spec=None)) as engine:
-        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
-    return prompts, params, [o.token_ids for o in outs]
+    return plain_copying_reference(target)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -145,7 +134,7 @@ def test_captured_steps_equal_eager(target, reference, make_engine, monkeypatch)
 
 
 def test_seeded_sampling_and_n_sequences_equal_plain_decoding(target, make_engine):
-    prompts = _prompts()[:3] + _prompts()[-2:]
+    prompts = copying_prompts()[:3] + copying_prompts()[-2:]
     params = [SamplingParams(max_new_tokens=30, temperature=t, top_p=p, seed=100 + i, n=n, ignore_eos=True)
               for i, (t, p, n) in enumerate([(0.8, 1.0, 1), (1.0, 0.9, 3), (0.6, 1.0, 2), (0.0, 1.0, 2),
                                              (0.7, 0.95, 1)])]
@@ -171,18 +160,21 @@ def test_retraction_and_abort(target, reference, make_engine, overlap):
     assert {rid: outs[rid] for rid in reasons} == {str(i): expected[i] for i in range(len(prompts))}
 
 
+@pytest.mark.parametrize("algorithm", ["ngram", "suffix"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_constrained_requests_equal_plain_decoding(target, make_engine, overlap):
+def test_constrained_requests_equal_plain_decoding(target, make_engine, overlap, algorithm):
     """The grammar process masks the verify tree (copied drafts are not masked): constrained
-    and unconstrained requests in one batch decode as plain decoding does."""
-    prompts = _prompts()[:6]
+    and unconstrained requests in one batch decode as plain decoding does (twice: the second
+    time suffix drafting finds the first's outputs in its corpus)."""
+    prompts = copying_prompts()[:6]
     params = [SamplingParams(max_new_tokens=24, temperature=0.0,
                              grammar=GrammarSpec("json_object") if i % 2 else
                              GrammarSpec("regex", r"(ab|c){3,12}x") if i % 3 == 0 else None)
               for i in range(len(prompts))]
     expected = [o.token_ids for o in make_engine(target).generate(prompt_token_ids=prompts, sampling=params)]
-    engine = make_engine(target, spec=NGRAM, enable_overlap=overlap)
-    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    engine = make_engine(target, spec=dataclasses.replace(NGRAM, algorithm=algorithm), enable_overlap=overlap)
+    for _ in range(2):
+        assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -208,7 +200,7 @@ def test_cli_takes_ngram_without_a_draft_model():
 def test_server_speculates_with_ngram_and_reports_it_by_method(target):
     """`serve --speculative-algorithm ngram`: no draft model, greedy output unchanged, and the
     metrics by method."""
-    from server_harness import ServerProcess, free_port, metric_samples
+    from server_harness import ServerProcess, assert_spec_method_metrics, free_port
     from specserve.engine import Engine, EngineConfig
 
     prompt = "abcabcabc def abcabc"
@@ -222,11 +214,7 @@ def test_server_speculates_with_ngram_and_reports_it_by_method(target):
             assert (info.spec.algorithm, info.spec.num_draft_tokens, info.spec.draft_model) == ("ngram", 4, "")
             out = client.generate(prompt, max_new_tokens=40, temperature=0, ignore_eos=True)
             assert out.token_ids == expected and out.spec.accepted_drafts > 0
-        samples = metric_samples(f"http://127.0.0.1:{port}/metrics")
-        method = (("method", "ngram"),)
-        assert samples[("specserve_spec_method_verify_steps_total", method)] == out.spec.verify_steps
-        assert samples[("specserve_spec_method_accepted_draft_tokens_total", method)] == out.spec.accepted_drafts
-        assert samples[("specserve_spec_draft_depth", method)] == 3
+        assert_spec_method_metrics(f"http://127.0.0.1:{port}/metrics", "ngram", [out], draft_depth=3)
     finally:
         assert server.stop() == 0
 

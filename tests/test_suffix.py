@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
-from helpers import graphed_engine, make_tiny_checkpoint, random_prompts, run_aborting
+from helpers import (copying_prompts, graphed_engine, make_tiny_checkpoint, plain_copying_reference, random_prompts,
+                     run_aborting)
 
-from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
+from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime.device import CpuDeviceContext
 from specserve.engine.spec.ngram import propose
 from specserve.engine.spec.suffix import SENTINEL, SuffixCorpus, propose_across
@@ -149,24 +150,9 @@ def target(tmp_path_factory):
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("target")), seed=3)
 
 
-def _prompts():
-    """Random prompts, and prompts that repeat themselves."""
-    plain = random_prompts(6, seed=3, max_len=24)
-    return plain + [p + p[: len(p) // 2] + p for p in random_prompts(4, seed=8, min_len=4, max_len=12)]
-
-
 @pytest.fixture(scope="module")
 def reference(target):
-    """Plain decoding's outputs. Mixed lengths: requests finish (and reach the corpus) while
-    others still decode."""
-    from specserve.engine import Engine, EngineConfig
-
-    prompts = _prompts()
-    params = [SamplingParams(max_new_tokens=[1, 2, 17, 40][i % 4], temperature=0.0, ignore_eos=True)
-              for i in range(len(prompts))]
-    with Engine(EngineConfig(model=target, device="cpu", dtype="float32", spec=None)) as engine:
-        outs = engine.generate(prompt_token_ids=prompts, sampling=params)
-    return prompts, params, [o.token_ids for o in outs]
+    return plain_copying_reference(target)
 
 
 def _answer_without_repeats() -> list[int]:
@@ -239,7 +225,7 @@ def test_captured_steps_equal_eager(target, reference, make_engine, monkeypatch)
 
 
 def test_seeded_sampling_and_n_sequences_equal_plain_decoding(target, make_engine):
-    prompts = _prompts()[:3] + _prompts()[-2:]
+    prompts = copying_prompts()[:3] + copying_prompts()[-2:]
     params = [SamplingParams(max_new_tokens=[30, 12][i % 2], temperature=t, top_p=p, seed=100 + i, n=n,
                              ignore_eos=True)
               for i, (t, p, n) in enumerate([(0.8, 1.0, 1), (1.0, 0.9, 3), (0.6, 1.0, 2), (0.0, 1.0, 2),
@@ -270,19 +256,6 @@ def test_retraction_and_abort(target, reference, make_engine, overlap):
     prompt_of = {"gone": prompts[0], **{str(i): p for i, p in enumerate(prompts)}}
     records = [min(3, len(prompt_of[rid])) + len(out) + 1 for rid, out in outs.items() if out]
     assert int(engine.core.worker.drafter.corpus.head) == sum(records)  # the aborted one's too
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_constrained_requests_equal_plain_decoding(target, make_engine, overlap):
-    prompts = _prompts()[:6]
-    params = [SamplingParams(max_new_tokens=24, temperature=0.0,
-                             grammar=GrammarSpec("json_object") if i % 2 else
-                             GrammarSpec("regex", r"(ab|c){3,12}x") if i % 3 == 0 else None)
-              for i in range(len(prompts))]
-    expected = [o.token_ids for o in make_engine(target).generate(prompt_token_ids=prompts, sampling=params)]
-    engine = make_engine(target, spec=SUFFIX, enable_overlap=overlap)
-    for _ in range(2):
-        assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -330,7 +303,7 @@ def test_cli_errors_name_the_flag(flags, flag):
 def test_server_speculates_with_suffix_and_reports_it_by_method(target):
     """`serve --speculative-algorithm suffix`: no draft model; a repeated request's greedy
     output is unchanged and drafted from the first's; the metrics by method."""
-    from server_harness import ServerProcess, free_port, metric_samples
+    from server_harness import ServerProcess, assert_spec_method_metrics, free_port
 
     prompt = _answer_without_repeats()
     port = free_port()
@@ -344,12 +317,7 @@ def test_server_speculates_with_suffix_and_reports_it_by_method(target):
                     for _ in range(2)]
             assert outs[1].token_ids == outs[0].token_ids
             assert outs[1].spec.accepted_drafts == 30 > outs[0].spec.accepted_drafts
-        samples = metric_samples(f"http://127.0.0.1:{port}/metrics")
-        method = (("method", "suffix"),)
-        assert samples[("specserve_spec_method_verify_steps_total", method)] == sum(o.spec.verify_steps for o in outs)
-        assert samples[("specserve_spec_method_accepted_draft_tokens_total", method)] == \
-            sum(o.spec.accepted_drafts for o in outs)
-        assert samples[("specserve_spec_draft_depth", method)] == 3
+        assert_spec_method_metrics(f"http://127.0.0.1:{port}/metrics", "suffix", outs, draft_depth=3)
     finally:
         assert server.stop() == 0
 
