@@ -4,6 +4,8 @@ GB/s, % of copy bandwidth, TFLOP/s, and each quantized variant's error.
     python bench/fp8_gemm.py --out bench_fp8_gemm.json
     python bench/fp8_gemm.py --shapes 8b.qkv,8b.down --rows 1,16 --no-moe --out quick.json
     python bench/fp8_gemm.py --sweep --shapes 8b.qkv --rows 1,16 --no-moe --out sweep.json
+    python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
+        --rows 1,16 --no-moe --int4-tuned int4_tuned.json      # then --install-int4 int4_tuned.json
 
 Dense weights (one rank, 128x128 FP8 blocks as DeepSeek-style checkpoints have them), for each
 M (rows: decode batch sizes up to 16, prefill chunks above), the variants that apply:
@@ -37,9 +39,13 @@ The MoE part: DeepSeek-V3's routed experts (256 experts, top-8, hidden 7168, int
 random routing each call; bytes are the experts a call touches.
 
 A variant that fails prints its error and the rest go on. The last table summarises.
-`--sweep` (long: split it over runs with --shapes/--rows) also searches W8A16 skinny configs
-and W4A16 decode configs at M <= 16 (bench/skinny_gemm.py's coordinate descent from each
-default) and prints the best three per shape and M: the data for their rules.
+`--variants` keeps the variants named by prefix (and the bf16 ones, to compare with).
+`--sweep` (long: split it over runs with --shapes/--rows) also searches, at M <= 16, W8A16
+skinny configs (bench/skinny_gemm.py's coordinate descent from the default) and W4A16 decode
+configs and layouts (bench/int4_sweep.py's two stages), and prints the best three per shape and
+M. The W4A16 winners are printed as a table beside bf16 and the rule, and written as JSON
+(`--int4-tuned`); `--install-int4 JSON` writes them into engine/layers/int4_tuned.py, the
+kernel's tuned tables.
 """
 from __future__ import annotations
 
@@ -52,8 +58,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from one_batch import copy_bandwidth  # bench/ is this script's folder
+import int4_sweep  # bench/ is this script's folder
+from one_batch import copy_bandwidth
 from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_call
+from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.skinny_gemm import (
     MAX_ROWS, default_config, fp8_weight_config, skinny_gemm)
@@ -61,7 +69,7 @@ from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
 from specserve.engine.layers.int4_gemm import (
-    TILED_MAX_ROWS, Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu, pack_rows,
+    TILED_MAX_ROWS, Int4Weight, dequantize_int4, dequantize_int4_gpu, interleave_for, pack_rows,
     w4a16_gemm)
 
 SHAPES = {  # name: (N, K) of the weight
@@ -105,17 +113,27 @@ class Weights:
                 self.rowwise.append((w8_row.t(), s_row.t().contiguous()))  # [K, N] column-major
         # INT4 copies: half FP8's bytes each, so twice as many rotate through L2.
         self.int4 = [random_int4(n, k, device) for _ in range(2 * copies)]
+        self._int4_layouts = {self.int4[0].interleave: self.int4}
         self.n, self.k = n, k
         self.scale_bytes = self.fp8[0][1].values.numel() * 4
         self.int4_extra_bytes = n * (k // INT4_GROUP) * 3  # fp16 scales and uint8 zeros
 
+    def int4_at(self, interleave: int) -> list[Int4Weight]:
+        """The INT4 copies with their codes interleaved in blocks of 8 * interleave (made once)."""
+        if interleave not in self._int4_layouts:
+            self._int4_layouts[interleave] = [int4_sweep.relayout(w, interleave) for w in self.int4]
+        return self._int4_layouts[interleave]
+
 
 def random_int4(n: int, k: int, device) -> Int4Weight:
-    """Random codes, zero points and scales of a weight of std ~0.02 in group-128 INT4."""
+    """Random codes, zero points and scales of a weight of std ~0.02 in group-128 INT4, in the
+    layout the loader gives it (`interleave_for`)."""
     codes = torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8)
     groups = k // INT4_GROUP
-    return Int4Weight(pack_rows(codes), torch.full((n, groups), 0.0043, device=device).half(),
-                      torch.randint(6, 10, (n, groups), device=device, dtype=torch.uint8), INT4_GROUP)
+    words = interleave_for(n, k, INT4_GROUP)
+    return Int4Weight(pack_rows(codes, words), torch.full((n, groups), 0.0043, device=device).half(),
+                      torch.randint(6, 10, (n, groups), device=device, dtype=torch.uint8), INT4_GROUP,
+                      words)
 
 
 def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
@@ -167,6 +185,8 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
             reference = x0.float() @ dequantize(*weights.fp8[0], torch.float32).t()
             int4_reference = x0.float() @ dequantize_int4(weights.int4[0], torch.bfloat16).float().t()
             for variant, (kind, op) in dense_variants(m, n, k).items():
+                if not selected(args, variant):
+                    continue
                 pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise,
                         "int4": weights.int4}[kind]
                 weight_bytes = n * k * {"bf16": 2, "int4": 0.5}.get(kind, 1)
@@ -192,40 +212,75 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if args.sweep and m <= MAX_ROWS:
-                sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
-                sweep_w4a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+                if selected(args, "w8a16"):
+                    sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+                if selected(args, "w4a16"):
+                    sweep_w4a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
             del inputs
         del weights
         torch.cuda.empty_cache()
 
 
+# The W8A16 search's axes: the skinny GEMM's, and the FP8 options (wide K steps over whole
+# scale blocks; deeper pipelines, the FP8 step being half the 16-bit step's bytes).
+W8A16_AXES = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512),
+              "split_k": (1, 2, 4, 8, 16), "num_warps": (2, 4, 8), "num_stages": (3, 4, 6, 8),
+              "fp8_wide": (False, True)}
+
+
 def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
                 num_calls: int, bandwidth: float, rows: list[dict]) -> None:
+    """The W8A16 skinny GEMM's coordinate descent over W8A16_AXES from the rule's config, gate/up
+    as the engine runs it (SiLU-and-mul); each config checked against the reference before
+    timed. Prints the best three and the winner as an FP8_TUNED_CONFIGS line
+    (engine/layers/skinny_gemm.py; the config before `fp8_weight_config`, which the kernel
+    applies)."""
     n, k = weights.n, weights.k
-    total = n * k + weights.scale_bytes + m * k * 2 + m * n * 2
+    paired = name.endswith("gate_up")
+    n_cols = n // 2 if paired else n
+    total = n * k + weights.scale_bytes + m * k * 2 + m * n_cols * 2
+    x0, (w0, s0) = inputs[0], weights.fp8[0]
+    expected = (x0.float() @ dequantize(w0, s0, torch.bfloat16).float().t()).bfloat16()
+    expected = silu_and_mul(expected) if paired else expected
 
     def time_config(c) -> float | None:
+        label = f"sweep {config_name(c)}{' wide' if c.fp8_wide else ''}"
+        try:
+            out = skinny_gemm(x0, w0, silu_mul=paired, config=c, scale=s0)
+        except Exception as e:  # the compiler's refusal (shared memory, registers)
+            print(f"{name} m={m} {label}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        if not torch.allclose(out.float(), expected.float(), rtol=2e-2, atol=2e-2):
+            print(f"{name} m={m} {label}: WRONG RESULT, left out")
+            return None
         calls = [lambda i=i: skinny_gemm(inputs[i % len(inputs)], weights.fp8[i % len(weights.fp8)][0],
-                                         config=c, scale=weights.fp8[i % len(weights.fp8)][1])
+                                         silu_mul=paired, config=c,
+                                         scale=weights.fp8[i % len(weights.fp8)][1])
                  for i in range(num_calls)]
-        return _record_sweep(rows, name, m, n, k, "sweep", c, calls, total, bandwidth)
+        return _record_sweep(rows, name, m, n, k, label, c, calls, total, bandwidth)
 
-    start = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda")), BLOCK[1], k)
-    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
-    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
-        print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+    start = default_config(m, n_cols, k, paired, torch.device("cuda"), fp8=True)
+    timed = sweep(start, m, n_cols, k, paired, args.sweep_rounds, time_config, W8A16_AXES)
+    ranked = sorted(timed.items(), key=lambda item: item[1])
+    for c, seconds in ranked[:3]:
+        print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us {100 * total / seconds / bandwidth:.0f}%  "
+              f"{config_name(c)}{' wide' if c.fp8_wide else ''}", flush=True)
+    if ranked:
+        c, seconds = ranked[0]
+        args.fp8_best.append(f"    {(m, n_cols, k, paired)!r}: {c!r},  # {name}: {seconds * 1e6:.1f} us, "
+                             f"{100 * total / seconds / bandwidth:.0f} %")
 
 
 def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: str, config,
                   calls: list, total: int, bandwidth: float) -> float | None:
-    """Seconds a call of one swept config takes (its row appended), or None where the compiler
-    refuses the config (shared memory)."""
+    """Seconds a call of one swept config (`label` names it) takes (its row appended), or None
+    where the compiler refuses the config (shared memory)."""
     try:
         seconds = time_per_call(calls)
     except Exception as e:
-        print(f"{name} m={m} {config_name(config)}: {type(e).__name__}: {str(e)[:120]}")
+        print(f"{name} m={m} {label}: {type(e).__name__}: {str(e)[:120]}")
         return None
-    rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=f"{label} {config_name(config)}",
+    rows.append(dict(part="sweep", shape=name, n=n, k=k, m=m, variant=label,
                      config=config._asdict(), us=seconds * 1e6, GBps=total / seconds / 1e9,
                      fraction_of_copy=total / seconds / bandwidth))
     return seconds
@@ -233,20 +288,67 @@ def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: st
 
 def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
                 num_calls: int, bandwidth: float, rows: list[dict]) -> None:
-    """The W4A16 decode kernel's configs by the same coordinate descent (its W4Config has the
-    skinny config's axes; K steps over several groups broadcast their scales)."""
+    """The W4A16 decode kernel's search (bench/int4_sweep.py) at this shape and M: gate/up as
+    the engine runs it (SiLU-and-mul); the layout is the one the smallest M swept chose."""
     n, k = weights.n, weights.k
-    total = n * k // 2 + weights.int4_extra_bytes + m * k * 2 + m * n * 2
+    paired = name.endswith("gate_up")
+    n_cols = n // 2 if paired else n
+    total = n * k // 2 + weights.int4_extra_bytes + m * k * 2 + m * n_cols * 2
 
-    def time_config(c) -> float | None:
-        calls = [lambda i=i: w4a16_gemm(inputs[i % len(inputs)], weights.int4[i % len(weights.int4)], config=c)
+    x0 = inputs[0]
+    expected = (x0.float() @ dequantize_int4(weights.int4[0], torch.bfloat16).float().t()).bfloat16()
+    expected = silu_and_mul(expected) if paired else expected
+
+    def time_config(c, words: int) -> float | None:
+        pool = weights.int4_at(words)
+        try:  # a config must compute the product before its time counts
+            out = w4a16_gemm(x0, pool[0], silu_mul=paired, config=c)
+        except Exception as e:  # the compiler's refusal (shared memory, registers)
+            print(f"{name} m={m} {int4_sweep.config_name(c, words)}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        if not torch.allclose(out.float(), expected.float(), rtol=2e-2, atol=2e-2):
+            print(f"{name} m={m} {int4_sweep.config_name(c, words)}: WRONG RESULT "
+                  f"(max error {(out.float() - expected.float()).abs().max().item():.3g}), left out")
+            return None
+        calls = [lambda i=i: w4a16_gemm(inputs[i % len(inputs)], pool[i % len(pool)],
+                                        silu_mul=paired, config=c)
                  for i in range(num_calls)]
-        return _record_sweep(rows, name, m, n, k, "sweep w4a16", c, calls, total, bandwidth)
+        return _record_sweep(rows, name, m, n, k, f"sweep w4a16 {int4_sweep.config_name(c, words)}", c,
+                             calls, total, bandwidth)
 
-    start = default_w4_config(m, n, k, INT4_GROUP, device=torch.device("cuda"))
-    timed = sweep(start, m, n, k, False, args.sweep_rounds, time_config)
-    for c, seconds in sorted(timed.items(), key=lambda item: item[1])[:3]:
-        print(f"best w4a16 {name} m={m}: {seconds * 1e6:.2f} us  {config_name(c)}", flush=True)
+    chosen = args.int4_layouts.get(name)
+    timed = int4_sweep.search(m, n_cols, k, INT4_GROUP, paired,
+                              (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config)
+    if not timed:
+        return
+    ranked = sorted(timed.items(), key=lambda item: item[1])
+    for (c, words), seconds in ranked[:3]:
+        print(f"best w4a16 {name} m={m}: {seconds * 1e6:.2f} us  {int4_sweep.config_name(c, words)}",
+              flush=True)
+    (c, words), seconds = ranked[0]
+    args.int4_layouts.setdefault(name, words)
+    args.int4_best[(m, n_cols, k, INT4_GROUP, paired, n)] = dict(
+        shape=name, config=c._asdict(), interleave=words, us=seconds * 1e6,
+        fraction_of_copy=total / seconds / bandwidth, name=int4_sweep.config_name(c, words))
+
+
+def print_int4_table(args, rows: list[dict]) -> None:
+    """The best W4A16 config per (shape, M) beside the 16-bit skinny GEMM and the default."""
+    print(f"\n{'shape':12} {'M':>3} {'bf16 us':>8} {'%':>4} {'w4 rule us':>10} {'%':>4} "
+          f"{'w4 best us':>10} {'%':>4}  best config")
+    for (m, _, _, _, _, _), best in sorted(args.int4_best.items(), key=lambda kv: (kv[1]["shape"], kv[0][0])):
+        def cell(variant: str) -> str:
+            r = next((r for r in rows if (r["shape"], r["m"], r["variant"]) == (best["shape"], m, variant)
+                      and "us" in r), None)
+            return f"{'-':>8} {'-':>4}" if r is None else f"{r['us']:8.1f} {100 * r['fraction_of_copy']:4.0f}"
+        print(f"{best['shape']:12} {m:3} {cell('skinny_bf16')} {cell('w4a16_kernel'):>15} "
+              f"{best['us']:10.1f} {100 * best['fraction_of_copy']:4.0f}  {best['name']}")
+
+
+def selected(args, variant: str) -> bool:
+    """--variants: the named variants (by prefix), and the 16-bit ones to compare with."""
+    return (not args.variants or variant in ("cublas_bf16", "skinny_bf16")
+            or any(variant.startswith(v) for v in args.variants.split(",")))
 
 
 def random_fp8_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, WeightScale]:
@@ -326,9 +428,19 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also search W8A16 skinny and W4A16 decode configs (M <= 16)")
     ap.add_argument("--sweep-rounds", type=int, default=1)
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant prefixes (e.g. w4a16); the bf16 ones always run")
+    ap.add_argument("--int4-tuned", default="int4_tuned.json",
+                    help="where --sweep writes the best W4A16 configs (for --install-int4)")
+    ap.add_argument("--install-int4", metavar="JSON",
+                    help="write a --int4-tuned file into engine/layers/int4_tuned.py and exit")
     ap.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args()
+    if args.install_int4:
+        print("wrote", int4_sweep.install(args.install_int4))
+        return
+    args.int4_layouts, args.int4_best, args.fp8_best = {}, {}, []
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows: list[dict] = []
@@ -345,6 +457,13 @@ def main():
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print_table([r for r in rows if r["part"] != "sweep"], bandwidth)
+    if args.fp8_best:
+        print("\nFP8_TUNED_CONFIGS entries (engine/layers/skinny_gemm.py):\n" + "\n".join(args.fp8_best))
+    if args.int4_best:
+        print_int4_table(args, rows)
+        int4_sweep.write_json(args.int4_tuned, torch.cuda.get_device_name(), args.int4_best)
+        print(f"wrote {args.int4_tuned}: install with "
+              f"python bench/fp8_gemm.py --install-int4 {args.int4_tuned}")
 
 
 if __name__ == "__main__":

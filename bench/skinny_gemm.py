@@ -117,12 +117,13 @@ def launchable(c: SkinnyConfig, m: int, n: int, k: int, silu: bool) -> bool:
 
 
 def sweep(start: SkinnyConfig, m: int, n: int, k: int, silu: bool, rounds: int,
-          time_config: Callable[[SkinnyConfig], Optional[float]]) -> dict[SkinnyConfig, float]:
-    """Coordinate descent over SWEEP_AXES from `start`: every config timed (seconds)."""
+          time_config: Callable[[SkinnyConfig], Optional[float]],
+          axes: Optional[dict[str, tuple]] = None) -> dict[SkinnyConfig, float]:
+    """Coordinate descent over `axes` (SWEEP_AXES) from `start`: every config timed (seconds)."""
     timed: dict[SkinnyConfig, float] = {}
     best = start
     for _ in range(rounds):
-        for field, values in SWEEP_AXES.items():
+        for field, values in (axes or SWEEP_AXES).items():
             for value in values:
                 c = best._replace(**{field: value})
                 if c in timed or not launchable(c, m, n, k, silu):

@@ -1,10 +1,13 @@
 """The W4A16 kernels (engine/layers/int4_gemm.py) against the torch reference.
 
 In the interpreter on the CPU (small shapes; N not a multiple of the column tile, group sizes
-32, 64 and one group over K): the decode kernel on tl.dot in fp32 (exact operands: the
-interpreter's bf16 dot is wrong) and on multiply-and-sum in fp16, split-K on and off (its
-arrival counters left at zero), with a bias and with the SiLU-and-mul epilogue; its mid-M row
-tiles; the dequantise kernel of the large-M path bit for bit; the pack/unpack round trip.
+32, 64 and one group over K, interleaves of 16 and 32 words): the decode kernel on tl.dot in
+fp32 (exact operands: the interpreter's bf16 dot is wrong), both operand orders, and on
+multiply-and-sum in fp16 (its fma dequantisation of 16-bit scales and the plain one of fp32
+scales), split-K on and off (its arrival counters left at zero), with a bias and with the
+SiLU-and-mul epilogue; the bf16 rounding by integer ops bit for bit; its mid-M row tiles; the
+dequantise kernel of the large-M path bit for bit at every interleave; the pack/unpack round
+trip and layout; the layout rules and refusals.
 Marked `gpu`: Llama-8B shapes in bf16, against the reference and inside a CUDA graph.
 """
 from __future__ import annotations
@@ -18,23 +21,26 @@ pytest.importorskip("triton")
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.int4_gemm import (  # noqa: E402
     Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
-    int4_linear, int4_linear_reference, int4_linear_silu_and_mul, pack_rows, step_groups,
-    unpack_rows, w4a16_gemm)
+    int4_linear, int4_linear_reference, int4_linear_silu_and_mul, interleave_for, pack_rows,
+    plane_groups, unpack_rows, w4a16_gemm)
 from specserve.engine.layers.skinny_gemm import SkinnyWorkspace  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N, K = 72, 256
 
 
-def int4_weight(n: int, k: int, group: int, seed: int, scale_dtype=torch.float16) -> Int4Weight:
-    """Random codes, zero points and scales (powers of two over 1/64..1/8 in the interpreter
-    tests: products with small-integer activations are exact, so only roundings differ)."""
+def int4_weight(n: int, k: int, group: int, seed: int, scale_dtype=torch.float16,
+                interleave: int = 16, scales: torch.Tensor | None = None) -> Int4Weight:
+    """Random codes, zero points and scales (powers of two over 1/64..1/8 unless given: products
+    with small-integer activations are exact, so only roundings differ)."""
     gen = torch.Generator().manual_seed(seed)
     groups = -(-k // group)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = (2.0 ** -torch.randint(3, 7, (n, groups), generator=gen)).to(scale_dtype)
+    if scales is None:
+        scales = (2.0 ** -torch.randint(3, 7, (n, groups), generator=gen)).to(scale_dtype)
     zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
-    return Int4Weight(pack_rows(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group)
+    return Int4Weight(pack_rows(codes, interleave).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE),
+                      group, interleave)
 
 
 def _workspace() -> SkinnyWorkspace:
@@ -57,17 +63,46 @@ def test_pack_unpack_round_trip_and_dequantize():
     torch.testing.assert_close(dequantize_int4(w), (codes.float() - 3) * 0.5, rtol=0, atol=0)
 
 
+def test_interleaved_layout():
+    """Interleave W: code 8 W b + W j + w at bits 4 j of word W b + w; the round trip and the
+    dequantised weight do not depend on W."""
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (3, 128), generator=gen, dtype=torch.uint8)
+    packed = pack_rows(codes, 4)
+    assert packed.shape == (3, 16) and torch.equal(unpack_rows(packed, 4), codes)
+    for k in (0, 5, 37, 127):
+        b, r = divmod(k, 32)
+        j, w = divmod(r, 4)
+        assert (int(packed[1, 4 * b + w]) >> (4 * j)) & 0xF == int(codes[1, k])
+    scales, zeros = torch.rand(3, 4).half(), torch.randint(0, 16, (3, 4), dtype=torch.uint8)
+    assert torch.equal(dequantize_int4(Int4Weight(packed, scales, zeros, 32, 4)),
+                       dequantize_int4(Int4Weight(pack_rows(codes), scales, zeros, 32)))
+
+
+def test_layout_rules():
+    """A plane lies in one group; K is whole blocks; the rule's interleave is the widest such
+    power of two up to 32."""
+    assert [plane_groups(128, 4096, words) for words in (16, 32, 128)] == [8, 4, 1]
+    assert plane_groups(4096, 4096, 128) == 8          # one group over K
+    assert plane_groups(32, 4096, 64) == 0             # a plane of 64 crosses groups of 32
+    assert plane_groups(128, 96 * 8, 128) == 0         # K not whole blocks of 1024
+    assert plane_groups(96, 768, 32) == 0              # blocks of 256 over groups of 96
+    assert interleave_for(4096, 4096, 128) == 32
+    assert interleave_for(4096, 3584, 128) == 32 and interleave_for(64, 96, 32) == 4
+    assert interleave_for(64, 4096, 32) == 32 and interleave_for(64, 4096, 16) == 16
+
+
 @pytest.mark.parametrize("group", [32, 64, K], ids=["g32", "g64", "per-channel"])
-@pytest.mark.parametrize("block_k", [32, 128], ids=["step-in-a-group", "step-over-groups"])
+@pytest.mark.parametrize("interleave", [16, 32])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-@pytest.mark.parametrize("m", [1, 5])
-def test_decode_kernel_on_dot_equals_the_reference(group, block_k, split_k, m):
-    """fp32 on tl.dot: K steps inside one group, or spanning 2 or 4 whole groups (their scales
-    and zeros broadcast); split-K; a bias."""
-    w = int4_weight(N, K, group, seed=group + m)
+@pytest.mark.parametrize("m,w_left", [(1, False), (5, True)], ids=["m1", "m5-w-left"])
+def test_decode_kernel_on_dot_equals_the_reference(group, interleave, split_k, m, w_left):
+    """fp32 on tl.dot, either operand order: blocks inside one group or spanning 2 or 4 whole
+    groups (a scale and zero a group, shared by its planes); split-K; a bias."""
+    w = int4_weight(N, K, group, seed=group + m, interleave=interleave)
     x = rows(m, K, seed=m)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    config = W4Config(block_n=32, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+    config = W4Config(block_n=32, split_k=split_k, num_warps=4, num_stages=2, w_left=w_left)
     workspace = _workspace()
     out = w4a16_gemm(x, w, bias, config=config, workspace=workspace)
     torch.testing.assert_close(out, int4_linear_reference(x, w, bias), rtol=0, atol=1e-5)
@@ -76,30 +111,49 @@ def test_decode_kernel_on_dot_equals_the_reference(group, block_k, split_k, m):
 
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("epilogue", ["plain", "bias", "silu_mul"])
-def test_decode_kernel_fp16_roundings_equal_the_reference(split_k, epilogue):
-    """Multiply-and-sum in fp16: the dequantised weight rounded to fp16 as the reference rounds
-    it, exact sums, one rounding of the output (bias added in fp32 first), then for the fused
-    gate/up weight silu_and_mul's roundings."""
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["fp16-scales", "fp32-scales"])
+def test_decode_kernel_fp16_roundings_equal_the_reference(split_k, epilogue, scale_dtype):
+    """Multiply-and-sum in fp16: the dequantised weight (by the fma of 16-bit scales, or
+    (q - z) s of fp32 ones) rounded to fp16 as the reference rounds it, exact sums, one
+    rounding of the output (bias added in fp32 first), then for the fused gate/up weight
+    silu_and_mul's roundings."""
     silu = epilogue == "silu_mul"
     n_rows = 2 * N if silu else N
-    w = int4_weight(n_rows, K, 32, seed=9)
+    w = int4_weight(n_rows, K, 32, seed=9, scale_dtype=scale_dtype)
     x = rows(3, K, seed=4, dtype=torch.float16)
     bias = (torch.randint(-8, 9, (n_rows,)) / 4).to(DEVICE, torch.float16) if epilogue == "bias" else None
-    config = W4Config(block_n=16, block_k=64, split_k=split_k, num_warps=4, num_stages=2, dot=False)
+    config = W4Config(block_n=16, split_k=split_k, num_warps=4, num_stages=2, dot=False)
     out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config, workspace=_workspace())
     reference = F.linear(x.double(), dequantize_int4(w, torch.float16).double(),
                          None if bias is None else bias.double()).to(torch.float16)
     assert torch.equal(out, silu_and_mul(reference) if silu else reference)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_bf16_rounding_by_integer_ops_is_the_reference_bit_for_bit(scale_dtype):
+    """`round_bits`: scales with every significant bit set (the products (q - z) s need
+    rounding to bf16, ties included), rows of x that pick one column each, so the output is
+    one dequantised weight each, exactly representable: it must be the reference's."""
+    gen = torch.Generator().manual_seed(7)
+    scales = (torch.rand(N, K // 64, generator=gen) * 0.05 + 0.001).to(scale_dtype)
+    w = int4_weight(N, K, 64, seed=8, scales=scales)
+    picks = torch.tensor([0, 3, 17, 64, 130, 255])
+    x = F.one_hot(picks, K).to(torch.bfloat16).to(DEVICE)
+    config = W4Config(block_n=32, split_k=2, num_warps=4, num_stages=2, dot=False, round_bits=True)
+    out = w4a16_gemm(x, w, config=config, workspace=_workspace())
+    expected = dequantize_int4(w, torch.bfloat16)[:, picks.to(DEVICE)].t()
+    assert not torch.equal(expected.float(), dequantize_int4(w)[:, picks.to(DEVICE)].t())  # rounded
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
 def test_mid_m_row_tiles_equal_the_reference(silu):
     """70 rows (two row tiles of 64, the second partial), fp32 on tl.dot, K not split, a bias."""
     n_rows = 2 * N if silu else N
-    w = int4_weight(n_rows, K, 32, seed=21)
+    w = int4_weight(n_rows, K, 32, seed=21, interleave=32)
     x = rows(70, K, seed=22) / 16  # gates of a few units: the interpreter's exp stays finite
     bias = torch.randn(n_rows, generator=torch.Generator().manual_seed(23)).to(DEVICE)
-    config = W4Config(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    config = W4Config(block_n=32, split_k=1, num_warps=4, num_stages=2)
     out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config)
     reference = int4_linear_reference(x, w, bias)
     torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
@@ -114,21 +168,33 @@ def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
         assert torch.equal(int4_linear_silu_and_mul(x, w), silu_and_mul(int4_linear_reference(x, w)))
 
 
-@pytest.mark.parametrize("group,block_k", [(64, 64), (32, 128)], ids=["one-group", "four-groups"])
-def test_dequantize_kernel_is_the_reference_bit_for_bit(group, block_k):
-    w = int4_weight(N, K, group, seed=5)
-    assert torch.equal(dequantize_int4_gpu(w, torch.float16, block_n=32, block_k=block_k),
+@pytest.mark.parametrize("interleave,group,k", [(1, 32, K), (4, 32, K), (32, 32, K), (32, K, K),
+                                                (16, 128, 512), (4, 48, 384)],
+                         ids=["plain", "w4", "w32-g32", "w32-per-channel", "w16-g128", "odd-group"])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(interleave, group, k):
+    """Every interleave, blocks spanning groups, groups spanning blocks, one group over K, and
+    a group size no block aligns with (48: a scale load per plane)."""
+    w = int4_weight(N, k, group, seed=5, interleave=interleave)
+    assert torch.equal(dequantize_int4_gpu(w, torch.float16, block_n=32, block_words=16),
                        dequantize_int4(w, torch.float16))
 
 
-def test_config_steps_take_whole_groups():
+def test_configs_and_refusals():
     cpu = torch.device("cpu")
-    assert default_w4_config(1, 4096, 4096, 128, device=cpu).block_k == 256
     config = default_w4_config(1, 1024, 4096, 128, device=cpu)
-    assert config.split_k > 1 and 4096 // config.split_k >= 512  # few tiles: K is split
-    assert (step_groups(128, 4096, 256), step_groups(128, 4096, 64), step_groups(4096, 4096, 256)) == (2, 1, 1)
-    with pytest.raises(AssertionError, match="must lie in one group of 48 or span whole ones"):
-        w4a16_gemm(rows(1, 96, 0), int4_weight(N, 96, 48, 0), config=W4Config(32, 32, 1, 4, 2))
+    assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
+    assert default_w4_config(1, 14336, 4096, 128, True, device=cpu).split_k == 1
+    assert default_w4_config(1, 6144, 4096, 128, device=cpu) == W4Config(128, 4, 4, 4, w_left=True)
+    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 1, 4, 4)  # row tiles
+    with pytest.raises(AssertionError, match="must lie in one group of 48"):
+        w4a16_gemm(rows(1, 384, 0), int4_weight(N, 384, 48, 0), config=W4Config(32, 1, 4, 2))
+    with pytest.raises(AssertionError, match="tl.dot takes planes of at least 16"):
+        w4a16_gemm(rows(1, K, 0), int4_weight(N, K, 32, 0, interleave=4), config=W4Config(32, 1, 4, 2))
+    with pytest.raises(AssertionError, match="blocks of 256 tile K = 384"):
+        w4a16_gemm(rows(1, 384, 0), int4_weight(N, 256, 32, 0, interleave=32)._replace(
+            qweight=torch.zeros(N, 48, dtype=torch.int32, device=DEVICE),
+            scales=torch.ones(N, 12, dtype=torch.float16, device=DEVICE),
+            zeros=torch.zeros(N, 12, dtype=torch.uint8, device=DEVICE)))
 
 
 def test_int4_linear_on_the_cpu_is_the_reference():
@@ -147,7 +213,8 @@ def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
     codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
     scales = (torch.rand((n, k // 128), generator=gen, device="cuda") * 0.01 + 0.001).half()
     zeros = torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda", dtype=torch.uint8)
-    return Int4Weight(pack_rows(codes), scales, zeros, 128)
+    interleave = interleave_for(n, k, 128)
+    return Int4Weight(pack_rows(codes, interleave), scales, zeros, 128, interleave)
 
 
 @pytest.mark.gpu
@@ -175,6 +242,36 @@ def test_gpu_int4_llama_shapes(shape, m):
     assert torch.equal(captured, out)
 
 
+VARIANTS = {"dot": {}, "w_left": dict(w_left=True), "fma": dict(dot=False),
+            "fma_bits": dict(dot=False, round_bits=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleave", [16, 32, 64, 128])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_gpu_int4_variants_and_layouts(interleave, variant, m):
+    """Every product variant at every interleave the sweep tries (multiply-and-sum at up to 2
+    rows, as the sweep), 8B gate/up with SiLU-and-mul and split-K, in bf16: within bf16
+    roundings of the reference; the bf16 weight rounding bit for bit (one-hot rows)."""
+    if variant.startswith("fma") and m > 2:
+        pytest.skip("the sweep times multiply-and-sum at up to 2 rows")
+    n, k = LLAMA_8B["gate_up"]
+    base = _gpu_weight(n, k, seed=interleave)
+    w = base._replace(qweight=pack_rows(unpack_rows(base.qweight, base.interleave), interleave),
+                      interleave=interleave)
+    config = W4Config(block_n=32 if variant.startswith("fma") else 64, split_k=2, num_warps=4,
+                      num_stages=4, **VARIANTS[variant])
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = w4a16_gemm(x, w, silu_mul=True, config=config)
+    ref = silu_and_mul((x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    picks = torch.arange(m, device="cuda") * 97
+    one_hot = F.one_hot(picks, k).to(torch.bfloat16)
+    exact = w4a16_gemm(one_hot, w, config=config)
+    assert torch.equal(exact, dequantize_int4(w, torch.bfloat16)[:, picks].t())
+
+
 # --- compiled for Hopper (no GPU needed) -----------------------------------------------------------
 
 # That Triton compiles the W4A16 kernels for an H100 (the unpacking reshape, bf16 tensor cores),
@@ -185,23 +282,28 @@ from specserve.engine.layers import int4_gemm as g
 from sm90_compile import compile_sm90, t
 
 bf16, f16, f32, i32, u8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8
+variants = {"dot": dict(w_left=False), "w_left": dict(w_left=True), "fma": dict(dot=False, w_left=False),
+            "fma_bits": dict(dot=False, round_bits=True, w_left=False)}
 for name, (n, k) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
     silu = name == "gate_up"
     n_cols = n // 2 if silu else n
-    for m in (1, 16):
-        c = g.default_w4_config(m, n_cols, k, 128, silu, torch.device("cpu"))
+    words = g.interleave_for(n, k, 128)
+    for m, variant in ((1, "dot"), (1, "w_left"), (1, "fma"), (1, "fma_bits"), (16, "dot")):
+        c = g.default_w4_config(m, n_cols, k, 128, silu, torch.device("cpu"))._replace(**variants[variant])
         ptx = compile_sm90(g._w4a16_kernel, dict(
             x=t(bf16), qweight=t(i32), scales=t(f16), zeros=t(u8), bias=t(bf16), y=t(bf16),
-            partials=t(f32), arrivals=t(i32), M=m, n_cols=n_cols, K=k, n_groups=k // 128,
-            group_size=128, k_per_split=k // c.split_k, stride_xm=k, stride_ym=n_cols,
-            HAS_BIAS=False, SILU_MUL=silu, SPLIT_K=c.split_k, BLOCK_M=16, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, GROUPS=g.step_groups(128, k, c.block_k), DOT=True,
+            partials=t(f32), arrivals=t(i32), M=m, n_cols=n_cols, words_per_row=k // 8, n_groups=k // 128,
+            group_size=128, words_per_split=k // 8 // c.split_k, stride_xm=k, stride_ym=n_cols,
+            HAS_BIAS=False, SILU_MUL=silu, SPLIT_K=c.split_k, BLOCK_M=16 if c.dot else 1,
+            BLOCK_N=c.block_n, WORDS=words, PLANES_PER_GROUP=g.plane_groups(128, k, words),
+            DOT=c.dot, W_LEFT=c.dot and c.w_left, FMA_DEQUANT=True, ROUND_BITS=c.round_bits,
             DOT_PRECISION="tf32", PDL=True), c.num_warps, c.num_stages)
-        assert "mma" in ptx and "griddepcontrol.wait" in ptx, name
-        print("compiled", name, m)
+        assert ("mma" in ptx) == c.dot and "griddepcontrol.wait" in ptx, (name, variant)
+        assert "cvt.rn.f32.s32" not in ptx  # the codes become floats by their bits
+        print("compiled", name, m, variant)
 ptx = compile_sm90(g._dequantize_kernel, dict(
     qweight=t(i32), scales=t(f16), zeros=t(u8), out=t(bf16), N=4096, K=4096, n_groups=32,
-    group_size=128, BLOCK_N=64, BLOCK_K=128, GROUPS=1, PDL=True), 4, 1)
+    group_size=128, BLOCK_N=64, BLOCK_WORDS=16, WORDS=32, PLANES_PER_GROUP=4, PDL=True), 4, 1)
 print("compiled dequantize")
 """
 
@@ -215,4 +317,4 @@ def test_int4_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_INT4_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 5
+    assert done.stdout.count("compiled") == 11

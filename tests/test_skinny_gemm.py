@@ -156,6 +156,20 @@ def test_measured_tables_override_the_rules(monkeypatch):
     assert not skinny_module.prefers_skinny(MAX_ROWS + 1, 2048, 2048)
 
 
+def test_fp8_weights_have_their_own_measured_table(monkeypatch):
+    """FP8_TUNED_CONFIGS serves FP8 weights only; a 16-bit weight of the shape keeps its own."""
+    fp8_tuned = SkinnyConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=8, fp8_wide=True)
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(skinny_module.FP8_TUNED_CONFIGS, (1, 6144, 4096, False), fp8_tuned)
+    default_config.cache_clear()
+    try:
+        assert default_config(1, 6144, 4096, False, cpu, fp8=True) == fp8_tuned
+        assert default_config(1, 6144, 4096, False, cpu) != fp8_tuned
+        assert default_config(2, 6144, 4096, False, cpu, fp8=True) != fp8_tuned
+    finally:
+        default_config.cache_clear()
+
+
 def test_bad_shapes_are_refused():
     x, w, _ = _operands(MAX_ROWS + 1, N, torch.float32, seed=1)
     with pytest.raises(AssertionError, match="rows"):

@@ -3,27 +3,45 @@ agree on, the decode GEMM, the large-M path and the CPU reference.
 
 The form (`Int4Weight`, made at load by quantization/int4.py from AWQ or GPTQ tensors): a
 weight W [N, K] is 4-bit codes q in [0, 15] packed eight to an int32 along K, row-major
-([N, K / 8]; code k at bits 4 (k % 8) of word k // 8: a weight row's K is contiguous, so the
-decode kernel streams whole rows), and per group of `group_size` input columns one scale and
-one zero point per output row ([N, G] each, scales in the checkpoint's float dtype, zeros
-uint8): W[n, k] = (q[n, k] - zero[n, k // gs]) * scale[n, k // gs], computed in fp32 and
-rounded to the activation dtype (the reference's weight, bit for bit, in every kernel).
+([N, K / 8]: a weight row's codes are contiguous, so the decode kernel streams whole rows),
+and per group of `group_size` input columns one scale and one zero point per output row
+([N, G] each, scales in the checkpoint's float dtype, zeros uint8):
+W[n, k] = (q[n, k] - zero[n, k // gs]) * scale[n, k // gs], computed in fp32 and rounded to
+the activation dtype (the reference's weight, bit for bit, in every kernel).
 
-- Decode (M <= 16 rows, CUDA): `_w4a16_kernel`, one program per (column tile, K slice): it
-  loads a tile of packed words (4x fewer bytes than bf16), unpacks and dequantises it in
-  registers (a K step lies inside one group: one scale and zero per row a step), and takes
-  the product with x on tensor cores (rows padded to 16) or, off the dot path, with
-  multiply-and-sum. The rest is the skinny GEMM's (layers/skinny_gemm.py): split-K partials
-  merged in a fixed order by the last program of a tile (its workspace and arrival counters;
-  deterministic, no second kernel, capturable in a CUDA graph), the bias, and for the fused
-  gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile and its up tile).
+Within a row the codes are interleaved in blocks of 8 W codes (W = `interleave` words; chosen
+at load by `interleave_for`): code k = 8 W b + W j + w lies in word W b + w at bits 4 j. A
+decode step loads one block of a tile of rows as [rows, W] words (wide, coalesced loads: a
+row's W words are contiguous), and nibble j of every word is the plane of W consecutive
+codes k = 8 W b + W j + w: each plane is a plain 2-D tile, multiplied against W contiguous
+columns of x, with no reshape or gather in registers. W = 1 is the plain order (code k at
+word k // 8, bits 4 (k % 8)).
+
+- Decode (M <= 16 rows, CUDA): `_w4a16_kernel`, one program per (column tile, K slice). Per
+  plane, a mask (and a shift shared by two planes) put the nibble into the mantissa of 1.0
+  (t = 1 + q 2^-11, a bit pattern: no int-to-float conversion), and one fma per element
+  gives the exact (q - z) s = t (2^11 s) - (2^11 + z) s (both terms per row and group, exact
+  in fp32 for 16-bit scales; fp32 scales take (q - z) * s), rounded to the activation
+  dtype. The product with x: tl.dot on tensor cores, rows padded to 16 (`W4Config.w_left`,
+  the rule's: the weight plane on the left, Marlin's orientation, so wgmma takes it from
+  registers), or multiply-and-sum on the CUDA cores into per-lane fp32 accumulators
+  (`dot` off: no padding; with `round_bits` the bf16 rounding by integer ops, kept in fp32
+  for the next fma). The rest is the skinny GEMM's (layers/skinny_gemm.py): split-K
+  partials merged in a fixed order by the last program of a tile (its workspace and
+  arrival counters; deterministic, no second kernel, capturable in a CUDA graph), the bias,
+  and for the fused gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile
+  and its up tile).
 - Mid M (17-256 rows: large decode batches, verify steps): the same kernel over row tiles of
-  64, K not split: each program still reads its weight tile once per row tile, where
-  dequantising the whole weight first would write and read it again in 16 bits.
+  64 on tl.dot, K not split: each program still reads its weight tile once per row tile,
+  where dequantising the whole weight first would write and read it again in 16 bits.
 - Large M (prefill): `_dequantize_kernel` writes the weight in the activation dtype, then
   cuBLAS (a GEMM at M in the hundreds is compute-bound: the extra write and read of the
   16-bit weight is a few percent of it).
 - CPU: `int4_linear_reference` (torch unpacking, then F.linear).
+
+Configs: `TUNED_W4_CONFIGS` and `TUNED_INTERLEAVE` (engine/layers/int4_tuned.py, written by
+`bench/fp8_gemm.py --install-int4` from an H100 sweep), else the rules of `default_w4_config`
+and `interleave_for`.
 """
 from __future__ import annotations
 
@@ -34,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.engine.layers.activation import silu_and_mul
+from specserve.engine.layers.int4_tuned import TUNED_INTERLEAVE, TUNED_W4_CONFIGS
 from specserve.engine.layers.skinny_gemm import (
     PARTIAL_CAPACITY, SkinnyWorkspace, _num_sms, _scratch_values, workspace_for)
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
@@ -43,7 +62,7 @@ try:
     import triton.language as tl
 
     from specserve.engine.layers.skinny_gemm import (
-        _accumulate, _add_bias, _epilogue, _merge_splits, _pair_rows)
+        _add_bias, _epilogue, _merge_splits, _pair_rows)
 except ImportError:  # the CPU build needs no Triton
     triton = None
 
@@ -51,16 +70,20 @@ PACK = 8          # 4-bit codes per int32
 MAX_ROWS = 16     # decode-sized M: one row tile, K split across programs
 TILED_MAX_ROWS = 256  # M up to this: row tiles of TILE_ROWS, no split; above: dequantise + cuBLAS
 TILE_ROWS = 64
-STEP_CODES = 256  # the decode kernel's K step (128 bytes of a weight row); not yet tuned
+# The rule's interleave (not yet measured): a step of 256 codes, two groups of 128, so a
+# thread's scale and zero work is shared by 4 planes of its rows.
+DEFAULT_INTERLEAVE = 32
+MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
 
 
 class Int4Weight(NamedTuple):
     """A W4A16 weight [N, K] (see the module docstring)."""
 
-    qweight: torch.Tensor   # int32 [N, K / 8]
+    qweight: torch.Tensor   # int32 [N, K / 8], codes interleaved in blocks of 8 * interleave
     scales: torch.Tensor    # float [N, G]
     zeros: torch.Tensor     # uint8 [N, G]
     group_size: int         # input columns per group (K for one group per row)
+    interleave: int = 1     # words per block (1: the plain order)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,34 +91,66 @@ class Int4Weight(NamedTuple):
 
 
 class W4Config(NamedTuple):
-    """Launch parameters of the decode kernel."""
+    """Launch parameters of the decode kernel (its K step is the weight's block of
+    8 * interleave codes)."""
 
     block_n: int
-    block_k: int     # a multiple of 8 inside one group, or spanning whole groups (`step_groups`)
     split_k: int
     num_warps: int
     num_stages: int
-    dot: bool = True
+    dot: bool = True          # tl.dot (rows padded to 16); False: multiply-and-sum
+    round_bits: bool = False  # multiply-and-sum in bf16: round the weight by integer ops
+    w_left: bool = False      # tl.dot with the weight plane as the left operand
 
 
-def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (K a multiple of 8, values 0..15) -> int32 [N, K / 8], code k at bits
-    4 (k % 8) of word k // 8."""
+def interleave_for(n: int, k: int, group_size: int) -> int:
+    """The words per interleave block of a weight [n, k] (`TUNED_INTERLEAVE` where measured):
+    the largest power of two up to DEFAULT_INTERLEAVE whose blocks tile K and whose planes
+    lie in one group (`plane_groups`)."""
+    tuned = TUNED_INTERLEAVE.get((n, k, group_size))
+    if tuned is not None and plane_groups(group_size, k, tuned):
+        return tuned
+    words = DEFAULT_INTERLEAVE
+    while words > 1 and not plane_groups(group_size, k, words):
+        words //= 2
+    return words
+
+
+def plane_groups(group_size: int, k: int, interleave: int) -> int:
+    """The planes of a block (8, each `interleave` codes wide) that share one group: 8 where a
+    block lies in one group, group_size / interleave where a block spans whole groups, else 0
+    (K not whole blocks, or a plane crossing a group: not served)."""
+    block = PACK * interleave
+    if k % block:
+        return 0
+    if group_size >= k or group_size % block == 0:
+        return PACK
+    if group_size % interleave == 0 and block % group_size == 0:
+        return group_size // interleave
+    return 0
+
+
+def pack_rows(q: torch.Tensor, interleave: int = 1) -> torch.Tensor:
+    """Codes [N, K] (K a multiple of 8 * interleave, values 0..15) -> int32 [N, K / 8]: code
+    8 W b + W j + w at bits 4 j of word W b + w (W = interleave)."""
     n, k = q.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
-    words = (q.to(torch.int64).view(n, k // PACK, PACK) << shifts).sum(dim=-1)
+    planes = q.to(torch.int64).view(n, k // (PACK * interleave), PACK, interleave)  # [n, b, j, w]
+    words = (planes << shifts[:, None]).sum(dim=2).view(n, k // PACK)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
-def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
+def unpack_rows(qweight: torch.Tensor, interleave: int = 1) -> torch.Tensor:
     """`pack_rows`'s inverse: int32 [N, K / 8] -> codes [N, K] (uint8)."""
+    n, words = qweight.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    return ((qweight[..., None] >> shifts) & 0xF).to(torch.uint8).flatten(-2)
+    blocks = qweight.view(n, words // interleave, 1, interleave)
+    return ((blocks >> shifts[:, None]) & 0xF).to(torch.uint8).view(n, words * PACK)
 
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [N, K] the codes, scales and zeros stand for, computed in fp32, cast to dtype."""
-    q = unpack_rows(w.qweight).float()
+    q = unpack_rows(w.qweight, w.interleave).float()
     scales = w.scales.float().repeat_interleave(w.group_size, dim=1)[:, :q.shape[1]]
     zeros = w.zeros.float().repeat_interleave(w.group_size, dim=1)[:, :q.shape[1]]
     return ((q - zeros) * scales).to(dtype)
@@ -107,13 +162,21 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight,
     return F.linear(x, dequantize_int4(w, x.dtype), bias)
 
 
+def runs_decode_kernel(x: torch.Tensor, w: Int4Weight, skinny: bool) -> bool:
+    """Whether `int4_linear` takes the W4A16 kernel: CUDA, `skinny`, at most 256 rows, and a
+    layout whose planes are wide enough for tl.dot and lie in one group."""
+    n, k = w.shape
+    return (triton is not None and x.is_cuda and skinny and 1 <= x.numel() // k <= TILED_MAX_ROWS
+            and w.interleave >= MIN_DOT_INTERLEAVE and plane_groups(w.group_size, k, w.interleave) > 0)
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
                 skinny: bool = True) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) in x's dtype: the W4A16 kernel for up to 256 rows on CUDA
-    (where `skinny` allows), the dequantise kernel and cuBLAS for more, the reference on the CPU."""
+    """x [..., K] @ W^T (+ bias) in x's dtype: the W4A16 kernel where `runs_decode_kernel`,
+    the dequantise kernel and cuBLAS elsewhere on CUDA, the reference on the CPU."""
     if triton is None or not x.is_cuda:
         return int4_linear_reference(x, w, bias)
-    if skinny and 1 <= x.numel() // w.shape[1] <= TILED_MAX_ROWS:
+    if runs_decode_kernel(x, w, skinny):
         return w4a16_gemm(x, w, bias)
     return F.linear(x, dequantize_int4_gpu(w, x.dtype), bias)
 
@@ -122,7 +185,7 @@ def int4_linear_silu_and_mul(x: torch.Tensor, w: Int4Weight, bias: Optional[torc
                              skinny: bool = True) -> torch.Tensor:
     """silu_and_mul(int4_linear(x, w, bias)) for a fused [2I, K] gate/up weight: one kernel
     where the W4A16 kernel runs."""
-    if triton is not None and x.is_cuda and skinny and 1 <= x.numel() // w.shape[1] <= TILED_MAX_ROWS:
+    if runs_decode_kernel(x, w, skinny):
         return w4a16_gemm(x, w, bias, silu_mul=True)
     return silu_and_mul(int4_linear(x, w, bias, skinny=False))
 
@@ -130,18 +193,46 @@ def int4_linear_silu_and_mul(x: torch.Tensor, w: Int4Weight, bias: Optional[torc
 @functools.lru_cache(maxsize=None)
 def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = False,
                       device: torch.device = torch.device("cuda")) -> W4Config:
-    """Not yet measured on a device (bench/fp8_gemm.py's w4a16 rows time it): the skinny GEMM's
-    rule (32-column tiles, K split until about a program an SM, each slice at least 512 deep,
-    the partials within the workspace), K steps of `STEP_CODES` codes (128 bytes a row)
-    spanning whole groups of 128 or less (their scales and zeros broadcast in registers). `n`: output columns (of each half with `paired`)."""
-    block_k = STEP_CODES
-    tiles = -(-n // 32)
+    """`TUNED_W4_CONFIGS` where measured (`n`: output columns, of each half with `paired`; at
+    this M or the nearest measured one above, `_tuned_w4_config`), else a rule not yet timed on a device (`bench/fp8_gemm.py --sweep` times it), chosen by
+    the instructions per weight element of the compiled loop (ptxas for sm_90, 8B shapes):
+    tl.dot with the weight plane on the left (wgmma takes it from registers, x from shared
+    memory) over tiles of 128 columns, 64 with the gate/up pair (more spill), about 5.4-5.6
+    instructions an element; x on the left over 64 columns 6.2-6.3 (the padded x fragments
+    are moved into place for every mma), multiply-and-sum 9-11. K split by `split_for`.
+    Above MAX_ROWS: row tiles of 64 on tl.dot with x on the left, K not split."""
+    tuned = _tuned_w4_config(m, n, k, group_size, paired)
+    if tuned is not None:
+        return tuned
+    if m > MAX_ROWS:
+        return W4Config(block_n=64, split_k=1, num_warps=4, num_stages=4)
+    block_n = 64 if paired else 128
+    return W4Config(block_n=block_n, split_k=split_for(m, n, k, paired, block_n, device),
+                    num_warps=4, num_stages=4, w_left=True)
+
+
+def _tuned_w4_config(m: int, n: int, k: int, group_size: int, paired: bool) -> Optional[W4Config]:
+    """The measured config of this shape at M, else at the nearest measured M above it up to
+    MAX_ROWS (a decode-sized kernel pads its rows anyway: a config measured at 16 rows serves
+    fewer; one measured at fewer may not fit more), else None."""
+    swept = [rows for rows, *shape in TUNED_W4_CONFIGS if tuple(shape) == (n, k, group_size, paired)
+             and m <= rows and (rows == m or rows <= MAX_ROWS)]
+    if not swept:
+        return None
+    return W4Config(**TUNED_W4_CONFIGS[min(swept), n, k, group_size, paired])
+
+
+def split_for(m: int, n: int, k: int, paired: bool, block_n: int,
+              device: torch.device = torch.device("cuda")) -> int:
+    """The rule's split-K for column tiles of `block_n`: doubled while the programs are fewer
+    than the SMs, each slice stays at least 1024 deep and the partials fit the workspace
+    (none above MAX_ROWS rows)."""
+    tiles = -(-n // block_n)
     split_k = 1
-    while (m <= MAX_ROWS and tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
+    while (m <= MAX_ROWS and tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 1024
            and _scratch_values(2 * split_k, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
-    return W4Config(block_n=32, block_k=block_k, split_k=split_k, num_warps=4,
-                    num_stages=4 if split_k > 1 else 3)
+    return split_k
 
 
 def check_int4(w: Int4Weight) -> None:
@@ -151,6 +242,8 @@ def check_int4(w: Int4Weight) -> None:
     assert w.scales.shape == w.zeros.shape == (n, groups), \
         f"scales {tuple(w.scales.shape)} and zeros {tuple(w.zeros.shape)} must be [{n}, {groups}]"
     assert w.zeros.dtype == torch.uint8 and w.scales.is_contiguous() and w.zeros.is_contiguous()
+    assert w.interleave >= 1 and w.interleave & (w.interleave - 1) == 0 and k % (PACK * w.interleave) == 0, \
+        f"interleave {w.interleave}: a power of two whose blocks of {PACK * w.interleave} tile K = {k}"
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
@@ -169,9 +262,11 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         assert n_rows % 2 == 0, "silu_mul needs the fused [2I, K] gate/up weight"
     n_cols = n_rows // 2 if silu_mul else n_rows
     config = config or default_w4_config(m, n_cols, k, w.group_size, silu_mul, x.device)
-    groups = step_groups(w.group_size, k, config.block_k)
-    assert config.block_k % PACK == 0 and groups, \
-        f"a K step of {config.block_k} must lie in one group of {w.group_size} or span whole ones"
+    planes_per_group = plane_groups(w.group_size, k, w.interleave)
+    assert planes_per_group, \
+        f"interleave {w.interleave}: a plane of its blocks must lie in one group of {w.group_size}"
+    assert not config.dot or w.interleave >= MIN_DOT_INTERLEAVE, \
+        f"tl.dot takes planes of at least {MIN_DOT_INTERLEAVE} columns (interleave {w.interleave})"
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
@@ -186,72 +281,124 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         "more than 16 rows: row tiles on tl.dot, K not split"
     block_m = (max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m)) \
         if m <= MAX_ROWS else TILE_ROWS
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    words_per_split = triton.cdiv(triton.cdiv(k // PACK, config.split_k), w.interleave) * w.interleave
     _w4a16_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
-        m, n_cols, k, w.scales.shape[1], w.group_size, k_per_split, x2.stride(0), y.stride(0),
+        m, n_cols, k // PACK, w.scales.shape[1], w.group_size, words_per_split, x2.stride(0),
+        y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=config.split_k,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=groups, DOT=config.dot,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, WORDS=w.interleave,
+        PLANES_PER_GROUP=planes_per_group, DOT=config.dot, W_LEFT=config.dot and config.w_left,
+        # exact fma dequantisation needs 16-bit scales (`_dequantized_plane`)
+        FMA_DEQUANT=w.scales.dtype in (torch.float16, torch.bfloat16),
+        ROUND_BITS=config.round_bits and not config.dot and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], n_cols)
 
 
-def step_groups(group_size: int, k: int, block_k: int) -> int:
-    """The groups a K step of `block_k` reads per weight row: 1 where it lies inside one group
-    (steps start at multiples of block_k), block_k / group_size where it spans whole groups (a
-    power of two: a group is a reshape of the tile), else 0 (not served)."""
-    if group_size >= k or group_size % block_k == 0:
-        return 1
-    if group_size & (group_size - 1) == 0 and block_k % group_size == 0:
-        return block_k // group_size
-    return 0
-
-
 def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
-                        block_k: int = 128) -> torch.Tensor:
-    """`dequantize_int4` by one Triton kernel (the large-M path's weight)."""
+                        block_words: int = 16) -> torch.Tensor:
+    """`dequantize_int4` by one Triton kernel (the large-M path's weight): a program unpacks
+    [block_n, block_words] packed words, whatever the interleave and group size."""
     n, k = w.shape
     check_int4(w)
     out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
-    groups = step_groups(w.group_size, k, block_k)
-    assert groups, f"a block of {block_k} columns must lie in a group of {w.group_size} or span whole ones"
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // PACK, block_words))](
         w.qweight, w.scales, w.zeros, out, n, k, w.scales.shape[1], w.group_size,
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUPS=groups, num_warps=4,
+        BLOCK_N=block_n, BLOCK_WORDS=block_words, WORDS=w.interleave,
+        # planes sharing a group load its scales once; else (an odd group size) each plane
+        PLANES_PER_GROUP=plane_groups(w.group_size, k, w.interleave) or 1, num_warps=4,
         **launch_options(w.qweight.device))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                          dtype: tl.constexpr):
-        """W[rows, k:k + BLOCK_K] in `dtype` (columns past K are zeros): the packed words
-        loaded once ([BLOCK_N, BLOCK_K / 8]), unpacked by shifts in registers, scaled with
-        the rows' scale and zero of each of the GROUPS groups the step spans (`step_groups`;
-        groups past K read the last one: their codes are zeros)."""
-        words = k // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(qweight + rows[:, None] * (K // 8) + words[None, :],
-                         mask=words[None, :] < K // 8, other=0)
-        shifts = tl.arange(0, 8) * 4
-        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-        codes = tl.reshape(codes, (BLOCK_N, GROUPS, BLOCK_K // GROUPS)).to(tl.float32)
-        group = tl.minimum(k // group_size + tl.arange(0, GROUPS), n_groups - 1)
-        at = rows[:, None] * n_groups + group[None, :]
-        scale = tl.load(scales + at).to(tl.float32)[:, :, None]
-        zero = tl.load(zeros + at).to(tl.float32)[:, :, None]
-        return tl.reshape((codes - zero) * scale, (BLOCK_N, BLOCK_K)).to(dtype)
+    def _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT: tl.constexpr):
+        """Per row of a tile, the fp32 terms of its dequantisation in `group`: for a nibble
+        at bits 12-15 and one at bits 16-19 of `_dequantized_plane`'s float, (2^11 s,
+        -(2^11 + z) s) and (2^7 s, -(2^7 + z) s) (all exact: the offsets are integers of at
+        most 12 bits, s a 16-bit float of at most 11 significant bits); or (s, z) twice."""
+        at = rows * n_groups + group
+        s = tl.load(scales + at).to(tl.float32)
+        z = tl.load(zeros + at).to(tl.float32)
+        if FMA_DEQUANT:
+            a_lo = s * 2048.0
+            b_lo = tl.fma(-z, s, -a_lo)  # -(z s) - 2^11 s: exact, so one rounding-free fma
+            a_hi = s * 128.0
+            b_hi = tl.fma(-z, s, -a_hi)
+        else:
+            a_lo, b_lo, a_hi, b_hi = s, z, s, z
+        return a_lo, b_lo, a_hi, b_hi
 
     @triton.jit
-    def _w4a16_kernel(x, qweight, scales, zeros, bias, y, partials, arrivals, M, n_cols, K,
-                      n_groups, group_size, k_per_split, stride_xm, stride_ym,
+    def _dequantized_plane(packed, J: tl.constexpr, a_lo, b_lo, a_hi, b_hi,
+                           FMA_DEQUANT: tl.constexpr):
+        """Nibble J of the words [rows, W] dequantised in fp32: exactly (q - z) s. With
+        FMA_DEQUANT the nibble is moved into the mantissa of 1.0, at bits 12-15 (t =
+        1 + q 2^-11) or 16-19 (t = 1 + q 2^-7), so that the eight planes of a word take
+        four shifts (<< 12, << 8, none, >> 8, >> 12 serve two nibbles each but the ends),
+        one mask-and-or and no int-to-float conversion; t a + b (`_group_terms`) is one
+        fma whose exact value (q - z) s is representable: no rounding."""
+        if FMA_DEQUANT:
+            HIGH: tl.constexpr = J == 2 or J == 4 or J == 6 or J == 7  # bits 16-19, else 12-15
+            POS: tl.constexpr = 16 if HIGH else 12
+            if POS > 4 * J:
+                bits = packed << (POS - 4 * J)
+            elif POS < 4 * J:
+                bits = packed >> (4 * J - POS)
+            else:
+                bits = packed
+            t = ((bits & (0xF << POS)) | 0x3F800000).to(tl.float32, bitcast=True)
+            if HIGH:
+                w = tl.fma(t, a_hi[:, None], b_hi[:, None])
+            else:
+                w = tl.fma(t, a_lo[:, None], b_lo[:, None])
+        else:
+            q = ((packed >> (4 * J)) & 0xF).to(tl.float32)
+            w = (q - b_lo[:, None]) * a_lo[:, None]
+        return w
+
+    @triton.jit
+    def _rounded(w, dtype: tl.constexpr, ROUND_BITS: tl.constexpr):
+        """w rounded to `dtype` as the reference rounds it. ROUND_BITS (bf16): round to nearest
+        even by integer ops on the fp32 bits, the result kept in fp32 (finite w)."""
+        if ROUND_BITS:
+            bits = w.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            rounded = bits.to(tl.float32, bitcast=True)
+        else:
+            rounded = w.to(dtype)
+        return rounded
+
+    @triton.jit
+    def _plane_product(acc, x_plane, w_plane, DOT: tl.constexpr, W_LEFT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+        """acc plus x_plane [BLOCK_M, W] times w_plane [BLOCK_N, W]^T: tl.dot into [BLOCK_M,
+        BLOCK_N] (W_LEFT: into its transpose [BLOCK_N, BLOCK_M]), or products summed per lane
+        into [BLOCK_M, BLOCK_N, W] (reduced over W once after the loop)."""
+        if DOT:
+            if W_LEFT:
+                acc = tl.dot(w_plane, tl.trans(x_plane), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(x_plane, tl.trans(w_plane), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.fma(x_plane.to(tl.float32)[:, None, :], w_plane.to(tl.float32)[None, :, :], acc)
+        return acc
+
+    @triton.jit
+    def _w4a16_kernel(x, qweight, scales, zeros, bias, y, partials, arrivals, M, n_cols,
+                      words_per_row, n_groups, group_size, words_per_split, stride_xm, stride_ym,
                       HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUPS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      PDL: tl.constexpr):
-        # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                      PLANES_PER_GROUP: tl.constexpr, DOT: tl.constexpr, W_LEFT: tl.constexpr,
+                      FMA_DEQUANT: tl.constexpr, ROUND_BITS: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+        # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows). A K step is
+        # one interleave block (WORDS words, 8 * WORDS codes; K a whole number of them): its 8
+        # planes. Offsets count words (K / 8 a row), which keeps the compiler's knowledge of
+        # their alignment: the weight loads are 16-byte vectors.
         wait_for_predecessor(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,28 +408,52 @@ if triton is not None:
             rows = tl.where(offs_n < n_cols, offs_n, 0).to(tl.int64)
             partner_rows = rows
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # one row tile with split-K
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_w = tl.arange(0, WORDS)
         m_mask = offs_m < M
         dtype = x.dtype.element_ty
         if DOT:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if W_LEFT:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
-        for k in range(k_begin, k_end, BLOCK_K):
-            x_tile = tl.load(x + offs_m[:, None] * stride_xm + k + offs_k[None, :],
-                             mask=m_mask[:, None] & ((k + offs_k) < K)[None, :], other=0.0)
-            w_tile = _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
-                                       BLOCK_N, BLOCK_K, GROUPS, dtype)
-            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
+            acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
+        w_ptrs = qweight + rows[:, None] * words_per_row + offs_w[None, :]
+        up_ptrs = qweight + partner_rows[:, None] * words_per_row + offs_w[None, :]
+        x_ptrs = x + offs_m[:, None] * stride_xm + offs_w[None, :]
+        w_begin = split * words_per_split
+        w_end = tl.minimum(w_begin + words_per_split, words_per_row)
+        for word in range(w_begin, w_end, WORDS):
+            packed = tl.load(w_ptrs + word)
             if SILU_MUL:
-                up_tile = _dequantized_tile(qweight, scales, zeros, partner_rows, k, n_groups,
-                                            group_size, K, BLOCK_N, BLOCK_K, GROUPS, dtype)
-                acc_up = _accumulate(acc_up, x_tile, up_tile, DOT, DOT_PRECISION)
-        if not DOT:
+                packed_up = tl.load(up_ptrs + word)
+            k = word * 8
+            for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
+                group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
+                terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
+                if SILU_MUL:
+                    up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
+                                            FMA_DEQUANT)
+                for p in tl.static_range(PLANES_PER_GROUP):
+                    j = g * PLANES_PER_GROUP + p
+                    x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
+                    w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
+                                       ROUND_BITS)
+                    acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
+                    if SILU_MUL:
+                        up_plane = _rounded(
+                            _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
+                            ROUND_BITS)
+                        acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
+                                                DOT_PRECISION)
+        if DOT:
+            if W_LEFT:
+                acc = tl.trans(acc)
+                acc_up = tl.trans(acc_up)
+        else:
             acc = tl.sum(acc, axis=2)
             acc_up = tl.sum(acc_up, axis=2)
         release_dependents(PDL)
@@ -299,14 +470,24 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(qweight, scales, zeros, out, N, K, n_groups, group_size,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_WORDS: tl.constexpr, WORDS: tl.constexpr,
+                           PLANES_PER_GROUP: tl.constexpr, PDL: tl.constexpr):
+        # Word i of a row holds codes 8 WORDS (i // WORDS) + WORDS j + i % WORDS, j = 0..7;
+        # the scale and zero of a word's code are loaded once for PLANES_PER_GROUP planes.
         wait_for_predecessor(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = tl.program_id(1) * BLOCK_K
+        words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        tile = _dequantized_tile(qweight, scales, zeros, rows, k, n_groups, group_size, K,
-                                 BLOCK_N, BLOCK_K, GROUPS, out.dtype.element_ty)
-        offs_k = k + tl.arange(0, BLOCK_K)
-        mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-        tl.store(out + rows[:, None] * K + offs_k[None, :], tile, mask=mask)
+        mask = (offs_n < N)[:, None] & (words < K // 8)[None, :]
+        packed = tl.load(qweight + rows[:, None] * (K // 8) + words[None, :], mask=mask, other=0)
+        first = (words // WORDS) * (8 * WORDS) + words % WORDS
+        for g in tl.static_range(8 // PLANES_PER_GROUP):
+            group = tl.minimum(first + g * PLANES_PER_GROUP * WORDS, K - 1) // group_size
+            at = rows[:, None] * n_groups + group[None, :]
+            scale = tl.load(scales + at).to(tl.float32)
+            zero = tl.load(zeros + at).to(tl.float32)
+            for p in tl.static_range(PLANES_PER_GROUP):
+                j = g * PLANES_PER_GROUP + p
+                q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+                tl.store(out + rows[:, None] * K + (first + j * WORDS)[None, :],
+                         ((q - zero) * scale).to(out.dtype.element_ty), mask=mask)

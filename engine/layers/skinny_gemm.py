@@ -129,6 +129,10 @@ TUNED_CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {
     (1, 4096, 2048, False): SkinnyConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=6),
 }
 
+# The same for FP8 weights (W8A16; the config before `fp8_weight_config`), as
+# `bench/fp8_gemm.py --sweep --variants w8a16` prints them; shapes not listed: as 16-bit ones.
+FP8_TUNED_CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {}
+
 # (N, K) of a weight -> the largest M the skinny kernel runs it for (cuBLAS above), from
 # `bench/skinny_gemm.py`; weights not listed: MAX_ROWS.
 SKINNY_MAX_ROWS: dict[tuple[int, int], int] = {}
@@ -136,9 +140,10 @@ SKINNY_MAX_ROWS: dict[tuple[int, int], int] = {}
 
 @functools.lru_cache(maxsize=None)  # one entry per (shape, M, device): no host work per call
 def default_config(m: int, n: int, k: int, paired: bool = False,
-                   device: torch.device = torch.device("cuda")) -> SkinnyConfig:
+                   device: torch.device = torch.device("cuda"), fp8: bool = False) -> SkinnyConfig:
     """Launch parameters for y[m, n] = x[m, k] W^T: n output columns, each reading one weight
     row, or two when `paired` (SiLU-and-mul's gate and up, RoPE's two halves of a head).
+    With `fp8` (an FP8 weight) `FP8_TUNED_CONFIGS` first.
 
     `TUNED_CONFIGS` where measured, else the rule the H100 sweep of the Llama 8B shapes
     (`bench/skinny_gemm.py --sweep`, docs/benchmarks.md) points to for every M up to 16:
@@ -148,6 +153,8 @@ def default_config(m: int, n: int, k: int, paired: bool = False,
     M <= 16 every program is a stream of weight rows, and the fewer programs share an SM, the
     fewer of their loads wait behind one another.
     """
+    if fp8 and (m, n, k, paired) in FP8_TUNED_CONFIGS:
+        return FP8_TUNED_CONFIGS[m, n, k, paired]
     if (m, n, k, paired) in TUNED_CONFIGS:
         return TUNED_CONFIGS[m, n, k, paired]
     return rule_config(m, n, k, paired, device, block_n=32)
@@ -666,7 +673,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     n_cols = n_rows // 2 if silu_mul else n_rows
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
-    config = _config_for(config or default_config(m, n_cols, k, silu_mul, x.device), scale, k)
+    config = _config_for(config or default_config(m, n_cols, k, silu_mul, x.device, scale is not None),
+                         scale, k)
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
     launch = _plan(x2, n_cols, silu_mul, bias is not None, config, workspace, scale, unused=y)
     _skinny_gemm_kernel[launch.grid](

@@ -11,8 +11,9 @@ On disk, per quantized layer `<m>` (W the nn.Linear weight [N, K], G = K / group
   int32 [K] = k // group_size (desc_act false; anything else is refused).
 
 Both become the kernels' form (layers/int4_gemm.py: codes packed along K per output row,
-scales and zeros [N, G]) at load: each part is unpacked, sliced to this rank's rows or
-columns, fused along the output rows and packed again. A row-parallel slice of K must fall on
+interleaved in the blocks its decode kernel reads (`interleave_for`), scales and zeros
+[N, G]) at load: each part is unpacked, sliced to this rank's rows or columns, fused along
+the output rows and packed again. A row-parallel slice of K must fall on
 group boundaries (refused otherwise, naming tp_size). MoE experts and MLA are not served in
 INT4 (refused by name).
 """
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from specserve.engine.layers.int4_gemm import (
-    PACK, Int4Weight, int4_linear, int4_linear_silu_and_mul, pack_rows)
+    PACK, Int4Weight, int4_linear, int4_linear_silu_and_mul, interleave_for, pack_rows)
 from specserve.engine.layers.linear_method import LinearMethod, PartSlice, method_parameter
 from specserve.engine.quantization.config import Int4Config
 
@@ -54,6 +55,7 @@ class Int4LinearMethod(LinearMethod):
         layer.scales = method_parameter(torch.zeros(n, groups, dtype=torch.float16, device=device))
         layer.zeros = method_parameter(torch.zeros(n, groups, dtype=torch.uint8, device=device))
         layer.group_size = group
+        layer.interleave = interleave_for(n, k, group)
 
     def load_weights(self, layer: nn.Module, reader, parts: list[PartSlice]) -> None:
         codes, scales, zeros = [], [], []
@@ -68,7 +70,7 @@ class Int4LinearMethod(LinearMethod):
             raise ValueError(f"model: {parts[0].key.removesuffix('.weight')}: INT4 tensors give a "
                              f"weight of shape {tuple(q.shape)}, expected {(n, k8 * PACK)}")
         with torch.no_grad():
-            layer.qweight.copy_(pack_rows(q))
+            layer.qweight.copy_(pack_rows(q, layer.interleave))
             layer.scales.data = torch.cat(scales).to(layer.qweight.device).contiguous()
             layer.zeros.copy_(torch.cat(zeros))
 
@@ -119,7 +121,7 @@ class Int4LinearMethod(LinearMethod):
                              f"checkpoint); quantization_config desc_act true is not supported")
 
     def weight(self, layer: nn.Module) -> Int4Weight:
-        return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.group_size)
+        return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.interleave)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return int4_linear(x, self.weight(layer), bias, layer.skinny_gemm)

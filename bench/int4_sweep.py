@@ -1,0 +1,155 @@
+"""The W4A16 decode kernel's sweep (run by `bench/fp8_gemm.py --sweep`) and the installer of
+its results as engine/layers/int4_tuned.py.
+
+Per weight shape, the layout is one choice for every M (the codes are interleaved at load):
+the smallest M swept picks it. A search per (shape, M) in two stages, about 19 configs at
+M = 1 and 9 above (Triton compiles each new one once, a second or two; the four 8B shapes at
+M = 1 and 16 should take about 4 minutes on an H100):
+
+1. every interleave W (16, 32, 64, 128 words: K steps of 128 to 1024 codes) times every
+   product variant (tl.dot, tl.dot with the weight on the left, multiply-and-sum with the
+   bf16 rounding by a conversion or by integer ops; multiply-and-sum only at M <= 2, where
+   its accumulators fit, and W <= 32: compiled, it takes 9-11 instructions a weight element
+   against tl.dot's 5.4-6.3), each at the rule's tiles (128 columns, 64 with the
+   gate/up pair, for the weight on the left; 64 for x on the left; 32 for multiply-and-sum)
+   and split; above the smallest M only the chosen W;
+2. from the best, one axis at a time (keeping the best so far): column tiles of 16 to 128
+   (with the rule's split for them), split-K halved and doubled, 8 warps, 6 stages.
+
+    python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \\
+        --rows 1,16 --no-moe --int4-tuned int4_tuned.json
+    python bench/fp8_gemm.py --install-int4 int4_tuned.json   # writes engine/layers/int4_tuned.py
+
+The fused gate/up weight is swept as the engine runs it: with the SiLU-and-mul epilogue
+(paired columns), so its table key is (M, I, K, group, True).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable, Optional
+
+import torch
+
+from specserve.engine.layers.int4_gemm import (
+    MAX_ROWS, Int4Weight, W4Config, pack_rows, plane_groups, split_for,
+    unpack_rows)
+
+INTERLEAVES = (16, 32, 64, 128)
+FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
+FMA_MAX_INTERLEAVE = 32  # and this interleave (see the module docstring)
+MAX_FMA_ACCUMULATORS = 128  # fp32 accumulators a thread of the multiply-and-sum path may hold
+TUNED_MODULE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "layers" / "int4_tuned.py"
+
+
+def relayout(w: Int4Weight, interleave: int) -> Int4Weight:
+    """The same weight with its codes interleaved in blocks of 8 * interleave."""
+    codes = unpack_rows(w.qweight, w.interleave)
+    return w._replace(qweight=pack_rows(codes, interleave), interleave=interleave)
+
+
+def launchable(c: W4Config, m: int, n_cols: int, k: int, paired: bool, interleave: int) -> bool:
+    """Configs worth timing: every split gets whole blocks, and the multiply-and-sum path's
+    accumulators ([M, block_n, W], twice with the gate/up pair) fit in registers."""
+    m_pad = 1 << (m - 1).bit_length()
+    halves = 2 if paired else 1
+    return (k // c.split_k >= 8 * interleave and c.block_n <= max(16, n_cols)
+            and (c.dot or m_pad * c.block_n * interleave * halves
+                 <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps))
+
+
+def _variants(m: int, words: int, paired: bool) -> list[dict]:
+    """The product variants of stage 1, each at the column tile the rule gives it."""
+    dots = [dict(block_n=64 if paired else 128, dot=True, w_left=True), dict(block_n=64, dot=True)]
+    if m > FMA_MAX_ROWS or words > FMA_MAX_INTERLEAVE:
+        return dots
+    return dots + [dict(block_n=32, dot=False), dict(block_n=32, dot=False, round_bits=True)]
+
+
+def _with_tile(c: W4Config, m: int, n_cols: int, k: int, paired: bool, block_n: int,
+               device: torch.device) -> W4Config:
+    return c._replace(block_n=block_n, split_k=split_for(m, n_cols, k, paired, block_n, device))
+
+
+def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: tuple[int, ...],
+           time_config: Callable[[W4Config, int], Optional[float]],
+           device: torch.device = torch.device("cuda")) -> dict[tuple[W4Config, int], float]:
+    """The two-stage search: {(config, interleave): seconds} of every config timed (None from
+    `time_config`: the compiler refused it)."""
+    timed: dict[tuple[W4Config, int], float] = {}
+
+    def trial(c: W4Config, words: int) -> None:
+        if (c, words) in timed or not launchable(c, m, n_cols, k, paired, words):
+            return
+        seconds = time_config(c, words)
+        if seconds is not None:
+            timed[c, words] = seconds
+
+    base = W4Config(block_n=64, split_k=1, num_warps=4, num_stages=4)
+    for words in interleaves:
+        if not plane_groups(group, k, words):
+            continue
+        for variant in _variants(m, words, paired):
+            trial(_with_tile(base._replace(**variant), m, n_cols, k, paired, variant["block_n"],
+                             device), words)
+    if not timed:
+        return timed
+    words = min(timed, key=timed.get)[1]
+
+    def best() -> W4Config:
+        return min((c for c, w in timed if w == words), key=lambda c: timed[c, words])
+
+    for block_n in (16, 32, 64, 128):  # each axis from the best so far
+        trial(_with_tile(best(), m, n_cols, k, paired, block_n, device), words)
+    start = best()
+    for split in (start.split_k // 2, start.split_k * 2):
+        if split >= 1 and (m <= MAX_ROWS or split == 1):
+            trial(start._replace(split_k=split), words)
+    trial(best()._replace(num_warps=8), words)
+    trial(best()._replace(num_stages=6), words)
+    return timed
+
+
+def config_name(c: W4Config, words: int) -> str:
+    kind = ("dot-wleft" if c.w_left else "dot") if c.dot else ("fma-bits" if c.round_bits else "fma")
+    return f"W{words} {kind} n{c.block_n} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+
+
+def write_json(path: str, device: str, best: dict[tuple, dict]) -> None:
+    """best: (m, n_cols, k, group, paired, n_rows) -> {config, interleave, us, fraction_of_copy}."""
+    layouts, configs = {}, []
+    for (m, n_cols, k, group, paired, n_rows), r in sorted(best.items()):
+        layouts.setdefault((n_rows, k, group), r["interleave"])
+        configs.append(dict(key=[m, n_cols, k, group, paired], config=r["config"],
+                            interleave=r["interleave"], us=r["us"],
+                            fraction_of_copy=r["fraction_of_copy"]))
+    with open(path, "w") as f:
+        json.dump(dict(device=device, interleave=[[*key, w] for key, w in layouts.items()],
+                       configs=configs), f, indent=1)
+
+
+def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
+    """Writes the sweep's tables into engine/layers/int4_tuned.py (configs measured at
+    another interleave than their weight's layout are left out: the layout is per weight)."""
+    with open(path) as f:
+        sweep = json.load(f)
+    layouts = {tuple(entry[:3]): entry[3] for entry in sweep["interleave"]}
+    lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
+    config_lines = []
+    for entry in sweep["configs"]:
+        m, n_cols, k, group, paired = entry["key"]
+        n_rows = 2 * n_cols if paired else n_cols
+        if layouts.get((n_rows, k, group)) != entry["interleave"]:
+            continue
+        fields = W4Config(**entry["config"])._asdict()
+        config_lines.append(f"    {(m, n_cols, k, group, bool(paired))!r}: {fields!r},"
+                            f"  # {entry['us']:.1f} us, {100 * entry['fraction_of_copy']:.0f} %\n")
+    text = module.read_text()
+    marker = "from __future__ import annotations\n\n"
+    head = text[:text.index(marker) + len(marker)]
+    module.write_text(
+        head + f"# {sweep['device']} sweep (bench/int4_sweep.py)\n"
+        + "TUNED_INTERLEAVE: dict[tuple[int, int, int], int] = {\n" + "".join(lines) + "}\n\n"
+        + "TUNED_W4_CONFIGS: dict[tuple[int, int, int, int, bool], dict] = {\n"
+        + "".join(config_lines) + "}\n")
+    return str(module)

@@ -1,0 +1,132 @@
+"""The W4A16 sweep's search and installer (bench/int4_sweep.py) with a made-up timer, and the
+kernel module's use of the installed tables (engine/layers/int4_gemm.py)."""
+from __future__ import annotations
+
+import pathlib
+import runpy
+import sys
+
+import pytest
+import torch
+
+from specserve.engine.layers import int4_gemm
+from specserve.engine.layers.int4_gemm import W4Config, pack_rows, unpack_rows, Int4Weight
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import int4_sweep  # noqa: E402
+
+QKV = (6144, 4096)
+CPU = torch.device("cpu")  # the rule counts an H100's SMs there
+
+
+def fake_seconds(c: W4Config, words: int) -> float:
+    """A made-up device: interleave 32, the weight-left dot, 128-column tiles, split-K 2 and
+    6 stages are best; every other choice costs a little."""
+    return (1.0 + 0.1 * (words != 32) + 0.1 * (not (c.dot and c.w_left))
+            + 0.01 * (c.block_n != 128) + 0.01 * (c.num_stages != 6) + 0.001 * (c.split_k != 2))
+
+
+def test_search_finds_the_best_layout_and_config_and_times_only_launchable_ones():
+    n, k = QKV
+    seen = []
+
+    def time_config(c, words):
+        seen.append((c, words))
+        return fake_seconds(c, words)
+
+    timed = int4_sweep.search(1, n, k, 128, False, int4_sweep.INTERLEAVES, time_config, CPU)
+    best, words = min(timed, key=timed.get)
+    assert (words, best) == (32, W4Config(block_n=128, split_k=2, num_warps=4, num_stages=6, w_left=True))
+    assert len(seen) == len(set(seen)) == len(timed) <= 22  # each config once; a short search
+    assert {w for _, w in seen} == set(int4_sweep.INTERLEAVES)
+    assert any(not c.dot and c.round_bits for c, _ in seen)  # multiply-and-sum at M = 1
+    assert all(int4_sweep.launchable(c, 1, n, k, False, w) for c, w in seen)
+
+
+def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
+    n, k = QKV
+    timed = int4_sweep.search(16, n, k, 128, False, (64,), fake_seconds, CPU)
+    assert timed and all(c.dot and w == 64 for c, w in timed)
+
+
+def test_search_skips_layouts_whose_planes_cross_groups():
+    timed = int4_sweep.search(1, 4096, 4096, 32, False, (16, 64), fake_seconds, CPU)
+    assert timed and {w for _, w in timed} == {16}
+
+
+def test_launchable_bounds_the_multiply_and_sum_accumulators():
+    c = W4Config(block_n=128, split_k=1, num_warps=4, num_stages=3, dot=False)
+    assert int4_sweep.launchable(c, 1, 4096, 4096, False, 32)
+    assert not int4_sweep.launchable(c, 16, 4096, 4096, False, 32)
+    assert not int4_sweep.launchable(c._replace(split_k=32), 1, 4096, 4096, False, 32)  # 128 of K a split
+
+
+def test_relayout_keeps_the_codes():
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (4, 512), generator=gen, dtype=torch.uint8)
+    w = Int4Weight(pack_rows(codes, 16), torch.ones(4, 4).half(), torch.zeros(4, 4, dtype=torch.uint8),
+                   128, 16)
+    moved = int4_sweep.relayout(w, 64)
+    assert moved.interleave == 64 and torch.equal(unpack_rows(moved.qweight, 64), codes)
+
+
+def test_json_install_round_trip(tmp_path):
+    """The JSON the sweep writes, installed into a copy of int4_tuned.py: the layout per weight
+    and the configs measured at it (one measured at another layout is left out)."""
+    best = {
+        (1, 6144, 4096, 128, False, 6144): dict(config=W4Config(128, 1, 4, 6, True, False, True)._asdict(),
+                                                interleave=32, us=6.1, fraction_of_copy=0.87),
+        (16, 6144, 4096, 128, False, 6144): dict(config=W4Config(64, 2, 8, 4)._asdict(),
+                                                 interleave=32, us=7.0, fraction_of_copy=0.8),
+        (1, 14336, 4096, 128, True, 28672): dict(config=W4Config(32, 1, 4, 3, False, True)._asdict(),
+                                                 interleave=64, us=20.0, fraction_of_copy=0.85),
+        (16, 14336, 4096, 128, True, 28672): dict(config=W4Config(64, 1, 4, 3)._asdict(),
+                                                  interleave=16, us=25.0, fraction_of_copy=0.7),
+    }
+    path = tmp_path / "tuned.json"
+    int4_sweep.write_json(str(path), "NVIDIA H100", best)
+    module = tmp_path / "int4_tuned.py"
+    module.write_text(int4_sweep.TUNED_MODULE.read_text())
+    int4_sweep.install(str(path), module)
+    int4_sweep.install(str(path), module)  # again: the same file, not a second header
+    assert module.read_text().count("TUNED_INTERLEAVE: dict") == 1
+    tables = runpy.run_path(str(module))
+    assert tables["TUNED_INTERLEAVE"] == {(6144, 4096, 128): 32, (28672, 4096, 128): 64}
+    configs = tables["TUNED_W4_CONFIGS"]
+    assert set(configs) == {(1, 6144, 4096, 128, False), (16, 6144, 4096, 128, False),
+                            (1, 14336, 4096, 128, True)}
+    assert W4Config(**configs[1, 6144, 4096, 128, False]) == W4Config(128, 1, 4, 6, True, False, True)
+
+
+def test_the_kernel_module_takes_the_tuned_tables(monkeypatch):
+    cpu = CPU
+    tuned = W4Config(128, 1, 8, 6, dot=True, w_left=True)
+    monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (1, 6144, 4096, 128, False), tuned._asdict())
+    int4_gemm.default_w4_config.cache_clear()
+    at_16 = W4Config(64, 2, 4, 4)
+    monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (16, 6144, 4096, 128, False), at_16._asdict())
+    try:
+        assert int4_gemm.default_w4_config(1, 6144, 4096, 128, False, cpu) == tuned
+        # between measured M: the nearest measured M above (its config serves fewer rows)
+        assert int4_gemm.default_w4_config(2, 6144, 4096, 128, False, cpu) == at_16
+        assert int4_gemm.default_w4_config(16, 6144, 4096, 128, False, cpu) == at_16
+        assert int4_gemm.default_w4_config(17, 6144, 4096, 128, False, cpu) != at_16  # row tiles
+        assert int4_gemm.default_w4_config(2, 6144, 4096, 128, True, cpu) != at_16  # another shape
+    finally:
+        int4_gemm.default_w4_config.cache_clear()
+    monkeypatch.setitem(int4_gemm.TUNED_INTERLEAVE, (6144, 4096, 128), 128)
+    monkeypatch.setitem(int4_gemm.TUNED_INTERLEAVE, (4096, 4096, 32), 128)  # crosses groups: not taken
+    assert int4_gemm.interleave_for(6144, 4096, 128) == 128
+    assert int4_gemm.interleave_for(4096, 4096, 32) == 32
+
+
+@pytest.mark.parametrize("bad", [{"block_n": 64, "oops": 1}])
+def test_install_refuses_unknown_config_fields(tmp_path, bad):
+    path = tmp_path / "bad.json"
+    path.write_text('{"device": "x", "interleave": [[6144, 4096, 128, 32]], "configs": '
+                    '[{"key": [1, 6144, 4096, 128, false], "config": %s, "interleave": 32, '
+                    '"us": 1.0, "fraction_of_copy": 1.0}]}' % str(bad).replace("'", '"'))
+    module = tmp_path / "int4_tuned.py"
+    module.write_text(int4_sweep.TUNED_MODULE.read_text())
+    with pytest.raises(TypeError):
+        int4_sweep.install(str(path), module)
