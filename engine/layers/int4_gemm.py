@@ -437,8 +437,9 @@ if triton is not None:
                 if SILU_MUL:
                     up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
                                             FMA_DEQUANT)
-                for p in tl.static_range(PLANES_PER_GROUP):
-                    j = g * PLANES_PER_GROUP + p
+                # j must stay a constexpr (`_dequantized_plane` branches on it): a plain
+                # assignment makes it a tensor on triton 3.6, a loop variable stays one
+                for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
                     x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
                     w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
                                        ROUND_BITS)
@@ -486,8 +487,7 @@ if triton is not None:
             at = rows[:, None] * n_groups + group[None, :]
             scale = tl.load(scales + at).to(tl.float32)
             zero = tl.load(zeros + at).to(tl.float32)
-            for p in tl.static_range(PLANES_PER_GROUP):
-                j = g * PLANES_PER_GROUP + p
+            for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
                 q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
                 tl.store(out + rows[:, None] * K + (first + j * WORDS)[None, :],
                          ((q - zero) * scale).to(out.dtype.element_ty), mask=mask)

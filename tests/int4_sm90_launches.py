@@ -1,0 +1,231 @@
+"""The W4A16 kernels' launches compiled for an H100 without one (tests/sm90_compile.py): the
+launches the engine makes (`engine_launches`) and every one the sweep may try
+(`sweep_launches`), taken from the launching functions themselves on the CPU (the kernels
+swapped for recorders: nothing runs, the arguments are the real ones), one compile per
+distinct specialisation.
+
+The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both under this
+venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
+rejects), so before a GPU run compile all of them under a scratch venv holding that version:
+
+    python tests/int4_sm90_launches.py [--sweep]   # exit 1 naming every failure
+
+(the commands: docs/architecture.md, INT4)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import sys
+from typing import Iterator, NamedTuple
+
+import torch
+
+from specserve.engine.layers import int4_gemm as g
+
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ENGINE_ROWS = (1, 2, 16, 17, 256)  # up to 16: one row tile of 16 (M's alignment apart); then 64s
+GROUPS = (32, 64, 128, None)  # None: one group over K
+SWEEP_ROWS = (1, 16)  # bench/fp8_gemm.py --sweep's --rows
+
+
+class Launch(NamedTuple):
+    """One kernel launch's compile inputs: its arguments by name, warps and stages."""
+
+    kernel: object
+    args: dict
+    num_warps: int
+    num_stages: int
+
+    def key(self) -> tuple:
+        """What the compiled code depends on: constexpr values, argument dtypes, which ints
+        are 16-divisible (as `compile_sm90_kernel` marks them), warps and stages."""
+        def part(param, v):
+            if param.is_constexpr:
+                return v
+            if isinstance(v, torch.Tensor):
+                return v.dtype
+            return isinstance(v, int) and v > 0 and v % 16 == 0
+        return (self.kernel.fn.__name__, self.num_warps, self.num_stages,
+                *(part(p, self.args[n]) for n, p in zip(self.kernel.arg_names, self.kernel.params)))
+
+    def constexprs(self) -> str:
+        return " ".join(f"{n}={self.args[n]}" for n, p in zip(self.kernel.arg_names,
+                                                               self.kernel.params) if p.is_constexpr)
+
+    def name(self) -> str:
+        return (f"{self.kernel.fn.__name__} warps={self.num_warps} stages={self.num_stages} "
+                + self.constexprs())
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](...)` records the launch."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=4, num_stages=3, launch_pdl=False, **kwargs):  # Triton's defaults
+            named = dict(zip(self.kernel.arg_names, args), **kwargs)
+            named["PDL"] = True  # as an H100 launches it (`pdl_enabled`)
+            self.launches.append(Launch(self.kernel, named, num_warps, num_stages))
+        return launch
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[list]:
+    launches: list = []
+    kernels = {name: getattr(g, name) for name in ("_w4a16_kernel", "_dequantize_kernel")}
+    for name, kernel in kernels.items():
+        setattr(g, name, _Recorder(kernel, launches))
+    try:
+        yield launches
+    finally:
+        for name, kernel in kernels.items():
+            setattr(g, name, kernel)
+
+
+def _weight(n: int, k: int, group: int, interleave: int, scale_dtype=torch.float16) -> g.Int4Weight:
+    groups = -(-k // group)
+    return g.Int4Weight(torch.empty(n, k // g.PACK, dtype=torch.int32),
+                        torch.empty(n, groups, dtype=scale_dtype),
+                        torch.empty(n, groups, dtype=torch.uint8), group, interleave)
+
+
+def _unique(launches: list) -> list[Launch]:
+    return list({launch.key(): launch for launch in launches}.values())
+
+
+def covering(launches: list[Launch]) -> list[Launch]:
+    """A few of `launches` that between them take every value each of them takes of every
+    argument's dtype or alignment, and every pair of values they combine of the constexprs,
+    warps and stages (greedy: most values new first)."""
+    def values(launch: Launch) -> set:
+        name = launch.kernel.fn.__name__
+        consts = [(n, launch.args[n]) for n, p in zip(launch.kernel.arg_names, launch.kernel.params)
+                  if p.is_constexpr] + [("warps", launch.num_warps), ("stages", launch.num_stages)]
+        return ({(name, i, v) for i, v in enumerate(launch.key()[1:])}
+                | {(name, a, b) for a, b in itertools.combinations(consts, 2)})
+
+    left = set().union(*map(values, launches))
+    chosen = []
+    while left:
+        best = max(launches, key=lambda launch: len(values(launch) & left))
+        chosen.append(best)
+        left -= values(best)
+    return chosen
+
+
+def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
+    """The engine's launches at the Llama-8B shapes, each group size (layout by
+    `interleave_for`), `rows`, activations bf16/fp16/fp32 and 16/32-bit scales (the rule's
+    configs, as `int4_linear` takes them on CUDA: the decode kernel up to 256 rows), a bias,
+    and the dequantise kernel of the large-M path at every interleave and output dtype."""
+    dtypes = ((torch.bfloat16, torch.float16), (torch.float16, torch.float16),
+              (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+              (torch.float32, torch.float16))
+    with _recording() as launches:
+        for name, (n, k) in LLAMA_8B.items():
+            paired = name == "gate_up"
+            for group in groups:
+                group = group or k
+                words = g.interleave_for(n, k, group)
+                for x_dtype, scale_dtype in dtypes:
+                    w = _weight(n, k, group, words, scale_dtype)
+                    bias = torch.empty(n, dtype=x_dtype) if name == "qkv" else None
+                    for m in rows:
+                        g.w4a16_gemm(torch.empty(m, k, dtype=x_dtype), w, bias, silu_mul=paired)
+        n, k = LLAMA_8B["o"]
+        for words in (1, 2, 4, 8, 16, 32, 64, 128):
+            for group in groups:
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    g.dequantize_int4_gpu(_weight(n, k, group or k, words), dtype)
+    return _unique(launches)
+
+
+def sweep_launches(rows=SWEEP_ROWS, group: int = 128) -> list[Launch]:
+    """Every launch bench/int4_sweep.py's `search` may make at the Llama-8B shapes and `rows`
+    (as bench/fp8_gemm.py runs it): each interleave and product variant of stage 1 at every
+    point of stage 2's axes (column tiles, split-K halved and doubled, 8 warps, 6 stages), so
+    whichever config stage 1 picks."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import int4_sweep as s
+
+    cpu = torch.device("cpu")  # `split_for` on the CPU assumes an H100's 132 SMs
+    with _recording() as launches:
+        for name, (n, k) in LLAMA_8B.items():
+            paired = name == "gate_up"
+            n_cols = n // 2 if paired else n
+            for words in s.INTERLEAVES:
+                if not g.plane_groups(group, k, words):
+                    continue
+                w = _weight(n, k, group, words)
+                for m in rows:
+                    x = torch.empty(m, k, dtype=torch.bfloat16)
+                    for variant, block_n in itertools.product(s._variants(m, words, paired),
+                                                              (16, 32, 64, 128)):
+                        tiled = s._with_tile(g.W4Config(64, 1, 4, 4)._replace(**variant), m,
+                                             n_cols, k, paired, block_n, cpu)
+                        splits = {tiled.split_k, max(1, tiled.split_k // 2), 2 * tiled.split_k}
+                        for split, warps, stages in itertools.product(splits, (4, 8), (4, 6)):
+                            c = tiled._replace(split_k=split, num_warps=warps, num_stages=stages)
+                            if s.launchable(c, m, n_cols, k, paired, words) and (
+                                    m <= g.MAX_ROWS or split == 1):
+                                g.w4a16_gemm(x, w, silu_mul=paired, config=c)
+    return _unique(launches)
+
+
+def compile_and_check(launch: Launch) -> None:
+    """Compiles `launch` for sm_90 and checks its PTX: tensor-core mma exactly with tl.dot on
+    16-bit activations, the PDL wait, and no int-to-float conversion where the codes become
+    floats by their bits."""
+    from sm90_compile import compile_sm90
+
+    ptx = compile_sm90(launch.kernel, launch.args, launch.num_warps, launch.num_stages)
+    assert "griddepcontrol.wait" in ptx, "no PDL wait"
+    if launch.kernel.fn.__name__ == "_w4a16_kernel":
+        tensor_cores = launch.args["DOT"] and launch.args["DOT_PRECISION"] != "ieee"  # fp32 x: fma
+        assert ("mma" in ptx) == tensor_cores, "tensor-core mma iff DOT on 16-bit operands"
+        assert not launch.args["FMA_DEQUANT"] or "cvt.rn.f32.s32" not in ptx, \
+            "an int-to-float conversion with FMA_DEQUANT"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true",
+                        help="besides the engine's launches (about 350 compiles), every one "
+                             "the sweep may try (about 1,700 more)")
+    args = parser.parse_args()
+    import triton
+
+    launches = _unique(engine_launches() + (sweep_launches() if args.sweep else []))
+    # one launch of each set of constexprs first, then of each with other warps and stages,
+    # then the rest (other argument alignments): a run cut short has compiled every code path
+    def code(launch):
+        return launch.kernel.fn.__name__, launch.constexprs()
+
+    codes = {code(launch): launch for launch in reversed(launches)}
+    tunings = {launch.name(): launch for launch in reversed(launches)}
+    launches = sorted(launches, key=lambda launch: (codes[code(launch)] is not launch,
+                                                    tunings[launch.name()] is not launch))
+    print(f"triton {triton.__version__}, torch {torch.__version__}: {len(launches)} launches, "
+          f"the first {len(codes)} one of each set of constexprs", flush=True)
+    failed = 0
+    for i, launch in enumerate(launches):
+        try:
+            compile_and_check(launch)
+        except Exception as e:  # every failure named, then the count
+            failed += 1
+            message = str(e).strip().splitlines()
+            print(f"FAILED {launch.name()}: {type(e).__name__}: {message[-1] if message else ''}",
+                  flush=True)
+        if (i + 1) % 50 == 0:
+            print(f"{i + 1} done, {failed} failed", flush=True)
+    print(f"compiled: {len(launches) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
