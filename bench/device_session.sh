@@ -95,9 +95,11 @@ for phase in $1; do case $phase in
               --no-moe --out $LOGS/quant_gemm.json
           run quant_8b $B --models llama-8b --batch-sizes 1,64 --modes plain,chain --quantizations auto,fp8,awq \
               --out $LOGS/quant_8b.json ;;
-  drafters) for a in ${ACCEPTS:-3 1}; do
+  drafters|drafters:*)  # drafters:1,4 names its accept lengths (else $ACCEPTS); the demo rows once
+          accepts=${ACCEPTS:-3 1}; [ "$phase" != drafters ] && accepts=${phase#drafters:}; demo=
+          for a in ${accepts//,/ }; do
              run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
-                 ${DRAFTER_MODES:+--modes $DRAFTER_MODES} --out $LOGS/drafters_a$a.json; done ;;
+                 ${DRAFTER_MODES:+--modes $DRAFTER_MODES} $demo --out $LOGS/drafters_a$a.json; demo=--no-demo; done ;;
   w4sweep) run w4sweep python $PWD/bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
               --rows 1,16 --no-moe --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
           # The 8B INT4 rows with the sweep's table, from an install of their own (the lanes
@@ -114,7 +116,10 @@ for phase in $1; do case $phase in
   tp70)   run tp70 $B --models llama-70b --batch-sizes 1 --modes plain,chain --tp-sizes 4 --out $LOGS/tp_70b.json ;;
   tp70fp8) run tp70fp8 $B --models llama-70b --batch-sizes 1 --modes plain --quantizations fp8 --tp-sizes 2 \
               --out $LOGS/tp_70b_fp8.json ;;
-  tpdsv2) run tpdsv2 $B --models deepseek-v2-lite --batch-sizes 1 --modes plain --tp-sizes 1,2,4 --out $LOGS/tp_dsv2.json ;;
+  tpdsv2|tpdsv2:*)  # tpdsv2:1,2 names its tp sizes
+          sizes=1,2,4; [ "$phase" != tpdsv2 ] && sizes=${phase#tpdsv2:}
+          run tpdsv2_${sizes//,/} $B --models deepseek-v2-lite --batch-sizes 1 --modes plain --tp-sizes $sizes \
+              --out $LOGS/tp_dsv2_${sizes//,/}.json ;;
   accuracy) run accuracy python $PWD/bench/fp8_accuracy.py --out $LOGS/fp8_accuracy.json ;;
   # Data-parallel (E29): Ray's slim wheel and its four dependencies in wheels/ray
   # (../shared/docs/device-wheels.md). dp1: the memory GPU tests, two replicas on one GPU.

@@ -93,6 +93,26 @@ def decode_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     return outputs, decode_tokens / decode_seconds, (sum(map(len, outputs)) / verify if verify else 1.0)
 
 
+def batch_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
+    """decode_speed's columns with every prompt decoding at once: decode tokens/s from the
+    step that gave the last request its first token to the end."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{i}", prompt, params)
+    tokens = {f"b{i}": [] for i in range(len(prompts))}
+    verify, start, start_tokens = 0, None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.rid] += out.new_token_ids
+            verify += out.num_verify_steps if out.finished else 0
+        if start is None and all(tokens.values()):  # every prompt prefilled: decoding from here
+            start, start_tokens = time.perf_counter(), sum(map(len, tokens.values()))
+    seconds = time.perf_counter() - start
+    outputs = list(tokens.values())
+    return outputs, (sum(map(len, outputs)) - start_tokens) / seconds, \
+        (sum(map(len, outputs)) / verify if verify else 1.0)
+
+
 def table_ms(times) -> dict:
     """An adaptive engine's step-time table (spec/adaptive.py StepTimes) in ms."""
     return {bs: {d: round(1000 * times.seconds(bs, d), 4) for d in times.depths} for bs in times.buckets}
@@ -101,31 +121,34 @@ def table_ms(times) -> dict:
 def demo_rows(args) -> list[dict]:
     copy = [(mode, shape, copy_prompts) for mode, shape in MODES.items() if mode in args.modes]
     repeat = [(mode, shape, repeat_prompts) for mode, shape in REPEAT_MODES.items() if mode in args.modes]
-    return workload_rows(args, "copy", copy) + workload_rows(args, "repeat", repeat)
+    return workload_rows(args, "copy", copy) + workload_rows(args, "repeat", repeat) + \
+        workload_rows(args, "copy", copy, batch_size=args.demo_batch_size)
 
 
-def workload_rows(args, workload: str, modes: list) -> list[dict]:
-    """A row per (mode, its SpecConfig shape, the workload's prompts), plain first."""
+def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list[dict]:
+    """A row per (mode, its SpecConfig shape, the workload's prompts), plain first; at
+    batch_size > 1, that many prompts decode together (`batch_speed`)."""
     rows, plain = [], None
     draft = str(demo_models_dir() / "demo-draft")
     for mode, shape, make_prompts in modes:
         spec = None if shape is None else SpecConfig(
             draft_model=draft if shape["algorithm"] == "eagle3" else None, **shape)
-        with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=4)) as engine:
-            prompts = make_prompts(engine.core.tokenizer, args.num_prompts, args.window, args.head)
+        with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=max(4, batch_size))) as engine:
+            prompts = make_prompts(engine.core.tokenizer, max(args.num_prompts, batch_size), args.window, args.head)
             decode_speed(engine, [engine.core.tokenizer.encode(WARM_UP)], 16)  # first graph replays, allocations
             worker = engine.core.worker
             adaptive = getattr(worker, "policy", None) is not None
             if adaptive:
                 worker.depth_steps.clear()
                 start_up = table_ms(worker.policy.times)
-            outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens)
+            outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens) if batch_size == 1 \
+                else batch_speed(engine, prompts[:batch_size], args.max_new_tokens)
             # An adaptive engine: the depths it ran, its step-time table at start-up and after
             # the steps' wall times refined it.
             choice = dict(depth_steps=dict(sorted(worker.depth_steps.items())), step_ms_start_up=start_up,
                           step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
         plain = outputs if mode == "plain" else plain
-        rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=1, decode_tokens_per_s=tps,
+        rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=batch_size, decode_tokens_per_s=tps,
                          accept_length=accept, exact=outputs == plain,
                          speedup=tps / rows[0]["decode_tokens_per_s"] if rows else 1.0, **choice))
         print(json.dumps(rows[-1]), flush=True)
@@ -182,6 +205,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--shape", default="llama-8b", help="forced-accept rows on this random-weight shape; "
                                                         "none: skip them")
+    ap.add_argument("--demo-batch-size", type=int, default=64,
+                    help="the copy workload's rows again with this many prompts at once")
+    ap.add_argument("--no-demo", action="store_true", help="the forced-accept rows only")
     ap.add_argument("--accept-len", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1,16,64", help="of the forced-accept rows")
     ap.add_argument("--modes", default=",".join({**MODES, **REPEAT_MODES}),
@@ -192,7 +218,7 @@ def main():
     unknown = set(args.modes) - {*MODES, *REPEAT_MODES}
     if unknown or "plain" not in args.modes:
         ap.error(f"--modes: plain and any of {sorted({*MODES, *REPEAT_MODES} - {'plain'})}; got {args.modes}")
-    rows = demo_rows(args) + (forced_rows(args) if args.shape != "none" else [])
+    rows = ([] if args.no_demo else demo_rows(args)) + (forced_rows(args) if args.shape != "none" else [])
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     json.dump({"device": device, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{device}")
