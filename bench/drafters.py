@@ -147,6 +147,7 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
             # the steps' wall times refined it.
             choice = dict(depth_steps=dict(sorted(worker.depth_steps.items())), step_ms_start_up=start_up,
                           step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
+            del worker  # it holds the model and KV pool: the next engine sizes itself by what is free
         plain = outputs if mode == "plain" else plain
         rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=batch_size, decode_tokens_per_s=tps,
                          accept_length=accept, exact=outputs == plain,

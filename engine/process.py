@@ -41,6 +41,11 @@ GRAMMAR_WARMUP_TIMEOUT_S = 120.0
 # How often an idle engine wakes up to check that the server process is still there. The main
 # loop thus completes an iteration at least this often when idle (server/ops/watchdog.py relies on it).
 IDLE_POLL_MS = 500
+# How long the heartbeat thread gives the main loop to fail on its own once a tensor-parallel
+# rank died, before it ends the process: a step waiting for the dead rank in a collective (NCCL,
+# or the custom all-reduce spinning on its peer's flag) never returns, and the ranks this one
+# spawned exit only once it does (engine/tp.py).
+RANK_FAILURE_EXIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -290,11 +295,15 @@ class HeartbeatThread(threading.Thread):
     between threads.
     """
 
-    def __init__(self, context: zmq.Context, link: ServerLink, loop: _EngineLoop):
+    def __init__(self, context: zmq.Context, link: ServerLink, loop: _EngineLoop,
+                 exit_grace_s: float = RANK_FAILURE_EXIT_S,
+                 exit_process: Callable[[int], Any] = os._exit):
         super().__init__(name="specserve-heartbeat", daemon=True)
         self.context = context
         self.link = link
         self.loop = loop
+        self.exit_grace_s = exit_grace_s
+        self.exit_process = exit_process
         self._stopping = threading.Event()
 
     def run(self) -> None:
@@ -308,8 +317,13 @@ class HeartbeatThread(threading.Thread):
                 if failure is not None:
                     # The loop raises (EngineFailed) unless its step waits for the dead rank
                     # in a collective that never returns (NCCL): the missing beats then make
-                    # the server's watchdog fail the engine within its heartbeat timeout.
+                    # the server's watchdog fail the engine within its heartbeat timeout, and
+                    # the process ends itself after exit_grace_s.
                     logger.error("%s: heartbeats stop", failure)
+                    if not self._stopping.wait(self.exit_grace_s):
+                        logger.error("the main loop is still waiting for the dead rank after %.0f s: "
+                                     "the engine process exits", self.exit_grace_s)
+                        self.exit_process(1)
                     return
                 try:
                     beats.send(ipc.Heartbeat(loop_iterations=self.loop.iterations)

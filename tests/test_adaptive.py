@@ -74,8 +74,20 @@ def test_acceptance_estimate_counts_truncated_runs_per_row():
         est.update(3, [3, 4], [1, 2])        # 0 of 1 tried, 1 of 2
     assert est.rate([3]) == pytest.approx(0.0, abs=1e-4) and est.rate([4]) == pytest.approx(0.5, abs=1e-4)
     assert est.rate([3, 4]) == pytest.approx(1 / 3, abs=1e-4)  # pooled: 1 of 3 tried
-    est.reset([1])                            # a new request in row 1
-    assert est.rate([1]) == 0.5
+    est.reset([1])                            # a new request in row 1: the traffic's rate
+    assert est.rate([1]) == pytest.approx(est.traffic_rate()) == pytest.approx(1 / 3, abs=1e-4)
+
+
+def test_a_new_request_starts_at_the_traffic_rate_not_the_prior():
+    """Where drafts fail for every request, a new one starts near 0, not at the optimistic
+    prior: its first steps are plain, not a dozen losing deep ones."""
+    policy = _policy(prior=0.9)
+    est = policy.estimate
+    assert est.traffic_rate() == 0.9         # nothing tried yet: the prior
+    for _ in range(30):
+        est.update(5, [1, 2], [1, 1])         # every draft rejected
+    est.reset([3])
+    assert est.rate([3]) < 0.05 and policy.choose([3]) == 0
 
 
 def test_a_batch_is_chosen_for_by_its_own_requests():

@@ -94,7 +94,9 @@ def test_serve_flags_set_the_watchdog_timeouts():
 
 def test_heartbeat_thread_reports_the_loop_count():
     """The engine-side heartbeat thread beats while the main loop stands still, and each beat
-    carries the loop's current iteration count; it stops once a tensor-parallel rank died."""
+    carries the loop's current iteration count; it stops once a tensor-parallel rank died, and
+    ends the process when the loop is still stuck (in a collective with the dead rank) after
+    the grace."""
     class Ranks:
         failure = None
 
@@ -110,7 +112,8 @@ def test_heartbeat_thread_reports_the_loop_count():
     beats.setsockopt(zmq.LINGER, 0)
     port = beats.bind_to_random_port("tcp://127.0.0.1")
     link = ServerLink("unused", "unused", f"tcp://127.0.0.1:{port}", heartbeat_interval_s=0.01)
-    heartbeat = HeartbeatThread(context, link, StuckLoop())
+    exits = []
+    heartbeat = HeartbeatThread(context, link, StuckLoop(), exit_grace_s=0.05, exit_process=exits.append)
     heartbeat.start()
     try:
         beats.setsockopt(zmq.RCVTIMEO, 10_000)
@@ -127,6 +130,7 @@ def test_heartbeat_thread_reports_the_loop_count():
         beats.close()
         context.term()
     assert received == [5, 5, 5]
+    assert exits == [1]
 
 
 def test_frozen_engine_goes_not_serving_and_fails_calls(tiny_model):

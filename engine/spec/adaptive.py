@@ -61,8 +61,11 @@ class AcceptanceEstimate:
     """Per request row, the per-draft acceptance rate: an exponentially weighted ratio of
     accepted drafts to drafts tried, over the row's steps (a request tries drafts until the
     first rejection: k accepted of d tried counts k successes of k + 1 trials, or of d when all
-    d were accepted). A row starts at the prior (`reset`: a request prefilled into it, again
-    after a retraction); a batch's rate pools its rows' counts."""
+    d were accepted). A row starts (`reset`: a request prefilled into it, again after a
+    retraction) at the traffic's rate: every step's rows pooled, with the same decay per step,
+    the prior until a draft was tried. Requests of one workload accept alike, so a new one
+    starting at the prior (optimistic where drafts fail) would run a dozen losing deep steps
+    before its own counts outweigh it. A batch's rate pools its rows' counts."""
 
     def __init__(self, num_rows: int, prior: float = 0.5, decay: float = 0.9):
         if not 0.0 <= prior <= 1.0:
@@ -74,10 +77,15 @@ class AcceptanceEstimate:
         # One pseudo-trial of weight 1 at the prior per row (row 0: padding, never read).
         self._accepted = [prior] * (num_rows + 1)
         self._tried = [1.0] * (num_rows + 1)
+        self._traffic_accepted, self._traffic_tried = prior, 1.0
+
+    def traffic_rate(self) -> float:
+        return self._traffic_accepted / self._traffic_tried
 
     def reset(self, rows: Sequence[int]) -> None:
+        start = self.traffic_rate()
         for r in rows:
-            self._accepted[r], self._tried[r] = self.prior, 1.0
+            self._accepted[r], self._tried[r] = start, 1.0
 
     def rate(self, rows: Sequence[int]) -> float:
         return sum(self._accepted[r] for r in rows) / sum(self._tried[r] for r in rows)
@@ -87,9 +95,13 @@ class AcceptanceEstimate:
         (accepted drafts + 1). A plain step (depth 0) says nothing about drafts."""
         if depth == 0:
             return
+        accepted = tried = 0
         for r, n in zip(rows, accept_lens):
             self._accepted[r] = self.decay * self._accepted[r] + n - 1
             self._tried[r] = self.decay * self._tried[r] + min(n, depth)
+            accepted, tried = accepted + n - 1, tried + min(n, depth)
+        self._traffic_accepted = self.decay * self._traffic_accepted + accepted
+        self._traffic_tried = self.decay * self._traffic_tried + tried
 
 
 class DepthPolicy:
