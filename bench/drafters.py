@@ -133,7 +133,10 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
     for mode, shape, make_prompts in modes:
         spec = None if shape is None else SpecConfig(
             draft_model=draft if shape["algorithm"] == "eagle3" else None, **shape)
-        with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=max(4, batch_size))) as engine:
+        # Half the device: the demo pair needs little KV, and what an engine before it in this
+        # process left cached must not make the next one's share exceed what is free.
+        with Engine(EngineConfig(device=args.device, spec=spec, max_running_requests=max(4, batch_size),
+                                 gpu_memory_utilization=0.5)) as engine:
             prompts = make_prompts(engine.core.tokenizer, max(args.num_prompts, batch_size), args.window, args.head)
             decode_speed(engine, [engine.core.tokenizer.encode(WARM_UP)], 16)  # first graph replays, allocations
             worker = engine.core.worker

@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -41,10 +42,11 @@ GRAMMAR_WARMUP_TIMEOUT_S = 120.0
 # How often an idle engine wakes up to check that the server process is still there. The main
 # loop thus completes an iteration at least this often when idle (server/ops/watchdog.py relies on it).
 IDLE_POLL_MS = 500
-# How long the heartbeat thread gives the main loop to fail on its own once a tensor-parallel
-# rank died, before it ends the process: a step waiting for the dead rank in a collective (NCCL,
-# or the custom all-reduce spinning on its peer's flag) never returns, and the ranks this one
-# spawned exit only once it does (engine/tp.py).
+# How long the heartbeat thread gives the engine to fail and shut down on its own once a
+# tensor-parallel rank died, before it ends the process: a step waiting for the dead rank in a
+# collective (NCCL, or the custom all-reduce spinning on its peer's flag) never returns, nor
+# does a CUDA call of the teardown behind it, and the ranks this one spawned exit only once it
+# does (engine/tp.py).
 RANK_FAILURE_EXIT_S = 10.0
 
 
@@ -312,29 +314,40 @@ class HeartbeatThread(threading.Thread):
         beats.setsockopt(zmq.SNDHWM, 4)  # only the latest beats matter to a slow reader
         beats.connect(self.link.heartbeats)
         try:
-            while True:
-                failure = self.loop.engine.rank_failure()
-                if failure is not None:
-                    # The loop raises (EngineFailed) unless its step waits for the dead rank
-                    # in a collective that never returns (NCCL): the missing beats then make
-                    # the server's watchdog fail the engine within its heartbeat timeout, and
-                    # the process ends itself after exit_grace_s.
-                    logger.error("%s: heartbeats stop", failure)
-                    if not self._stopping.wait(self.exit_grace_s):
-                        logger.error("the main loop is still waiting for the dead rank after %.0f s: "
-                                     "the engine process exits", self.exit_grace_s)
-                        self.exit_process(1)
-                    return
-                try:
-                    beats.send(ipc.Heartbeat(loop_iterations=self.loop.iterations)
-                               .SerializeToString(), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the server is not reading: a lost beat is no loss
-                if self._stopping.wait(self.link.heartbeat_interval_s):
-                    return
+            failure = self._beat(beats)
         finally:
-            beats.close()
+            beats.close()  # before the grace below: context.term() waits for every socket
+        if failure is None:
+            return
+        # The loop raises (EngineFailed) unless its step waits for the dead rank in a
+        # collective that never returns (NCCL, or the custom all-reduce spinning on the dead
+        # peer's flag, which also hangs any later CUDA call of the teardown): the missing beats
+        # make the server's watchdog fail the engine within its heartbeat timeout, and this
+        # thread ends the process after the grace unless it ended first (a daemon thread).
+        logger.error("%s: heartbeats stop", failure)
+        time.sleep(self.exit_grace_s)
+        logger.error("the engine is still waiting for the dead rank after %.0f s: its process exits",
+                     self.exit_grace_s)
+        self.exit_process(1)
+
+    def _beat(self, beats: zmq.Socket) -> Optional[str]:
+        """Beat until stopped (None) or a tensor-parallel rank died (why)."""
+        while True:
+            failure = self.loop.engine.rank_failure()
+            if failure is not None:
+                return failure
+            try:
+                beats.send(ipc.Heartbeat(loop_iterations=self.loop.iterations).SerializeToString(),
+                           zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the server is not reading: a lost beat is no loss
+            if self._stopping.wait(self.link.heartbeat_interval_s):
+                return None
 
     def stop(self) -> None:
+        """Stop beating; a thread in its grace after a rank died is left to it (its socket is
+        closed already)."""
         self._stopping.set()
-        self.join()
+        self.join(timeout=self.link.heartbeat_interval_s + 1.0)
+
+
