@@ -84,12 +84,15 @@ class StepStat(NamedTuple):
     or from the previous step's result if that came later, to its own result on the host (so
     about its forward's time while the engine is busy; no device sync is added to measure it).
     `tokens`: an extend's prefill tokens, a decode's requests; `others`: requests holding a row
-    that the step did not advance (for an extend, the decoding requests it held up)."""
+    that the step did not advance (for an extend, the decoding requests it held up);
+    `draft_depth`: the draft tokens a request a decode step verified (adaptive speculation's
+    choice; 0 for a plain step and an extend)."""
 
     extend: bool
     seconds: float
     tokens: int
     others: int
+    draft_depth: int = 0
 
 
 @dataclass

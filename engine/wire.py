@@ -198,6 +198,7 @@ def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = (),
         msg.step_seconds = _bytes([s.seconds for s in steps], _F64)
         msg.step_tokens = _bytes([s.tokens for s in steps], _U32)
         msg.step_others = _bytes([s.others for s in steps], _U32)
+        msg.step_draft_depths = _bytes([s.draft_depth for s in steps], _U8)
     if load is not None:
         msg.load.CopyFrom(load_to_proto(load))
     return msg
@@ -205,9 +206,10 @@ def encode_batch(outputs: Sequence[StepOutput], steps: Sequence[StepStat] = (),
 
 def decode_step_stats(msg: ipc.BatchOutput) -> list[StepStat]:
     """The StepStats of a BatchOutput (encode_batch's `steps`)."""
-    return [StepStat(bool(e), s, t, o) for e, s, t, o in zip(
+    return [StepStat(bool(e), s, t, o, d) for e, s, t, o, d in zip(
         _column(msg.step_extend, _U8), _column(msg.step_seconds, _F64),
-        _column(msg.step_tokens, _U32), _column(msg.step_others, _U32))]
+        _column(msg.step_tokens, _U32), _column(msg.step_others, _U32),
+        _column(msg.step_draft_depths, _U8))]
 
 
 def decode_load(msg: ipc.BatchOutput) -> Optional[EngineLoad]:

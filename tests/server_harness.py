@@ -171,6 +171,12 @@ def assert_spec_method_metrics(metrics_url: str, method: str, outputs: list, dra
     assert samples[("specserve_spec_method_accepted_draft_tokens_total", labels)] == \
         sum(o.spec.accepted_drafts for o in outputs)
     assert samples[("specserve_spec_draft_depth", labels)] == draft_depth
+    # A fixed shape: every decode step verified draft_depth drafts a request (a step per verify
+    # of a lone request, and more where several ran together or one ran past its end).
+    depths = {dict(k[1])["depth"]: v for k, v in samples.items()
+              if k[0] == "specserve_spec_decode_steps_total" and dict(k[1])["method"] == method}
+    assert set(depths) == {str(draft_depth)}
+    assert 0 < depths[str(draft_depth)] and max(o.spec.verify_steps for o in outputs) <= depths[str(draft_depth)]
 
 
 # server/request_record.py TTFT_STAGES, in order (the access log's ttft_stages_ms, the

@@ -62,7 +62,8 @@ def _normalised(out: StepOutput) -> StepOutput:
 def test_random_batches_round_trip(seed):
     rng = random.Random(seed)
     outputs = [_random_output(rng, i) for i in range(rng.choice([0, 1, 2, 7, 64]))]
-    steps = [StepStat(rng.random() < 0.5, rng.random() / 7, rng.randrange(1 << 16), rng.randrange(300))
+    steps = [StepStat(rng.random() < 0.5, rng.random() / 7, rng.randrange(1 << 16), rng.randrange(300),
+                      rng.randrange(17))
              for _ in range(rng.choice([0, 1, 3]))]
     load = None if rng.random() < 0.3 else EngineLoad(
         num_running=rng.randrange(300), num_waiting=rng.randrange(300),

@@ -271,7 +271,7 @@ class Scheduler:
         self.metrics.step_stats.append(StepStat(
             extend, done - max(batch.launched_at, self._last_result_at),
             sum(end - start for start, end in decision.chunks) if extend else len(decision.decode_reqs),
-            batch.num_others))
+            batch.num_others, 0 if extend else batch.launched.draft_depth))
         self._last_result_at = done
         tokens = result.token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None

@@ -118,7 +118,8 @@ class SpecWorker:
             self.drafter.after_prefill(chunks.drafter, c, tokens, feats[n:], KVRows.by_batch_index(chunk_kv))
             return join_verify_result(result, tokens)
 
-        return launch_forward(self.target.ctx, (inputs, chunks), body)
+        return launch_forward(self.target.ctx, (inputs, chunks), body)._replace(
+            draft_depth=self.drafter.shape.num_steps)
 
     def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
@@ -172,7 +173,8 @@ class SpecWorker:
             publish_ready.record()
             return self._extend_half(verified)
 
-        return launch_forward(self.target.ctx, inputs, body)
+        return launch_forward(self.target.ctx, inputs, body)._replace(
+            draft_depth=self.drafter.shape.num_steps)
 
     def _verify_half(self, s: SpecDecodeInputs, read_done=None) -> Verified:
         """Snapshot the rows, draft, verify, accept, publish the new lengths."""

@@ -107,6 +107,11 @@ class ServerMetrics:
             "Draft tokens per request a verify step checks (at most, with adaptive speculation), "
             "by drafting method", ["method"],
             registry=r)
+        self.spec_decode_steps = Counter(
+            "specserve_spec_decode_steps",
+            "Engine decode steps by drafting method and the draft tokens a request they verified "
+            "(adaptive speculation's choice per step; 0: a plain step)", ["method", "depth"],
+            registry=r)
         self._spec_method: Optional[str] = None  # set once the engine says how it speculates
         self.time_to_first_token = Histogram("specserve_time_to_first_token_seconds",
                                              "From the call's arrival to its first token",
@@ -213,6 +218,8 @@ class ServerMetrics:
         them: the load gauges are never more than one engine step old."""
         for step in steps:
             self._engine_step[step.extend].observe(step.seconds)
+            if not step.extend and self._spec_method is not None:
+                self.spec_decode_steps.labels(self._spec_method, str(step.draft_depth)).inc()
             if step.extend:
                 self.extend_tokens.observe(step.tokens)
                 if step.others:

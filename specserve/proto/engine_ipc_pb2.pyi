@@ -77,7 +77,7 @@ class EngineReady(_message.Message):
     def __init__(self, info: _Optional[_Union[_generate_pb2.ModelInfo, _Mapping]] = ..., tokenizer_pickle: _Optional[bytes] = ...) -> None: ...
 
 class BatchOutput(_message.Message):
-    __slots__ = ("rids", "indexes", "num_tokens", "token_ids", "flags", "finish_reasons", "matched_stop", "counters", "logprob_counts", "logprobs", "top_counts", "top_sizes", "top_ids", "top_logprobs", "prompt_logprob_counts", "prompt_logprobs", "prompt_top_counts", "prompt_top_sizes", "prompt_top_ids", "prompt_top_logprobs", "stamp_entries", "stamps", "step_extend", "step_seconds", "step_tokens", "step_others", "errors", "load")
+    __slots__ = ("rids", "indexes", "num_tokens", "token_ids", "flags", "finish_reasons", "matched_stop", "counters", "logprob_counts", "logprobs", "top_counts", "top_sizes", "top_ids", "top_logprobs", "prompt_logprob_counts", "prompt_logprobs", "prompt_top_counts", "prompt_top_sizes", "prompt_top_ids", "prompt_top_logprobs", "stamp_entries", "stamps", "step_extend", "step_seconds", "step_tokens", "step_others", "errors", "load", "step_draft_depths")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     INDEXES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class BatchOutput(_message.Message):
     STEP_OTHERS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_DRAFT_DEPTHS_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[str]
     indexes: bytes
     num_tokens: bytes
@@ -134,7 +135,8 @@ class BatchOutput(_message.Message):
     step_others: bytes
     errors: _containers.RepeatedCompositeFieldContainer[SequenceError]
     load: _generate_pb2.ServerLoad
-    def __init__(self, rids: _Optional[_Iterable[str]] = ..., indexes: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., finish_reasons: _Optional[bytes] = ..., matched_stop: _Optional[bytes] = ..., counters: _Optional[bytes] = ..., logprob_counts: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_counts: _Optional[bytes] = ..., top_sizes: _Optional[bytes] = ..., top_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprob_counts: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_counts: _Optional[bytes] = ..., prompt_top_sizes: _Optional[bytes] = ..., prompt_top_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., stamp_entries: _Optional[bytes] = ..., stamps: _Optional[bytes] = ..., step_extend: _Optional[bytes] = ..., step_seconds: _Optional[bytes] = ..., step_tokens: _Optional[bytes] = ..., step_others: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., load: _Optional[_Union[_generate_pb2.ServerLoad, _Mapping]] = ...) -> None: ...
+    step_draft_depths: bytes
+    def __init__(self, rids: _Optional[_Iterable[str]] = ..., indexes: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., flags: _Optional[bytes] = ..., finish_reasons: _Optional[bytes] = ..., matched_stop: _Optional[bytes] = ..., counters: _Optional[bytes] = ..., logprob_counts: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_counts: _Optional[bytes] = ..., top_sizes: _Optional[bytes] = ..., top_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprob_counts: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_counts: _Optional[bytes] = ..., prompt_top_sizes: _Optional[bytes] = ..., prompt_top_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., stamp_entries: _Optional[bytes] = ..., stamps: _Optional[bytes] = ..., step_extend: _Optional[bytes] = ..., step_seconds: _Optional[bytes] = ..., step_tokens: _Optional[bytes] = ..., step_others: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[SequenceError, _Mapping]]] = ..., load: _Optional[_Union[_generate_pb2.ServerLoad, _Mapping]] = ..., step_draft_depths: _Optional[bytes] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("entry", "code", "message")
