@@ -245,8 +245,6 @@ class SpecConfig:
             _require(self.draft_model is None, "spec.draft_model",
                      f"{self.algorithm} copies drafts from earlier tokens: no draft model")
             _require(self.topk == 1, "spec.topk", f"{self.algorithm} drafts a chain: must be 1, got {self.topk!r}")
-        _require(not self.adaptive or self.topk == 1, "spec.adaptive",
-                 f"chooses chain depths: needs topk 1, got {self.topk!r}")
         _require(isinstance(self.ngram_min, int) and self.ngram_min >= 1, "spec.ngram_min",
                  f"must be >= 1, got {self.ngram_min!r}")
         _require(isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "spec.ngram_max",

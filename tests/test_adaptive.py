@@ -206,7 +206,11 @@ class RandomDepths:
 
 
 def _spec(pair, algorithm: str, **kwargs) -> SpecConfig:
+    """A chain of 4 drafts; "eagle-tree": 4 levels of width 2, the 7 best nodes verified."""
     draft = None if algorithm in ("ngram", "suffix") else pair[1]
+    if algorithm == "eagle-tree":
+        return SpecConfig(algorithm="eagle", draft_model=draft, num_steps=4, topk=2, num_draft_tokens=8,
+                          adaptive=True, **kwargs)
     return SpecConfig(algorithm=algorithm, draft_model=draft, num_steps=4, num_draft_tokens=5, adaptive=True,
                       **kwargs)
 
@@ -229,7 +233,7 @@ def reference(pair):
     return prompts, params, [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "suffix"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle-tree", "ngram", "suffix"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_random_depths_leave_greedy_and_seeded_outputs_unchanged(pair, reference, make_engine, algorithm, overlap):
     prompts, params, expected = reference
@@ -238,17 +242,21 @@ def test_random_depths_leave_greedy_and_seeded_outputs_unchanged(pair, reference
     policy = _randomise(engine, seed=7)
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
     assert set(policy.chosen) == {0, 1, 2, 4}
+    if algorithm == "eagle-tree":  # width 2 at every depth: 2 + 4 (d - 1) candidates, 7 verified at most
+        shapes = {d: tuple(w.drafter.shape) for d, w in engine.core.worker.workers.items()}
+        assert shapes == {0: (2, 0, 1), 1: (2, 1, 3), 2: (2, 2, 7), 4: (2, 4, 8)}
     # Each decode step reports the depth it ran (the server's specserve_spec_decode_steps).
     decodes = [s.draft_depth for s in engine.take_step_stats() if not s.extend]
     assert collections.Counter(decodes) == collections.Counter(policy.chosen)
 
 
-def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle-tree"])
+def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine, monkeypatch, algorithm):
     """Every depth's captured step (the CPU stand-in), requests retracted in between."""
     from helpers import graphed_engine
 
     prompts, params, expected = reference
-    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, "eagle"),
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, algorithm),
                                     max_total_tokens=110)
     _randomise(engine, seed=8)
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
@@ -337,8 +345,6 @@ def test_adaptive_config_errors_name_the_field():
     from specserve.engine import EngineConfig
 
     with pytest.raises(ValueError, match=r"^spec.adaptive:"):
-        SpecConfig(draft_model="/d", num_steps=3, topk=2, num_draft_tokens=6, adaptive=True)
-    with pytest.raises(ValueError, match=r"^spec.adaptive:"):
         EngineConfig(spec=SpecConfig(adaptive=True), tp_size=2)
 
 
@@ -354,7 +360,7 @@ def test_cli_turns_adaptive_on():
 
 # --- GPU (pytest -m gpu) ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "suffix"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle-tree", "ngram", "suffix"])
 def test_gpu_adaptive_graphs_every_depth_and_keeps_outputs(pair, reference, make_engine, algorithm):
     """Graphs for every depth, a table measured from their replays, random depths equal to
     plain decoding, and the policy's own steps without a blocking host sync."""

@@ -1,5 +1,6 @@
-"""Adaptive speculation (`SpecConfig.adaptive`, chain drafting): each decode step's draft depth
-chosen by spec/adaptive.py's `DepthPolicy` from the batch size and the measured acceptance.
+"""Adaptive speculation (`SpecConfig.adaptive`, chain or tree drafting): each decode step's
+draft depth chosen by spec/adaptive.py's `DepthPolicy` from the batch size and the measured
+acceptance.
 
 One `SpecWorker` per depth (`adaptive_depths`: 0, 1, about half num_steps, num_steps) over the
 same target, the same drafter state (`Drafter.at_depth` shares it) and the deepest's KV
@@ -11,9 +12,10 @@ walks a fixed draft shape); prefills run on the deepest worker (their drafter bo
 not depend on the depth).
 
 Acceptance reaches the policy, per request row, when the scheduler reads a step's result (the
-host has it then: no sync added); a row starts from the prior when a prefill ends into it. So
-does the step's wall time (host clocks only: from its launch, or the previous result read if
-later, to its read), which refines the start-up table (spec/adaptive.py DepthPolicy). The step times are measured once, after the graphs are captured
+host has it then: no sync added); a row starts from the traffic's pooled rate when a prefill
+ends into it. So does the step's wall time (host clocks only: from its launch, or the previous
+result read if later, to its read), which refines the start-up table (spec/adaptive.py
+DepthPolicy). The step times are measured once, after the graphs are captured
 (`measure_step_times`): each depth's step replayed on its static inputs per batch-size bucket
 (eagerly, off CUDA, at the smallest and largest bucket).
 """

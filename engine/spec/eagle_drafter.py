@@ -67,10 +67,15 @@ class ModelDrafter:
                                              next(head.parameters()).dtype)
 
     def at_depth(self, depth: int) -> "ModelDrafter":
-        """This drafter drafting chains of `depth` tokens (adaptive speculation; the state is
-        shared: it lives in the FutureMap)."""
+        """This drafter drafting `depth` levels (adaptive speculation; the state is shared: it
+        lives in the FutureMap). A tree keeps its width k: `depth` levels hold k + (depth - 1)
+        k^2 candidates, of which up to num_draft_tokens - 1 are verified (a chain: `depth`);
+        depth 0 verifies the root alone. The first level it stashes stays k wide at every
+        depth, for whichever depth comes next."""
         drafter = copy.copy(self)
-        drafter.shape = drafter.grammar_shape = tree_ops.TreeShape(1, depth, depth + 1)
+        k = self.shape.topk
+        nodes = 1 if depth == 0 else min(self.shape.num_draft_tokens, 1 + k + (depth - 1) * k * k)
+        drafter.shape = drafter.grammar_shape = tree_ops.TreeShape(k, depth, nodes)
         return drafter
 
     @property
