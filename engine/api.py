@@ -22,8 +22,9 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, GrammarHealth, StepOutput
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
-from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, RequestChange,
-                                 TPRankDied, spawn_followers)
+from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
+from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, ObservedStepTimes,
+                                 RequestChange, TPRankDied, spawn_followers)
 
 # After a failed tp step: how long to wait for a dead rank's exit to show (its sockets close
 # first), so that the error names it.
@@ -176,6 +177,8 @@ class Engine:
         if news is not None:  # every rank takes it before this step's schedule
             self._change(GrammarNews(*news))
         if core.tp_group is not None:
+            if isinstance(core.worker, AdaptiveSpecWorker):  # rank 0's step times, on every rank here
+                self._change(ObservedStepTimes(core.worker.take_step_times()))
             changes, self._changes = self._changes, []
             core.tp_group.exchange(changes)
         # Schedule-side device work runs on this engine's schedule stream (entered per call:

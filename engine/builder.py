@@ -342,7 +342,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                              estimate=_graph_reserve_bytes(config, cfg, dtype,
                                                                            num_rows, spec))
     if spec is not None and spec.adaptive:
-        times = worker.measure_step_times(num_rows, row_width)
+        times = worker.measure_step_times(num_rows, row_width,
+                                          **({} if tp_group is None else dict(agree=tp_group.exchange)))
         logger.info("adaptive speculation: step ms by batch size and draft depth %s",
                     {bs: {d: round(1000 * times.seconds(bs, d), 3) for d in times.depths}
                      for bs in times.buckets})

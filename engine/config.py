@@ -245,6 +245,7 @@ class SpecConfig:
             _require(self.draft_model is None, "spec.draft_model",
                      f"{self.algorithm} copies drafts from earlier tokens: no draft model")
             _require(self.topk == 1, "spec.topk", f"{self.algorithm} drafts a chain: must be 1, got {self.topk!r}")
+        _require(isinstance(self.adaptive, bool), "spec.adaptive", f"must be True or False, got {self.adaptive!r}")
         _require(isinstance(self.ngram_min, int) and self.ngram_min >= 1, "spec.ngram_min",
                  f"must be >= 1, got {self.ngram_min!r}")
         _require(isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "spec.ngram_max",
@@ -374,9 +375,6 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"), "load_format",
                  f"must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(isinstance(self.tp_size, int) and self.tp_size >= 1, "tp_size", "must be >= 1")
-        # Every rank must choose the same depths, and each would measure its own step times.
-        _require(not (self.tp_size > 1 and isinstance(self.spec, SpecConfig) and self.spec.adaptive),
-                 "spec.adaptive", "not supported with tp_size > 1")
         _require(isinstance(self.enable_prefix_cache, bool), "enable_prefix_cache",
                  f"must be True or False, got {self.enable_prefix_cache!r}")
         _require(isinstance(self.skinny_gemm, bool), "skinny_gemm",

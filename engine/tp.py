@@ -70,7 +70,16 @@ class GrammarNews(NamedTuple):
             core.scheduler.take_grammar_news(self.messages, self.dead)
 
 
-RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache, GrammarNews]
+class ObservedStepTimes(NamedTuple):
+    """Rank 0's step wall times since the last step (adaptive speculation): every rank's depth
+    policy takes them at the same point, so all choose the same depths."""
+    observed: list
+
+    def apply(self, core: EngineCore) -> None:
+        core.worker.observe_step_times(self.observed)
+
+
+RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache, GrammarNews, ObservedStepTimes]
 
 
 class TPRankDied(RuntimeError):

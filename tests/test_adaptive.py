@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import random_prompts
+from helpers import TP_PLACEMENTS, random_prompts, tp_placement
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.spec.adaptive import AcceptanceEstimate, DepthPolicy, StepTimes, expected_tokens
@@ -342,10 +342,27 @@ def test_the_engine_feeds_each_steps_wall_time_to_the_table(pair, reference, mak
 
 
 def test_adaptive_config_errors_name_the_field():
-    from specserve.engine import EngineConfig
-
     with pytest.raises(ValueError, match=r"^spec.adaptive:"):
-        EngineConfig(spec=SpecConfig(adaptive=True), tp_size=2)
+        SpecConfig(adaptive="yes")
+
+
+@pytest.mark.parametrize("placement", TP_PLACEMENTS)
+def test_tp_ranks_take_rank0s_step_times(pair, reference, make_engine, placement):
+    """tp > 1: outputs equal plain decoding's (every rank runs the same depths: a rank choosing
+    its own would run other graphs, other collectives); rank 0's step times reach its own
+    policy only as the control message every rank applies at the next step's start."""
+    size, device = tp_placement(placement)
+    prompts, params, expected = reference
+    engine = make_engine(pair[0], spec=_spec(pair, "eagle"), tp_size=size, **device)
+    worker = engine.core.worker
+    applied = []
+    apply = worker.observe_step_times
+    worker.observe_step_times = lambda observed: (applied.extend(observed), apply(observed))
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+    decodes = sum(n for d, n in worker.depth_steps.items())
+    # Each decode step's time is applied at a later step's start, the last ones still queued.
+    assert 0 < len(applied) <= decodes and len(applied) + len(worker.take_step_times()) == decodes
+    assert {seen.depth for seen in applied} <= set(worker.depth_steps)
 
 
 def test_cli_turns_adaptive_on():

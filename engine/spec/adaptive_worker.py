@@ -11,6 +11,12 @@ verifier accepts the target's own. Constrained batches run at num_steps (the gra
 walks a fixed draft shape); prefills run on the deepest worker (their drafter bookkeeping does
 not depend on the depth).
 
+With tensor parallelism every rank must choose the same depth (the ranks run the same graphs
+in step): acceptance is the same on every rank (the tokens are), but wall times are not, so
+rank 0's start-up table is every rank's (`measure_step_times`' `agree`) and its step times
+reach the tables as a control message at the start of the next step, applied there on every
+rank alike (engine/tp.py ObservedStepTimes), never in between.
+
 Acceptance reaches the policy, per request row, when the scheduler reads a step's result (the
 host has it then: no sync added); a row starts from the traffic's pooled rate when a prefill
 ends into it. So does the step's wall time (host clocks only: from its launch, or the previous
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -60,6 +66,14 @@ class ObservedResult:
         return result
 
 
+class StepObservation(NamedTuple):
+    """A chosen step's wall time (DepthPolicy.observe's arguments)."""
+
+    batch_size: int
+    depth: int
+    seconds: float
+
+
 class AdaptiveSpecWorker:
     def __init__(self, target: TargetModel, drafter: Drafter, spec: SpecConfig):
         self.target = target
@@ -72,6 +86,11 @@ class AdaptiveSpecWorker:
         self.policy: Optional[DepthPolicy] = None  # once measure_step_times ran
         self.depth_steps: collections.Counter[int] = collections.Counter()  # decode steps run per depth
         self._last_read = 0.0  # perf_counter of the last step result read
+        # tp > 1: rank 0's step times, for the next step's control message (the others' unused).
+        tp = target.model.tp
+        self._share_times = tp.size > 1
+        self._record_times = tp.rank == 0
+        self._observed: list[StepObservation] = []
 
     # What the engine reads of a worker: the deepest's (it runs prefills and constrained steps).
     @property
@@ -116,7 +135,11 @@ class AdaptiveSpecWorker:
         def read(result: StepResult, read_at: float) -> None:
             self.estimate.update(depth, step.rows, result.accept_lens.tolist())
             if policy is not None:
-                policy.observe(len(step.rows), depth, read_at - max(launched_at, self._last_read))
+                seen = StepObservation(len(step.rows), depth, read_at - max(launched_at, self._last_read))
+                if not self._share_times:
+                    policy.observe(*seen)
+                elif self._record_times:
+                    self._observed.append(seen)
             self._last_read = read_at
 
         return launched._replace(result=ObservedResult(launched.result, read))
@@ -134,14 +157,25 @@ class AdaptiveSpecWorker:
         for worker in self.workers.values():
             worker.release_graphs()
 
-    def measure_step_times(self, max_batch_size: int, width: int) -> StepTimes:
+    def take_step_times(self) -> list[StepObservation]:
+        """Rank 0's step times since the last call (tp > 1), for every rank's policy."""
+        observed, self._observed = self._observed, []
+        return observed
+
+    def observe_step_times(self, observed: Sequence[StepObservation]) -> None:
+        for seen in observed:
+            self.policy.observe(*seen)
+
+    def measure_step_times(self, max_batch_size: int, width: int,
+                           agree: Callable[[Any], Any] = lambda seconds: seconds) -> StepTimes:
         """Time every depth's greedy step per bucket on its static inputs (padded rows: they
-        write only the padding row and slot 0), and choose by them from now on."""
+        write only the padding row and slot 0), and choose by them from now on. `agree`: rank
+        0's table on every rank (tp > 1)."""
         graphed = self.deepest.graphs is not None
         buckets = self.deepest.graphs.buckets if graphed else sorted({1, max_batch_size})
         seconds = {bs: {depth: _time(_static_step(worker, bs, width), self.target.ctx.device)
                         for depth, worker in self.workers.items()} for bs in buckets}
-        self.policy = DepthPolicy(StepTimes(seconds), self.estimate)
+        self.policy = DepthPolicy(StepTimes(agree(seconds)), self.estimate)
         return self.policy.times
 
 
