@@ -177,8 +177,9 @@ class Engine:
         if news is not None:  # every rank takes it before this step's schedule
             self._change(GrammarNews(*news))
         if core.tp_group is not None:
-            if isinstance(core.worker, AdaptiveSpecWorker):  # rank 0's step times, on every rank here
-                self._change(ObservedStepTimes(core.worker.take_step_times()))
+            observed = core.worker.take_step_times() if isinstance(core.worker, AdaptiveSpecWorker) else ()
+            if observed:  # rank 0's step times, taken by every rank here
+                self._change(ObservedStepTimes(observed))
             changes, self._changes = self._changes, []
             core.tp_group.exchange(changes)
         # Schedule-side device work runs on this engine's schedule stream (entered per call:
