@@ -10,7 +10,8 @@ lines again; greedy decoding then copies the rest of the window (a code-edit or 
 request repeats its context the same way). One request at a time; rows per mode: decode
 tokens/s from each request's first token to its last, tokens per verify step, and whether the
 output equals plain decoding's token for token. Modes: plain, ngram at two draft depths and
-adaptive, suffix, and the bundled EAGLE-3 head (chain, and adaptive) for reference.
+adaptive, suffix, and the bundled EAGLE-3 head (chain, tree, each fixed and adaptive) for
+reference.
 
 Repeat workload (suffix drafting across requests): each prompt a window's first `head` tokens
 of held-out code, sent twice in a row (a retried or regenerated request; an agent re-running
@@ -44,7 +45,9 @@ MODES = {"plain": None,
          "ngram-8-adaptive": dict(algorithm="ngram", num_steps=7, num_draft_tokens=8, adaptive=True),
          "suffix-4": dict(algorithm="suffix", num_steps=3, num_draft_tokens=4),
          "eagle3-chain": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4),
-         "eagle3-adaptive": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4, adaptive=True)}
+         "eagle3-adaptive": dict(algorithm="eagle3", num_steps=3, num_draft_tokens=4, adaptive=True),
+         "eagle3-tree": dict(algorithm="eagle3", num_steps=5, topk=4, num_draft_tokens=8),
+         "eagle3-tree-adaptive": dict(algorithm="eagle3", num_steps=5, topk=4, num_draft_tokens=8, adaptive=True)}
 
 
 # The repeat workload's modes: n-gram drafting beside suffix drafting, which sees the first answer.
@@ -226,9 +229,9 @@ def main():
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     json.dump({"device": device, "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print(f"\n{device}")
-    print(f"{'model':10} {'workload':8} {'mode':18} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
+    print(f"{'model':10} {'workload':8} {'mode':20} {'bs':>3} {'tok/s':>9} {'acc':>5} {'x plain':>8} {'exact':>6}")
     for r in rows:
-        print(f"{r['model']:10} {r.get('workload', 'forced'):8} {r['mode']:18} {r['batch_size']:>3} "
+        print(f"{r['model']:10} {r.get('workload', 'forced'):8} {r['mode']:20} {r['batch_size']:>3} "
               f"{r['decode_tokens_per_s']:9.1f} "
               f"{r['accept_length']:5.2f} {r['speedup']:8.2f} {str(r.get('exact', '-')):>6}")
 
