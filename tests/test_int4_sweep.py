@@ -40,7 +40,7 @@ def test_search_finds_the_best_layout_and_config_and_times_only_launchable_ones(
     assert len(seen) == len(set(seen)) == len(timed) <= 22  # each config once; a short search
     assert {w for _, w in seen} == set(int4_sweep.INTERLEAVES)
     assert any(not c.dot and c.round_bits for c, _ in seen)  # multiply-and-sum at M = 1
-    assert all(int4_sweep.launchable(c, 1, n, k, False, w) for c, w in seen)
+    assert all(int4_sweep.launchable(c, 1, n, k, 128, False, w, CPU) for c, w in seen)
 
 
 def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
@@ -56,9 +56,36 @@ def test_search_skips_layouts_whose_planes_cross_groups():
 
 def test_launchable_bounds_the_multiply_and_sum_accumulators():
     c = W4Config(block_n=128, split_k=1, num_warps=4, num_stages=3, dot=False)
-    assert int4_sweep.launchable(c, 1, 4096, 4096, False, 32)
-    assert not int4_sweep.launchable(c, 16, 4096, 4096, False, 32)
-    assert not int4_sweep.launchable(c._replace(split_k=32), 1, 4096, 4096, False, 32)  # 128 of K a split
+    assert int4_sweep.launchable(c, 1, 4096, 4096, 128, False, 32, CPU)
+    assert not int4_sweep.launchable(c, 16, 4096, 4096, 128, False, 32, CPU)
+    assert not int4_sweep.launchable(c._replace(split_k=32), 1, 4096, 4096, 128, False, 32, CPU)
+
+
+GATE_UP = (14336, 4096)  # output columns of each half, K
+
+
+@pytest.mark.parametrize("w_left", [False, True])
+def test_wide_layouts_are_timed_only_at_stages_that_fit_the_shared_memory(w_left):
+    """The H100 sweep's refusals (OutOfResources): gate/up at W = 128 on 64-column tiles at 4
+    stages needs 288 KB (x on the left) or 320 KB (the weight on the left) of the 227 KB. Not
+    launchable as it stands; stage 1 times it at the most stages that fit; every config the
+    search times fits."""
+    n_cols, k = GATE_UP
+    c = W4Config(block_n=64, split_k=1, num_warps=4, num_stages=4, w_left=w_left)
+    assert not int4_sweep.launchable(c, 1, n_cols, k, 128, True, 128, CPU)
+    assert int4_sweep.launchable(c, 1, n_cols, k, 128, True, 64, CPU)  # W = 64 fits at 4 stages
+    lowered = int4_sweep._with_tile(c, 1, n_cols, k, 128, True, 64, 128, CPU)
+    assert 2 <= lowered.num_stages < 4 and int4_sweep.launchable(lowered, 1, n_cols, k, 128, True, 128, CPU)
+    seen = []
+
+    def time_config(config, words):
+        seen.append((config, words))
+        return fake_seconds(config, words)
+
+    timed = int4_sweep.search(1, n_cols, k, 128, True, (128,), time_config, CPU)
+    assert timed and len(seen) == len(timed)
+    assert all(int4_sweep.launchable(config, 1, n_cols, k, 128, True, 128, CPU) for config, _ in seen)
+    assert any(config.num_stages < 4 for config, _ in seen)  # lowered, not left out
 
 
 def test_relayout_keeps_the_codes():
