@@ -286,8 +286,9 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
                silu_mul: bool = False, config: Optional[W4Config] = None,
                workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
     """x [..., K] (at most 256 rows) @ W^T (+ bias) in x's dtype, the W4A16 kernel (more than 16
-    rows: row tiles of 64, K not split); with `silu_mul`, silu_and_mul of it for a fused
-    [2I, K] gate/up weight (result [..., I])."""
+    rows: row tiles of 64 or fewer, K not split); with `silu_mul`, silu_and_mul of it for a
+    fused [2I, K] gate/up weight (result [..., I]). Without `config`, the rule's or tuned one,
+    fitted to the shared memory; a given one must fit as it stands."""
     n_rows, k = w.shape
     check_int4(w)
     x2 = x.reshape(-1, k)
