@@ -33,8 +33,9 @@ WGMMA_MIN_ROWS = 64  # Triton's Hopper tl.dot takes wgmma from a left operand of
 
 def shared_memory_limit(device: torch.device) -> int:
     """The shared memory a block may use on `device` (an H100's off CUDA)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    if device.type == "cuda":  # (ROCm's properties lack it: an H100's)
+        return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                       H100_SHARED_MEMORY)
     return H100_SHARED_MEMORY
 
 
