@@ -245,8 +245,8 @@ def compile_and_check(launch: Launch) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true",
-                        help="besides the engine's launches (about 350 compiles), every one "
-                             "the sweep may try (about 1,700 more)")
+                        help="besides the engine's launches (about 1,000 compiles), every one "
+                             "the sweep may try (about 1,500 more)")
     args = parser.parse_args()
     import triton
 
