@@ -148,21 +148,29 @@ def write_json(path: str, device: str, best: dict[tuple, dict]) -> None:
                        configs=configs), f, indent=1)
 
 
-def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
-    """Writes the sweep's tables into engine/layers/int4_tuned.py (configs measured at
-    another interleave than their weight's layout are left out: the layout is per weight)."""
-    with open(path) as f:
-        sweep = json.load(f)
+def tuned_tables(sweep: dict) -> tuple[dict, dict]:
+    """A sweep JSON's tables as engine/layers/int4_tuned.py holds them: {(N, K, group):
+    interleave} and {(M, output columns, K, group, paired): the JSON's entry} (configs measured
+    at another interleave than their weight's layout are left out: the layout is per weight)."""
     layouts = {tuple(entry[:3]): entry[3] for entry in sweep["interleave"]}
-    lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
-    config_lines = []
+    configs = {}
     for entry in sweep["configs"]:
         m, n_cols, k, group, paired = entry["key"]
-        n_rows = 2 * n_cols if paired else n_cols
-        if layouts.get((n_rows, k, group)) != entry["interleave"]:
-            continue
+        if layouts.get((2 * n_cols if paired else n_cols, k, group)) == entry["interleave"]:
+            configs[m, n_cols, k, group, bool(paired)] = entry
+    return layouts, configs
+
+
+def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
+    """Writes the sweep's tables (`tuned_tables`) into engine/layers/int4_tuned.py."""
+    with open(path) as f:
+        sweep = json.load(f)
+    layouts, configs = tuned_tables(sweep)
+    lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
+    config_lines = []
+    for key, entry in configs.items():
         fields = W4Config(**entry["config"])._asdict()
-        config_lines.append(f"    {(m, n_cols, k, group, bool(paired))!r}: {fields!r},"
+        config_lines.append(f"    {key!r}: {fields!r},"
                             f"  # {entry['us']:.1f} us, {100 * entry['fraction_of_copy']:.0f} %\n")
     text = module.read_text()
     marker = "from __future__ import annotations\n\n"

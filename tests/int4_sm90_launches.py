@@ -11,7 +11,10 @@ The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both 
 venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
 rejects), so before a GPU run compile all of them under a scratch venv holding that version:
 
-    python tests/int4_sm90_launches.py [--sweep]   # exit 1 naming every failure
+    python tests/int4_sm90_launches.py [--sweep] [--tuned SWEEP.json]   # exit 1 naming every failure
+
+(`--tuned`: the engine's launches with a sweep's tables, as `bench/fp8_gemm.py --install-int4`
+would install them.)
 
 (the commands: docs/architecture.md, INT4)."""
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import os
 import sys
 from typing import Iterator, NamedTuple
@@ -130,6 +134,27 @@ def _sweep():
     import int4_sweep
 
     return int4_sweep
+
+
+@contextlib.contextmanager
+def tuned_tables_installed(path: str) -> Iterator[None]:
+    """The kernel module's tuned tables are a sweep JSON's (`tuned_tables`) meanwhile."""
+    with open(path) as f:
+        layouts, configs = _sweep().tuned_tables(json.load(f))
+    tables = (g.TUNED_INTERLEAVE, layouts), (g.TUNED_W4_CONFIGS, {
+        key: entry["config"] for key, entry in configs.items()})
+    saved = [dict(table) for table, _ in tables]
+    for table, new in tables:
+        table.clear()
+        table.update(new)
+    g.default_w4_config.cache_clear()
+    try:
+        yield
+    finally:
+        for (table, _), old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+        g.default_w4_config.cache_clear()
 
 
 def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
@@ -247,10 +272,13 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="besides the engine's launches (about 1,000 compiles), every one "
                              "the sweep may try (about 1,500 more)")
+    parser.add_argument("--tuned", help="a sweep's JSON: the engine's launches with its tables")
     args = parser.parse_args()
     import triton
 
-    launches = unique_launches(engine_launches() + (sweep_launches() if args.sweep else []))
+    with tuned_tables_installed(args.tuned) if args.tuned else contextlib.nullcontext():
+        engine = engine_launches()
+    launches = unique_launches(engine + (sweep_launches() if args.sweep else []))
     # one launch of each set of constexprs first, then of each with other warps and stages,
     # then the rest (other argument alignments): a run cut short has compiled every code path
     def code(launch):

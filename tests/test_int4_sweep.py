@@ -157,3 +157,46 @@ def test_install_refuses_unknown_config_fields(tmp_path, bad):
     module.write_text(int4_sweep.TUNED_MODULE.read_text())
     with pytest.raises(TypeError):
         int4_sweep.install(str(path), module)
+
+
+_CHECK_WITH_TABLES = """
+import sys
+import int4_sm90_launches as check
+from specserve.engine.layers import int4_gemm
+from specserve.engine.layers.int4_shared_memory import H100_SHARED_MEMORY
+before = dict(int4_gemm.TUNED_W4_CONFIGS), dict(int4_gemm.TUNED_INTERLEAVE)
+with check.tuned_tables_installed(sys.argv[1]):
+    assert int4_gemm.interleave_for(6144, 4096, 128) == 64
+    recorded = check.engine_launches(rows=(16, 64), groups=(128,))
+assert (dict(int4_gemm.TUNED_W4_CONFIGS), dict(int4_gemm.TUNED_INTERLEAVE)) == before
+decode = [launch for launch in recorded if launch.kernel.fn.__name__ == "_w4a16_kernel"]
+# the tuned config at M = 16
+assert any(launch.num_warps == 8 and launch.args["BLOCK_N"] == 16 and launch.args["WORDS"] == 64
+           and launch.args["SPLIT_K"] == 4 for launch in decode)
+# qkv at 64 rows and W = 64: 2 stages
+assert any(launch.args["WORDS"] == 64 and launch.args["BLOCK_M"] == 64 and launch.args["HAS_BIAS"]
+           and launch.num_stages == 2 for launch in decode)
+assert all(check.modelled_shared_memory(launch) <= H100_SHARED_MEMORY for launch in decode)
+print("checked", len(decode))
+"""
+
+
+def test_the_launch_check_takes_a_sweeps_tables(tmp_path):
+    """tests/int4_sm90_launches.py --tuned: the engine's launches with a sweep's tables (the
+    H100's put qkv at W = 64, where the rule's 64-row launch overran the shared memory): the
+    tuned config at its M, the mid-M launch fitted, every launch within the limit by the
+    model, the module's tables restored after (in a child process: the recorder reads the
+    compiled kernels' parameters, which the interpreter's lack)."""
+    import subprocess
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from sm90_compile import compile_env
+
+    best = {(16, 6144, 4096, 128, False, 6144): dict(config=W4Config(16, 4, 8, 4)._asdict(),
+                                                     interleave=64, us=7.0, fraction_of_copy=0.8)}
+    path = tmp_path / "tuned.json"
+    int4_sweep.write_json(str(path), "NVIDIA H100", best)
+    done = subprocess.run([sys.executable, "-c", _CHECK_WITH_TABLES, str(path)], env=compile_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("checked ")
