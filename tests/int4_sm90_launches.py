@@ -7,8 +7,8 @@ does not compiles all the same and fails only when loaded on the device, so the 
 `metadata.shared` is checked against the limit, and against the model the launching code
 fits its configs by (layers/int4_shared_memory.py), which must never be below it.
 
-The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both under this
-venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
+The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both, and the
+`tightest` (most shared memory by the model), under this venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
 rejects), so before a GPU run compile all of them under a scratch venv holding that version:
 
     python tests/int4_sm90_launches.py [--sweep] [--tuned SWEEP.json]   # exit 1 naming every failure
