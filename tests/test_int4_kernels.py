@@ -54,6 +54,18 @@ def rows(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randint(-4, 5, (m, k), generator=gen).to(dtype).to(DEVICE)
 
 
+@pytest.fixture
+def rules_only(monkeypatch):
+    """The module's rules, whatever tuned tables this checkout has installed."""
+    from specserve.engine.layers import int4_gemm
+
+    monkeypatch.setattr(int4_gemm, "TUNED_INTERLEAVE", {})
+    monkeypatch.setattr(int4_gemm, "TUNED_W4_CONFIGS", {})
+    default_w4_config.cache_clear()
+    yield
+    default_w4_config.cache_clear()
+
+
 def test_pack_unpack_round_trip_and_dequantize():
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (5, 64), generator=gen, dtype=torch.uint8)
@@ -81,7 +93,7 @@ def test_interleaved_layout():
                        dequantize_int4(Int4Weight(pack_rows(codes), scales, zeros, 32)))
 
 
-def test_layout_rules():
+def test_layout_rules(rules_only):
     """A plane lies in one group; K is whole blocks; the rule's interleave is the widest such
     power of two up to 32."""
     assert [plane_groups(128, 4096, words) for words in (16, 32, 128)] == [8, 4, 1]
@@ -181,7 +193,7 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(interleave, group, k):
                        dequantize_int4(w, torch.float16))
 
 
-def test_configs_and_refusals():
+def test_configs_and_refusals(rules_only):
     cpu = torch.device("cpu")
     config = default_w4_config(1, 1024, 4096, 128, device=cpu)
     assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
@@ -199,7 +211,7 @@ def test_configs_and_refusals():
             zeros=torch.zeros(N, 12, dtype=torch.uint8, device=DEVICE)))
 
 
-def test_the_h100_launches_that_overran_its_shared_memory_are_fitted():
+def test_the_h100_launches_that_overran_its_shared_memory_are_fitted(rules_only):
     """The H100's failures (triton 3.6, `metadata.shared` in bytes, of its 232448): the 8B AWQ
     engine's qkv at 64 rows, the rule's mid-M config at the tuned W = 64 (319488), and the
     GPU test's gate/up at W = 128 and 4 stages (294912; weight on the left 327680). The model
@@ -235,7 +247,7 @@ def test_a_given_config_that_overruns_the_shared_memory_is_refused_before_launch
         w4a16_gemm(rows(1, 1024, 0), w, config=config)
 
 
-def test_mid_m_rows_take_smaller_row_tiles_where_64_do_not_fit():
+def test_mid_m_rows_take_smaller_row_tiles_where_64_do_not_fit(rules_only):
     """fp32 rows at W = 128: 64-row tiles do not fit at any stage count, 32-row ones do (three
     of them for 70 rows; the rule's config, as the engine launches it): the reference."""
     w = int4_weight(N, 1024, 128, seed=24, interleave=128)
