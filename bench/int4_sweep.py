@@ -12,9 +12,13 @@ M = 1 and 16 should take about 4 minutes on an H100):
    its accumulators fit, and W <= 32: compiled, it takes 9-11 instructions a weight element
    against tl.dot's 5.4-6.3), each at the rule's tiles (128 columns, 64 with the
    gate/up pair, for the weight on the left; 64 for x on the left; 32 for multiply-and-sum)
-   and split; above the smallest M only the chosen W;
+   and split, at 4 stages or the most that fit the shared memory (at W = 128 4 stages do
+   not); above the smallest M only the chosen W;
 2. from the best, one axis at a time (keeping the best so far): column tiles of 16 to 128
    (with the rule's split for them), split-K halved and doubled, 8 warps, 6 stages.
+
+A config is timed only where it fits the shared memory as it stands (`launchable`): the
+engine launches a tuned config as measured.
 
     python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \\
         --rows 1,16 --no-moe --int4-tuned int4_tuned.json
@@ -32,8 +36,9 @@ from typing import Callable, Optional
 import torch
 
 from specserve.engine.layers.int4_gemm import (
-    MAX_ROWS, Int4Weight, W4Config, pack_rows, plane_groups, split_for,
+    MAX_ROWS, PACK, Int4Weight, W4Config, fit_shared_memory, pack_rows, plane_groups, split_for,
     unpack_rows)
+from specserve.engine.layers.int4_shared_memory import Operands
 
 INTERLEAVES = (16, 32, 64, 128)
 FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
@@ -48,14 +53,24 @@ def relayout(w: Int4Weight, interleave: int) -> Int4Weight:
     return w._replace(qweight=pack_rows(codes, interleave), interleave=interleave)
 
 
-def launchable(c: W4Config, m: int, n_cols: int, k: int, paired: bool, interleave: int) -> bool:
-    """Configs worth timing: every split gets whole blocks, and the multiply-and-sum path's
-    accumulators ([M, block_n, W], twice with the gate/up pair) fit in registers."""
+def sweep_operands(k: int, group: int, paired: bool, interleave: int) -> Operands:
+    """The operands as the sweep times them (bf16 activations, fp16 scales: AWQ's)."""
+    return Operands(interleave, PACK // plane_groups(group, k, interleave), 2, 2, paired)
+
+
+def launchable(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,
+               interleave: int, device: torch.device = torch.device("cuda")) -> bool:
+    """Configs worth timing: every split gets whole blocks, the multiply-and-sum path's
+    accumulators ([M, block_n, W], twice with the gate/up pair) fit in registers, and the
+    launch fits the device's shared memory as it stands (`fit_shared_memory`: the engine
+    launches a tuned config with its stages, so a config that does not fit is never timed)."""
     m_pad = 1 << (m - 1).bit_length()
     halves = 2 if paired else 1
     return (k // c.split_k >= 8 * interleave and c.block_n <= max(16, n_cols)
             and (c.dot or m_pad * c.block_n * interleave * halves
-                 <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps))
+                 <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps)
+            and fit_shared_memory(c, m, sweep_operands(k, group, paired, interleave), device,
+                                  lower_stages=False) is not None)
 
 
 def _variants(m: int, words: int, paired: bool) -> list[dict]:
@@ -66,9 +81,14 @@ def _variants(m: int, words: int, paired: bool) -> list[dict]:
     return dots + [dict(block_n=32, dot=False), dict(block_n=32, dot=False, round_bits=True)]
 
 
-def _with_tile(c: W4Config, m: int, n_cols: int, k: int, paired: bool, block_n: int,
-               device: torch.device) -> W4Config:
-    return c._replace(block_n=block_n, split_k=split_for(m, n_cols, k, paired, block_n, device))
+def _with_tile(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,
+               block_n: int, words: int, device: torch.device) -> W4Config:
+    """c at column tile `block_n` with the rule's split for it, and its stages lowered where
+    the tile does not fit the shared memory at interleave `words` (wide interleaves at 4
+    stages do not: they are timed at the most that fit)."""
+    c = c._replace(block_n=block_n, split_k=split_for(m, n_cols, k, paired, block_n, device))
+    fit = fit_shared_memory(c, m, sweep_operands(k, group, paired, words), device)
+    return c if fit is None else fit[0]
 
 
 def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: tuple[int, ...],
@@ -79,7 +99,7 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
     timed: dict[tuple[W4Config, int], float] = {}
 
     def trial(c: W4Config, words: int) -> None:
-        if (c, words) in timed or not launchable(c, m, n_cols, k, paired, words):
+        if (c, words) in timed or not launchable(c, m, n_cols, k, group, paired, words, device):
             return
         seconds = time_config(c, words)
         if seconds is not None:
@@ -90,8 +110,8 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
         if not plane_groups(group, k, words):
             continue
         for variant in _variants(m, words, paired):
-            trial(_with_tile(base._replace(**variant), m, n_cols, k, paired, variant["block_n"],
-                             device), words)
+            trial(_with_tile(base._replace(**variant), m, n_cols, k, group, paired,
+                             variant["block_n"], words, device), words)
     if not timed:
         return timed
     words = min(timed, key=timed.get)[1]
@@ -100,7 +120,7 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
         return min((c for c, w in timed if w == words), key=lambda c: timed[c, words])
 
     for block_n in (16, 32, 64, 128):  # each axis from the best so far
-        trial(_with_tile(best(), m, n_cols, k, paired, block_n, device), words)
+        trial(_with_tile(best(), m, n_cols, k, group, paired, block_n, words, device), words)
     start = best()
     for split in (start.split_k // 2, start.split_k * 2):
         if split >= 1 and (m <= MAX_ROWS or split == 1):
@@ -128,21 +148,29 @@ def write_json(path: str, device: str, best: dict[tuple, dict]) -> None:
                        configs=configs), f, indent=1)
 
 
-def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
-    """Writes the sweep's tables into engine/layers/int4_tuned.py (configs measured at
-    another interleave than their weight's layout are left out: the layout is per weight)."""
-    with open(path) as f:
-        sweep = json.load(f)
+def tuned_tables(sweep: dict) -> tuple[dict, dict]:
+    """A sweep JSON's tables as engine/layers/int4_tuned.py holds them: {(N, K, group):
+    interleave} and {(M, output columns, K, group, paired): the JSON's entry} (configs measured
+    at another interleave than their weight's layout are left out: the layout is per weight)."""
     layouts = {tuple(entry[:3]): entry[3] for entry in sweep["interleave"]}
-    lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
-    config_lines = []
+    configs = {}
     for entry in sweep["configs"]:
         m, n_cols, k, group, paired = entry["key"]
-        n_rows = 2 * n_cols if paired else n_cols
-        if layouts.get((n_rows, k, group)) != entry["interleave"]:
-            continue
+        if layouts.get((2 * n_cols if paired else n_cols, k, group)) == entry["interleave"]:
+            configs[m, n_cols, k, group, bool(paired)] = entry
+    return layouts, configs
+
+
+def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
+    """Writes the sweep's tables (`tuned_tables`) into engine/layers/int4_tuned.py."""
+    with open(path) as f:
+        sweep = json.load(f)
+    layouts, configs = tuned_tables(sweep)
+    lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
+    config_lines = []
+    for key, entry in configs.items():
         fields = W4Config(**entry["config"])._asdict()
-        config_lines.append(f"    {(m, n_cols, k, group, bool(paired))!r}: {fields!r},"
+        config_lines.append(f"    {key!r}: {fields!r},"
                             f"  # {entry['us']:.1f} us, {100 * entry['fraction_of_copy']:.0f} %\n")
     text = module.read_text()
     marker = "from __future__ import annotations\n\n"

@@ -2,13 +2,19 @@
 launches the engine makes (`engine_launches`) and every one the sweep may try
 (`sweep_launches`), taken from the launching functions themselves on the CPU (the kernels
 swapped for recorders: nothing runs, the arguments are the real ones), one compile per
-distinct specialisation.
+distinct specialisation. Each must compile and fit an H100's shared memory: a launch that
+does not compiles all the same and fails only when loaded on the device, so the compiled
+`metadata.shared` is checked against the limit, and against the model the launching code
+fits its configs by (layers/int4_shared_memory.py), which must never be below it.
 
-The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both under this
-venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
+The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both, and the
+`tightest` (most shared memory by the model), under this venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
 rejects), so before a GPU run compile all of them under a scratch venv holding that version:
 
-    python tests/int4_sm90_launches.py [--sweep]   # exit 1 naming every failure
+    python tests/int4_sm90_launches.py [--sweep] [--tuned SWEEP.json]   # exit 1 naming every failure
+
+(`--tuned`: the engine's launches with a sweep's tables, as `bench/fp8_gemm.py --install-int4`
+would install them.)
 
 (the commands: docs/architecture.md, INT4)."""
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import os
 import sys
 from typing import Iterator, NamedTuple
@@ -23,9 +30,13 @@ from typing import Iterator, NamedTuple
 import torch
 
 from specserve.engine.layers import int4_gemm as g
+from specserve.engine.layers.int4_shared_memory import (
+    H100_SHARED_MEMORY, Operands, shared_memory_need)
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ENGINE_ROWS = (1, 2, 16, 17, 256)  # up to 16: one row tile of 16 (M's alignment apart); then 64s
+# Every M up to 16 (a tuned table may hold a config at any of them; multiply-and-sum tiles
+# the rows' power of two), then row tiles of 64 (or fewer where they do not fit)
+ENGINE_ROWS = (*range(1, 17), 17, 64, 256)
 GROUPS = (32, 64, 128, None)  # None: one group over K
 SWEEP_ROWS = (1, 16)  # bench/fp8_gemm.py --sweep's --rows
 
@@ -93,7 +104,7 @@ def _weight(n: int, k: int, group: int, interleave: int, scale_dtype=torch.float
                         torch.empty(n, groups, dtype=torch.uint8), group, interleave)
 
 
-def _unique(launches: list) -> list[Launch]:
+def unique_launches(launches: list) -> list[Launch]:
     return list({launch.key(): launch for launch in launches}.values())
 
 
@@ -117,11 +128,42 @@ def covering(launches: list[Launch]) -> list[Launch]:
     return chosen
 
 
+def _sweep():
+    """bench/int4_sweep.py (bench/ is no package)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import int4_sweep
+
+    return int4_sweep
+
+
+@contextlib.contextmanager
+def tuned_tables_installed(path: str) -> Iterator[None]:
+    """The kernel module's tuned tables are a sweep JSON's (`tuned_tables`) meanwhile."""
+    with open(path) as f:
+        layouts, configs = _sweep().tuned_tables(json.load(f))
+    tables = (g.TUNED_INTERLEAVE, layouts), (g.TUNED_W4_CONFIGS, {
+        key: entry["config"] for key, entry in configs.items()})
+    saved = [dict(table) for table, _ in tables]
+    for table, new in tables:
+        table.clear()
+        table.update(new)
+    g.default_w4_config.cache_clear()
+    try:
+        yield
+    finally:
+        for (table, _), old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+        g.default_w4_config.cache_clear()
+
+
 def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
-    """The engine's launches at the Llama-8B shapes, each group size (layout by
-    `interleave_for`), `rows`, activations bf16/fp16/fp32 and 16/32-bit scales (the rule's
-    configs, as `int4_linear` takes them on CUDA: the decode kernel up to 256 rows), a bias,
-    and the dequantise kernel of the large-M path at every interleave and output dtype."""
+    """The engine's launches at the Llama-8B shapes, each group size, each interleave a weight
+    may be loaded at (`interleave_for`'s, and any of the sweep's a tuned table may give it),
+    `rows`, activations bf16/fp16/fp32 and 16/32-bit scales (the rule's configs, or this
+    checkout's tuned ones, fitted to the shared memory as `int4_linear` takes them on CUDA:
+    the decode kernel up to 256 rows), a bias, and the dequantise kernel of the large-M path
+    at every interleave and output dtype."""
     dtypes = ((torch.bfloat16, torch.float16), (torch.float16, torch.float16),
               (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
               (torch.float32, torch.float16))
@@ -130,8 +172,9 @@ def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
             paired = name == "gate_up"
             for group in groups:
                 group = group or k
-                words = g.interleave_for(n, k, group)
-                for x_dtype, scale_dtype in dtypes:
+                layouts = {g.interleave_for(n, k, group)} | {
+                    words for words in _sweep().INTERLEAVES if g.plane_groups(group, k, words)}
+                for words, (x_dtype, scale_dtype) in itertools.product(sorted(layouts), dtypes):
                     w = _weight(n, k, group, words, scale_dtype)
                     bias = torch.empty(n, dtype=x_dtype) if name == "qkv" else None
                     for m in rows:
@@ -141,7 +184,7 @@ def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
             for group in groups:
                 for dtype in (torch.bfloat16, torch.float16, torch.float32):
                     g.dequantize_int4_gpu(_weight(n, k, group or k, words), dtype)
-    return _unique(launches)
+    return unique_launches(launches)
 
 
 def sweep_launches(rows=SWEEP_ROWS, group: int = 128) -> list[Launch]:
@@ -149,9 +192,7 @@ def sweep_launches(rows=SWEEP_ROWS, group: int = 128) -> list[Launch]:
     (as bench/fp8_gemm.py runs it): each interleave and product variant of stage 1 at every
     point of stage 2's axes (column tiles, split-K halved and doubled, 8 warps, 6 stages), so
     whichever config stage 1 picks."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    import int4_sweep as s
-
+    s = _sweep()
     cpu = torch.device("cpu")  # `split_for` on the CPU assumes an H100's 132 SMs
     with _recording() as launches:
         for name, (n, k) in LLAMA_8B.items():
@@ -166,40 +207,78 @@ def sweep_launches(rows=SWEEP_ROWS, group: int = 128) -> list[Launch]:
                     for variant, block_n in itertools.product(s._variants(m, words, paired),
                                                               (16, 32, 64, 128)):
                         tiled = s._with_tile(g.W4Config(64, 1, 4, 4)._replace(**variant), m,
-                                             n_cols, k, paired, block_n, cpu)
+                                             n_cols, k, group, paired, block_n, words, cpu)
                         splits = {tiled.split_k, max(1, tiled.split_k // 2), 2 * tiled.split_k}
-                        for split, warps, stages in itertools.product(splits, (4, 8), (4, 6)):
+                        stage_counts = {tiled.num_stages, 4, 6}
+                        for split, warps, stages in itertools.product(splits, (4, 8), stage_counts):
                             c = tiled._replace(split_k=split, num_warps=warps, num_stages=stages)
-                            if s.launchable(c, m, n_cols, k, paired, words) and (
+                            if s.launchable(c, m, n_cols, k, group, paired, words, cpu) and (
                                     m <= g.MAX_ROWS or split == 1):
                                 g.w4a16_gemm(x, w, silu_mul=paired, config=c)
-    return _unique(launches)
+    return unique_launches(launches)
 
 
-def compile_and_check(launch: Launch) -> None:
+def modelled_shared_memory(launch: Launch) -> int:
+    """The decode kernel's shared memory by the model its launches are fitted by."""
+    a = launch.args
+    ops = Operands(a["WORDS"], g.PACK // a["PLANES_PER_GROUP"], a["x"].dtype.itemsize,
+                   a["scales"].dtype.itemsize, a["SILU_MUL"])
+    return shared_memory_need(ops, a["BLOCK_M"], a["BLOCK_N"], a["DOT"], a["W_LEFT"],
+                              launch.num_stages)
+
+
+def tightest(launches: list[Launch]) -> list[Launch]:
+    """Per way the decode kernel stages its operands (tl.dot with either operand on the left,
+    on tensor cores or not, a 64-row left operand (wgmma) or not; multiply-and-sum), the
+    launch whose modelled shared memory is largest: where the model matters most."""
+    def staging(launch: Launch) -> tuple:
+        a = launch.args
+        rows = a["BLOCK_N"] if a["W_LEFT"] else a["BLOCK_M"]
+        return a["DOT"], a["W_LEFT"], a["DOT_PRECISION"], rows >= 64
+    best: dict[tuple, Launch] = {}
+    for launch in launches:
+        if launch.kernel.fn.__name__ == "_w4a16_kernel":
+            key = staging(launch)
+            if key not in best or modelled_shared_memory(launch) > modelled_shared_memory(best[key]):
+                best[key] = launch
+    return list(best.values())
+
+
+def compile_and_check(launch: Launch) -> int:
     """Compiles `launch` for sm_90 and checks its PTX: tensor-core mma exactly with tl.dot on
     16-bit activations, the PDL wait, and no int-to-float conversion where the codes become
-    floats by their bits."""
-    from sm90_compile import compile_sm90
+    floats by their bits; and its shared memory: within an H100's and, for the decode kernel,
+    at most the model's (layers/int4_shared_memory.py). Returns the shared memory."""
+    from sm90_compile import compile_sm90_kernel
 
-    ptx = compile_sm90(launch.kernel, launch.args, launch.num_warps, launch.num_stages)
+    compiled = compile_sm90_kernel(launch.kernel, launch.args, launch.num_warps, launch.num_stages)
+    ptx, shared = compiled.asm["ptx"], compiled.metadata.shared
+    assert shared <= H100_SHARED_MEMORY, \
+        f"shared memory {shared} bytes: more than an H100's {H100_SHARED_MEMORY}"
     assert "griddepcontrol.wait" in ptx, "no PDL wait"
     if launch.kernel.fn.__name__ == "_w4a16_kernel":
+        modelled = modelled_shared_memory(launch)
+        assert shared <= modelled, \
+            f"shared memory {shared} bytes: more than the model's {modelled}"
         tensor_cores = launch.args["DOT"] and launch.args["DOT_PRECISION"] != "ieee"  # fp32 x: fma
         assert ("mma" in ptx) == tensor_cores, "tensor-core mma iff DOT on 16-bit operands"
         assert not launch.args["FMA_DEQUANT"] or "cvt.rn.f32.s32" not in ptx, \
             "an int-to-float conversion with FMA_DEQUANT"
+    return shared
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true",
-                        help="besides the engine's launches (about 350 compiles), every one "
-                             "the sweep may try (about 1,700 more)")
+                        help="besides the engine's launches (about 1,000 compiles), every one "
+                             "the sweep may try (about 1,500 more)")
+    parser.add_argument("--tuned", help="a sweep's JSON: the engine's launches with its tables")
     args = parser.parse_args()
     import triton
 
-    launches = _unique(engine_launches() + (sweep_launches() if args.sweep else []))
+    with tuned_tables_installed(args.tuned) if args.tuned else contextlib.nullcontext():
+        engine = engine_launches()
+    launches = unique_launches(engine + (sweep_launches() if args.sweep else []))
     # one launch of each set of constexprs first, then of each with other warps and stages,
     # then the rest (other argument alignments): a run cut short has compiled every code path
     def code(launch):

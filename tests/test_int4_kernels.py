@@ -21,8 +21,10 @@ pytest.importorskip("triton")
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.int4_gemm import (  # noqa: E402
     Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
-    int4_linear, int4_linear_reference, int4_linear_silu_and_mul, interleave_for, pack_rows,
-    plane_groups, unpack_rows, w4a16_gemm)
+    fit_shared_memory, int4_linear, int4_linear_reference, int4_linear_silu_and_mul,
+    interleave_for, pack_rows, plane_groups, unpack_rows, w4a16_gemm)
+from specserve.engine.layers.int4_shared_memory import (  # noqa: E402
+    H100_SHARED_MEMORY, Operands, shared_memory_need)
 from specserve.engine.layers.skinny_gemm import SkinnyWorkspace  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,6 +54,18 @@ def rows(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randint(-4, 5, (m, k), generator=gen).to(dtype).to(DEVICE)
 
 
+@pytest.fixture
+def rules_only(monkeypatch):
+    """The module's rules, whatever tuned tables this checkout has installed."""
+    from specserve.engine.layers import int4_gemm
+
+    monkeypatch.setattr(int4_gemm, "TUNED_INTERLEAVE", {})
+    monkeypatch.setattr(int4_gemm, "TUNED_W4_CONFIGS", {})
+    default_w4_config.cache_clear()
+    yield
+    default_w4_config.cache_clear()
+
+
 def test_pack_unpack_round_trip_and_dequantize():
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (5, 64), generator=gen, dtype=torch.uint8)
@@ -79,7 +93,7 @@ def test_interleaved_layout():
                        dequantize_int4(Int4Weight(pack_rows(codes), scales, zeros, 32)))
 
 
-def test_layout_rules():
+def test_layout_rules(rules_only):
     """A plane lies in one group; K is whole blocks; the rule's interleave is the widest such
     power of two up to 32."""
     assert [plane_groups(128, 4096, words) for words in (16, 32, 128)] == [8, 4, 1]
@@ -179,7 +193,7 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(interleave, group, k):
                        dequantize_int4(w, torch.float16))
 
 
-def test_configs_and_refusals():
+def test_configs_and_refusals(rules_only):
     cpu = torch.device("cpu")
     config = default_w4_config(1, 1024, 4096, 128, device=cpu)
     assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
@@ -195,6 +209,53 @@ def test_configs_and_refusals():
             qweight=torch.zeros(N, 48, dtype=torch.int32, device=DEVICE),
             scales=torch.ones(N, 12, dtype=torch.float16, device=DEVICE),
             zeros=torch.zeros(N, 12, dtype=torch.uint8, device=DEVICE)))
+
+
+def test_the_h100_launches_that_overran_its_shared_memory_are_fitted(rules_only):
+    """The H100's failures (triton 3.6, `metadata.shared` in bytes, of its 232448): the 8B AWQ
+    engine's qkv at 64 rows, the rule's mid-M config at the tuned W = 64 (319488), and the
+    GPU test's gate/up at W = 128 and 4 stages (294912; weight on the left 327680). The model
+    is at least each; the engine's fitting keeps the 64-row tile at fewer stages, then takes
+    smaller row tiles (W = 128: 64 rows fit at no stage count); a config given as it stands
+    keeps its stages."""
+    cpu = torch.device("cpu")
+    qkv_w64 = Operands(words=64, groups_per_step=4, x_bytes=2, scale_bytes=2, paired=False)
+    rule = default_w4_config(64, 6144, 4096, 128, device=cpu)
+    assert shared_memory_need(qkv_w64, 64, rule.block_n, rule.dot, rule.w_left, 4) >= 319488
+    assert fit_shared_memory(rule, 64, qkv_w64, cpu) == (rule._replace(num_stages=2), 64)
+    assert fit_shared_memory(rule, 64, qkv_w64, cpu, lower_stages=False) == (rule, 32)
+    qkv_w128 = qkv_w64._replace(words=128, groups_per_step=8)
+    assert fit_shared_memory(rule, 17, qkv_w128, cpu) == (rule._replace(num_stages=3), 32)
+
+    gate_up_w128 = Operands(words=128, groups_per_step=8, x_bytes=2, scale_bytes=2, paired=True)
+    for w_left, measured in ((False, 294912), (True, 327680)):
+        config = W4Config(block_n=64, split_k=2, num_warps=4, num_stages=4, w_left=w_left)
+        assert shared_memory_need(gate_up_w128, 16, 64, True, w_left, 4) >= measured
+        assert fit_shared_memory(config, 1, gate_up_w128, cpu, lower_stages=False) is None
+        fitted, block_m = fit_shared_memory(config, 1, gate_up_w128, cpu)
+        assert block_m == 16 and 2 <= fitted.num_stages < 4
+        assert shared_memory_need(gate_up_w128, 16, 64, True, w_left, fitted.num_stages) \
+            <= H100_SHARED_MEMORY
+    with pytest.raises(AssertionError, match="one stage"):
+        shared_memory_need(gate_up_w128, 16, 64, True, False, 1)
+
+
+def test_a_given_config_that_overruns_the_shared_memory_is_refused_before_launch():
+    w = int4_weight(N, 1024, 128, seed=3, interleave=128)
+    config = W4Config(block_n=128, split_k=1, num_warps=4, num_stages=4)
+    with pytest.raises(AssertionError, match="more shared memory than the device's 232448"):
+        w4a16_gemm(rows(1, 1024, 0), w, config=config)
+
+
+def test_mid_m_rows_take_smaller_row_tiles_where_64_do_not_fit(rules_only):
+    """fp32 rows at W = 128: 64-row tiles do not fit at any stage count, 32-row ones do (three
+    of them for 70 rows; the rule's config, as the engine launches it): the reference."""
+    w = int4_weight(N, 1024, 128, seed=24, interleave=128)
+    x = rows(70, 1024, seed=25)
+    ops = Operands(128, 8, 4, 2, False)
+    config = default_w4_config(70, N, 1024, 128, device=torch.device("cpu"))
+    assert fit_shared_memory(config, 70, ops, torch.device("cpu"))[1] == 32
+    torch.testing.assert_close(w4a16_gemm(x, w), int4_linear_reference(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_int4_linear_on_the_cpu_is_the_reference():
@@ -252,8 +313,9 @@ VARIANTS = {"dot": {}, "w_left": dict(w_left=True), "fma": dict(dot=False),
 @pytest.mark.parametrize("m", [1, 2, 16])
 def test_gpu_int4_variants_and_layouts(interleave, variant, m):
     """Every product variant at every interleave the sweep tries (multiply-and-sum at up to 2
-    rows, as the sweep), 8B gate/up with SiLU-and-mul and split-K, in bf16: within bf16
-    roundings of the reference; the bf16 weight rounding bit for bit (one-hot rows)."""
+    rows, as the sweep), 8B gate/up with SiLU-and-mul and split-K, in bf16, at 4 stages or the
+    most that fit the shared memory (W = 128: fewer): within bf16 roundings of the reference;
+    the bf16 weight rounding bit for bit (one-hot rows)."""
     if variant.startswith("fma") and m > 2:
         pytest.skip("the sweep times multiply-and-sum at up to 2 rows")
     n, k = LLAMA_8B["gate_up"]
@@ -262,14 +324,39 @@ def test_gpu_int4_variants_and_layouts(interleave, variant, m):
                       interleave=interleave)
     config = W4Config(block_n=32 if variant.startswith("fma") else 64, split_k=2, num_warps=4,
                       num_stages=4, **VARIANTS[variant])
+    per_group = plane_groups(128, k, interleave)
+    config, _ = fit_shared_memory(config, m, Operands(interleave, 8 // per_group, 2, 2, True),
+                                  torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = w4a16_gemm(x, w, silu_mul=True, config=config)
     ref = silu_and_mul((x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16())
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     picks = torch.arange(m, device="cuda") * 97
     one_hot = F.one_hot(picks, k).to(torch.bfloat16)
+    config, _ = fit_shared_memory(config, m, Operands(interleave, 8 // per_group, 2, 2, False),
+                                  torch.device("cuda"))
     exact = w4a16_gemm(one_hot, w, config=config)
     assert torch.equal(exact, dequantize_int4(w, torch.bfloat16)[:, picks].t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleave", [64, 128])
+@pytest.mark.parametrize("shape", ["qkv", "gate_up"])
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_gpu_int4_wide_layouts_launch_as_the_engine_does(interleave, shape, m):
+    """The layouts a tuned table may give a weight (the H100's put W = 64 on qkv, o and down),
+    at every kind of row tile, through the engine's entry (the rule's configs fitted to the
+    shared memory; the 8B AWQ engine failed at 64 rows with W = 64): within bf16 roundings."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    base = _gpu_weight(n, k, seed=m)
+    w = base._replace(qweight=pack_rows(unpack_rows(base.qweight, base.interleave), interleave),
+                      interleave=interleave)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = int4_linear_silu_and_mul(x, w) if silu else int4_linear(x, w)
+    ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
+    torch.testing.assert_close(out.float(), (silu_and_mul(ref) if silu else ref).float(),
+                               rtol=2e-2, atol=2e-2)
 
 
 # --- compiled for Hopper (no GPU needed) -----------------------------------------------------------
@@ -277,14 +364,18 @@ def test_gpu_int4_variants_and_layouts(interleave, variant, m):
 # That Triton compiles the W4A16 kernels for an H100 (the unpacking reshape, bf16 tensor cores),
 # in a child process without TRITON_INTERPRET: the launches the engine and the sweep make, taken
 # from the launching functions (tests/int4_sm90_launches.py), as few as take every pair of
-# constexpr values they combine. This venv's Triton only: before a GPU run, compile all of them
-# under the GPU machines' Triton as well (docs/architecture.md, INT4).
+# constexpr values they combine, and per way of staging operands the one of most shared memory
+# by the model the launches are fitted by: each within an H100's shared memory and the model's
+# (a launch over it compiles and fails only when loaded). This venv's Triton only: before a GPU
+# run, compile all of them under the GPU machines' Triton as well (docs/architecture.md, INT4).
 _COMPILE_INT4_FOR_SM90 = """
-from int4_sm90_launches import compile_and_check, covering, engine_launches, sweep_launches
-launches = covering(engine_launches() + sweep_launches())
+from int4_sm90_launches import (
+    unique_launches, compile_and_check, covering, engine_launches, sweep_launches, tightest)
+launches = engine_launches() + sweep_launches()
+launches = unique_launches(covering(launches) + tightest(launches))
 for launch in launches:
-    compile_and_check(launch)
-    print("compiled", launch.name())
+    shared = compile_and_check(launch)
+    print("compiled", launch.name(), "shared", shared)
 print(len(launches), "launches")
 """
 
@@ -304,5 +395,7 @@ def test_int4_kernels_compile_for_hopper():
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=False",
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=True", "SILU_MUL=True",
                  "HAS_BIAS=True", "BLOCK_M=64", "PLANES_PER_GROUP=1", "PLANES_PER_GROUP=2",
-                 "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel"):
+                 "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32"):
         assert any(part in line for line in compiled), part
+    # the launches nearest the limit were among them
+    assert max(int(line.rsplit(" ", 1)[1]) for line in compiled) > H100_SHARED_MEMORY * 3 // 4

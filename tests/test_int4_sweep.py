@@ -40,7 +40,7 @@ def test_search_finds_the_best_layout_and_config_and_times_only_launchable_ones(
     assert len(seen) == len(set(seen)) == len(timed) <= 22  # each config once; a short search
     assert {w for _, w in seen} == set(int4_sweep.INTERLEAVES)
     assert any(not c.dot and c.round_bits for c, _ in seen)  # multiply-and-sum at M = 1
-    assert all(int4_sweep.launchable(c, 1, n, k, False, w) for c, w in seen)
+    assert all(int4_sweep.launchable(c, 1, n, k, 128, False, w, CPU) for c, w in seen)
 
 
 def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
@@ -56,9 +56,36 @@ def test_search_skips_layouts_whose_planes_cross_groups():
 
 def test_launchable_bounds_the_multiply_and_sum_accumulators():
     c = W4Config(block_n=128, split_k=1, num_warps=4, num_stages=3, dot=False)
-    assert int4_sweep.launchable(c, 1, 4096, 4096, False, 32)
-    assert not int4_sweep.launchable(c, 16, 4096, 4096, False, 32)
-    assert not int4_sweep.launchable(c._replace(split_k=32), 1, 4096, 4096, False, 32)  # 128 of K a split
+    assert int4_sweep.launchable(c, 1, 4096, 4096, 128, False, 32, CPU)
+    assert not int4_sweep.launchable(c, 16, 4096, 4096, 128, False, 32, CPU)
+    assert not int4_sweep.launchable(c._replace(split_k=32), 1, 4096, 4096, 128, False, 32, CPU)
+
+
+GATE_UP = (14336, 4096)  # output columns of each half, K
+
+
+@pytest.mark.parametrize("w_left", [False, True])
+def test_wide_layouts_are_timed_only_at_stages_that_fit_the_shared_memory(w_left):
+    """The H100 sweep's refusals (OutOfResources): gate/up at W = 128 on 64-column tiles at 4
+    stages needs 288 KB (x on the left) or 320 KB (the weight on the left) of the 227 KB. Not
+    launchable as it stands; stage 1 times it at the most stages that fit; every config the
+    search times fits."""
+    n_cols, k = GATE_UP
+    c = W4Config(block_n=64, split_k=1, num_warps=4, num_stages=4, w_left=w_left)
+    assert not int4_sweep.launchable(c, 1, n_cols, k, 128, True, 128, CPU)
+    assert int4_sweep.launchable(c, 1, n_cols, k, 128, True, 64, CPU)  # W = 64 fits at 4 stages
+    lowered = int4_sweep._with_tile(c, 1, n_cols, k, 128, True, 64, 128, CPU)
+    assert 2 <= lowered.num_stages < 4 and int4_sweep.launchable(lowered, 1, n_cols, k, 128, True, 128, CPU)
+    seen = []
+
+    def time_config(config, words):
+        seen.append((config, words))
+        return fake_seconds(config, words)
+
+    timed = int4_sweep.search(1, n_cols, k, 128, True, (128,), time_config, CPU)
+    assert timed and len(seen) == len(timed)
+    assert all(int4_sweep.launchable(config, 1, n_cols, k, 128, True, 128, CPU) for config, _ in seen)
+    assert any(config.num_stages < 4 for config, _ in seen)  # lowered, not left out
 
 
 def test_relayout_keeps_the_codes():
@@ -130,3 +157,46 @@ def test_install_refuses_unknown_config_fields(tmp_path, bad):
     module.write_text(int4_sweep.TUNED_MODULE.read_text())
     with pytest.raises(TypeError):
         int4_sweep.install(str(path), module)
+
+
+_CHECK_WITH_TABLES = """
+import sys
+import int4_sm90_launches as check
+from specserve.engine.layers import int4_gemm
+from specserve.engine.layers.int4_shared_memory import H100_SHARED_MEMORY
+before = dict(int4_gemm.TUNED_W4_CONFIGS), dict(int4_gemm.TUNED_INTERLEAVE)
+with check.tuned_tables_installed(sys.argv[1]):
+    assert int4_gemm.interleave_for(6144, 4096, 128) == 64
+    recorded = check.engine_launches(rows=(16, 64), groups=(128,))
+assert (dict(int4_gemm.TUNED_W4_CONFIGS), dict(int4_gemm.TUNED_INTERLEAVE)) == before
+decode = [launch for launch in recorded if launch.kernel.fn.__name__ == "_w4a16_kernel"]
+# the tuned config at M = 16
+assert any(launch.num_warps == 8 and launch.args["BLOCK_N"] == 16 and launch.args["WORDS"] == 64
+           and launch.args["SPLIT_K"] == 4 for launch in decode)
+# qkv at 64 rows and W = 64: 2 stages
+assert any(launch.args["WORDS"] == 64 and launch.args["BLOCK_M"] == 64 and launch.args["HAS_BIAS"]
+           and launch.num_stages == 2 for launch in decode)
+assert all(check.modelled_shared_memory(launch) <= H100_SHARED_MEMORY for launch in decode)
+print("checked", len(decode))
+"""
+
+
+def test_the_launch_check_takes_a_sweeps_tables(tmp_path):
+    """tests/int4_sm90_launches.py --tuned: the engine's launches with a sweep's tables (the
+    H100's put qkv at W = 64, where the rule's 64-row launch overran the shared memory): the
+    tuned config at its M, the mid-M launch fitted, every launch within the limit by the
+    model, the module's tables restored after (in a child process: the recorder reads the
+    compiled kernels' parameters, which the interpreter's lack)."""
+    import subprocess
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from sm90_compile import compile_env
+
+    best = {(16, 6144, 4096, 128, False, 6144): dict(config=W4Config(16, 4, 8, 4)._asdict(),
+                                                     interleave=64, us=7.0, fraction_of_copy=0.8)}
+    path = tmp_path / "tuned.json"
+    int4_sweep.write_json(str(path), "NVIDIA H100", best)
+    done = subprocess.run([sys.executable, "-c", _CHECK_WITH_TABLES, str(path)], env=compile_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("checked ")

@@ -32,8 +32,12 @@ word k // 8, bits 4 (k % 8)).
   and for the fused gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile
   and its up tile).
 - Mid M (17-256 rows: large decode batches, verify steps): the same kernel over row tiles of
-  64 on tl.dot, K not split: each program still reads its weight tile once per row tile,
-  where dequantising the whole weight first would write and read it again in 16 bits.
+  64 on tl.dot (32 or 16 where 64 rows do not fit the shared memory), K not split: each
+  program still reads its weight tile once per row tile, where dequantising the whole weight
+  first would write and read it again in 16 bits.
+- Shared memory (layers/int4_shared_memory.py): a launch must fit the device's, or it fails
+  at its first call. `fit_shared_memory` lowers the stages of a rule's or tuned config (to 2),
+  then the mid-M row tile; a config given by the caller (the sweep, tests) must fit as given.
 - Large M (prefill): `_dequantize_kernel` writes the weight in the activation dtype, then
   cuBLAS (a GEMM at M in the hundreds is compute-bound: the extra write and read of the
   16-bit weight is a few percent of it).
@@ -52,6 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.engine.layers.activation import silu_and_mul
+from specserve.engine.layers.int4_shared_memory import (
+    Operands, shared_memory_limit, shared_memory_need)
 from specserve.engine.layers.int4_tuned import TUNED_INTERLEAVE, TUNED_W4_CONFIGS
 from specserve.engine.layers.skinny_gemm import (
     PARTIAL_CAPACITY, SkinnyWorkspace, _num_sms, _scratch_values, workspace_for)
@@ -70,6 +76,7 @@ PACK = 8          # 4-bit codes per int32
 MAX_ROWS = 16     # decode-sized M: one row tile, K split across programs
 TILED_MAX_ROWS = 256  # M up to this: row tiles of TILE_ROWS, no split; above: dequantise + cuBLAS
 TILE_ROWS = 64
+MIN_STAGES = 2  # fitting a config to the shared memory lowers its stages down to this
 # The rule's interleave (not yet measured): a step of 256 codes, two groups of 128, so a
 # thread's scale and zero work is shared by 4 planes of its rows.
 DEFAULT_INTERLEAVE = 32
@@ -235,6 +242,35 @@ def split_for(m: int, n: int, k: int, paired: bool, block_n: int,
     return split_k
 
 
+def row_tiles(m: int, dot: bool) -> tuple[int, ...]:
+    """The kernel's row tiles for M rows, preferred first: up to MAX_ROWS one tile of the rows
+    (padded to 16 for tl.dot); above, TILE_ROWS, else 32 or 16 (`fit_shared_memory`)."""
+    if m <= MAX_ROWS:
+        rows = 1 << (m - 1).bit_length()
+        return (max(16, rows) if dot else rows,)
+    return TILE_ROWS, TILE_ROWS // 2, TILE_ROWS // 4
+
+
+@functools.lru_cache(maxsize=None)
+def fit_shared_memory(config: W4Config, m: int, ops: Operands, device: torch.device,
+                      lower_stages: bool = True) -> Optional[tuple[W4Config, int]]:
+    """(config, row tile) of a launch at M rows whose shared memory fits `device`'s: the first
+    of `row_tiles` at which the config fits, with `lower_stages` at the most stages from its
+    own down to MIN_STAGES (fewer stages cost less than a smaller row tile, which reads the
+    weight once more per tile); None where none fits (or, without `lower_stages`, the config
+    has fewer than MIN_STAGES: not modelled)."""
+    if config.num_stages < MIN_STAGES:
+        return None
+    limit = shared_memory_limit(device)
+    lowest = MIN_STAGES if lower_stages else config.num_stages
+    for block_m in row_tiles(m, config.dot):
+        for stages in range(config.num_stages, lowest - 1, -1):
+            if shared_memory_need(ops, block_m, config.block_n, config.dot, config.w_left,
+                                  stages) <= limit:
+                return config._replace(num_stages=stages), block_m
+    return None
+
+
 def check_int4(w: Int4Weight) -> None:
     n, k = w.shape
     groups = -(-k // w.group_size)
@@ -250,8 +286,9 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
                silu_mul: bool = False, config: Optional[W4Config] = None,
                workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
     """x [..., K] (at most 256 rows) @ W^T (+ bias) in x's dtype, the W4A16 kernel (more than 16
-    rows: row tiles of 64, K not split); with `silu_mul`, silu_and_mul of it for a fused
-    [2I, K] gate/up weight (result [..., I])."""
+    rows: row tiles of 64 or fewer, K not split); with `silu_mul`, silu_and_mul of it for a
+    fused [2I, K] gate/up weight (result [..., I]). Without `config`, the rule's or tuned one,
+    fitted to the shared memory; a given one must fit as it stands."""
     n_rows, k = w.shape
     check_int4(w)
     x2 = x.reshape(-1, k)
@@ -261,10 +298,18 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     if silu_mul:
         assert n_rows % 2 == 0, "silu_mul needs the fused [2I, K] gate/up weight"
     n_cols = n_rows // 2 if silu_mul else n_rows
-    config = config or default_w4_config(m, n_cols, k, w.group_size, silu_mul, x.device)
     planes_per_group = plane_groups(w.group_size, k, w.interleave)
     assert planes_per_group, \
         f"interleave {w.interleave}: a plane of its blocks must lie in one group of {w.group_size}"
+    given = config
+    config = config or default_w4_config(m, n_cols, k, w.group_size, silu_mul, x.device)
+    ops = Operands(w.interleave, PACK // planes_per_group, x.element_size(),
+                   w.scales.element_size(), silu_mul)
+    fit = fit_shared_memory(config, m, ops, x.device, lower_stages=given is None)
+    assert fit is not None, (
+        f"{config} at {m} rows, {ops}: more shared memory than the device's "
+        f"{shared_memory_limit(x.device)} bytes (layers/int4_shared_memory.py)")
+    config, block_m = fit
     assert not config.dot or w.interleave >= MIN_DOT_INTERLEAVE, \
         f"tl.dot takes planes of at least {MIN_DOT_INTERLEAVE} columns (interleave {w.interleave})"
     if bias is not None:
@@ -279,8 +324,6 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         partials, arrivals = workspace.partials, workspace.arrivals
     assert m <= MAX_ROWS or (config.split_k == 1 and config.dot), \
         "more than 16 rows: row tiles on tl.dot, K not split"
-    block_m = (max(16, triton.next_power_of_2(m)) if config.dot else triton.next_power_of_2(m)) \
-        if m <= MAX_ROWS else TILE_ROWS
     words_per_split = triton.cdiv(triton.cdiv(k // PACK, config.split_k), w.interleave) * w.interleave
     _w4a16_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
