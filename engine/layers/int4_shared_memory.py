@@ -5,7 +5,7 @@ memory", raised when the compiled kernel is loaded, so compiling it does not sho
 The need, from Triton 3.6's sm_90 compiles of 240 launches (row tiles 1-64, column tiles
 16-128, interleaves 16-128, 2-4 stages, 4 and 8 warps, 16-bit and fp32 activations, the
 gate/up pair; tests/int4_sm90_launches.py checks it against every compile it makes): never
-less than the compiled `metadata.shared`, at most about 19 KB more (3-19 KB over the compile test's set).
+less than the compiled `metadata.shared`, at most about 19 KB more.
 - Pipelined loads (tl.dot only; the multiply-and-sum path pipelines none): num_stages - 1
   copies of one K step's loads, the packed weight words [block_n, W] int32 (twice with the
   gate/up pair), the eight planes of x [block_m, W], and each group's scales and zeros
