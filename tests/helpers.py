@@ -1,6 +1,7 @@
 """Test helpers: tiny random Hugging Face checkpoints built on the fly, and engine checks."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, NamedTuple, Optional
 
@@ -275,6 +276,17 @@ def cached_prefix_slots(engine, tokens: list[int]) -> torch.Tensor:
     return match.slots
 
 
+@contextlib.contextmanager
+def blocking_syncs_fail():
+    """Within: any blocking host sync of CUDA raises (after the work before it has finished)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def steady_state_steps(engine, prompt, n_steps=12):
     """Steps of one long request past its start, with any blocking host sync an error (CUDA)."""
     from specserve.engine import SamplingParams
@@ -282,13 +294,11 @@ def steady_state_steps(engine, prompt, n_steps=12):
     engine.add_request("r", prompt, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
     for _ in range(4):  # prefill and the first iterations (allocation, first graph use)
         engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(n_steps):
-            engine.step()
+        with blocking_syncs_fail():
+            for _ in range(n_steps):
+                engine.step()
     finally:
-        torch.cuda.set_sync_debug_mode("default")
         engine.abort("r")
         engine.step()
 

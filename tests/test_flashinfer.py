@@ -17,7 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from helpers import make_predictable_pair, random_prompts
+from helpers import make_predictable_pair, random_prompts, steady_state_steps
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.attention.base import decide_needs_cpu_seq_lens
@@ -621,19 +621,7 @@ def test_gpu_engine_sync_free_steady_state_has_no_blocking_sync(flashinfer_pair,
     target, head = flashinfer_pair
     engine = make_engine(target, attention_backend="flashinfer", needs_cpu_seq_lens=False,
                          spec=SpecConfig(algorithm="eagle", draft_model=head, **shape), **ENGINE)
-    engine.add_request("r", [5, 6, 7, 8],
-                       SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
-    for _ in range(4):  # prefill and the first iterations (module loads, allocations)
-        engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(12):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        engine.abort("r")
-        engine.step()
+    steady_state_steps(engine, [5, 6, 7, 8])
 
 
 @needs_flashinfer

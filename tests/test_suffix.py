@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from helpers import (copying_prompts, graphed_engine, make_tiny_checkpoint, plain_copying_reference, random_prompts,
-                     run_aborting)
+from helpers import (blocking_syncs_fail, copying_prompts, graphed_engine, make_tiny_checkpoint,
+                     plain_copying_reference, random_prompts, run_aborting)
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime.device import CpuDeviceContext
@@ -345,18 +345,16 @@ def _no_blocking_sync_while_a_request_ends(engine, prompt: list[int]) -> None:
                        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
     for _ in range(4):  # prefills and the first iterations (allocation, first graph use)
         engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     ended = False
     try:
-        for _ in range(60):
-            ended = any(out.rid == "ends" and out.finished for out in engine.step())
-            if ended:
-                break
-        for _ in range(3):
-            engine.step()
+        with blocking_syncs_fail():
+            for _ in range(60):
+                ended = any(out.rid == "ends" and out.finished for out in engine.step())
+                if ended:
+                    break
+            for _ in range(3):
+                engine.step()
     finally:
-        torch.cuda.set_sync_debug_mode("default")
         engine.abort("long")
         engine.step()
     assert ended
