@@ -10,7 +10,15 @@ sweep of decode configs (`--sweep`) to choose the defaults from. Kernels are rep
 CUDA graph, as the engine runs them: timed with eager launches, a short decode measures the
 host's launch cost (about 70 us for the two kernels), not the kernels.
 `--kv-dtypes bf16,fp8` times every row over a bf16 and an FP8 pool (`kv_cache_dtype="fp8_e4m3"`:
-half the bytes, non-unit scales); the sweep then picks configs for each.
+half the bytes, non-unit scales), each with its pool's default configs; the sweep then picks
+configs for each (FP8 also over `--sweep-fp8-convert`, how its tiles become bf16).
+
+    python bench/attention_kernels.py --fp8-sweep --out fp8_sweep.json
+
+is the FP8 decode's sweep at 32k tokens, bs 1 and 16: the bf16 pool's decode, the FP8 pool's
+default and its old config (the bf16 pool's: "cast" conversion, 16 splits) and every FP8
+candidate (128- and 256-token tiles, 4 and 8 warps, 2 and 3 stages, 16/32/64 splits, "cast"
+and "bits"), plus both verifies, each row with its speed against the bf16 pool's decode.
 """
 from __future__ import annotations
 
@@ -56,6 +64,8 @@ def scene(bs: int, context: int, extend: int, device, kv_dtype: torch.dtype):
 
 def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
                 kv_dtype: torch.dtype) -> float:
+    """Seconds a decode of `bs` requests over `context` tokens takes with `config`, its split
+    scratch (so its splits) sized `max_kv_splits`."""
     k, v, table, rows, prefix, scales = scene(bs, context, 1, device, kv_dtype)
     kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
     kv_indices = torch.empty(bs * (context + 1), dtype=torch.int32, device=device)
@@ -70,8 +80,8 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
         rep=200) / 1000
 
 
-def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device,
-                kv_dtype: torch.dtype) -> float:
+def time_verify(bs, context, extend: int, tree: bool, config: DecodeConfig, max_kv_splits: int,
+                device, kv_dtype: torch.dtype) -> float:
     k, v, table, rows, prefix, scales = scene(bs, context, extend, device, kv_dtype)
     kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
     kv_indices = torch.empty(bs * context, dtype=torch.int32, device=device)
@@ -86,7 +96,7 @@ def time_verify(bs, context, extend: int, tree: bool, max_kv_splits: int, device
     mask = torch.ones(bs, extend, extend, dtype=torch.bool, device=device).tril() if tree else None
     return triton.testing.do_bench_cudagraph(lambda: short_extend_attention(
         q, k, v, out, qo_indptr, kv_indptr, kv_indices, new_slots, extend, 0.088, po, pl,
-        arrivals, custom_mask=mask, **scales), rep=200) / 1000
+        arrivals, custom_mask=mask, config=config, **scales), rep=200) / 1000
 
 
 def main():
@@ -94,8 +104,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--batch-sizes", default="1,4")
-    ap.add_argument("--max-kv-splits", type=int, default=16)
+    ap.add_argument("--max-kv-splits", type=int, default=None,
+                    help="splits of the default rows (default: their config's)")
     ap.add_argument("--sweep", action="store_true", help="also time decode launch configs")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="the FP8 decode's sweep at 32k, bs 1 and 16 (sets the options below)")
+    ap.add_argument("--sweep-fp8-convert", default="cast,bits",
+                    help="DecodeConfig.fp8_convert values (FP8 pools only)")
     ap.add_argument("--sweep-block-n", default="32,64,128")
     ap.add_argument("--sweep-splits", default="16,32,64")
     ap.add_argument("--sweep-stages", default="2,3,4")
@@ -105,6 +120,10 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
     ap.add_argument("--kv-dtypes", default="bf16", help="comma list of: " + ", ".join(KV_DTYPES))
     ap.add_argument("--out", default="bench_attention_kernels.json")
+    if ap.parse_known_args()[0].fp8_sweep:  # its defaults; options given still win
+        ap.set_defaults(sweep=True, contexts="32768", batch_sizes="1,16", kv_dtypes="bf16,fp8",
+                        sweep_block_n="128,256", sweep_splits="16,32,64", sweep_stages="2,3",
+                        sweep_warps="4,8", sweep_min_split="256")
     args = ap.parse_args()
     KV_HEADS = args.kv_heads
     device = torch.device("cuda")
@@ -115,20 +134,31 @@ def main():
                                                   args.kv_dtypes.split(",")):
         kv_dtype = KV_DTYPES[kv_name]
         kv_bytes_per_token = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize  # K and V of one token
-        kernels = {"decode": lambda: time_decode(bs, context, default_decode_config(HEAD_DIM, device),
-                                                 args.max_kv_splits, device, kv_dtype),
-                   "verify-chain-4": lambda: time_verify(bs, context, 4, False, args.max_kv_splits, device,
-                                                         kv_dtype),
-                   "verify-tree-8": lambda: time_verify(bs, context, 8, True, args.max_kv_splits, device,
-                                                        kv_dtype)}
-        if args.sweep:
+        default = default_decode_config(HEAD_DIM, device, kv_dtype=kv_dtype)
+        splits = args.max_kv_splits or default.max_kv_splits
+        kernels = {"decode": lambda: time_decode(bs, context, default, splits, device, kv_dtype),
+                   "verify-chain-4": lambda: time_verify(bs, context, 4, False, default, splits,
+                                                         device, kv_dtype),
+                   "verify-tree-8": lambda: time_verify(bs, context, 8, True, default, splits,
+                                                        device, kv_dtype)}
+        # --fp8-sweep sweeps the FP8 pool only: the bf16 rows are its defaults, the baseline.
+        if kv_name == "fp8":
+            # What FP8 pools ran before they had configs of their own: the bf16 pool's.
+            old = default_decode_config(HEAD_DIM, device)
+            kernels["decode bf16-config"] = lambda: time_decode(bs, context, old, old.max_kv_splits,
+                                                                device, kv_dtype)
+        if args.sweep and not (args.fp8_sweep and kv_name != "fp8"):
             grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
                     for name in ("block_n", "splits", "stages", "warps", "min_split")]
-            for block_n, splits, stages, warps, min_split in itertools.product(*grid):
+            converts = args.sweep_fp8_convert.split(",") if kv_name == "fp8" else ["cast"]
+            for (block_n, max_splits, stages, warps, min_split), convert in itertools.product(
+                    itertools.product(*grid), converts):
                 config = DecodeConfig(block_n=block_n, min_kv_split_len=min_split,
-                                      num_warps=warps, num_stages=stages)
-                kernels[f"decode n{block_n} s{splits} st{stages} w{warps} m{min_split}"] = \
-                    (lambda c=config, s=splits: time_decode(bs, context, c, s, device, kv_dtype))
+                                      num_warps=warps, num_stages=stages,
+                                      max_kv_splits=max_splits, fp8_convert=convert)
+                name = f"decode n{block_n} s{max_splits} st{stages} w{warps} m{min_split}"
+                kernels[name + (f" {convert}" if kv_name == "fp8" else "")] = \
+                    (lambda c=config: time_decode(bs, context, c, c.max_kv_splits, device, kv_dtype))
         for name, run in kernels.items():
             try:
                 seconds = run()
@@ -145,10 +175,15 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s (one layer)")
-    print(f"{'kernel':40} {'ctx':>6} {'bs':>3} {'us':>8} {'KV GB/s':>8} {'copy%':>6}")
+    # "x bf16": the bf16 pool's default decode's time over the row's (same context and bs)
+    bf16_decode = {(r["context"], r["batch_size"]): r["us"] for r in rows
+                   if r["kernel"] == "decode [bf16]"}
+    print(f"{'kernel':48} {'ctx':>6} {'bs':>3} {'us':>8} {'KV GB/s':>8} {'copy%':>6} {'x bf16':>6}")
     for r in sorted(rows, key=lambda r: (r["context"], r["batch_size"], r["us"])):
-        print(f"{r['kernel']:40} {r['context']:6} {r['batch_size']:3} {r['us']:8.1f} "
-              f"{r['kv_GBps']:8.0f} {100 * r['fraction_of_copy']:6.1f}")
+        base = bf16_decode.get((r["context"], r["batch_size"]))
+        ratio = f"{base / r['us']:6.2f}" if base and r["kernel"].startswith("decode") else ""
+        print(f"{r['kernel']:48} {r['context']:6} {r['batch_size']:3} {r['us']:8.1f} "
+              f"{r['kv_GBps']:8.0f} {100 * r['fraction_of_copy']:6.1f} {ratio:>6}")
 
 
 if __name__ == "__main__":

@@ -253,23 +253,27 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     allocator = TokenSlotAllocator(num_slots, device)
 
     def attention_backend(num_heads: int, num_kv_heads: int, head_dim: int,
-                          v_head_dim: Optional[int] = None) -> AttentionBackend:
+                          v_head_dim: Optional[int] = None,
+                          pool_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
         # Forwards see at most a whole row; tree drafting runs topk sequences per request.
         return create_attention_backend(
             config.attention_backend, device, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, max_context_len=row_width,
             max_batch_size=num_rows * (1 if spec is None else spec.topk),
             needs_cpu_seq_lens=config.needs_cpu_seq_lens,
-            max_query_len=1 if spec is None else spec.num_draft_tokens, v_head_dim=v_head_dim)
+            max_query_len=1 if spec is None else spec.num_draft_tokens, v_head_dim=v_head_dim,
+            kv_dtype=pool_dtype)
 
     if cfg.mla is not None:  # MQA over one latent || rope head; V is the latent
         kv_pool = MLATokenToKVPool(num_slots, cfg.num_layers, cfg.mla.kv_lora_rank,
                                    cfg.mla.qk_rope_head_dim, kv_dtype, device, kv_scales)
-        attn = attention_backend(attn_layer.num_heads, 1, attn_layer.kv_head_dim, cfg.mla.kv_lora_rank)
+        attn = attention_backend(attn_layer.num_heads, 1, attn_layer.kv_head_dim, cfg.mla.kv_lora_rank,
+                                 kv_dtype)
     else:
         kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim,
                                 kv_dtype, device, kv_scales)
-        attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim)
+        attn = attention_backend(attn_layer.num_heads, attn_layer.num_kv_heads, cfg.head_dim,
+                                 pool_dtype=kv_dtype)
     runner = ModelRunner(model, kv_pool, attn)
     draft_runner = None
     if spec is not None and spec.algorithm == "nextn":

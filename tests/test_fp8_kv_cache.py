@@ -22,6 +22,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from helpers import (cached_prefix_slots, make_predictable_pair, make_tiny_checkpoint,  # noqa: E402
                      random_prompts, steady_state_steps)
@@ -33,8 +35,10 @@ from test_triton_kernels import (  # noqa: E402
 from specserve.engine import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from specserve.engine.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
+from specserve.engine.attention.triton import kernels as triton_kernels  # noqa: E402
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
-    decode_attention, extend_attention, short_extend_attention)
+    DecodeConfig, decode_attention, default_decode_config, extend_attention,
+    short_extend_attention)
 from specserve.engine.kvcache.fp8 import (  # noqa: E402
     FP8_KV_DTYPE, FP8_MAX, KVScales, dequantize, load_kv_scales, quantize, resolve_kv_scales)
 from specserve.engine.kvcache.pools import MLATokenToKVPool, TokenToKVPool  # noqa: E402
@@ -321,6 +325,74 @@ def test_triton_backend_matches_torch_native_on_fp8_pools(case_name):
     assert torch.equal(fb.kv_pool.k_all.view(torch.uint8), stored)  # the same bits stored
 
 
+# --- launch parameters per pool dtype -------------------------------------------------------
+@pytest.fixture
+def fake_capability(monkeypatch):
+    """Sets the compute capability `torch.cuda` reports (no GPU needed to choose configs)."""
+    def set_capability(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return set_capability
+
+
+def test_fp8_pools_get_their_own_decode_config(fake_capability):
+    """On sm_90 an FP8 pool with Llama-like heads gets the FP8 config (the "bits" conversion,
+    its own tiles and splits); other FP8 heads only the conversion; bf16 pools, older GPUs
+    (no bf16x2 multiply) and the interpreter keep the 16-bit pool's config."""
+    cuda, fp8 = torch.device("cuda"), FP8_KV_DTYPE
+    fake_capability((9, 0))
+    bf16_config = default_decode_config(128, cuda)
+    assert bf16_config == default_decode_config(128, cuda, kv_dtype=torch.bfloat16)
+    assert (bf16_config.fp8_convert, bf16_config.max_kv_splits) == ("cast", 16)
+    fp8_config = default_decode_config(128, cuda, kv_dtype=fp8)
+    assert fp8_config == triton_kernels._FP8_DECODE_CONFIG and fp8_config.fp8_convert == "bits"
+    assert fp8_config != bf16_config
+    assert default_decode_config(64, cuda, kv_dtype=fp8) == fp8_config
+    for head_dim, v_head_dim in ((256, None), (576, 512)):  # large heads, MLA
+        base = default_decode_config(head_dim, cuda, v_head_dim)
+        assert default_decode_config(head_dim, cuda, v_head_dim, fp8) == \
+            base._replace(fp8_convert="bits")
+    fake_capability((8, 9))
+    assert default_decode_config(128, cuda, kv_dtype=fp8) == bf16_config
+    assert default_decode_config(128, DEVICE, kv_dtype=fp8) == default_decode_config(128, DEVICE)
+
+
+def test_backend_takes_the_pool_dtype_and_config_splits(monkeypatch):
+    """The factory hands the pool's dtype to the Triton backend, which sizes its split
+    scratch by its config's `max_kv_splits` (as far as its contexts reach)."""
+    from specserve.engine.attention.factory import create_attention_backend
+
+    monkeypatch.setattr(triton_kernels, "_has_sm90_conversions", lambda device: True)
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=16, max_batch_size=2,
+              needs_cpu_seq_lens=None)
+    fp8 = create_attention_backend("triton", DEVICE, max_context_len=32768,
+                                   kv_dtype=FP8_KV_DTYPE, **kw)
+    assert fp8.decode_config == triton_kernels._FP8_DECODE_CONFIG
+    assert fp8.max_kv_splits == fp8._partial_out_buf.shape[2] == 32
+    short = create_attention_backend("triton", DEVICE, max_context_len=1000,
+                                     kv_dtype=FP8_KV_DTYPE, **kw)
+    assert short.max_kv_splits == 4  # cdiv(1000, 256)
+    plain = create_attention_backend("triton", DEVICE, max_context_len=32768, **kw)
+    assert plain.decode_config.fp8_convert == "cast" and plain.max_kv_splits == 16
+    config = DecodeConfig(block_n=16, min_kv_split_len=32, num_warps=4, num_stages=1,
+                          max_kv_splits=5)
+    assert TritonAttnBackend(4, 2, 16, 4096, DEVICE, max_batch_size=2,
+                             decode_config=config).max_kv_splits == 5
+
+
+def test_builder_passes_the_target_pool_dtype_only(pair, make_engine, monkeypatch):
+    """The target's backend is told its pool is FP8; the draft's pool keeps the model dtype."""
+    from specserve.engine import builder
+
+    kv_dtypes = []
+    real = builder.create_attention_backend
+    monkeypatch.setattr(builder, "create_attention_backend",
+                        lambda *a, **kw: kv_dtypes.append(kw.get("kv_dtype")) or real(*a, **kw))
+    target, head = pair
+    make_engine(target, kv_cache_dtype=FP8, max_context_len=64,
+                spec=SpecConfig(algorithm="eagle", draft_model=head, **CHAIN))
+    assert kv_dtypes == [FP8_KV_DTYPE, None]
+
+
 # --- store kernels ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_and_store_kv_quantises_as_set_kv(dtype, exact_fp8_casts):
@@ -399,17 +471,24 @@ llama = dict(attn, MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="k
 # V2-Lite's MLA: one latent || rope head (576 dims), the latent a view of it.
 mla = dict(attn, MAIN_DIM=512, ROPE_DIM=64, BLOCK_D=512, BLOCK_DPE=64, VALUES="key_prefix",
            stride_k_slot=576, stride_k_head=576, stride_v_slot=576, stride_v_head=576)
+# What an H100 launches decode and verify with over an FP8 pool.
+fp8_config = A._FP8_DECODE_CONFIG
+tuned = dict(BLOCK_N=fp8_config.block_n, MAX_KV_SPLITS=fp8_config.max_kv_splits,
+             FP8_CONVERT=fp8_config.fp8_convert)
 ptx = {
-    "decode": compile_sm90(A._decode_kernel, dict(llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1,
-                                                  BLOCK_N=128), 4, 3),
-    "mla decode": compile_sm90(A._decode_kernel, dict(mla, GROUP_SIZE=16, BLOCK_H=16, HEAD_BLOCKS=1,
-                                                      BLOCK_N=32), 4, 2),
-    "verify": compile_sm90(A._short_extend_kernel, dict(
-        llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, BLOCK_N=128,
-        USE_CUSTOM_MASK=True), 4, 3),
-    "extend": compile_sm90(A._extend_attention_kernel, dict(
+    "decode bits": compile_sm90(A._decode_kernel, dict(
+        llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, **tuned), fp8_config.num_warps,
+        fp8_config.num_stages),
+    "mla decode bits": compile_sm90(A._decode_kernel, dict(
+        mla, GROUP_SIZE=16, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=32, FP8_CONVERT="bits"), 4, 2),
+    "verify bits": compile_sm90(A._short_extend_kernel, dict(
+        llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, USE_CUSTOM_MASK=True,
+        **tuned), fp8_config.num_warps, fp8_config.num_stages),
+    "decode cast": compile_sm90(A._decode_kernel, dict(
+        llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=128, FP8_CONVERT="cast"), 4, 3),
+    "extend cast": compile_sm90(A._extend_attention_kernel, dict(
         llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=128, BLOCK_N=64,
-        USE_CUSTOM_MASK=False), 8, 2),
+        USE_CUSTOM_MASK=False, FP8_CONVERT="cast"), 8, 2),
     "rope store": compile_sm90(fused._rope_kernel, dict(
         q_ptr=t(bf16), k_ptr=t(bf16), v_ptr=t(bf16), q_out_ptr=t(bf16), k_out_ptr=t(fp8),
         v_out_ptr=t(fp8), loc_ptr=t(i64), pos_ptr=t(i64), cos_ptr=t(f32), sin_ptr=t(f32),
@@ -430,10 +509,16 @@ ptx["skinny qkv store"] = compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     DOT_PRECISION="tf32", FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, PDL=True),
     c.num_warps, c.num_stages)
 for name, text in ptx.items():
-    # Loads convert e4m3 pairs (then to the query's bf16); stores round to nearest even with
-    # saturation, as torch's cast of a clamped value does (the interpreter tests' bits).
-    want = "cvt.rn.satfinite.e4m3x2.f32" if "store" in name else "cvt.rn.f16x2.e4m3x2"
-    assert want in text, name
+    # Loads convert e4m3 pairs to f16 then to the query's bf16 ("cast") or by moving bits and
+    # one bf16x2 multiply a pair, with no f16 -> bf16 conversion ("bits"); stores round to
+    # nearest even with saturation, as torch's cast of a clamped value does (the interpreter
+    # tests' bits).
+    if "store" in name:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in text, name
+    elif "bits" in name:
+        assert "mul.rn.bf16x2" in text and "cvt.bf16.f16" not in text, name
+    else:
+        assert "cvt.rn.f16x2.e4m3x2" in text and "mul.rn.bf16x2" not in text, name
     assert "griddepcontrol.wait" in text, name  # programmatic dependent launch (engine/pdl.py)
     print("compiled", name)
 """
@@ -445,7 +530,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 6
+    assert done.stdout.count("compiled") == 7
 
 
 # --- engines -------------------------------------------------------------------------------
@@ -623,11 +708,13 @@ def test_fp8_checkpoint_with_kv_scales_spec_equals_plain(pair, tmp_path, make_en
 
 # --- GPU: compiled kernels, CUDA graphs ------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, FP8_KV_DTYPE], ids=["bf16-config", "fp8-config"])
 @pytest.mark.parametrize("case_name", ["decode", "target_verify", "extend"])
-def test_triton_backend_bf16_fp8_pool_gpu(case_name):
-    """Compiled kernels with bf16 queries over an FP8 pool, against the torch backend."""
+def test_triton_backend_bf16_fp8_pool_gpu(case_name, kv_dtype):
+    """Compiled kernels with bf16 queries over an FP8 pool, against the torch backend, with
+    the 16-bit pool's launch config ("cast") and the FP8 pool's ("bits" on sm_90)."""
     gen = torch.Generator().manual_seed(50)
-    backend = TritonAttnBackend(4, 2, 16, 64, DEVICE)
+    backend = TritonAttnBackend(4, 2, 16, 64, DEVICE, kv_dtype=kv_dtype)
     fb = fp8_forward_batch(case_name, backend, gen, torch.bfloat16)
     q, k, v = random_qkv(fb.num_tokens, 4, 2, 16, gen, torch.bfloat16)
     native = TorchNativeAttnBackend(needs_cpu_seq_lens=False)
@@ -636,6 +723,68 @@ def test_triton_backend_bf16_fp8_pool_gpu(case_name):
     backend.init_forward_metadata(fb)
     torch.testing.assert_close(backend.forward(q, k, v, LAYER_ID, fb, 0.25), expected,
                                atol=2e-2, rtol=2e-2)
+
+
+@triton.jit
+def _kv_tile_kernel(src, dst, FP8_CONVERT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(dst + offs, triton_kernels._kv_tile(tl.load(src + offs), tl.bfloat16, FP8_CONVERT))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_convert", ["cast", "bits"])
+def test_fp8_tile_conversions_are_exact_gpu(fp8_convert):
+    """Every e4m3 code converts to its bf16 value both ways (the NaN codes 0x7F and 0xFF read
+    as +-480 by bits: the pool's writers never store them)."""
+    if fp8_convert == "bits" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
+    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+    _kv_tile_kernel[(1,)](codes.view(FP8_KV_DTYPE), out, FP8_CONVERT=fp8_convert)
+    expected = codes.view(FP8_KV_DTYPE).to(torch.bfloat16)
+    nan = expected.isnan()
+    assert torch.equal(out[~nan], expected[~nan])
+    if fp8_convert == "bits":
+        assert out[nan].tolist() == [480.0, -480.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["decode", "short_extend"])
+def test_fp8_bits_equal_cast_gpu(kernel):
+    """At the 8B shape over a 2k-token FP8 prefix, "bits" gives the dots the operands "cast"
+    does: the same output, bit for bit, under each launch config."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    gen = torch.Generator(device="cuda").manual_seed(52)
+    bs, prefix, extend, heads, kv_heads = 2, 2048, 4 if kernel == "short_extend" else 1, 32, 8
+    slots = torch.randperm(bs * (prefix + extend), device="cuda", generator=gen) + 1
+    k = quantize(torch.randn(slots.numel() + 1, kv_heads, 128, device="cuda", generator=gen),
+                 K_SCALE)
+    v = quantize(torch.randn(k.shape, device="cuda", generator=gen), V_SCALE)
+    q = torch.randn(bs * extend, heads, 128, device="cuda", generator=gen).bfloat16()
+    table = slots.view(bs, prefix + extend)
+    config = default_decode_config(128, q.device, kv_dtype=FP8_KV_DTYPE)
+    outs = []
+    for fp8_convert in ("bits", "cast"):
+        out = torch.empty_like(q)
+        splits = (torch.empty(bs * extend, heads, config.max_kv_splits, 128, device="cuda"),
+                  torch.empty(bs * extend, heads, config.max_kv_splits, device="cuda"),
+                  torch.zeros(bs * kv_heads, dtype=torch.int32, device="cuda"))
+        c = config._replace(fp8_convert=fp8_convert)
+        if kernel == "decode":
+            kv_indptr = torch.arange(0, bs + 1, device="cuda") * (prefix + 1)
+            kv_indices = table[:, :prefix + 1].reshape(-1).int()
+            decode_attention(q, k, v, out, kv_indptr, kv_indices, *splits, 0.088, c,
+                             k_scale=K_SCALE, v_scale=V_SCALE)
+        else:
+            kv_indptr = torch.arange(0, bs + 1, device="cuda") * prefix
+            kv_indices = table[:, :prefix].reshape(-1).int()
+            qo_indptr = torch.arange(0, bs + 1, device="cuda") * extend
+            short_extend_attention(q, k, v, out, qo_indptr, kv_indptr, kv_indices,
+                                   table[:, prefix:].reshape(-1), extend, 0.088, *splits,
+                                   config=c, k_scale=K_SCALE, v_scale=V_SCALE)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,17 @@ def backend_name(name: str, device: torch.device) -> str:
 def create_attention_backend(name: str, device: torch.device, *, num_heads: int, num_kv_heads: int,
                              head_dim: int, max_context_len: int, max_batch_size: int,
                              needs_cpu_seq_lens: Optional[bool], max_query_len: int = 1,
-                             v_head_dim: Optional[int] = None) -> AttentionBackend:
+                             v_head_dim: Optional[int] = None,
+                             kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
     """`max_query_len`: the most new tokens per request of a forward that should reuse
     preallocated buffers (the speculative verify width), besides prefill.
 
     `v_head_dim` (MLA): V is narrower than K (the latent without the rope key) and read
     through the pool's `v_buffer` strides. Such a backend also preallocates the speculative
-    verify mask (`get_verify_buffers_to_fill_after_draft`)."""
+    verify mask (`get_verify_buffers_to_fill_after_draft`).
+
+    `kv_dtype`: the pool's storage dtype when it is not the model's (an FP8 KV cache), for
+    backends whose kernels are tuned per pool dtype (Triton)."""
     name = backend_name(name, device)
     needs = _DEFAULT_NEEDS_CPU_SEQ_LENS[name] if needs_cpu_seq_lens is None else needs_cpu_seq_lens
     mla = v_head_dim is not None and v_head_dim != head_dim
@@ -47,7 +51,8 @@ def create_attention_backend(name: str, device: torch.device, *, num_heads: int,
                              "install specserve[triton] or use 'torch'") from e
         backend = TritonAttnBackend(num_heads, num_kv_heads, head_dim, max_context_len, device,
                                     max_batch_size=max_batch_size, max_query_len=max_query_len,
-                                    needs_cpu_seq_lens=needs, v_head_dim=v_head_dim)
+                                    needs_cpu_seq_lens=needs, v_head_dim=v_head_dim,
+                                    kv_dtype=kv_dtype)
     elif mla:
         raise ValueError("attention_backend: flashinfer does not support MLA models "
                          "(DeepSeek); use 'triton' or 'torch'")

@@ -39,9 +39,6 @@ class TritonAttnMetadata(NamedTuple):
                                          # slice]) split counters, zero between forwards
 
 
-MAX_KV_SPLITS = 16  # the most splits a long sequence is cut into (decode and short extends)
-
-
 class TritonAttnBackend(AttentionBackend):
     """Decode and short extends (split-KV), and long extends (prefix + causal/custom-masked
     new tokens), in Triton kernels.
@@ -64,6 +61,9 @@ class TritonAttnBackend(AttentionBackend):
     The split-KV scratch is `max_batch_size * max_query_len * num_heads * max_kv_splits *
     v_head_dim` fp32: 4 MiB a row at 128 MLA heads, 16 splits and a 512 latent, so size
     `max_batch_size` (and `max_kv_splits`) for MLA with care.
+
+    `kv_dtype` (default: the model's) is the pool's storage dtype: an FP8 pool gets decode
+    launch parameters of its own (`default_decode_config`).
     """
 
     needs_cpu_seq_lens = False
@@ -76,7 +76,7 @@ class TritonAttnBackend(AttentionBackend):
                  max_kv_splits: Optional[int] = None,
                  max_query_len: int = 1, decode_config: Optional[DecodeConfig] = None,
                  extend_config: Optional[ExtendConfig] = None, needs_cpu_seq_lens: bool = False,
-                 v_head_dim: Optional[int] = None):
+                 v_head_dim: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
@@ -92,12 +92,12 @@ class TritonAttnBackend(AttentionBackend):
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.decode_config = decode_config or default_decode_config(head_dim, self.device,
-                                                                    self.v_head_dim)
+                                                                    self.v_head_dim, kv_dtype)
         # A sequence gets min(cdiv(length, min_kv_split_len), max_kv_splits) splits and none is
         # longer than max_context_len: splits past cdiv(max_context_len, min_kv_split_len)
         # would only be grid programs that exit at once (and scratch never written).
         reachable = triton.cdiv(max_context_len, self.decode_config.min_kv_split_len)
-        self.max_kv_splits = max_kv_splits or min(MAX_KV_SPLITS, reachable)
+        self.max_kv_splits = max_kv_splits or min(self.decode_config.max_kv_splits, reachable)
         self.extend_config = extend_config or default_extend_config(head_dim, self.device,
                                                                     self.v_head_dim)
 

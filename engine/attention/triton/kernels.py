@@ -31,7 +31,9 @@ Conventions shared by all kernels:
 - Scores live in base 2 (`sm_scale * log2(e)` folded into the scale) so softmax uses `exp2`.
 - The K/V buffers may be an FP8 pool (float8_e4m3fn, `engine/kvcache/fp8.py`: stored value =
   x / scale). Tiles are loaded as stored and converted to the query's dtype (exact: every e4m3
-  value is a bf16/fp16 value); the launchers fold `k_scale` into the softmax scale (a score is
+  value is a bf16/fp16 value; the split kernels convert for bf16 queries by bit moves on
+  sm_90, `DecodeConfig.fp8_convert`, and an FP8 pool has decode launch parameters of its own,
+  `default_decode_config`); the launchers fold `k_scale` into the softmax scale (a score is
   linear in its key) and the kernels multiply their output by `v_scale` (an output is a convex
   combination of values; split partials are merged before it). Both are 1.0 for other pools,
   which leaves every result bit-identical.
@@ -47,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 LOG2_E = math.log2(math.e)
@@ -62,6 +65,14 @@ class DecodeConfig(NamedTuple):
     # Query rows (heads, or new tokens x heads in a split extend) per program: a KV head's
     # group larger than this (MLA's one KV head for every query head) is split into slices.
     block_h: int = 64
+    # The most splits a long sequence is cut into (the backend sizes its split scratch by it;
+    # the kernels take it from the scratch's shape).
+    max_kv_splits: int = 16
+    # How an FP8 pool's tiles become bf16 for the dots (other pools and queries ignore it):
+    # "cast", Triton's conversion (e4m3x2 -> f16x2, then one f16 -> bf16 conversion a value,
+    # both on the GPU's slow conversion pipe) or "bits" (`_E4M3X4_TO_BF16`: byte moves and
+    # masks, then one bf16x2 multiply a pair; sm_90 and newer, not the interpreter).
+    fp8_convert: str = "cast"
 
 
 class ExtendConfig(NamedTuple):
@@ -74,10 +85,43 @@ class ExtendConfig(NamedTuple):
 
 
 def default_decode_config(head_dim: int, device: torch.device,
-                          v_head_dim: Optional[int] = None) -> DecodeConfig:
+                          v_head_dim: Optional[int] = None,
+                          kv_dtype: Optional[torch.dtype] = None) -> DecodeConfig:
     """Launch parameters for keys of `head_dim` and values of `v_head_dim` (default: the
-    same) dims; values narrower than keys are MLA's latent (a 512 + 64 key, 512 values)."""
+    same) dims, over a pool of `kv_dtype` (default: the queries' dtype); values narrower than
+    keys are MLA's latent (a 512 + 64 key, 512 values)."""
     is_mla = v_head_dim is not None and v_head_dim != head_dim
+    if kv_dtype is None or not is_fp8(kv_dtype) or not _has_sm90_conversions(device):
+        return _default_decode_config(head_dim, device, is_mla)
+    if head_dim <= 128 and not is_mla:
+        return _FP8_DECODE_CONFIG
+    # Other FP8 heads keep their 16-bit pool's tiles (untimed over FP8), converted by bits.
+    return _default_decode_config(head_dim, device, is_mla)._replace(fp8_convert="bits")
+
+
+def _has_sm90_conversions(device: torch.device) -> bool:
+    """Whether `device` runs compiled kernels that may use sm_90's bf16x2 multiply."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# A 32k-token bs=1 decode over the FP8 pool with the bf16 pool's config ran at about 1.1 TB/s
+# against bf16's 2.5 (8B, H100): the loop is latency-bound, not bandwidth-bound. Triton 3.6
+# keeps one K and one V buffer in shared memory, so each 128-token iteration waits for its
+# own loads (issued after the previous tile's dots) and then computes: an iteration costs
+# about the same with half the bytes. The compiled FP8 loop also had per thread and tile
+# 256 f16 -> bf16 conversions (F2F, a quarter-rate pipe) after 128 e4m3x2 unpacks, and read
+# V's tile (the second dot's transposed operand: no ldmatrix for bytes) a byte at a time.
+# So for FP8: the exact "bits" conversion (no F2F), 8 warps (half the instructions each a
+# tile) in 2 stages (128 registers a thread, so two programs fit an SM: 65,536 / (256 x 128)),
+# and 32 splits, so a bs=1 long context runs 256 programs (8 KV heads x 32), two an SM,
+# whose load waits overlap the other's dots. Chosen from the compiled code (sm_90, Triton
+# 3.6), not yet timed: `bench/attention_kernels.py --fp8-sweep` times it against the others.
+_FP8_DECODE_CONFIG = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=8, num_stages=2,
+                                  max_kv_splits=32, fp8_convert="bits")
+
+
+def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) -> DecodeConfig:
     if torch.device(device).type != "cuda":
         # Interpreter: fewer, larger numpy ops are faster; the values only need to be legal.
         return DecodeConfig(block_n=32, min_kv_split_len=64, num_warps=4, num_stages=1,
@@ -264,30 +308,68 @@ def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
+# Four e4m3 bytes (one 32-bit register, $2) to four bf16 values ($0, $1), exactly, without the
+# conversion pipe: each byte s.eeee.mmm goes to the top byte of a 16-bit half (prmt), its
+# magnitude moves down 4 bits (bf16's exponent field is 8 bits to e4m3's 4) and its sign back
+# on top (lop3: b | (a & 0x80008000)), which is the value times 2**-120 as a bf16 (normal or,
+# for e4m3's subnormals, subnormal); one bf16x2 multiply by 2**120 (0x7B80) makes it exact.
+# The two NaN codes (0x7F, 0xFF) read as +-480: the pool's writers clamp to +-448 first.
+_E4M3X4_TO_BF16 = tl.constexpr("""{
+.reg .b32 a<2>, b<2>, s;
+mov.b32 s, 0x7B807B80;
+prmt.b32 a0, 0, $2, 0x5040;
+prmt.b32 a1, 0, $2, 0x7060;
+and.b32 b0, a0, 0x7FFF7FFF;
+and.b32 b1, a1, 0x7FFF7FFF;
+shr.b32 b0, b0, 4;
+shr.b32 b1, b1, 4;
+lop3.b32 b0, b0, a0, 0x80008000, 0xF8;
+lop3.b32 b1, b1, a1, 0x80008000, 0xF8;
+mul.rn.bf16x2 $0, b0, s;
+mul.rn.bf16x2 $1, b1, s;
+}""")
+
+
+@triton.jit
+def _kv_tile(tile, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr):
+    """A loaded K/V tile in the dots' `dtype` (`DecodeConfig.fp8_convert`). Every e4m3 value
+    is a bf16/fp16/fp32 value, so either way is exact."""
+    if FP8_CONVERT == "bits" and tile.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
+                                         [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
+    else:
+        return tile.to(dtype)
+
+
 @triton.jit
 def _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head, stride_k_slot,
                  stride_k_head, stride_v_slot, stride_v_head, offs_d, col_mask, dim_mask,
                  MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
-                 VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FP8_CONVERT: tl.constexpr):
     """Unscaled scores of the query rows against the keys of `slots` ([rows, cols]) and those
     keys' values ([cols, dim], in the dot's dtype)."""
     slots = slots.to(tl.int64)
     tile_mask = col_mask[:, None] & dim_mask[None, :]
     offsets = slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :]
-    k = tl.load(k_buffer + offsets, mask=tile_mask, other=0.0).to(q_tile.dtype)
+    k = _kv_tile(tl.load(k_buffer + offsets, mask=tile_mask, other=0.0), q_tile.dtype,
+                 FP8_CONVERT)
     if VALUES == "key_prefix":
         v = k
     elif VALUES == "key_strides":
-        v = tl.load(v_buffer + offsets, mask=tile_mask, other=0.0).to(q_tile.dtype)
+        v = _kv_tile(tl.load(v_buffer + offsets, mask=tile_mask, other=0.0), q_tile.dtype,
+                     FP8_CONVERT)
     else:
-        v = tl.load(v_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head
-                    + offs_d[None, :], mask=tile_mask, other=0.0).to(q_tile.dtype)
+        v = _kv_tile(tl.load(v_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head
+                             + offs_d[None, :], mask=tile_mask, other=0.0), q_tile.dtype,
+                     FP8_CONVERT)
     if ROPE_DIM > 0:
         offs_dpe = tl.arange(0, BLOCK_DPE)
-        k_rope = tl.load(k_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head
-                         + MAIN_DIM + offs_dpe[None, :],
-                         mask=col_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :],
-                         other=0.0).to(q_tile.dtype)
+        k_rope = _kv_tile(tl.load(k_buffer + slots[:, None] * stride_k_slot
+                                  + kv_head * stride_k_head + MAIN_DIM + offs_dpe[None, :],
+                                  mask=col_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :],
+                                  other=0.0), q_tile.dtype, FP8_CONVERT)
     scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION)
     if ROPE_DIM > 0:
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
@@ -299,7 +381,8 @@ def _attend_slot_range(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, slot_l
                        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                        offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N: tl.constexpr,
                        MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
-                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       FP8_CONVERT: tl.constexpr):
     """Fold keys `slot_list[begin:end]`, all visible to every row, into the running softmax."""
     for start in range(begin, end, BLOCK_N):
         cols = start + offs_n
@@ -308,7 +391,7 @@ def _attend_slot_range(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, slot_l
         scores, v = _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head,
                                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                                  offs_d, col_mask, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE,
-                                 VALUES, DOT_PRECISION)
+                                 VALUES, DOT_PRECISION, FP8_CONVERT)
         scores = tl.where(col_mask[None, :], scores * sm_scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
     return m_i, l_i, acc
@@ -321,7 +404,8 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
                        stride_mask_req, stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2,
                        BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr,
                        MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DPE: tl.constexpr,
-                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       FP8_CONVERT: tl.constexpr):
     """Fold this forward's new tokens `[0, end)` (their slots were just written, so they are
     what later forwards will see in the pool) under the causal or the custom (tree) mask."""
     for start in range(0, end, BLOCK_N):
@@ -331,7 +415,7 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
         scores, v = _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head,
                                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                                  offs_d, col_mask, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE,
-                                 VALUES, DOT_PRECISION)
+                                 VALUES, DOT_PRECISION, FP8_CONVERT)
         scores = scores * sm_scale_log2
         if USE_CUSTOM_MASK:
             visible = tl.load(custom_mask + req * stride_mask_req
@@ -420,7 +504,7 @@ def _decode_kernel(
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
 ):
     # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
     # is larger than BLOCK_H, as MLA's one KV head for all query heads is) over one split of
@@ -458,7 +542,7 @@ def _decode_kernel(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
         split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
         offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
-        DOT_PRECISION)
+        DOT_PRECISION, FP8_CONVERT)
 
     _store_or_merge_splits(
         acc, m_i, l_i, out + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
@@ -497,7 +581,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= bs and partial_out.shape[1:3] == partial_lse.shape[1:]
     layout = _head_layout(q, k_buffer, v_buffer)
-    config = config or default_decode_config(key_dim, q.device, layout.main_dim)
+    config = config or default_decode_config(key_dim, q.device, layout.main_dim,
+                                             k_buffer.dtype)
     group_size = num_heads // num_kv_heads
     heads_per_tile, head_blocks = _head_tiling(group_size, max(16, config.block_h))
     block_h = max(16, heads_per_tile)  # tl.dot needs at least 16 rows; padded rows are masked
@@ -516,7 +601,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         MAIN_DIM=layout.main_dim, ROPE_DIM=layout.rope_dim, BLOCK_D=layout.block_d,
         BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
-        DOT_PRECISION=_dot_input_precision(q.dtype),
+        DOT_PRECISION=_dot_input_precision(q.dtype), FP8_CONVERT=config.fp8_convert,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
 
@@ -539,7 +624,7 @@ def _extend_attention_kernel(
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Row r of the program's tile is (new token r // HEADS_PER_TILE, query head
     # r % HEADS_PER_TILE of this program's slice of the KV head's group): all those heads
@@ -585,7 +670,7 @@ def _extend_attention_kernel(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, 0,
         tl.where(is_live, prefix_len, 0), kv_head, stride_k_slot, stride_k_head, stride_v_slot,
         stride_v_head, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM,
-        BLOCK_DPE, VALUES, DOT_PRECISION)
+        BLOCK_DPE, VALUES, DOT_PRECISION, FP8_CONVERT)
 
     # Stage 2: the new tokens themselves.
     if USE_CUSTOM_MASK:
@@ -597,7 +682,7 @@ def _extend_attention_kernel(
         custom_mask, req, tokens, row_mask, tl.where(is_live, new_end, 0), extend_len, kv_head,
         stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_mask_req,
         stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
-        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
+        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION, FP8_CONVERT)
 
     # Padded rows saw nothing (l = 0); they are not stored, the guard only avoids 0/0.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -657,6 +742,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_M=block_m,
         BLOCK_N=config.block_n, USE_CUSTOM_MASK=custom_mask is not None,
         DOT_PRECISION=_dot_input_precision(q.dtype),
+        # Long extends over an FP8 prefix keep Triton's conversion: "bits" is chosen (and
+        # timed) for the split decode and short-extend loops only.
+        FP8_CONVERT="cast",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
 
@@ -677,7 +765,7 @@ def _short_extend_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
     MIN_KV_SPLIT_LEN: tl.constexpr, USE_CUSTOM_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Row r of the tile is (new token r // HEADS_PER_TILE, query head r % HEADS_PER_TILE of
     # the program's slice of the group; the whole group unless it exceeds a tile, as MLA's
@@ -728,13 +816,13 @@ def _short_extend_kernel(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
         split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
         offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
-        DOT_PRECISION)
+        DOT_PRECISION, FP8_CONVERT)
     m_i, l_i, acc = _attend_new_tokens(
         q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_token_slots + qo_start,
         custom_mask, req, tokens, row_mask, tl.where(split == 0, extend_len, 0), extend_len,
         kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_mask_req,
         stride_mask_row, offs_n, offs_d, dim_mask, sm_scale_log2, BLOCK_N, USE_CUSTOM_MASK,
-        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION)
+        MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION, FP8_CONVERT)
 
     _store_or_merge_splits(
         acc, m_i, l_i,
@@ -780,7 +868,8 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     layout = _head_layout(q, k_buffer, v_buffer)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= num_tokens and partial_out.shape[1:3] == partial_lse.shape[1:]
-    config = config or default_decode_config(key_dim, q.device, layout.main_dim)
+    config = config or default_decode_config(key_dim, q.device, layout.main_dim,
+                                             k_buffer.dtype)
     group_size = num_heads // num_kv_heads
     heads_per_tile, head_blocks = short_extend_tiling(group_size, max_extend_len, config)
     assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads * head_blocks
@@ -808,6 +897,6 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         BLOCK_M=max(16, triton.next_power_of_2(max_extend_len) * heads_per_tile),
         BLOCK_N=config.block_n, MAX_KV_SPLITS=max_kv_splits,
         MIN_KV_SPLIT_LEN=config.min_kv_split_len, USE_CUSTOM_MASK=custom_mask is not None,
-        DOT_PRECISION=_dot_input_precision(q.dtype),
+        DOT_PRECISION=_dot_input_precision(q.dtype), FP8_CONVERT=config.fp8_convert,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
