@@ -15,10 +15,12 @@ configs for each (FP8 also over `--sweep-fp8-convert`, how its tiles become bf16
 
     python bench/attention_kernels.py --fp8-sweep --out fp8_sweep.json
 
-is the FP8 decode's sweep at 32k tokens, bs 1 and 16: the bf16 pool's decode, the FP8 pool's
-default and its old config (the bf16 pool's: "cast" conversion, 16 splits) and every FP8
-candidate (128- and 256-token tiles, 4 and 8 warps, 2 and 3 stages, 16/32/64 splits, "cast"
-and "bits"), plus both verifies, each row with its speed against the bf16 pool's decode.
+is the FP8 decode's sweep at 32k tokens, bs 1 and 16: the FP8 pool's default and its old
+config (the bf16 pool's: "cast" conversion, 16 splits, 3 stages) and every FP8 candidate
+(128- and 256-token tiles, 4 and 8 warps, 3 and 5 stages, 16 and 32 splits, "cast" and
+"bits"), beside the bf16 pool's default and its 128-token, 4-warp candidates over the same
+stages and splits (Triton 3.6 double-buffers K and V from 5 stages on, for either pool), plus
+both verifies; each decode row with its speed against the bf16 pool's default decode.
 """
 from __future__ import annotations
 
@@ -122,7 +124,7 @@ def main():
     ap.add_argument("--out", default="bench_attention_kernels.json")
     if ap.parse_known_args()[0].fp8_sweep:  # its defaults; options given still win
         ap.set_defaults(sweep=True, contexts="32768", batch_sizes="1,16", kv_dtypes="bf16,fp8",
-                        sweep_block_n="128,256", sweep_splits="16,32,64", sweep_stages="2,3",
+                        sweep_block_n="128,256", sweep_splits="16,32", sweep_stages="3,5",
                         sweep_warps="4,8", sweep_min_split="256")
     args = ap.parse_args()
     KV_HEADS = args.kv_heads
@@ -141,15 +143,16 @@ def main():
                                                          device, kv_dtype),
                    "verify-tree-8": lambda: time_verify(bs, context, 8, True, default, splits,
                                                         device, kv_dtype)}
-        # --fp8-sweep sweeps the FP8 pool only: the bf16 rows are its defaults, the baseline.
         if kv_name == "fp8":
             # What FP8 pools ran before they had configs of their own: the bf16 pool's.
             old = default_decode_config(HEAD_DIM, device)
             kernels["decode bf16-config"] = lambda: time_decode(bs, context, old, old.max_kv_splits,
                                                                 device, kv_dtype)
-        if args.sweep and not (args.fp8_sweep and kv_name != "fp8"):
+        if args.sweep:
             grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
                     for name in ("block_n", "splits", "stages", "warps", "min_split")]
+            if args.fp8_sweep and kv_name != "fp8":  # the bf16 pool's tiles and warps
+                grid[0], grid[3] = [default.block_n], [default.num_warps]
             converts = args.sweep_fp8_convert.split(",") if kv_name == "fp8" else ["cast"]
             for (block_n, max_splits, stages, warps, min_split), convert in itertools.product(
                     itertools.product(*grid), converts):

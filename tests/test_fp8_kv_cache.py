@@ -3,7 +3,10 @@
 Kernels (the Triton interpreter on the CPU, compiled under -m gpu): decode, extend, short
 extend (verify) and MLA reading an FP8 pool with non-unit scales against the torch reference
 over the dequantised pool; the RoPE+store kernel and the skinny q/k/v+RoPE epilogue store the
-bits the pool's own `set_kv` stores. Pools: quantise, saturate, move bytes. Engines: FP8-KV
+bits the pool's own `set_kv` stores; on a GPU (sm_90) the "bits" conversion of FP8 tiles is
+exact for every code and gives the dots what "cast" does. Launch parameters: an FP8 pool gets
+its own decode config on sm_90, the builder passing the target pool's dtype through the
+factory. Pools: quantise, saturate, move bytes. Engines: FP8-KV
 speculative decoding equals FP8-KV plain decoding token for token (chain, tree, both loops),
 a radix hit equals a prefill, Triton equals torch with FP8 pools (Llama and MLA), two
 tensor-parallel ranks equal one, checkpoint scales are read and used, and every engine frees
@@ -740,7 +743,8 @@ def test_fp8_tile_conversions_are_exact_gpu(fp8_convert):
         pytest.skip("the bf16x2 multiply needs sm_90")
     codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
     out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
-    _kv_tile_kernel[(1,)](codes.view(FP8_KV_DTYPE), out, FP8_CONVERT=fp8_convert)
+    # One warp: 8 codes a thread, whole 4-byte packs as in the attention tiles.
+    _kv_tile_kernel[(1,)](codes.view(FP8_KV_DTYPE), out, FP8_CONVERT=fp8_convert, num_warps=1)
     expected = codes.view(FP8_KV_DTYPE).to(torch.bfloat16)
     nan = expected.isnan()
     assert torch.equal(out[~nan], expected[~nan])

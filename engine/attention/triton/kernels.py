@@ -106,18 +106,20 @@ def _has_sm90_conversions(device: torch.device) -> bool:
 
 
 # A 32k-token bs=1 decode over the FP8 pool with the bf16 pool's config ran at about 1.1 TB/s
-# against bf16's 2.5 (8B, H100): the loop is latency-bound, not bandwidth-bound. Triton 3.6
-# keeps one K and one V buffer in shared memory, so each 128-token iteration waits for its
-# own loads (issued after the previous tile's dots) and then computes: an iteration costs
-# about the same with half the bytes. The compiled FP8 loop also had per thread and tile
-# 256 f16 -> bf16 conversions (F2F, a quarter-rate pipe) after 128 e4m3x2 unpacks, and read
-# V's tile (the second dot's transposed operand: no ldmatrix for bytes) a byte at a time.
-# So for FP8: the exact "bits" conversion (no F2F), 8 warps (half the instructions each a
-# tile) in 2 stages (128 registers a thread, so two programs fit an SM: 65,536 / (256 x 128)),
-# and 32 splits, so a bs=1 long context runs 256 programs (8 KV heads x 32), two an SM,
-# whose load waits overlap the other's dots. Chosen from the compiled code (sm_90, Triton
-# 3.6), not yet timed: `bench/attention_kernels.py --fp8-sweep` times it against the others.
-_FP8_DECODE_CONFIG = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=8, num_stages=2,
+# against bf16's 2.5 (8B, H100): the loop is latency-bound, not bandwidth-bound. Compiled by
+# Triton 3.6 for sm_90 (PTX read, not yet timed), that config keeps one K and one V buffer in
+# shared memory below 5 stages: each 128-token iteration issues its loads after the previous
+# tile's dots and waits for them at once (`cp.async.wait_group 0`), so an iteration costs
+# about the same with half the bytes; from 5 stages there are two (`wait_group 3`: the next
+# tile's loads fly during this one's dots), from 7 three. The FP8 loop also ran, per thread
+# and tile, 256 f16 -> bf16 conversions (F2F, a quarter-rate pipe) after 128 e4m3x2 unpacks,
+# and read V's tile (the second dot's transposed operand: no ldmatrix for bytes) a byte at a
+# time. So for FP8: the exact "bits" conversion (no F2F), 5 stages (two buffers: 73 KiB of
+# shared memory, 168 registers a thread at 4 warps) and 32 splits, so that a bs=1 long
+# context runs 256 programs (8 KV heads x 32), two an SM (three would fit), each one's waits
+# overlapping the other's dots. `bench/attention_kernels.py --fp8-sweep` times it against the
+# others (tiles, warps, stages, splits, conversions) and the bf16 pool's.
+_FP8_DECODE_CONFIG = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=5,
                                   max_kv_splits=32, fp8_convert="bits")
 
 
@@ -145,7 +147,8 @@ def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) ->
     # H100/H200: 128-token tiles in three stages keep enough gathered K/V rows in flight to
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
     # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
-    # V) tile is 32 KiB, so three stages of both take 192 KiB of shared memory. Larger heads
+    # V) tile is 32 KiB (Triton 3.6 keeps one of each at three stages, 72 KiB of shared
+    # memory, and two from five: see `_FP8_DECODE_CONFIG`, untimed for bf16). Larger heads
     # use smaller tiles. 256 tokens a split: a 32-token split (MLA's rule, cut inside the
     # 128-token tiles, which the kernel supports) took Qwen3-30B-A3B's bs=1 step from 52.9 to
     # 55.5 % of its limit together with the fused q/k norm and router, but in the same run the
