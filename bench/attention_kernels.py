@@ -187,6 +187,11 @@ def main():
         ratio = f"{base / r['us']:6.2f}" if base and r["kernel"].startswith("decode") else ""
         print(f"{r['kernel']:48} {r['context']:6} {r['batch_size']:3} {r['us']:8.1f} "
               f"{r['kv_GBps']:8.0f} {100 * r['fraction_of_copy']:6.1f} {ratio:>6}")
+    for (context, bs, kv_name), group in itertools.groupby(
+            sorted((r for r in rows if r["kernel"].startswith("decode")),
+                   key=lambda r: (r["context"], r["batch_size"], r["kv_dtype"], r["us"])),
+            key=lambda r: (r["context"], r["batch_size"], r["kv_dtype"])):
+        print(f"fastest {kv_name} decode at {context} tokens, bs {bs}: {next(group)['kernel']}")
 
 
 if __name__ == "__main__":
