@@ -15,12 +15,13 @@ configs for each (FP8 also over `--sweep-fp8-convert`, how its tiles become bf16
 
     python bench/attention_kernels.py --fp8-sweep --out fp8_sweep.json
 
-is the FP8 decode's sweep at 32k tokens, bs 1 and 16: the FP8 pool's default and its old
-config (the bf16 pool's: "cast" conversion, 16 splits, 3 stages) and every FP8 candidate
-(128- and 256-token tiles, 4 and 8 warps, 3 and 5 stages, 16 and 32 splits, "cast" and
-"bits"), beside the bf16 pool's default and its 128-token, 4-warp candidates over the same
-stages and splits (Triton 3.6 double-buffers K and V from 5 stages on, for either pool), plus
-both verifies; each decode row with its speed against the bf16 pool's default decode.
+is the FP8 decode's sweep at 32k tokens, bs 1 and 16 (about 100 rows, 45 compiles): the FP8
+pool's default, its old config (the bf16 pool's: "cast" conversion, 3 stages, 16 splits),
+the default with each of those back ("-cast", "-st3", "-s16"), and every FP8 candidate in 5
+stages (64-, 128- and 256-token tiles, 4 and 8 warps, 16/32/64 splits, "bits" and
+"bits_smem"), beside the bf16 pool's default and its 128-token, 4-warp candidates in 5 stages
+(Triton 3.6 double-buffers K and V from 5 stages on, for either pool), plus both verifies;
+each decode row with its speed against the bf16 pool's default decode.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time decode launch configs")
     ap.add_argument("--fp8-sweep", action="store_true",
                     help="the FP8 decode's sweep at 32k, bs 1 and 16 (sets the options below)")
-    ap.add_argument("--sweep-fp8-convert", default="cast,bits",
+    ap.add_argument("--sweep-fp8-convert", default="cast,bits,bits_smem",
                     help="DecodeConfig.fp8_convert values (FP8 pools only)")
     ap.add_argument("--sweep-block-n", default="32,64,128")
     ap.add_argument("--sweep-splits", default="16,32,64")
@@ -124,8 +125,8 @@ def main():
     ap.add_argument("--out", default="bench_attention_kernels.json")
     if ap.parse_known_args()[0].fp8_sweep:  # its defaults; options given still win
         ap.set_defaults(sweep=True, contexts="32768", batch_sizes="1,16", kv_dtypes="bf16,fp8",
-                        sweep_block_n="128,256", sweep_splits="16,32", sweep_stages="3,5",
-                        sweep_warps="4,8", sweep_min_split="256")
+                        sweep_block_n="64,128,256", sweep_splits="16,32,64", sweep_stages="5",
+                        sweep_warps="4,8", sweep_min_split="256", sweep_fp8_convert="bits,bits_smem")
     args = ap.parse_args()
     KV_HEADS = args.kv_heads
     device = torch.device("cuda")
@@ -144,10 +145,17 @@ def main():
                    "verify-tree-8": lambda: time_verify(bs, context, 8, True, default, splits,
                                                         device, kv_dtype)}
         if kv_name == "fp8":
-            # What FP8 pools ran before they had configs of their own: the bf16 pool's.
+            # What FP8 pools ran before they had configs of their own: the bf16 pool's; and
+            # the default with each of its changes from that undone.
             old = default_decode_config(HEAD_DIM, device)
-            kernels["decode bf16-config"] = lambda: time_decode(bs, context, old, old.max_kv_splits,
-                                                                device, kv_dtype)
+            undone = {"bf16-config": old,
+                      "-cast": default._replace(fp8_convert=old.fp8_convert),
+                      f"-st{old.num_stages}": default._replace(num_stages=old.num_stages),
+                      f"-s{old.max_kv_splits}": default._replace(max_kv_splits=old.max_kv_splits)}
+            for name, config in undone.items():
+                if config != default:
+                    kernels[f"decode {name}"] = (lambda c=config: time_decode(
+                        bs, context, c, c.max_kv_splits, device, kv_dtype))
         if args.sweep:
             grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
                     for name in ("block_n", "splits", "stages", "warps", "min_split")]

@@ -359,6 +359,24 @@ def test_fp8_pools_get_their_own_decode_config(fake_capability):
     assert default_decode_config(128, DEVICE, kv_dtype=fp8) == default_decode_config(128, DEVICE)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "short_extend"])
+def test_unknown_fp8_convert_is_refused(kernel):
+    scene, _ = fp8_scene(make_scene([5], [1], 1, 16, torch.Generator().manual_seed(36)))
+    q = torch.randn(1, 2, 16, device=DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=kernel == "decode")
+    splits = (torch.empty(1, 2, 2, 16, device=DEVICE), torch.empty(1, 2, 2, device=DEVICE),
+              torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    config = SMALL_DECODE._replace(fp8_convert="bit")
+    with pytest.raises(ValueError, match="^fp8_convert: must be one of cast, bits, bits_smem"):
+        if kernel == "decode":
+            decode_attention(q, scene.k_buffer, scene.v_buffer, torch.empty_like(q), kv_indptr,
+                             kv_indices, *splits, 0.25, config)
+        else:
+            short_extend_attention(q, scene.k_buffer, scene.v_buffer, torch.empty_like(q),
+                                   torch.tensor([0, 1], device=DEVICE), kv_indptr, kv_indices,
+                                   scene.new_slots, 1, 0.25, *splits, config=config)
+
+
 def test_backend_takes_the_pool_dtype_and_config_splits(monkeypatch):
     """The factory hands the pool's dtype to the Triton backend, which sizes its split
     scratch by its config's `max_kv_splits` (as far as its contexts reach)."""
@@ -487,6 +505,9 @@ ptx = {
     "verify bits": compile_sm90(A._short_extend_kernel, dict(
         llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, USE_CUSTOM_MASK=True,
         **tuned), fp8_config.num_warps, fp8_config.num_stages),
+    "decode bits_smem": compile_sm90(A._decode_kernel, dict(
+        llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=128, FP8_CONVERT="bits_smem"),
+        4, 5),
     "decode cast": compile_sm90(A._decode_kernel, dict(
         llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=128, FP8_CONVERT="cast"), 4, 3),
     "extend cast": compile_sm90(A._extend_attention_kernel, dict(
@@ -520,6 +541,8 @@ for name, text in ptx.items():
         assert "cvt.rn.satfinite.e4m3x2.f32" in text, name
     elif "bits" in name:
         assert "mul.rn.bf16x2" in text and "cvt.bf16.f16" not in text, name
+        if "smem" in name:  # converted as loaded: V's bf16 tile read by ldmatrix, not bytes
+            assert "ld.shared.b8" not in text and "ldmatrix.sync.aligned.m8n8.x4.trans" in text
     else:
         assert "cvt.rn.f16x2.e4m3x2" in text and "mul.rn.bf16x2" not in text, name
     assert "griddepcontrol.wait" in text, name  # programmatic dependent launch (engine/pdl.py)
@@ -533,7 +556,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 7
+    assert done.stdout.count("compiled") == 8
 
 
 # --- engines -------------------------------------------------------------------------------
@@ -735,11 +758,11 @@ def _kv_tile_kernel(src, dst, FP8_CONVERT: tl.constexpr):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_convert", ["cast", "bits"])
+@pytest.mark.parametrize("fp8_convert", ["cast", "bits", "bits_smem"])
 def test_fp8_tile_conversions_are_exact_gpu(fp8_convert):
-    """Every e4m3 code converts to its bf16 value both ways (the NaN codes 0x7F and 0xFF read
+    """Every e4m3 code converts to its bf16 value every way (the NaN codes 0x7F and 0xFF read
     as +-480 by bits: the pool's writers never store them)."""
-    if fp8_convert == "bits" and torch.cuda.get_device_capability() < (9, 0):
+    if fp8_convert != "cast" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the bf16x2 multiply needs sm_90")
     codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
     out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
@@ -748,15 +771,16 @@ def test_fp8_tile_conversions_are_exact_gpu(fp8_convert):
     expected = codes.view(FP8_KV_DTYPE).to(torch.bfloat16)
     nan = expected.isnan()
     assert torch.equal(out[~nan], expected[~nan])
-    if fp8_convert == "bits":
+    if fp8_convert != "cast":
         assert out[nan].tolist() == [480.0, -480.0]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8_convert", ["bits", "bits_smem"])
 @pytest.mark.parametrize("kernel", ["decode", "short_extend"])
-def test_fp8_bits_equal_cast_gpu(kernel):
-    """At the 8B shape over a 2k-token FP8 prefix, "bits" gives the dots the operands "cast"
-    does: the same output, bit for bit, under each launch config."""
+def test_fp8_bits_equal_cast_gpu(kernel, fp8_convert):
+    """At the 8B shape over a 2k-token FP8 prefix, the bit conversions give the dots the
+    operands "cast" does: the same output, bit for bit, under the same launch config."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the bf16x2 multiply needs sm_90")
     gen = torch.Generator(device="cuda").manual_seed(52)
@@ -769,12 +793,12 @@ def test_fp8_bits_equal_cast_gpu(kernel):
     table = slots.view(bs, prefix + extend)
     config = default_decode_config(128, q.device, kv_dtype=FP8_KV_DTYPE)
     outs = []
-    for fp8_convert in ("bits", "cast"):
+    for convert in (fp8_convert, "cast"):
         out = torch.empty_like(q)
         splits = (torch.empty(bs * extend, heads, config.max_kv_splits, 128, device="cuda"),
                   torch.empty(bs * extend, heads, config.max_kv_splits, device="cuda"),
                   torch.zeros(bs * kv_heads, dtype=torch.int32, device="cuda"))
-        c = config._replace(fp8_convert=fp8_convert)
+        c = config._replace(fp8_convert=convert)
         if kernel == "decode":
             kv_indptr = torch.arange(0, bs + 1, device="cuda") * (prefix + 1)
             kv_indices = table[:, :prefix + 1].reshape(-1).int()

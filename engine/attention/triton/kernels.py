@@ -70,8 +70,13 @@ class DecodeConfig(NamedTuple):
     max_kv_splits: int = 16
     # How an FP8 pool's tiles become bf16 for the dots (other pools and queries ignore it):
     # "cast", Triton's conversion (e4m3x2 -> f16x2, then one f16 -> bf16 conversion a value,
-    # both on the GPU's slow conversion pipe) or "bits" (`_E4M3X4_TO_BF16`: byte moves and
-    # masks, then one bf16x2 multiply a pair; sm_90 and newer, not the interpreter).
+    # both on the GPU's slow conversion pipe); "bits" (`_E4M3X4_TO_BF16`: byte moves and
+    # masks, then one bf16x2 multiply a pair; sm_90 and newer, not the interpreter), which
+    # Triton moves into the dots' operand loads like "cast" (V, the second dot's transposed
+    # operand, is then read from shared memory a byte at a time: no ldmatrix for bytes); or
+    # "bits_smem", the same conversion kept where the tiles are loaded (16-byte shared loads),
+    # the bf16 tiles then staged through shared memory for ldmatrix like a bf16 pool's (one
+    # bf16 K and V tile of shared memory more).
     fp8_convert: str = "cast"
 
 
@@ -97,6 +102,16 @@ def default_decode_config(head_dim: int, device: torch.device,
         return _FP8_DECODE_CONFIG
     # Other FP8 heads keep their 16-bit pool's tiles (untimed over FP8), converted by bits.
     return _default_decode_config(head_dim, device, is_mla)._replace(fp8_convert="bits")
+
+
+FP8_CONVERTS = ("cast", "bits", "bits_smem")  # DecodeConfig.fp8_convert's values
+
+
+def _checked(config: DecodeConfig) -> DecodeConfig:
+    if config.fp8_convert not in FP8_CONVERTS:
+        raise ValueError(f"fp8_convert: must be one of {', '.join(FP8_CONVERTS)}, got "
+                         f"{config.fp8_convert!r}")
+    return config
 
 
 def _has_sm90_conversions(device: torch.device) -> bool:
@@ -336,13 +351,19 @@ mul.rn.bf16x2 $1, b1, s;
 @triton.jit
 def _kv_tile(tile, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr):
     """A loaded K/V tile in the dots' `dtype` (`DecodeConfig.fp8_convert`). Every e4m3 value
-    is a bf16/fp16/fp32 value, so either way is exact."""
-    if FP8_CONVERT == "bits" and tile.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+    is a bf16/fp16/fp32 value, so every way is exact."""
+    if FP8_CONVERT == "cast" or tile.dtype != tl.float8e4nv or dtype != tl.bfloat16:
+        return tile.to(dtype)
+    elif FP8_CONVERT == "bits":
         return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
                                          [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                          is_pure=True, pack=4)
     else:
-        return tile.to(dtype)
+        # "bits_smem": the asm has no side effects; marked impure, the compiler keeps it where
+        # the tile is loaded instead of moving it into the dots' operand layout (Triton 3.6).
+        return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
+                                         [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                         is_pure=False, pack=4)
 
 
 @triton.jit
@@ -584,8 +605,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= bs and partial_out.shape[1:3] == partial_lse.shape[1:]
     layout = _head_layout(q, k_buffer, v_buffer)
-    config = config or default_decode_config(key_dim, q.device, layout.main_dim,
-                                             k_buffer.dtype)
+    config = _checked(config or default_decode_config(key_dim, q.device, layout.main_dim,
+                                                      k_buffer.dtype))
     group_size = num_heads // num_kv_heads
     heads_per_tile, head_blocks = _head_tiling(group_size, max(16, config.block_h))
     block_h = max(16, heads_per_tile)  # tl.dot needs at least 16 rows; padded rows are masked
@@ -871,8 +892,8 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     layout = _head_layout(q, k_buffer, v_buffer)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_out.shape[0] >= num_tokens and partial_out.shape[1:3] == partial_lse.shape[1:]
-    config = config or default_decode_config(key_dim, q.device, layout.main_dim,
-                                             k_buffer.dtype)
+    config = _checked(config or default_decode_config(key_dim, q.device, layout.main_dim,
+                                                      k_buffer.dtype))
     group_size = num_heads // num_kv_heads
     heads_per_tile, head_blocks = short_extend_tiling(group_size, max_extend_len, config)
     assert arrivals.dtype == torch.int32 and arrivals.numel() >= bs * num_kv_heads * head_blocks
