@@ -126,7 +126,8 @@ def main():
     if ap.parse_known_args()[0].fp8_sweep:  # its defaults; options given still win
         ap.set_defaults(sweep=True, contexts="32768", batch_sizes="1,16", kv_dtypes="bf16,fp8",
                         sweep_block_n="64,128,256", sweep_splits="16,32,64", sweep_stages="5",
-                        sweep_warps="4,8", sweep_min_split="256", sweep_fp8_convert="bits,bits_smem")
+                        sweep_warps="4,8", sweep_min_split="256",
+                        sweep_fp8_convert="bits,bits_smem")
     args = ap.parse_args()
     KV_HEADS = args.kv_heads
     device = torch.device("cuda")
@@ -169,7 +170,8 @@ def main():
                                       max_kv_splits=max_splits, fp8_convert=convert)
                 name = f"decode n{block_n} s{max_splits} st{stages} w{warps} m{min_split}"
                 kernels[name + (f" {convert}" if kv_name == "fp8" else "")] = \
-                    (lambda c=config: time_decode(bs, context, c, c.max_kv_splits, device, kv_dtype))
+                    (lambda c=config: time_decode(bs, context, c, c.max_kv_splits, device,
+                                                  kv_dtype))
         for name, run in kernels.items():
             try:
                 seconds = run()

@@ -267,8 +267,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if cfg.mla is not None:  # MQA over one latent || rope head; V is the latent
         kv_pool = MLATokenToKVPool(num_slots, cfg.num_layers, cfg.mla.kv_lora_rank,
                                    cfg.mla.qk_rope_head_dim, kv_dtype, device, kv_scales)
-        attn = attention_backend(attn_layer.num_heads, 1, attn_layer.kv_head_dim, cfg.mla.kv_lora_rank,
-                                 kv_dtype)
+        attn = attention_backend(attn_layer.num_heads, 1, attn_layer.kv_head_dim,
+                                 cfg.mla.kv_lora_rank, kv_dtype)
     else:
         kv_pool = TokenToKVPool(num_slots, cfg.num_layers, attn_layer.num_kv_heads, cfg.head_dim,
                                 kv_dtype, device, kv_scales)
