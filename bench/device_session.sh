@@ -132,9 +132,11 @@ for phase in $1; do case $phase in
             dp1)   run graph_memory pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
                        $PWD/tests/test_graph_memory.py
                    run dp_1gpu $DP --launch llama-1b --setups 2x1@0.5 --out $LOGS/dp_1gpu.json ;;
-            dp4)   run dp_4x1 $DP --launch llama-8b --setups 4x1 --out $LOGS/dp_4x1.json ;;
+            # The replicas also at 4 (2) x 256 streams: each sees what the one engine saw.
+            dp4)   run dp_4x1 $DP --launch llama-8b --setups 4x1 --concurrency 64,256,1024 \
+                       --baseline-concurrency 64,256 --out $LOGS/dp_4x1.json ;;
             dp2x2) run dp_2x2 $DP --launch llama-8b --setups 2x2 --parts throughput \
-                       --out $LOGS/dp_2x2.json ;;
+                       --concurrency 64,256,512 --baseline-concurrency 64,256 --out $LOGS/dp_2x2.json ;;
           esac ;;
   *) echo "unknown phase $phase (GPUs ${CUDA_VISIBLE_DEVICES-})" ;;
 esac; done
