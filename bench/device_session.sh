@@ -96,7 +96,8 @@ for phase in $1; do case $phase in
           run quant_8b $B --models llama-8b --batch-sizes 1,64 --modes plain,chain --quantizations auto,fp8,awq \
               --out $LOGS/quant_8b.json ;;
   drafters|drafters:*)  # drafters:1,4 names its accept lengths (else $ACCEPTS); the demo rows once
-          accepts=${ACCEPTS:-3 1}; [ "$phase" != drafters ] && accepts=${phase#drafters:}; demo=
+          # NO_DEMO=1: no demo rows (a call that leaves the demo pair behind)
+          accepts=${ACCEPTS:-3 1}; [ "$phase" != drafters ] && accepts=${phase#drafters:}; demo=${NO_DEMO:+--no-demo}
           for a in ${accepts//,/ }; do
              run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
                  ${DRAFTER_MODES:+--modes $DRAFTER_MODES} $demo --out $LOGS/drafters_a$a.json; demo=--no-demo; done ;;

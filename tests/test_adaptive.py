@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from helpers import TP_PLACEMENTS, random_prompts, tp_placement
 
@@ -266,6 +267,46 @@ def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine,
         assert replayed & {id(g) for g in (worker.graphs, *worker.sampled_graphs.values())}
 
 
+def _drafted_tokens(engine) -> list:
+    """Every draft's tokens, in step order (each depth's drafter's `draft` wrapped)."""
+    drafted = []
+    for worker in engine.core.worker.workers.values():
+        def draft(s, snap, run=worker.drafter.draft):
+            nodes = run(s, snap)
+            drafted.append(nodes.tokens.clone())
+            return nodes
+        worker.drafter.draft = draft
+    return drafted
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle-tree"])
+def test_plain_steps_defer_the_draft_state_and_refresh_it_exactly(pair, reference, make_engine, algorithm):
+    """A plain (depth-0) step of a draft model only stores its rows' draft KV; the next deeper
+    step first drafts their state again (`refresh`). Its drafts equal those of an engine whose
+    plain steps ran the full draft extend, step for step (the same random depths); outputs
+    equal plain decoding's."""
+    prompts, params, expected = reference
+    drafted, refreshed = {}, []
+    for refreshes in (True, False):
+        engine = make_engine(pair[0], spec=_spec(pair, algorithm))
+        worker = engine.core.worker
+        assert worker.drafter.refreshes_state  # an EAGLE head stores its KV alone
+        worker.drafter.refreshes_state = refreshes
+        for sub in worker.workers.values():
+            sub.drafter.refreshes_state = refreshes
+            if refreshes:
+                refresh = sub.drafter.refresh
+                sub.drafter.refresh = lambda rows, *a, run=refresh: (refreshed.append(rows.tolist()), run(rows, *a))
+        policy = _randomise(engine, seed=9)
+        drafted[refreshes] = _drafted_tokens(engine)
+        assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+        assert 0 in policy.chosen
+    assert refreshed and all(rows for rows in refreshed)
+    assert len(drafted[True]) == len(drafted[False]) > 0
+    for i, (ours, full) in enumerate(zip(drafted[True], drafted[False])):
+        assert torch.equal(ours, full), (i, ours, full)
+
+
 def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, make_engine):
     engine = make_engine(pair[0], spec=_spec(pair, "eagle"), max_running_requests=4)
     worker = engine.core.worker
@@ -308,9 +349,9 @@ def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypat
     worker.policy.chosen = []
     launched = []  # (depth of the worker that ran the step, its verify's node count)
     for depth, sub in worker.workers.items():
-        def launch(step, depth=depth, sub=sub, run=sub.launch_decode):
+        def launch(step, refresh=(), depth=depth, sub=sub, run=sub.launch_decode):
             launched.append((depth, sub.verifier.shape.num_draft_tokens))
-            return run(step)
+            return run(step, refresh)
         monkeypatch.setattr(sub, "launch_decode", launch)
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
     chosen = worker.policy.chosen

@@ -10,6 +10,7 @@ every gather asserts it reads a fresh value, which catches "read without a new s
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -34,6 +35,17 @@ class DraftState(NamedTuple):
     hidden: torch.Tensor       # [rows, hidden_size]
 
 
+class DraftInput(NamedTuple):
+    """A draft model's row of a request's last plain step (adaptive speculation's depth 0),
+    kept so the state that step did not draft can be drafted later (spec/eagle_drafter.py
+    `ModelDrafter.refresh`): the token, its position and KV slot, the target's features."""
+
+    tokens: torch.Tensor       # [rows] int64
+    positions: torch.Tensor    # [rows] int64
+    loc: torch.Tensor          # [rows] int64
+    feats: torch.Tensor        # [rows, feature size]
+
+
 def debug_enabled() -> bool:
     return os.environ.get("SPECSERVE_DEBUG_FUTURE_MAP", "0") not in ("", "0")
 
@@ -48,6 +60,7 @@ class FutureMap:
         self.output_tokens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
         self.new_seq_lens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
         self.draft_state: Optional[DraftState] = None  # per row; see allocate_draft_state
+        self.draft_input: Optional[DraftInput] = None  # per row; see allocate_draft_input
         self.publish_ready = None
 
     # --- forward side ------------------------------------------------------------------
@@ -77,6 +90,20 @@ class FutureMap:
 
     def gather_draft_state(self, rows: torch.Tensor) -> DraftState:
         return DraftState(*(buf[rows] for buf in self.draft_state))
+
+    def allocate_draft_input(self, feature_size: int, dtype: torch.dtype) -> None:
+        num_rows, device = self.output_tokens_buf.shape[0], self.output_tokens_buf.device
+        index = functools.partial(torch.zeros, num_rows, dtype=torch.int64, device=device)
+        self.draft_input = DraftInput(index(), index(), index(),
+                                      torch.zeros((num_rows, feature_size), dtype=dtype, device=device))
+
+    def keep_draft_input(self, rows: torch.Tensor, kept: DraftInput) -> None:
+        """Forward-only, as the draft state."""
+        for buf, value in zip(self.draft_input, kept):
+            buf[rows] = value
+
+    def gather_draft_input(self, rows: torch.Tensor) -> DraftInput:
+        return DraftInput(*(buf[rows] for buf in self.draft_input))
 
     def new_publish_event(self):
         """Called on the schedule side when launching a forward that will `publish`: the
