@@ -265,6 +265,8 @@ def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine,
     replayed = {id(g) for g, _, _ in graphs.replays}
     for worker in engine.core.worker.workers.values():  # greedy or sampled variants
         assert replayed & {id(g) for g in (worker.graphs, *worker.sampled_graphs.values())}
+    # Plain steps' rows got their drafter state back through the captured refresh.
+    assert id(engine.core.worker.drafter._refresh_graphs[0]) in replayed
 
 
 def _drafted_tokens(engine) -> list:

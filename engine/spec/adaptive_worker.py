@@ -166,10 +166,14 @@ class AdaptiveSpecWorker:
             if worker is not self.deepest:  # constrained batches run at the full depth only
                 worker.enable_cuda_graphs(max_batch_size, width, False, sampled,
                                           pool=self.deepest.graphs.pool, extends=False)
+        if self.drafter.refreshes_state:
+            self.drafter.capture_refresh(max_batch_size, width, self.deepest.graphs.pool)
 
     def release_graphs(self) -> None:
         for worker in self.workers.values():
             worker.release_graphs()
+        if self.drafter.refreshes_state:
+            self.drafter.release_refresh_graphs()
 
     def take_step_times(self) -> list[StepObservation]:
         """Rank 0's step times since the last call (tp > 1), for every rank's policy."""

@@ -25,6 +25,7 @@ from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.grammar.channel import DeviceChannel
+from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.future_map import DraftInput, DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import ExtendStep
@@ -39,6 +40,14 @@ class EagleExtendInputs(NamedTuple):
     # last row of a chunk takes the next prompt token or, at the end, the sampled token.
     shifted_ids: torch.Tensor   # [T]
     samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
+
+
+class RefreshInputs(NamedTuple):
+    """`ModelDrafter.refresh`'s rows (the captured graphs' static input)."""
+
+    rows: torch.Tensor
+    seq_lens_cpu: Optional[list[int]]
+    width: int
 
 
 class Drafting(NamedTuple):
@@ -70,6 +79,9 @@ class ModelDrafter:
         self.refreshes_state = hasattr(head, "store_kv")
         if self.refreshes_state:
             self.future_map.allocate_draft_input(head.feature_size, dtype)
+        # The refresh's CUDA graphs (`capture_refresh`), shared with the at_depth copies: a
+        # list, so that the copies made before the capture see it.
+        self._refresh_graphs: list[GraphedStep] = []
 
     def at_depth(self, depth: int) -> "ModelDrafter":
         """This drafter drafting `depth` levels (adaptive speculation; the state is shared: it
@@ -204,14 +216,37 @@ class ModelDrafter:
     def refresh(self, rows: torch.Tensor, seq_lens_cpu: Optional[list[int]], width: int) -> None:
         """The draft forward of the kept rows of the rows' last (plain) steps, over the draft
         KV those steps stored (rewritten here with the same values): the state a full draft
-        extend would have stashed then."""
-        kept = self.future_map.gather_draft_input(rows)
+        extend would have stashed then. A captured graph where one fits the rows (its host
+        work would otherwise delay the step's launch and the previous step's read)."""
+        graphs = self._refresh_graphs[0] if self._refresh_graphs else None
+        if graphs is not None and graphs.bucket_for(rows.shape[0]) is not None:
+            graphs.replay(graphs.load(rows=rows), 0)
+        else:
+            self._refresh(RefreshInputs(rows, seq_lens_cpu, width))
+
+    def _refresh(self, r: "RefreshInputs") -> None:
+        kept = self.future_map.gather_draft_input(r.rows)
         fb = ForwardBatch(
-            mode=ForwardMode.DRAFT_EXTEND, input_ids=kept.tokens, positions=kept.positions,
-            kv_rows=KVRows(self.target.req_to_token.table, rows), prefix_lens=kept.positions,
-            extend_lens_cpu=[1] * rows.shape[0], out_cache_loc=kept.loc, seq_lens_cpu=seq_lens_cpu,
-            max_seq_len=width)
-        self._stash_draft_state(rows, self.draft_runner.forward(fb, kept.feats))
+            mode=ForwardMode.DECODE, input_ids=kept.tokens, positions=kept.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, r.rows), prefix_lens=kept.positions,
+            extend_lens_cpu=[1] * r.rows.shape[0], out_cache_loc=kept.loc, seq_lens_cpu=r.seq_lens_cpu,
+            max_seq_len=r.width)
+        self._stash_draft_state(r.rows, self.draft_runner.forward(fb, kept.feats))
+
+    def capture_refresh(self, max_batch_size: int, width: int, pool) -> None:
+        """Capture `refresh` per batch-size bucket over rows of KV bound `width`, in `pool`
+        (padded rows: pool row 0, whose state and kept input nothing reads)."""
+        device = self.target.ctx.device
+        graphs = GraphedStep([self._refresh], lambda bs: RefreshInputs(
+            torch.zeros(bs, dtype=torch.int64, device=device), None, width),
+            pad={"rows": 0}, max_batch_size=max_batch_size, device=device, pool=pool)
+        graphs.capture_all("drafter state refresh")
+        self._refresh_graphs[:] = [graphs]
+
+    def release_refresh_graphs(self) -> None:
+        for graphs in self._refresh_graphs:
+            graphs.release()
+        self._refresh_graphs.clear()
 
     def _stash_draft_state(self, rows, last_hidden):
         topk_p, topk_index = self.draft_runner.model.topk(last_hidden, self.shape.topk)
