@@ -8,11 +8,11 @@ reservation, with CUDA graphs for every depth in one memory pool. Depth 0 is a p
 through the verify path (one node: the bonus token); a draft model's drafter then only stores
 the row's draft KV (spec/drafter.py `refreshes_state`: its attention, MLP and LM head cost a
 plain step 5-7 % at the 8B shape), and the first deeper step of those rows refreshes their
-drafter state first (one eager draft forward of the kept rows), so every depth drafts from the
-state a full draft extend would have left. The choice never changes a request's tokens: every
-depth's verifier accepts the target's own. Constrained batches run at num_steps (the grammar process
-walks a fixed draft shape); prefills run on the deepest worker (their drafter bookkeeping does
-not depend on the depth).
+drafter state first (one draft forward of the kept rows, a CUDA graph per bucket), so every
+depth drafts from the state a full draft extend would have left. The choice never changes a
+request's tokens: every depth's verifier accepts the target's own. Constrained batches run at
+num_steps (the grammar process walks a fixed draft shape); prefills run on the deepest worker
+(their drafter bookkeeping does not depend on the depth).
 
 With tensor parallelism every rank must choose the same depth (the ranks run the same graphs
 in step): acceptance is the same on every rank (the tokens are), but wall times are not, so
