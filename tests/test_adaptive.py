@@ -24,8 +24,9 @@ TIMES = StepTimes({1: {0: 6.0, 1: 6.2, 3: 6.6, 5: 7.2},
 ROWS = list(range(1, 65))
 
 
-def _policy(probe_every: int = 4, prior: float = 0.5, decay: float = 0.5) -> DepthPolicy:
-    return DepthPolicy(TIMES, AcceptanceEstimate(64, prior=prior, decay=decay), probe_every=probe_every)
+def _policy(probe_every: int = 4, prior: float = 0.5, decay: float = 0.5, max_probe_every: int = 16) -> DepthPolicy:
+    return DepthPolicy(TIMES, AcceptanceEstimate(64, prior=prior, decay=decay), probe_every=probe_every,
+                       max_probe_every=max_probe_every)
 
 
 def test_expected_tokens():
@@ -108,12 +109,17 @@ def test_falls_back_to_plain_and_probes_back_when_acceptance_recovers():
     for _ in range(6):
         est.update(5, ROWS, [1] * 64)        # nothing accepted: plain wins
     assert est.rate(ROWS) < 0.1
-    chosen = [policy.choose(ROWS) for _ in range(10)]
-    # Plain, with a probe at the smallest depth after every 4 plain steps in a row.
-    assert chosen == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    chosen = [policy.choose(ROWS) for _ in range(60)]
+    # Plain, with a probe at the smallest depth after 4 plain steps in a row, then (nothing
+    # accepted by the probes) 8, 16, and 16 again: the cap.
+    probes = [i for i, d in enumerate(chosen) if d]
+    assert set(chosen) == {0, 1} and probes == [4, 13, 30, 47]
     for _ in range(6):
         est.update(1, ROWS, [2] * 64)        # the probes are accepted again
     assert policy.choose(ROWS) == 5
+    for _ in range(6):
+        est.update(5, ROWS, [1] * 64)        # and no longer: plain, probing after 4 again
+    assert [policy.choose(ROWS) for _ in range(5)] == [0, 0, 0, 0, 1]
 
 
 def test_a_step_observed_moves_its_bucket_and_depth_only():
@@ -176,6 +182,8 @@ def test_bad_settings_are_refused_naming_the_field():
         AcceptanceEstimate(4, decay=1.0)
     with pytest.raises(ValueError, match=r"^probe_every:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=0)
+    with pytest.raises(ValueError, match=r"^max_probe_every:"):
+        DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=8, max_probe_every=4)
     with pytest.raises(ValueError, match=r"^observe_weight:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), observe_weight=1.5)
     with pytest.raises(ValueError, match="deeper_margin"):
