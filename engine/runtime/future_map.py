@@ -46,6 +46,16 @@ class DraftInput(NamedTuple):
     feats: torch.Tensor        # [rows, feature size]
 
 
+def _put_rows(buffers: NamedTuple, rows: torch.Tensor, values: NamedTuple) -> None:
+    for buf, value in zip(buffers, values):
+        buf[rows] = value
+
+
+def _take_rows(buffers: NamedTuple, rows: torch.Tensor):
+    """The rows of every buffer, as the buffers' own NamedTuple."""
+    return type(buffers)(*(buf[rows] for buf in buffers))
+
+
 def debug_enabled() -> bool:
     return os.environ.get("SPECSERVE_DEBUG_FUTURE_MAP", "0") not in ("", "0")
 
@@ -85,11 +95,10 @@ class FutureMap:
 
     def stash_draft_state(self, rows: torch.Tensor, state: DraftState) -> None:
         """Forward-only values; only the next forward reads them, so stream order suffices."""
-        for buf, value in zip(self.draft_state, state):
-            buf[rows] = value
+        _put_rows(self.draft_state, rows, state)
 
     def gather_draft_state(self, rows: torch.Tensor) -> DraftState:
-        return DraftState(*(buf[rows] for buf in self.draft_state))
+        return _take_rows(self.draft_state, rows)
 
     def allocate_draft_input(self, feature_size: int, dtype: torch.dtype) -> None:
         num_rows, device = self.output_tokens_buf.shape[0], self.output_tokens_buf.device
@@ -99,11 +108,10 @@ class FutureMap:
 
     def keep_draft_input(self, rows: torch.Tensor, kept: DraftInput) -> None:
         """Forward-only, as the draft state."""
-        for buf, value in zip(self.draft_input, kept):
-            buf[rows] = value
+        _put_rows(self.draft_input, rows, kept)
 
     def gather_draft_input(self, rows: torch.Tensor) -> DraftInput:
-        return DraftInput(*(buf[rows] for buf in self.draft_input))
+        return _take_rows(self.draft_input, rows)
 
     def new_publish_event(self):
         """Called on the schedule side when launching a forward that will `publish`: the
