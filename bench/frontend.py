@@ -171,6 +171,7 @@ def serve(args) -> None:
     engine_config = EngineConfig(device="cpu", max_running_requests=args.max_running, spec=None,
                                  enable_prefix_cache=False)
     server_config = ServerConfig(port=args.port, stats_log_interval_s=3600.0,
+                                 stream_interval=args.stream_interval,
                                  **({} if args.tokenizer_workers is None
                                     else {"tokenizer_workers": args.tokenizer_workers}))
     start = functools.partial(start_synthetic, shape)
@@ -274,13 +275,14 @@ class ServerCpu:
 class ServerProcess:
     def __init__(self, step_ms: float, tokens_per_step: int, max_running: int, port: int,
                  profile: Optional[str], replicas: int, workers_file: str,
-                 tokenizer_workers: Optional[int]):
+                 tokenizer_workers: Optional[int], stream_interval: int):
         command = [sys.executable, __file__, "--serve", "--step-ms", str(step_ms),
                    "--tokens-per-step", str(tokens_per_step), "--max-running", str(max_running),
                    "--port", str(port), "--replicas", str(replicas),
                    "--workers-out", workers_file] + (["--profile-out", profile] if profile else [])
         if tokenizer_workers is not None:
             command += ["--tokenizer-workers", str(tokenizer_workers)]
+        command += ["--stream-interval", str(stream_interval)]
         self.process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{port}"
 
@@ -303,7 +305,7 @@ def run_shape(args, step_ms: float, k: int, replicas: int) -> list[dict]:
     # Each engine (replica) takes up to max_running requests.
     max_running = -(-max(args.concurrency_list) // max(replicas, 1))
     server = ServerProcess(step_ms, k, max_running, args.port, profile, replicas, workers_file,
-                           args.tokenizer_workers)
+                           args.tokenizer_workers, args.stream_interval)
     rows = []
     try:
         asyncio.run(wait_serving(server.address))  # the CPU of its start-up is not counted
@@ -321,6 +323,7 @@ def run_shape(args, step_ms: float, k: int, replicas: int) -> list[dict]:
             stream_steps = row["requests"] * (1 + (args.max_new_tokens - 1) / k)
             engine_ms_per_token = step_ms / k
             row.update(step_ms=step_ms, tokens_per_step=k, replicas=replicas,
+                       stream_interval=args.stream_interval,
                        engine_ms_per_token=engine_ms_per_token, output_tokens=tokens,
                        server_cpu_s=cpu, server_cpu_us_per_stream_step=1e6 * cpu / stream_steps,
                        server_cpu_us_per_token=per_token(cpu),
@@ -431,6 +434,8 @@ def main():
                          "engine, no set)")
     ap.add_argument("--tokenizer-workers", type=int,
                     help="the server's --tokenizer-workers (default: its default)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the server's --stream-interval (tokens a chunk after the first holds)")
     ap.add_argument("--token-ids", action="store_true",
                     help="prompts as token ids (as bench/data_parallel.py sends them)")
     ap.add_argument("--profile", action="store_true", help="cProfile the server process")
