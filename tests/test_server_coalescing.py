@@ -15,7 +15,7 @@ import zmq
 
 from helpers import VOCAB
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.outputs import EngineInfo, StepOutput
+from specserve.engine.outputs import EngineInfo, FinishError, StepOutput
 from specserve.engine.wire import encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
@@ -204,6 +204,46 @@ def test_the_worker_paces_by_the_interval_its_init_command_gives(tokenizer, tmp_
         to_worker.close(linger=0)
         from_worker.close(linger=0)
         context.term()
+
+
+def test_held_pieces_come_before_an_error(tokenizer):
+    """A sequence that fails with pieces held (the engine's "error" finish): its held tokens
+    are sent first, then the error, as without an interval."""
+    async def run():
+        stream = RequestStream(1)
+        worker = _worker(tokenizer, "r", _request(max_new_tokens=100), stream_interval=50)
+        steps = _steps("r", list(range(10, 40)), [1, 3, 3, 3])
+        for out in steps[:3]:
+            _deliver(stream, worker.step([out]))
+        failed = StepOutput("r", [], finished=True, finish_reason="error",
+                            error=FinishError("INTERNAL", "the grammar service died"))
+        updates = worker.step([failed])
+        assert [(u.piece is not None, u.error is not None) for u in updates] == \
+            [(True, False), (False, True)]
+        _deliver(stream, updates[:1])
+        stream.fail(SequenceFailed(0, updates[1].error))
+        [chunk] = await stream.next_chunks()
+        assert list(chunk.message().token_ids) == list(range(10, 17))
+        with pytest.raises(SequenceFailed):
+            await stream.next_chunks()
+        assert worker.paced == {} and worker.requests == {}
+
+    asyncio.run(run())
+
+
+def test_a_failed_sequence_of_a_paced_request_ends_its_others_in_the_same_step(tokenizer):
+    """n = 2 with an interval: sequence 0 fails in the step that also brings sequence 1's
+    output (the request is closed in the middle of the step); the worker goes on."""
+    request = ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=64, n=2), ())
+    worker = TextSteps(tokenizer, 4)
+    worker.open("r", request, False)
+    first = [StepOutput("r", [10], index=i) for i in range(2)]
+    assert len(worker.step(first)) == 2
+    failed = StepOutput("r", [], index=0, finished=True, finish_reason="error",
+                        error=FinishError("INTERNAL", "failed"))
+    updates = worker.step([failed, StepOutput("r", [11, 12], index=1)])
+    assert updates[0].error is not None and worker.requests == {} and worker.paced == {}
+    assert updates[1].error is None and updates[1].piece.num_tokens == 2  # as unpaced
 
 
 def test_stream_interval_errors_name_the_field():

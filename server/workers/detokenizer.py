@@ -103,7 +103,10 @@ class TextSteps:
 
     def _pace(self, rid: str, index: int, piece: ChunkPiece) -> Optional[ChunkPiece]:
         """The piece to send now, with the held ones before it; None: held."""
-        paced = self.paced[rid][index]
+        sequences = self.paced.get(rid)
+        if sequences is None:  # closed in this step (another sequence failed): nothing held
+            return piece
+        paced = sequences[index]
         if not paced.started:  # the first piece: at once
             paced.started = True
             return piece
@@ -111,6 +114,14 @@ class TextSteps:
         paced.tokens += piece.num_tokens
         if paced.tokens < self.stream_interval and not piece.finished:
             return None
+        return self._take_held(rid, index)
+
+    def _take_held(self, rid: str, index: int) -> Optional[ChunkPiece]:
+        """The sequence's held pieces as one (None: none), no longer held."""
+        sequences = self.paced.get(rid)
+        if sequences is None or not sequences[index].pieces:
+            return None
+        paced = sequences[index]
         pieces, paced.pieces, paced.tokens = paced.pieces, [], 0
         return pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
 
@@ -148,6 +159,10 @@ class TextSteps:
                 error = FinishError("INTERNAL", f"processing the engine's output failed: {e!r}")
             if error is not None:
                 output.finished = True
+                held = self._take_held(out.rid, out.index)
+                if held is not None:  # what came before the error goes first, as unheld
+                    updates.append(TextUpdate(out.rid, out.index, held, tuple(output.progress),
+                                              False, False, None))
             updates.append(TextUpdate(out.rid, out.index, piece, tuple(output.progress),
                                       out.finished, output.finished and not out.finished
                                       and error is None, error, out.stamps))
