@@ -301,7 +301,8 @@ def run_shape(args, step_ms: float, k: int, replicas: int) -> list[dict]:
     profile = f"{name}.prof" if args.profile else None
     workers_file = f"{name}.workers"
     if os.path.exists(workers_file):
-        os.remove(workers_file)
+        if os.path.exists(workers_file):  # (a server that failed to start wrote none)
+            os.remove(workers_file)
     # Each engine (replica) takes up to max_running requests.
     max_running = -(-max(args.concurrency_list) // max(replicas, 1))
     server = ServerProcess(step_ms, k, max_running, args.port, profile, replicas, workers_file,
@@ -338,6 +339,8 @@ def run_shape(args, step_ms: float, k: int, replicas: int) -> list[dict]:
             print(json.dumps(row), flush=True)
     finally:
         server.stop()
+        if os.path.exists(workers_file):  # (a server that failed to start wrote none)
+            os.remove(workers_file)
     if profile:
         readers = sorted(str(p) for p in Path(profile).parent.glob(Path(profile).name + ".reader-*"))
         for thread, paths in (("event loop", [profile]), ("output readers'", readers)):
