@@ -149,13 +149,13 @@ def wait_serving(health_url: str, timeout_s: float = 1200.0) -> None:
 
 # --- one server, its loads ---------------------------------------------------------------------
 def run_server_and_load(engine_config, cluster, port: int, metrics_port: int,
-                        workloads) -> list[dict]:
+                        workloads, stream_interval: int = 1) -> list[dict]:
     """Start a server (cluster None: one engine, no Ray), run each (prompts, rate, concurrency,
     max_new_tokens, client_procs) load against it, stop it. With a cluster, each row carries
     the front's profile."""
     server = multiprocessing.get_context("spawn").Process(
         target=serve_launched, args=(engine_config, port, None, cluster),
-        kwargs=dict(metrics_port=metrics_port))
+        kwargs=dict(metrics_port=metrics_port, stream_interval=stream_interval))
     server.start()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     rows = []
@@ -216,6 +216,8 @@ def main():
                     help="affinity part: requests/s (Poisson) per replica")
     ap.add_argument("--ttft-concurrency", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the servers' --stream-interval (one engine's and the replicas' alike)")
     ap.add_argument("--port", type=int, default=50071)
     ap.add_argument("--metrics-port", type=int, default=50081)
     ap.add_argument("--parts", default="throughput,affinity")
@@ -244,7 +246,8 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
 
     def serve(config, cluster_config, workloads):
-        return run_server_and_load(config, cluster_config, args.port, args.metrics_port, workloads)
+        return run_server_and_load(config, cluster_config, args.port, args.metrics_port, workloads,
+                                   args.stream_interval)
 
     baselines_done = set()
     for setup in args.setups:
@@ -279,6 +282,7 @@ def main():
     json.dump({"launch": args.launch, "spec": args.spec,
                "setups": [s._asdict() for s in args.setups],
                "gpu_memory_utilization": args.gpu_memory_utilization,
+               "stream_interval": args.stream_interval,
                "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print_tables(rows)
 
