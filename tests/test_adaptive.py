@@ -133,6 +133,28 @@ def test_a_step_observed_moves_its_bucket_and_depth_only():
     assert times.seconds(1, 3) == 2.5
 
 
+def test_depths_measured_too_high_relax_back_and_are_tried_again():
+    """Plain steps measured 1.5x their time for a run (another part's host work delaying their
+    reads) priced plain out at no acceptance; the deeper steps chosen then relax plain's time
+    back toward its start-up value, until plain is chosen (and measured) again."""
+    times = StepTimes({16: {0: 7.0, 1: 7.6}})
+    policy = DepthPolicy(times, AcceptanceEstimate(64, prior=0.0), relax=0.05)
+    assert policy.choose(ROWS[:16]) == 0
+    for _ in range(8):
+        policy.observe(16, 0, 10.5)                # plain steps measured at 1.5x
+    assert policy.choose(ROWS[:16]) == 1 and times.seconds(16, 0) > 7.6
+    chosen = []
+    for _ in range(40):
+        chosen.append(policy.choose(ROWS[:16]))
+        policy.observe(16, chosen[-1], {0: 7.0, 1: 7.6}[chosen[-1]])   # their true times
+    assert chosen[0] == 1 and chosen[-1] == 0 and times.seconds(16, 0) < 7.6
+    # Without relaxing, plain would never be tried again.
+    stuck = DepthPolicy(StepTimes({16: {0: 7.0, 1: 7.6}}), AcceptanceEstimate(64, prior=0.0), relax=0.0)
+    for _ in range(8):
+        stuck.observe(16, 0, 10.5)
+    assert all(stuck.choose(ROWS[:16]) == 1 for _ in range(40))
+
+
 def test_one_slow_step_does_not_price_the_best_depth_out():
     """A host pause of 100x a step, once, while the deepest runs: it stays the choice."""
     policy = DepthPolicy(StepTimes({1: {0: 0.38, 1: 0.38, 4: 0.38, 7: 0.38}}), AcceptanceEstimate(4, prior=0.9))
@@ -182,6 +204,8 @@ def test_bad_settings_are_refused_naming_the_field():
         AcceptanceEstimate(4, decay=1.0)
     with pytest.raises(ValueError, match=r"^probe_every:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=0)
+    with pytest.raises(ValueError, match=r"^relax:"):
+        DepthPolicy(TIMES, AcceptanceEstimate(4), relax=1.5)
     with pytest.raises(ValueError, match=r"^max_probe_every:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=8, max_probe_every=4)
     with pytest.raises(ValueError, match=r"^observe_weight:"):
