@@ -8,7 +8,8 @@
 # written "0,1= phase ..." gets GPUs 0 and 1), each within LANE_S seconds, with its own ports:
 # one lease of a 4-GPU machine does four GPUs' work.
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
-# profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word: NCCL for every all-reduce),
+# profile (PROFILES="model:mode:bs[:tp[:ar[:quant]]] ...", ar: any word: NCCL for every
+# all-reduce; quant: fp8 for random block-FP8 weights, e.g. llama-70b:plain:1:2::fp8),
 # dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
 # drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B at tp 1/2/4, then
 # tp70), tp70 (70B at tp 4), tp70fp8 (70B FP8 at tp 2), tpdsv2 (DeepSeek-V2-Lite at tp
@@ -66,10 +67,10 @@ for phase in $1; do case $phase in
           run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
   qwen3)  run qwen3 $B --models qwen3-30b-a3b --batch-sizes 1,16,64 --modes plain,chain --out $LOGS/qwen3.json ;;
-  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs tp ar <<< "$m"
-             name=profile_${model}_${mode}_${bs}_tp${tp:-1}${ar:+_$ar}
+  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs tp ar quant <<< "$m"
+             name=profile_${model}_${mode}_${bs}_tp${tp:-1}${ar:+_$ar}${quant:+_$quant}
              run $name python $PWD/bench/step_profile.py --model $model --mode $mode --batch-size $bs \
-                 --tp ${tp:-1} ${ar:+--nccl-all-reduce} --out $LOGS/$name.json
+                 --tp ${tp:-1} ${ar:+--nccl-all-reduce} --quantization ${quant:-auto} --out $LOGS/$name.json
            done ;;
   dsv3)   run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
