@@ -103,7 +103,7 @@ for phase in $1; do case $phase in
              run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
                  ${DRAFTER_MODES:+--modes $DRAFTER_MODES} $demo --out $LOGS/drafters_a$a.json; demo=--no-demo; done ;;
   w4sweep) run w4sweep python $PWD/bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
-              --rows 1,16 --no-moe --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
+              --rows ${W4_ROWS:-1,16} --no-moe --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
           # The 8B INT4 rows with the sweep's table, from an install of their own (the lanes
           # beside this one keep importing the session's).
           python $PWD/bench/fp8_gemm.py --install-int4 $LOGS/int4_tuned.json > $LOGS/w4install.log 2>&1 &&
@@ -129,7 +129,8 @@ for phase in $1; do case $phase in
           python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
               wheels/ray/*.whl >> /tmp/pip.log 2>&1 || echo "ray wheels: install failed"
           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-          DP="python $PWD/bench/data_parallel.py --port $((PORT + 71)) --metrics-port $((PORT + 81))"
+          # DP_ARGS: more bench/data_parallel.py flags (e.g. --stream-interval 6)
+          DP="python $PWD/bench/data_parallel.py --port $((PORT + 71)) --metrics-port $((PORT + 81)) ${DP_ARGS:-}"
           case $phase in
             dp1)   run graph_memory pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
                        $PWD/tests/test_graph_memory.py
