@@ -138,11 +138,11 @@ class AdaptiveSpecWorker:
         self.depth_steps[depth] += 1
         refresh = []
         if self.drafter.refreshes_state:
-            if depth > 0:
+            if depth == 0:
+                self._stale_rows.update(step.rows)
+            elif self._stale_rows:  # (a run of deeper steps finds none: no per-row work)
                 refresh = [i for i, row in enumerate(step.rows) if row in self._stale_rows]
                 self._stale_rows.difference_update(step.rows)
-            else:
-                self._stale_rows.update(step.rows)
         launched_at = time.perf_counter()
         launched = self.workers[depth].launch_decode(step, refresh)
 
