@@ -15,8 +15,10 @@ A setup `NxT[@G]` is N replicas of tensor-parallel size T, G GPUs per rank (defa
 0.5: two replicas share a GPU). Each setup runs against servers this script starts, one at a
 time:
 
-- throughput: random prompts, all at once, at each --concurrency: one engine of tp T (no Ray:
-  the server as it runs alone; measured once per T) vs the N replicas (prefix routing). With
+- throughput: random prompts, all at once, at each --concurrency, --requests-per-stream
+  requests a stream: one engine of tp T (no Ray: the server as it runs alone; measured once
+  per T, at --baseline-concurrency) vs the N replicas (prefix routing; at N x a baseline load
+  each replica sees what the one engine saw). With
   the replicas, the front's profile: the server process's CPU time (% of one core; its threads
   together) and its tokenizer/detokenizer worker processes', and per replica its engine steps
   per second and how busy they kept it (step seconds / wall seconds, from
@@ -147,13 +149,13 @@ def wait_serving(health_url: str, timeout_s: float = 1200.0) -> None:
 
 # --- one server, its loads ---------------------------------------------------------------------
 def run_server_and_load(engine_config, cluster, port: int, metrics_port: int,
-                        workloads) -> list[dict]:
+                        workloads, stream_interval: int = 1) -> list[dict]:
     """Start a server (cluster None: one engine, no Ray), run each (prompts, rate, concurrency,
     max_new_tokens, client_procs) load against it, stop it. With a cluster, each row carries
     the front's profile."""
     server = multiprocessing.get_context("spawn").Process(
         target=serve_launched, args=(engine_config, port, None, cluster),
-        kwargs=dict(metrics_port=metrics_port))
+        kwargs=dict(metrics_port=metrics_port, stream_interval=stream_interval))
     server.start()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     rows = []
@@ -194,7 +196,13 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="each engine's share of a GPU (a replica on G < 1 GPU takes G x this)")
     ap.add_argument("--max-context-len", type=int, default=4096)
-    ap.add_argument("--concurrency", default="64,256", help="throughput part")
+    ap.add_argument("--concurrency", default="64,256", help="throughput part: the replicas' loads")
+    ap.add_argument("--baseline-concurrency", default=None,
+                    help="throughput part: the one engine's loads (default: --concurrency); the "
+                         "replicas at N x a baseline load see that load each")
+    ap.add_argument("--requests-per-stream", type=int, default=4,
+                    help="throughput part: requests a stream sends, one after another (enough "
+                         "that the ramp and the tail are a small part of the run)")
     ap.add_argument("--prompt-words", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -208,17 +216,20 @@ def main():
                     help="affinity part: requests/s (Poisson) per replica")
     ap.add_argument("--ttft-concurrency", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the servers' --stream-interval (one engine's and the replicas' alike)")
     ap.add_argument("--port", type=int, default=50071)
     ap.add_argument("--metrics-port", type=int, default=50081)
     ap.add_argument("--parts", default="throughput,affinity")
     ap.add_argument("--out", default="bench_data_parallel.json")
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    baseline_concurrencies = [int(c) for c in (args.baseline_concurrency or args.concurrency).split(",")]
     parts = args.parts.split(",")
 
-    def engine_config(tp: int, **overrides):
+    def engine_config(tp: int, max_running: int, **overrides):
         return launched_engine_config(
-            args.launch, args.spec, args.accept_len, max(concurrencies, default=64),
+            args.launch, args.spec, args.accept_len, max_running,
             args.max_context_len, args.device, tp_size=tp, cuda_graph_sampled=False,
             gpu_memory_utilization=args.gpu_memory_utilization, **overrides)
 
@@ -235,20 +246,27 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
 
     def serve(config, cluster_config, workloads):
-        return run_server_and_load(config, cluster_config, args.port, args.metrics_port, workloads)
+        return run_server_and_load(config, cluster_config, args.port, args.metrics_port, workloads,
+                                   args.stream_interval)
 
     baselines_done = set()
     for setup in args.setups:
         if "throughput" in parts:
-            workloads = [(make_prompts(2 * c, 0, args.prompt_words, args.vocab,
-                                       token_ids=args.launch != "demo"), float("inf"), c,
-                          args.max_new_tokens, args.client_procs) for c in concurrencies]
+            def workloads(loads):
+                return [(make_prompts(args.requests_per_stream * c, 0, args.prompt_words, args.vocab,
+                                      token_ids=args.launch != "demo"), float("inf"), c,
+                         args.max_new_tokens, args.client_procs) for c in loads]
+
             if setup.tp not in baselines_done:
                 baselines_done.add(setup.tp)
                 record("throughput", f"1x tp{setup.tp} (one engine)",
-                       serve(engine_config(setup.tp), None, workloads))
+                       serve(engine_config(setup.tp, max(baseline_concurrencies)), None,
+                             workloads(baseline_concurrencies)))
+            # A replica's batch: its share of the largest load (more queue at the replica).
+            per_replica = -(-max(concurrencies) // setup.replicas)
             record("throughput", setup.label,
-                   serve(engine_config(setup.tp), cluster(setup, RoutingPolicy.PREFIX), workloads))
+                   serve(engine_config(setup.tp, per_replica), cluster(setup, RoutingPolicy.PREFIX),
+                         workloads(concurrencies)))
         if "affinity" in parts:
             tenants = args.tenants or pressure_tenants(setup.replicas, args.pressure_kv_tokens,
                                                        args.system_prompt_tokens)
@@ -256,7 +274,7 @@ def main():
                                        args.prompt_words, args.vocab, seed=1)
             workload = [(prompts, args.rate_per_replica * setup.replicas, args.ttft_concurrency,
                          32, args.client_procs)]
-            config = engine_config(setup.tp, max_total_tokens=args.pressure_kv_tokens)
+            config = engine_config(setup.tp, max(concurrencies), max_total_tokens=args.pressure_kv_tokens)
             for policy in RoutingPolicy:
                 record("affinity", f"{setup.label} {policy.value}",
                        serve(config, cluster(setup, policy), workload), tenants=tenants,
@@ -264,6 +282,7 @@ def main():
     json.dump({"launch": args.launch, "spec": args.spec,
                "setups": [s._asdict() for s in args.setups],
                "gpu_memory_utilization": args.gpu_memory_utilization,
+               "stream_interval": args.stream_interval,
                "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print_tables(rows)
 

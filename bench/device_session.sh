@@ -8,17 +8,20 @@
 # written "0,1= phase ..." gets GPUs 0 and 1), each within LANE_S seconds, with its own ports:
 # one lease of a 4-GPU machine does four GPUs' work.
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
-# profile (PROFILES="model:mode:bs[:tp[:ar]] ...", ar: any word: NCCL for every all-reduce),
+# profile (PROFILES="model:mode:bs[:tp[:ar[:quant]]] ...", ar: any word: NCCL for every
+# all-reduce; quant: fp8 for random block-FP8 weights, e.g. llama-70b:plain:1:2::fp8),
 # dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
 # drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B at tp 1/2/4, then
 # tp70), tp70 (70B at tp 4), tp70fp8 (70B FP8 at tp 2), tpdsv2 (DeepSeek-V2-Lite at tp
 # 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
 set -uo pipefail
-OUT=${OUT:-out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
+OUT=${OUT:-out}; LOGS=${LOGS:-/tmp/logs}; mkdir -p "$OUT" "$LOGS"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
 # NVLink multicast stays off in every process on the lent machines (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/site  # the wheels (also for a later call that skips the install)
+# the wheels (also for a later call that skips the install); SITE_FIRST: a directory searched
+# before them (another checkout installed with --target, run beside this one)
+export PYTHONPATH=${SITE_FIRST:+$SITE_FIRST:}/tmp/site
 if [ -z "${SESSION_INSTALLED:-}" ]; then
   python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
       > /tmp/pip.log 2>&1 || echo "wheel install failed"
@@ -66,10 +69,10 @@ for phase in $1; do case $phase in
           run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
   qwen3)  run qwen3 $B --models qwen3-30b-a3b --batch-sizes 1,16,64 --modes plain,chain --out $LOGS/qwen3.json ;;
-  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs tp ar <<< "$m"
-             name=profile_${model}_${mode}_${bs}_tp${tp:-1}${ar:+_$ar}
+  profile) for m in ${PROFILES:-deepseek-v2-lite:plain:1}; do IFS=: read -r model mode bs tp ar quant <<< "$m"
+             name=profile_${model}_${mode}_${bs}_tp${tp:-1}${ar:+_$ar}${quant:+_$quant}
              run $name python $PWD/bench/step_profile.py --model $model --mode $mode --batch-size $bs \
-                 --tp ${tp:-1} ${ar:+--nccl-all-reduce} --out $LOGS/$name.json
+                 --tp ${tp:-1} ${ar:+--nccl-all-reduce} --quantization ${quant:-auto} --out $LOGS/$name.json
            done ;;
   dsv3)   run dsv3 $B --models deepseek-v3-4l --batch-sizes 1,64 --modes plain --quantizations auto,fp8 \
               --out $LOGS/dsv3.json ;;
@@ -96,12 +99,13 @@ for phase in $1; do case $phase in
           run quant_8b $B --models llama-8b --batch-sizes 1,64 --modes plain,chain --quantizations auto,fp8,awq \
               --out $LOGS/quant_8b.json ;;
   drafters|drafters:*)  # drafters:1,4 names its accept lengths (else $ACCEPTS); the demo rows once
-          accepts=${ACCEPTS:-3 1}; [ "$phase" != drafters ] && accepts=${phase#drafters:}; demo=
+          # NO_DEMO=1: no demo rows (a call that leaves the demo pair behind)
+          accepts=${ACCEPTS:-3 1}; [ "$phase" != drafters ] && accepts=${phase#drafters:}; demo=${NO_DEMO:+--no-demo}
           for a in ${accepts//,/ }; do
              run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
                  ${DRAFTER_MODES:+--modes $DRAFTER_MODES} $demo --out $LOGS/drafters_a$a.json; demo=--no-demo; done ;;
   w4sweep) run w4sweep python $PWD/bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
-              --rows 1,16 --no-moe --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
+              --rows ${W4_ROWS:-1,16} --no-moe --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
           # The 8B INT4 rows with the sweep's table, from an install of their own (the lanes
           # beside this one keep importing the session's).
           python $PWD/bench/fp8_gemm.py --install-int4 $LOGS/int4_tuned.json > $LOGS/w4install.log 2>&1 &&
@@ -127,14 +131,17 @@ for phase in $1; do case $phase in
           python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
               wheels/ray/*.whl >> /tmp/pip.log 2>&1 || echo "ray wheels: install failed"
           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-          DP="python $PWD/bench/data_parallel.py --port $((PORT + 71)) --metrics-port $((PORT + 81))"
+          # DP_ARGS: more bench/data_parallel.py flags (e.g. --stream-interval 6)
+          DP="python $PWD/bench/data_parallel.py --port $((PORT + 71)) --metrics-port $((PORT + 81)) ${DP_ARGS:-}"
           case $phase in
             dp1)   run graph_memory pytest -q -p no:cacheprovider -m gpu --timeout 300 -rf \
                        $PWD/tests/test_graph_memory.py
                    run dp_1gpu $DP --launch llama-1b --setups 2x1@0.5 --out $LOGS/dp_1gpu.json ;;
-            dp4)   run dp_4x1 $DP --launch llama-8b --setups 4x1 --out $LOGS/dp_4x1.json ;;
+            # The replicas also at 4 (2) x 256 streams: each sees what the one engine saw.
+            dp4)   run dp_4x1 $DP --launch llama-8b --setups 4x1 --concurrency 64,256,1024 \
+                       --baseline-concurrency 64,256 --out $LOGS/dp_4x1.json ;;
             dp2x2) run dp_2x2 $DP --launch llama-8b --setups 2x2 --parts throughput \
-                       --out $LOGS/dp_2x2.json ;;
+                       --concurrency 64,256,512 --baseline-concurrency 64,256 --out $LOGS/dp_2x2.json ;;
           esac ;;
   *) echo "unknown phase $phase (GPUs ${CUDA_VISIBLE_DEVICES-})" ;;
 esac; done

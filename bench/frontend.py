@@ -16,6 +16,15 @@ With the engine faster than that cost times the concurrency, the front-end is th
 and served TPOT p50 / engine time per token shows by how much. `--profile` runs the server
 under cProfile and prints its top functions by own time.
 
+`--replicas 4` serves the same load through the server's data-parallel ReplicaSet (its router,
+one EngineClient per replica: an output-reader thread and a detokenizer worker each), with the
+replicas as local engine processes instead of Ray actors (the front's cost is what is measured;
+0, the default: one EngineClient, no set). Each row also splits the server's CPU per output
+token over its event-loop thread, its output-reader threads and its other threads (gRPC's,
+ZeroMQ's, the prepare threads), and gives the detokenizer workers' CPU per token:
+
+    python bench/frontend.py --step-ms 4 --tokens-per-step 3 --replicas 1,4 --concurrency 64,256
+
 `--reader` times only the detokenizer worker's work (`TextSteps.step`: the per-token
 detokenising, stop strings and chunk building of each step's batch) on the synthetic engine's
 steps, without a server: its cost per token, and the part of it that holds the GIL (all but
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import functools
 import json
 import logging
@@ -36,6 +46,7 @@ import pstats
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,46 +166,123 @@ def serve(args) -> None:
     # As `specserve serve` logs (one access-log line per request is part of the cost).
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     shape = SyntheticShape(args.step_ms / 1000, args.tokens_per_step, args.max_running)
-    engine_config = EngineConfig(device="cpu", max_running_requests=args.max_running, spec=None)
-    server_config = ServerConfig(port=args.port, stats_log_interval_s=3600.0)
+    # No prefix cache: the synthetic engine caches nothing (so a replica set's router reads no
+    # KV-cache events from it; a real engine's would add the router's work per step).
+    engine_config = EngineConfig(device="cpu", max_running_requests=args.max_running, spec=None,
+                                 enable_prefix_cache=False)
+    server_config = ServerConfig(port=args.port, stats_log_interval_s=3600.0,
+                                 stream_interval=args.stream_interval,
+                                 **({} if args.tokenizer_workers is None
+                                    else {"tokenizer_workers": args.tokenizer_workers}))
     start = functools.partial(start_synthetic, shape)
+    cluster = local_replicas(args.replicas) if args.replicas else None
+    record_workers(args.workers_out, args.profile_out)
     if args.profile_out is None:
-        raise SystemExit(run_server(engine_config, server_config, start))
-    # cProfile sees one thread: the event loop's here, and the output reader's in its own.
+        raise SystemExit(run_server(engine_config, server_config, start, cluster))
+    profile = cProfile.Profile()
+    profile.enable()
+    code = run_server(engine_config, server_config, start, cluster)
+    profile.disable()
+    profile.dump_stats(args.profile_out)
+    raise SystemExit(code)
+
+
+def local_replicas(n: int):
+    """A ClusterConfig of n replicas whose engines are local processes: a stand-in for the
+    one module that imports Ray (ray_replicas), placing each replica with the EngineClient's
+    LocalLauncher."""
+    import types
+
+    from specserve.server.cluster.config import ClusterConfig
+    from specserve.server.engine_client import LocalLauncher
+
+    sys.modules["specserve.server.cluster.ray_replicas"] = types.SimpleNamespace(
+        place_replicas=lambda cluster, config: [LocalLauncher() for _ in range(cluster.data_parallel)],
+        disconnect=lambda: None)
+    return ClusterConfig(data_parallel=n)
+
+
+def record_workers(path: str, profile_out: Optional[str]) -> None:
+    """Append "reader TID" for every output-reader thread and "detokenizer PID" for every
+    detokenizer worker to `path` (the parent splits the server's CPU by them); with
+    `profile_out`, cProfile each reader thread into profile_out.reader-TID (cProfile sees one
+    thread: the event loop's is profiled by serve())."""
+    from specserve.server.engine_client import EngineClient
     from specserve.server.output_router import OutputReader
 
-    read = OutputReader.run
+    def note(line: str) -> None:
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
-    def profiled_read(reader: OutputReader) -> None:
+    read, start_text_worker = OutputReader.run, EngineClient._start_text_worker
+
+    def recorded_read(reader: OutputReader) -> None:
+        tid = threading.get_native_id()
+        note(f"reader {tid}")
+        if profile_out is None:
+            return read(reader)
         reader_profile = cProfile.Profile()
         reader_profile.enable()
         try:
             read(reader)
         finally:
             reader_profile.disable()
-            reader_profile.dump_stats(args.profile_out + ".reader")
+            reader_profile.dump_stats(f"{profile_out}.reader-{tid}")
 
-    OutputReader.run = profiled_read
-    profile = cProfile.Profile()
-    profile.enable()
-    code = run_server(engine_config, server_config, start)
-    profile.disable()
-    profile.dump_stats(args.profile_out)
-    raise SystemExit(code)
+    def recorded_text_worker(client: EngineClient, loop) -> None:
+        start_text_worker(client, loop)
+        note(f"detokenizer {client.text_worker_pid}")
+
+    OutputReader.run = recorded_read
+    EngineClient._start_text_worker = recorded_text_worker
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: Optional[int] = None) -> float:
+    """utime + stime of a process (all its threads), or of its thread `tid`; 0 once gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class ServerCpu:
+    """CPU seconds so far of the server process, split by thread, and of its detokenizers."""
+
+    total: float
+    event_loop: float  # the main thread
+    readers: float     # the output-reader threads
+    detokenizers: float
+
+    @classmethod
+    def read(cls, pid: int, workers_file: str) -> "ServerCpu":
+        readers, detokenizers = [], []
+        if os.path.exists(workers_file):
+            for line in Path(workers_file).read_text().split("\n"):
+                kind, _, ident = line.partition(" ")
+                (readers if kind == "reader" else detokenizers if kind else []).append(int(ident or 0))
+        return cls(cpu_seconds(pid), cpu_seconds(pid, pid),
+                   sum(cpu_seconds(pid, tid) for tid in readers),
+                   sum(cpu_seconds(p) for p in detokenizers))
+
+    def __sub__(self, other: "ServerCpu") -> "ServerCpu":
+        return ServerCpu(*(a - b for a, b in zip(dataclasses.astuple(self),
+                                                 dataclasses.astuple(other))))
 
 
 class ServerProcess:
     def __init__(self, step_ms: float, tokens_per_step: int, max_running: int, port: int,
-                 profile: Optional[str]):
+                 profile: Optional[str], replicas: int, workers_file: str,
+                 tokenizer_workers: Optional[int], stream_interval: int):
         command = [sys.executable, __file__, "--serve", "--step-ms", str(step_ms),
                    "--tokens-per-step", str(tokens_per_step), "--max-running", str(max_running),
-                   "--port", str(port)] + (["--profile-out", profile] if profile else [])
+                   "--port", str(port), "--replicas", str(replicas),
+                   "--workers-out", workers_file] + (["--profile-out", profile] if profile else [])
+        if tokenizer_workers is not None:
+            command += ["--tokenizer-workers", str(tokenizer_workers)]
+        command += ["--stream-interval", str(stream_interval)]
         self.process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{port}"
 
@@ -208,36 +296,58 @@ async def wait_serving(address: str) -> None:
         await client.wait_until_serving()
 
 
-def run_shape(args, step_ms: float, k: int) -> list[dict]:
-    profile = f"{args.out}.{step_ms}ms.k{k}.prof" if args.profile else None
-    server = ServerProcess(step_ms, k, max(args.concurrency_list), args.port, profile)
+def run_shape(args, step_ms: float, k: int, replicas: int) -> list[dict]:
+    name = f"{args.out}.{step_ms}ms.k{k}.dp{replicas}"
+    profile = f"{name}.prof" if args.profile else None
+    workers_file = f"{name}.workers"
+    if os.path.exists(workers_file):  # an earlier run's
+        os.remove(workers_file)
+    # Each engine (replica) takes up to max_running requests.
+    max_running = -(-max(args.concurrency_list) // max(replicas, 1))
+    server = ServerProcess(step_ms, k, max_running, args.port, profile, replicas, workers_file,
+                           args.tokenizer_workers, args.stream_interval)
     rows = []
     try:
         asyncio.run(wait_serving(server.address))  # the CPU of its start-up is not counted
         for concurrency in args.concurrency_list:
-            prompts = make_prompts(concurrency * args.rounds, args.seed, args.prompt_words, 8192)
-            cpu_before = cpu_seconds(server.process.pid)
+            prompts = make_prompts(concurrency * args.rounds, args.seed, args.prompt_words, 8192,
+                                   token_ids=args.token_ids)
+            cpu_before = ServerCpu.read(server.process.pid, workers_file)
             row = asyncio.run(run_load(server.address, prompts, float("inf"), concurrency,
                                        args.max_new_tokens, args.seed, args.client_procs))
-            cpu = cpu_seconds(server.process.pid) - cpu_before
+            used = ServerCpu.read(server.process.pid, workers_file) - cpu_before
+            cpu = used.total
             tokens = row["output_tokens_per_s"] * row["requests"] / row["requests_per_s"]
+            per_token = lambda seconds: round(1e6 * seconds / tokens, 2)  # noqa: E731
             # (stream, step) pairs: a request's first step brings one token, later ones k.
             stream_steps = row["requests"] * (1 + (args.max_new_tokens - 1) / k)
             engine_ms_per_token = step_ms / k
-            row.update(step_ms=step_ms, tokens_per_step=k,
+            row.update(step_ms=step_ms, tokens_per_step=k, replicas=replicas,
+                       stream_interval=args.stream_interval,
                        engine_ms_per_token=engine_ms_per_token, output_tokens=tokens,
                        server_cpu_s=cpu, server_cpu_us_per_stream_step=1e6 * cpu / stream_steps,
+                       server_cpu_us_per_token=per_token(cpu),
+                       event_loop_us_per_token=per_token(used.event_loop),
+                       readers_us_per_token=per_token(used.readers),
+                       other_threads_us_per_token=per_token(
+                           used.total - used.event_loop - used.readers),
+                       detokenizers_us_per_token=per_token(used.detokenizers),
                        served_over_engine=(row["tpot_ms_p50"] / engine_ms_per_token
                                            if step_ms else None))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
         server.stop()
+        if os.path.exists(workers_file):  # (a server that failed to start wrote none)
+            os.remove(workers_file)
     if profile:
-        for thread, path in (("event loop", profile), ("output reader", profile + ".reader")):
-            print(f"\nprofile of the server's {thread} thread (step {step_ms} ms, {k} tokens/step), "
-                  f"top {args.profile_top} by own time:")
-            pstats.Stats(path).sort_stats("tottime").print_stats(args.profile_top)
+        readers = sorted(str(p) for p in Path(profile).parent.glob(Path(profile).name + ".reader-*"))
+        for thread, paths in (("event loop", [profile]), ("output readers'", readers)):
+            print(f"\nprofile of the server's {thread} thread (step {step_ms} ms, {k} tokens/step, "
+                  f"{replicas} replicas), top {args.profile_top} by own time:")
+            pstats.Stats(*paths).sort_stats("tottime").print_stats(args.profile_top)
+            for path in paths:
+                os.remove(path)
     return rows
 
 
@@ -321,6 +431,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client-procs", type=int, default=1, help="load-generator processes")
     ap.add_argument("--port", type=int, default=50091)
+    ap.add_argument("--replicas", default="0",
+                    help="data-parallel replicas behind the server's ReplicaSet, a list (0: one "
+                         "engine, no set)")
+    ap.add_argument("--tokenizer-workers", type=int,
+                    help="the server's --tokenizer-workers (default: its default)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the server's --stream-interval (tokens a chunk after the first holds)")
+    ap.add_argument("--token-ids", action="store_true",
+                    help="prompts as token ids (as bench/data_parallel.py sends them)")
     ap.add_argument("--profile", action="store_true", help="cProfile the server process")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--out", default="bench_frontend.json")
@@ -331,9 +450,11 @@ def main():
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--max-running", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
+    ap.add_argument("--workers-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         args.step_ms, args.tokens_per_step = float(args.step_ms), int(args.tokens_per_step)
+        args.replicas = int(args.replicas)
         return serve(args)
     args.concurrency_list = [int(c) for c in args.concurrency.split(",")]
     if args.reader:
@@ -341,16 +462,20 @@ def main():
     rows = []
     for step_ms in (float(s) for s in args.step_ms.split(",")):
         for k in (int(t) for t in args.tokens_per_step.split(",")):
-            rows.extend(run_shape(args, step_ms, k))
+            for replicas in (int(r) for r in args.replicas.split(",")):
+                rows.extend(run_shape(args, step_ms, k, replicas))
     json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
-    print(f"\n{'step ms':>7} {'tok/step':>8} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} "
-          f"{'TPOT p50':>9} {'p99':>7} {'engine/tok':>10} {'served/eng':>10} {'us/stream-step':>14}")
+    print(f"\n{'step ms':>7} {'tok/step':>8} {'dp':>2} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} "
+          f"{'TPOT p50':>9} {'p99':>7} {'engine/tok':>10} {'served/eng':>10} {'us/stream-step':>14} "
+          f"{'us/tok':>6} {'loop':>5} {'readers':>7} {'other':>5} {'detok':>5}")
     for r in rows:
         ratio = f"{r['served_over_engine']:.2f}" if r["served_over_engine"] else "-"
-        print(f"{r['step_ms']:7.2f} {r['tokens_per_step']:8d} {r['concurrency']:4d} "
+        print(f"{r['step_ms']:7.2f} {r['tokens_per_step']:8d} {r['replicas']:2d} {r['concurrency']:4d} "
               f"{r['output_tokens_per_s']:8.0f} {r['ttft_ms_p50']:9.1f} {r['tpot_ms_p50']:9.3f} "
               f"{r['tpot_ms_p99']:7.3f} {r['engine_ms_per_token']:10.3f} {ratio:>10} "
-              f"{r['server_cpu_us_per_stream_step']:14.1f}")
+              f"{r['server_cpu_us_per_stream_step']:14.1f} {r['server_cpu_us_per_token']:6.1f} "
+              f"{r['event_loop_us_per_token']:5.1f} {r['readers_us_per_token']:7.1f} "
+              f"{r['other_threads_us_per_token']:5.1f} {r['detokenizers_us_per_token']:5.1f}")
 
 
 if __name__ == "__main__":

@@ -355,16 +355,19 @@ def launched_engine_config(model: str, spec: str, accept_len: int, max_running: 
 
 
 def serve_launched(engine_config, port: int, http_port: Optional[int], cluster=None,
-                   tokenizer_workers: int = 2, metrics_port: Optional[int] = None) -> None:
+                   tokenizer_workers: int = 2, metrics_port: Optional[int] = None,
+                   stream_interval: int = 1) -> None:
     """The --launch server process (cluster: a ClusterConfig, for bench/data_parallel.py);
-    tokenizer_workers as `specserve serve --tokenizer-workers`."""
+    tokenizer_workers and stream_interval as `specserve serve --tokenizer-workers` and
+    `--stream-interval`."""
     from specserve.server.app import run_server
     from specserve.server.config import ServerConfig
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     raise SystemExit(run_server(engine_config, ServerConfig(host="127.0.0.1", port=port, http_port=http_port,
                                                             tokenizer_workers=tokenizer_workers,
-                                                            metrics_port=metrics_port),
+                                                            metrics_port=metrics_port,
+                                                            stream_interval=stream_interval),
                                 cluster=cluster))
 
 

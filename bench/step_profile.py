@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from one_batch import SPEC_MODES, run_one, write_shape
 from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.config import QUANTIZATION_FLAGS
 
 # Coarse kernel families, first match wins (names differ between cuBLAS/cuDNN/Triton versions).
 FAMILIES = [("gemm", r"gemm|gemv|cutlass|sm90_|ampere_|splitKreduce|nvjet"),
@@ -48,6 +49,8 @@ def main():
                     help="a speculative mode's draft: an EAGLE-3 head, or the target's NextN layer")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (rank 0 is profiled)")
     ap.add_argument("--nccl-all-reduce", action="store_true", help="tp > 1: NCCL for every all-reduce")
+    ap.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
+                    help="fp8: random block-wise FP8 weights, as bench/one_batch.py's rows")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -59,7 +62,7 @@ def main():
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
                                  max_running_requests=max(args.batch_size, 1), max_context_len=4096,
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
-                                 custom_all_reduce=not args.nccl_all_reduce))
+                                 custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(args.batch_size):
@@ -94,6 +97,7 @@ def main():
         f[0] += calls
         f[1] += us
     result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "tp": args.tp,
+              "quantization": args.quantization,
               "custom_all_reduce": not args.nccl_all_reduce, "steps": num_steps,
               "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
               "kernel_ms_per_step": total_us / num_steps / 1000,

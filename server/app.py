@@ -102,7 +102,7 @@ class SpecserveServer:
         if cluster is None:
             self.engine = EngineClient(engine_config, EngineWatchdog(
                 server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s),
-                start_engine)
+                start_engine, stream_interval=server_config.stream_interval)
         else:
             self.engine = ReplicaSet(engine_config, server_config, cluster, start_engine)
         self.health = HealthStatus()

@@ -131,11 +131,15 @@ class LocalLauncher(EngineLauncher):
 class EngineClient:
     def __init__(self, config: EngineConfig, watchdog: EngineWatchdog,
                  start_engine: Optional[StartEngine] = None,
-                 launcher: EngineLauncher = LocalLauncher(), kv_events: Optional[str] = None):
+                 launcher: EngineLauncher = LocalLauncher(), kv_events: Optional[str] = None,
+                 stream_interval: int = 1):
         """kv_events: an address where the engine also sends its KV-cache events (the
-        data-parallel router's; engine/kv_events.py)."""
+        data-parallel router's; engine/kv_events.py). stream_interval: the detokenizer worker
+        holds a sequence's pieces after its first until they carry this many tokens
+        (ServerConfig.stream_interval)."""
         self.config = config
         self.kv_events = kv_events
+        self.stream_interval = stream_interval
         self.watchdog = watchdog
         self.start_engine = start_engine  # None: the real Engine (see run_engine_process)
         self.launcher = launcher
@@ -390,7 +394,7 @@ class EngineClient:
                 self._mark_dead(f"engine failed: {error}")
 
     def _on_ready(self, ready: ipc.EngineReady) -> None:
-        self._reader.command(("init", ready.tokenizer_pickle))
+        self._reader.command(("init", ready.tokenizer_pickle, self.stream_interval))
         self.tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle else None
         self.info = info_from_proto(ready.info)
         if not self._ready.done():

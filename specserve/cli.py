@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-workers", type=int, default=None, metavar="N",
                    help="processes that prepare requests (chat templates, tokenising), out of "
                         "the server's GIL (default 2; 0: threads of the server process)")
+    g.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="a stream's chunks after its first carry at least N tokens (its last "
+                        "may carry fewer): fewer, larger chunks for more tokens per server core "
+                        "under load (default 1: every engine step's tokens at once)")
     g.add_argument("--log-level", default="INFO")
     c = serve.add_argument_group("cluster (Ray; needs the `ray` extra)")
     c.add_argument("--data-parallel", type=int, default=None, metavar="N",
@@ -269,7 +273,7 @@ def _server_config_from_args(args: argparse.Namespace):
         ("engine_heartbeat_timeout_s", "engine_heartbeat_timeout"),
         ("engine_stall_timeout_s", "engine_stall_timeout"), ("reasoning_parser", "reasoning_parser"),
         ("tool_call_parser", "tool_call_parser"),
-        ("tokenizer_workers", "tokenizer_workers"),
+        ("tokenizer_workers", "tokenizer_workers"), ("stream_interval", "stream_interval"),
         ("http_header_timeout_s", "http_header_timeout"), ("http_body_timeout_s", "http_body_timeout"),
         ("http_max_connections", "http_max_connections")) if getattr(args, flag) is not None}
     if optional.get("engine_stall_timeout_s") == 0:

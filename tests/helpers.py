@@ -466,7 +466,7 @@ def eager_graphs(monkeypatch):
     for CUDA graphs: bucket loading and padding run as on a GPU); replays recorded as
     (graphs, the static rows tensor or None, part)."""
     from specserve.engine.runtime import cuda_graph, worker
-    from specserve.engine.spec import spec_worker
+    from specserve.engine.spec import eagle_drafter, spec_worker
 
     class EagerGraphs(cuda_graph.GraphedStep):
         replays: list = []
@@ -481,7 +481,7 @@ def eager_graphs(monkeypatch):
             captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
             return captured.outputs[-1]
 
-    for module in (worker, spec_worker):
+    for module in (worker, spec_worker, eagle_drafter):
         monkeypatch.setattr(module, "GraphedStep", EagerGraphs)
     return EagerGraphs
 

@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from helpers import TP_PLACEMENTS, random_prompts, tp_placement
 
@@ -23,8 +24,9 @@ TIMES = StepTimes({1: {0: 6.0, 1: 6.2, 3: 6.6, 5: 7.2},
 ROWS = list(range(1, 65))
 
 
-def _policy(probe_every: int = 4, prior: float = 0.5, decay: float = 0.5) -> DepthPolicy:
-    return DepthPolicy(TIMES, AcceptanceEstimate(64, prior=prior, decay=decay), probe_every=probe_every)
+def _policy(probe_every: int = 4, prior: float = 0.5, decay: float = 0.5, max_probe_every: int = 16) -> DepthPolicy:
+    return DepthPolicy(TIMES, AcceptanceEstimate(64, prior=prior, decay=decay), probe_every=probe_every,
+                       max_probe_every=max_probe_every)
 
 
 def test_expected_tokens():
@@ -107,12 +109,17 @@ def test_falls_back_to_plain_and_probes_back_when_acceptance_recovers():
     for _ in range(6):
         est.update(5, ROWS, [1] * 64)        # nothing accepted: plain wins
     assert est.rate(ROWS) < 0.1
-    chosen = [policy.choose(ROWS) for _ in range(10)]
-    # Plain, with a probe at the smallest depth after every 4 plain steps in a row.
-    assert chosen == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    chosen = [policy.choose(ROWS) for _ in range(60)]
+    # Plain, with a probe at the smallest depth after 4 plain steps in a row, then (nothing
+    # accepted by the probes) 8, 16, and 16 again: the cap.
+    probes = [i for i, d in enumerate(chosen) if d]
+    assert set(chosen) == {0, 1} and probes == [4, 13, 30, 47]
     for _ in range(6):
         est.update(1, ROWS, [2] * 64)        # the probes are accepted again
     assert policy.choose(ROWS) == 5
+    for _ in range(6):
+        est.update(5, ROWS, [1] * 64)        # and no longer: plain, probing after 4 again
+    assert [policy.choose(ROWS) for _ in range(5)] == [0, 0, 0, 0, 1]
 
 
 def test_a_step_observed_moves_its_bucket_and_depth_only():
@@ -124,6 +131,28 @@ def test_a_step_observed_moves_its_bucket_and_depth_only():
     assert times.seconds(1, 0) == 1.5
     times.observe(1, 3, 100.0, weight=0.25)  # an outlier counts as twice the current time
     assert times.seconds(1, 3) == 2.5
+
+
+def test_depths_measured_too_high_relax_back_and_are_tried_again():
+    """Plain steps measured 1.5x their time for a run (another part's host work delaying their
+    reads) priced plain out at no acceptance; the deeper steps chosen then relax plain's time
+    back toward its start-up value, until plain is chosen (and measured) again."""
+    times = StepTimes({16: {0: 7.0, 1: 7.6}})
+    policy = DepthPolicy(times, AcceptanceEstimate(64, prior=0.0), relax=0.05)
+    assert policy.choose(ROWS[:16]) == 0
+    for _ in range(8):
+        policy.observe(16, 0, 10.5)                # plain steps measured at 1.5x
+    assert policy.choose(ROWS[:16]) == 1 and times.seconds(16, 0) > 7.6
+    chosen = []
+    for _ in range(40):
+        chosen.append(policy.choose(ROWS[:16]))
+        policy.observe(16, chosen[-1], {0: 7.0, 1: 7.6}[chosen[-1]])   # their true times
+    assert chosen[0] == 1 and chosen[-1] == 0 and times.seconds(16, 0) < 7.6
+    # Without relaxing, plain would never be tried again.
+    stuck = DepthPolicy(StepTimes({16: {0: 7.0, 1: 7.6}}), AcceptanceEstimate(64, prior=0.0), relax=0.0)
+    for _ in range(8):
+        stuck.observe(16, 0, 10.5)
+    assert all(stuck.choose(ROWS[:16]) == 1 for _ in range(40))
 
 
 def test_one_slow_step_does_not_price_the_best_depth_out():
@@ -175,6 +204,10 @@ def test_bad_settings_are_refused_naming_the_field():
         AcceptanceEstimate(4, decay=1.0)
     with pytest.raises(ValueError, match=r"^probe_every:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=0)
+    with pytest.raises(ValueError, match=r"^relax:"):
+        DepthPolicy(TIMES, AcceptanceEstimate(4), relax=1.5)
+    with pytest.raises(ValueError, match=r"^max_probe_every:"):
+        DepthPolicy(TIMES, AcceptanceEstimate(4), probe_every=8, max_probe_every=4)
     with pytest.raises(ValueError, match=r"^observe_weight:"):
         DepthPolicy(TIMES, AcceptanceEstimate(4), observe_weight=1.5)
     with pytest.raises(ValueError, match="deeper_margin"):
@@ -264,6 +297,48 @@ def test_random_depths_under_graphs_and_retraction(pair, reference, make_engine,
     replayed = {id(g) for g, _, _ in graphs.replays}
     for worker in engine.core.worker.workers.values():  # greedy or sampled variants
         assert replayed & {id(g) for g in (worker.graphs, *worker.sampled_graphs.values())}
+    # Plain steps' rows got their drafter state back through the captured refresh.
+    assert id(engine.core.worker.drafter._refresh_graphs[0]) in replayed
+
+
+def _drafted_tokens(engine) -> list:
+    """Every draft's tokens, in step order (each depth's drafter's `draft` wrapped)."""
+    drafted = []
+    for worker in engine.core.worker.workers.values():
+        def draft(s, snap, run=worker.drafter.draft):
+            nodes = run(s, snap)
+            drafted.append(nodes.tokens.clone())
+            return nodes
+        worker.drafter.draft = draft
+    return drafted
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle-tree"])
+def test_plain_steps_defer_the_draft_state_and_refresh_it_exactly(pair, reference, make_engine, algorithm):
+    """A plain (depth-0) step of a draft model only stores its rows' draft KV; the next deeper
+    step first drafts their state again (`refresh`). Its drafts equal those of an engine whose
+    plain steps ran the full draft extend, step for step (the same random depths); outputs
+    equal plain decoding's."""
+    prompts, params, expected = reference
+    drafted, refreshed = {}, []
+    for refreshes in (True, False):
+        engine = make_engine(pair[0], spec=_spec(pair, algorithm))
+        worker = engine.core.worker
+        assert worker.drafter.refreshes_state  # an EAGLE head stores its KV alone
+        worker.drafter.refreshes_state = refreshes
+        for sub in worker.workers.values():
+            sub.drafter.refreshes_state = refreshes
+            if refreshes:
+                refresh = sub.drafter.refresh
+                sub.drafter.refresh = lambda rows, *a, run=refresh: (refreshed.append(rows.tolist()), run(rows, *a))
+        policy = _randomise(engine, seed=9)
+        drafted[refreshes] = _drafted_tokens(engine)
+        assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
+        assert 0 in policy.chosen
+    assert refreshed and all(rows for rows in refreshed)
+    assert len(drafted[True]) == len(drafted[False]) > 0
+    for i, (ours, full) in enumerate(zip(drafted[True], drafted[False])):
+        assert torch.equal(ours, full), (i, ours, full)
 
 
 def test_start_up_measures_every_depth_and_acceptance_feeds_the_policy(pair, make_engine):
@@ -308,9 +383,9 @@ def test_the_engine_runs_the_depth_its_policy_picks(pair, make_engine, monkeypat
     worker.policy.chosen = []
     launched = []  # (depth of the worker that ran the step, its verify's node count)
     for depth, sub in worker.workers.items():
-        def launch(step, depth=depth, sub=sub, run=sub.launch_decode):
+        def launch(step, refresh=(), depth=depth, sub=sub, run=sub.launch_decode):
             launched.append((depth, sub.verifier.shape.num_draft_tokens))
-            return run(step)
+            return run(step, refresh)
         monkeypatch.setattr(sub, "launch_decode", launch)
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
     chosen = worker.policy.chosen

@@ -44,11 +44,13 @@ def test_speculative_flags():
 
 def test_server_flags():
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "0",
-                                      "--max-queue", "3", "--max-new-tokens-cap", "50"])
+                                      "--max-queue", "3", "--max-new-tokens-cap", "50",
+                                      "--stream-interval", "6"])
     config = _server_config_from_args(args)
-    assert (config.host, config.port, config.max_queue, config.max_new_tokens_cap) == \
-        ("0.0.0.0", 0, 3, 50)
+    assert (config.host, config.port, config.max_queue, config.max_new_tokens_cap,
+            config.stream_interval) == ("0.0.0.0", 0, 3, 50, 6)
     assert config.max_prompt_tokens is None and config.tls_cert is None
+    assert _server_config_from_args(build_parser().parse_args(["serve"])).stream_interval == 1
 
 
 def test_a_bad_flag_value_is_a_usage_error(capsys):

@@ -15,7 +15,7 @@ import zmq
 
 from helpers import VOCAB
 from specserve.engine.config import EngineConfig, SamplingParams
-from specserve.engine.outputs import EngineInfo, StepOutput
+from specserve.engine.outputs import EngineInfo, FinishError, StepOutput
 from specserve.engine.wire import encode_batch
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
@@ -86,8 +86,8 @@ def _deliver(stream: RequestStream, updates: list[TextUpdate]) -> None:
         stream.deliver(update.index, update.piece, EngineProgress(*update.progress), 0.0)
 
 
-def _worker(tokenizer, rid: str, request: ValidatedRequest) -> TextSteps:
-    steps = TextSteps(tokenizer)
+def _worker(tokenizer, rid: str, request: ValidatedRequest, stream_interval: int = 1) -> TextSteps:
+    steps = TextSteps(tokenizer, stream_interval)
     steps.open(rid, request, False)
     return steps
 
@@ -128,6 +128,128 @@ def test_coalesced_chunks_concatenate_to_the_step_by_step_stream(tokenizer):
         stopped_coalesced += len(got) < len(expected) and bool(got[-1].finish.matched_stop_str)
     assert coalesced_cases > 100  # the test did exercise coalescing
     assert stopped_coalesced > 30  # and stop strings matched inside coalesced steps
+
+
+def test_a_stream_interval_holds_pieces_until_they_carry_n_tokens(tokenizer):
+    """--stream-interval N: the worker's first piece goes at the step it did without one (the
+    time to first token is not paced); every later piece but the last carries at least N tokens;
+    the pieces concatenate to the step-by-step stream (stop strings included) and the last one
+    ends it at the same step."""
+    rng = random.Random(2)
+    held_cases = 0
+    for case in range(300):
+        ids, sizes, stops, min_new = _random_case(rng, tokenizer)
+        interval = rng.randint(2, 8)
+        request = _request(stops, min_new)
+        unpaced = _worker(tokenizer, "r", request)
+        paced = _worker(tokenizer, "r", request, interval)
+        every_step, pieces = [], []  # (step, update)
+        for step, out in enumerate(_steps("r", ids, sizes)):
+            every_step += [(step, u) for u in unpaced.step([out]) if u.piece is not None]
+            pieces += [(step, u) for u in paced.step([out]) if u.piece is not None]
+        assert pieces[0][0] == every_step[0][0], case  # the first piece at once
+        assert pieces[-1][0] == every_step[-1][0], case  # and the last
+        assert pieces[0][1].stamps == every_step[0][1].stamps
+        assert all(u.piece.num_tokens >= interval for _, u in pieces[1:-1]), (case, interval)
+        assert [u.piece.finished for _, u in pieces] == [False] * (len(pieces) - 1) + [True]
+        last, last_unpaced = pieces[-1][1], every_step[-1][1]
+        assert (last.engine_finished, last.stopped_by_stop_string) == \
+            (last_unpaced.engine_finished, last_unpaced.stopped_by_stop_string)
+        assert _concatenation([join_pieces(0, [u.piece]).message() for _, u in pieces]) == \
+            _concatenation([join_pieces(0, [u.piece]).message() for _, u in every_step]), case
+        assert "r" not in paced.requests and "r" not in paced.paced  # nothing left behind
+        held_cases += len(pieces) < len(every_step)
+    assert held_cases > 100  # pieces were held
+
+
+def test_a_closed_request_drops_its_held_pieces(tokenizer):
+    """Cancelled with pieces held: the worker forgets them, and later outputs are dropped."""
+    worker = _worker(tokenizer, "r", _request(max_new_tokens=100), stream_interval=50)
+    steps = _steps("r", list(range(10, 40)), [1, 3, 3, 3, 3])
+    assert [u.piece.num_tokens for u in worker.step([steps[0]])] == [1]
+    assert worker.step([steps[1]]) == [] and worker.step([steps[2]]) == []  # held
+    worker.close("r")
+    assert worker.paced == {} and worker.requests == {}
+    assert worker.step([steps[3]]) == []
+
+
+def test_the_worker_paces_by_the_interval_its_init_command_gives(tokenizer, tmp_path):
+    """The detokenizer worker's loop (as the engine client starts it: "init" with the server's
+    stream interval) answers with paced pieces."""
+    from specserve.server.workers.detokenizer import COMMANDS, STEP
+
+    link = DetokenizerLink(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    context = zmq.Context()
+    to_worker, from_worker = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    to_worker.connect(link.inbox)
+    from_worker.bind(link.outbox)
+    worker = threading.Thread(target=serve_detokenizer, args=(link,), daemon=True)
+    worker.start()
+    try:
+        commands = [("init", pickle.dumps(tokenizer), 4), ("open", "r", _request(), False)]
+        to_worker.send_multipart([COMMANDS, pickle.dumps(commands)])
+        for out in _steps("r", list(range(10, 23)), [1] + [2] * 6):
+            batch = encode_batch([out])
+            to_worker.send_multipart([STEP, ipc.EngineToServer(batch=batch).SerializeToString()])
+        sizes = []
+        while not sizes or not sizes[-1][1]:
+            assert from_worker.poll(30_000)
+            updates = pickle.loads(from_worker.recv())
+            sizes += [(u.piece.num_tokens, u.piece.finished) for u in updates
+                      if isinstance(u, TextUpdate) and u.piece is not None]
+        assert sizes == [(1, False), (4, False), (4, False), (4, True)]
+    finally:
+        to_worker.send_multipart([COMMANDS, pickle.dumps([("stop",)])])
+        worker.join(10)
+        to_worker.close(linger=0)
+        from_worker.close(linger=0)
+        context.term()
+
+
+def test_held_pieces_come_before_an_error(tokenizer):
+    """A sequence that fails with pieces held (the engine's "error" finish): its held tokens
+    are sent first, then the error, as without an interval."""
+    async def run():
+        stream = RequestStream(1)
+        worker = _worker(tokenizer, "r", _request(max_new_tokens=100), stream_interval=50)
+        steps = _steps("r", list(range(10, 40)), [1, 3, 3, 3])
+        for out in steps[:3]:
+            _deliver(stream, worker.step([out]))
+        failed = StepOutput("r", [], finished=True, finish_reason="error",
+                            error=FinishError("INTERNAL", "the grammar service died"))
+        updates = worker.step([failed])
+        assert [(u.piece is not None, u.error is not None) for u in updates] == \
+            [(True, False), (False, True)]
+        _deliver(stream, updates[:1])
+        stream.fail(SequenceFailed(0, updates[1].error))
+        [chunk] = await stream.next_chunks()
+        assert list(chunk.message().token_ids) == list(range(10, 17))
+        with pytest.raises(SequenceFailed):
+            await stream.next_chunks()
+        assert worker.paced == {} and worker.requests == {}
+
+    asyncio.run(run())
+
+
+def test_a_failed_sequence_of_a_paced_request_ends_its_others_in_the_same_step(tokenizer):
+    """n = 2 with an interval: sequence 0 fails in the step that also brings sequence 1's
+    output (the request is closed in the middle of the step); the worker goes on."""
+    request = ValidatedRequest(PROMPT, SamplingParams(max_new_tokens=64, n=2), ())
+    worker = TextSteps(tokenizer, 4)
+    worker.open("r", request, False)
+    first = [StepOutput("r", [10], index=i) for i in range(2)]
+    assert len(worker.step(first)) == 2
+    failed = StepOutput("r", [], index=0, finished=True, finish_reason="error",
+                        error=FinishError("INTERNAL", "failed"))
+    updates = worker.step([failed, StepOutput("r", [11, 12], index=1)])
+    assert updates[0].error is not None and worker.requests == {} and worker.paced == {}
+    assert updates[1].error is None and updates[1].piece.num_tokens == 2  # as unpaced
+
+
+def test_stream_interval_errors_name_the_field():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="stream_interval"):
+            ServerConfig(stream_interval=bad)
 
 
 def test_an_error_comes_after_the_chunks_delivered_before_it(tokenizer):
@@ -182,7 +304,7 @@ def test_output_reader_and_worker_coalesce_whole_steps_for_a_stream_not_read(tok
                     others.append(item.load.query_id)
 
         reader = OutputReader(pull, to_worker, from_worker, loop, on_routed)
-        reader.command(("init", pickle.dumps(tokenizer)))
+        reader.command(("init", pickle.dumps(tokenizer), 1))
         for rid in ("a", "b"):
             reader.command(("open", rid, _request(stops if rid == "b" else ()), False))
         reader.start()

@@ -257,3 +257,20 @@ def test_n_sequences_through_the_sdk(client, offline):
     for i in (1, 2):
         assert "".join(c.text for c in chunks if c.index == i) == results[i].text
     assert wait_until(lambda: engine_is_idle(client))
+
+
+def test_stream_interval_chunks_carry_n_tokens_and_the_same_output(model, offline):
+    """`specserve serve --stream-interval 4`: after the first, every chunk but the last carries
+    at least 4 tokens; the tokens and text are the offline engine's."""
+    server = ServerProcess(model, "--stream-interval", "4")
+    try:
+        with server.client() as client:
+            [want] = offline.generate(prompts=["def add(a, b):"], sampling=_greedy(30))
+            chunks = list(client.generate_stream("def add(a, b):", max_new_tokens=30,
+                                                 temperature=0))
+    finally:
+        assert server.stop() == 0
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert "".join(c.text for c in chunks) == offline.tokenizer.decode(want.token_ids)
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sizes[0] == 1 and all(size >= 4 for size in sizes[1:-1]) and len(sizes) < 30, sizes

@@ -86,13 +86,26 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
         self.register_buffer("hot_token_ids", torch.arange(self.draft_vocab_size), persistent=False)
 
+    @property
+    def feature_size(self) -> int:
+        """The width of the target features a draft row reads."""
+        return self.fc.in_features
+
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> torch.Tensor:
+        h, x = self._attention_input(fb, hidden_in)
+        x = h + self.midlayer.self_attn(x, fb.positions, fb)
+        return x + self.midlayer.mlp(self.midlayer.post_attention_layernorm(x))
+
+    def store_kv(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> None:
+        """The draft KV of the rows alone (what `forward` stores): fc, the norms and the K/V
+        projection, without the attention, the MLP or the output."""
+        _, x = self._attention_input(fb, hidden_in)
+        self.midlayer.self_attn.store_kv(x, fb.positions, fb)
+
+    def _attention_input(self, fb: ForwardBatch, hidden_in: torch.Tensor):
         h = self.fc(hidden_in) if hidden_in.shape[-1] != self.fc.out_features else hidden_in
-        e = self.embed_tokens(fb.input_ids)
         m = self.midlayer
-        x = torch.cat([m.input_layernorm(e), m.hidden_norm(h)], dim=-1)
-        x = h + m.self_attn(x, fb.positions, fb)
-        return x + m.mlp(m.post_attention_layernorm(x))
+        return h, torch.cat([m.input_layernorm(self.embed_tokens(fb.input_ids)), m.hidden_norm(h)], dim=-1)
 
     def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True, bitmask=None):
         """(probabilities [n, k] or None, target token ids [n, k]) of the draft's next token;
@@ -125,11 +138,23 @@ class Eagle1Head(nn.Module):
         layer.mlp = MLP(h, cfg.intermediate_size)
         self.target_lm_head = [target_lm_head]  # a list: not registered, not loaded
 
+    @property
+    def feature_size(self) -> int:
+        """The width of the target features a draft row reads (its hidden size)."""
+        return self.config.hidden_size
+
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> torch.Tensor:
-        x = self.fc(torch.cat([self.embed_tokens(fb.input_ids), hidden_in], dim=-1))
+        x = self._attention_input(fb, hidden_in)
         layer = self.layers[0]
         x = x + layer.self_attn(x, fb.positions, fb)
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def store_kv(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> None:
+        """The draft KV of the rows alone (what `forward` stores)."""
+        self.layers[0].self_attn.store_kv(self._attention_input(fb, hidden_in), fb.positions, fb)
+
+    def _attention_input(self, fb: ForwardBatch, hidden_in: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.embed_tokens(fb.input_ids), hidden_in], dim=-1))
 
     def topk(self, hidden: torch.Tensor, k: int, with_probs: bool = True, bitmask=None):
         logits = self.target_lm_head[0](hidden)

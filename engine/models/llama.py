@@ -40,6 +40,13 @@ class Attention(nn.Module):
         q, k, v = self._project(x, positions, fb)
         return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale))
 
+    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> None:
+        """The new tokens' K/V into the pool as `forward` stores them (the same projection and
+        kernels, so the same values), without reading the pool or projecting the output."""
+        _, k, v = self._project(x, positions, fb)
+        if k is not None:
+            fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+
     def _project(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch):
         """The rotated q, and k and v for the backend to store: None where a fused kernel has
         already written the new tokens' K/V to the pool."""

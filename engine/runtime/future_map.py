@@ -10,6 +10,7 @@ every gather asserts it reads a fresh value, which catches "read without a new s
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -34,6 +35,27 @@ class DraftState(NamedTuple):
     hidden: torch.Tensor       # [rows, hidden_size]
 
 
+class DraftInput(NamedTuple):
+    """A draft model's row of a request's last plain step (adaptive speculation's depth 0),
+    kept so the state that step did not draft can be drafted later (spec/eagle_drafter.py
+    `ModelDrafter.refresh`): the token, its position and KV slot, the target's features."""
+
+    tokens: torch.Tensor       # [rows] int64
+    positions: torch.Tensor    # [rows] int64
+    loc: torch.Tensor          # [rows] int64
+    feats: torch.Tensor        # [rows, feature size]
+
+
+def _put_rows(buffers: NamedTuple, rows: torch.Tensor, values: NamedTuple) -> None:
+    for buf, value in zip(buffers, values):
+        buf[rows] = value
+
+
+def _take_rows(buffers: NamedTuple, rows: torch.Tensor):
+    """The rows of every buffer, as the buffers' own NamedTuple."""
+    return type(buffers)(*(buf[rows] for buf in buffers))
+
+
 def debug_enabled() -> bool:
     return os.environ.get("SPECSERVE_DEBUG_FUTURE_MAP", "0") not in ("", "0")
 
@@ -48,6 +70,7 @@ class FutureMap:
         self.output_tokens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
         self.new_seq_lens_buf = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=device)
         self.draft_state: Optional[DraftState] = None  # per row; see allocate_draft_state
+        self.draft_input: Optional[DraftInput] = None  # per row; see allocate_draft_input
         self.publish_ready = None
 
     # --- forward side ------------------------------------------------------------------
@@ -72,11 +95,23 @@ class FutureMap:
 
     def stash_draft_state(self, rows: torch.Tensor, state: DraftState) -> None:
         """Forward-only values; only the next forward reads them, so stream order suffices."""
-        for buf, value in zip(self.draft_state, state):
-            buf[rows] = value
+        _put_rows(self.draft_state, rows, state)
 
     def gather_draft_state(self, rows: torch.Tensor) -> DraftState:
-        return DraftState(*(buf[rows] for buf in self.draft_state))
+        return _take_rows(self.draft_state, rows)
+
+    def allocate_draft_input(self, feature_size: int, dtype: torch.dtype) -> None:
+        num_rows, device = self.output_tokens_buf.shape[0], self.output_tokens_buf.device
+        index = functools.partial(torch.zeros, num_rows, dtype=torch.int64, device=device)
+        self.draft_input = DraftInput(index(), index(), index(),
+                                      torch.zeros((num_rows, feature_size), dtype=dtype, device=device))
+
+    def keep_draft_input(self, rows: torch.Tensor, kept: DraftInput) -> None:
+        """Forward-only, as the draft state."""
+        _put_rows(self.draft_input, rows, kept)
+
+    def gather_draft_input(self, rows: torch.Tensor) -> DraftInput:
+        return _take_rows(self.draft_input, rows)
 
     def new_publish_event(self):
         """Called on the schedule side when launching a forward that will `publish`: the

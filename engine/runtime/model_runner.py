@@ -24,3 +24,10 @@ class ModelRunner:
         if read_done is not None:
             read_done.record()
         return self.model(fb, *model_args)
+
+    def store_kv(self, fb: ForwardBatch, *model_args) -> None:
+        """Only the new tokens' K/V into the pool (the model's `store_kv`): nothing reads the
+        pool, so no attention metadata is built."""
+        fb.attn_backend = self.attn_backend
+        fb.kv_pool = self.kv_pool
+        self.model.store_kv(fb, *model_args)

@@ -39,6 +39,7 @@ class StepTimes:
         self.buckets = sorted(seconds)
         self.depths: tuple[int, ...] = next(iter(depths))
         self._seconds = {b: dict(row) for b, row in seconds.items()}
+        self._measured = {b: dict(row) for b, row in seconds.items()}  # as given (start-up)
 
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket that holds the batch (a batch is padded up to it), or the
@@ -48,13 +49,24 @@ class StepTimes:
     def seconds(self, batch_size: int, depth: int) -> float:
         return self._seconds[self.bucket(batch_size)][depth]
 
-    def observe(self, batch_size: int, depth: int, seconds: float, weight: float) -> None:
-        """Move the bucket's time of `depth` toward a step's measured `seconds` by `weight`.
-        A sample counts as at most twice the current time: a pause of the host (a garbage
-        collection, a new request's work) must not price a depth out for good, since a depth
-        priced too high is not run again, so never measured again."""
-        row = self._seconds[self.bucket(batch_size)]
+    def observe(self, batch_size: int, depth: int, seconds: float, weight: float,
+                relax: float = 0.0) -> None:
+        """Move the bucket's time of `depth` toward a step's measured `seconds` by `weight`,
+        and the bucket's other depths by `relax` toward their start-up times plus the host's
+        share that `depth`'s time now shows over its own start-up time (a step's wall time is
+        its device time and the host's per-step work, the same at every depth). A depth priced
+        too high is not run again, so never measured again: a sample counts as at most twice
+        the current time (a pause of the host, a garbage collection or a new request's work,
+        must not price a depth out at once), and the relaxing brings back one that a run of
+        steps measured too high (a GPU run saw plain steps measure 1.3-1.6x their time while
+        another part's host work delayed their reads) to be tried again."""
+        bucket = self.bucket(batch_size)
+        row, start = self._seconds[bucket], self._measured[bucket]
         row[depth] += weight * (min(seconds, 2 * row[depth]) - row[depth])
+        host = max(row[depth] - start[depth], 0.0)  # wall time is never below device time
+        for other in row:
+            if other != depth:
+                row[other] += relax * (start[other] + host - row[other])
 
 
 class AcceptanceEstimate:
@@ -108,7 +120,11 @@ class DepthPolicy:
     """Chooses each step's depth: the most expected tokens per second, a deeper depth only
     where it beats the shallower choice by `deeper_margin` (below).
     After `probe_every` plain steps in a row one step drafts at the smallest depth, so that the
-    acceptance keeps being measured while plain decoding wins (traffic changes phase).
+    acceptance keeps being measured while plain decoding wins (traffic changes phase); each
+    probe that leaves plain decoding the best doubles the run before the next, up to
+    `max_probe_every`, and any step the policy drafts for itself resets it. (At forced accept
+    1 on an H100, 8B shape, probes every 32 steps left adaptive at 0.97-0.99x plain: a probe
+    and its drafter-state refresh cost 1.3-1.8 plain steps.)
 
     The start-up table times each depth's step alone on the device. A decode loop's step costs
     the most of that and the host's own work per step (scheduling, launching, reading the
@@ -117,9 +133,11 @@ class DepthPolicy:
     step 0.38 ms, while the device times price deeper drafts higher, and adaptive n-gram ran
     5.03 tokens a step (depth 4, whole copies: 5 a step plus the prefill's token) at 0.57x
     the fixed 7-draft chain. So each step's measured wall time (`observe`, the interval
-    between result reads) moves the table by `observe_weight`: a depth not run lately keeps
-    its device-only time, lower than its wall time, so the policy tries it again and learns
-    its price.
+    between result reads) moves the table by `observe_weight`: a depth not run yet keeps its
+    device-only time, lower than its wall time, so the policy tries it and learns its price;
+    one not run lately relaxes by `relax` a step observed in its bucket toward its device-only
+    time plus the host time the running depth shows, and is tried again when that makes it the
+    best.
 
     Wall times are noisy by a few %, and at bs=1 on an 8B target depths 0 and 1 cost within
     2 % of each other (6.15 / 6.28 ms on an H100): where no draft is accepted the two flipped on
@@ -128,24 +146,32 @@ class DepthPolicy:
     acceptance falls."""
 
     def __init__(self, times: StepTimes, estimate: AcceptanceEstimate, probe_every: int = 32,
-                 observe_weight: float = 0.25, deeper_margin: float = 0.03):
+                 observe_weight: float = 0.25, deeper_margin: float = 0.03, max_probe_every: int = 256,
+                 relax: float = 0.01):
         if probe_every < 1:
             raise ValueError(f"probe_every: must be >= 1, got {probe_every!r}")
+        if max_probe_every < probe_every:
+            raise ValueError(f"max_probe_every: must be >= probe_every ({probe_every}), got {max_probe_every!r}")
         if not 0.0 <= observe_weight <= 1.0:
             raise ValueError(f"observe_weight: must be in [0, 1], got {observe_weight!r}")
+        if not 0.0 <= relax <= 1.0:
+            raise ValueError(f"relax: must be in [0, 1], got {relax!r}")
         if not deeper_margin >= 0.0:
             raise ValueError(f"deeper_margin: must be >= 0, got {deeper_margin!r}")
         self.times = times
         self.estimate = estimate
         self.probe_every = probe_every
         self.observe_weight = observe_weight
+        self.relax = relax
         self.deeper_margin = deeper_margin
+        self.max_probe_every = max_probe_every
         self._plain_steps = 0
+        self._probe_after = probe_every  # plain steps in a row before the next probe
 
     def observe(self, batch_size: int, depth: int, seconds: float) -> None:
         """A chosen step's wall time: from its launch, or the previous result read if later,
         to its result read."""
-        self.times.observe(batch_size, depth, seconds, self.observe_weight)
+        self.times.observe(batch_size, depth, seconds, self.observe_weight, self.relax)
 
     def best(self, batch_size: int, rate: float) -> int:
         """The depth of the most expected tokens per second at acceptance `rate`, deeper ones
@@ -163,9 +189,11 @@ class DepthPolicy:
         depth = self.best(len(rows), self.estimate.rate(rows))
         if depth == 0 and len(self.times.depths) > 1:
             self._plain_steps += 1
-            if self._plain_steps > self.probe_every:
+            if self._plain_steps > self._probe_after:
                 self._plain_steps = 0
+                self._probe_after = min(2 * self._probe_after, self.max_probe_every)
                 return self.times.depths[1]
             return 0
         self._plain_steps = 0
+        self._probe_after = self.probe_every
         return depth

@@ -5,11 +5,14 @@ acceptance.
 One `SpecWorker` per depth (`adaptive_depths`: 0, 1, about half num_steps, num_steps) over the
 same target, the same drafter state (`Drafter.at_depth` shares it) and the deepest's KV
 reservation, with CUDA graphs for every depth in one memory pool. Depth 0 is a plain step
-through the verify path (one node: the bonus token), so the drafter's state stays current
-whatever the next step picks. The choice never changes a request's tokens: every depth's
-verifier accepts the target's own. Constrained batches run at num_steps (the grammar process
-walks a fixed draft shape); prefills run on the deepest worker (their drafter bookkeeping does
-not depend on the depth).
+through the verify path (one node: the bonus token); a draft model's drafter then only stores
+the row's draft KV (spec/drafter.py `refreshes_state`: its attention, MLP and LM head cost a
+plain step 5-7 % at the 8B shape), and the first deeper step of those rows refreshes their
+drafter state first (one draft forward of the kept rows, a CUDA graph per bucket), so every
+depth drafts from the state a full draft extend would have left. The choice never changes a
+request's tokens: every depth's verifier accepts the target's own. Constrained batches run at
+num_steps (the grammar process walks a fixed draft shape); prefills run on the deepest worker
+(their drafter bookkeeping does not depend on the depth).
 
 With tensor parallelism every rank must choose the same depth (the ranks run the same graphs
 in step): acceptance is the same on every rank (the tokens are), but wall times are not, so
@@ -91,6 +94,9 @@ class AdaptiveSpecWorker:
         self._share_times = tp.size > 1
         self._record_times = tp.rank == 0
         self._observed: list[StepObservation] = []
+        # Rows whose last decode step was plain, while the drafter `refreshes_state`: a deeper
+        # step refreshes their drafter state first.
+        self._stale_rows: set[int] = set()
 
     # What the engine reads of a worker: the deepest's (it runs prefills and constrained steps).
     @property
@@ -114,6 +120,7 @@ class AdaptiveSpecWorker:
 
     def launch_extend(self, step: ExtendStep) -> Launched:
         self.estimate.reset([row for row, samples in zip(step.rows, step.samples) if samples])
+        self._stale_rows.difference_update(step.rows)  # a prefill stashes a whole state
         launched = self.deepest.launch_extend(step)
         return launched._replace(result=ObservedResult(launched.result, self._read_extend))
 
@@ -129,8 +136,15 @@ class AdaptiveSpecWorker:
         policy = None if step.grammar is not None else self.policy  # the policy's own choice
         depth = self.spec.num_steps if policy is None else policy.choose(step.rows)
         self.depth_steps[depth] += 1
+        refresh = []
+        if self.drafter.refreshes_state:
+            if depth == 0:
+                self._stale_rows.update(step.rows)
+            elif self._stale_rows:  # (a run of deeper steps finds none: no per-row work)
+                refresh = [i for i, row in enumerate(step.rows) if row in self._stale_rows]
+                self._stale_rows.difference_update(step.rows)
         launched_at = time.perf_counter()
-        launched = self.workers[depth].launch_decode(step)
+        launched = self.workers[depth].launch_decode(step, refresh)
 
         def read(result: StepResult, read_at: float) -> None:
             self.estimate.update(depth, step.rows, result.accept_lens.tolist())
@@ -152,10 +166,14 @@ class AdaptiveSpecWorker:
             if worker is not self.deepest:  # constrained batches run at the full depth only
                 worker.enable_cuda_graphs(max_batch_size, width, False, sampled,
                                           pool=self.deepest.graphs.pool, extends=False)
+        if self.drafter.refreshes_state:
+            self.drafter.capture_refresh(max_batch_size, width, self.deepest.graphs.pool)
 
     def release_graphs(self) -> None:
         for worker in self.workers.values():
             worker.release_graphs()
+        if self.drafter.refreshes_state:
+            self.drafter.release_refresh_graphs()
 
     def take_step_times(self) -> list[StepObservation]:
         """Rank 0's step times since the last call (tp > 1), for every rank's policy."""

@@ -45,6 +45,11 @@ class Drafter(Protocol):
     # hidden state; else these layers' outputs (EAGLE-3).
     feature_layers: Optional[tuple[int, ...]]
 
+    # True: a depth-0 (plain) step keeps only the drafter's KV whole and leaves the state
+    # the next step drafts from to `refresh`, which the worker calls for those rows before
+    # a deeper step (a draft model's upkeep is most of a plain step's extra cost otherwise).
+    refreshes_state: bool
+
     def at_depth(self, depth: int) -> "Drafter":
         """The same drafter (its state shared) drafting chains of `depth` tokens, 0 included
         (adaptive speculation: spec/adaptive_worker.py)."""
@@ -65,6 +70,11 @@ class Drafter(Protocol):
 
     def after_verify(self, v: Verified) -> None:
         """After acceptance (and compaction): the drafter's state for the next iteration."""
+
+    def refresh(self, rows: torch.Tensor, seq_lens_cpu: Optional[list[int]], width: int) -> None:
+        """(`refreshes_state` drafters.) The next-step state of `rows`, whose last decode step
+        was plain; `seq_lens_cpu`: their lengths where a backend needs them; `width`: a bound
+        of their KV rows."""
 
     def captured_extend_part(self, width: int) -> Optional[Callable[[CapturedExtendHalf], torch.Tensor]]:
         """The second part of a captured extend (runtime/captured_extend.py) over rows of KV

@@ -25,7 +25,8 @@ from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.grammar.channel import DeviceChannel
-from specserve.engine.runtime.future_map import DraftState
+from specserve.engine.runtime.cuda_graph import GraphedStep
+from specserve.engine.runtime.future_map import DraftInput, DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import ExtendStep
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel
@@ -39,6 +40,14 @@ class EagleExtendInputs(NamedTuple):
     # last row of a chunk takes the next prompt token or, at the end, the sampled token.
     shifted_ids: torch.Tensor   # [T]
     samples: torch.Tensor       # [bs] bool: the chunk ends the prefill
+
+
+class RefreshInputs(NamedTuple):
+    """`ModelDrafter.refresh`'s rows (the captured graphs' static input)."""
+
+    rows: torch.Tensor
+    seq_lens_cpu: Optional[list[int]]
+    width: int
 
 
 class Drafting(NamedTuple):
@@ -63,8 +72,16 @@ class ModelDrafter:
         # EAGLE-3 reads target features from several layers, EAGLE-1 the last hidden state.
         self.feature_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         head = draft.model
-        self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size,
-                                             next(head.parameters()).dtype)
+        dtype = next(head.parameters()).dtype
+        self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size, dtype)
+        # A head that can store its KV alone (EAGLE; not NextN's MLA) does only that at depth
+        # 0: the attention, MLP and LM head of the row wait for `refresh`.
+        self.refreshes_state = hasattr(head, "store_kv")
+        if self.refreshes_state:
+            self.future_map.allocate_draft_input(head.feature_size, dtype)
+        # The refresh's CUDA graphs (`capture_refresh`), shared with the at_depth copies: a
+        # list, so that the copies made before the capture see it.
+        self._refresh_graphs: list[GraphedStep] = []
 
     def at_depth(self, depth: int) -> "ModelDrafter":
         """This drafter drafting `depth` levels (adaptive speculation; the state is shared: it
@@ -177,7 +194,9 @@ class ModelDrafter:
         return d.builder.finish()
 
     def after_verify(self, v: Verified) -> None:
-        """Draft-extend over the (compacted) accepted path, stash the next draft input."""
+        """Draft-extend over the (compacted) accepted path, stash the next draft input. A plain
+        step (depth 0) of a `refreshes_state` drafter only stores its row's draft KV and keeps
+        the row's input for `refresh`."""
         s, accept = v.inputs, v.accept
         bs, D = s.rows.shape[0], self.shape.num_draft_tokens
         # The accepted path now sits at the verify nodes' row positions and slots (compacted).
@@ -186,8 +205,48 @@ class ModelDrafter:
             positions=v.chain_pos.reshape(-1), kv_rows=v.kv, prefix_lens=s.S,
             extend_lens_cpu=[D] * bs, out_cache_loc=v.loc.reshape(-1),
             seq_lens_cpu=plus(s.seq_lens_cpu, D), max_seq_len=s.width)
+        if self.refreshes_state and self.shape.num_steps == 0:
+            self.draft_runner.store_kv(fb, v.feats)
+            self.future_map.keep_draft_input(s.rows, DraftInput(fb.input_ids, fb.positions, fb.out_cache_loc,
+                                                                v.feats))
+            return
         ext_hidden = self.draft_runner.forward(fb, v.feats).view(bs, D, -1)
         self._stash_draft_state(s.rows, ext_hidden[arange(bs, s.rows.device), v.last])
+
+    def refresh(self, rows: torch.Tensor, seq_lens_cpu: Optional[list[int]], width: int) -> None:
+        """The draft forward of the kept rows of the rows' last (plain) steps, over the draft
+        KV those steps stored (rewritten here with the same values): the state a full draft
+        extend would have stashed then. A captured graph where one fits the rows (its host
+        work would otherwise delay the step's launch and the previous step's read)."""
+        graphs = self._refresh_graphs[0] if self._refresh_graphs else None
+        if graphs is not None and graphs.bucket_for(rows.shape[0]) is not None:
+            graphs.replay(graphs.load(rows=rows), 0)
+        else:
+            self._refresh(RefreshInputs(rows, seq_lens_cpu, width))
+
+    def _refresh(self, r: "RefreshInputs") -> None:
+        kept = self.future_map.gather_draft_input(r.rows)
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=kept.tokens, positions=kept.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, r.rows), prefix_lens=kept.positions,
+            extend_lens_cpu=[1] * r.rows.shape[0], out_cache_loc=kept.loc, seq_lens_cpu=r.seq_lens_cpu,
+            max_seq_len=r.width)
+        self._stash_draft_state(r.rows, self.draft_runner.forward(fb, kept.feats))
+
+    def capture_refresh(self, max_batch_size: int, width: int, pool) -> None:
+        """Capture `refresh` per batch-size bucket over rows of KV bound `width`, in `pool`
+        (padded rows: pool row 0, whose state and kept input nothing reads)."""
+        device = self.target.ctx.device
+        graphs = GraphedStep([self._refresh], lambda bs: RefreshInputs(
+            torch.zeros(bs, dtype=torch.int64, device=device), None, width),
+            pad={"rows": 0}, max_batch_size=max_batch_size, device=device, pool=pool)
+        graphs.capture_all("drafter state refresh")
+        self._refresh_graphs[:] = [graphs]
+
+    def release_refresh_graphs(self) -> None:
+        for graphs in self._refresh_graphs:
+            graphs.release()
+        self._refresh_graphs.clear()
 
     def _stash_draft_state(self, rows, last_hidden):
         topk_p, topk_index = self.draft_runner.model.topk(last_hidden, self.shape.topk)

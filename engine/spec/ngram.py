@@ -109,6 +109,7 @@ class NgramDrafter:
     tokens per request."""
 
     feature_layers = None
+    refreshes_state = False  # a copy costs nothing at depth 0
 
     def __init__(self, target: TargetModel, spec: SpecConfig):
         self.target = target

@@ -9,7 +9,7 @@ sample, publish, then the drafter's after-prefill. The host never waits inside e
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -145,12 +145,16 @@ class SpecWorker:
         return CapturedExtendHalf(s, tokens, aux if layers else hidden)
 
     # --- decode ----------------------------------------------------------------------------
-    def launch_decode(self, step: DecodeStep) -> Launched:
+    def launch_decode(self, step: DecodeStep, refresh: Sequence[int] = ()) -> Launched:
         """The host does not know the lengths after the in-flight verify: the FutureMap has
-        them on the device, and the over-reserved slots cover whatever they turn out to be."""
+        them on the device, and the over-reserved slots cover whatever they turn out to be.
+        `refresh`: the batch indices whose last step was plain and left the drafter's state to
+        refresh first (adaptive speculation; spec/drafter.py `refreshes_state`)."""
         rows = self.target.to_device(step.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
         bs = len(step.rows)
+        refresh_rows = self.target.to_device([step.rows[i] for i in refresh]) if refresh else None
+        refresh_lens = None if seq_lens_cpu is None else [seq_lens_cpu[i] for i in refresh]
         constrained = step.grammar is not None
         inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, max(step.allocated_lens), step.sampling,
                                   constrained)
@@ -160,6 +164,8 @@ class SpecWorker:
         self.target.plan_grammar(SPEC, graphs.bucket_for(bs) if use_graph else bs, step.grammar)
 
         def body(read_done) -> StepResult:
+            if refresh_rows is not None:
+                self.drafter.refresh(refresh_rows, refresh_lens, inputs.width)
             if use_graph:
                 captured = graphs.load(rows=rows, S=seq_lens)
                 if not step.sampling.all_greedy:

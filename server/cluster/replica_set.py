@@ -277,7 +277,8 @@ class ReplicaSet:
         client = EngineClient(self.engine_config(replica.index), EngineWatchdog(
             config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s),
             self.start_engine, replica.launcher,
-            kv_events=None if events is None else events.address)
+            kv_events=None if events is None else events.address,
+            stream_interval=config.stream_interval)
         client.on_death(lambda reason: self._on_death(replica, client, reason))
         client.on_steps = lambda steps, load: self._on_replica_steps(replica.index, steps, load)
         client.on_grammar = lambda health: self.on_grammar is not None and self.on_grammar(health)

@@ -221,20 +221,21 @@ def chunk_piece(chunk: pb.GenerateChunk) -> ChunkPiece:
                       chunk.finish.reason if finished else 0)
 
 
+def merge_pieces(pieces: list[ChunkPiece]) -> ChunkPiece:
+    """One piece for consecutive pieces of one sequence: the bodies concatenated (parsing
+    concatenated messages merges them: repeated fields appended, the one finish kept, the index
+    repeated), the texts joined."""
+    last = pieces[-1]
+    return ChunkPiece(b"".join(piece.body for piece in pieces),
+                      b"".join(piece.text for piece in pieces),
+                      sum(piece.num_tokens for piece in pieces), last.finished, last.finish_reason)
+
+
 def join_pieces(index: int, pieces: list[ChunkPiece]) -> ReadyChunk:
     """One serialized chunk for consecutive pieces of one sequence: what `merge_chunks` makes
-    of their chunks. Parsing concatenated messages merges them (repeated fields appended, the
-    one finish kept, the index repeated); the text, which would be replaced, is joined and
-    written once, after the bodies (a parser takes fields in any order)."""
-    if len(pieces) == 1:
-        piece = pieces[0]
-        data = piece.body + _TEXT_TAG + _varint(len(piece.text)) + piece.text \
-            if piece.text else piece.body
-        return ReadyChunk(data, index, piece.num_tokens, piece.finished, piece.finish_reason)
-    text = b"".join(piece.text for piece in pieces)
-    data = b"".join(piece.body for piece in pieces)
-    if text:
-        data += _TEXT_TAG + _varint(len(text)) + text
-    last = pieces[-1]
-    return ReadyChunk(data, index, sum(piece.num_tokens for piece in pieces), last.finished,
-                      last.finish_reason)
+    of their chunks. The text, which a parser would replace rather than join, is written once,
+    after the bodies (a parser takes fields in any order)."""
+    piece = pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
+    data = piece.body + _TEXT_TAG + _varint(len(piece.text)) + piece.text \
+        if piece.text else piece.body
+    return ReadyChunk(data, index, piece.num_tokens, piece.finished, piece.finish_reason)

@@ -6,10 +6,17 @@ as raw bytes, on the same socket (and so in the same order) as the requests it o
 closes; the worker answers each step with one message: a list of `TextUpdate`s, each carrying a
 sequence's chunk already serialized (`ChunkPiece`), which the event loop only routes.
 
+With a stream interval above 1 (`--stream-interval N`), a sequence's pieces after its first are
+held here until they carry N tokens (or the last one comes), then sent as one: fewer updates for
+the loop to route and fewer messages for the front to write (each costs the event loop about as
+much whatever it carries), at the price of a coarser stream. The first piece goes at once (the
+time to first token is not paced), and so does a sequence's last.
+
 Messages to the worker are multipart: [b"B", EngineToServer bytes] (a step) or [b"C", pickled
-list of commands]: ("init", tokenizer pickle), ("open", rid, ValidatedRequest, report_spec),
-("close", rid). Pickle is safe here: both ends are this server's own processes, over ipc://
-paths in its private directory (the engine already sends its tokenizer pickled).
+list of commands]: ("init", tokenizer pickle, stream interval), ("open", rid,
+ValidatedRequest, report_spec), ("close", rid). Pickle is safe here: both ends are this server's
+own processes, over ipc:// paths in its private directory (the engine already sends its
+tokenizer pickled).
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from specserve.engine.wire import decode_batch, decode_load, decode_step_stats
 from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.server.text.detokenizer import PendingTokens, decode_windows
 from specserve.server.text.logprobs import TokenTexts
-from specserve.server.text.output_stream import ChunkPiece, OutputStream, chunk_piece
+from specserve.server.text.output_stream import ChunkPiece, OutputStream, chunk_piece, merge_pieces
 from specserve.server.text.validation import ValidatedRequest
 
 logger = logging.getLogger("specserve.server.detokenizer")
@@ -61,21 +68,62 @@ class EngineSteps(NamedTuple):
     load: Optional[EngineLoad]
 
 
+class _Paced:
+    """One sequence's pieces held back by the stream interval."""
+
+    __slots__ = ("started", "pieces", "tokens")
+
+    def __init__(self):
+        self.started = False  # its first piece has gone
+        self.pieces: list[ChunkPiece] = []
+        self.tokens = 0
+
+
 class TextSteps:
     """Every open request's OutputStreams (one per sequence), fed one engine step at a time.
-    Runs in the worker; tests drive it in-process."""
+    Runs in the worker; tests drive it in-process. stream_interval: the tokens a sequence's
+    pieces after its first are held for (1: none held)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, stream_interval: int = 1):
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.token_texts = TokenTexts(tokenizer)
         self.requests: dict[str, list[OutputStream]] = {}
+        self.paced: dict[str, list[_Paced]] = {}  # with a stream interval: per sequence
 
     def open(self, rid: str, request: ValidatedRequest, report_spec: bool) -> None:
         self.requests[rid] = [OutputStream(self.tokenizer, request, report_spec, self.token_texts)
                               for _ in range(request.sampling.n)]
+        if self.stream_interval > 1:
+            self.paced[rid] = [_Paced() for _ in range(request.sampling.n)]
 
     def close(self, rid: str) -> None:
         self.requests.pop(rid, None)
+        self.paced.pop(rid, None)
+
+    def _pace(self, rid: str, index: int, piece: ChunkPiece) -> Optional[ChunkPiece]:
+        """The piece to send now, with the held ones before it; None: held."""
+        sequences = self.paced.get(rid)
+        if sequences is None:  # closed in this step (another sequence failed): nothing held
+            return piece
+        paced = sequences[index]
+        if not paced.started:  # the first piece: at once
+            paced.started = True
+            return piece
+        paced.pieces.append(piece)
+        paced.tokens += piece.num_tokens
+        if paced.tokens < self.stream_interval and not piece.finished:
+            return None
+        return self._take_held(rid, index)
+
+    def _take_held(self, rid: str, index: int) -> Optional[ChunkPiece]:
+        """The sequence's held pieces as one (None: none), no longer held."""
+        sequences = self.paced.get(rid)
+        if sequences is None or not sequences[index].pieces:
+            return None
+        paced = sequences[index]
+        pieces, paced.pieces, paced.tokens = paced.pieces, [], 0
+        return pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
 
     def step(self, outputs: list[StepOutput]) -> list[TextUpdate]:
         """The step's updates: the per-token work of every output of an open request, its
@@ -102,18 +150,26 @@ class TextSteps:
                     if out.index:  # (0 is the field's default)
                         chunk.index = out.index
                     piece = chunk_piece(chunk)
+                    if self.stream_interval > 1:
+                        piece = self._pace(out.rid, out.index, piece)
+                        if piece is None:  # held: nothing for the loop this step
+                            continue
             except Exception as e:  # noqa: BLE001 - a bad output ends its request, not the worker
                 logger.exception("request %s: processing the engine's output failed", out.rid)
                 error = FinishError("INTERNAL", f"processing the engine's output failed: {e!r}")
             if error is not None:
                 output.finished = True
+                held = self._take_held(out.rid, out.index)
+                if held is not None:  # what came before the error goes first, as unheld
+                    updates.append(TextUpdate(out.rid, out.index, held, tuple(output.progress),
+                                              False, False, None))
             updates.append(TextUpdate(out.rid, out.index, piece, tuple(output.progress),
                                       out.finished, output.finished and not out.finished
                                       and error is None, error, out.stamps))
             if error is not None or output.finished:
                 streams = self.requests.get(out.rid)  # None: another sequence of it failed here
                 if streams is not None and (error is not None or all(s.finished for s in streams)):
-                    del self.requests[out.rid]
+                    self.close(out.rid)
         return updates
 
     def command(self, command: tuple) -> None:
@@ -172,7 +228,7 @@ def serve_detokenizer(link: DetokenizerLink) -> None:
             for command in pickle.loads(data):
                 if command[0] == "init":
                     tokenizer = pickle.loads(command[1]) if command[1] else None
-                    steps = TextSteps(tokenizer)
+                    steps = TextSteps(tokenizer, command[2])
                 elif command[0] == "stop":
                     return
                 else:
