@@ -18,8 +18,8 @@ configs for each (FP8 also over `--sweep-fp8-convert`, how its tiles become bf16
 is the FP8 decode's sweep at 32k tokens, bs 1 and 16 (about 100 rows, 50 compiles): the FP8
 pool's default, its old config (the bf16 pool's: "cast" conversion, 3 stages, 16 splits),
 the default with each of those back ("-cast", "-st3", "-s16"), and every FP8 candidate in 5
-stages (64-, 128- and 256-token tiles, 4 and 8 warps, 16/32/64 splits, "bits" and
-"bits_smem"), beside the bf16 pool's default and its 128-token, 4-warp candidates in 5 stages
+stages (64-, 128- and 256-token tiles, 4 and 8 warps, 16/32/64 splits, "cast" and "bits"),
+beside the bf16 pool's default and its 128-token, 4-warp candidates in 5 stages
 (Triton 3.6 double-buffers K and V from 5 stages on, for either pool), plus both verifies;
 each decode row with its speed against the bf16 pool's default decode.
 """
@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time decode launch configs")
     ap.add_argument("--fp8-sweep", action="store_true",
                     help="the FP8 decode's sweep at 32k, bs 1 and 16 (sets the options below)")
-    ap.add_argument("--sweep-fp8-convert", default="cast,bits,bits_smem",
+    ap.add_argument("--sweep-fp8-convert", default="cast,bits",
                     help="DecodeConfig.fp8_convert values (FP8 pools only)")
     ap.add_argument("--sweep-block-n", default="32,64,128")
     ap.add_argument("--sweep-splits", default="16,32,64")
@@ -127,7 +127,7 @@ def main():
         ap.set_defaults(sweep=True, contexts="32768", batch_sizes="1,16", kv_dtypes="bf16,fp8",
                         sweep_block_n="64,128,256", sweep_splits="16,32,64", sweep_stages="5",
                         sweep_warps="4,8", sweep_min_split="256",
-                        sweep_fp8_convert="bits,bits_smem")
+                        sweep_fp8_convert="cast,bits")
     args = ap.parse_args()
     KV_HEADS = args.kv_heads
     device = torch.device("cuda")

@@ -73,10 +73,7 @@ class DecodeConfig(NamedTuple):
     # both on the GPU's slow conversion pipe); "bits" (`_E4M3X4_TO_BF16`: byte moves and
     # masks, then one bf16x2 multiply a pair; sm_90 and newer, not the interpreter), which
     # Triton moves into the dots' operand loads like "cast" (V, the second dot's transposed
-    # operand, is then read from shared memory a byte at a time: no ldmatrix for bytes); or
-    # "bits_smem", the same conversion kept where the tiles are loaded (16-byte shared loads),
-    # the bf16 tiles then staged through shared memory for ldmatrix like a bf16 pool's (one
-    # bf16 K and V tile of shared memory more).
+    # operand, is then read from shared memory a byte at a time: no ldmatrix for bytes).
     fp8_convert: str = "cast"
 
 
@@ -104,7 +101,7 @@ def default_decode_config(head_dim: int, device: torch.device,
     return _default_decode_config(head_dim, device, is_mla)._replace(fp8_convert="bits")
 
 
-FP8_CONVERTS = ("cast", "bits", "bits_smem")  # DecodeConfig.fp8_convert's values
+FP8_CONVERTS = ("cast", "bits")  # DecodeConfig.fp8_convert's values
 
 
 def _checked(config: DecodeConfig) -> DecodeConfig:
@@ -129,13 +126,13 @@ def _has_sm90_conversions(device: torch.device) -> bool:
 # tile's loads fly during this one's dots), from 7 three. The FP8 loop also ran, per thread
 # and tile, 256 f16 -> bf16 conversions (F2F, a quarter-rate pipe) after 128 e4m3x2 unpacks,
 # and read V's tile (the second dot's transposed operand: no ldmatrix for bytes) a byte at a
-# time. So for FP8: the exact "bits" conversion (no F2F), 5 stages (two buffers: 73 KiB of
-# shared memory, 168 registers a thread at 4 warps) and 32 splits, so that a bs=1 long
-# context runs 256 programs (8 KV heads x 32), two an SM (three would fit), each one's waits
-# overlapping the other's dots. `bench/attention_kernels.py --fp8-sweep` times it against the
-# others (tiles, warps, stages, splits, conversions) and the bf16 pool's.
+# time. So for FP8: the exact "bits" conversion (no F2F) and 5 stages (two buffers: 73 KiB of
+# shared memory, 168 registers a thread at 4 warps). `bench/attention_kernels.py --fp8-sweep`
+# times it against the others (tiles, warps, stages, splits, conversions) and the bf16 pool's:
+# on an H100 at 32k tokens, bs=1, 16 splits ran in 43 us against 56 at 32 and 76 at 64 (the
+# bf16 pool's default: 60 us), the best of the grid.
 _FP8_DECODE_CONFIG = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=5,
-                                  max_kv_splits=32, fp8_convert="bits")
+                                  max_kv_splits=16, fp8_convert="bits")
 
 
 def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) -> DecodeConfig:
@@ -354,16 +351,10 @@ def _kv_tile(tile, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr):
     is a bf16/fp16/fp32 value, so every way is exact."""
     if FP8_CONVERT == "cast" or tile.dtype != tl.float8e4nv or dtype != tl.bfloat16:
         return tile.to(dtype)
-    elif FP8_CONVERT == "bits":
+    else:  # "bits"
         return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
                                          [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                          is_pure=True, pack=4)
-    else:
-        # "bits_smem": the asm has no side effects; marked impure, the compiler keeps it where
-        # the tile is loaded instead of moving it into the dots' operand layout (Triton 3.6).
-        return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
-                                         [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                         is_pure=False, pack=4)
 
 
 @triton.jit
