@@ -343,8 +343,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         graph_memory_bytes = _capture_graphs(worker, device, num_rows, row_width,
                                              constrained=scheduler.grammars is not None,
                                              sampled=config.cuda_graph_sampled,
-                                             estimate=_graph_reserve_bytes(config, cfg, dtype,
-                                                                           num_rows, spec, constrained))
+                                             estimate=_graph_reserve_bytes(
+                                                 config, cfg, dtype, num_rows, spec, constrained))
     if spec is not None and spec.adaptive:
         times = worker.measure_step_times(num_rows, row_width,
                                           **({} if tp_group is None else dict(agree=tp_group.exchange)))
@@ -535,9 +535,11 @@ def _reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, n
     (an eager run of the step, runtime/cuda_graph.py), whose blocks the allocator keeps cached
     outside the graphs' pool while the capture allocates inside it."""
     chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else context_len
-    tokens = max(chunk, _decode_tokens(num_rows, spec))
+    decode_tokens = _decode_tokens(num_rows, spec)
+    tokens = max(chunk, decode_tokens)
+    # Tokens are chosen for a decode step's rows at most (a prefill chooses one per request).
     eager = _workspace(config, cfg, dtype, tokens, tokens) + \
-        _pick_bytes(cfg, tokens, sampled=True, constrained=constrained)
+        _pick_bytes(cfg, decode_tokens, sampled=True, constrained=constrained)
     graphs = 0 if config.cuda_graph is False else \
         _graph_reserve_bytes(config, cfg, dtype, num_rows, spec, constrained)
     return eager + graphs + TABLES_BYTES

@@ -115,20 +115,20 @@ def test_the_builder_counts_what_this_engine_allocated_and_its_reserve(fake_devi
     reserve = builder._reserve_bytes(config, ModelConfig.from_dict(LLAMA_8B), torch.bfloat16, 64,
                                      None, 8192, constrained=False)
     assert slots == (int(H100 * 0.5) - weights - NON_TORCH_BYTES - reserve) // per_slot
-    # The reserve: a 2048-token chunk eagerly (its prompt logprobs' logits too, and a draw from
-    # them) and the graphs' pool (a 2048-token captured extend, logits of 64 rows and 32
-    # requests, the sampled variants' draw of 64 rows), and the tables.
+    # The reserve: a 2048-token chunk eagerly (its prompt logprobs' logits too) or a decode
+    # step drawing its 64 rows, and the graphs' pool (a 2048-token captured extend, logits of
+    # 64 rows and 32 requests, the sampled variants' draw of 64 rows), and the tables.
     graphs = forward_workspace_bytes(2048, 96, 4096, 14336, 128256, 2) + draw_workspace_bytes(64, 128256)
     assert reserve == (forward_workspace_bytes(2048, 2048, 4096, 14336, 128256, 2)
-                       + draw_workspace_bytes(2048, 128256) + graphs + TABLES_BYTES)
+                       + draw_workspace_bytes(64, 128256) + graphs + TABLES_BYTES)
     eager_only = builder._reserve_bytes(config.replace(cuda_graph=False),
                                         ModelConfig.from_dict(LLAMA_8B), torch.bfloat16, 64, None, 8192,
                                         constrained=False)
     assert eager_only == reserve - graphs
     # With a tokenizer (grammars served), both also mask their rows' logits.
     assert _slots(config, allocated_before=5 * GiB, constrained=True) == (
-        int(H100 * 0.5) - weights - NON_TORCH_BYTES - reserve - bitmask_workspace_bytes(2048, 128256)
-        - bitmask_workspace_bytes(64, 128256)) // per_slot
+        int(H100 * 0.5) - weights - NON_TORCH_BYTES - reserve - 2 * bitmask_workspace_bytes(64, 128256)
+    ) // per_slot
 
 
 def test_the_builder_reserves_for_a_speculative_step_and_splits_the_mlp_by_tp(fake_device):
@@ -171,7 +171,7 @@ def test_the_reserve_holds_what_a_sampled_constrained_tree_verify_allocates():
     """What the verify of the largest tree bucket runs after its forward, measured (meta
     tensors: nothing allocated): a grammar's mask over 2048 x 128k logits, then the draw. It
     fits in what the builder reserves for picking tokens, which the draw of the whole batch at
-    once (7.4 GB: the OOM capturing bench/drafters.py's eagle3-tree at bs 256) did not."""
+    once (6.9 GiB: the OOM capturing bench/drafters.py's eagle3-tree at bs 256) did not."""
     cfg, rows, vocab = ModelConfig.from_dict(LLAMA_8B), 256 * 8, 128256
     logits = torch.empty(rows, vocab, device="meta")
     words = torch.empty(rows, bitmask_width(vocab), dtype=torch.int32, device="meta")

@@ -99,7 +99,8 @@ def test_drawing_a_tree_verify_holds_one_chunk_not_the_batch(variant):
     chunk_elements = draw_chunk_rows(LLAMA3_VOCAB) * LLAMA3_VOCAB
     assert peaks[TREE_ROWS] >= 16 * chunk_elements  # the bound is not loose by more than 2x
     assert peaks[TREE_ROWS] < TREE_ROWS * LLAMA3_VOCAB * 4 / 8
-    assert peaks[TREE_ROWS] - peaks[TREE_ROWS // 8] <= (TREE_ROWS - TREE_ROWS // 8) * sampler.DRAW_BYTES_PER_ROW
+    more_rows = TREE_ROWS - TREE_ROWS // 8
+    assert peaks[TREE_ROWS] - peaks[TREE_ROWS // 8] <= more_rows * sampler.DRAW_BYTES_PER_ROW
 
 
 def test_masking_a_tree_verify_stays_within_its_bound():
