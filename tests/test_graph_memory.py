@@ -13,11 +13,11 @@ import multiprocessing
 import pytest
 import torch
 
-from helpers import make_predictable_pair, random_prompts
+from helpers import make_predictable_pair, random_prompts, save_byte_tokenizer
 
-from specserve.engine import SamplingParams, SpecConfig
+from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine import builder
-from specserve.engine.layers.sampler import FILTERED, SAMPLED
+from specserve.engine.layers.sampler import FILTERED, GREEDY, SAMPLED
 from specserve.engine.runtime import cuda_graph
 
 pytestmark = pytest.mark.gpu
@@ -139,13 +139,18 @@ def _tree_shape(root) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def test_a_tree_engine_of_256_rows_and_a_128k_vocabulary_captures_within_its_share(tmp_path, make_engine):
+@pytest.mark.parametrize("grammar", [False, True], ids=["sampled", "sampled-and-constrained"])
+def test_a_tree_engine_of_256_rows_and_a_128k_vocabulary_captures_within_its_share(tmp_path, make_engine,
+                                                                                   grammar):
     """bench/drafters.py's eagle3-tree (5 steps, top-4, 8 nodes) at max batch size 256: the
     sampled verify of the largest bucket draws 2048 rows of 128256 tokens, which ran the capture
     out of memory when the whole batch's noise was drawn at once and the KV pool left no room
-    for it. Now every variant is captured, the process never holds more than the engine's share,
-    the graphs' pool stays within what sizing reserved for it, and sampled requests run."""
+    for it. Now every variant is captured (with a tokenizer, the constrained ones too, which
+    also mask 2048 rows), the process never holds more than the engine's share, the graphs'
+    pool stays within what sizing reserved for it, and sampled requests run."""
     target, draft = _tree_shape(tmp_path)
+    if grammar:
+        save_byte_tokenizer(target, 512)
     gc.collect()
     torch.cuda.empty_cache()
     _, total = torch.cuda.mem_get_info()
@@ -158,10 +163,16 @@ def test_a_tree_engine_of_256_rows_and_a_128k_vocabulary_captures_within_its_sha
     core = engine.core
     assert set(core.worker.sampled_graphs) == {SAMPLED, FILTERED}
     assert max(core.worker.sampled_graphs[SAMPLED].captured) == 256
+    assert set(core.worker.constrained_graphs) == ({GREEDY, SAMPLED, FILTERED} if grammar else set())
     assert torch.cuda.max_memory_reserved() - reserved_before <= 0.9 * total
     assert 0 < core.graph_memory_bytes <= builder._graph_reserve_bytes(
-        core.config, core.model_config, core.dtype, 256, core.spec, constrained=False)
+        core.config, core.model_config, core.dtype, 256, core.spec, constrained=grammar)
     sampling = [SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i,
                                ignore_eos=True) for i in range(64)]
     outs = engine.generate(prompt_token_ids=[[5 + i, 6, 7] for i in range(64)], sampling=sampling)
     assert [len(o.token_ids) for o in outs] == [8] * 64
+    if grammar:
+        outs = engine.generate(prompt_token_ids=[[5, 6, 7]] * 4, sampling=[SamplingParams(
+            max_new_tokens=12, temperature=1.0, seed=seed, grammar=GrammarSpec("regex", "(yes|no)!"))
+            for seed in range(4)])
+        assert all(o.text in ("yes!", "no!") for o in outs), [o.text for o in outs]

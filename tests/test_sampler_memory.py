@@ -77,6 +77,11 @@ def test_a_draw_is_the_same_in_any_chunking(monkeypatch, variant):
     assert not torch.equal(race, logits.argmax(-1))  # sampled rows do not all draw the argmax
 
 
+def test_a_batch_of_no_rows_draws_nothing():
+    logits, info, rows, positions = _batch("filtered", 0, 5000)
+    assert sample(logits, info, rows, positions).tokens.shape == (0,)
+
+
 def _peak(fn) -> int:
     with PeakBytes() as measured:
         fn()

@@ -266,7 +266,7 @@ def draw(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor,
     seeds = info.seeds[rows]
     draws = [sample_from_probs(target_probs(logits[i:i + step], info, rows[i:i + step]),
                                seeds[i:i + step], positions[i:i + step])
-             for i in range(0, logits.shape[0], step)]
+             for i in range(0, max(1, logits.shape[0]), step)]  # no rows: one empty chunk
     return draws[0] if len(draws) == 1 else torch.cat(draws)
 
 
