@@ -8,7 +8,8 @@ distribution before temperature and truncation, for greedy and sampled rows alik
 
 Randomness is counter-based: the uniform for (request seed, sequence position, vocab id) is a
 hash, not a draw from a stateful generator. So a seeded request samples the same tokens
-whatever else is in its batch, after a retraction, and under speculative decoding.
+whatever else is in its batch, after a retraction, and under speculative decoding; and a batch
+is drawn a chunk of rows at a time (draw()), which bounds the draw's memory whatever its rows.
 """
 from __future__ import annotations
 
