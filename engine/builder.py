@@ -20,6 +20,7 @@ import torch
 from specserve.engine.attention.base import AttentionBackend, decide_needs_cpu_seq_lens
 from specserve.engine.attention.factory import create_attention_backend
 from specserve.engine.config import DEFAULT, EngineConfig, SpecConfig
+from specserve.engine.grammar.bitmask import bitmask_workspace_bytes
 from specserve.engine.grammar.channel import ChannelLayout
 from specserve.engine.grammar.process import GrammarService
 from specserve.engine.grammar.ranks import BroadcastMasks, FollowerGrammars
@@ -32,6 +33,7 @@ from specserve.engine.kvcache.sizing import (GiB, MiB, NON_TORCH_BYTES, SLOT_IND
                                              kv_pool_slots)
 from specserve.engine.layers.moe import experts_capturable
 from specserve.engine.layers.parallel import SINGLE, TensorParallel, kv_head_range, set_skinny_gemm
+from specserve.engine.layers.sampler import draw_workspace_bytes
 from specserve.engine.models.checkpoint_dir import check_checkpoint_dir, read_config
 from specserve.engine.models.deepseek import DeepseekForCausalLM
 from specserve.engine.models.eagle import load_draft_head
@@ -247,8 +249,10 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         head = load_draft_head(spec.draft_model, spec.algorithm, model, row_width, dtype, device,
                                dummy=config.load_format == "dummy")
     req_to_token = ReqToTokenPool(num_rows, row_width, device)
+    # With a tokenizer the engine serves grammars (below): constrained steps mask their logits.
+    constrained = tokenizer is not None
     num_slots = _num_kv_slots(config, cfg, attn_layer, dtype, kv_dtype, device, num_rows, spec,
-                              model_context, step_slots, allocated_before)
+                              model_context, step_slots, allocated_before, constrained=constrained)
     max_context_len = fit_context_to_pool(model_context, num_slots, step_slots)
     allocator = TokenSlotAllocator(num_slots, device)
 
@@ -343,8 +347,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         graph_memory_bytes = _capture_graphs(worker, device, num_rows, row_width,
                                              constrained=scheduler.grammars is not None,
                                              sampled=config.cuda_graph_sampled,
-                                             estimate=_graph_reserve_bytes(config, cfg, dtype,
-                                                                           num_rows, spec))
+                                             estimate=_graph_reserve_bytes(
+                                                 config, cfg, dtype, num_rows, spec, constrained))
     if spec is not None and spec.adaptive:
         times = worker.measure_step_times(num_rows, row_width,
                                           **({} if tp_group is None else dict(agree=tp_group.exchange)))
@@ -488,7 +492,7 @@ def _kv_scales(config: EngineConfig, model_path: str, num_layers: int) -> KVScal
 def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: torch.dtype,
                   kv_dtype: torch.dtype, device: torch.device, num_rows: int,
                   spec: Optional[SpecConfig], context_len: int, step_slots: int,
-                  allocated_before: int) -> int:
+                  allocated_before: int, *, constrained: bool) -> int:
     """Slots of the memory budget, at the target pool's bytes (`kv_dtype`: FP8 counts one byte
     an element) plus the draft's one layer (the model's `dtype`). On CUDA the budget is the
     engine's share of the device (kvcache/sizing.py): what it allocated since
@@ -514,7 +518,7 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
         share = MemoryShare(
             total=total, free=free, fraction=config.gpu_memory_utilization,
             held=torch.cuda.memory_allocated(device) - allocated_before + NON_TORCH_BYTES,
-            reserve=_reserve_bytes(config, cfg, dtype, num_rows, spec, context_len))
+            reserve=_reserve_bytes(config, cfg, dtype, num_rows, spec, context_len, constrained))
         slots = kv_pool_slots(share, per_slot + SLOT_INDEX_BYTES, min_slots=step_slots + 1)
         logger.info("memory: %s; the KV pool takes %.2f GiB (%d slots)", share.describe(),
                     slots * per_slot / GiB, slots)
@@ -526,26 +530,42 @@ def _num_kv_slots(config: EngineConfig, cfg: ModelConfig, attn_layer, dtype: tor
 
 
 def _reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
-                   spec: Optional[SpecConfig], context_len: int) -> int:
+                   spec: Optional[SpecConfig], context_len: int, constrained: bool) -> int:
     """What the engine allocates besides the KV pool once it is sized (kvcache/sizing.py):
     the largest eager forward's transients (a prefill chunk, whose prompt logprobs may take
-    logits of every token, or a full decode step), the CUDA graphs' one shared pool (about the
-    largest captured step's: a decode step of every row, or a 2048-token captured extend) and
-    the tables."""
+    logits of every token, or a full decode step, and choosing their tokens), the CUDA graphs'
+    one shared pool (about the largest captured step's: a decode step of every row, or a
+    2048-token captured extend) and the tables. The eager share also holds a capture's warm-up
+    (an eager run of the step, runtime/cuda_graph.py), whose blocks the allocator keeps cached
+    outside the graphs' pool while the capture allocates inside it."""
     chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else context_len
-    tokens = max(chunk, _decode_tokens(num_rows, spec))
-    eager = _workspace(config, cfg, dtype, tokens, tokens)
+    decode_tokens = _decode_tokens(num_rows, spec)
+    tokens = max(chunk, decode_tokens)
+    # Tokens are chosen for a decode step's rows at most (a prefill chooses one per request).
+    eager = _workspace(config, cfg, dtype, tokens, tokens) + \
+        _pick_bytes(cfg, decode_tokens, sampled=True, constrained=constrained)
     graphs = 0 if config.cuda_graph is False else \
-        _graph_reserve_bytes(config, cfg, dtype, num_rows, spec)
+        _graph_reserve_bytes(config, cfg, dtype, num_rows, spec, constrained)
     return eager + graphs + TABLES_BYTES
 
 
 def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
-                         spec: Optional[SpecConfig]) -> int:
-    """The graphs' pool, estimated: the largest captured step's transients."""
+                         spec: Optional[SpecConfig], constrained: bool) -> int:
+    """The graphs' pool, estimated: the largest captured step's transients. Every variant is
+    captured into the one pool, largest bucket first, so it holds about the largest's: a decode
+    step of every row that draws its tokens (the sampled variants) under a grammar's mask (the
+    constrained ones, where the engine serves grammars)."""
     decode_tokens = _decode_tokens(num_rows, spec)
     return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
-                      decode_tokens + MAX_REQUESTS)
+                      decode_tokens + MAX_REQUESTS) + \
+        _pick_bytes(cfg, decode_tokens, sampled=config.cuda_graph_sampled, constrained=constrained)
+
+
+def _pick_bytes(cfg: ModelConfig, logit_rows: int, sampled: bool, constrained: bool) -> int:
+    """What choosing the tokens of `logit_rows` rows allocates besides their logits: the seeded
+    draw of sampled rows (layers/sampler.py) and a grammar's mask (grammar/bitmask.py)."""
+    return (draw_workspace_bytes(logit_rows, cfg.vocab_size) if sampled else 0) + \
+        (bitmask_workspace_bytes(logit_rows, cfg.vocab_size) if constrained else 0)
 
 
 def _decode_tokens(num_rows: int, spec: Optional[SpecConfig]) -> int:

@@ -184,7 +184,7 @@ def test_fp8_pool_gets_twice_the_slots_of_bf16():
         num_kv_heads = 2
 
     slots = [_num_kv_slots(EngineConfig(), cfg, Layer, torch.bfloat16, kv_dtype,
-                           torch.device("cpu"), 1, None, 10 ** 12, 1, 0)
+                           torch.device("cpu"), 1, None, 10 ** 12, 1, 0, constrained=False)
              for kv_dtype in (torch.bfloat16, FP8_KV_DTYPE)]
     assert abs(slots[1] - 2 * slots[0]) <= 1
 

@@ -2,18 +2,22 @@
 share one memory pool captured on one stream, give the outputs of graphs captured each into a
 pool of its own, and hold less; two engines of gpu_memory_utilization 0.4 start and serve side
 by side on one GPU, in one process and as two processes started together (as two Ray replicas
-on --gpus-per-rank 0.5 do)."""
+on --gpus-per-rank 0.5 do); a tree engine of 256 rows and a 128k vocabulary captures its
+sampled verify graphs within its share."""
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 
 import pytest
 import torch
 
-from helpers import make_predictable_pair, random_prompts
+from helpers import make_predictable_pair, random_prompts, save_byte_tokenizer
 
-from specserve.engine import SamplingParams, SpecConfig
+from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
+from specserve.engine import builder
+from specserve.engine.layers.sampler import FILTERED, GREEDY, SAMPLED
 from specserve.engine.runtime import cuda_graph
 
 pytestmark = pytest.mark.gpu
@@ -118,3 +122,57 @@ def test_two_engine_processes_of_04_start_together_on_one_gpu(pair, prompts):
     (_, first_slots, first_tokens), (_, second_slots, second_tokens) = reports
     assert second_slots == pytest.approx(first_slots, rel=0.02)
     assert first_tokens == second_tokens
+
+
+def _tree_shape(root) -> tuple[str, str]:
+    """Random-weight folders (config.json only): a small Llama with Llama 3's 128256-token
+    vocabulary and an EAGLE-3 head of its width (bench/one_batch.py's write_shape, shrunk)."""
+    target, draft = root / "target", root / "eagle3"
+    cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
+               num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, vocab_size=128256,
+               max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0,
+               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    for path, config in ((target, cfg), (draft, dict(cfg, architectures=["LlamaForCausalLMEagle3"],
+                                                     num_hidden_layers=1, draft_vocab_size=32000))):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    return str(target), str(draft)
+
+
+@pytest.mark.parametrize("grammar", [False, True], ids=["sampled", "sampled-and-constrained"])
+def test_a_tree_engine_of_256_rows_and_a_128k_vocabulary_captures_within_its_share(tmp_path, make_engine,
+                                                                                   grammar):
+    """bench/drafters.py's eagle3-tree (5 steps, top-4, 8 nodes) at max batch size 256: the
+    sampled verify of the largest bucket draws 2048 rows of 128256 tokens, which ran the capture
+    out of memory when the whole batch's noise was drawn at once and the KV pool left no room
+    for it. Now every variant is captured (with a tokenizer, the constrained ones too, which
+    also mask 2048 rows), the process never holds more than the engine's share, the graphs'
+    pool stays within what sizing reserved for it, and sampled requests run."""
+    target, draft = _tree_shape(tmp_path)
+    if grammar:
+        save_byte_tokenizer(target, 512)
+    gc.collect()
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
+    reserved_before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    spec = SpecConfig(algorithm="eagle3", draft_model=draft, num_steps=5, topk=4, num_draft_tokens=8)
+    engine = make_engine(target, device="cuda", dtype="bfloat16", load_format="dummy",
+                         attention_backend="triton", cuda_graph=True, spec=spec, max_running_requests=256,
+                         max_context_len=1024, chunked_prefill_size=2048, gpu_memory_utilization=0.9)
+    core = engine.core
+    assert set(core.worker.sampled_graphs) == {SAMPLED, FILTERED}
+    assert max(core.worker.sampled_graphs[SAMPLED].captured) == 256
+    assert set(core.worker.constrained_graphs) == ({GREEDY, SAMPLED, FILTERED} if grammar else set())
+    assert torch.cuda.max_memory_reserved() - reserved_before <= 0.9 * total
+    assert 0 < core.graph_memory_bytes <= builder._graph_reserve_bytes(
+        core.config, core.model_config, core.dtype, 256, core.spec, constrained=grammar)
+    sampling = [SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i,
+                               ignore_eos=True) for i in range(64)]
+    outs = engine.generate(prompt_token_ids=[[5 + i, 6, 7] for i in range(64)], sampling=sampling)
+    assert [len(o.token_ids) for o in outs] == [8] * 64
+    if grammar:
+        outs = engine.generate(prompt_token_ids=[[5, 6, 7]] * 4, sampling=[SamplingParams(
+            max_new_tokens=12, temperature=1.0, seed=seed, grammar=GrammarSpec("regex", "(yes|no)!"))
+            for seed in range(4)])
+        assert all(o.text in ("yes!", "no!") for o in outs), [o.text for o in outs]

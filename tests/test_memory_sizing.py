@@ -10,15 +10,19 @@ import torch
 
 from specserve import cli
 from specserve.engine import builder
-from specserve.engine.config import EngineConfig, SpecConfig
+from specserve.engine.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.grammar.bitmask import apply_token_bitmask, bitmask_width, bitmask_workspace_bytes
 from specserve.engine.kvcache.pools import TokenToKVPool
 from specserve.engine.kvcache.sizing import (GiB, MiB, NON_TORCH_BYTES, SLOT_INDEX_BYTES,
                                              TABLES_BYTES, MemoryShare, forward_workspace_bytes,
                                              kv_pool_slots)
+from specserve.engine.layers.sampler import SamplingInfo, draw_workspace_bytes, sample
 from specserve.engine.models.model_config import ModelConfig
 from specserve.server.cluster.config import ClusterConfig, replica_engine_config
 from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.config import ServerConfig
+
+from peak_bytes import PeakBytes
 
 H100 = 80 * GiB
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -94,12 +98,12 @@ def fake_device(monkeypatch):
     return state
 
 
-def _slots(config: EngineConfig, allocated_before: int, spec=None) -> int:
+def _slots(config: EngineConfig, allocated_before: int, spec=None, constrained: bool = False) -> int:
     cfg = ModelConfig.from_dict(LLAMA_8B)
     return builder._num_kv_slots(config, cfg, types.SimpleNamespace(num_kv_heads=8), torch.bfloat16,
                                  torch.bfloat16, torch.device("cuda"), 64, spec, 8192,
                                  1 if spec is None else spec.kv_reserve_per_request,
-                                 allocated_before)
+                                 allocated_before, constrained=constrained)
 
 
 def test_the_builder_counts_what_this_engine_allocated_and_its_reserve(fake_device):
@@ -109,15 +113,22 @@ def test_the_builder_counts_what_this_engine_allocated_and_its_reserve(fake_devi
     slots = _slots(config, allocated_before=5 * GiB)
     per_slot = TokenToKVPool.bytes_per_slot(32, 8, 128, torch.bfloat16) + SLOT_INDEX_BYTES
     reserve = builder._reserve_bytes(config, ModelConfig.from_dict(LLAMA_8B), torch.bfloat16, 64,
-                                     None, 8192)
+                                     None, 8192, constrained=False)
     assert slots == (int(H100 * 0.5) - weights - NON_TORCH_BYTES - reserve) // per_slot
-    # The reserve: a 2048-token chunk eagerly (its prompt logprobs' logits too) and the graphs'
-    # pool (a 2048-token captured extend, logits of 64 rows and 32 requests), and the tables.
+    # The reserve: a 2048-token chunk eagerly (its prompt logprobs' logits too) or a decode
+    # step drawing its 64 rows, and the graphs' pool (a 2048-token captured extend, logits of
+    # 64 rows and 32 requests, the sampled variants' draw of 64 rows), and the tables.
+    graphs = forward_workspace_bytes(2048, 96, 4096, 14336, 128256, 2) + draw_workspace_bytes(64, 128256)
     assert reserve == (forward_workspace_bytes(2048, 2048, 4096, 14336, 128256, 2)
-                       + forward_workspace_bytes(2048, 96, 4096, 14336, 128256, 2) + TABLES_BYTES)
+                       + draw_workspace_bytes(64, 128256) + graphs + TABLES_BYTES)
     eager_only = builder._reserve_bytes(config.replace(cuda_graph=False),
-                                        ModelConfig.from_dict(LLAMA_8B), torch.bfloat16, 64, None, 8192)
-    assert eager_only == reserve - forward_workspace_bytes(2048, 96, 4096, 14336, 128256, 2)
+                                        ModelConfig.from_dict(LLAMA_8B), torch.bfloat16, 64, None, 8192,
+                                        constrained=False)
+    assert eager_only == reserve - graphs
+    # With a tokenizer (grammars served), both also mask their rows' logits.
+    assert _slots(config, allocated_before=5 * GiB, constrained=True) == (
+        int(H100 * 0.5) - weights - NON_TORCH_BYTES - reserve - 2 * bitmask_workspace_bytes(64, 128256)
+    ) // per_slot
 
 
 def test_the_builder_reserves_for_a_speculative_step_and_splits_the_mlp_by_tp(fake_device):
@@ -125,13 +136,52 @@ def test_the_builder_reserves_for_a_speculative_step_and_splits_the_mlp_by_tp(fa
     chain = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
     config = EngineConfig(max_running_requests=1024, chunked_prefill_size=1024, spec=None)
     # 1024 rows x 4 draft tokens outgrow the 1024-token chunk.
-    assert builder._reserve_bytes(config, cfg, torch.bfloat16, 1024, chain, 8192) == (
+    draws = 2 * draw_workspace_bytes(4096, 128256)  # the eager step's and the sampled graphs'
+    assert builder._reserve_bytes(config, cfg, torch.bfloat16, 1024, chain, 8192, constrained=False) == (
         forward_workspace_bytes(4096, 4096, 4096, 14336, 128256, 2)
-        + forward_workspace_bytes(4096, 4096 + 32, 4096, 14336, 128256, 2) + TABLES_BYTES)
+        + forward_workspace_bytes(4096, 4096 + 32, 4096, 14336, 128256, 2) + draws + TABLES_BYTES)
     tp2 = config.replace(tp_size=2)
-    assert builder._reserve_bytes(tp2, cfg, torch.bfloat16, 1024, chain, 8192) == (
+    assert builder._reserve_bytes(tp2, cfg, torch.bfloat16, 1024, chain, 8192, constrained=False) == (
         forward_workspace_bytes(4096, 4096, 4096, 7168, 128256, 2)
-        + forward_workspace_bytes(4096, 4096 + 32, 4096, 7168, 128256, 2) + TABLES_BYTES)
+        + forward_workspace_bytes(4096, 4096 + 32, 4096, 7168, 128256, 2) + draws + TABLES_BYTES)
+
+
+TREE = SpecConfig(num_steps=5, topk=4, num_draft_tokens=8)  # bench/drafters.py's eagle3-tree
+
+
+def test_the_graph_reserve_counts_every_variant_of_the_largest_tree_step(fake_device):
+    """256 rows of a tree verify are 2048 logit rows of 128256: the graphs' pool is reserved for
+    the forward, the sampled variants' draw and the constrained variants' mask over all of
+    them (rows x vocab x bytes), each only where the engine captures that variant."""
+    cfg, rows, vocab = ModelConfig.from_dict(LLAMA_8B), 256 * 8, 128256
+    config = EngineConfig(max_running_requests=256, chunked_prefill_size=8192, spec=None)
+    forward = forward_workspace_bytes(rows, rows + 32, 4096, 14336, vocab, 2)
+    draw, mask = draw_workspace_bytes(rows, vocab), bitmask_workspace_bytes(rows, vocab)
+    assert draw == 32 * vocab * 32 + rows * 1024  # one 32-row chunk at 32 bytes an element
+    assert mask == (rows * vocab + 32) * 8
+    graphs = lambda config, constrained: builder._graph_reserve_bytes(  # noqa: E731
+        config, cfg, torch.bfloat16, 256, TREE, constrained)
+    assert graphs(config, True) == forward + draw + mask
+    assert graphs(config, False) == forward + draw
+    assert graphs(config.replace(cuda_graph_sampled=False), True) == forward + mask
+    assert graphs(config.replace(cuda_graph_sampled=False), False) == forward
+
+
+def test_the_reserve_holds_what_a_sampled_constrained_tree_verify_allocates():
+    """What the verify of the largest tree bucket runs after its forward, measured (meta
+    tensors: nothing allocated): a grammar's mask over 2048 x 128k logits, then the draw. It
+    fits in what the builder reserves for picking tokens, which the draw of the whole batch at
+    once (6.9 GiB: the OOM capturing bench/drafters.py's eagle3-tree at bs 256) did not."""
+    cfg, rows, vocab = ModelConfig.from_dict(LLAMA_8B), 256 * 8, 128256
+    logits = torch.empty(rows, vocab, device="meta")
+    words = torch.empty(rows, bitmask_width(vocab), dtype=torch.int32, device="meta")
+    params = [SamplingParams(temperature=0.7, top_p=0.9)] * rows
+    info = SamplingInfo.build(params, list(range(rows)), [0] * rows, [], vocab, "meta")
+    index = torch.arange(rows, device="meta")
+    with PeakBytes() as measured:
+        sample(apply_token_bitmask(logits, words), info, index, index + 1)
+    reserved = builder._pick_bytes(cfg, rows, sampled=True, constrained=True)
+    assert rows * vocab * 8 <= measured.peak <= reserved < rows * vocab * 9
 
 
 def test_the_builder_refuses_a_share_smaller_than_the_weights(fake_device):

@@ -19,6 +19,17 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+# What apply_token_bitmask allocates per logit at most: the unpacked bits (two int32
+# temporaries); then the bool masks and the masked float32 copy (6 bytes).
+BITMASK_BYTES_PER_LOGIT = 8
+
+
+def bitmask_workspace_bytes(rows: int, vocab_size: int) -> int:
+    """A bound on the bytes apply_token_bitmask allocates to mask `rows` rows of logits: per
+    bit of the packed words (the vocabulary rounded up to 32), and the 32 bit positions."""
+    return (rows * bitmask_width(vocab_size) * 32 + 32) * BITMASK_BYTES_PER_LOGIT
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                         token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """-inf on every logit whose token the bitmask disallows. `token_ids` maps logit columns to

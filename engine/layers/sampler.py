@@ -8,7 +8,8 @@ distribution before temperature and truncation, for greedy and sampled rows alik
 
 Randomness is counter-based: the uniform for (request seed, sequence position, vocab id) is a
 hash, not a draw from a stateful generator. So a seeded request samples the same tokens
-whatever else is in its batch, after a retraction, and under speculative decoding.
+whatever else is in its batch, after a retraction, and under speculative decoding; and a batch
+is drawn a chunk of rows at a time (draw()), which bounds the draw's memory whatever its rows.
 """
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ _M2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 
 
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (logical shifts emulated with masks)."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _M1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _M2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
+def _xorshift_(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x ^= x >>> shift (a logical shift: the arithmetic one's sign bits masked off), in place."""
+    return x.bitwise_xor_((x >> shift).bitwise_and_((1 << (64 - shift)) - 1))
+
+
+def _mix64_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64, in place on `x` (a tensor of the caller's own): one
+    temporary of x's size at a time."""
+    _xorshift_(x, 30).mul_(_M1)
+    _xorshift_(x, 27).mul_(_M2)
+    return _xorshift_(x, 31)
 
 
 # Bits of the hash a uniform keeps. (k + 0.5) / 2^23 is exact in float32 for every k < 2^23
@@ -43,15 +48,17 @@ UNIFORM_BITS = 23
 
 def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """float32 U(0,1), strictly inside, from the top UNIFORM_BITS bits of int64 hashes."""
-    k = (bits >> (64 - UNIFORM_BITS)) & ((1 << UNIFORM_BITS) - 1)
-    return (k.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+    k = (bits >> (64 - UNIFORM_BITS)).bitwise_and_((1 << UNIFORM_BITS) - 1)
+    u = k.float()
+    del k
+    return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS))
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int, salt: int = 0):
     """U(0,1) float32 of shape [N, width], a pure function of (seed, position, column, salt)."""
-    base = _mix64(seeds * _GOLDEN + positions * 0x2545F491 + salt)
+    base = _mix64_(seeds * _GOLDEN + positions * 0x2545F491 + salt)
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
-    return uniform_from_bits(_mix64(base.unsqueeze(1) + cols * _GOLDEN))
+    return uniform_from_bits(_mix64_(base.unsqueeze(1) + cols * _GOLDEN))
 
 
 class TokenHistory(NamedTuple):
@@ -225,8 +232,43 @@ def target_probs(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor) -
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                       salt: int = 0) -> torch.Tensor:
     """Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) from the hash noise."""
-    noise = -torch.log(uniform_noise(seeds, positions, probs.shape[1], salt))
-    return argmax_last_dim(probs / noise)
+    noise = uniform_noise(seeds, positions, probs.shape[1], salt).log_().neg_()
+    return argmax_last_dim(torch.div(probs, noise, out=noise))
+
+
+# The draw's work is [rows, vocab]: probabilities (and the filter's sort), then the noise's int64
+# hash bits with a temporary beside them. For a tree verify's 2048 rows of a 128k vocabulary that
+# was 6.9 GiB at once, which the KV pool's sizing left no room for. So rows are drawn a chunk of
+# about DRAW_CHUNK_ELEMENTS at a time (32 rows of a 128k vocabulary: ~100 MB); a row's draw is a
+# function of its own row only, the same in any chunk.
+DRAW_CHUNK_ELEMENTS = 1 << 22
+# Bounds on what a draw allocates at once, for the KV pool's sizing (builder.py): per element
+# of a chunk (measured: 24 bytes with temperature only, 25 with the top-k/top-p/min-p filter;
+# tests/test_sampler_memory.py), and per row of the batch (its seeds, draws and tokens, and the
+# chunked argmax's per-row partial maxima on CUDA).
+DRAW_BYTES_PER_ELEMENT = 32
+DRAW_BYTES_PER_ROW = 1024
+
+
+def draw_chunk_rows(vocab_size: int) -> int:
+    return max(1, DRAW_CHUNK_ELEMENTS // vocab_size)
+
+
+def draw_workspace_bytes(rows: int, vocab_size: int) -> int:
+    """A bound on the bytes sample() allocates besides its logits to draw `rows` rows."""
+    chunk = min(rows, draw_chunk_rows(vocab_size))
+    return chunk * vocab_size * DRAW_BYTES_PER_ELEMENT + rows * DRAW_BYTES_PER_ROW
+
+
+def draw(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor,
+         positions: torch.Tensor) -> torch.Tensor:
+    """Every row's seeded draw from its target_probs, draw_chunk_rows() rows at a time."""
+    step = draw_chunk_rows(logits.shape[1])
+    seeds = info.seeds[rows]
+    draws = [sample_from_probs(target_probs(logits[i:i + step], info, rows[i:i + step]),
+                               seeds[i:i + step], positions[i:i + step])
+             for i in range(0, max(1, logits.shape[0]), step)]  # no rows: one empty chunk
+    return draws[0] if len(draws) == 1 else torch.cat(draws)
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positions: torch.Tensor,
@@ -236,9 +278,7 @@ def sample(logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positio
     logits = adjust_logits(logits, info, rows, positions, history)
     tokens = argmax_last_dim(logits)
     if not info.all_greedy:
-        probs = target_probs(logits, info, rows)
-        sampled = sample_from_probs(probs, info.seeds[rows], positions)
-        tokens = torch.where(info.is_greedy[rows], tokens, sampled)
+        tokens = torch.where(info.is_greedy[rows], tokens, draw(logits, info, rows, positions))
     if not info.any_logprobs:
         return TokenChoice(tokens, None, None, None)
     all_logprobs = torch.log_softmax(logits, dim=-1)
