@@ -1,6 +1,6 @@
 """Drafters against plain decoding: n-gram (prompt lookup) at bs=1 on a workload whose answers
 copy their prompt, suffix drafting on one whose answers repeat an earlier request's, and
-adaptive speculation's depth choice at forced acceptance.
+adaptive speculation's draft shape choice at forced acceptance.
 
     python bench/drafters.py --out drafters.json
 
@@ -117,8 +117,15 @@ def batch_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
 
 
 def table_ms(times) -> dict:
-    """An adaptive engine's step-time table (spec/adaptive.py StepTimes) in ms."""
-    return {bs: {d: round(1000 * times.seconds(bs, d), 4) for d in times.depths} for bs in times.buckets}
+    """An adaptive engine's step-time table (spec/adaptive.py StepTimes) in ms, by bucket and
+    shape ("3": a chain of 3 drafts, "3x4": a tree of 3 levels of width 4)."""
+    return {bs: {str(shape): round(1000 * times.seconds(bs, shape), 4) for shape in times.shapes}
+            for bs in times.buckets}
+
+
+def shape_steps(worker) -> dict:
+    """An adaptive engine's decode steps run per shape (keys as `table_ms`'), cheapest first."""
+    return {str(shape): n for shape, n in sorted(worker.depth_steps.items())}
 
 
 def demo_rows(args) -> list[dict]:
@@ -149,9 +156,9 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
                 start_up = table_ms(worker.policy.times)
             outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens) if batch_size == 1 \
                 else batch_speed(engine, prompts[:batch_size], args.max_new_tokens)
-            # An adaptive engine: the depths it ran, its step-time table at start-up and after
+            # An adaptive engine: the shapes it ran, its step-time table at start-up and after
             # the steps' wall times refined it.
-            choice = dict(depth_steps=dict(sorted(worker.depth_steps.items())), step_ms_start_up=start_up,
+            choice = dict(depth_steps=shape_steps(worker), step_ms_start_up=start_up,
                           step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
             del worker  # it holds the model and KV pool: the next engine sizes itself by what is free
         plain = outputs if mode == "plain" else plain
@@ -193,7 +200,7 @@ def forced_rows(args) -> list[dict]:
                              syncs_per_step=r["syncs_per_step"],
                              speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
             if adaptive:
-                rows[-1].update(depth_steps=dict(sorted(engine.core.worker.depth_steps.items())),
+                rows[-1].update(depth_steps=shape_steps(engine.core.worker),
                                 step_ms_observed=table_ms(engine.core.worker.policy.times))
             print(json.dumps(rows[-1]), flush=True)
         engine.shutdown()
