@@ -695,9 +695,9 @@ def test_tp_ranks_take_rank0s_step_times(pair, reference, make_engine, placement
     """tp > 1: outputs equal plain decoding's (every rank runs the same shapes: a rank choosing
     its own would run other graphs, other collectives); rank 0's step times reach its own
     policy only as the control message every rank applies at the next step's start. A tree
-    config (which shapes the measured table picks is the machine's; the rank-0 policy cannot
-    be swapped here, a follower would keep its own; test_shapes_survive_the_tp_control_messages_pickling
-    covers the messages' shapes)."""
+    config, by its measured table: which shapes that picks is the machine's (a stub policy on
+    rank 0 alone would leave the follower on its own; the messages' shapes:
+    test_shapes_survive_the_tp_control_messages_pickling)."""
     size, device = tp_placement(placement)
     prompts, params, expected = reference
     engine = make_engine(pair[0], spec=_spec(pair, "eagle-tree"), max_running_requests=16, tp_size=size, **device)
