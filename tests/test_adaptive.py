@@ -325,7 +325,7 @@ def test_shapes_survive_the_tp_control_messages_pickling():
     assert message_there == message and type(message_there.observed[0].shape) is DraftShape
 
 
-# --- the engine: any choice of depths leaves the output unchanged ---------------------------------
+# --- the engine: any choice of shapes leaves the output unchanged ---------------------------------
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from helpers import make_predictable_pair
