@@ -334,15 +334,20 @@ def pair(tmp_path_factory):
 
 
 class RandomShapes:
-    """A stand-in policy: a seeded random shape per step (the worker's shapes, plain included)."""
+    """A stand-in policy: a seeded random shape per step (the worker's shapes, plain included),
+    each round of len(shapes) steps every shape once in a shuffled order (so any run of that
+    many steps tries them all, whatever its length)."""
 
     def __init__(self, shapes, seed: int):
         self.shapes = sorted(shapes)
         self.rng = random.Random(seed)
         self.chosen = []
+        self._round = []
 
     def choose(self, rows) -> DraftShape:
-        self.chosen.append(self.rng.choice(self.shapes))
+        if not self._round:
+            self._round = self.rng.sample(self.shapes, len(self.shapes))
+        self.chosen.append(self._round.pop())
         return self.chosen[-1]
 
     def observe(self, batch_size: int, shape: DraftShape, seconds: float) -> None:
