@@ -300,9 +300,8 @@ def run_shape(args, step_ms: float, k: int, replicas: int) -> list[dict]:
     name = f"{args.out}.{step_ms}ms.k{k}.dp{replicas}"
     profile = f"{name}.prof" if args.profile else None
     workers_file = f"{name}.workers"
-    if os.path.exists(workers_file):
-        if os.path.exists(workers_file):  # (a server that failed to start wrote none)
-            os.remove(workers_file)
+    if os.path.exists(workers_file):  # an earlier run's
+        os.remove(workers_file)
     # Each engine (replica) takes up to max_running requests.
     max_running = -(-max(args.concurrency_list) // max(replicas, 1))
     server = ServerProcess(step_ms, k, max_running, args.port, profile, replicas, workers_file,

@@ -158,11 +158,11 @@ class AdaptiveSpecWorker:
         self.depth_steps[shape] += 1
         refresh = []
         if self.drafter.refreshes_state:
-            if shape.depth > 0:
+            if shape.depth == 0:
+                self._stale_rows.update(step.rows)
+            elif self._stale_rows:  # (a run of deeper steps finds none: no per-row work)
                 refresh = [i for i, row in enumerate(step.rows) if row in self._stale_rows]
                 self._stale_rows.difference_update(step.rows)
-            else:
-                self._stale_rows.update(step.rows)
         launched_at = time.perf_counter()
         launched = self.workers[shape].launch_decode(step, refresh)
 
