@@ -15,11 +15,13 @@
 # tp70), tp70 (70B at tp 4), tp70fp8 (70B FP8 at tp 2), tpdsv2 (DeepSeek-V2-Lite at tp
 # 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
 set -uo pipefail
-OUT=${OUT:-out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
+OUT=${OUT:-out}; LOGS=${LOGS:-/tmp/logs}; mkdir -p "$OUT" "$LOGS"
 export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
 # NVLink multicast stays off in every process on the lent machines (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/site  # the wheels (also for a later call that skips the install)
+# the wheels (also for a later call that skips the install); SITE_FIRST: a directory searched
+# before them (another checkout installed with --target, run beside this one)
+export PYTHONPATH=${SITE_FIRST:+$SITE_FIRST:}/tmp/site
 if [ -z "${SESSION_INSTALLED:-}" ]; then
   python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
       > /tmp/pip.log 2>&1 || echo "wheel install failed"
