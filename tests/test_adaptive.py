@@ -15,7 +15,7 @@ from helpers import TP_PLACEMENTS, random_prompts, tp_placement
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.spec.adaptive import (PLAIN, AcceptanceEstimate, DraftShape, ShapePolicy, StepTimes,
-                                            expected_tokens, level_prior)
+                                            expected_tokens, level_prior, observe_acceptance)
 
 
 def _chains(row: dict) -> dict:
@@ -137,6 +137,61 @@ def test_each_width_is_chosen_by_its_own_estimate():
     before = chain.rate([3]), tree.rate([3])
     tree.update(3, [3], [1])
     assert chain.rate([3]) == before[0] and tree.rate([3]) < before[1]
+
+
+def test_an_unused_widths_estimate_relaxes_toward_its_prior():
+    """Each step of another width moves a row's counts by `relax` toward a fresh row's (one
+    pseudo-trial at the prior): the rate drifts back to the prior, and its weight to one trial,
+    so one step of its own measures it again. Plain steps and rows outside the step keep theirs."""
+    chain, tree = AcceptanceEstimate(8, prior=0.5), AcceptanceEstimate(8, prior=0.75, relax=0.05)
+    estimates = {1: chain, 2: tree}
+    for _ in range(30):
+        observe_acceptance(estimates, DraftShape(3, 2), [1, 2], [1, 1])   # the tree: nothing accepted
+    fallen, traffic = tree.rate([1]), tree.traffic_rate()
+    assert fallen < 0.05 and traffic < 0.05 and chain.rate([1]) == 0.5
+    observe_acceptance(estimates, PLAIN, [1, 2], [1, 1])                    # plain: nothing moves
+    observe_acceptance(estimates, DraftShape(3), [2], [4])                  # a chain step of row 2
+    assert tree.rate([1]) == fallen and fallen < tree.rate([2]) < 0.75 and traffic < tree.traffic_rate()
+    for _ in range(200):
+        observe_acceptance(estimates, DraftShape(3), [1], [4])              # the chain runs row 1
+    assert tree.rate([1]) == pytest.approx(0.75, abs=1e-3)
+    tree.update(3, [1], [1])                  # one step of its own, nothing accepted: about halves it
+    assert tree.rate([1]) == pytest.approx(0.9 * 0.75 / (0.9 + 1), abs=1e-3)
+    still = AcceptanceEstimate(8, prior=0.75, relax=0.0)
+    still.update(3, [1], [1])
+    before = still.rate([1])
+    still.relax([1])
+    assert still.rate([1]) == before
+
+
+@pytest.mark.parametrize("tree_recovers", [True, False], ids=["recovers", "stays-poor"])
+def test_a_fallen_width_is_tried_again_while_another_drafts(tree_recovers):
+    """bs=1: the tree's drafts fail, the 5-draft chain (2 of 3 tried accepted) takes over. The
+    tree's estimate relaxes toward its prior while the chain runs, so it is tried again: where
+    its drafts are accepted again (a phase change) it is the choice from then on; where they
+    still fail, one step each retry measures it down again and the chain runs the rest. Without
+    relaxing the tree is never tried again either way."""
+    def run(relax: float) -> list:
+        policy = _tree_policy(decay=0.9)
+        for est in policy.estimates.values():
+            est.relax_weight = relax
+        chosen = []
+        for step in range(2000):
+            shape = policy.choose([1])
+            chosen.append(shape)
+            accepted = min(shape.depth, 2) if shape.width == 1 else \
+                shape.depth if tree_recovers and step >= 200 else 0
+            observe_acceptance(policy.estimates, shape, [1], [accepted + 1])
+        return chosen
+
+    chosen = run(relax=0.01)
+    trees = [step for step, shape in enumerate(chosen) if shape.width > 1]
+    assert trees[0] == 0 and chosen[1].width == 1   # its prior: tried first; failed, the chain
+    if tree_recovers:
+        assert 200 < trees[2] < 600 and chosen[-100:] == [DraftShape(5, 4)] * 100
+    else:                                     # retried now and then, one step each time
+        assert 3 <= len(trees) < 40 and all(chosen[step + 1].width == 1 for step in trees)
+    assert [step for step, shape in enumerate(run(relax=0.0)) if shape.width > 1] == [0]
 
 
 def test_batches_between_buckets_take_the_next_larger_bucket():
@@ -296,6 +351,8 @@ def test_bad_settings_are_refused_naming_the_field():
         AcceptanceEstimate(4, prior=1.5)
     with pytest.raises(ValueError, match=r"^decay:"):
         AcceptanceEstimate(4, decay=1.0)
+    with pytest.raises(ValueError, match=r"^relax:"):
+        AcceptanceEstimate(4, relax=-0.1)
     with pytest.raises(ValueError, match=r"^estimates:"):
         ShapePolicy(TREE_TIMES, chain)                  # no estimate of width 4
     with pytest.raises(ValueError, match=r"^estimates:"):
@@ -390,13 +447,18 @@ def reference(pair):
 
 
 def _record_estimate_updates(worker) -> list:
-    """(width of the estimate, depth) of every acceptance update, in order."""
+    """(width of the estimate, the depth of its update or "relax") of every acceptance update
+    and relaxing, in order."""
     updates = []
     for width, est in worker.estimates.items():
         def update(depth, rows, accept_lens, width=width, run=est.update):
             updates.append((width, depth))
             run(depth, rows, accept_lens)
-        est.update = update
+
+        def relax(rows, width=width, run=est.relax):
+            updates.append((width, "relax"))
+            run(rows)
+        est.update, est.relax = update, relax
     return updates
 
 
@@ -412,8 +474,11 @@ def test_random_shapes_leave_greedy_and_seeded_outputs_unchanged(pair, reference
     updates = _record_estimate_updates(worker)
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
     assert set(policy.chosen) == set(shapes)   # chains and (eagle-tree) trees, every depth
-    # Each decode step's acceptance went to the estimate of its own width.
-    assert updates == [(shape.width, shape.depth) for shape in policy.chosen]
+    # Each decode step's acceptance went to the estimate of its own width; a drafting step
+    # relaxed the other width's (eagle-tree).
+    assert updates == [(width, shape.depth if width == shape.width else "relax") for shape in policy.chosen
+                       for width in sorted(worker.estimates) if width == shape.width or shape.depth]
+    assert ("relax" in {step for _, step in updates}) == (algorithm == "eagle-tree")
     if algorithm == "eagle-tree":
         # (topk, levels, verified nodes): a chain of d verifies d + 1; a tree of width 2 holds
         # 2 + 4 (d - 1) candidates, 7 verified at most.

@@ -106,19 +106,32 @@ class AcceptanceEstimate:
     per-draft rate; a tree's level is accepted where any of its candidates is): an
     exponentially weighted ratio of accepted levels to levels tried, over the row's steps (a
     request tries levels until the first rejection: k accepted of d tried counts k successes of
-    k + 1 trials, or of d when all d were accepted). A row starts (`reset`: a request prefilled into it, again after a
-    retraction) at the traffic's rate: every step's rows pooled, with the same decay per step,
-    the prior until a draft was tried. Requests of one workload accept alike, so a new one
-    starting at the prior (optimistic where drafts fail) would run a dozen losing deep steps
-    before its own counts outweigh it. A batch's rate pools its rows' counts."""
+    k + 1 trials, or of d when all d were accepted). A row starts (`reset`: a request prefilled
+    into it, again after a retraction) at the traffic's rate: every step's rows pooled, with the
+    same decay per step, the prior until a draft was tried. Requests of one workload accept
+    alike, so a new one starting at the prior (optimistic where drafts fail) would run a dozen
+    losing deep steps before its own counts outweigh it. A batch's rate pools its rows' counts.
 
-    def __init__(self, num_rows: int, prior: float = 0.5, decay: float = 0.9):
+    A width is measured only by its own steps, so once the policy stops choosing it (its
+    acceptance fell) its counts would keep the rate they fell to, however the traffic changed.
+    So each step that drafts at another width moves this width's counts over the step's rows
+    (and the traffic's) by `relax` toward a fresh row's one pseudo-trial at the prior: the rate
+    drifts back to the prior and the counts' weight to one trial, so the width is tried again
+    once that makes it the best, and one step of its own then measures it again. A width far
+    from winning drifts long before it is retried; one close to winning is retried sooner, at a
+    smaller loss. (Plain steps relax nothing: while plain wins, the policy's probe, the chain,
+    keeps the acceptance measured, with its backoff.)"""
+
+    def __init__(self, num_rows: int, prior: float = 0.5, decay: float = 0.9, relax: float = 0.01):
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior: must be in [0, 1], got {prior!r}")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay: must be in (0, 1), got {decay!r}")
+        if not 0.0 <= relax <= 1.0:
+            raise ValueError(f"relax: must be in [0, 1], got {relax!r}")
         self.prior = prior
         self.decay = decay
+        self.relax_weight = relax
         # One pseudo-trial of weight 1 at the prior per row (row 0: padding, never read).
         self._accepted = [prior] * (num_rows + 1)
         self._tried = [1.0] * (num_rows + 1)
@@ -147,6 +160,27 @@ class AcceptanceEstimate:
             accepted, tried = accepted + n - 1, tried + min(n, depth)
         self._traffic_accepted = self.decay * self._traffic_accepted + accepted
         self._traffic_tried = self.decay * self._traffic_tried + tried
+
+    def relax(self, rows: Sequence[int]) -> None:
+        """A step of another width drafted these rows: their counts and the traffic's move by
+        `relax` toward one pseudo-trial at the prior."""
+        w, prior = self.relax_weight, self.prior
+        for r in rows:
+            self._accepted[r] += w * (prior - self._accepted[r])
+            self._tried[r] += w * (1.0 - self._tried[r])
+        self._traffic_accepted += w * (prior - self._traffic_accepted)
+        self._traffic_tried += w * (1.0 - self._traffic_tried)
+
+
+def observe_acceptance(estimates: Mapping[int, AcceptanceEstimate], shape: DraftShape, rows: Sequence[int],
+                       accept_lens: Sequence[int]) -> None:
+    """A decode step's accept lengths (one per row: accepted levels + 1): its width's estimate
+    counts them; a drafting step relaxes every other width's over its rows."""
+    for width, estimate in estimates.items():
+        if width == shape.width:
+            estimate.update(shape.depth, rows, accept_lens)
+        elif shape.depth:
+            estimate.relax(rows)
 
 
 class ShapePolicy:

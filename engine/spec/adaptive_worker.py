@@ -43,7 +43,7 @@ from specserve.engine.config import SpecConfig
 from specserve.engine.runtime.step import DecodeStep, ExtendStep, Launched, PendingResult, StepResult
 from specserve.engine.runtime.worker import TargetModel
 from specserve.engine.spec.adaptive import (PLAIN, AcceptanceEstimate, DraftShape, ShapePolicy, StepTimes,
-                                             level_prior)
+                                             level_prior, observe_acceptance)
 from specserve.engine.spec.drafter import Drafter
 from specserve.engine.spec.spec_worker import SpecWorker
 
@@ -167,7 +167,7 @@ class AdaptiveSpecWorker:
         launched = self.workers[shape].launch_decode(step, refresh)
 
         def read(result: StepResult, read_at: float) -> None:
-            self.estimates[shape.width].update(shape.depth, step.rows, result.accept_lens.tolist())
+            observe_acceptance(self.estimates, shape, step.rows, result.accept_lens.tolist())
             if policy is not None:
                 seen = StepObservation(len(step.rows), shape, read_at - max(launched_at, self._last_read))
                 if not self._share_times:
