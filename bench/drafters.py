@@ -123,9 +123,9 @@ def table_ms(times) -> dict:
             for bs in times.buckets}
 
 
-def shape_steps(worker) -> dict:
+def steps_by_shape(worker) -> dict:
     """An adaptive engine's decode steps run per shape (keys as `table_ms`'), cheapest first."""
-    return {str(shape): n for shape, n in sorted(worker.depth_steps.items())}
+    return {str(shape): n for shape, n in sorted(worker.shape_steps.items())}
 
 
 def demo_rows(args) -> list[dict]:
@@ -152,13 +152,13 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
             worker = engine.core.worker
             adaptive = getattr(worker, "policy", None) is not None
             if adaptive:
-                worker.depth_steps.clear()
+                worker.shape_steps.clear()
                 start_up = table_ms(worker.policy.times)
             outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens) if batch_size == 1 \
                 else batch_speed(engine, prompts[:batch_size], args.max_new_tokens)
             # An adaptive engine: the shapes it ran, its step-time table at start-up and after
             # the steps' wall times refined it.
-            choice = dict(depth_steps=shape_steps(worker), step_ms_start_up=start_up,
+            choice = dict(shape_steps=steps_by_shape(worker), step_ms_start_up=start_up,
                           step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
             del worker  # it holds the model and KV pool: the next engine sizes itself by what is free
         plain = outputs if mode == "plain" else plain
@@ -192,7 +192,7 @@ def forced_rows(args) -> list[dict]:
         adaptive = getattr(engine.core.worker, "policy", None) is not None
         for bs in batch_sizes:
             if adaptive:
-                engine.core.worker.depth_steps.clear()
+                engine.core.worker.shape_steps.clear()
             r = run_one(engine, bs, 128, 64)
             plain = next((p for p in rows if p["mode"] == "plain" and p["batch_size"] == bs), None)
             rows.append(dict(model=args.shape, mode=mode, batch_size=bs, decode_tokens_per_s=r["decode_tokens_per_s"],
@@ -200,7 +200,7 @@ def forced_rows(args) -> list[dict]:
                              syncs_per_step=r["syncs_per_step"],
                              speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
             if adaptive:
-                rows[-1].update(depth_steps=shape_steps(engine.core.worker),
+                rows[-1].update(shape_steps=steps_by_shape(engine.core.worker),
                                 step_ms_observed=table_ms(engine.core.worker.policy.times))
             print(json.dumps(rows[-1]), flush=True)
         engine.shutdown()

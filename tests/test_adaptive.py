@@ -488,7 +488,7 @@ def test_random_shapes_leave_greedy_and_seeded_outputs_unchanged(pair, reference
     # Each decode step reports the depth it ran (the server's specserve_spec_decode_steps).
     decodes = [s.draft_depth for s in engine.take_step_stats() if not s.extend]
     assert collections.Counter(decodes) == collections.Counter(shape.depth for shape in policy.chosen)
-    assert worker.depth_steps == collections.Counter(policy.chosen)
+    assert worker.shape_steps == collections.Counter(policy.chosen)
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle-tree"])
@@ -730,7 +730,7 @@ def test_the_engine_runs_the_shape_its_policy_picks(pair, make_engine, monkeypat
     assert chosen.count(expected_shape) > len(chosen) * 0.8
     # A chain of d verifies d + 1 nodes, the tree of width 2 its 7 best (8 with the root).
     assert launched == [(shape, 8 if shape.width == 2 else shape.depth + 1) for shape in chosen]
-    assert worker.depth_steps == collections.Counter(chosen)
+    assert worker.shape_steps == collections.Counter(chosen)
 
 
 def test_the_engine_feeds_each_steps_wall_time_to_the_table(pair, reference, make_engine):
@@ -776,10 +776,10 @@ def test_tp_ranks_take_rank0s_step_times(pair, reference, make_engine, placement
     apply = worker.observe_step_times
     worker.observe_step_times = lambda observed: (applied.extend(observed), apply(observed))
     assert [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=params)] == expected
-    decodes = sum(worker.depth_steps.values())
+    decodes = sum(worker.shape_steps.values())
     # Each decode step's time is applied at a later step's start, the last ones still queued.
     assert 0 < len(applied) <= decodes and len(applied) + len(worker.take_step_times()) == decodes
-    assert {seen.shape for seen in applied} <= set(worker.depth_steps) <= set(TREE_SHAPES)
+    assert {seen.shape for seen in applied} <= set(worker.shape_steps) <= set(TREE_SHAPES)
 
 
 def test_cli_turns_adaptive_on():

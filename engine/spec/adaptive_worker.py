@@ -24,12 +24,13 @@ rank alike (engine/tp.py ObservedStepTimes), never in between.
 
 Acceptance reaches the policy, per request row and per draft width (a chain and a tree accept
 differently), when the scheduler reads a step's result (the host has it then: no sync added);
-a row starts from each width's pooled rate when a prefill ends into it. So does the step's
-wall time (host clocks only: from its launch, or the previous result read if later, to its
-read), which refines the start-up table (spec/adaptive.py ShapePolicy). The step times are
-measured once, after the graphs are captured (`measure_step_times`): each shape's step
-replayed on its static inputs per batch-size bucket (eagerly, off CUDA, at the smallest and
-largest bucket).
+a row starts from each width's pooled rate when a prefill ends into it, and a drafting step
+relaxes the other widths' rates toward their priors (spec/adaptive.py observe_acceptance: a
+width no longer chosen is tried again). So does the step's wall time (host clocks only: from
+its launch, or the previous result read if later, to its read), which refines the start-up
+table (spec/adaptive.py ShapePolicy). The step times are measured once, after the graphs are
+captured (`measure_step_times`): each shape's step replayed on its static inputs per
+batch-size bucket (eagerly, off CUDA, at the smallest and largest bucket).
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class AdaptiveSpecWorker:
                                                     prior=level_prior(DRAFT_PRIOR, width))
                           for width in sorted({shape.width for shape in self.workers})}
         self.policy: Optional[ShapePolicy] = None  # once measure_step_times ran
-        self.depth_steps: collections.Counter[DraftShape] = collections.Counter()  # decode steps run per shape
+        self.shape_steps: collections.Counter[DraftShape] = collections.Counter()  # decode steps run per shape
         self._last_read = 0.0  # perf_counter of the last step result read
         # tp > 1: rank 0's step times, for the next step's control message (the others' unused).
         tp = target.model.tp
@@ -155,7 +156,7 @@ class AdaptiveSpecWorker:
     def launch_decode(self, step: DecodeStep) -> Launched:
         policy = None if step.grammar is not None else self.policy  # the policy's own choice
         shape = self.configured if policy is None else policy.choose(step.rows)
-        self.depth_steps[shape] += 1
+        self.shape_steps[shape] += 1
         refresh = []
         if self.drafter.refreshes_state:
             if shape.depth == 0:
