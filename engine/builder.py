@@ -396,9 +396,12 @@ def _static_input_bytes(worker: Worker) -> int:
 
 
 def _graph_sets(worker: Worker) -> list:
-    """The worker's captured GraphedSteps (decode variants and extends)."""
-    return [graphs for graphs in (worker.graphs, *worker.sampled_graphs.values(),
-                                  *worker.constrained_graphs.values(), worker.extend_graphs)
+    """The worker's captured GraphedSteps (decode variants and extends; adaptive speculation's
+    of every draft shape, where the worker's own attributes are the configured shape's alone;
+    not its drafter-state refresh's, whose pool bytes the pool count has)."""
+    workers = worker.workers.values() if isinstance(worker, AdaptiveSpecWorker) else (worker,)
+    return [graphs for w in workers
+            for graphs in (w.graphs, *w.sampled_graphs.values(), *w.constrained_graphs.values(), w.extend_graphs)
             if graphs is not None]
 
 

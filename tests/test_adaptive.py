@@ -535,6 +535,15 @@ def test_constrained_batches_run_the_configured_tree_and_every_shape_has_graphs(
     assert all(g.pool is pool for g in worker.deepest.constrained_graphs.values())
     assert [shape for shape, w in worker.workers.items() if w.extend_graphs is not None] == [configured]
     assert worker.drafter._refresh_graphs[0].pool is pool
+    # The start-up log's count and static-input bytes (builder.py) take every shape's graphs,
+    # not the configured shape's alone (the worker's own attributes).
+    from specserve.engine import builder
+    counted = builder._graph_sets(worker)
+    assert {id(g) for g in decode} < {id(g) for g in counted}
+    assert len(counted) == len(decode) + len(worker.deepest.constrained_graphs) + 1   # + the extends
+    configured_alone = sum(t.nbytes for g in (worker.graphs, *worker.sampled_graphs.values())
+                           for c in g.captured.values() for t in c.inputs if isinstance(t, torch.Tensor))
+    assert builder._static_input_bytes(worker) > configured_alone
     policy = _randomise(engine, seed=12)
     steps = []  # (constrained, the shape of the worker that ran it)
     for shape, sub in worker.workers.items():
