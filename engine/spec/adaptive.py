@@ -37,8 +37,11 @@ PLAIN = DraftShape(0, 1)  # a plain decode step: the bonus token alone, verified
 
 def expected_tokens(accept_rate: float, depth: int) -> float:
     """Tokens a step of `depth` draft levels emits when each level is accepted with probability
-    `accept_rate` once its predecessors were: 1 + a + a^2 + ... + a^depth."""
-    return sum(accept_rate ** i for i in range(depth + 1))
+    `accept_rate` once its predecessors were: 1 + a + a^2 + ... + a^depth (in closed form: the
+    policy prices every shape each step, on the schedule thread)."""
+    if accept_rate == 1.0:
+        return depth + 1.0
+    return (1.0 - accept_rate ** (depth + 1)) / (1.0 - accept_rate)
 
 
 def level_prior(draft_prior: float, width: int) -> float:
@@ -80,6 +83,10 @@ class StepTimes:
 
     def seconds(self, batch_size: int, shape: DraftShape) -> float:
         return self._seconds[self.bucket(batch_size)][shape]
+
+    def row(self, batch_size: int) -> Mapping[DraftShape, float]:
+        """Every shape's seconds at the batch's bucket (read only)."""
+        return self._seconds[self.bucket(batch_size)]
 
     def observe(self, batch_size: int, shape: DraftShape, seconds: float, weight: float,
                 relax: float = 0.0) -> None:
@@ -250,8 +257,9 @@ class ShapePolicy:
         """The shape of the most expected tokens per second at the per-level acceptance
         `rates[width]`, costlier ones taken only by more than the margin."""
         best, best_speed = None, 0.0
+        seconds = self.times.row(batch_size)
         for shape in self.times.shapes:  # cheapest first
-            speed = expected_tokens(rates[shape.width], shape.depth) / self.times.seconds(batch_size, shape)
+            speed = expected_tokens(rates[shape.width], shape.depth) / seconds[shape]
             if best is None or speed > best_speed * (1.0 + self.deeper_margin):
                 best, best_speed = shape, speed
         return best
