@@ -174,7 +174,8 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
 
 def forced_rows(args) -> list[dict]:
     """Random weights at a forced accept length: each mode's decode speed per batch size
-    (bench/one_batch.py's run_one)."""
+    (bench/one_batch.py's run_one), and what its CUDA graphs hold (`graph_mib`: an adaptive
+    engine's graphs of every shape)."""
     from one_batch import run_one, write_shape
 
     target, draft = write_shape(tempfile.mkdtemp(), args.shape)
@@ -198,7 +199,8 @@ def forced_rows(args) -> list[dict]:
             rows.append(dict(model=args.shape, mode=mode, batch_size=bs, decode_tokens_per_s=r["decode_tokens_per_s"],
                              step_ms=r["step_ms"], accept_length=r["accept_length"],
                              syncs_per_step=r["syncs_per_step"],
-                             speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
+                             speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0,
+                             graph_mib=round(engine.core.graph_memory_bytes / 2 ** 20, 1)))
             if adaptive:
                 rows[-1].update(shape_steps=steps_by_shape(engine.core.worker),
                                 step_ms_observed=table_ms(engine.core.worker.policy.times))

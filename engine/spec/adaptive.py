@@ -194,7 +194,8 @@ class ShapePolicy:
     """Chooses each step's draft shape: the most expected tokens per second, a costlier shape
     (`DraftShape` order: deeper, then wider) only where it beats the cheaper choice by
     `deeper_margin` (below). Each width's acceptance is its own `AcceptanceEstimate` (a chain
-    and a tree of one depth accept differently), fed by the steps of that width alone.
+    and a tree of one depth accept differently), measured by the steps of that width alone
+    and relaxed toward its prior by the other widths' (`observe_acceptance`).
     After `probe_every` plain steps in a row one step drafts at the cheapest shape (the chain
     of one draft), so that the acceptance keeps being measured while plain decoding wins
     (traffic changes phase); each probe that leaves plain decoding the best doubles the run
