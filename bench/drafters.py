@@ -116,15 +116,9 @@ def batch_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
         (sum(map(len, outputs)) / verify if verify else 1.0)
 
 
-def table_ms(times) -> dict:
-    """An adaptive engine's step-time table (spec/adaptive.py StepTimes) in ms, by bucket and
-    shape ("3": a chain of 3 drafts, "3x4": a tree of 3 levels of width 4)."""
-    return {bs: {str(shape): round(1000 * times.seconds(bs, shape), 4) for shape in times.shapes}
-            for bs in times.buckets}
-
-
 def steps_by_shape(worker) -> dict:
-    """An adaptive engine's decode steps run per shape (keys as `table_ms`'), cheapest first."""
+    """An adaptive engine's decode steps run per shape (keys as StepTimes.milliseconds'),
+    cheapest first."""
     return {str(shape): n for shape, n in sorted(worker.shape_steps.items())}
 
 
@@ -153,13 +147,13 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
             adaptive = getattr(worker, "policy", None) is not None
             if adaptive:
                 worker.shape_steps.clear()
-                start_up = table_ms(worker.policy.times)
+                start_up = worker.policy.times.milliseconds()
             outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens) if batch_size == 1 \
                 else batch_speed(engine, prompts[:batch_size], args.max_new_tokens)
             # An adaptive engine: the shapes it ran, its step-time table at start-up and after
             # the steps' wall times refined it.
             choice = dict(shape_steps=steps_by_shape(worker), step_ms_start_up=start_up,
-                          step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
+                          step_ms_observed=worker.policy.times.milliseconds()) if adaptive else {}
             del worker  # it holds the model and KV pool: the next engine sizes itself by what is free
         plain = outputs if mode == "plain" else plain
         rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=batch_size, decode_tokens_per_s=tps,
@@ -203,7 +197,7 @@ def forced_rows(args) -> list[dict]:
                              graph_mib=round(engine.core.graph_memory_bytes / 2 ** 20, 1)))
             if adaptive:
                 rows[-1].update(shape_steps=steps_by_shape(engine.core.worker),
-                                step_ms_observed=table_ms(engine.core.worker.policy.times))
+                                step_ms_observed=engine.core.worker.policy.times.milliseconds())
             print(json.dumps(rows[-1]), flush=True)
         engine.shutdown()
         del engine

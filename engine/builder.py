@@ -345,8 +345,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         times = worker.measure_step_times(num_rows, row_width,
                                           **({} if tp_group is None else dict(agree=tp_group.exchange)))
         logger.info("adaptive speculation: step ms by batch size and draft shape (depth, or depth x width) %s",
-                    {bs: {str(shape): round(1000 * times.seconds(bs, shape), 3) for shape in times.shapes}
-                     for bs in times.buckets})
+                    times.milliseconds())
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(

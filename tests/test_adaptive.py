@@ -62,6 +62,9 @@ def test_draft_shapes_sort_cheapest_first_and_name_themselves():
                                  DraftShape(5), DraftShape(5, 4))
     assert PLAIN == DraftShape(0, 1) and DraftShape(3).width == 1
     assert [str(s) for s in (PLAIN, DraftShape(3), DraftShape(3, 2))] == ["0", "3", "3x2"]
+    # The table as the start-up log and bench rows show it: ms by bucket and shape name.
+    times = StepTimes({8: {PLAIN: 0.0061, DraftShape(3, 2): 0.0071}, 1: {PLAIN: 0.006, DraftShape(3, 2): 0.007}})
+    assert times.milliseconds() == {1: {"0": 6.0, "3x2": 7.0}, 8: {"0": 6.1, "3x2": 7.1}}
 
 
 def test_deep_drafts_at_small_batches_plain_at_large_ones_with_poor_acceptance():

@@ -84,6 +84,12 @@ class StepTimes:
     def seconds(self, batch_size: int, shape: DraftShape) -> float:
         return self._seconds[self.bucket(batch_size)][shape]
 
+    def milliseconds(self) -> dict[int, dict[str, float]]:
+        """The table in ms by bucket and shape name ("3": a chain of 3 drafts, "3x4": a tree
+        of 3 levels of width 4), for logs and bench rows."""
+        return {bucket: {str(shape): round(1000 * row[shape], 4) for shape in self.shapes}
+                for bucket, row in sorted(self._seconds.items())}
+
     def row(self, batch_size: int) -> Mapping[DraftShape, float]:
         """Every shape's seconds at the batch's bucket (read only)."""
         return self._seconds[self.bucket(batch_size)]
