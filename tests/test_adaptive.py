@@ -98,7 +98,7 @@ def test_the_tree_where_its_level_acceptance_pays_its_cost_the_chain_where_not()
 def test_the_choice_maximises_tokens_per_second(margin, table):
     """The fastest shape, or within the margin of it; never below plain decoding."""
     widths = sorted({s.width for s in table.shapes})
-    policy = ShapePolicy(table, {w: AcceptanceEstimate(64) for w in widths}, deeper_margin=margin)
+    policy = ShapePolicy(table, {w: AcceptanceEstimate(64) for w in widths}, costlier_margin=margin)
     rng = random.Random(0)
     for _ in range(200):
         rates = {w: rng.choice([i / 20 for i in range(21)]) for w in widths}
@@ -368,8 +368,8 @@ def test_bad_settings_are_refused_naming_the_field():
         ShapePolicy(TIMES, chain, probe_every=8, max_probe_every=4)
     with pytest.raises(ValueError, match=r"^observe_weight:"):
         ShapePolicy(TIMES, chain, observe_weight=1.5)
-    with pytest.raises(ValueError, match="deeper_margin"):
-        ShapePolicy(TIMES, chain, deeper_margin=-0.1)
+    with pytest.raises(ValueError, match=r"^costlier_margin:"):
+        ShapePolicy(TIMES, chain, costlier_margin=-0.1)
 
 
 def test_shapes_survive_the_tp_control_messages_pickling():
@@ -836,7 +836,7 @@ def test_a_near_tie_goes_to_the_cheaper_shape():
     times = StepTimes({1: _chains({0: 6.15, 1: 6.09, 3: 7.0})})
     policy = ShapePolicy(times, {1: AcceptanceEstimate(4, prior=0.0)})
     assert policy.best(1, {1: 0.0}) == PLAIN
-    assert ShapePolicy(times, {1: AcceptanceEstimate(4)}, deeper_margin=0.0).best(1, {1: 0.0}) == DraftShape(1)
+    assert ShapePolicy(times, {1: AcceptanceEstimate(4)}, costlier_margin=0.0).best(1, {1: 0.0}) == DraftShape(1)
     assert policy.best(1, {1: 0.05}) == DraftShape(1)     # 1.05 tokens for 6.09 ms: 6 % over plain
     assert policy.best(1, {1: 0.9}) == DraftShape(3)
     trees = StepTimes({1: {PLAIN: 6.0, DraftShape(3): 7.0, DraftShape(3, 2): 7.0}})

@@ -199,7 +199,7 @@ def observe_acceptance(estimates: Mapping[int, AcceptanceEstimate], shape: Draft
 class ShapePolicy:
     """Chooses each step's draft shape: the most expected tokens per second, a costlier shape
     (`DraftShape` order: deeper, then wider) only where it beats the cheaper choice by
-    `deeper_margin` (below). Each width's acceptance is its own `AcceptanceEstimate` (a chain
+    `costlier_margin` (below). Each width's acceptance is its own `AcceptanceEstimate` (a chain
     and a tree of one depth accept differently), measured by the steps of that width alone
     and relaxed toward its prior by the other widths' (`observe_acceptance`).
     After `probe_every` plain steps in a row one step drafts at the cheapest shape (the chain
@@ -229,7 +229,7 @@ class ShapePolicy:
     acceptance falls."""
 
     def __init__(self, times: StepTimes, estimates: Mapping[int, AcceptanceEstimate], probe_every: int = 32,
-                 observe_weight: float = 0.25, deeper_margin: float = 0.03, max_probe_every: int = 256,
+                 observe_weight: float = 0.25, costlier_margin: float = 0.03, max_probe_every: int = 256,
                  relax: float = 0.01):
         """`estimates[width]`: the acceptance of each width of the table's shapes."""
         widths = sorted({shape.width for shape in times.shapes})
@@ -243,14 +243,14 @@ class ShapePolicy:
             raise ValueError(f"observe_weight: must be in [0, 1], got {observe_weight!r}")
         if not 0.0 <= relax <= 1.0:
             raise ValueError(f"relax: must be in [0, 1], got {relax!r}")
-        if not deeper_margin >= 0.0:
-            raise ValueError(f"deeper_margin: must be >= 0, got {deeper_margin!r}")
+        if not costlier_margin >= 0.0:
+            raise ValueError(f"costlier_margin: must be >= 0, got {costlier_margin!r}")
         self.times = times
         self.estimates = dict(estimates)
         self.probe_every = probe_every
         self.observe_weight = observe_weight
         self.relax = relax
-        self.deeper_margin = deeper_margin
+        self.costlier_margin = costlier_margin
         self.max_probe_every = max_probe_every
         self._plain_steps = 0
         self._probe_after = probe_every  # plain steps in a row before the next probe
@@ -267,7 +267,7 @@ class ShapePolicy:
         seconds = self.times.row(batch_size)
         for shape in self.times.shapes:  # cheapest first
             speed = expected_tokens(rates[shape.width], shape.depth) / seconds[shape]
-            if best is None or speed > best_speed * (1.0 + self.deeper_margin):
+            if best is None or speed > best_speed * (1.0 + self.costlier_margin):
                 best, best_speed = shape, speed
         return best
 
