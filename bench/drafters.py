@@ -1,6 +1,6 @@
 """Drafters against plain decoding: n-gram (prompt lookup) at bs=1 on a workload whose answers
 copy their prompt, suffix drafting on one whose answers repeat an earlier request's, and
-adaptive speculation's depth choice at forced acceptance.
+adaptive speculation's draft shape choice at forced acceptance.
 
     python bench/drafters.py --out drafters.json
 
@@ -116,9 +116,10 @@ def batch_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
         (sum(map(len, outputs)) / verify if verify else 1.0)
 
 
-def table_ms(times) -> dict:
-    """An adaptive engine's step-time table (spec/adaptive.py StepTimes) in ms."""
-    return {bs: {d: round(1000 * times.seconds(bs, d), 4) for d in times.depths} for bs in times.buckets}
+def steps_by_shape(worker) -> dict:
+    """An adaptive engine's decode steps run per shape (keys as StepTimes.milliseconds'),
+    cheapest first."""
+    return {str(shape): n for shape, n in sorted(worker.shape_steps.items())}
 
 
 def demo_rows(args) -> list[dict]:
@@ -145,14 +146,14 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
             worker = engine.core.worker
             adaptive = getattr(worker, "policy", None) is not None
             if adaptive:
-                worker.depth_steps.clear()
-                start_up = table_ms(worker.policy.times)
+                worker.shape_steps.clear()
+                start_up = worker.policy.times.milliseconds()
             outputs, tps, accept = decode_speed(engine, prompts, args.max_new_tokens) if batch_size == 1 \
                 else batch_speed(engine, prompts[:batch_size], args.max_new_tokens)
-            # An adaptive engine: the depths it ran, its step-time table at start-up and after
+            # An adaptive engine: the shapes it ran, its step-time table at start-up and after
             # the steps' wall times refined it.
-            choice = dict(depth_steps=dict(sorted(worker.depth_steps.items())), step_ms_start_up=start_up,
-                          step_ms_observed=table_ms(worker.policy.times)) if adaptive else {}
+            choice = dict(shape_steps=steps_by_shape(worker), step_ms_start_up=start_up,
+                          step_ms_observed=worker.policy.times.milliseconds()) if adaptive else {}
             del worker  # it holds the model and KV pool: the next engine sizes itself by what is free
         plain = outputs if mode == "plain" else plain
         rows.append(dict(model="demo", workload=workload, mode=mode, batch_size=batch_size, decode_tokens_per_s=tps,
@@ -167,7 +168,8 @@ def workload_rows(args, workload: str, modes: list, batch_size: int = 1) -> list
 
 def forced_rows(args) -> list[dict]:
     """Random weights at a forced accept length: each mode's decode speed per batch size
-    (bench/one_batch.py's run_one)."""
+    (bench/one_batch.py's run_one), and what its CUDA graphs hold (`graph_mib`: an adaptive
+    engine's graphs of every shape)."""
     from one_batch import run_one, write_shape
 
     target, draft = write_shape(tempfile.mkdtemp(), args.shape)
@@ -185,16 +187,17 @@ def forced_rows(args) -> list[dict]:
         adaptive = getattr(engine.core.worker, "policy", None) is not None
         for bs in batch_sizes:
             if adaptive:
-                engine.core.worker.depth_steps.clear()
+                engine.core.worker.shape_steps.clear()
             r = run_one(engine, bs, 128, 64)
             plain = next((p for p in rows if p["mode"] == "plain" and p["batch_size"] == bs), None)
             rows.append(dict(model=args.shape, mode=mode, batch_size=bs, decode_tokens_per_s=r["decode_tokens_per_s"],
                              step_ms=r["step_ms"], accept_length=r["accept_length"],
                              syncs_per_step=r["syncs_per_step"],
-                             speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0))
+                             speedup=r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain else 1.0,
+                             graph_mib=round(engine.core.graph_memory_bytes / 2 ** 20, 1)))
             if adaptive:
-                rows[-1].update(depth_steps=dict(sorted(engine.core.worker.depth_steps.items())),
-                                step_ms_observed=table_ms(engine.core.worker.policy.times))
+                rows[-1].update(shape_steps=steps_by_shape(engine.core.worker),
+                                step_ms_observed=engine.core.worker.policy.times.milliseconds())
             print(json.dumps(rows[-1]), flush=True)
         engine.shutdown()
         del engine

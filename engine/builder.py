@@ -352,9 +352,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
     if spec is not None and spec.adaptive:
         times = worker.measure_step_times(num_rows, row_width,
                                           **({} if tp_group is None else dict(agree=tp_group.exchange)))
-        logger.info("adaptive speculation: step ms by batch size and draft depth %s",
-                    {bs: {d: round(1000 * times.seconds(bs, d), 3) for d in times.depths}
-                     for bs in times.buckets})
+        logger.info("adaptive speculation: step ms by batch size and draft shape (depth, or depth x width) %s",
+                    times.milliseconds())
     if device.type == "cuda":  # set-up ran on the default stream; forwards will not
         torch.cuda.synchronize(device)
     return EngineCore(
@@ -404,9 +403,12 @@ def _static_input_bytes(worker: Worker) -> int:
 
 
 def _graph_sets(worker: Worker) -> list:
-    """The worker's captured GraphedSteps (decode variants and extends)."""
-    return [graphs for graphs in (worker.graphs, *worker.sampled_graphs.values(),
-                                  *worker.constrained_graphs.values(), worker.extend_graphs)
+    """The worker's captured GraphedSteps (decode variants and extends; adaptive speculation's
+    of every draft shape, where the worker's own attributes are the configured shape's alone;
+    not its drafter-state refresh's, whose pool bytes the pool count has)."""
+    workers = worker.workers.values() if isinstance(worker, AdaptiveSpecWorker) else (worker,)
+    return [graphs for w in workers
+            for graphs in (w.graphs, *w.sampled_graphs.values(), *w.constrained_graphs.values(), w.extend_graphs)
             if graphs is not None]
 
 

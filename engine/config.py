@@ -234,8 +234,9 @@ class SpecConfig:
     ngram_max: int = 4              # ngram, suffix: the longest suffix looked up
     ngram_min: int = 1              # ngram, suffix: the shortest suffix a match may have
     suffix_corpus_tokens: int = SUFFIX_CORPUS_TOKENS  # suffix: the ring of remembered outputs
-    # Chain drafting: each step's depth (0 = plain .. num_steps) chosen from the batch size and
-    # the measured acceptance, by step times measured at start-up (spec/adaptive.py).
+    # Each step's draft shape (plain, chains of 1 .. num_steps drafts, with topk > 1 the trees of
+    # that width too) chosen from the batch size and the measured acceptance, by step times
+    # measured at start-up (spec/adaptive.py).
     adaptive: bool = False
 
     def __post_init__(self):

@@ -85,8 +85,9 @@ class StepStat(NamedTuple):
     about its forward's time while the engine is busy; no device sync is added to measure it).
     `tokens`: an extend's prefill tokens, a decode's requests; `others`: requests holding a row
     that the step did not advance (for an extend, the decoding requests it held up);
-    `draft_depth`: the draft tokens a request a decode step verified (adaptive speculation's
-    choice; 0 for a plain step and an extend)."""
+    `draft_depth`: the draft levels a request a decode step verified (a chain's drafts, a
+    tree's depth; adaptive speculation's choice, its width not reported; 0 for a plain step
+    and an extend)."""
 
     extend: bool
     seconds: float

@@ -71,8 +71,9 @@ class GrammarNews(NamedTuple):
 
 
 class ObservedStepTimes(NamedTuple):
-    """Rank 0's step wall times since the last step (adaptive speculation): every rank's depth
-    policy takes them at the same point, so all choose the same depths."""
+    """Rank 0's step wall times since the last step (adaptive speculation; StepObservations,
+    their DraftShapes pickled with them): every rank's shape policy takes them at the same
+    point, so all choose the same shapes."""
     observed: list
 
     def apply(self, core: EngineCore) -> None:

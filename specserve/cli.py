@@ -86,8 +86,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="default: num_steps + 1 with topk 1 (chain drafting)")
     s.add_argument("--speculative-adaptive", action="store_true", default=None,
-                   help="each step's draft depth (plain decoding included; a tree keeps its width) "
-                        "chosen from the batch size and the measured acceptance")
+                   help="each step's draft shape (plain decoding included; with topk > 1 a chain or "
+                        "the tree at each depth) chosen from the batch size and the measured acceptance")
     s.add_argument("--speculative-ngram-max", type=int, default=None,
                    help="ngram, suffix: the longest suffix looked up (default 4)")
     s.add_argument("--speculative-ngram-min", type=int, default=None,

@@ -88,7 +88,7 @@ class Launched(NamedTuple):
     result: PendingResult
     read_done: Any      # event: the forward no longer reads the request table
     inputs: Any         # device tensors the forward reads, held until the result is processed
-    draft_depth: int = 0  # draft tokens a request that the step verifies (0: no drafts)
+    draft_depth: int = 0  # draft levels a request that the step verifies (a tree's depth; 0: no drafts)
 
 
 class Worker(Protocol):

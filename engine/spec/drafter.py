@@ -50,9 +50,11 @@ class Drafter(Protocol):
     # a deeper step (a draft model's upkeep is most of a plain step's extra cost otherwise).
     refreshes_state: bool
 
-    def at_depth(self, depth: int) -> "Drafter":
-        """The same drafter (its state shared) drafting chains of `depth` tokens, 0 included
-        (adaptive speculation: spec/adaptive_worker.py)."""
+    def at_shape(self, depth: int, width: int) -> "Drafter":
+        """The same drafter (its state shared) drafting `depth` levels of `width` candidates
+        (width 1: a chain), depth 0 included (a plain step; width 1), for adaptive speculation
+        (spec/adaptive_worker.py). The state any copy stashes serves every other copy's next
+        draft. A width the method cannot draft is refused (ValueError naming `width`)."""
 
     def prefill_inputs(self, step: ExtendStep) -> Any:
         """Schedule side: the device inputs `after_prefill` needs beyond the target's."""

@@ -68,31 +68,43 @@ class ModelDrafter:
         self.target = target
         self.draft_runner = draft
         self.future_map = target.future_map
-        self.shape = self.grammar_shape = tree_ops.TreeShape(spec.topk, spec.num_steps, spec.num_draft_tokens)
+        # The configured tree: `at_shape` copies draft other shapes within it.
+        self.configured = self.shape = self.grammar_shape = tree_ops.TreeShape(
+            spec.topk, spec.num_steps, spec.num_draft_tokens)
         # EAGLE-3 reads target features from several layers, EAGLE-1 the last hidden state.
         self.feature_layers: tuple[int, ...] = draft.model.aux_layers if draft.model.uses_aux_hidden else ()
         head = draft.model
         dtype = next(head.parameters()).dtype
+        # Every step stashes the first level of the next draft topk wide, whichever shape ran
+        # it (adaptive speculation): a tree of width topk drafts from all of it, a chain its top 1.
         self.future_map.allocate_draft_state(spec.topk, head.config.hidden_size, dtype)
         # A head that can store its KV alone (EAGLE; not NextN's MLA) does only that at depth
         # 0: the attention, MLP and LM head of the row wait for `refresh`.
         self.refreshes_state = hasattr(head, "store_kv")
         if self.refreshes_state:
             self.future_map.allocate_draft_input(head.feature_size, dtype)
-        # The refresh's CUDA graphs (`capture_refresh`), shared with the at_depth copies: a
+        # The refresh's CUDA graphs (`capture_refresh`), shared with the at_shape copies: a
         # list, so that the copies made before the capture see it.
         self._refresh_graphs: list[GraphedStep] = []
 
-    def at_depth(self, depth: int) -> "ModelDrafter":
-        """This drafter drafting `depth` levels (adaptive speculation; the state is shared: it
-        lives in the FutureMap). A tree keeps its width k: `depth` levels hold k + (depth - 1)
-        k^2 candidates, of which up to num_draft_tokens - 1 are verified (a chain: `depth`);
-        depth 0 verifies the root alone. The first level it stashes stays k wide at every
-        depth, for whichever depth comes next."""
+    def at_shape(self, depth: int, width: int) -> "ModelDrafter":
+        """This drafter drafting `depth` levels of `width` candidates (adaptive speculation; the
+        state is shared: it lives in the FutureMap). Width w > 1, a tree: `depth` levels hold
+        w + (depth - 1) w^2 candidates, of which up to num_draft_tokens - 1 are verified; width
+        1, a chain of `depth` drafts (its depth + 1 nodes within num_draft_tokens); depth 0
+        (width 1) verifies the root alone. Any width up to the configured topk: each drafts from
+        the top `width` of the stashed first level, which every copy stashes topk wide, for
+        whichever shape comes next."""
+        configured = self.configured
+        if not 1 <= width <= configured.topk or (depth == 0 and width != 1):
+            raise ValueError(f"width: 1 to the drafter's topk ({configured.topk}), 1 at depth 0; "
+                             f"got {width!r} at depth {depth!r}")
+        if not 0 <= depth <= configured.num_steps or (width == 1 and depth + 1 > configured.num_draft_tokens):
+            raise ValueError(f"depth: 0 to num_steps ({configured.num_steps}), a chain's depth + 1 nodes "
+                             f"within num_draft_tokens ({configured.num_draft_tokens}); got {depth!r}")
         drafter = copy.copy(self)
-        k = self.shape.topk
-        nodes = 1 if depth == 0 else min(self.shape.num_draft_tokens, 1 + k + (depth - 1) * k * k)
-        drafter.shape = drafter.grammar_shape = tree_ops.TreeShape(k, depth, nodes)
+        nodes = 1 if depth == 0 else min(configured.num_draft_tokens, 1 + width + (depth - 1) * width * width)
+        drafter.shape = drafter.grammar_shape = tree_ops.TreeShape(width, depth, nodes)
         return drafter
 
     @property
@@ -151,7 +163,8 @@ class ModelDrafter:
         every rank)."""
         state = self.future_map.gather_draft_state(s.rows)
         k = self.shape.topk
-        topk_p, topk_index = state.topk_p, state.topk_index
+        # The top k of the stash (sorted, most likely first; topk wide): a chain's, the argmax.
+        topk_p, topk_index = state.topk_p[:, :k], state.topk_index[:, :k]
         if s.constrained:
             # The stashed first level was drafted before the last step's tokens reached the
             # matchers: draft it again from the stashed hidden state, under the committed masks.
@@ -249,5 +262,5 @@ class ModelDrafter:
         self._refresh_graphs.clear()
 
     def _stash_draft_state(self, rows, last_hidden):
-        topk_p, topk_index = self.draft_runner.model.topk(last_hidden, self.shape.topk)
+        topk_p, topk_index = self.draft_runner.model.topk(last_hidden, self.configured.topk)
         self.future_map.stash_draft_state(rows, DraftState(topk_p, topk_index, last_hidden))

@@ -121,8 +121,11 @@ class NgramDrafter:
         # Token at (row, position) of each request (row 0: padding rows).
         self.tokens = torch.zeros_like(table)
 
-    def at_depth(self, depth: int) -> "NgramDrafter":
-        """This drafter drafting `depth` tokens (adaptive speculation; the token table is shared)."""
+    def at_shape(self, depth: int, width: int) -> "NgramDrafter":
+        """This drafter drafting `depth` tokens (adaptive speculation; the token table is
+        shared). Copied drafts are chains: width 1 only."""
+        if width != 1:
+            raise ValueError(f"width: {type(self).__name__} drafts chains (width 1), got {width!r}")
         drafter = copy.copy(self)
         drafter.shape = TreeShape(1, depth, depth + 1)
         drafter.grammar_shape = TreeShape(1, 1, depth + 1)

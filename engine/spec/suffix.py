@@ -112,7 +112,7 @@ def propose_across(tokens: torch.Tensor, lengths: torch.Tensor, corpus: SuffixCo
 
 class SuffixDrafter(NgramDrafter):
     """N-gram drafting (its token table, prefill and verify bookkeeping) plus the corpus of
-    finished sequences' outputs, shared by every request (and every `at_depth` copy)."""
+    finished sequences' outputs, shared by every request (and every `at_shape` copy)."""
 
     def __init__(self, target: TargetModel, spec: SpecConfig):
         super().__init__(target, spec)
