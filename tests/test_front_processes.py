@@ -1,0 +1,191 @@
+"""--front-processes: N front processes serve one port (SO_REUSEPORT) over replicas that the
+supervising parent starts once (server/cluster/front_processes.py, front_link.py).
+
+On test_cluster.py's local three-node Ray cluster: two fronts over two replicas of the demo
+pair give one engine's greedy tokens to many concurrent streams on many connections, and both
+fronts serve some of them; a prefix sent through one front lands, through the other, on the
+replica that cached it (the engines' KV events reach every front); bad input is refused naming
+the field on every front; no KV is left on any replica. A killed front stops the whole server
+(exit 1, replicas and the other front gone), as documented.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from helpers import process_exited
+from server_harness import ServerProcess, free_port, metric_samples, wait_until
+from specserve.clients.messages import chunk_from_proto, results_from_chunks
+from specserve.proto import generate_pb2 as pb
+from specserve.proto import generate_pb2_grpc as pb_grpc
+from test_cluster import (DEMO_TARGET, GREEDY, _idle, ray_cluster,  # noqa: F401 (fixtures)
+                          single_engine_outputs)
+
+FRONTS = 2
+
+
+class Connection:
+    """A gRPC channel with a TCP connection of its own (no subchannel shared with the other
+    channels of this process), so the kernel picks its front afresh."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+
+    def generate(self, token_ids: list[int], **sampling):
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids),
+                                     sampling=pb.SamplingParams(**sampling))
+        chunks = (chunk_from_proto(c) for c in self.stub.Generate(request, timeout=60))
+        [result] = results_from_chunks(chunks)
+        return result
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def fronts_server(ray_cluster, metrics_port):  # noqa: F811 (the imported fixture)
+    server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
+                           "--data-parallel", "2", "--front-processes", str(FRONTS),
+                           "--metrics-port", str(metrics_port),
+                           "--log-level", "DEBUG",  # the routing decisions
+                           speculative=True)
+    yield server
+    assert server.stop() == 0, "\n".join(server.log[-30:])
+
+
+def _served(metrics_port: int) -> list[float]:
+    """Generate calls each front has answered (its own /metrics at --metrics-port + i)."""
+    counts = []
+    for front in range(FRONTS):
+        samples = metric_samples(f"http://127.0.0.1:{metrics_port + front}/metrics")
+        counts.append(sum(v for (name, _), v in samples.items()
+                          if name == "specserve_requests_total"))
+    return counts
+
+
+def _front_of(connection: Connection, metrics_port: int) -> int:
+    """Which front serves this connection: the one whose count a call through it moves."""
+    before = _served(metrics_port)
+    connection.generate([3, 4, 5], max_new_tokens=1)
+    moved = [i for i, (a, b) in enumerate(zip(before, _served(metrics_port))) if b > a]
+    assert len(moved) == 1, (before, moved)
+    return moved[0]
+
+
+def test_health_says_serving_only_after_every_front_is_ready(fronts_server):
+    """The parent says AllReady once every front reported ready; each front turns SERVING only
+    then (the parent's line is written before it tells them)."""
+    log = fronts_server.log
+    fronts_server.wait_for_log(r"front-1 .*SERVING")
+    fronts_server.wait_for_log(r"front-0 .*SERVING")
+    all_ready = next(i for i, line in enumerate(log) if f"all {FRONTS} front processes ready" in line)
+    for front in range(FRONTS):
+        serving = next(i for i, line in enumerate(log)
+                       if re.search(rf"front-{front} .*engine ready: .*SERVING", line))
+        assert all_ready < serving
+    # One engine per replica, started once by the parent, whatever the number of fronts.
+    assert len(re.findall(r"engine process started \(replica", "\n".join(log))) == 2
+
+
+def test_many_streams_through_both_fronts_equal_one_engine(fronts_server, metrics_port,
+                                                           single_engine_outputs):
+    prompts, expected = single_engine_outputs
+    before = _served(metrics_port)
+    connections = [Connection(fronts_server.address) for _ in range(16)]
+    jobs = [(c, i % len(prompts)) for c in connections for i in range(2)]
+    results = [None] * len(jobs)
+
+    def one(j):
+        connection, p = jobs[j]
+        results[j] = connection.generate(prompts[p], **GREEDY).token_ids
+
+    threads = [threading.Thread(target=one, args=(j,)) for j in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for connection in connections:
+        connection.close()
+    assert results == [expected[p] for _, p in jobs]
+    after = _served(metrics_port)
+    served = [b - a for a, b in zip(before, after)]
+    assert sum(served) == len(jobs) and all(s > 0 for s in served), served  # both fronts served
+    with fronts_server.client() as client:
+        assert wait_until(lambda: _idle(client), timeout=20)
+
+
+def test_a_prefix_sent_through_another_front_lands_on_its_replica(fronts_server, metrics_port):
+    """Front 1 never routed these prefixes itself: it sends them where front 0's calls cached
+    them because it reads every engine's KV-cache events (its log says "affinity"; without the
+    events it would route by load, "least_loaded")."""
+    connections = {}
+    while len(connections) < FRONTS:  # one connection per front (each connection's is random)
+        connection = Connection(fronts_server.address)
+        front = _front_of(connection, metrics_port)
+        if front in connections:
+            connection.close()
+        else:
+            connections[front] = connection
+    for n in range(4):
+        system = [(13 * i + 29 * n) % 500 + 3 for i in range(48)]  # 3 whole 16-token blocks
+        assert connections[0].generate(system + [7], **GREEDY).usage.cached_tokens < 16  # new
+        time.sleep(1.0)  # the events: published by the prefill, long before the call ended
+        mark = len(fronts_server.log)
+        again = connections[1].generate(system + [8, 9], **GREEDY)
+        assert again.usage.cached_tokens >= 48
+
+        def routed() -> list[tuple[str, str]]:
+            return [m for line in fronts_server.log[mark:] if " front-1 " in line
+                    for m in re.findall(r"-> replica \d \((\w+), (\d+) tokens expected cached\)",
+                                        line)]
+
+        assert wait_until(lambda: routed() == [("affinity", "48")]), routed()
+    for connection in connections.values():
+        connection.close()
+    with fronts_server.client() as client:
+        assert wait_until(lambda: _idle(client), timeout=20)
+
+
+def test_bad_input_is_refused_naming_the_field_on_every_front(fronts_server, metrics_port):
+    seen = set()
+    while len(seen) < FRONTS:
+        connection = Connection(fronts_server.address)
+        seen.add(_front_of(connection, metrics_port))
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_logprobs=3))
+        with pytest.raises(grpc.RpcError) as info:
+            list(connection.stub.Generate(request, timeout=30))
+        connection.close()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("top_logprobs:"), info.value.details()
+
+
+def test_a_killed_front_stops_the_server_loudly(ray_cluster):  # noqa: F811
+    """SIGKILL on one front: the parent stops the other front and the replica's engine, and
+    exits 1 with an error line naming the front."""
+    server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
+                           "--data-parallel", "1", "--front-processes", str(FRONTS))
+    try:
+        pids = [int(p) for p in server.wait_for_log(
+            r"front processes \(pids (\d+(?:, \d+)*)\)").group(1).split(", ")]
+        with server.client() as client:
+            assert client.generate("hello", max_new_tokens=2).usage.completion_tokens == 2
+        os.kill(pids[1], signal.SIGKILL)
+        assert server.process.wait(120) == 1, "\n".join(server.log[-30:])
+        server.wait_for_log(rf"ERROR front process 1 \(pid {pids[1]}\) exited with code -9; "
+                            rf"stopping the server")
+        assert wait_until(lambda: process_exited(pids[0]) and process_exited(server.engine_pid),
+                          timeout=30)
+    finally:
+        server.stop()
