@@ -19,15 +19,162 @@ import time
 import grpc
 import pytest
 
+import zmq
+
 from helpers import process_exited
 from server_harness import ServerProcess, free_port, metric_samples, wait_until
+from specserve import cli
 from specserve.clients.messages import chunk_from_proto, results_from_chunks
+from specserve.engine.config import SamplingParams
+from specserve.engine.outputs import EngineLoad, StepOutput, StepStat
+from specserve.engine.process import _EngineLoop
+from specserve.engine.wire import add_request_to_proto, decode_batch, decode_step_stats
+from specserve.proto import engine_ipc_pb2 as ipc
 from specserve.proto import generate_pb2 as pb
 from specserve.proto import generate_pb2_grpc as pb_grpc
+from specserve.server.cluster.config import ClusterConfig
+from specserve.server.cluster.front_processes import front_server_config
+from specserve.server.config import ServerConfig
 from test_cluster import (DEMO_TARGET, GREEDY, _idle, ray_cluster,  # noqa: F401 (fixtures)
                           single_engine_outputs)
 
 FRONTS = 2
+
+
+# --- configuration ---------------------------------------------------------------------------
+def test_front_processes_flag_and_its_errors_name_the_field():
+    pytest.importorskip("ray")
+    args = cli.build_parser().parse_args(["serve", "--data-parallel", "2", "--front-processes", "3"])
+    assert cli._cluster_config_from_args(args).front_processes == 3
+    args = cli.build_parser().parse_args(["serve", "--data-parallel", "2"])
+    assert cli._cluster_config_from_args(args).front_processes == 1
+    for value in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="^front_processes"):
+            ClusterConfig(front_processes=value)
+    with pytest.raises(SystemExit):  # a usage error at the command line
+        cli.main(["serve", "--data-parallel", "2", "--front-processes", "0"])
+
+
+def test_each_front_serves_metrics_at_the_port_plus_its_index():
+    config = ServerConfig(metrics_port=9400)
+    assert [front_server_config(config, i).metrics_port for i in range(3)] == [9400, 9401, 9402]
+    assert front_server_config(ServerConfig(metrics_port=0), 2).metrics_port == 0  # free ports
+    assert front_server_config(ServerConfig(), 2).metrics_port is None
+    with pytest.raises(ValueError, match=r"^metrics_port: .*front process 2"):
+        front_server_config(ServerConfig(metrics_port=65534), 2)
+
+
+# --- one engine, several links (engine/process.py) -----------------------------------------------
+class _CountingEngine:
+    """Stands in for Engine in the engine loop: each running request gets one token a step."""
+
+    def __init__(self):
+        self.running: dict[str, int] = {}  # rid -> tokens still to come
+        self.aborted: list[str] = []
+
+    def add_request(self, rid, prompt_token_ids, sampling):
+        self.running[rid] = sampling.max_new_tokens
+
+    def abort(self, rid, index=None):
+        self.aborted.append(rid)
+        self.running.pop(rid, None)
+
+    def has_unfinished(self):
+        return bool(self.running)
+
+    def step(self):
+        time.sleep(0.002)
+        outputs = []
+        for rid in list(self.running):
+            self.running[rid] -= 1
+            finished = self.running[rid] == 0
+            if finished:
+                del self.running[rid]
+            outputs.append(StepOutput(rid=rid, new_token_ids=[7], finished=finished,
+                                      finish_reason="length" if finished else None))
+        return outputs
+
+    def take_step_stats(self):
+        return [StepStat(False, 0.001, len(self.running), 0)]
+
+    def load(self):
+        return EngineLoad(len(self.running), 0, 0, 1, 1.0, 0)
+
+    def check_ranks(self):
+        pass
+
+    def grammar_health(self):
+        return None
+
+    def flush_prefix_cache(self):
+        pass
+
+
+def _messages(sock: zmq.Socket, until, timeout_s: float = 10.0) -> list:
+    """EngineToServer messages from `sock` until `until(messages)` holds."""
+    messages = []
+    deadline = time.monotonic() + timeout_s
+    while not until(messages):
+        assert sock.poll(max(1, int(1000 * (deadline - time.monotonic())))), messages
+        messages.append(ipc.EngineToServer.FromString(sock.recv()))
+    return messages
+
+
+def test_an_engine_serves_each_link_its_own_outputs_and_every_link_the_steps():
+    """Two servers' links into one engine loop: a request's outputs go back on the link it came
+    on, every link gets every step's StepStats; a link's Shutdown aborts what it still runs
+    (its KV freed) while the other goes on; the loop ends when both have shut down."""
+    context = zmq.Context()
+    to_engine, from_engine, requests, outputs = [], [], [], []
+    for link in range(2):
+        to_engine.append(context.socket(zmq.PUSH))
+        to_engine[-1].bind(f"inproc://requests-{link}")
+        from_engine.append(context.socket(zmq.PULL))
+        from_engine[-1].bind(f"inproc://outputs-{link}")
+        requests.append(context.socket(zmq.PULL))
+        requests[-1].connect(f"inproc://requests-{link}")
+        outputs.append(context.socket(zmq.PUSH))
+        outputs[-1].connect(f"inproc://outputs-{link}")
+    engine = _CountingEngine()
+    loop = _EngineLoop(engine, requests, outputs, os.getppid())
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+
+    def add(link: int, rid: str, tokens: int) -> None:
+        to_engine[link].send(ipc.ServerToEngine(add=add_request_to_proto(
+            rid, [1, 2, 3], SamplingParams(max_new_tokens=tokens))).SerializeToString())
+
+    def batches(messages) -> list:
+        return [m.batch for m in messages if m.WhichOneof("kind") == "batch"]
+
+    def finished(rid):
+        return lambda messages: any(out.rid == rid and out.finished for b in batches(messages)
+                                    for out in decode_batch(b))
+
+    add(1, "long", 10_000)
+    add(0, "short", 3)
+    on_0 = _messages(from_engine[0], finished("short"))
+    assert {out.rid for b in batches(on_0) for out in decode_batch(b)} == {"short"}
+    assert sum(len(decode_step_stats(b)) for b in batches(on_0)) >= 3  # every step, here too
+    on_1 = _messages(from_engine[1], lambda ms: sum(len(decode_batch(b)) for b in batches(ms)) >= 3)
+    assert {out.rid for b in batches(on_1) for out in decode_batch(b)} == {"long"}
+    # A load query is answered on the link that asked.
+    to_engine[1].send(ipc.ServerToEngine(load_query=ipc.LoadQuery(query_id=5)).SerializeToString())
+    assert any(m.WhichOneof("kind") == "load" and m.load.query_id == 5
+               for m in _messages(from_engine[1], lambda ms: any(m.WhichOneof("kind") == "load"
+                                                                 for m in ms)))
+    to_engine[1].send(ipc.ServerToEngine(shutdown=ipc.Shutdown()).SerializeToString())
+    assert wait_until(lambda: engine.aborted == ["long"] and not loop.live)
+    assert thread.is_alive()  # link 0 is still open
+    add(0, "after", 2)
+    _messages(from_engine[0], finished("after"))
+    to_engine[0].send(ipc.ServerToEngine(shutdown=ipc.Shutdown()).SerializeToString())
+    thread.join(10)
+    assert not thread.is_alive()
+    for sock in to_engine + from_engine + requests + outputs:
+        sock.close(linger=0)
+    context.term()
+
 
 
 class Connection:
