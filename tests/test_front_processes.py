@@ -10,11 +10,13 @@ the field on every front; no KV is left on any replica. A killed front stops the
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -185,6 +187,9 @@ class Connection:
         self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
+    def server_load(self) -> pb.ServerLoad:
+        return self.stub.GetServerLoad(pb.GetServerLoadRequest(), timeout=10)
+
     def generate(self, token_ids: list[int], **sampling):
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids),
                                      sampling=pb.SamplingParams(**sampling))
@@ -205,7 +210,8 @@ def metrics_port() -> int:
 def fronts_server(ray_cluster, metrics_port):  # noqa: F811 (the imported fixture)
     server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
                            "--data-parallel", "2", "--front-processes", str(FRONTS),
-                           "--metrics-port", str(metrics_port),
+                           "--metrics-port", str(metrics_port), "--http-port", "0",
+                           "--engine-heartbeat-timeout", "2",
                            "--log-level", "DEBUG",  # the routing decisions
                            speculative=True)
     yield server
@@ -277,14 +283,7 @@ def test_a_prefix_sent_through_another_front_lands_on_its_replica(fronts_server,
     """Front 1 never routed these prefixes itself: it sends them where front 0's calls cached
     them because it reads every engine's KV-cache events (its log says "affinity"; without the
     events it would route by load, "least_loaded")."""
-    connections = {}
-    while len(connections) < FRONTS:  # one connection per front (each connection's is random)
-        connection = Connection(fronts_server.address)
-        front = _front_of(connection, metrics_port)
-        if front in connections:
-            connection.close()
-        else:
-            connections[front] = connection
+    connections = _connection_per_front(fronts_server, metrics_port)
     for n in range(4):
         system = [(13 * i + 29 * n) % 500 + 3 for i in range(48)]  # 3 whole 16-token blocks
         assert connections[0].generate(system + [7], **GREEDY).usage.cached_tokens < 16  # new
@@ -316,6 +315,63 @@ def test_bad_input_is_refused_naming_the_field_on_every_front(fronts_server, met
         connection.close()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("top_logprobs:"), info.value.details()
+
+
+def _connection_per_front(server: ServerProcess, metrics_port: int) -> dict[int, Connection]:
+    connections = {}
+    while len(connections) < FRONTS:  # each new connection's front is the kernel's choice
+        connection = Connection(server.address)
+        front = _front_of(connection, metrics_port)
+        if front in connections:
+            connection.close()
+        else:
+            connections[front] = connection
+    return connections
+
+
+def test_the_http_front_shares_the_port_too(fronts_server, metrics_port, single_engine_outputs):
+    """Each request a new HTTP connection: the kernel gives both fronts some."""
+    prompts, _ = single_engine_outputs
+    before = _served(metrics_port)
+    for i in range(16):
+        request = urllib.request.Request(
+            f"{fronts_server.http_url}/v1/completions", method="POST",
+            headers={"Content-Type": "application/json", "Connection": "close"},
+            data=json.dumps({"model": "demo-target", "prompt": prompts[i % 2], "max_tokens": 8,
+                             "temperature": 0, "ignore_eos": True}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            body = json.loads(response.read())
+        assert body["usage"]["completion_tokens"] == 8
+    served = [b - a for a, b in zip(before, _served(metrics_port))]
+    assert sum(served) == 16 and all(n > 0 for n in served), served
+
+
+def test_a_frozen_replica_is_killed_through_the_parent_and_comes_back_for_every_front(
+        fronts_server, metrics_port):
+    """SIGSTOP on replica 1's engine: the fronts' watchdogs ask the parent to kill it, every
+    front sees it go and restarts it, and the parent starts one new engine once both have
+    reattached; replica 0 serves throughout, and each front sees replica 1 back (1 restart)."""
+    connections = _connection_per_front(fronts_server, metrics_port)
+    pids = [int(m) for m in re.findall(r"engine process started \(replica 1: pid (\d+)",
+                                       "\n".join(fronts_server.log))]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGSTOP)
+    fronts_server.wait_for_log(r"a front's watchdog asks to kill its engine", timeout=30)
+    for front in range(FRONTS):
+        fronts_server.wait_for_log(rf"front-{front} .*replica 1 left routing", timeout=30)
+    assert connections[0].generate([9, 8, 7], max_new_tokens=3).usage.completion_tokens == 3
+
+    def back(connection: Connection) -> bool:
+        rows = connection.server_load().replicas
+        return rows[1].restarts == 1 and all(
+            row.serving and row.num_running == row.kv_used_tokens == 0 for row in rows)
+
+    assert wait_until(lambda: all(back(c) for c in connections.values()), timeout=120,
+                      interval=0.5)
+    started = re.findall(r"engine process started \(replica 1: pid (\d+)", "\n".join(fronts_server.log))
+    assert len(started) == 2 and process_exited(pids[0])  # one new engine, the old one gone
+    for connection in connections.values():
+        connection.close()
 
 
 def test_a_killed_front_stops_the_server_loudly(ray_cluster):  # noqa: F811
