@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from specserve.engine.config import EngineConfig
-from specserve.engine.process import StartEngine
+from specserve.engine.process import ServerLink, StartEngine
 from specserve.server.cluster.config import ClusterConfig, replica_engine_config
 from specserve.server.cluster.front_link import (AllReady, Attach, Exited, FrontLink, FrontReady,
                                                  Hello, Kill, Placed, front_identity)
@@ -101,7 +101,7 @@ class FrontSupervisor:
         self._placed: Optional[Placed] = None
         self._hello: set[int] = set()
         self._ready: set[int] = set()
-        self._attached: dict[tuple[int, int], dict[int, object]] = {}
+        self._attached: dict[tuple[int, int], dict[int, ServerLink]] = {}  # by front
         self._engines: dict[int, tuple[int, EngineHandle]] = {}  # replica -> (generation, engine)
         self._tasks: set[asyncio.Task] = set()
         self._zmq = zmq.asyncio.Context()
