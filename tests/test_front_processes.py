@@ -392,3 +392,22 @@ def test_a_killed_front_stops_the_server_loudly(ray_cluster):  # noqa: F811
                           timeout=30)
     finally:
         server.stop()
+
+
+def test_fronts_end_when_their_parent_dies(ray_cluster):  # noqa: F811
+    """SIGKILL on the supervising parent (no drain): each front notices its parent gone and
+    stops, and the replica's engine goes with the parent's Ray driver."""
+    server = ServerProcess(DEMO_TARGET, "--ray-address", ray_cluster.address,
+                           "--data-parallel", "1", "--front-processes", str(FRONTS))
+    try:
+        pids = [int(p) for p in server.wait_for_log(
+            r"front processes \(pids (\d+(?:, \d+)*)\)").group(1).split(", ")]
+        server.process.kill()
+        server.process.wait(30)
+        for front in range(FRONTS):
+            server.wait_for_log(rf"front-{front} .*the parent process \d+ is gone; stopping",
+                                timeout=30)
+        assert wait_until(lambda: all(process_exited(p) for p in pids)
+                          and process_exited(server.engine_pid), timeout=60)
+    finally:
+        server.stop()
