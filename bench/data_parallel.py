@@ -11,6 +11,9 @@ goes), and TTFT of prefix affinity vs round robin on a load under cache pressure
     # several hosts: start Ray on each (ray start --head / ray start --address=HEAD:6379), then
     python bench/data_parallel.py --launch llama-8b --setups 8x1 --ray-address auto ...
 
+    # four replicas fed by four front processes on one port (--front-processes)
+    python bench/data_parallel.py --launch llama-8b --setups 4x1 --front-processes 4 ...
+
 A setup `NxT[@G]` is N replicas of tensor-parallel size T, G GPUs per rank (default 1 on GPUs;
 0.5: two replicas share a GPU). Each setup runs against servers this script starts, one at a
 time:
@@ -19,8 +22,9 @@ time:
   requests a stream: one engine of tp T (no Ray: the server as it runs alone; measured once
   per T, at --baseline-concurrency) vs the N replicas (prefix routing; at N x a baseline load
   each replica sees what the one engine saw). With
-  the replicas, the front's profile: the server process's CPU time (% of one core; its threads
-  together) and its tokenizer/detokenizer worker processes', and per replica its engine steps
+  the replicas, the front's profile: each front process's CPU time (% of one core; its threads
+  together; one front, the server process, unless --front-processes) and their
+  tokenizer/detokenizer worker processes' together, and per replica its engine steps
   per second and how busy they kept it (step seconds / wall seconds, from
   specserve_replica_engine_step_seconds). Replicas far from busy while the front process sits
   near 100% of a core say the one front holds them back; busy replicas, that they are the
@@ -104,9 +108,22 @@ def replica_counters(metrics_url: str) -> dict:
             for what, replica, value in REPLICA_COUNTER.findall(body)}
 
 
-def worker_pids(pid: int) -> list[int]:
+REQUESTS_TOTAL = re.compile(r'^specserve_requests_total\{[^}]*\} (\S+)$', re.M)
+
+
+def calls_answered(metrics_url: str) -> float:
+    """Generate calls the server (one front) has answered, from its /metrics (0 if unreadable)."""
+    try:
+        body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(v) for v in REQUESTS_TOTAL.findall(body))
+
+
+def worker_pids(pid: int, marker: bytes = b"multiprocessing") -> list[int]:
     """The server's multiprocessing children (its tokenizer and detokenizer workers; not a local
-    Ray's processes, which are not started by multiprocessing)."""
+    Ray's processes, which are not started by multiprocessing); marker b"multiprocessing.spawn":
+    the spawned ones only (a supervisor's front processes, not its resource tracker)."""
     children = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -116,16 +133,19 @@ def worker_pids(pid: int) -> list[int]:
             cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
         except OSError:
             continue
-        if int(stat[1]) == pid and b"multiprocessing" in cmdline:
+        if int(stat[1]) == pid and marker in cmdline:
             children.append(int(entry))
     return children
 
 
-def front_profile(before: dict, after: dict, seconds: float, front_cpu: float,
-                  workers_cpu: float) -> dict:
+def front_profile(before: dict, after: dict, seconds: float, fronts_cpu: list[float],
+                  workers_cpu: float, fronts_calls: list[float]) -> dict:
+    """fronts_cpu, fronts_calls: each front process's CPU seconds and calls in the row."""
     replicas = sorted({replica for _, replica in after})
     delta = lambda what, r: after.get((what, r), 0.0) - before.get((what, r), 0.0)  # noqa: E731
-    return {"front_cpu_pct": round(100 * front_cpu / seconds, 1),
+    return {"front_cpu_pct": round(100 * sum(fronts_cpu) / seconds, 1),
+            "fronts_cpu_pct": [round(100 * cpu / seconds, 1) for cpu in fronts_cpu],
+            "fronts_calls": [int(calls) for calls in fronts_calls],
             "front_workers_cpu_pct": round(100 * workers_cpu / seconds, 1),
             "replica_steps_per_s": [round(delta("steps", r) / seconds, 1) for r in replicas],
             "replica_busy_pct": [round(100 * delta("step_seconds", r) / seconds, 1)
@@ -149,10 +169,14 @@ def wait_serving(health_url: str, timeout_s: float = 1200.0) -> None:
 
 # --- one server, its loads ---------------------------------------------------------------------
 def run_server_and_load(engine_config, cluster, port: int, metrics_port: int,
-                        workloads, stream_interval: int = 1) -> list[dict]:
+                        workloads, stream_interval: int = 1,
+                        connections_per_proc: int = 1) -> list[dict]:
     """Start a server (cluster None: one engine, no Ray), run each (prompts, rate, concurrency,
     max_new_tokens, client_procs) load against it, stop it. With a cluster, each row carries
-    the front's profile."""
+    the front's profile. With several front processes the server process supervises them (its
+    multiprocessing children), /metrics is front 0's (its step counters and histograms are
+    every engine's: each front hears every step; its TTFT stages, its own calls') and the
+    row's server CPU is the fronts' together."""
     server = multiprocessing.get_context("spawn").Process(
         target=serve_launched, args=(engine_config, port, None, cluster),
         kwargs=dict(metrics_port=metrics_port, stream_interval=stream_interval))
@@ -160,22 +184,36 @@ def run_server_and_load(engine_config, cluster, port: int, metrics_port: int,
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     rows = []
     try:
-        wait_serving(f"http://127.0.0.1:{metrics_port}/health")
+        wait_serving(f"http://127.0.0.1:{metrics_port}/health")  # SERVING: every front is up
+        several = cluster is not None and cluster.front_processes > 1
+        fronts = worker_pids(server.pid, b"multiprocessing.spawn") if several else [server.pid]
+        assert len(fronts) == (cluster.front_processes if several else 1), fronts
+
+        def workers() -> list[int]:
+            return [p for front in fronts for p in worker_pids(front)]
+
+        fronts_metrics = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(len(fronts))]
         for prompts, rate, concurrency, max_new_tokens, client_procs in workloads:
             before = replica_counters(metrics_url) if cluster is not None else {}
+            calls_before = [calls_answered(url) for url in fronts_metrics]
+            fronts_before = [process_cpu_seconds(p) for p in fronts]
             # Workers may start during the row (the tokenizer pool's, on demand): from 0 then.
-            workers_before = {p: process_cpu_seconds(p) for p in worker_pids(server.pid)}
+            workers_before = {p: process_cpu_seconds(p) for p in workers()}
             row = asyncio.run(run_load(f"127.0.0.1:{port}", prompts, rate, concurrency,
                                        max_new_tokens, seed=0, client_procs=client_procs,
-                                       server_pid=server.pid, metrics_url=metrics_url))
+                                       server_pid=server.pid, metrics_url=metrics_url,
+                                       connections_per_proc=connections_per_proc))
+            fronts_cpu = [process_cpu_seconds(p) - cpu for p, cpu in zip(fronts, fronts_before)]
             workers_cpu = sum(process_cpu_seconds(p) - workers_before.get(p, 0.0)
-                              for p in worker_pids(server.pid))
+                              for p in workers())
+            if several:  # the supervisor's own CPU is next to nothing
+                tokens = row["output_tokens_per_s"] * row["requests"] / row["requests_per_s"]
+                row["server_cpu_us_per_token"] = 1e6 * sum(fronts_cpu) / max(tokens, 1)
             if cluster is not None:
                 seconds = row["requests"] / row["requests_per_s"]
-                front_cpu = row["server_cpu_us_per_token"] * row["output_tokens_per_s"] \
-                    * seconds / 1e6
+                calls = [calls_answered(url) - n for url, n in zip(fronts_metrics, calls_before)]
                 row["front"] = front_profile(before, replica_counters(metrics_url), seconds,
-                                             front_cpu, workers_cpu)
+                                             fronts_cpu, workers_cpu, calls)
             rows.append(row)
     finally:
         server.terminate()  # SIGTERM: drains, stops the engines (and its local Ray), exits
@@ -218,6 +256,13 @@ def main():
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the servers' --stream-interval (one engine's and the replicas' alike)")
+    ap.add_argument("--front-processes", type=int, default=1,
+                    help="the replicas' server: front processes sharing its port (the one "
+                         "engine's server has one)")
+    ap.add_argument("--connections", type=int, default=None,
+                    help="gRPC connections each client process opens (default: 4 per front "
+                         "process with --front-processes, else 1): the kernel spreads "
+                         "connections, not calls, over the fronts")
     ap.add_argument("--port", type=int, default=50071)
     ap.add_argument("--metrics-port", type=int, default=50081)
     ap.add_argument("--parts", default="throughput,affinity")
@@ -236,7 +281,8 @@ def main():
     def cluster(setup: Setup, policy: RoutingPolicy) -> ClusterConfig:
         return ClusterConfig(data_parallel=setup.replicas, ray_address=args.ray_address,
                              gpus_per_rank=setup.gpus_per_rank,
-                             routing=RoutingConfig(policy=policy))
+                             routing=RoutingConfig(policy=policy),
+                             front_processes=args.front_processes)
 
     rows = []
 
@@ -245,10 +291,13 @@ def main():
             rows.append(dict(part=part, label=label, **extra, **result))
             print(json.dumps(rows[-1]), flush=True)
 
+    connections = args.connections or (4 * args.front_processes if args.front_processes > 1 else 1)
+
     def serve(config, cluster_config, workloads):
         return run_server_and_load(config, cluster_config, args.port, args.metrics_port, workloads,
-                                   args.stream_interval)
+                                   args.stream_interval, connections)
 
+    fronts_label = f" {args.front_processes} fronts" if args.front_processes > 1 else ""
     baselines_done = set()
     for setup in args.setups:
         if "throughput" in parts:
@@ -264,7 +313,7 @@ def main():
                              workloads(baseline_concurrencies)))
             # A replica's batch: its share of the largest load (more queue at the replica).
             per_replica = -(-max(concurrencies) // setup.replicas)
-            record("throughput", setup.label,
+            record("throughput", setup.label + fronts_label,
                    serve(engine_config(setup.tp, per_replica), cluster(setup, RoutingPolicy.PREFIX),
                          workloads(concurrencies)))
         if "affinity" in parts:
@@ -276,13 +325,14 @@ def main():
                          32, args.client_procs)]
             config = engine_config(setup.tp, max(concurrencies), max_total_tokens=args.pressure_kv_tokens)
             for policy in RoutingPolicy:
-                record("affinity", f"{setup.label} {policy.value}",
+                record("affinity", f"{setup.label}{fronts_label} {policy.value}",
                        serve(config, cluster(setup, policy), workload), tenants=tenants,
                        kv_tokens_per_replica=args.pressure_kv_tokens)
     json.dump({"launch": args.launch, "spec": args.spec,
                "setups": [s._asdict() for s in args.setups],
                "gpu_memory_utilization": args.gpu_memory_utilization,
                "stream_interval": args.stream_interval,
+               "front_processes": args.front_processes, "connections_per_client": connections,
                "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
     print_tables(rows)
 
@@ -296,11 +346,13 @@ def print_tables(rows: list[dict]) -> None:
               f"{r['tpot_ms_p50']:9.2f} {r['cached_tokens_mean']:7.1f}")
     fronts = [r for r in rows if "front" in r]
     if fronts:
-        print(f"\n{'front profile':>28} {'conc':>4} {'front CPU%':>10} {'workers%':>8}  "
-              f"per replica: steps/s | busy %")
+        print(f"\n{'front profile':>28} {'conc':>4} {'front CPU% (each front)':>24} "
+              f"{'calls (each front)':>20} {'workers%':>8}  per replica: steps/s | busy %")
         for r in fronts:
             f = r["front"]
-            print(f"{r['label']:>28} {r['concurrency']:>4} {f['front_cpu_pct']:10.1f} "
+            each = " ".join(f"{pct:.0f}" for pct in f.get("fronts_cpu_pct", [f["front_cpu_pct"]]))
+            calls = " ".join(str(n) for n in f.get("fronts_calls", []))
+            print(f"{r['label']:>28} {r['concurrency']:>4} {each:>24} {calls:>20} "
                   f"{f['front_workers_cpu_pct']:8.1f}  {f['replica_steps_per_s']} | "
                   f"{f['replica_busy_pct']}")
 

@@ -153,23 +153,33 @@ async def conversation(client: AsyncClient, limit: asyncio.Semaphore, segments: 
 
 async def run_requests(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
                        seed: int, start_at: float = 0.0,
-                       http_url: Optional[str] = None) -> tuple[list[dict], float, float]:
+                       http_url: Optional[str] = None,
+                       connections: int = 1) -> tuple[list[dict], float, float]:
     """The per-request results, and the wall-clock (time.time) start and end of the run; the run
     starts at `start_at` if that is later (client processes start together). `prompts`: request
     dicts, or conversations (lists of token segments, see above). With `http_url` the requests
-    go to the OpenAI front there (the gRPC server still flushes the cache and names the model)."""
+    go to the OpenAI front there (the gRPC server still flushes the cache and names the model).
+    `connections` > 1: the gRPC requests take turns over that many TCP connections (a server of
+    several front processes spreads connections, not calls, over its fronts)."""
+    import contextlib
+
     import httpx
 
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
-    async with AsyncClient(server) as client, httpx.AsyncClient(timeout=None, limits=httpx.Limits(
-            max_connections=concurrency + 4)) as http:
+    async with contextlib.AsyncExitStack() as stack:
+        own = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
+        clients = [await stack.enter_async_context(AsyncClient(server, options=own))
+                   for _ in range(connections)]
+        client = clients[0]
+        http = await stack.enter_async_context(httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)))
         await client.wait_until_serving()
         await client.flush_cache()  # every run starts with a cold prefix cache
         model = (await client.model_info()).model
         await asyncio.sleep(max(0.0, start_at - time.time()))
 
-        async def bounded(request):
+        async def bounded(request, client):
             if isinstance(request, list):
                 return await conversation(client, limit, request, max_new_tokens)
             async with limit:
@@ -178,8 +188,8 @@ async def run_requests(server: str, prompts: list, rate: float, concurrency: int
                 return [await one_request(client, request, max_new_tokens)]
 
         tasks, start = [], time.time()
-        for request in prompts:
-            tasks.append(asyncio.create_task(bounded(request)))
+        for i, request in enumerate(prompts):
+            tasks.append(asyncio.create_task(bounded(request, clients[i % len(clients)])))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = [r for rs in await asyncio.gather(*tasks) for r in rs]
@@ -187,9 +197,10 @@ async def run_requests(server: str, prompts: list, rate: float, concurrency: int
 
 
 def _client_process(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
-                    seed: int, start_at: float, http_url: Optional[str]) -> tuple[list[dict], float, float]:
+                    seed: int, start_at: float, http_url: Optional[str],
+                    connections: int = 1) -> tuple[list[dict], float, float]:
     return asyncio.run(run_requests(server, prompts, rate, concurrency, max_new_tokens, seed, start_at,
-                                    http_url))
+                                    http_url, connections))
 
 
 def process_cpu_seconds(pid: Optional[int]) -> float:
@@ -202,15 +213,16 @@ def process_cpu_seconds(pid: Optional[int]) -> float:
 
 async def run_load(server: str, prompts: list, rate: float, concurrency: int, max_new_tokens: int,
                    seed: int, client_procs: int = 1, http_url: Optional[str] = None,
-                   server_pid: Optional[int] = None, metrics_url: Optional[str] = None) -> dict:
+                   server_pid: Optional[int] = None, metrics_url: Optional[str] = None,
+                   connections_per_proc: int = 1) -> dict:
     """One load run. `client_procs` > 1 splits the requests, the concurrency and the rate over
     that many client processes, so that a Python client's per-chunk cost does not cap the
-    measurement at high concurrency."""
+    measurement at high concurrency; each opens `connections_per_proc` gRPC connections."""
     cpu0 = process_cpu_seconds(server_pid)
     scraped = scrape_histograms(metrics_url)
     if client_procs <= 1:
         results, start, end = await run_requests(server, prompts, rate, concurrency, max_new_tokens, seed,
-                                                 http_url=http_url)
+                                                 http_url=http_url, connections=connections_per_proc)
     else:
         loop = asyncio.get_running_loop()
         start_at = time.time() + 5.0  # spawned clients import grpc and connect meanwhile
@@ -218,7 +230,8 @@ async def run_load(server: str, prompts: list, rate: float, concurrency: int, ma
             parts = await asyncio.gather(*(
                 loop.run_in_executor(pool, _client_process, server, prompts[i::client_procs],
                                      rate / client_procs, concurrency // client_procs + (i < concurrency % client_procs),
-                                     max_new_tokens, seed + i, start_at, http_url)
+                                     max_new_tokens, seed + i, start_at, http_url,
+                                     connections_per_proc)
                 for i in range(min(client_procs, concurrency, len(prompts)))))
         results = [r for part in parts for r in part[0]]
         start, end = min(p[1] for p in parts), max(p[2] for p in parts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -65,11 +65,16 @@ class AsyncClient:
     loop that will use it."""
 
     def __init__(self, target: str, *, tls: bool = False,
-                 tls_root_cert: Union[str, Path, bytes, None] = None):
+                 tls_root_cert: Union[str, Path, bytes, None] = None,
+                 options: Sequence[tuple[str, Any]] = ()):
+        """options: gRPC channel arguments added to the client's own, e.g.
+        ("grpc.use_local_subchannel_pool", 1) for a TCP connection of its own (clients of one
+        process otherwise share one per server)."""
         credentials = channel_credentials(tls, tls_root_cert)
-        self._channel = (grpc.aio.insecure_channel(target, options=channel_options())
+        options = channel_options() + list(options)
+        self._channel = (grpc.aio.insecure_channel(target, options=options)
                          if credentials is None else
-                         grpc.aio.secure_channel(target, credentials, options=channel_options()))
+                         grpc.aio.secure_channel(target, credentials, options=options))
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

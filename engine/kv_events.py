@@ -91,9 +91,10 @@ class KVEventPublisher:
 
     def __init__(self, context: zmq.Context, endpoint: Optional[str],
                  replay_endpoint: Optional[str] = None, topic: str = "",
-                 server: Optional[str] = None, buffer_batches: int = REPLAY_BUFFER_BATCHES):
-        """endpoint: the user's (--kv-events-endpoint); server: an address the serving process
-        bound for its own router (data-parallel replicas), connected to as well."""
+                 servers: Sequence[str] = (), buffer_batches: int = REPLAY_BUFFER_BATCHES):
+        """endpoint: the user's (--kv-events-endpoint); servers: addresses the serving processes
+        bound for their own routers (data-parallel replicas, one per front process), connected
+        to as well."""
         self._topic = topic.encode()
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
         self._sequence = itertools.count()
@@ -103,7 +104,7 @@ class KVEventPublisher:
             self._pub.setsockopt(zmq.SNDHWM, PUB_HIGH_WATER_MARK)
             if endpoint is not None:
                 _attach(self._pub, "kv_events_endpoint", endpoint, bind=binds(endpoint))
-            if server is not None:
+            for server in servers:
                 self._pub.connect(server)
             self._replay = None
             if replay_endpoint is not None:

@@ -8,9 +8,18 @@ work, runs one `engine.step()`, and blocks on the socket only when nothing is le
 A third socket carries Heartbeats from a thread of their own, for the server's watchdog. With
 `kv_events_endpoint` set, or the data-parallel router's address in the ServerLink, the prefix
 cache's block events of each iteration go out as one batch (engine/kv_events.py).
+
+Several servers may share one engine (the front processes of a data-parallel server,
+server/cluster/front_processes.py): the engine then gets one ServerLink per front and connects
+its sockets to each. A request's outputs, its rejection and a load report go back on the link
+it came from; ready, failures, grammar health and every step's StepStats and load go to every
+link (each front's metrics see each engine whole); heartbeats and KV-cache events to all. A
+front's Shutdown closes its link (its requests still running are aborted, their KV freed) and
+the engine stops when every link is closed: with one link, exactly as before.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pickle
@@ -19,7 +28,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import zmq
 
@@ -64,14 +73,23 @@ class ServerLink:
     kv_events: Optional[str] = None
 
 
+# One server, or several front processes sharing the engine (one link each, in front order).
+ServerLinks = Union[ServerLink, tuple[ServerLink, ...]]
+
+
+def server_links(links: ServerLinks) -> tuple[ServerLink, ...]:
+    return (links,) if isinstance(links, ServerLink) else tuple(links)
+
+
 # Builds what the loop drives from the config: an `Engine`, or for benchmarks of the server
 # alone a stand-in with the same methods (bench/frontend.py); a picklable top-level function.
 StartEngine = Callable[[EngineConfig], Any]
 
 
-def run_engine_process(config: EngineConfig, link: ServerLink,
+def run_engine_process(config: EngineConfig, link: ServerLinks,
                        start_engine: Optional[StartEngine] = None) -> None:
-    """Child-process entry: start the engine, report ready, serve IPC until told to stop.
+    """Child-process entry: start the engine, report ready, serve IPC until told to stop (by
+    every link's server, when there are several).
 
     Exits with status 1 (after sending EngineFailed) if the engine cannot start or a step fails.
     """
@@ -80,32 +98,37 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
     # server decides when the engine stops (after draining), so it must not die on them first.
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, signal.SIG_IGN)
+    links = server_links(link)
     context = zmq.Context()
-    requests = context.socket(zmq.PULL)
-    requests.connect(link.requests)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
-    outputs.setsockopt(zmq.LINGER, 2000)  # let the last messages (e.g. EngineFailed) go out
-    outputs.connect(link.outputs)
+    requests, outputs = [], []
+    for each in links:
+        requests.append(context.socket(zmq.PULL))
+        requests[-1].connect(each.requests)
+        outputs.append(context.socket(zmq.PUSH))
+        outputs[-1].setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+        outputs[-1].setsockopt(zmq.LINGER, 2000)  # let the last messages (e.g. EngineFailed) go out
+        outputs[-1].connect(each.outputs)
     server_pid = os.getppid()
     engine = heartbeat = kv_events = None
     try:
         # Before the weights load: a bad or busy endpoint fails the start at once.
-        kv_events = kv_event_publisher(config, context, link.kv_events)
+        kv_events = kv_event_publisher(config, context,
+                                       [each.kv_events for each in links if each.kv_events])
         engine = (start_engine or start_warm_engine)(config)
         if kv_events is not None:
             engine.record_kv_events()  # the warm-up's cached blocks are the first batch
         loop = _EngineLoop(engine, requests, outputs, server_pid, kv_events)
         # Watched from the moment the server hears "ready", so beating starts before that.
-        heartbeat = HeartbeatThread(context, link, loop)
+        heartbeat = HeartbeatThread(context, links, loop)
         heartbeat.start()
         loop.report_grammar()  # warm already (start_warm_engine): SERVING together with the engine
-        outputs.send(ipc.EngineToServer(ready=_ready_message(engine)).SerializeToString())
+        loop.broadcast(ipc.EngineToServer(ready=_ready_message(engine)))
         loop.run()
     except Exception as e:
         # The server logs it (once: the traceback too when the engine had been serving).
         failed = ipc.EngineFailed(message=f"{one_line(e)}\n{traceback.format_exc()}")
-        outputs.send(ipc.EngineToServer(failed=failed).SerializeToString())
+        for sock in outputs:
+            sock.send(ipc.EngineToServer(failed=failed).SerializeToString())
         raise SystemExit(1)
     finally:
         if heartbeat is not None:
@@ -114,19 +137,21 @@ def run_engine_process(config: EngineConfig, link: ServerLink,
             engine.shutdown()
         if kv_events is not None:
             kv_events.close()
-        requests.close(linger=0)
-        outputs.close()
+        for sock in requests:
+            sock.close(linger=0)
+        for sock in outputs:
+            sock.close()
         context.term()
 
 
 def kv_event_publisher(config: EngineConfig, context: zmq.Context,
-                       server: Optional[str] = None) -> Optional[KVEventPublisher]:
-    """The KV-event publisher the config (and the server's router, at `server`) asks for, its
+                       servers: Sequence[str] = ()) -> Optional[KVEventPublisher]:
+    """The KV-event publisher the config (and the servers' routers, at `servers`) asks for, its
     sockets bound or connected; None when neither does."""
-    if config.kv_events_endpoint is None and server is None:
+    if config.kv_events_endpoint is None and not servers:
         return None
     return KVEventPublisher(context, config.kv_events_endpoint, config.kv_events_replay_endpoint,
-                            config.kv_events_topic, server)
+                            config.kv_events_topic, servers)
 
 
 def one_line(error: BaseException) -> str:
@@ -191,20 +216,26 @@ def _ready_message(engine) -> ipc.EngineReady:
 
 
 class _EngineLoop:
-    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket, server_pid: int,
-                 kv_events: Optional[KVEventPublisher] = None):
+    def __init__(self, engine, requests: Sequence[zmq.Socket], outputs: Sequence[zmq.Socket],
+                 server_pid: int, kv_events: Optional[KVEventPublisher] = None):
+        """requests, outputs: one socket each per server link, in the same order."""
         self.engine = engine
         self.kv_events = kv_events
         # vLLM's `medium` of the blocks: where the KV pool lives.
         self._kv_medium = (None if kv_events is None
                            else "GPU" if engine.core.device.type == "cuda" else "CPU")
-        self.requests = requests
-        self.outputs = outputs
+        self.requests = list(requests)
+        self.outputs = list(outputs)
+        self.open_links = set(range(len(self.requests)))  # until each link's Shutdown
+        self._poller = zmq.Poller()
+        for sock in self.requests:
+            self._poller.register(sock, zmq.POLLIN)
         self.server_pid = server_pid
         # Requests added and not yet finished, with their unfinished sequences: aborts for
         # anything else are dropped, since the server may abort a request (or a sequence) that
         # finished while the abort was in flight.
         self.live: dict[str, set[int]] = {}
+        self.link_of: dict[str, int] = {}  # a live request's link: its outputs go back there
         # Read by the heartbeat thread (an int assignment is atomic): stops moving only while
         # an iteration, i.e. a step, does not return.
         self.iterations = 0
@@ -213,10 +244,13 @@ class _EngineLoop:
     def run(self) -> None:
         while os.getppid() == self.server_pid:
             self.engine.check_ranks()  # a dead tp rank fails the engine at once, idle or not
-            for message in self._receive(block=not self.engine.has_unfinished()):
+            for link, message in self._receive(block=not self.engine.has_unfinished()):
                 if message.WhichOneof("kind") == "shutdown":
-                    return
-                self._handle(message)
+                    self._close_link(link)
+                    if not self.open_links:
+                        return
+                elif link in self.open_links:
+                    self._handle(link, message)
             if self.engine.has_unfinished():
                 self._step()
             if self.kv_events is not None:  # the step's changes, and a flush's between steps
@@ -225,21 +259,32 @@ class _EngineLoop:
             self.iterations += 1
         logger.warning("server process %d is gone; engine exiting", self.server_pid)
 
-    def _receive(self, block: bool) -> list[ipc.ServerToEngine]:
-        if block and not self.requests.poll(IDLE_POLL_MS):
+    def _receive(self, block: bool) -> list[tuple[int, ipc.ServerToEngine]]:
+        if block and not self._poller.poll(IDLE_POLL_MS):
             return []
         messages = []
-        while True:
-            try:
-                data = self.requests.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
-            messages.append(ipc.ServerToEngine.FromString(data))
+        for link, sock in enumerate(self.requests):
+            while True:
+                try:
+                    data = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                messages.append((link, ipc.ServerToEngine.FromString(data)))
+        return messages
 
-    def _handle(self, message: ipc.ServerToEngine) -> None:
+    def _close_link(self, link: int) -> None:
+        """The link's server is done with this engine: what it still runs is no one's."""
+        self.open_links.discard(link)
+        if not self.open_links:
+            return  # the engine stops; its shutdown frees everything
+        for rid in [rid for rid, owner in self.link_of.items() if owner == link]:
+            self.engine.abort(rid, None)
+            del self.live[rid], self.link_of[rid]
+
+    def _handle(self, link: int, message: ipc.ServerToEngine) -> None:
         kind = message.WhichOneof("kind")
         if kind == "add":
-            self._add(message.add)
+            self._add(link, message.add)
         elif kind == "abort":
             abort = message.abort
             index = abort.index if abort.HasField("index") else None
@@ -249,29 +294,39 @@ class _EngineLoop:
         elif kind == "load_query":
             if message.load_query.flush_prefix_cache:
                 self.engine.flush_prefix_cache()
-            self._send(ipc.EngineToServer(load=self._load_report(message.load_query.query_id)))
+            self._send(link, ipc.EngineToServer(load=self._load_report(message.load_query.query_id)))
 
-    def _add(self, add: ipc.AddRequest) -> None:
+    def _add(self, link: int, add: ipc.AddRequest) -> None:
         try:
             self.engine.add_request(add.rid, list(add.prompt_token_ids),
                                     sampling_from_add_request(add))
         except ValueError as e:  # the engine names the field; the server maps it to INVALID_ARGUMENT
-            self._send(ipc.EngineToServer(rejected=ipc.RequestRejected(rid=add.rid, message=str(e))))
+            self._send(link, ipc.EngineToServer(rejected=ipc.RequestRejected(rid=add.rid,
+                                                                             message=str(e))))
             return
         self.live[add.rid] = set(range(add.sampling.n))
+        self.link_of[add.rid] = link
 
     def _step(self) -> None:
         step_outputs = self.engine.step()
         steps = self.engine.take_step_stats()  # the server's step-time metrics
         if not step_outputs and not steps:
             return
+        by_link: dict[int, list] = collections.defaultdict(list)
         for out in step_outputs:
+            link = self.link_of.get(out.rid)
+            if link is None:  # its link closed in this step's flight
+                continue
+            by_link[link].append(out)
             if out.finished:
                 sequences = self.live[out.rid]
                 sequences.discard(out.index)
                 if not sequences:
-                    del self.live[out.rid]
-        self._send(ipc.EngineToServer(batch=encode_batch(step_outputs, steps, self.engine.load())))
+                    del self.live[out.rid], self.link_of[out.rid]
+        load = self.engine.load()
+        for link in sorted(self.open_links):  # every link gets the steps, each its own outputs
+            if by_link[link] or steps:
+                self._send(link, ipc.EngineToServer(batch=encode_batch(by_link[link], steps, load)))
 
     def report_grammar(self) -> None:
         """Tell the server when the grammar service's state changed (idle, within IDLE_POLL_MS;
@@ -279,13 +334,19 @@ class _EngineLoop:
         health = self.engine.grammar_health()
         if health != self._grammar_health and health is not None:
             self._grammar_health = health
-            self._send(ipc.EngineToServer(grammar=grammar_health_to_proto(health)))
+            self.broadcast(ipc.EngineToServer(grammar=grammar_health_to_proto(health)))
 
     def _load_report(self, query_id: int) -> ipc.LoadReport:
         return ipc.LoadReport(query_id=query_id, load=load_to_proto(self.engine.load()))
 
-    def _send(self, message: ipc.EngineToServer) -> None:
-        self.outputs.send(message.SerializeToString())
+    def _send(self, link: int, message: ipc.EngineToServer) -> None:
+        self.outputs[link].send(message.SerializeToString())
+
+    def broadcast(self, message: ipc.EngineToServer) -> None:
+        """To every link still open."""
+        data = message.SerializeToString()
+        for link in sorted(self.open_links):
+            self.outputs[link].send(data)
 
 
 class HeartbeatThread(threading.Thread):
@@ -297,26 +358,30 @@ class HeartbeatThread(threading.Thread):
     between threads.
     """
 
-    def __init__(self, context: zmq.Context, link: ServerLink, loop: _EngineLoop,
+    def __init__(self, context: zmq.Context, link: ServerLinks, loop: _EngineLoop,
                  exit_grace_s: float = RANK_FAILURE_EXIT_S,
                  exit_process: Callable[[int], Any] = os._exit):
         super().__init__(name="specserve-heartbeat", daemon=True)
         self.context = context
-        self.link = link
+        self.links = server_links(link)  # every server beats are sent to
+        self.interval_s = self.links[0].heartbeat_interval_s
         self.loop = loop
         self.exit_grace_s = exit_grace_s
         self.exit_process = exit_process
         self._stopping = threading.Event()
 
     def run(self) -> None:
-        beats = self.context.socket(zmq.PUSH)
-        beats.setsockopt(zmq.LINGER, 0)
-        beats.setsockopt(zmq.SNDHWM, 4)  # only the latest beats matter to a slow reader
-        beats.connect(self.link.heartbeats)
+        beats = []
+        for link in self.links:
+            beats.append(self.context.socket(zmq.PUSH))
+            beats[-1].setsockopt(zmq.LINGER, 0)
+            beats[-1].setsockopt(zmq.SNDHWM, 4)  # only the latest beats matter to a slow reader
+            beats[-1].connect(link.heartbeats)
         try:
             failure = self._beat(beats)
         finally:
-            beats.close()  # before the grace below: context.term() waits for every socket
+            for sock in beats:  # before the grace below: context.term() waits for every socket
+                sock.close()
         if failure is None:
             return
         # The loop raises (EngineFailed) unless its step waits for the dead rank in a
@@ -330,24 +395,25 @@ class HeartbeatThread(threading.Thread):
                      self.exit_grace_s)
         self.exit_process(1)
 
-    def _beat(self, beats: zmq.Socket) -> Optional[str]:
+    def _beat(self, beats: list[zmq.Socket]) -> Optional[str]:
         """Beat until stopped (None) or a tensor-parallel rank died (why)."""
         while True:
             failure = self.loop.engine.rank_failure()
             if failure is not None:
                 return failure
-            try:
-                beats.send(ipc.Heartbeat(loop_iterations=self.loop.iterations).SerializeToString(),
-                           zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the server is not reading: a lost beat is no loss
-            if self._stopping.wait(self.link.heartbeat_interval_s):
+            beat = ipc.Heartbeat(loop_iterations=self.loop.iterations).SerializeToString()
+            for sock in beats:
+                try:
+                    sock.send(beat, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the server is not reading: a lost beat is no loss
+            if self._stopping.wait(self.interval_s):
                 return None
 
     def stop(self) -> None:
         """Stop beating; a thread in its grace after a rank died is left to it (its socket is
         closed already)."""
         self._stopping.set()
-        self.join(timeout=self.link.heartbeat_interval_s + 1.0)
+        self.join(timeout=self.interval_s + 1.0)
 
 

@@ -8,6 +8,11 @@ it), health goes NOT_SERVING and every call fails with UNAVAILABLE; the server s
 probes see it (the orchestrator restarts it). A start-up error (a model folder or TLS file that
 is not there, --http-port without the `http` extra: server/preflight.py, before anything binds;
 a port that cannot be bound; the engine failing to start): one error line, exit 1.
+
+With --front-processes N (data-parallel replicas only) this process supervises N front processes
+(server/cluster/front_processes.py), each a SpecserveServer given a FrontLink: it binds the
+ports with SO_REUSEPORT, gets its replicas' engines from the parent, and says SERVING only once
+every front is ready.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import logging
 import signal
 import socket
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -25,6 +30,8 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.outputs import GrammarHealth
 from specserve.engine.process import StartEngine
 from specserve.server.cluster.config import ClusterConfig
+from specserve.server.cluster.front_link import FrontChannel, FrontLink, FrontReady
+from specserve.server.cluster.front_processes import FrontSupervisor
 from specserve.server.cluster.metrics import ReplicaCollector
 from specserve.server.cluster.replica_set import ReplicaSet
 from specserve.server.config import ServerConfig
@@ -48,11 +55,11 @@ class PortUnavailable(Exception):
     """A port the server was told to listen on cannot be bound (the message says why)."""
 
 
-def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
+def _server_options(config: ServerConfig, reuse_port: bool = False) -> list[tuple[str, int]]:
     return [
         # gRPC sets SO_REUSEPORT by default, so a second server on the same port would start
-        # and silently take a share of the connections.
-        ("grpc.so_reuseport", 0),
+        # and silently take a share of the connections; front processes share it on purpose.
+        ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         # Keep idle streaming connections alive through proxies and NATs.
@@ -63,9 +70,10 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_port_free(host: str, port: int, reuse_port: bool = False) -> None:
     """Resolve the host and bind the port briefly to learn why it cannot be used: gRPC's bind
-    error says only "Failed to bind" (the reason goes to its own log)."""
+    error says only "Failed to bind" (the reason goes to its own log). reuse_port: as a front
+    process binds it, beside the other fronts."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -73,14 +81,16 @@ def _check_port_free(host: str, port: int) -> None:
             return
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             probe.bind(address)
     except OSError as e:  # socket.gaierror included
         raise PortUnavailable(
             f"cannot listen on {host}:{port} (--port): {e.strerror or e}") from None
 
 
-def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
-    _check_port_free(config.host, config.port)
+def _bind(server: grpc.aio.Server, config: ServerConfig, reuse_port: bool = False) -> int:
+    _check_port_free(config.host, config.port, reuse_port)
     address = f"{config.host}:{config.port}"
     try:
         if config.tls_cert is None:
@@ -95,16 +105,20 @@ def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
 class SpecserveServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
                  start_engine: Optional[StartEngine] = None,
-                 cluster: Optional[ClusterConfig] = None):
+                 cluster: Optional[ClusterConfig] = None, front: Optional[FrontLink] = None):
         """cluster: data-parallel engine replicas on Ray (server/cluster) instead of one engine
-        process; the set stands where the EngineClient does."""
+        process; the set stands where the EngineClient does. front: this is one of several
+        front processes (with a cluster), its replicas' engines started by the parent."""
         self.server_config = server_config
+        self.stopping = asyncio.Event()
+        self.front = None if front is None else FrontChannel(front, self.stopping.set)
         if cluster is None:
             self.engine = EngineClient(engine_config, EngineWatchdog(
                 server_config.engine_heartbeat_timeout_s, server_config.engine_stall_timeout_s),
                 start_engine, stream_interval=server_config.stream_interval)
         else:
-            self.engine = ReplicaSet(engine_config, server_config, cluster, start_engine)
+            self.engine = ReplicaSet(engine_config, server_config, cluster, start_engine,
+                                     None if self.front is None else self.front.launchers)
         self.health = HealthStatus()
         self.metrics = ServerMetrics(self.engine.watchdog.report)
         self.engine.on_steps = self.metrics.observe_engine_steps
@@ -118,8 +132,8 @@ class SpecserveServer:
                                              * engine_config.max_running_requests)
         self.servicer = GenerationServicer(self.core)
         self.http_api = None  # the OpenAI-compatible front (HttpApiServer), with --http-port
-        self.grpc_server = grpc.aio.server(options=_server_options(server_config))
-        self.stopping = asyncio.Event()
+        self.grpc_server = grpc.aio.server(
+            options=_server_options(server_config, reuse_port=self.front is not None))
         self.port: Optional[int] = None
         self._health_update: Optional[asyncio.Task] = None  # held so it is not collected early
         self._grammar_update: Optional[asyncio.Task] = None  # the same, for specserve.grammar
@@ -133,6 +147,8 @@ class SpecserveServer:
         if config.reflection:
             enable_reflection(self.grpc_server, (GENERATION_SERVICE, health.SERVICE_NAME))
         await self.health.set_serving(False)
+        if self.front is not None:
+            self.front.start()
         try:
             await self._listen()
         except PortUnavailable as e:
@@ -142,6 +158,8 @@ class SpecserveServer:
                 await self.http_api.stop()
             await self.engine.shutdown()  # nothing started yet: releases its sockets
             self.core.close()
+            if self.front is not None:
+                await self.front.close()
             return 1
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -163,7 +181,7 @@ class SpecserveServer:
         """Bind the gRPC port (and the HTTP port), then start serving; before anything is
         spawned, so that a port in use ends the server at once."""
         config = self.server_config
-        self.port = _bind(self.grpc_server, config)
+        self.port = _bind(self.grpc_server, config, reuse_port=self.front is not None)
         if config.metrics_port is not None:
             try:
                 http_port = self.http.start(config.host, config.metrics_port)
@@ -204,7 +222,7 @@ class SpecserveServer:
         app = create_app(self.core, self.metrics.registry, lambda: health.serving,
                          config.max_message_bytes)
         return HttpApiServer(app, config.host, config.http_port, ConnectionLimits.of(config),
-                             config.tls_cert, config.tls_key)
+                             config.tls_cert, config.tls_key, reuse_port=self.front is not None)
 
     def _on_engine_death(self, reason: str) -> None:
         self._health_update = asyncio.get_running_loop().create_task(
@@ -242,6 +260,8 @@ class SpecserveServer:
         self.core.on_engine_ready(info, self.engine.tokenizer)
         self.metrics.observe_speculation(info.spec)
         await self.core.warm_up()
+        if self.front is not None and not await self._all_fronts_ready(stop):
+            return 0
         await self.health.set_serving(True)
         logger.info("engine ready: %s (%s, %s, %s); SERVING", info.model, info.architecture,
                     info.device, info.dtype)
@@ -249,6 +269,17 @@ class SpecserveServer:
         await stop
         watcher.cancel()
         return 0
+
+    async def _all_fronts_ready(self, stop: asyncio.Future) -> bool:
+        """Tell the parent this front is ready and wait until every front is (False: stopped
+        first)."""
+        self.front.send(FrontReady(self.front.link.front))
+        ready = asyncio.ensure_future(self.front.all_ready.wait())
+        await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            return False
+        return True
 
     async def _watch_load(self) -> None:
         """Keep the load gauges fresh between scrapes, and while the engine has work log one
@@ -293,6 +324,8 @@ class SpecserveServer:
         await self.engine.shutdown()
         self.http.stop()
         self.core.close()
+        if self.front is not None:
+            await self.front.close()
         logger.info("stopped")
 
 
@@ -301,7 +334,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
                cluster: Optional[ClusterConfig] = None) -> int:
     """Run the server on uvloop when it is installed; returns the process exit status.
     start_engine: a stand-in for the engine (benchmarks of the server alone); cluster:
-    data-parallel replicas on Ray."""
+    data-parallel replicas on Ray (with front_processes > 1: this process supervises the
+    fronts)."""
     try:
         check_startup(engine_config, server_config, local_engine=cluster is None)
     except StartupError as e:
@@ -309,8 +343,30 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
         return 1
 
     async def main() -> int:
+        if cluster is not None and cluster.front_processes > 1:
+            return await FrontSupervisor(engine_config, server_config, cluster, start_engine,
+                                         run_front).run()
         return await SpecserveServer(engine_config, server_config, start_engine, cluster).run()
 
+    return _run_on_loop(main)
+
+
+def run_front(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig,
+              start_engine: Optional[StartEngine], front: FrontLink) -> None:
+    """A front process's entry (spawned by FrontSupervisor); exits with the server's status."""
+    logging.basicConfig(level=front.log_level, format=f"%(asctime)s front-{front.front} "
+                                                      f"%(name)s %(levelname)s %(message)s")
+
+    async def main() -> int:
+        return await SpecserveServer(engine_config, server_config, start_engine, cluster,
+                                     front).run()
+
+    raise SystemExit(_run_on_loop(main))
+
+
+def _run_on_loop(main: Callable[[], Awaitable[int]]) -> int:
+    """main() on uvloop when it is installed (the server is made inside the loop: gRPC's aio
+    server belongs to the loop it was made on)."""
     try:
         import uvloop
     except ImportError:

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from specserve.engine.config import EngineConfig, SamplingParams
 from specserve.engine.outputs import EngineInfo, EngineLoad, GrammarHealth
-from specserve.engine.process import ServerLink, StartEngine, run_engine_process
+from specserve.engine.process import ServerLink, ServerLinks, StartEngine, run_engine_process
 from specserve.engine.wire import (add_request_to_proto, grammar_health_from_proto, info_from_proto,
                                    load_from_proto)
 from specserve.proto import engine_ipc_pb2 as ipc
@@ -81,9 +81,10 @@ class EngineLauncher(abc.ABC):
     bind_host: Optional[str] = None
 
     @abc.abstractmethod
-    def launch(self, config: EngineConfig, link: ServerLink,
+    def launch(self, config: EngineConfig, link: ServerLinks,
                start_engine: Optional[StartEngine]) -> EngineHandle:
-        """Start the engine (returns at once: the engine reports ready over the link)."""
+        """Start the engine (returns at once: the engine reports ready over the link, or over
+        each link of several front processes')."""
 
 
 class LocalProcess(EngineHandle):
@@ -118,7 +119,7 @@ class LocalProcess(EngineHandle):
 
 
 class LocalLauncher(EngineLauncher):
-    def launch(self, config: EngineConfig, link: ServerLink,
+    def launch(self, config: EngineConfig, link: ServerLinks,
                start_engine: Optional[StartEngine]) -> EngineHandle:
         # spawn, not fork: the server process runs gRPC threads and an event loop.
         process = multiprocessing.get_context("spawn").Process(

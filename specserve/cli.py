@@ -239,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs Ray reserves per tp rank (default 1 on GPUs); 0.5 puts two "
                         "replicas of --tp 1 on one GPU, each taking half the memory that "
                         "--gpu-memory-utilization gives an engine")
+    c.add_argument("--front-processes", type=int, default=None, metavar="N",
+                   help="N front processes serve the gRPC (and HTTP) port together, each with "
+                        "its own clients to every replica (default 1); front i serves "
+                        "--metrics-port + i")
 
     generate = commands.add_parser("generate", help="generate once, offline or through a server")
     _add_engine_args(generate)
@@ -292,7 +296,7 @@ def _cluster_config_from_args(args: argparse.Namespace):
     """The ClusterConfig the cluster flags describe, or None (one engine process, no Ray).
     Raises ValueError naming the flag, also when Ray is not installed."""
     given = [flag for flag in ("data_parallel", "ray_address", "tp_placement", "routing",
-                               "gpus_per_rank") if getattr(args, flag) is not None]
+                               "gpus_per_rank", "front_processes") if getattr(args, flag) is not None]
     if not given:
         return None
     from specserve.server.cluster.config import ClusterConfig, TPPlacement, require_ray
@@ -306,7 +310,8 @@ def _cluster_config_from_args(args: argparse.Namespace):
                          ray_address=args.ray_address,
                          tp_placement=TPPlacement(args.tp_placement or "node"),
                          routing=RoutingConfig(policy=RoutingPolicy(args.routing or "prefix")),
-                         gpus_per_rank=args.gpus_per_rank)
+                         gpus_per_rank=args.gpus_per_rank,
+                         front_processes=1 if args.front_processes is None else args.front_processes)
 
 
 def _serve(engine_config: EngineConfig, server_config, cluster, log_level: str) -> int:
@@ -392,9 +397,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                        _cluster_config_from_args(args))
             if configs[2] is not None:  # each replica's kv-events port: the last one's fits
                 from specserve.server.cluster.config import replica_engine_config
+                from specserve.server.cluster.front_processes import front_server_config
 
                 replica_engine_config(configs[0], configs[2].data_parallel - 1,
                                       configs[2].gpus_per_rank)
+                front_server_config(configs[1], configs[2].front_processes - 1)  # metrics ports
         elif args.server is None:
             return _generate_offline(args)
     except ValueError as e:

@@ -89,7 +89,7 @@ def test_an_engines_publisher_reaches_the_router_through_the_replicas_socket(tmp
                                     lambda: gaps.append(1))
         events.start()
         context = zmq.Context()
-        publisher = KVEventPublisher(context, None, server=events.address)
+        publisher = KVEventPublisher(context, None, servers=[events.address])
         try:
             for _ in range(200):  # a PUB that connects sends once the subscription arrives
                 publisher.publish([_stored(PROMPT)])

@@ -39,10 +39,16 @@ class ClusterConfig:
     # without serving, up to max_restart_backoff_s), so a crash loop does not spin.
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 60.0
+    # Front processes serving the public port(s) together (SO_REUSEPORT), each with its own
+    # clients to every replica, under one supervising parent (front_processes.py): one Python
+    # process's event loop cannot feed many replicas. 1: the server process is the front.
+    front_processes: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
-            raise ValueError(f"data_parallel: must be >= 1, got {self.data_parallel}")
+        for name in ("data_parallel", "front_processes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         if not isinstance(self.tp_placement, TPPlacement):
             raise ValueError(f"tp_placement: one of {[p.value for p in TPPlacement]}, "
                              f"got {self.tp_placement!r}")

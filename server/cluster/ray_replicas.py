@@ -29,7 +29,7 @@ from ray.util.placement_group import placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from specserve.engine.config import EngineConfig
-from specserve.engine.process import ServerLink, StartEngine, run_engine_process, start_warm_engine
+from specserve.engine.process import ServerLinks, StartEngine, run_engine_process, start_warm_engine
 from specserve.server.cluster.config import ClusterConfig, TPPlacement
 from specserve.server.engine_client import SHUTDOWN_TIMEOUT_S, EngineHandle, EngineLauncher
 
@@ -61,7 +61,7 @@ class ReplicaHost:
         self._ranks: list = []  # TPRank actors of the current engine
         self._rendezvous = None  # where they meet (a tp_group.Rendezvous), held while they run
 
-    def start_engine(self, config: EngineConfig, link: ServerLink,
+    def start_engine(self, config: EngineConfig, link: ServerLinks,
                      start_engine: Optional[StartEngine], rank_actors: bool) -> EngineStarted:
         self.kill_engine()  # a leftover of an engine the server gave up on
         node_ip = ray.util.get_node_ip_address()
@@ -186,7 +186,7 @@ class RayLauncher(EngineLauncher):
         self.rank_actors = rank_actors
         self.bind_host = bind_host
 
-    def launch(self, config: EngineConfig, link: ServerLink,
+    def launch(self, config: EngineConfig, link: ServerLinks,
                start_engine: Optional[StartEngine]) -> EngineHandle:
         started = self.host.start_engine.remote(config, link, start_engine, self.rank_actors)
         return RayEngine(self.index, self.host, started)

@@ -15,6 +15,9 @@ routed per request, KV freed on abort, the watchdog) holds per replica. The set 
 - Restarts: a replica that had served is started again with a fresh EngineClient (new sockets,
   a new engine in its actor, which Ray itself restarts if the actor died) after a backoff; its
   router memory is dropped, since its prefix cache is empty.
+
+The set places the replicas on Ray itself, or (a front process of --front-processes) is given
+launchers by `place`: the parent placed the replicas and starts their engines (front_link.py).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import zmq.asyncio
 
@@ -84,10 +87,18 @@ class _Replica:
         self.failures_in_a_row = 0
 
 
+# Places the replicas: one launcher per replica, in replica order.
+Place = Callable[[], Awaitable[list[EngineLauncher]]]
+
+
 class ReplicaSet:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
-                 cluster: ClusterConfig, start_engine: Optional[StartEngine] = None):
+                 cluster: ClusterConfig, start_engine: Optional[StartEngine] = None,
+                 place: Optional[Place] = None):
+        """place: None places the replicas on Ray from this process (and leaves Ray at
+        shutdown); a front process's set gets its launchers from its parent instead."""
         self.config = engine_config
+        self._place = place
         self.server_config = server_config
         self.cluster = cluster
         self.start_engine = start_engine
@@ -124,10 +135,8 @@ class ReplicaSet:
         self._spawn(self._start())
 
     async def _start(self) -> None:
-        from specserve.server.cluster.ray_replicas import place_replicas  # Ray: only here
-
         try:
-            launchers = await asyncio.to_thread(place_replicas, self.cluster, self.config)
+            launchers = await (self._place or self._place_on_ray)()
         except Exception as e:  # Ray could not start or be reached
             logger.exception("placing the replicas on Ray failed")
             self._ready.set_exception(EngineUnavailable(f"placing the replicas on Ray failed: {e}"))
@@ -147,6 +156,11 @@ class ReplicaSet:
         self.info, self.tokenizer = infos[0], self.replicas[0].client.tokenizer
         if not self._ready.done():
             self._ready.set_result(self.info)
+
+    async def _place_on_ray(self) -> list[EngineLauncher]:
+        from specserve.server.cluster.ray_replicas import place_replicas  # Ray: only here
+
+        return await asyncio.to_thread(place_replicas, self.cluster, self.config)
 
     async def wait_ready(self) -> EngineInfo:
         """The engines' info once every replica is loaded and warm; EngineUnavailable if one
@@ -173,7 +187,7 @@ class ReplicaSet:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineUnavailable("the server is shutting down"))
-        if self.replicas:
+        if self.replicas and self._place is None:
             from specserve.server.cluster.ray_replicas import disconnect
 
             await asyncio.to_thread(disconnect)

@@ -22,8 +22,11 @@ STOP_GRACE_S = 1.0  # after the drain: time for connections still open to close
 
 class HttpApiServer:
     def __init__(self, app: FastAPI, host: str, port: int, limits: ConnectionLimits,
-                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None):
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 reuse_port: bool = False):
+        """reuse_port: the port is shared with other front processes (SO_REUSEPORT)."""
         self.limits = limits
+        self.reuse_port = reuse_port
         # The gRPC port's certificate, if it has one: both fronts are then TLS only.
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off",
                                      http=functools.partial(GuardedH11Protocol, limits=limits),
@@ -43,6 +46,8 @@ class HttpApiServer:
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self.reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(address)
             sock.listen(self.config.backlog)
         except OSError:
