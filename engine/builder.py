@@ -42,6 +42,7 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.captured_extend import MAX_REQUESTS, TOKEN_BUCKETS
+from specserve.engine.runtime.captured_mixed import mixed_graph_tokens
 from specserve.engine.quantization.config import Int4Config, resolve_quantization
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
@@ -339,8 +340,11 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         graph_memory_bytes = _capture_graphs(worker, device, num_rows, row_width,
                                              constrained=scheduler.grammars is not None,
                                              sampled=config.cuda_graph_sampled,
+                                             mixed=scheduler.policy.mixed_row_tokens > 0,
                                              estimate=_graph_reserve_bytes(config, cfg, dtype,
                                                                            num_rows, spec))
+        # A mixed step's prompt budget fills the token bucket its graph replays anyway.
+        scheduler.policy.mixed_graph_tokens = mixed_graph_tokens(worker)
     if spec is not None and spec.adaptive:
         times = worker.measure_step_times(num_rows, row_width,
                                           **({} if tp_group is None else dict(agree=tp_group.exchange)))
@@ -360,15 +364,17 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 
 
 def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_width: int,
-                    constrained: bool, sampled: bool, estimate: int) -> int:
-    """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool);
-    the bytes they hold, logged (the pool and the static inputs) beside the `estimate` that
-    sizing by share reserved for them."""
+                    constrained: bool, sampled: bool, mixed: bool, estimate: int) -> int:
+    """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool;
+    `mixed`: the mixed steps' forwards too); the bytes they hold, logged (the pool and the
+    static inputs) beside the `estimate` that sizing by share reserved for them."""
     gc.collect()  # an earlier engine's graphs freed now, not between the two counts
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = _graph_pool_bytes(device)
     worker.enable_cuda_graphs(num_rows, row_width, constrained=constrained, sampled=sampled)
+    if mixed:
+        worker.capture_mixed(num_rows, row_width)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the warm-up forwards' cached blocks; the graphs keep their pool
     graph_bytes = _graph_pool_bytes(device) - before + _static_input_bytes(worker)
@@ -396,9 +402,10 @@ def _static_input_bytes(worker: Worker) -> int:
 
 
 def _graph_sets(worker: Worker) -> list:
-    """The worker's captured GraphedSteps (decode variants and extends)."""
+    """The worker's captured GraphedSteps (decode variants, extends and mixed forwards)."""
     return [graphs for graphs in (worker.graphs, *worker.sampled_graphs.values(),
-                                  *worker.constrained_graphs.values(), worker.extend_graphs)
+                                  *worker.constrained_graphs.values(), worker.extend_graphs,
+                                  worker.mixed_graphs)
             if graphs is not None]
 
 
