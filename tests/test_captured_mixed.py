@@ -19,8 +19,8 @@ from helpers import assert_no_leaks, drive, graphed_engine, make_predictable_pai
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime import captured_mixed
 from specserve.engine.runtime.captured_extend import ExtendBucket
-from specserve.engine.runtime.captured_mixed import (
-    DecodePart, load_mixed_inputs, make_mixed_inputs, mixed_bucket, mixed_buckets)
+from specserve.engine.runtime.captured_mixed import load_mixed_inputs, make_mixed_inputs, mixed_bucket, mixed_buckets
+from specserve.engine.runtime.mixed_step import DecodeRows
 from specserve.engine.scheduler.mixed_batch import prompt_budget
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
@@ -190,12 +190,12 @@ def test_loading_pads_after_the_rows_and_chunks():
     bucket = ExtendBucket(64, 64, 16)  # 16 entries, then one padding entry of up to 64 tokens
     static = make_mixed_inputs(bucket, torch.device("cpu"))
     t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    rows = DecodePart(input_ids=t(7, 8, 9, 10), positions=t(5, 6, 3, 4), out_cache_loc=t(21, 22, 31, 32),
-                      rows=t(2, 3), prefix_lens=t(5, 3), width=2)
+    rows = DecodeRows(input_ids=t(7, 8, 9, 10), positions=t(5, 6, 3, 4), prefix_lens=t(5, 3),
+                      out_cache_loc=t(21, 22, 31, 32), width=2, seq_lens_cpu=None)
     chunks = type("Chunks", (), dict(input_ids=t(40, 41, 42), positions=t(0, 1, 2), out_cache_loc=t(50, 51, 52),
                                      rows=t(4), prefix_lens=t(0), extend_lens_cpu=[3]))
     static.loc.fill_(99)  # an earlier replay's slots: the padding must write slot 0 again
-    assert load_mixed_inputs(static, bucket, rows, chunks) == 7
+    assert load_mixed_inputs(static, bucket, rows, t(2, 3), chunks) == 7
     assert static.ids.tolist()[:8] == [7, 8, 9, 10, 40, 41, 42, 0]
     assert static.positions.tolist()[:8] == [5, 6, 3, 4, 0, 1, 2, 0]
     assert static.loc.tolist()[:7] == [21, 22, 31, 32, 50, 51, 52] and not static.loc[7:].any()
@@ -207,35 +207,46 @@ def test_loading_pads_after_the_rows_and_chunks():
 
 
 # --- on a GPU: the captured graphs ------------------------------------------------------------
+def _count_replays(engine) -> list:
+    """Every replay of the engine's mixed graphs from now on (their part index)."""
+    graphs = engine.core.worker.mixed_graphs
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda captured, part: replays.append(part) or replay(captured, part)
+    return replays
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
 def test_gpu_graphed_mixed_steps_equal_eager(pair, make_engine, shape):
-    """The captured mixed forwards (Triton, bf16 off: the tests' fp32) give the eager mixed
-    step's outputs, and a step with them launches no blocking host sync."""
-    from helpers import blocking_syncs_fail
-
-    spec = _spec(pair, shape)
-    kwargs = dict(device="cuda", attention_backend="triton", spec=spec, prefill_interleave_tokens=BUDGET)
-    eager = make_engine(pair[0], cuda_graph=False, **kwargs)
-    expected = drive(eager, _arrivals())
+    """The captured mixed forwards (Triton) give the eager mixed steps' outputs."""
+    kwargs = dict(device="cuda", attention_backend="triton", spec=_spec(pair, shape), prefill_interleave_tokens=BUDGET)
+    expected = drive(make_engine(pair[0], cuda_graph=False, **kwargs), _arrivals())
     engine = make_engine(pair[0], cuda_graph=True, **kwargs)
-    worker = engine.core.worker
-    assert worker.mixed_graphs is not None and engine.core.scheduler.policy.mixed_graph_tokens
-    replays = []
-    replay = worker.mixed_graphs.replay
-    worker.mixed_graphs.replay = lambda captured, part: replays.append(part) or replay(captured, part)
+    assert engine.core.worker.mixed_graphs is not None and engine.core.scheduler.policy.mixed_graph_tokens
+    replays = _count_replays(engine)
     assert drive(engine, _arrivals()) == expected
     assert len(replays) == engine.metrics.num_mixed_steps > 0
-    engine.add_request("long", [5, 6, 7, 8], SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_mixed_steps_have_no_blocking_sync(pair, make_engine):
+    """A long request decodes while short prompts arrive and ride in its graphed mixed steps:
+    no blocking host sync in them (CUDA's sync debug mode raises on one)."""
+    from helpers import blocking_syncs_fail
+
+    engine = make_engine(pair[0], device="cuda", attention_backend="triton", cuda_graph=True,
+                         spec=_spec(pair, CHAIN))
+    assert not engine.core.needs_cpu_seq_lens
+    replays = _count_replays(engine)
+    engine.add_request("long", [5, 6, 7, 8], _greedy(200))
     for _ in range(4):
         engine.step()
-    before = len(replays)
     with blocking_syncs_fail():
         for i in range(9):
             if i % 3 == 0:
                 engine.add_request(f"a{i}", list(range(10, 40)), _greedy(3))
             engine.step()
-    assert len(replays) > before
+    assert replays and engine.metrics.num_mixed_steps > 0
     engine.abort("long")
     while engine.has_unfinished():
         engine.step()

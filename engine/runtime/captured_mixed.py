@@ -46,6 +46,7 @@ import torch
 
 from specserve.engine.runtime.captured_extend import (
     PAD_CHUNK, SPLIT_CHUNK, TOKEN_BUCKETS, ExtendBucket, entry_lens)
+from specserve.engine.runtime.mixed_step import DecodeRows
 
 ENTRY_RUNGS = (16, 64, 256)  # R below the engine's rows (the largest rung)
 
@@ -96,31 +97,22 @@ def make_mixed_inputs(bucket: ExtendBucket, device: torch.device) -> MixedGraphI
     return MixedGraphInputs(zeros(T), zeros(T), zeros(T), zeros(E), zeros(E), lens, bucket.max_chunk)
 
 
-class DecodePart(NamedTuple):
-    """The decode (or chain verify) rows of a mixed forward, as the graph's entries take them."""
-
-    input_ids: torch.Tensor      # [bs * width] resolved ids
-    positions: torch.Tensor      # [bs * width]
-    out_cache_loc: torch.Tensor  # [bs * width]
-    rows: torch.Tensor           # [bs] request-table rows
-    prefix_lens: torch.Tensor    # [bs] KV length before the step (device)
-    width: int
-
-
-def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, decode: DecodePart, chunks) -> int:
-    """Copy one step's rows and chunks (a worker's extend ForwardInputs) into a bucket's static
-    inputs on the forward stream, padding after them; returns the real tokens' count."""
-    n = decode.input_ids.shape[0] + chunks.input_ids.shape[0]
-    e = decode.rows.shape[0] + chunks.rows.shape[0]
-    for out, part, of_chunks, count in (
-            (static.ids, decode.input_ids, chunks.input_ids, n),
-            (static.positions, decode.positions, chunks.positions, n),
-            (static.loc, decode.out_cache_loc, chunks.out_cache_loc, n),
-            (static.rows, decode.rows, chunks.rows, e),
-            (static.prefix_lens, decode.prefix_lens, chunks.prefix_lens, e)):
-        torch.cat([part, of_chunks], out=out[:count])
+def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, rows: DecodeRows,
+                      table_rows: torch.Tensor, chunks) -> int:
+    """Copy one step's decode rows (`table_rows`: their request-table rows) and chunks (a
+    worker's extend ForwardInputs) into a bucket's static inputs on the forward stream, padding
+    after them; returns the real tokens' count."""
+    n = rows.input_ids.shape[0] + chunks.input_ids.shape[0]
+    e = table_rows.shape[0] + chunks.rows.shape[0]
+    for out, of_rows, of_chunks, count in (
+            (static.ids, rows.input_ids, chunks.input_ids, n),
+            (static.positions, rows.positions, chunks.positions, n),
+            (static.loc, rows.out_cache_loc, chunks.out_cache_loc, n),
+            (static.rows, table_rows, chunks.rows, e),
+            (static.prefix_lens, rows.prefix_lens, chunks.prefix_lens, e)):
+        torch.cat([of_rows, of_chunks], out=out[:count])
         out[count:].zero_()
-    lens = [decode.width] * decode.rows.shape[0] + list(chunks.extend_lens_cpu)
+    lens = [rows.width] * table_rows.shape[0] + list(chunks.extend_lens_cpu)
     static.extend_lens.copy_(entry_lens(bucket, lens, bucket.tokens - n), non_blocking=True)
     return n
 
@@ -145,12 +137,12 @@ class SharedOutputs:
         return views[0], (views[1] if aux is not None else None)
 
 
-def replay_mixed(graphs, bucket: ExtendBucket, decode: DecodePart, chunks):
+def replay_mixed(graphs, bucket: ExtendBucket, rows: DecodeRows, table_rows: torch.Tensor, chunks):
     """Load one step into `bucket`'s inputs and replay its graph (`graphs`: the worker's
     GraphedStep of mixed forwards); (hidden, aux) of the step's real tokens, views of the
     shared outputs that the next replay overwrites."""
     captured = graphs.captured[bucket]
-    n = load_mixed_inputs(captured.inputs, bucket, decode, chunks)
+    n = load_mixed_inputs(captured.inputs, bucket, rows, table_rows, chunks)
     hidden, aux = graphs.replay(captured, 0)
     return hidden[:n], None if aux is None else aux[:n]
 

@@ -28,7 +28,7 @@ from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, extend_buckets, load_captured_extend,
     make_captured_extend_inputs, pack_captured_extend)
 from specserve.engine.runtime.captured_mixed import (
-    DecodePart, SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, replay_mixed)
+    SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, replay_mixed)
 from specserve.engine.runtime.mixed_step import DecodeRows, logit_rows, mixed_forward_batch, sample_chunks
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
                                            launch_forward)
@@ -377,14 +377,12 @@ class NormalWorker:
             mixed_bucket(1, bs, chunks.extend_lens_cpu, False, self.mixed_graphs.buckets)
 
         def body(read_done) -> StepResult:
-            ids = target.future_map.resolve_input_ids(decode.input_ids)
+            rows = DecodeRows(target.future_map.resolve_input_ids(decode.input_ids), decode.positions,
+                              decode.prefix_lens, decode.out_cache_loc, 1, decode.seq_lens_cpu)
             if bucket is not None:
-                part = DecodePart(ids, decode.positions, decode.out_cache_loc, decode.rows, decode.prefix_lens, 1)
-                hidden, _ = replay_mixed(self.mixed_graphs, bucket, part, chunks)
+                hidden, _ = replay_mixed(self.mixed_graphs, bucket, rows, decode.rows, chunks)
                 read_done.record()
             else:
-                rows = DecodeRows(ids, decode.positions, decode.prefix_lens, decode.out_cache_loc, 1,
-                                  decode.seq_lens_cpu)
                 kv = KVRows(target.req_to_token.table, torch.cat([decode.rows, chunks.rows]))
                 fb = mixed_forward_batch(rows, chunks, kv, max(decode.max_seq_len, chunks.max_seq_len))
                 hidden, _ = target.runner.forward(fb, read_done=read_done)

@@ -20,7 +20,7 @@ from specserve.engine.layers.sampler import GREEDY, SAMPLED, FILTERED, graph_sam
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
-from specserve.engine.runtime.captured_mixed import DecodePart, mixed_bucket, replay_mixed
+from specserve.engine.runtime.captured_mixed import mixed_bucket, replay_mixed
 from specserve.engine.runtime.mixed_step import (DecodeRows, join_verify_result, logit_rows,
                                                  mixed_forward_batch, sample_chunks)
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
@@ -110,14 +110,12 @@ class SpecWorker:
             tree = self.verifier.tree_of(inputs, snap, self.drafter.draft(inputs, snap))
             n = rows.shape[0] * D
             loc = snap.kv.table.gather(1, tree.slot_positions)
+            verify_rows = DecodeRows(tree.tokens.reshape(-1), tree.positions.reshape(-1), seq_lens,
+                                     loc.reshape(-1), D, plus(seq_lens_cpu, D), tree.mask)
             if bucket is not None:
-                part = DecodePart(tree.tokens.reshape(-1), tree.positions.reshape(-1), loc.reshape(-1), rows,
-                                  seq_lens, D)
-                hidden, aux = replay_mixed(self.mixed_graphs, bucket, part, c)
+                hidden, aux = replay_mixed(self.mixed_graphs, bucket, verify_rows, rows, c)
                 read_done.record()
             else:
-                verify_rows = DecodeRows(tree.tokens.reshape(-1), tree.positions.reshape(-1), seq_lens,
-                                         loc.reshape(-1), D, plus(seq_lens_cpu, D), tree.mask)
                 kv = KVRows.by_batch_index(torch.cat([snap.kv.table, chunk_kv]))
                 hidden, aux = self.target.runner.forward(mixed_forward_batch(verify_rows, c, kv, width, layers))
             feats = aux if layers else hidden
