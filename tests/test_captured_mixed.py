@@ -107,7 +107,7 @@ def test_steps_no_bucket_holds_run_eagerly_beside_graphed_ones(pair, make_engine
     expected = {}
     for _, rid, prompt, params in _arrivals():
         expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
-    monkeypatch.setattr(captured_mixed, "TOKEN_BUCKETS", (64,))
+    monkeypatch.setattr(captured_mixed, "TOKEN_BUCKETS", (64,))  # the mixed buckets' T
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=100)
     graphs.replays.clear()
     assert drive(engine, _arrivals()) == expected
@@ -152,7 +152,7 @@ def test_triton_graphed_mixed_steps_match_torch_native(pair, make_engine, monkey
 def test_bucket_choice():
     buckets = mixed_buckets(64, 4096)
     assert buckets == sorted(buckets) and buckets[0] == ExtendBucket(64, 64, 16)
-    assert {b.tokens for b in buckets} == {64, 128, 256, 512, 1024, 2048}
+    assert {b.tokens for b in buckets} == {64, 128, 256, 512, 768, 1024, 1536, 2048}
     assert {b.requests for b in buckets} == {16, 64}
     # 8 chain rows (4 tokens each) and a 20-token chunk: 52 tokens, 9 entries.
     assert mixed_bucket(4, 8, [20], False, buckets) == ExtendBucket(64, 64, 16)
@@ -161,6 +161,7 @@ def test_bucket_choice():
     # 62 chain rows and 768 prompt tokens (about the 8B shape at 1024): a 700-token chunk.
     assert mixed_bucket(4, 62, [700, 68], False, buckets) == ExtendBucket(1024, 1024, 64)
     assert mixed_bucket(4, 60, [100, 100], False, buckets) == ExtendBucket(512, 256, 64)
+    assert mixed_bucket(4, 60, [200, 100], False, buckets) == ExtendBucket(768, 256, 64)
     assert mixed_bucket(1, 4, [65], False, buckets) == ExtendBucket(128, 128, 16)
     # Eager: a tree mask; more tokens than 2048; more entries than the rows.
     assert mixed_bucket(4, 8, [20], True, buckets) is None
@@ -172,16 +173,18 @@ def test_bucket_choice():
     assert {b.requests for b in big if b.tokens == 128} == {16, 64, 128}
     assert {b.requests for b in big if b.tokens == 2048} == {16, 64, 256}
     assert mixed_bucket(4, 240, [30], False, big) == ExtendBucket(1024, 256, 256)
+    assert mixed_bucket(4, 250, [200, 56], False, big) == ExtendBucket(1536, 256, 256)
     assert all(b.max_chunk <= 300 for b in mixed_buckets(8, 300))
     assert mixed_bucket(1, 2, [400], False, mixed_buckets(8, 300)) is None
 
 
 def test_the_prompt_budget_fills_the_graph_bucket():
-    tokens = (64, 128, 256, 512, 1024, 2048)
+    tokens = captured_mixed.TOKEN_BUCKETS
     assert prompt_budget(1024, 64, 4, tokens) == 768  # 1024 exactly: a bucket already
     assert prompt_budget(1000, 64, 4, tokens) == 768  # 256 + 744 -> 1024
     assert prompt_budget(32, 2, 4, tokens) == 56      # 8 + 24 -> 64
-    assert prompt_budget(1024, 256, 4, tokens) == 1024  # the quarter floor: 1280 -> 2048
+    assert prompt_budget(1024, 256, 4, tokens) == 512  # the quarter floor: 1280 -> 1536
+    assert prompt_budget(1024, 400, 4, tokens) == 448  # 1600 + 256 -> 2048
     assert prompt_budget(1024, 600, 4, tokens) == 256  # 2400: no bucket holds it (eager)
     assert prompt_budget(32, 2, 4) == 24              # no graphs: as before
 

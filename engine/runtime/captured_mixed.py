@@ -23,8 +23,9 @@ graphs too), the verifier's accept, and the drafter's draft (before) and draft-e
 (after), which need the target's features of every row. Tree verify rows carry a custom mask
 and run eagerly, as does any step no bucket holds.
 
-Buckets: T in TOKEN_BUCKETS; M as the extends' (64 up to T = 256: Triton's split extend over
-the prefix, which a verify row wants; 256 above, and T) capped at the rows' width; R, the
+Buckets: T in TOKEN_BUCKETS (the extends', and 768 and 1536 where the default budget lands);
+M as the extends' (64 up to T = 256: Triton's split extend over the prefix, which a verify row
+wants; 256 above, and T) capped at the rows' width; R, the
 real entries (decode rows and chunks, at most the engine's rows), in rungs (16, 64, 256, the
 rows), so that a small batch does not run the attention grid of the largest. Padding is
 captured_extend's: token 0 at position 0 into slot 0, in entries of their own (pool row 0, no
@@ -44,10 +45,12 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from specserve.engine.runtime.captured_extend import (
-    PAD_CHUNK, SPLIT_CHUNK, TOKEN_BUCKETS, ExtendBucket, entry_lens)
+from specserve.engine.runtime.captured_extend import PAD_CHUNK, SPLIT_CHUNK, ExtendBucket, entry_lens
 from specserve.engine.runtime.mixed_step import DecodeRows
 
+# T: the extends' buckets and the steps between them that the default budget makes (256 chain
+# rows of 4 are 1024 tokens, with a quarter of the budget for prompts 1280: 1536, not 2048).
+TOKEN_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
 ENTRY_RUNGS = (16, 64, 256)  # R below the engine's rows (the largest rung)
 
 
