@@ -14,7 +14,8 @@ import functools
 
 import pytest
 import torch
-from helpers import assert_no_leaks, drive, graphed_engine, make_predictable_pair, random_prompts, record_steps
+from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, make_predictable_pair,
+                     random_prompts, record_steps)
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime import captured_mixed
@@ -112,6 +113,24 @@ def test_steps_no_bucket_holds_run_eagerly_beside_graphed_ones(pair, make_engine
     graphs.replays.clear()
     assert drive(engine, _arrivals()) == expected
     assert 0 < _mixed_replays(graphs, engine.core.worker) < engine.metrics.num_mixed_steps
+
+
+def test_an_eagle3_head_reads_the_features_the_graphs_write(pair, make_engine, monkeypatch, tmp_path):
+    """EAGLE-3 drafts from several target layers' features: the graphs write them beside the
+    hidden states into the shared outputs, and each part's draft-extend reads its rows."""
+    head = make_eagle3_head(str(tmp_path / "head"), target_layers=2)
+    spec = SpecConfig(algorithm="eagle3", draft_model=head, **CHAIN)
+    arrivals = _arrivals()[:4]
+    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
+    expected, expected_accepted = {}, {}
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone_engine, [(0, rid, prompt, params)], accepted=expected_accepted))
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
+    graphs.replays.clear()
+    accepted = {}
+    assert drive(engine, arrivals, accepted=accepted) == expected
+    assert accepted == expected_accepted  # the drafts too: the same features
+    assert _mixed_replays(graphs, engine.core.worker) == engine.metrics.num_mixed_steps > 0
 
 
 def test_tree_verify_rows_stay_eager(pair, make_engine, monkeypatch):
