@@ -25,9 +25,9 @@ and run eagerly, as does any step no bucket holds.
 
 Buckets: T in TOKEN_BUCKETS (the extends', and 768 and 1536 where the default budget lands);
 M as the extends' (64 up to T = 256: Triton's split extend over the prefix, which a verify row
-wants; 256 above, and T) capped at the rows' width; R, the
-real entries (decode rows and chunks, at most the engine's rows), in rungs (16, 64, 256, the
-rows), so that a small batch does not run the attention grid of the largest. Padding is
+wants; 256 above, the arrivals' prompts; and T) capped at the rows' width; R, the real entries
+(decode rows and chunks, at most the engine's rows), in rungs (16, 64, 256, the rows), so
+that a small batch does not run the attention grid of the largest. Padding is
 captured_extend's: token 0 at position 0 into slot 0, in entries of their own (pool row 0, no
 prefix) right after the real ones, then empty entries. The scheduler rounds the prompt budget
 up to the next T (scheduler/mixed_batch.py `prompt_budget`): padding a bucket costs what
@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from specserve.engine.runtime.captured_extend import PAD_CHUNK, SPLIT_CHUNK, ExtendBucket, entry_lens
+from specserve.engine.runtime.captured_extend import SPLIT_CHUNK, ExtendBucket, entry_lens
 from specserve.engine.runtime.mixed_step import DecodeRows
 
 # T: the extends' buckets and the steps between them that the default budget makes (256 chain
@@ -60,7 +60,7 @@ def mixed_buckets(max_entries: int, width: int) -> list[ExtendBucket]:
     and chunk holds one), never more than T."""
     buckets = set()
     for tokens in TOKEN_BUCKETS:
-        for max_chunk in (SPLIT_CHUNK if tokens <= 256 else PAD_CHUNK, tokens):
+        for max_chunk in (SPLIT_CHUNK if tokens <= 256 else 256, tokens):
             for entries in (*ENTRY_RUNGS, max_entries):
                 buckets.add(ExtendBucket(tokens, min(max_chunk, width), min(entries, max_entries, tokens)))
     return sorted(buckets)
