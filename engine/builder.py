@@ -42,7 +42,7 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.captured_extend import MAX_REQUESTS, TOKEN_BUCKETS
-from specserve.engine.runtime.captured_mixed import mixed_graph_tokens
+from specserve.engine.runtime.captured_mixed import TOKEN_BUCKETS as MIXED_TOKEN_BUCKETS, mixed_graph_tokens
 from specserve.engine.quantization.config import Int4Config, resolve_quantization
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
@@ -545,10 +545,13 @@ def _reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, n
 
 def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
                          spec: Optional[SpecConfig]) -> int:
-    """The graphs' pool, estimated: the largest captured step's transients."""
+    """The graphs' pool, estimated: the largest captured step's transients; with mixed steps
+    also the buffer their graphs share (runtime/captured_mixed.py): the largest bucket's hidden
+    states and, at most, three EAGLE-3 feature layers."""
     decode_tokens = _decode_tokens(num_rows, spec)
+    mixed = MIXED_TOKEN_BUCKETS[-1] * 4 * cfg.hidden_size * dtype.itemsize if config.mixed_steps else 0
     return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
-                      decode_tokens + MAX_REQUESTS)
+                      decode_tokens + MAX_REQUESTS) + mixed
 
 
 def _decode_tokens(num_rows: int, spec: Optional[SpecConfig]) -> int:
