@@ -44,6 +44,7 @@ from specserve.engine.models.model_config import ModelConfig
 from specserve.engine.models.moe_families import MOE_FAMILY_CLASSES
 from specserve.engine.models.nextn import load_nextn_head, read_nextn_layout
 from specserve.engine.runtime.captured_extend import MAX_REQUESTS, TOKEN_BUCKETS
+from specserve.engine.runtime.captured_mixed import TOKEN_BUCKETS as MIXED_TOKEN_BUCKETS, mixed_graph_tokens
 from specserve.engine.quantization.config import Int4Config, resolve_quantization
 from specserve.engine.runtime.device import DeviceContext
 from specserve.engine.runtime.future_map import FutureMap
@@ -347,8 +348,11 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         graph_memory_bytes = _capture_graphs(worker, device, num_rows, row_width,
                                              constrained=scheduler.grammars is not None,
                                              sampled=config.cuda_graph_sampled,
+                                             mixed=scheduler.policy.mixed_row_tokens > 0,
                                              estimate=_graph_reserve_bytes(
                                                  config, cfg, dtype, num_rows, spec, constrained))
+        # A mixed step's prompt budget fills the token bucket its graph replays anyway.
+        scheduler.policy.mixed_graph_tokens = mixed_graph_tokens(worker)
     if spec is not None and spec.adaptive:
         times = worker.measure_step_times(num_rows, row_width,
                                           **({} if tp_group is None else dict(agree=tp_group.exchange)))
@@ -367,15 +371,17 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 
 
 def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_width: int,
-                    constrained: bool, sampled: bool, estimate: int) -> int:
-    """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool);
-    the bytes they hold, logged (the pool and the static inputs) beside the `estimate` that
-    sizing by share reserved for them."""
+                    constrained: bool, sampled: bool, mixed: bool, estimate: int) -> int:
+    """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool;
+    `mixed`: the mixed steps' forwards too); the bytes they hold, logged (the pool and the
+    static inputs) beside the `estimate` that sizing by share reserved for them."""
     gc.collect()  # an earlier engine's graphs freed now, not between the two counts
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = _graph_pool_bytes(device)
     worker.enable_cuda_graphs(num_rows, row_width, constrained=constrained, sampled=sampled)
+    if mixed:
+        worker.capture_mixed(num_rows, row_width)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the warm-up forwards' cached blocks; the graphs keep their pool
     graph_bytes = _graph_pool_bytes(device) - before + _static_input_bytes(worker)
@@ -403,12 +409,14 @@ def _static_input_bytes(worker: Worker) -> int:
 
 
 def _graph_sets(worker: Worker) -> list:
-    """The worker's captured GraphedSteps (decode variants and extends; adaptive speculation's
-    of every draft shape, where the worker's own attributes are the configured shape's alone;
-    not its drafter-state refresh's, whose pool bytes the pool count has)."""
+    """The worker's captured GraphedSteps (decode variants, extends and mixed forwards;
+    adaptive speculation's of every draft shape, where the worker's own attributes are the
+    configured shape's alone; not its drafter-state refresh's, whose pool bytes the pool count
+    has)."""
     workers = worker.workers.values() if isinstance(worker, AdaptiveSpecWorker) else (worker,)
     return [graphs for w in workers
-            for graphs in (w.graphs, *w.sampled_graphs.values(), *w.constrained_graphs.values(), w.extend_graphs)
+            for graphs in (w.graphs, *w.sampled_graphs.values(), *w.constrained_graphs.values(),
+                           w.extend_graphs, w.mixed_graphs)
             if graphs is not None]
 
 
@@ -556,10 +564,13 @@ def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
     """The graphs' pool, estimated: the largest captured step's transients. Every variant is
     captured into the one pool, largest bucket first, so it holds about the largest's: a decode
     step of every row that draws its tokens (the sampled variants) under a grammar's mask (the
-    constrained ones, where the engine serves grammars)."""
+    constrained ones, where the engine serves grammars); with mixed steps also the buffer their
+    graphs share (runtime/captured_mixed.py): the largest bucket's hidden states and, at most,
+    three EAGLE-3 feature layers."""
     decode_tokens = _decode_tokens(num_rows, spec)
+    mixed = MIXED_TOKEN_BUCKETS[-1] * 4 * cfg.hidden_size * dtype.itemsize if config.mixed_steps else 0
     return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
-                      decode_tokens + MAX_REQUESTS) + \
+                      decode_tokens + MAX_REQUESTS) + mixed + \
         _pick_bytes(cfg, decode_tokens, sampled=config.cuda_graph_sampled, constrained=constrained)
 
 

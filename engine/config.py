@@ -308,7 +308,8 @@ class EngineConfig:
     prefill_interleave_tokens: int = 1024
     # Prompt chunks ride in decode steps (docs/architecture.md "The mixed step"); False: the
     # separate bounded extends above (what a FlashInfer target always runs). Off by default:
-    # mixed steps run eagerly and lost 18-28 % of served throughput on an H100 (benchmarks.md).
+    # eager mixed steps lost 18-28 % of served throughput on an H100 (benchmarks.md); their
+    # CUDA graphs (runtime/captured_mixed.py) are not measured yet.
     mixed_steps: bool = False
     max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_overlap: bool = True

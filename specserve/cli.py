@@ -39,7 +39,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-steps", action="store_true",
                    help="prompt chunks ride in decode steps instead of extend steps of their own (at "
                         "most --prefill-interleave-tokens prompt tokens each, then a decode step); "
-                        "mixed steps run without CUDA graphs, slower today (docs/benchmarks.md)")
+                        "off by default until their CUDA graphs are measured (docs/benchmarks.md)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

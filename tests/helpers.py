@@ -488,12 +488,19 @@ def eager_graphs(monkeypatch):
 
 def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, **kwargs):
     """A CPU engine whose worker captured `eager_graphs` (with `constrained`: the constrained
-    steps' too); (engine, the EagerGraphs class and its replays)."""
+    steps' too; with mixed steps on, the mixed forwards'); (engine, the EagerGraphs class and
+    its replays)."""
+    from specserve.engine.runtime.captured_mixed import mixed_graph_tokens
+
     engine = make_engine(model, **kwargs)
     graphs = eager_graphs(monkeypatch)
     core = engine.core
     core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width,
                                    constrained=constrained)
+    policy = core.scheduler.policy
+    if policy.mixed_row_tokens:  # as the builder does with mixed steps on
+        core.worker.capture_mixed(core.config.max_running_requests, core.req_to_token.row_width)
+        policy.mixed_graph_tokens = mixed_graph_tokens(core.worker)
     return engine, graphs
 
 

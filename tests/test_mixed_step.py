@@ -141,9 +141,10 @@ def test_overlap_under_random_forward_delays(pair, make_engine, monkeypatch, mod
 
 
 @pytest.mark.parametrize("mode", list(SHAPES))
-def test_graphed_decode_steps_and_eager_mixed_steps_interleave(pair, make_engine, monkeypatch, mode):
-    """With (CPU stand-in) CUDA graphs the decode steps between arrivals replay them and the
-    mixed steps run eagerly; the outputs stay those of each request alone."""
+def test_graphed_decode_steps_and_graphed_mixed_steps_interleave(pair, make_engine, monkeypatch, mode):
+    """With (CPU stand-in) CUDA graphs the decode steps between arrivals replay theirs and the
+    mixed steps the mixed forwards' (runtime/captured_mixed.py; tree verify rows run eagerly);
+    the outputs stay those of each request alone."""
     expected, _ = alone(pair, make_engine, mode)
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, mode),
                                     prefill_interleave_tokens=BUDGET)
@@ -152,6 +153,9 @@ def test_graphed_decode_steps_and_eager_mixed_steps_interleave(pair, make_engine
     assert engine.metrics.num_mixed_steps > 0
     worker = engine.core.worker
     assert any(g is worker.graphs or g in worker.sampled_graphs.values() for g, _, _ in graphs.replays)
+    mixed_replays = sum(g is worker.mixed_graphs for g, _, _ in graphs.replays)
+    assert mixed_replays == (0 if mode == "tree" else engine.metrics.num_mixed_steps)
+    assert_no_leaks(engine)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

@@ -145,6 +145,19 @@ def test_greedy_parity_with_plain_decoding(predictable, reference, make_engine, 
     assert engine.metrics.num_mixed_steps > 0  # arrivals rode with the verify rows (MLA target)
 
 
+def test_graphed_mixed_steps_over_an_mla_target(predictable, reference, make_engine, monkeypatch):
+    """The mixed steps' captured forwards (runtime/captured_mixed.py; the CPU stand-in) over an
+    MLA target, its verify rows and the arrivals' chunks in one replay: plain decoding's tokens."""
+    from helpers import graphed_engine
+
+    prompts, params, expected = reference
+    engine, graphs = graphed_engine(make_engine, monkeypatch, predictable, spec=_nextn(**CHAIN), mixed_steps=True)
+    graphs.replays.clear()
+    assert _staggered(engine, prompts, params) == expected
+    replays = sum(g is engine.core.worker.mixed_graphs for g, _, _ in graphs.replays)
+    assert replays == engine.metrics.num_mixed_steps > 0
+
+
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_overlap_under_random_forward_delays(predictable, reference, make_engine, monkeypatch, shape):
     """Seeded sleeps around every forward reorder host and device progress in the overlap loop."""

@@ -104,16 +104,30 @@ class CapturedExtendInputs(NamedTuple):
         return self.prefix_lens[:n] + self.extend_lens[:n]
 
 
+def padding_entries(bucket: ExtendBucket, num_entries: int, pad: int) -> list[int]:
+    """The lengths of the entries after `num_entries` real ones: `pad` padding tokens in
+    entries of at most P tokens, then empty ones up to E."""
+    P = bucket.pad_chunk
+    pad_lens = [min(P, pad - i) for i in range(0, pad, P)]
+    return pad_lens + [0] * (bucket.entries - num_entries - len(pad_lens))
+
+
+def entry_lens(bucket: ExtendBucket, lens: list, pad: int) -> torch.Tensor:
+    """[E] every entry's length: `lens` of the real ones, then `padding_entries` (pinned on CUDA
+    hosts, for an asynchronous copy)."""
+    return torch.tensor(lens + padding_entries(bucket, len(lens), pad), dtype=torch.int64,
+                        pin_memory=torch.cuda.is_available())
+
+
 def _pack(bucket: ExtendBucket, ids: list, positions: list, shifted: list, rows: list,
           prefix_lens: list, extend_lens: list, last: list) -> torch.Tensor:
     """The packed buffer of `bucket` for these requests (pinned on CUDA hosts)."""
-    T, P, E = bucket.tokens, bucket.pad_chunk, bucket.entries
+    T, E = bucket.tokens, bucket.entries
     pad = T - len(ids)
-    pad_lens = [min(P, pad - i) for i in range(0, pad, P)]
-    empty = E - len(rows) - len(pad_lens)
     values = (ids + [0] * pad + positions + [0] * pad + shifted + [0] * (T - len(shifted))
               + rows + [0] * (E - len(rows)) + prefix_lens + [0] * (E - len(rows))
-              + extend_lens + pad_lens + [0] * empty + last + [T - 1] * (bucket.requests - len(last)))
+              + extend_lens + padding_entries(bucket, len(rows), pad)
+              + last + [T - 1] * (bucket.requests - len(last)))
     return torch.tensor(values, dtype=torch.int64, pin_memory=torch.cuda.is_available())
 
 

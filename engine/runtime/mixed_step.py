@@ -9,9 +9,11 @@ verify node), and each chunk's last token. Each part samples with its own Sampli
 seeded draw is keyed by (seed, position), so a row's token never depends on what rode with it.
 Nothing here reads a device value on the host.
 
-The mixed step runs eagerly (no CUDA graph): its token count and its chunks' layout change
-with every arrival, and a graph per (decode batch, prompt tokens) bucket would multiply the
-captured graphs and their memory. The plain decode steps between arrivals keep their graphs.
+With CUDA graphs the target forward of a plain or chain mixed step is a replay of the same
+layout as a captured ragged extend (runtime/captured_mixed.py, keyed by token count, chunk bound
+and entries, not by decode batch x prompt tokens); the logits, the sampling and the drafter's
+work around it run as here. Tree verify rows (their custom mask) and steps no bucket holds
+build this module's ForwardBatch and run eagerly.
 """
 from __future__ import annotations
 

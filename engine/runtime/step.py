@@ -98,6 +98,7 @@ class Worker(Protocol):
     sampled_graphs: dict  # variant (layers/sampler.py: SAMPLED, FILTERED) -> its graphs; {} without
     constrained_graphs: dict  # those of batches with a grammar, by sampling variant
     extend_graphs: Any  # the captured extends (runtime/captured_extend.py), or None
+    mixed_graphs: Any  # the captured mixed forwards (runtime/captured_mixed.py), or None
     target: Any  # its TargetModel (the engine scores prompts through it)
 
     def slots_per_request(self) -> int:
@@ -112,6 +113,10 @@ class Worker(Protocol):
         worker runs no mixed steps (its attention backend cannot)."""
 
     def launch_mixed(self, step: MixedStep) -> Launched: ...
+
+    def capture_mixed(self, max_batch_size: int, width: int) -> None:
+        """Capture the mixed steps' forwards, after enable_cuda_graphs (workers with
+        mixed_row_tokens > 0)."""
 
     def enable_cuda_graphs(self, max_batch_size: int, width: int, constrained: bool = False) -> None: ...
 

@@ -27,6 +27,8 @@ from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, extend_buckets, load_captured_extend,
     make_captured_extend_inputs, pack_captured_extend)
+from specserve.engine.runtime.captured_mixed import (
+    SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, replay_mixed)
 from specserve.engine.runtime.mixed_step import DecodeRows, logit_rows, mixed_forward_batch, sample_chunks
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
                                            launch_forward)
@@ -250,16 +252,22 @@ class TargetModel:
                                      score.top_k)
         return Sampled(choice, hidden, aux, prompt)
 
-    def captured_extend(self, s: CapturedExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
-        """A captured extend (runtime/captured_extend.py): the bucket's entries, lengths on the
-        device; the greedy token of each sampled request's last token, stashed. Returns
-        (tokens [R], hidden, aux hidden)."""
+    def captured_forward(self, s, width: int, aux_hidden_layers: tuple[int, ...] = (),
+                         mode: ForwardMode = ForwardMode.EXTEND):
+        """The target forward over a captured bucket's static inputs (CapturedExtendInputs or
+        MixedGraphInputs): its entries, lengths on the device, `max_chunk` the host bound of
+        each and `width` of every row. Returns (hidden, aux hidden)."""
         fb = ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=s.ids, positions=s.positions,
+            mode=mode, input_ids=s.ids, positions=s.positions,
             kv_rows=KVRows(self.req_to_token.table, s.rows), prefix_lens=s.prefix_lens,
             extend_lens_cpu=[s.max_chunk] * s.rows.shape[0], extend_lens=s.extend_lens,
             out_cache_loc=s.loc, max_seq_len=width, aux_hidden_layers=aux_hidden_layers)
-        hidden, aux = self.runner.forward(fb)
+        return self.runner.forward(fb)
+
+    def captured_extend(self, s: CapturedExtendInputs, width: int, aux_hidden_layers: tuple[int, ...] = ()):
+        """A captured extend (runtime/captured_extend.py): the greedy token of each sampled
+        request's last token, stashed. Returns (tokens [R], hidden, aux hidden)."""
+        hidden, aux = self.captured_forward(s, width, aux_hidden_layers)
         tokens = self.model.tp.broadcast(argmax_last_dim(self.model.compute_logits(hidden[s.last])))
         self.future_map.stash_tokens(s.sampled_rows, tokens)
         return tokens, hidden, aux
@@ -275,6 +283,26 @@ class TargetModel:
         graphs = GraphedStep(parts, lambda bucket: make_captured_extend_inputs(bucket, device), pad={},
                              max_batch_size=None, device=device, buckets=buckets, pool=pool)
         graphs.capture_all("extends")
+        return graphs
+
+    def capture_mixed(self, max_entries: int, width: int, aux_hidden_layers: tuple[int, ...],
+                      pool) -> Optional[GraphedStep]:
+        """GraphedStep of the mixed steps' target forward over the mixed buckets
+        (runtime/captured_mixed.py), writing (hidden, aux) into the buffer they share; None
+        where the attention cannot run it from device lengths. In the decode graphs' `pool`."""
+        backend = self.runner.attn_backend
+        if not (backend.supports_mixed_forward and backend.supports_device_extend_lens):
+            return None
+        buckets = mixed_buckets(max_entries, width)
+        outputs = SharedOutputs(buckets[-1].tokens)
+
+        def forward(s):
+            return outputs.write(*self.captured_forward(s, width, aux_hidden_layers, ForwardMode.MIXED))
+
+        device = self.ctx.device
+        graphs = GraphedStep([forward], lambda bucket: make_mixed_inputs(bucket, device), pad={},
+                             max_batch_size=None, device=device, buckets=buckets, pool=pool)
+        graphs.capture_all("mixed steps")
         return graphs
 
     def prompt_logits(self, token_ids: list[int], row: int, slots: torch.Tensor) -> torch.Tensor:
@@ -309,6 +337,7 @@ class NormalWorker:
         # GREEDY / SAMPLED / FILTERED -> GraphedStep of constrained decodes (with a grammar process)
         self.constrained_graphs: dict[str, GraphedStep] = {}
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
+        self.mixed_graphs = None  # GraphedStep of mixed forwards (runtime/captured_mixed.py)
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
@@ -344,13 +373,19 @@ class NormalWorker:
         target = self.target
         decode, chunks = target.decode_inputs(step.decode), target.extend_inputs(step.extend)
         bs = len(step.decode.rows)
+        bucket = None if self.mixed_graphs is None else \
+            mixed_bucket(1, bs, chunks.extend_lens_cpu, False, self.mixed_graphs.buckets)
 
         def body(read_done) -> StepResult:
             rows = DecodeRows(target.future_map.resolve_input_ids(decode.input_ids), decode.positions,
                               decode.prefix_lens, decode.out_cache_loc, 1, decode.seq_lens_cpu)
-            kv = KVRows(target.req_to_token.table, torch.cat([decode.rows, chunks.rows]))
-            fb = mixed_forward_batch(rows, chunks, kv, max(decode.max_seq_len, chunks.max_seq_len))
-            hidden, _ = target.runner.forward(fb, read_done=read_done)
+            if bucket is not None:
+                hidden, _ = replay_mixed(self.mixed_graphs, bucket, rows, decode.rows, chunks)
+                read_done.record()
+            else:
+                kv = KVRows(target.req_to_token.table, torch.cat([decode.rows, chunks.rows]))
+                fb = mixed_forward_batch(rows, chunks, kv, max(decode.max_seq_len, chunks.max_seq_len))
+                hidden, _ = target.runner.forward(fb, read_done=read_done)
             logits = target.model.compute_logits(hidden[logit_rows(bs, chunks)])
             decoded = sample(logits[:bs], decode.sampling_info, decode.sample_rows, decode.positions + 1)
             tokens = target.model.tp.broadcast(torch.cat([decoded.tokens, sample_chunks(logits[bs:], chunks)]))
@@ -422,6 +457,11 @@ class NormalWorker:
         self.extend_graphs = self.target.capture_extends(self.captured_extend_parts(width),
                                                                max_batch_size, width, self.graphs.pool)
 
+    def capture_mixed(self, max_batch_size: int, width: int) -> None:
+        """Capture the mixed steps' forwards (runtime/captured_mixed.py), in the decode graphs'
+        pool (after enable_cuda_graphs)."""
+        self.mixed_graphs = self.target.capture_mixed(max_batch_size, width, (), self.graphs.pool)
+
     def release_graphs(self) -> None:
         release_graphs(self)
 
@@ -487,7 +527,7 @@ def graph_decode_inputs(device):
 def release_graphs(worker) -> None:
     """Free a worker's captured graphs (engine shutdown)."""
     for graphs in (worker.graphs, *worker.sampled_graphs.values(), *worker.constrained_graphs.values(),
-                   worker.extend_graphs):
+                   worker.extend_graphs, worker.mixed_graphs):
         if graphs is not None:
             graphs.release()
 

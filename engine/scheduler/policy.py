@@ -41,6 +41,9 @@ class AdmissionPolicy:
         self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
         self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
         self.mixed_row_tokens = mixed_row_tokens
+        # The token counts of the worker's mixed-step graphs (set once they are captured): the
+        # prompt budget fills the bucket a step replays (mixed_batch.py prompt_budget).
+        self.mixed_graph_tokens: tuple[int, ...] = ()
         # A mixed step's prefill stopped at a request that cannot ride: the next step that is
         # not a decode step owed is a separate extend, which takes it (in admission order).
         self._non_rider_next = False
@@ -90,7 +93,8 @@ class AdmissionPolicy:
             return self._prefill(self.chunk_budget)
         reserved = sum(self.slots.to_reserve(r) for r in decode.reqs)
         budget = min(self.chunk_budget,
-                     prompt_budget(self.interleave_tokens, len(decode.reqs), self.mixed_row_tokens))
+                     prompt_budget(self.interleave_tokens, len(decode.reqs), self.mixed_row_tokens,
+                                   self.mixed_graph_tokens))
         extend = self._prefill(budget, reserved=reserved, only=rides_mixed)
         if extend is None:
             return decode

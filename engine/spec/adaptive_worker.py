@@ -134,6 +134,8 @@ class AdaptiveSpecWorker:
     def extend_graphs(self):
         return self.deepest.extend_graphs
 
+    mixed_graphs = None  # no mixed steps (mixed_row_tokens)
+
     def slots_per_request(self) -> int:
         return self.deepest.slots_per_request()
 

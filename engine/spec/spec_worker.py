@@ -20,6 +20,7 @@ from specserve.engine.layers.sampler import GREEDY, SAMPLED, FILTERED, graph_sam
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
+from specserve.engine.runtime.captured_mixed import mixed_bucket, replay_mixed
 from specserve.engine.runtime.mixed_step import (DecodeRows, join_verify_result, logit_rows,
                                                  mixed_forward_batch, sample_chunks)
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
@@ -51,6 +52,7 @@ class SpecWorker:
         self.constrained_graphs: dict[str, GraphedStep] = {}
         self.sampled_graphs: dict[str, GraphedStep] = {}  # SAMPLED / FILTERED -> GraphedStep
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
+        self.mixed_graphs = None  # GraphedStep of mixed forwards (runtime/captured_mixed.py)
 
     def slots_per_request(self) -> int:
         return self.spec.kv_reserve_per_request
@@ -85,11 +87,15 @@ class SpecWorker:
     def launch_mixed(self, step: MixedStep) -> Launched:
         """Draft the decode rows, then one target forward over their verify nodes and the
         chunks (runtime/mixed_step.py), then accept and finish each part as its own step does.
-        The chunks' table rows are read through a snapshot taken with the decode rows'."""
+        The chunks' table rows are read through a snapshot taken with the decode rows'. Where
+        a bucket holds the step (chain; runtime/captured_mixed.py) the target forward is a
+        graph replay, which reads the table itself: `read_done` follows it."""
         D = self.drafter.shape.num_draft_tokens
         rows = self.target.to_device(step.decode.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
         c = self.target.extend_inputs(step.extend)
+        bucket = None if self.mixed_graphs is None else mixed_bucket(
+            D, len(step.decode.rows), c.extend_lens_cpu, self.drafter.shape.is_tree, self.mixed_graphs.buckets)
         chunks = SpecExtendInputs(c, self.drafter.prefill_inputs(step.extend))
         width = max(max(step.decode.allocated_lens), c.max_seq_len)
         inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, width, step.decode.sampling)
@@ -99,14 +105,19 @@ class SpecWorker:
         def body(read_done) -> StepResult:
             snap = self.verifier.snapshot(inputs)
             chunk_kv = self.target.req_to_token.table[c.rows, :width]
-            read_done.record()
+            if bucket is None:
+                read_done.record()
             tree = self.verifier.tree_of(inputs, snap, self.drafter.draft(inputs, snap))
             n = rows.shape[0] * D
             loc = snap.kv.table.gather(1, tree.slot_positions)
             verify_rows = DecodeRows(tree.tokens.reshape(-1), tree.positions.reshape(-1), seq_lens,
                                      loc.reshape(-1), D, plus(seq_lens_cpu, D), tree.mask)
-            kv = KVRows.by_batch_index(torch.cat([snap.kv.table, chunk_kv]))
-            hidden, aux = self.target.runner.forward(mixed_forward_batch(verify_rows, c, kv, width, layers))
+            if bucket is not None:
+                hidden, aux = replay_mixed(self.mixed_graphs, bucket, verify_rows, rows, c)
+                read_done.record()
+            else:
+                kv = KVRows.by_batch_index(torch.cat([snap.kv.table, chunk_kv]))
+                hidden, aux = self.target.runner.forward(mixed_forward_batch(verify_rows, c, kv, width, layers))
             feats = aux if layers else hidden
             logits = self.target.model.compute_logits(hidden[logit_rows(n, c)])
             verified = self.verifier.accept(Verifying(inputs, snap.kv, tree, loc, logits[:n], feats[:n]))
@@ -226,6 +237,12 @@ class SpecWorker:
         parts = self.captured_extend_parts(width) if extends else None
         if parts is not None:
             self.extend_graphs = self.target.capture_extends(parts, max_batch_size, width, self.graphs.pool)
+
+    def capture_mixed(self, max_batch_size: int, width: int) -> None:
+        """Capture the mixed steps' target forwards (runtime/captured_mixed.py), with the
+        features the drafter reads, in the decode graphs' pool (after enable_cuda_graphs)."""
+        self.mixed_graphs = self.target.capture_mixed(max_batch_size, width, self.drafter.feature_layers or (),
+                                                      self.graphs.pool)
 
     def decode_parts(self) -> list:
         """A decode step's two halves (each a CUDA graph when captured)."""
