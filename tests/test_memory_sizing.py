@@ -134,12 +134,14 @@ def test_the_builder_counts_what_this_engine_allocated_and_its_reserve(fake_devi
 def test_mixed_steps_reserve_the_buffer_their_graphs_share(fake_device):
     cfg = ModelConfig.from_dict(LLAMA_8B)
     config = EngineConfig()
-    extra = builder._reserve_bytes(config.replace(mixed_steps=True), cfg, torch.bfloat16, 64, None, 8192) \
-        - builder._reserve_bytes(config, cfg, torch.bfloat16, 64, None, 8192)
+
+    def reserve(config):
+        return builder._reserve_bytes(config, cfg, torch.bfloat16, 64, None, 8192, constrained=False)
+
+    extra = reserve(config.replace(mixed_steps=True)) - reserve(config)
     assert extra == 2048 * 4 * 4096 * 2  # hidden states and up to three EAGLE-3 layers, bf16
-    assert builder._reserve_bytes(config.replace(mixed_steps=True, cuda_graph=False), cfg, torch.bfloat16, 64,
-                                  None, 8192) == builder._reserve_bytes(config.replace(cuda_graph=False), cfg,
-                                                                        torch.bfloat16, 64, None, 8192)
+    assert reserve(config.replace(mixed_steps=True, cuda_graph=False)) == \
+        reserve(config.replace(cuda_graph=False))
 
 
 def test_the_builder_reserves_for_a_speculative_step_and_splits_the_mlp_by_tp(fake_device):
