@@ -17,7 +17,7 @@ from helpers import make_predictable_pair, random_prompts, save_byte_tokenizer
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine import builder
-from specserve.engine.layers.sampler import FILTERED, GREEDY, SAMPLED
+from specserve.engine.layers import sampler
 from specserve.engine.runtime import cuda_graph
 
 pytestmark = pytest.mark.gpu
@@ -161,9 +161,10 @@ def test_a_tree_engine_of_256_rows_and_a_128k_vocabulary_captures_within_its_sha
                          attention_backend="triton", cuda_graph=True, spec=spec, max_running_requests=256,
                          max_context_len=1024, chunked_prefill_size=2048, gpu_memory_utilization=0.9)
     core = engine.core
-    assert set(core.worker.sampled_graphs) == {SAMPLED, FILTERED}
-    assert max(core.worker.sampled_graphs[SAMPLED].captured) == 256
-    assert set(core.worker.constrained_graphs) == ({GREEDY, SAMPLED, FILTERED} if grammar else set())
+    variants = {sampler.SAMPLED, sampler.FILTERED}  # the graph variants (not this module's params)
+    assert set(core.worker.sampled_graphs) == variants
+    assert max(core.worker.sampled_graphs[sampler.SAMPLED].captured) == 256
+    assert set(core.worker.constrained_graphs) == ({sampler.GREEDY} | variants if grammar else set())
     assert torch.cuda.max_memory_reserved() - reserved_before <= 0.9 * total
     assert 0 < core.graph_memory_bytes <= builder._graph_reserve_bytes(
         core.config, core.model_config, core.dtype, 256, core.spec, constrained=grammar)

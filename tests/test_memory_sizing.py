@@ -170,7 +170,7 @@ def test_the_graph_reserve_counts_every_variant_of_the_largest_tree_step(fake_de
     config = EngineConfig(max_running_requests=256, chunked_prefill_size=8192, spec=None)
     forward = forward_workspace_bytes(rows, rows + 32, 4096, 14336, vocab, 2)
     draw, mask = draw_workspace_bytes(rows, vocab), bitmask_workspace_bytes(rows, vocab)
-    assert draw == 32 * vocab * 32 + rows * 1024  # one 32-row chunk at 32 bytes an element
+    assert draw == 32 * vocab * 64 + rows * 1024  # one 32-row chunk at 64 bytes an element
     assert mask == (rows * vocab + 32) * 8
     graphs = lambda config, constrained: builder._graph_reserve_bytes(  # noqa: E731
         config, cfg, torch.bfloat16, 256, TREE, constrained)
@@ -194,7 +194,7 @@ def test_the_reserve_holds_what_a_sampled_constrained_tree_verify_allocates():
     with PeakBytes() as measured:
         sample(apply_token_bitmask(logits, words), info, index, index + 1)
     reserved = builder._pick_bytes(cfg, rows, sampled=True, constrained=True)
-    assert rows * vocab * 8 <= measured.peak <= reserved < rows * vocab * 9
+    assert rows * vocab * 8 <= measured.peak <= reserved < rows * vocab * 10
 
 
 def test_the_builder_refuses_a_share_smaller_than_the_weights(fake_device):

@@ -118,8 +118,8 @@ def test_masking_a_tree_verify_stays_within_its_bound():
 def test_the_bounds_grow_with_rows_and_vocabulary_as_documented():
     chunk = draw_chunk_rows(LLAMA3_VOCAB)
     assert chunk == (1 << 22) // LLAMA3_VOCAB == 32
-    assert draw_workspace_bytes(TREE_ROWS, LLAMA3_VOCAB) == 32 * LLAMA3_VOCAB * 32 + TREE_ROWS * 1024
-    assert draw_workspace_bytes(1, LLAMA3_VOCAB) == LLAMA3_VOCAB * 32 + 1024  # a chunk of one row
+    assert draw_workspace_bytes(TREE_ROWS, LLAMA3_VOCAB) == 32 * LLAMA3_VOCAB * 64 + TREE_ROWS * 1024
+    assert draw_workspace_bytes(1, LLAMA3_VOCAB) == LLAMA3_VOCAB * 64 + 1024  # a chunk of one row
     assert draw_chunk_rows(1 << 23) == 1  # a vocabulary wider than a chunk: a row at a time
     assert bitmask_workspace_bytes(TREE_ROWS, LLAMA3_VOCAB) == (TREE_ROWS * LLAMA3_VOCAB + 32) * 8
     assert bitmask_workspace_bytes(1, 100) == (128 + 32) * 8  # whole 32-bit words

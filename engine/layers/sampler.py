@@ -243,10 +243,11 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 # function of its own row only, the same in any chunk.
 DRAW_CHUNK_ELEMENTS = 1 << 22
 # Bounds on what a draw allocates at once, for the KV pool's sizing (builder.py): per element
-# of a chunk (measured: 24 bytes with temperature only, 25 with the top-k/top-p/min-p filter;
-# tests/test_sampler_memory.py), and per row of the batch (its seeds, draws and tokens, and the
-# chunked argmax's per-row partial maxima on CUDA).
-DRAW_BYTES_PER_ELEMENT = 32
+# of a chunk (measured: 24 bytes with temperature only, 25 with the top-k/top-p/min-p filter
+# on the CPU; on an H100 the filter's sort takes ~48: its sorted values, int64 indices and
+# workspace; tests/test_sampler_memory.py), and per row of the batch (its seeds, draws and
+# tokens, and the chunked argmax's per-row partial maxima on CUDA).
+DRAW_BYTES_PER_ELEMENT = 64
 DRAW_BYTES_PER_ROW = 1024
 
 
