@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--nccl-all-reduce", action="store_true", help="tp > 1: NCCL for every all-reduce")
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                     help="fp8: random block-wise FP8 weights, as bench/one_batch.py's rows")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3 (the KV pool's)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -60,7 +61,9 @@ def main():
         algorithm=args.draft, draft_model=draft if args.draft == "eagle3" else None,
         bench_force_accept_len=3, **SPEC_MODES[args.mode])
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
-                                 max_running_requests=max(args.batch_size, 1), max_context_len=4096,
+                                 max_running_requests=max(args.batch_size, 1),
+                                 max_context_len=max(4096, args.prompt_len + args.steps + 64),
+                                 kv_cache_dtype=args.kv_cache_dtype,
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
                                  custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
@@ -97,7 +100,8 @@ def main():
         f[0] += calls
         f[1] += us
     result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "tp": args.tp,
-              "quantization": args.quantization,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "prompt_len": args.prompt_len,
               "custom_all_reduce": not args.nccl_all_reduce, "steps": num_steps,
               "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
               "kernel_ms_per_step": total_us / num_steps / 1000,
