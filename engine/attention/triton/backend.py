@@ -63,8 +63,8 @@ class TritonAttnBackend(AttentionBackend):
     `max_batch_size` (and `max_kv_splits`) for MLA with care.
 
     `kv_dtype` (default: the model's) is the pool's storage dtype: an FP8 pool gets decode
-    launch parameters of its own (`default_decode_config`; on sm_90 up to 32 splits, so twice
-    the split scratch of a 16-split config).
+    launch parameters of its own (`default_decode_config`), whose `max_kv_splits` sizes the
+    split scratch.
     """
 
     needs_cpu_seq_lens = False
