@@ -3,6 +3,8 @@ included), per kernel name, per step.
 
     python bench/step_profile.py --model llama-8b --mode plain --batch-size 1 --out profile.json
     python bench/step_profile.py --model llama-8b --tp 4 --nccl-all-reduce   # rank 0's kernels
+    python bench/step_profile.py --model llama-8b --mode chain --batch-size 64 \
+        --arrival-prompt-len 256 --mixed-steps                # every profiled step a mixed step
 
 Prints kernels per step, kernel time per step against the step's wall time (the difference is
 gaps between kernels and host time the GPU waits for), and the kernels that take the most time.
@@ -38,6 +40,11 @@ def family(name: str) -> str:
     return "other"
 
 
+def arrival_prompt(index: int, length: int) -> list[int]:
+    """A prompt no earlier one shares a prefix with (the radix cache would shorten it)."""
+    return [(11 * index + 5 * j) % 997 + 2000 for j in range(length)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
@@ -52,6 +59,11 @@ def main():
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATION_FLAGS,
                     help="fp8: random block-wise FP8 weights, as bench/one_batch.py's rows")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3 (the KV pool's)")
+    ap.add_argument("--arrival-prompt-len", type=int, default=0,
+                    help="a new request of this many prompt tokens (one output token) arrives "
+                         "before each profiled step: with --mixed-steps its prompt rides in "
+                         "the decode step, else it gets an extend of its own")
+    ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -61,9 +73,10 @@ def main():
         algorithm=args.draft, draft_model=draft if args.draft == "eagle3" else None,
         bench_force_accept_len=3, **SPEC_MODES[args.mode])
     engine = Engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", load_format="dummy", spec=spec,
-                                 max_running_requests=max(args.batch_size, 1),
+                                 # (and room for each arrival, which ends after its prefill)
+                                 max_running_requests=max(args.batch_size, 1) + (args.arrival_prompt_len > 0),
                                  max_context_len=max(4096, args.prompt_len + args.steps + 64),
-                                 kv_cache_dtype=args.kv_cache_dtype,
+                                 kv_cache_dtype=args.kv_cache_dtype, mixed_steps=args.mixed_steps,
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
                                  custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
@@ -78,7 +91,10 @@ def main():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if args.arrival_prompt_len:
+                engine.add_request(f"arrival-{step}", arrival_prompt(step, args.arrival_prompt_len),
+                                   SamplingParams(max_new_tokens=1, temperature=0.0))
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -101,7 +117,8 @@ def main():
         f[1] += us
     result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "tp": args.tp,
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-              "prompt_len": args.prompt_len,
+              "prompt_len": args.prompt_len, "arrival_prompt_len": args.arrival_prompt_len,
+              "mixed_steps": args.mixed_steps,
               "custom_all_reduce": not args.nccl_all_reduce, "steps": num_steps,
               "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
               "kernel_ms_per_step": total_us / num_steps / 1000,
