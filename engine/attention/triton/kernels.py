@@ -130,7 +130,9 @@ def _has_sm90_conversions(device: torch.device) -> bool:
 # shared memory, 168 registers a thread at 4 warps). `bench/attention_kernels.py --fp8-sweep`
 # times it against the others (tiles, warps, stages, splits, conversions) and the bf16 pool's:
 # on an H100 at 32k tokens, bs=1, 16 splits ran in 43 us against 56 at 32 and 76 at 64 (the
-# bf16 pool's default: 60 us), the best of the grid.
+# bf16 pool's default: 60 us), the best of the grid; but that sweep replayed one pool, partly
+# held by the L2, and in the engine's 32k profile this config and the bf16 pool's both take
+# 63-64 us a layer: to be re-swept with the bench's pool copies.
 _FP8_DECODE_CONFIG = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=5,
                                   max_kv_splits=16, fp8_convert="bits")
 
