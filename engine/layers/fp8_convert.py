@@ -1,0 +1,105 @@
+"""e4m3 values into 16-bit ones inside Triton kernels, and the config values that choose how:
+shared by the FP8 KV attention kernels (engine/attention/triton/kernels.py,
+`DecodeConfig.fp8_convert`) and the W8A16 weight kernels (engine/layers/skinny_gemm.py,
+`SkinnyConfig.fp8_convert`).
+
+- "cast": Triton's conversions (`tile.to(dtype)`: e4m3x2 -> f16x2, then one f16 -> bf16 or
+  f32 conversion a value), both on the GPU's conversion pipe (16 results a clock an SM on an
+  H100: slower than the weights stream in).
+- "bits": `fp8_tile`'s byte moves and masks, then one bf16x2 multiply a pair (sm_90 and newer,
+  compiled only: the interpreter runs no PTX). Exact for every e4m3 code but the two NaNs, which
+  read as +-480 (KV pools clamp to +-448 before they store; checkpoints hold no NaN weights).
+
+`e4m3_to_f32` widens a tile to fp32 either way; `round_to_bf16` rounds fp32 values to bf16
+precision with integer operations, keeping them fp32 (`v.to(bf16).to(f32)` without two
+conversions).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build needs no Triton
+    triton = None
+
+FP8_CONVERTS = ("cast", "bits")  # the `fp8_convert` fields' values
+
+
+def check_fp8_convert(value: str) -> str:
+    """`value` if it names a conversion, else a ValueError naming the field."""
+    if value not in FP8_CONVERTS:
+        raise ValueError(f"fp8_convert: must be one of {', '.join(FP8_CONVERTS)}, got {value!r}")
+    return value
+
+
+def has_sm90_conversions(device: torch.device) -> bool:
+    """Whether `device` runs compiled kernels that may use sm_90's bf16x2 multiply ("bits")."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)  # asked by every FP8 weight GEMM launch
+def default_fp8_convert(device: torch.device) -> str:
+    """The conversion a kernel on `device` takes unless told: "bits" where
+    `has_sm90_conversions`, else "cast"."""
+    return "bits" if has_sm90_conversions(device) else "cast"
+
+
+if triton is not None:
+    # Four e4m3 bytes (one 32-bit register, $2) to four bf16 values ($0, $1), exactly, without
+    # the conversion pipe: each byte s.eeee.mmm goes to the top byte of a 16-bit half (prmt),
+    # its magnitude moves down 4 bits (bf16's exponent field is 8 bits to e4m3's 4) and its
+    # sign back on top (lop3: b | (a & 0x80008000)), which is the value times 2**-120 as a bf16
+    # (normal or, for e4m3's subnormals, subnormal); one bf16x2 multiply by 2**120 (0x7B80)
+    # makes it exact. The two NaN codes (0x7F, 0xFF) read as +-480.
+    _E4M3X4_TO_BF16 = tl.constexpr("""{
+.reg .b32 a<2>, b<2>, s;
+mov.b32 s, 0x7B807B80;
+prmt.b32 a0, 0, $2, 0x5040;
+prmt.b32 a1, 0, $2, 0x7060;
+and.b32 b0, a0, 0x7FFF7FFF;
+and.b32 b1, a1, 0x7FFF7FFF;
+shr.b32 b0, b0, 4;
+shr.b32 b1, b1, 4;
+lop3.b32 b0, b0, a0, 0x80008000, 0xF8;
+lop3.b32 b1, b1, a1, 0x80008000, 0xF8;
+mul.rn.bf16x2 $0, b0, s;
+mul.rn.bf16x2 $1, b1, s;
+}""")
+
+    @triton.jit
+    def fp8_tile(tile, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr):
+        """A loaded tile in `dtype`, by FP8_CONVERT ("bits" only for an e4m3 tile into bf16;
+        everything else is cast). Every e4m3 value is a bf16/fp16/fp32 value, so every way
+        is exact."""
+        if FP8_CONVERT == "cast" or tile.dtype != tl.float8e4nv or dtype != tl.bfloat16:
+            return tile.to(dtype)
+        else:  # "bits"
+            return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
+                                             [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                             is_pure=True, pack=4)
+
+    @triton.jit
+    def round_to_bf16(v):
+        """fp32 `v` rounded to the nearest bf16 value, ties to even, still fp32: what
+        `v.to(bf16).to(f32)` gives for finite v, in integer operations on the bits (add half
+        an ulp of bf16 less one, plus the kept last bit, then clear the 16 dropped bits;
+        subnormals round as normals do, and a carry out of the largest finite values gives
+        the infinity the conversion gives). NaN is not kept (no product of finite values is
+        one)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def e4m3_to_f32(tile, FP8_CONVERT: tl.constexpr):
+        """An e4m3 tile in fp32, exactly: "cast" by Triton's conversion, "bits" by `fp8_tile`
+        into bf16, which widens to fp32 by a shift of its bits (no conversion pipe)."""
+        if FP8_CONVERT == "bits":
+            return fp8_tile(tile, tl.bfloat16, FP8_CONVERT).to(tl.float32)
+        else:
+            return tile.to(tl.float32)
