@@ -573,6 +573,56 @@ def test_gpu_skinny_fp8_llama_shapes(shape, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["128x128", "channel"])
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_skinny_fp8_bits_equal_cast(shape, m, scales):
+    """On sm_90 the "bits" conversion (the default there) gives the same output as "cast", bit
+    for bit, under the same config: the default steps, wide steps, and (at M <= 4) the
+    multiply-and-sum path, whose "bits" rounding is integer operations."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w8, scale = _gpu_fp8_weight(n, k, seed=10 + m, block=(128, 128) if scales == "128x128" else (1, k))
+    x = _gpu_rows(m, k, seed=110 + m)
+    base = default_config(m, n // 2 if silu else n, k, silu, x.device, fp8=True)
+    configs = [base, base._replace(fp8_wide=True)]
+    if m <= 4:
+        configs.append(base._replace(dot=False, block_k=64))
+    for config in configs:
+        bits, cast = (skinny_gemm(x, w8, silu_mul=silu, config=config._replace(fp8_convert=c),
+                                  scale=scale) for c in ("bits", "cast"))
+        assert torch.equal(bits, cast), config
+    assert torch.equal(skinny_gemm(x, w8, silu_mul=silu, scale=scale),  # the default: "bits"
+                       skinny_gemm(x, w8, silu_mul=silu, config=base._replace(fp8_convert="bits"),
+                                   scale=scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_skinny_fp8_qkv_rope_bits_equal_cast(m):
+    """The fused q/k/v + RoPE + KV store of Llama 8B: "bits" writes what "cast" writes."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
+    w8, scale = _gpu_fp8_weight(6144, 4096, seed=13)
+    x = _gpu_rows(m, 4096, seed=14)
+    positions = torch.arange(m, device="cuda") * 37
+    loc = torch.arange(m, device="cuda") * 3
+    config = skinny_module._qkv_rope_config(m, 6144, 4096, 128, x.device)
+    outs = []
+    for convert in ("bits", "cast"):
+        k_cache = torch.zeros(64, 8, 128, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, w8, None, 32, 8, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                            loc, config=config._replace(fp8_convert=convert), scale=scale)
+        outs.append((q, k_cache, v_cache))
+    for bits, cast in zip(*outs):
+        assert torch.equal(bits, cast)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_gpu_skinny_fp8_qkv_rope_llama_8b(m):
     """Llama 8B's q/k/v (32 q heads, 8 KV heads of 128) from an FP8 weight: q, k and v as the
