@@ -439,7 +439,8 @@ def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=Fals
                 HAS_BIAS=False, SILU_MUL=silu, DOT=dot,
                 EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True,
                 SCALE_COLS=sk.scale_columns(128 if uniform else 24, k, c.block_k),
-                FP8_ACT=act, FP8_CONVERT=convert, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0,
+                FP8_ACT=act, FP8_CONVERT=convert, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64,
+                k_scale_inv=1.0,
                 v_scale_inv=1.0, KV_FP8=False)
     kernel = sk._skinny_qkv_rope_kernel if qkv else sk._skinny_gemm_kernel
     return compile_sm90(kernel, args, c.num_warps, c.num_stages)

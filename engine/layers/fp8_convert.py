@@ -3,9 +3,8 @@ shared by the FP8 KV attention kernels (engine/attention/triton/kernels.py,
 `DecodeConfig.fp8_convert`) and the W8A16 weight kernels (engine/layers/skinny_gemm.py,
 `SkinnyConfig.fp8_convert`).
 
-- "cast": Triton's conversions (`tile.to(dtype)`: e4m3x2 -> f16x2, then one f16 -> bf16 or
-  f32 conversion a value), both on the GPU's conversion pipe (16 results a clock an SM on an
-  H100: slower than the weights stream in).
+- "cast": Triton's conversions (`tile.to(dtype)`: e4m3x2 -> f16x2 on the conversion pipe, then
+  one f16 -> bf16 or f32 conversion a value).
 - "bits": `fp8_tile`'s byte moves and masks, then one bf16x2 multiply a pair (sm_90 and newer,
   compiled only: the interpreter runs no PTX). Exact for every e4m3 code but the two NaNs, which
   read as +-480 (KV pools clamp to +-448 before they store; checkpoints hold no NaN weights).

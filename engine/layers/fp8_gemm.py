@@ -22,9 +22,10 @@ bench/fp8_gemm.py).
 
 Shared with the skinny GEMM and the fused MoE kernels (engine/layers): `weight_scales` and
 `dequantize_tile` (W8A16: the FP8 weight tile dequantised in fp32 and rounded to the
-activation dtype before the dot, the reference's roundings; the e4m3 values converted by
-Triton's casts or, with "bits", by engine/layers/fp8_convert.py's byte moves), `scaled_dot` (W8A8's per-step
-scaling) and `k_uniform` (whether a config's K steps each lie in one k-block of the grid).
+activation dtype before the dot, the reference's roundings; the e4m3 values widened by
+Triton's casts or, with "bits", by engine/layers/fp8_convert.py's byte moves), `scaled_dot`
+(W8A8's per-step scaling) and `k_uniform` (whether a config's K steps each lie in one k-block
+of the grid).
 """
 from __future__ import annotations
 

@@ -74,9 +74,9 @@ class DecodeConfig(NamedTuple):
     # "cast", Triton's conversion (e4m3x2 -> f16x2, then one f16 -> bf16 conversion a value,
     # both on the GPU's slow conversion pipe); "bits" (engine/layers/fp8_convert.py's
     # `fp8_tile`: byte moves and masks, then one bf16x2 multiply a pair; sm_90 and newer,
-    # not the interpreter), which
-    # Triton moves into the dots' operand loads like "cast" (V, the second dot's transposed
-    # operand, is then read from shared memory a byte at a time: no ldmatrix for bytes).
+    # not the interpreter), which Triton moves into the dots' operand loads like "cast" (V,
+    # the second dot's transposed operand, is then read from shared memory a byte at a time:
+    # no ldmatrix for bytes).
     fp8_convert: str = "cast"
 
 
