@@ -1,7 +1,8 @@
 """engine/layers/fp8_convert.py: the integer rounding to bf16 against torch's conversion, bit
 for bit (in the interpreter: the Triton function itself), the `fp8_convert` values the configs
 take and the device default. The e4m3 byte moves ("bits") are PTX: compiled for sm_90 in
-tests/test_fp8_kernels.py and tests/test_fp8_kv_cache.py, run on a GPU there (`-m gpu`)."""
+tests/test_fp8_kernels.py and tests/test_fp8_kv_cache.py, run on a GPU here and there
+(`-m gpu`)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ import triton.language as tl  # noqa: E402
 
 from specserve.engine.layers import skinny_gemm as skinny_module  # noqa: E402
 from specserve.engine.layers.fp8_convert import (  # noqa: E402
-    check_fp8_convert, default_fp8_convert, round_to_bf16)
+    check_fp8_convert, default_fp8_convert, e4m3_to_f32, round_to_bf16)
 from specserve.engine.layers.skinny_gemm import SkinnyConfig, skinny_gemm  # noqa: E402
 from specserve.engine.layers.fp8_weight import FP8_DTYPE, WeightScale  # noqa: E402
 
@@ -120,3 +121,26 @@ def test_skinny_gemm_takes_the_device_default_and_cast(monkeypatch):
             for c in (None, "cast")]
     assert seen == ["cast", "cast"] and torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], x @ (w8.float() * 0.5).T)
+
+
+@triton.jit
+def _widen_kernel(src, dst, FP8_CONVERT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(dst + offs, e4m3_to_f32(tl.load(src + offs), FP8_CONVERT))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_convert", ["cast", "bits"])
+def test_every_e4m3_code_widens_to_its_fp32_value_gpu(fp8_convert):
+    """`e4m3_to_f32`, the W8A16 kernels' conversion: every code to its value (the NaN codes
+    0x7F and 0xFF read as +-480 by bits: checkpoints hold none), four codes an asm call."""
+    if fp8_convert == "bits" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
+    out = torch.empty(256, dtype=torch.float32, device="cuda")
+    _widen_kernel[(1,)](codes.view(FP8_DTYPE), out, FP8_CONVERT=fp8_convert, num_warps=1)
+    expected = codes.view(FP8_DTYPE).float()
+    nan = expected.isnan()
+    assert torch.equal(out[~nan], expected[~nan])
+    if fp8_convert == "bits":
+        assert out[nan].tolist() == [480.0, -480.0]

@@ -49,26 +49,40 @@ def default_fp8_convert(device: torch.device) -> str:
 
 
 if triton is not None:
-    # Four e4m3 bytes (one 32-bit register, $2) to four bf16 values ($0, $1), exactly, without
-    # the conversion pipe: each byte s.eeee.mmm goes to the top byte of a 16-bit half (prmt),
-    # its magnitude moves down 4 bits (bf16's exponent field is 8 bits to e4m3's 4) and its
-    # sign back on top (lop3: b | (a & 0x80008000)), which is the value times 2**-120 as a bf16
-    # (normal or, for e4m3's subnormals, subnormal); one bf16x2 multiply by 2**120 (0x7B80)
-    # makes it exact. The two NaN codes (0x7F, 0xFF) read as +-480.
-    _E4M3X4_TO_BF16 = tl.constexpr("""{
+    def _e4m3x4_asm(source: str, outputs: str, tail: str = "") -> str:
+        """PTX taking four e4m3 bytes (one 32-bit register, `source`) to their four bf16 values,
+        exactly, without the conversion pipe: each byte s.eeee.mmm goes to the top byte of a
+        16-bit half (prmt), its magnitude moves down 4 bits (bf16's exponent field is 8 bits
+        to e4m3's 4) and its sign back on top (lop3: b | (a & 0x80008000)), which is the value
+        times 2**-120 as a bf16 (normal or, for e4m3's subnormals, subnormal); one bf16x2
+        multiply by 2**120 (0x7B80) makes it exact, into the two registers `outputs` (values
+        0 and 1, then 2 and 3; low halves first), then `tail`. The two NaN codes (0x7F, 0xFF)
+        read as +-480."""
+        out0, out1 = outputs.split(",")
+        return f"""{{
 .reg .b32 a<2>, b<2>, s;
 mov.b32 s, 0x7B807B80;
-prmt.b32 a0, 0, $2, 0x5040;
-prmt.b32 a1, 0, $2, 0x7060;
+prmt.b32 a0, 0, {source}, 0x5040;
+prmt.b32 a1, 0, {source}, 0x7060;
 and.b32 b0, a0, 0x7FFF7FFF;
 and.b32 b1, a1, 0x7FFF7FFF;
 shr.b32 b0, b0, 4;
 shr.b32 b1, b1, 4;
 lop3.b32 b0, b0, a0, 0x80008000, 0xF8;
 lop3.b32 b1, b1, a1, 0x80008000, 0xF8;
-mul.rn.bf16x2 $0, b0, s;
-mul.rn.bf16x2 $1, b1, s;
-}""")
+mul.rn.bf16x2 {out0}, b0, s;
+mul.rn.bf16x2 {out1}, b1, s;
+{tail}}}"""
+
+    _E4M3X4_TO_BF16 = tl.constexpr(_e4m3x4_asm("$2", "$0,$1"))
+    # The same four values as fp32 (a bf16 value's bits are the top half of its fp32's): the
+    # low half of a pair shifted up, the high half masked, in the asm rather than by Triton,
+    # which takes each half out of its pair first (two operations a value instead of one).
+    _E4M3X4_TO_F32 = tl.constexpr(_e4m3x4_asm("$4", "b0,b1", """shl.b32 $0, b0, 16;
+and.b32 $1, b0, 0xFFFF0000;
+shl.b32 $2, b1, 16;
+and.b32 $3, b1, 0xFFFF0000;
+"""))
 
     @triton.jit
     def fp8_tile(tile, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr):
@@ -96,9 +110,11 @@ mul.rn.bf16x2 $1, b1, s;
 
     @triton.jit
     def e4m3_to_f32(tile, FP8_CONVERT: tl.constexpr):
-        """An e4m3 tile in fp32, exactly: "cast" by Triton's conversion, "bits" by `fp8_tile`
-        into bf16, which widens to fp32 by a shift of its bits (no conversion pipe)."""
+        """An e4m3 tile in fp32, exactly: "cast" by Triton's conversion, "bits" by `fp8_tile`'s
+        byte moves into bf16, widened to fp32 by a shift or a mask of its bits."""
         if FP8_CONVERT == "bits":
-            return fp8_tile(tile, tl.bfloat16, FP8_CONVERT).to(tl.float32)
+            return tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r",
+                                             [tile.to(tl.uint8, bitcast=True)], dtype=tl.float32,
+                                             is_pure=True, pack=4)
         else:
             return tile.to(tl.float32)
