@@ -1,4 +1,4 @@
-"""e4m3 values into 16-bit ones inside Triton kernels, and the config values that choose how:
+"""e4m3 values into bf16 or fp32 ones inside Triton kernels, and the config values that choose how:
 shared by the FP8 KV attention kernels (engine/attention/triton/kernels.py,
 `DecodeConfig.fp8_convert`) and the W8A16 weight kernels (engine/layers/skinny_gemm.py,
 `SkinnyConfig.fp8_convert`).
@@ -48,18 +48,16 @@ def default_fp8_convert(device: torch.device) -> str:
     return "bits" if has_sm90_conversions(device) else "cast"
 
 
-if triton is not None:
-    def _e4m3x4_asm(source: str, outputs: str, tail: str = "") -> str:
-        """PTX taking four e4m3 bytes (one 32-bit register, `source`) to their four bf16 values,
-        exactly, without the conversion pipe: each byte s.eeee.mmm goes to the top byte of a
-        16-bit half (prmt), its magnitude moves down 4 bits (bf16's exponent field is 8 bits
-        to e4m3's 4) and its sign back on top (lop3: b | (a & 0x80008000)), which is the value
-        times 2**-120 as a bf16 (normal or, for e4m3's subnormals, subnormal); one bf16x2
-        multiply by 2**120 (0x7B80) makes it exact, into the two registers `outputs` (values
-        0 and 1, then 2 and 3; low halves first), then `tail`. The two NaN codes (0x7F, 0xFF)
-        read as +-480."""
-        out0, out1 = outputs.split(",")
-        return f"""{{
+def _e4m3x4_asm(source: str, outputs: tuple[str, str], tail: str = "") -> str:
+    """PTX taking four e4m3 bytes (one 32-bit register, `source`) to their four bf16 values,
+    exactly, without the conversion pipe: each byte s.eeee.mmm goes to the top byte of a
+    16-bit half (prmt), its magnitude moves down 4 bits (bf16's exponent field is 8 bits
+    to e4m3's 4) and its sign back on top (lop3: b | (a & 0x80008000)), which is the value
+    times 2**-120 as a bf16 (normal or, for e4m3's subnormals, subnormal); one bf16x2
+    multiply by 2**120 (0x7B80) makes it exact, into the two registers `outputs` (values
+    0 and 1, then 2 and 3; low halves first), then `tail`. The two NaN codes (0x7F, 0xFF)
+    read as +-480."""
+    return f"""{{
 .reg .b32 a<2>, b<2>, s;
 mov.b32 s, 0x7B807B80;
 prmt.b32 a0, 0, {source}, 0x5040;
@@ -70,15 +68,17 @@ shr.b32 b0, b0, 4;
 shr.b32 b1, b1, 4;
 lop3.b32 b0, b0, a0, 0x80008000, 0xF8;
 lop3.b32 b1, b1, a1, 0x80008000, 0xF8;
-mul.rn.bf16x2 {out0}, b0, s;
-mul.rn.bf16x2 {out1}, b1, s;
+mul.rn.bf16x2 {outputs[0]}, b0, s;
+mul.rn.bf16x2 {outputs[1]}, b1, s;
 {tail}}}"""
 
-    _E4M3X4_TO_BF16 = tl.constexpr(_e4m3x4_asm("$2", "$0,$1"))
+
+if triton is not None:
+    _E4M3X4_TO_BF16 = tl.constexpr(_e4m3x4_asm("$2", ("$0", "$1")))
     # The same four values as fp32 (a bf16 value's bits are the top half of its fp32's): the
     # low half of a pair shifted up, the high half masked, in the asm rather than by Triton,
-    # which takes each half out of its pair first (two operations a value instead of one).
-    _E4M3X4_TO_F32 = tl.constexpr(_e4m3x4_asm("$4", "b0,b1", """shl.b32 $0, b0, 16;
+    # which takes each half out of its pair first (up to two operations a value, not one).
+    _E4M3X4_TO_F32 = tl.constexpr(_e4m3x4_asm("$4", ("b0", "b1"), """shl.b32 $0, b0, 16;
 and.b32 $1, b0, 0xFFFF0000;
 shl.b32 $2, b1, 16;
 and.b32 $3, b1, 0xFFFF0000;
