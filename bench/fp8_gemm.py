@@ -3,6 +3,8 @@ GB/s, % of copy bandwidth, TFLOP/s, and each quantized variant's error.
 
     python bench/fp8_gemm.py --out bench_fp8_gemm.json
     python bench/fp8_gemm.py --shapes 8b.qkv,8b.down --rows 1,16 --no-moe --out quick.json
+    python bench/fp8_gemm.py --variants w8a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
+        --rows 1,4,16 --no-moe --out fp8_convert.json   # "bits" against "cast", beside bf16
     python bench/fp8_gemm.py --sweep --shapes 8b.qkv --rows 1,16 --no-moe --out sweep.json
     python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
         --rows 1,16 --no-moe --int4-tuned int4_tuned.json      # then --install-int4 int4_tuned.json
@@ -12,10 +14,15 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
 
 - `cublas_bf16`     F.linear on the bf16 weight (the FP8 weight dequantised)
 - `skinny_bf16`     the 16-bit skinny GEMM on that weight (M <= 16)
-- `w8a16_skinny`    the skinny GEMM reading the FP8 weight and its scales (M <= 16; the engine's)
+- `w8a16_skinny`    the skinny GEMM reading the FP8 weight and its scales (M <= 16; the engine's,
+                    its e4m3 values converted by Triton, `fp8_convert` "cast")
+- `w8a16_skinny_bits` the same with `SkinnyConfig.fp8_convert="bits"` (sm_90: byte moves and one
+                    bf16x2 multiply a pair, the same output bit for bit): if it leads, make it
+                    the default (`fp8_convert.WEIGHT_FP8_CONVERT`)
 - `w8a16_skinny_wide` the same with `SkinnyConfig.fp8_wide`: K steps of the 16-bit step's bytes
                     (512 FP8 columns over four 128-blocks, scales broadcast in registers): if it
-                    leads, set `skinny_gemm.FP8_WIDE_STEPS = True`
+                    leads, set `skinny_gemm.FP8_WIDE_STEPS = True`; `w8a16_skinny_wide_bits`
+                    with "bits"
 - `w8a8_skinny`     its `fp8_activations` option: x quantised per 128-column group, FP8 dot
 - `w8a8_triton`     the large-M block-scaled kernel, quantiser included (`fp8_matmul` on CUDA)
 - `scaled_mm_block` torch._scaled_mm with 1x128 activation and 128x128 weight scales, the
@@ -144,8 +151,13 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
                                  ._replace(fp8_activations=True), BLOCK[1], k)
         ops["skinny_bf16"] = ("bf16", lambda x, w: skinny_gemm(x, w))
         ops["w8a16_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], scale=w[1]))
+        bits = default_config(m, n, k, False, torch.device("cuda"), fp8=True)._replace(fp8_convert="bits")
+        ops["w8a16_skinny_bits"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=bits, scale=w[1]))
         wide = default_config(m, n, k, False, torch.device("cuda"))._replace(fp8_wide=True)
         ops["w8a16_skinny_wide"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=wide, scale=w[1]))
+        wide_bits = wide._replace(fp8_convert="bits")
+        ops["w8a16_skinny_wide_bits"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=wide_bits,
+                                                                          scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
     if m <= TILED_MAX_ROWS:
         ops["w4a16_kernel"] = ("int4", lambda x, w: w4a16_gemm(x, w))

@@ -331,6 +331,35 @@ def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, 
         assert ((a - b).norm() / b.norm()).item() < tolerance
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block", [("block", (128, 128)), ("ct-channel", None)])
+def test_gpu_bits_conversion_keeps_the_greedy_tokens(quantized, make_engine, monkeypatch, fmt, block):
+    """bf16 on sm_90: the skinny GEMM's default FP8 conversion ("bits") and "cast" (what older
+    GPUs run) generate the same greedy tokens, CUDA graphs on; each engine ran the one it names."""
+    from specserve.engine.layers import skinny_gemm
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    fp8, _ = quantized("llama", fmt, block, hidden_size=512, intermediate_size=1024)
+    prompts = random_prompts(6, seed=23, max_len=40)
+    real, ran = skinny_gemm._fp8_convert, []
+
+    def recorded(config, device):
+        ran.append(real(config, device))
+        return ran[-1]
+
+    monkeypatch.setattr(skinny_gemm, "_fp8_convert", recorded)
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=8)
+    tokens = {}
+    for convert in ("bits", "cast"):
+        monkeypatch.setattr(skinny_gemm, "WEIGHT_FP8_CONVERT", convert)
+        ran.clear()
+        engine = make_engine(fp8, **kw)
+        tokens[convert] = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling=GREEDY)]
+        assert set(ran) == {convert}
+    assert tokens["bits"] == tokens["cast"]
+
+
 def test_missing_scale_tensor_is_named(tmp_path, quantized):
     import shutil
 

@@ -422,7 +422,8 @@ from sm90_compile import compile_sm90, t
 bf16, f32, i32, fp8 = torch.bfloat16, torch.float32, torch.int32, FP8_DTYPE
 cpu = torch.device("cpu")
 
-def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=False):
+def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=False, convert="bits",
+           dot=True):
     n_cols = n_rows // 2 if silu or qkv else n_rows
     c = (sk._qkv_rope_config(m, n_rows, k, 128, cpu, qk_norm) if qkv
          else sk.default_config(m, n_cols, k, silu, cpu))._replace(fp8_activations=act, fp8_wide=wide)
@@ -433,31 +434,50 @@ def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=Fals
                 loc=t(torch.int64), positions=t(torch.int64), cos=t(f32), sin=t(f32),
                 q_norm_w=t(bf16), k_norm_w=t(bf16), norm_eps=1e-6, QK_NORM=qk_norm, partials=t(f32),
                 arrivals=t(i32), M=m, n_cols=n_cols, K=k, k_per_split=k // c.split_k, stride_xm=k,
-                stride_wn=k, stride_ym=n_cols, fp8=fp8_args, BLOCK_M=16, BLOCK_N=c.block_n,
-                BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, SILU_MUL=silu, DOT=True,
+                stride_wn=k, stride_ym=n_cols, fp8=fp8_args, BLOCK_M=16 if dot else 1,
+                BLOCK_N=c.block_n, BLOCK_K=c.block_k if dot else 32, SPLIT_K=c.split_k,
+                HAS_BIAS=False, SILU_MUL=silu, DOT=dot,
                 EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True,
                 SCALE_COLS=sk.scale_columns(128 if uniform else 24, k, c.block_k),
-                FP8_ACT=act, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0,
+                FP8_ACT=act, FP8_CONVERT=convert, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64,
+                k_scale_inv=1.0,
                 v_scale_inv=1.0, KV_FP8=False)
     kernel = sk._skinny_qkv_rope_kernel if qkv else sk._skinny_gemm_kernel
     return compile_sm90(kernel, args, c.num_warps, c.num_stages)
 
-def check(name, ptx, *needles):
+def check(name, ptx, *needles, absent=()):
     assert "griddepcontrol.wait" in ptx or name.startswith("moe"), name
     for needle in needles:
         assert needle in ptx, (name, needle)
+    for needle in absent:
+        assert needle not in ptx, (name, needle)
     print("compiled", name)
 
-# W8A16: FP8 -> 16-bit conversions, bf16 tensor cores (per-row scales, then per-element ones)
-check("w8a16 gate_up", skinny(1, 28672, 4096, True, False, True), "e4m3", "mma")
-check("w8a16 per-element", skinny(16, 6144, 4096, False, False, False), "e4m3", "mma")
-check("w8a16 qkv_rope", skinny(1, 6144, 4096, False, False, True, qkv=True), "e4m3", "mma")
+# W8A16, bf16 tensor cores. "bits" (the sm_90 default): e4m3 -> bf16 by byte moves and a bf16x2
+# multiply, none of Triton's e4m3 -> f16 -> f32 conversions (per-row scales, then per-element)
+CAST = ("cvt.rn.f16x2.e4m3x2", "cvt.f32.f16")
+check("w8a16 gate_up", skinny(1, 28672, 4096, True, False, True), "mul.rn.bf16x2", "mma", absent=CAST)
+check("w8a16 per-element", skinny(16, 6144, 4096, False, False, False), "mul.rn.bf16x2", "mma",
+      absent=CAST)
+check("w8a16 qkv_rope", skinny(1, 6144, 4096, False, False, True, qkv=True), "mul.rn.bf16x2", "mma",
+      absent=CAST)
+check("w8a16 gate_up cast", skinny(1, 28672, 4096, True, False, True, convert="cast"), *CAST, "mma",
+      absent=("mul.rn.bf16x2",))
 # Wide steps: 512 FP8 columns a step over four 128-column k-blocks (scales broadcast)
-check("w8a16 wide gate_up", skinny(1, 28672, 4096, True, False, True, wide=True), "e4m3", "mma")
-check("w8a16 wide down", skinny(16, 4096, 14336, False, False, True, wide=True), "e4m3", "mma")
+check("w8a16 wide gate_up", skinny(1, 28672, 4096, True, False, True, wide=True), "mul.rn.bf16x2",
+      "mma", absent=CAST)
+check("w8a16 wide down", skinny(16, 4096, 14336, False, False, True, wide=True), "mul.rn.bf16x2",
+      "mma", absent=CAST)
 # Qwen3-30B-A3B's q/k/v (32 + 2 x 4 heads of 128) with its per-head q/k norm
 check("w8a16 qkv_rope qk_norm", skinny(1, 5120, 2048, False, False, True, qkv=True, qk_norm=True),
-      "e4m3", "mma", "rsqrt")
+      "mul.rn.bf16x2", "mma", "rsqrt", absent=CAST)
+# Multiply-and-sum (no dot): with "bits" the products are rounded to bf16 by integer operations
+# and summed as they are, so no weight is converted to bf16 pairs (cast's rounding) and back
+# (the epilogue's M = 1 rounds its one row with unpaired conversions).
+down = dict(m=1, n_rows=4096, k=14336, silu=False, act=False, uniform=True, dot=False)
+assert "cvt.rn.bf16x2.f32" in skinny(**down, convert="cast")
+check("w8a16 multiply-and-sum", skinny(**down), "mul.rn.bf16x2",
+      absent=CAST + ("cvt.rn.bf16x2.f32",))
 # W8A8: FP8 tensor-core products
 check("w8a8 skinny", skinny(4, 6144, 4096, False, True, True), "wgmma", "e4m3.e4m3")
 for m in (64, 4096):
@@ -492,7 +512,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 11
+    assert done.stdout.count("compiled") == 13
 
 
 # --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------
@@ -551,6 +571,56 @@ def test_gpu_skinny_fp8_llama_shapes(shape, m):
         torch.testing.assert_close(w8a8, w8a8_reference(*quantize_activations(x), w8, scale,
                                                         dtype=torch.bfloat16), rtol=1e-2, atol=1e-2)
         assert _relative_error(w8a8, fp8_linear_reference(x, w8, scale)) < 0.04
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["128x128", "channel"])
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_skinny_fp8_bits_equal_cast(shape, m, scales):
+    """On sm_90 the "bits" conversion (the default there) gives the same output as "cast", bit
+    for bit, under the same config: the default steps, wide steps, and (at M <= 4) the
+    multiply-and-sum path, whose "bits" rounding is integer operations."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w8, scale = _gpu_fp8_weight(n, k, seed=10 + m, block=(128, 128) if scales == "128x128" else (1, k))
+    x = _gpu_rows(m, k, seed=110 + m)
+    base = default_config(m, n // 2 if silu else n, k, silu, x.device, fp8=True)
+    configs = [base, base._replace(fp8_wide=True)]
+    if m <= 4:
+        configs.append(base._replace(dot=False, block_k=64))
+    for config in configs:
+        bits, cast = (skinny_gemm(x, w8, silu_mul=silu, config=config._replace(fp8_convert=c),
+                                  scale=scale) for c in ("bits", "cast"))
+        assert torch.equal(bits, cast), config
+    assert torch.equal(skinny_gemm(x, w8, silu_mul=silu, scale=scale),  # the default: "bits"
+                       skinny_gemm(x, w8, silu_mul=silu, config=base._replace(fp8_convert="bits"),
+                                   scale=scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_skinny_fp8_qkv_rope_bits_equal_cast(m):
+    """The fused q/k/v + RoPE + KV store of Llama 8B: "bits" writes what "cast" writes."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bf16x2 multiply needs sm_90")
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
+    w8, scale = _gpu_fp8_weight(6144, 4096, seed=13)
+    x = _gpu_rows(m, 4096, seed=14)
+    positions = torch.arange(m, device="cuda") * 37
+    loc = torch.arange(m, device="cuda") * 3
+    config = skinny_module._qkv_rope_config(m, 6144, 4096, 128, x.device)
+    outs = []
+    for convert in ("bits", "cast"):
+        k_cache = torch.zeros(64, 8, 128, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, w8, None, 32, 8, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                            loc, config=config._replace(fp8_convert=convert), scale=scale)
+        outs.append((q, k_cache, v_cache))
+    for bits, cast in zip(*outs):
+        assert torch.equal(bits, cast)
 
 
 @pytest.mark.gpu

@@ -45,6 +45,7 @@ from specserve.engine.attention.triton.kernels import (  # noqa: E402
 from specserve.engine.kvcache.fp8 import (  # noqa: E402
     FP8_KV_DTYPE, FP8_MAX, KVScales, dequantize, load_kv_scales, quantize, resolve_kv_scales)
 from specserve.engine.kvcache.pools import MLATokenToKVPool, TokenToKVPool  # noqa: E402
+from specserve.engine.layers.fp8_convert import fp8_tile  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 K_SCALE, V_SCALE = 0.011, 0.023  # randn / 0.011 spans most of e4m3's +-448
@@ -382,7 +383,7 @@ def test_backend_takes_the_pool_dtype_and_config_splits(monkeypatch):
     scratch by its config's `max_kv_splits` (as far as its contexts reach)."""
     from specserve.engine.attention.factory import create_attention_backend
 
-    monkeypatch.setattr(triton_kernels, "_has_sm90_conversions", lambda device: True)
+    monkeypatch.setattr(triton_kernels, "has_sm90_conversions", lambda device: True)
     kw = dict(num_heads=4, num_kv_heads=2, head_dim=16, max_batch_size=2,
               needs_cpu_seq_lens=None)
     fp8 = create_attention_backend("triton", DEVICE, max_context_len=32768,
@@ -528,7 +529,8 @@ ptx["skinny qkv store"] = compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     fp8=sk._Fp8Args(t(f32), t(f32), 32, 32, 128, 128), k_scale_inv=50.0, v_scale_inv=40.0,
     norm_eps=1e-6, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, QK_NORM=False, BLOCK_M=16, BLOCK_N=c.block_n,
     BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
-    DOT_PRECISION="tf32", FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, PDL=True),
+    DOT_PRECISION="tf32", FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, FP8_CONVERT="cast",
+    PDL=True),
     c.num_warps, c.num_stages)
 for name, text in ptx.items():
     # Loads convert e4m3 pairs to f16 then to the query's bf16 ("cast") or by moving bits and
@@ -750,7 +752,7 @@ def test_triton_backend_bf16_fp8_pool_gpu(case_name, kv_dtype):
 @triton.jit
 def _kv_tile_kernel(src, dst, FP8_CONVERT: tl.constexpr):
     offs = tl.arange(0, 256)
-    tl.store(dst + offs, triton_kernels._kv_tile(tl.load(src + offs), tl.bfloat16, FP8_CONVERT))
+    tl.store(dst + offs, fp8_tile(tl.load(src + offs), tl.bfloat16, FP8_CONVERT))
 
 
 @pytest.mark.gpu

@@ -22,8 +22,10 @@ bench/fp8_gemm.py).
 
 Shared with the skinny GEMM and the fused MoE kernels (engine/layers): `weight_scales` and
 `dequantize_tile` (W8A16: the FP8 weight tile dequantised in fp32 and rounded to the
-activation dtype before the dot, the reference's roundings), `scaled_dot` (W8A8's per-step
-scaling) and `k_uniform` (whether a config's K steps each lie in one k-block of the grid).
+activation dtype before the dot, the reference's roundings; the e4m3 values widened by
+Triton's casts or, with "bits", by engine/layers/fp8_convert.py's byte moves), `scaled_dot`
+(W8A8's per-step scaling) and `k_uniform` (whether a config's K steps each lie in one k-block
+of the grid).
 """
 from __future__ import annotations
 
@@ -221,6 +223,8 @@ def cublas_blockwise_matmul(x: torch.Tensor, weight: torch.Tensor, scale: Weight
 
 
 if triton is not None:
+    from specserve.engine.layers.fp8_convert import e4m3_to_f32, round_to_bf16
+
     _ACT_GROUP = tl.constexpr(ACT_GROUP)
 
     @triton.jit
@@ -237,10 +241,25 @@ if triton is not None:
         return tl.load(scale + scale_rows + cols)
 
     @triton.jit
-    def dequantize_tile(w_tile, scales, dtype: tl.constexpr):
+    def dequantize_tile(w_tile, scales, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr,
+                        DOT: tl.constexpr):
         """W8A16: the weight tile in fp32 times its scales, rounded to the activation dtype as
-        `dequantize(weight, scale, x.dtype)` rounds it (the reference's weight, bit for bit)."""
-        return (w_tile.to(tl.float32) * scales).to(dtype)
+        `dequantize(weight, scale, x.dtype)` rounds it (the reference's weight, bit for bit).
+        FP8_CONVERT (engine/layers/fp8_convert.py) says how the e4m3 values become fp32 and
+        `round_weight` how the products are rounded (DOT: for tl.dot, else for the CUDA
+        cores' multiply-and-sum)."""
+        return round_weight(e4m3_to_f32(w_tile, FP8_CONVERT) * scales, dtype, FP8_CONVERT, DOT)
+
+    @triton.jit
+    def round_weight(w, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr, DOT: tl.constexpr):
+        """Dequantised fp32 weights rounded to the activation dtype: converted to it for tl.dot
+        (one packed conversion a pair); with "bits", bf16 and no dot, rounded to bf16 by integer
+        operations and kept fp32 (`round_to_bf16`), which the multiply-and-sum takes as it is
+        instead of converting to bf16 and back. The same values either way."""
+        if DOT or FP8_CONVERT == "cast" or dtype != tl.bfloat16:
+            return w.to(dtype)
+        else:
+            return round_to_bf16(w)
 
     @triton.jit
     def activation_scales(x_scales, rows, row_mask, stride_row, k):

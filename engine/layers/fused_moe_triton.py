@@ -333,14 +333,16 @@ def _grouped_gemm_kernel(
         w_tile = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP8_WEIGHT:
             w_tile = dequantize_tile(w_tile, weight_scales(scales, scale_rows, k_start, offs_k[:, None],
-                                                           K, fp8.block_k, K_UNIFORM), a_tile.dtype)
+                                                           K, fp8.block_k, K_UNIFORM), a_tile.dtype,
+                                     "cast", True)
         acc = tl.dot(a_tile, w_tile, acc, input_precision=DOT_PRECISION)
         if GATED:
             up_tile = tl.load(w_ptrs + N * stride_w_n, mask=w_mask, other=0.0)
             if FP8_WEIGHT:
                 up_tile = dequantize_tile(up_tile, weight_scales(scales, up_scale_rows, k_start,
                                                                  offs_k[:, None], K, fp8.block_k,
-                                                                 K_UNIFORM), a_tile.dtype)
+                                                                 K_UNIFORM), a_tile.dtype,
+                                         "cast", True)
             acc_up = tl.dot(a_tile, up_tile, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k

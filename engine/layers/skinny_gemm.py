@@ -22,7 +22,8 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
   heads and normalises them before RoPE: the two norm kernels disappear as well.
 - FP8 weights (`scale=`, a `WeightScale`): W8A16, the weight tile dequantised in fp32 and
   rounded to the activation dtype before the product (the reference's weight, so the results
-  are the 16-bit kernel's on the dequantised weight), or with `SkinnyConfig.fp8_activations`
+  are the 16-bit kernel's on the dequantised weight; on sm_90 the e4m3 values are widened by
+  byte moves, `SkinnyConfig.fp8_convert`), or with `SkinnyConfig.fp8_activations`
   W8A8 on FP8 tensor cores; the shared main loop serves all three kernels
   (docs/architecture.md, "FP8 weight kernels").
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
@@ -52,6 +53,8 @@ from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 from specserve.engine.layers.fp8_weight import FP8_DTYPE, WeightScale
+from specserve.engine.layers.fp8_convert import (WEIGHT_FP8_CONVERT, check_fp8_convert,
+                                                  has_sm90_conversions)
 from specserve.engine.layers.fp8_gemm import (
     ACT_GROUP, check_weight, fp8_matmul, fp8_supported, k_uniform, quantize_activations)
 
@@ -86,6 +89,10 @@ class SkinnyConfig(NamedTuple):
     # step spans loaded per row and broadcast in registers. Off by default until measured
     # (`bench/fp8_gemm.py`'s w8a16_skinny_wide rows; `FP8_WIDE_STEPS`).
     fp8_wide: bool = False
+    # With an FP8 weight (W8A16): how its e4m3 values become fp32 (engine/layers/fp8_convert.py:
+    # "cast" or "bits", the same values; "bits" on sm_90 and newer only); None:
+    # `WEIGHT_FP8_CONVERT`.
+    fp8_convert: Optional[str] = None
 
 
 class SkinnyWorkspace:
@@ -267,7 +274,8 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 if triton is not None:
     from specserve.engine.layers.fp8_gemm import (
-        activation_scales, dequantize_tile, scaled_dot, weight_scales)
+        activation_scales, dequantize_tile, round_weight, scaled_dot, weight_scales)
+    from specserve.engine.layers.fp8_convert import e4m3_to_f32
 
     @triton.jit
     def _accumulate(acc, x_tile, w_tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -283,7 +291,7 @@ if triton is not None:
     def _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k, K,
                          DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
-                         FP8_ACT: tl.constexpr):
+                         FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr):
         """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`."""
         if FP8_ACT:  # acc [BLOCK_N, BLOCK_M]: W x^T (see _sum_tiles)
             acc = scaled_dot(acc, w_tile, x_tile,
@@ -293,17 +301,19 @@ if triton is not None:
             if FP8_WEIGHT:
                 if SCALE_COLS > 1:
                     w_tile = _dequantize_grouped(w_tile, fp8.w_scale, scale_rows, k, K, fp8.block_k,
-                                                 SCALE_COLS, x_tile.dtype)
+                                                 SCALE_COLS, x_tile.dtype, FP8_CONVERT, DOT)
                 else:
                     w_tile = dequantize_tile(
                         w_tile, weight_scales(fp8.w_scale, scale_rows[:, None], k, offs_k[None, :], K,
-                                              fp8.block_k, SCALE_COLS == 1), x_tile.dtype)
+                                              fp8.block_k, SCALE_COLS == 1), x_tile.dtype,
+                        FP8_CONVERT, DOT)
             acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
         return acc
 
     @triton.jit
     def _dequantize_grouped(w_tile, w_scale, scale_rows, k, K, scale_block_k,
-                            GROUPS: tl.constexpr, dtype: tl.constexpr):
+                            GROUPS: tl.constexpr, dtype: tl.constexpr,
+                            FP8_CONVERT: tl.constexpr, DOT: tl.constexpr):
         """W8A16 for a K step spanning GROUPS whole k-blocks of the grid (`fp8_weight_config`'s
         wide steps): the rows' GROUPS scales loaded once ([BLOCK_N, GROUPS]) and broadcast over
         their blocks in registers; the same fp32 products and rounding as `dequantize_tile`.
@@ -312,8 +322,9 @@ if triton is not None:
         block_k: tl.constexpr = w_tile.shape[1]
         cols = tl.minimum(k // scale_block_k + tl.arange(0, GROUPS), tl.cdiv(K, scale_block_k) - 1)
         scales = tl.load(w_scale + scale_rows[:, None] + cols[None, :])
-        w = tl.reshape(w_tile.to(tl.float32), (block_n, GROUPS, block_k // GROUPS)) * scales[:, :, None]
-        return tl.reshape(w, (block_n, block_k)).to(dtype)
+        w = tl.reshape(e4m3_to_f32(w_tile, FP8_CONVERT), (block_n, GROUPS, block_k // GROUPS))
+        return round_weight(tl.reshape(w * scales[:, :, None], (block_n, block_k)), dtype,
+                            FP8_CONVERT, DOT)
 
     @triton.jit
     def _pair_rows(cols, n_cols, half):
@@ -330,14 +341,15 @@ if triton is not None:
                    fp8, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr,
-                   SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr):
+                   SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr):
         """x[:, k_begin:k_end] against the weight rows `rows` (and `partner_rows` when PAIRED):
         the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED).
 
         FP8_WEIGHT: w is float8_e4m3fn with the scale grid `fp8` describes. W8A16 (x 16/32-bit):
         each weight tile is dequantised into x's dtype before the product (`dequantize_tile`;
         SCALE_COLS (`scale_columns`): 1, one scale per row a step; G > 1, a step spans G whole
-        k-blocks, G scales per row (`_dequantize_grouped`); 0, one per element). FP8_ACT (W8A8,
+        k-blocks, G scales per row (`_dequantize_grouped`); 0, one per element; FP8_CONVERT,
+        how the e4m3 values become fp32, `SkinnyConfig.fp8_convert`). FP8_ACT (W8A8,
         DOT and SCALE_COLS 1 only, BLOCK_K dividing ACT_GROUP): x is FP8 too, with per-row group scales,
         and each step's FP8 product is scaled in fp32 (`scaled_dot`). The product is taken
         transposed, W x^T ([BLOCK_N, BLOCK_M], transposed once after the loop): FP8 tensor
@@ -370,7 +382,8 @@ if triton is not None:
                 x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
             acc = _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k,
-                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, SCALE_COLS, FP8_ACT)
+                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, SCALE_COLS, FP8_ACT,
+                                   FP8_CONVERT)
             if PAIRED:
                 if EVEN_K:
                     up_tile = tl.load(partner_ptrs + k)
@@ -378,7 +391,7 @@ if triton is not None:
                     up_tile = tl.load(partner_ptrs + k, mask=k_mask[None, :], other=0.0)
                 acc_up = _accumulate_step(acc_up, x_tile, up_tile, fp8, partner_scale_rows, offs_m,
                                           m_mask, k, offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT,
-                                          SCALE_COLS, FP8_ACT)
+                                          SCALE_COLS, FP8_ACT, FP8_CONVERT)
         if FP8_ACT:
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
@@ -447,7 +460,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr, PDL: tl.constexpr,
+        FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr,
+        FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
     ):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
         wait_for_predecessor(PDL)
@@ -464,7 +478,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, SILU_MUL,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT)
+                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT)
         release_dependents(PDL)
         out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
         last = True
@@ -499,7 +513,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
-        FP8_ACT: tl.constexpr, PDL: tl.constexpr,
+        FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
     ):
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
@@ -519,7 +533,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT)
+                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT)
         release_dependents(PDL)
         m_mask = offs_m < M
         out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
@@ -620,6 +634,15 @@ def _config_for(config: SkinnyConfig, scale: Optional[WeightScale], k: int) -> S
     return config if scale is None else fp8_weight_config(config, scale.block_k, k)
 
 
+def _fp8_convert(config: SkinnyConfig, device: torch.device) -> str:
+    """`config.fp8_convert`, or `WEIGHT_FP8_CONVERT` where None; "bits" only where the device
+    has it."""
+    convert = check_fp8_convert(WEIGHT_FP8_CONVERT if config.fp8_convert is None else config.fp8_convert)
+    if convert == "bits" and not has_sm90_conversions(device):
+        raise ValueError(f"fp8_convert: 'bits' needs compiled kernels on sm_90 or newer, not {device}")
+    return convert
+
+
 def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: SkinnyConfig,
           workspace: Optional[SkinnyWorkspace], scale: Optional[WeightScale],
           unused: torch.Tensor) -> _Launch:
@@ -651,6 +674,7 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
         FP8_WEIGHT=scale is not None,
         SCALE_COLS=0 if scale is None else scale_columns(scale.block_k, k, config.block_k),
         FP8_ACT=scale is not None and config.fp8_activations,
+        FP8_CONVERT="cast" if scale is None else _fp8_convert(config, x2.device),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device))
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return _Launch((tiles, config.split_k), k_per_split, partials, arrivals, x_in, fp8, meta)

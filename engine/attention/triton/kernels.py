@@ -50,6 +50,8 @@ import triton
 import triton.language as tl
 
 from specserve.engine.kvcache.fp8 import is_fp8
+from specserve.engine.layers.fp8_convert import (
+    check_fp8_convert, fp8_tile, has_sm90_conversions)
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 LOG2_E = math.log2(math.e)
@@ -70,10 +72,11 @@ class DecodeConfig(NamedTuple):
     max_kv_splits: int = 16
     # How an FP8 pool's tiles become bf16 for the dots (other pools and queries ignore it):
     # "cast", Triton's conversion (e4m3x2 -> f16x2, then one f16 -> bf16 conversion a value,
-    # both on the GPU's slow conversion pipe); "bits" (`_E4M3X4_TO_BF16`: byte moves and
-    # masks, then one bf16x2 multiply a pair; sm_90 and newer, not the interpreter), which
-    # Triton moves into the dots' operand loads like "cast" (V, the second dot's transposed
-    # operand, is then read from shared memory a byte at a time: no ldmatrix for bytes).
+    # both on the GPU's slow conversion pipe); "bits" (engine/layers/fp8_convert.py's
+    # `fp8_tile`: byte moves and masks, then one bf16x2 multiply a pair; sm_90 and newer,
+    # not the interpreter), which Triton moves into the dots' operand loads like "cast" (V,
+    # the second dot's transposed operand, is then read from shared memory a byte at a time:
+    # no ldmatrix for bytes).
     fp8_convert: str = "cast"
 
 
@@ -93,7 +96,7 @@ def default_decode_config(head_dim: int, device: torch.device,
     same) dims, over a pool of `kv_dtype` (default: the queries' dtype); values narrower than
     keys are MLA's latent (a 512 + 64 key, 512 values)."""
     is_mla = v_head_dim is not None and v_head_dim != head_dim
-    if kv_dtype is None or not is_fp8(kv_dtype) or not _has_sm90_conversions(device):
+    if kv_dtype is None or not is_fp8(kv_dtype) or not has_sm90_conversions(device):
         return _default_decode_config(head_dim, device, is_mla)
     if head_dim <= 128 and not is_mla:
         return _FP8_DECODE_CONFIG
@@ -101,20 +104,9 @@ def default_decode_config(head_dim: int, device: torch.device,
     return _default_decode_config(head_dim, device, is_mla)._replace(fp8_convert="bits")
 
 
-FP8_CONVERTS = ("cast", "bits")  # DecodeConfig.fp8_convert's values
-
-
 def _checked(config: DecodeConfig) -> DecodeConfig:
-    if config.fp8_convert not in FP8_CONVERTS:
-        raise ValueError(f"fp8_convert: must be one of {', '.join(FP8_CONVERTS)}, got "
-                         f"{config.fp8_convert!r}")
+    check_fp8_convert(config.fp8_convert)
     return config
-
-
-def _has_sm90_conversions(device: torch.device) -> bool:
-    """Whether `device` runs compiled kernels that may use sm_90's bf16x2 multiply."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 # A 32k-token bs=1 decode over the FP8 pool with the bf16 pool's config ran at about 1.1 TB/s
@@ -325,40 +317,6 @@ def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-# Four e4m3 bytes (one 32-bit register, $2) to four bf16 values ($0, $1), exactly, without the
-# conversion pipe: each byte s.eeee.mmm goes to the top byte of a 16-bit half (prmt), its
-# magnitude moves down 4 bits (bf16's exponent field is 8 bits to e4m3's 4) and its sign back
-# on top (lop3: b | (a & 0x80008000)), which is the value times 2**-120 as a bf16 (normal or,
-# for e4m3's subnormals, subnormal); one bf16x2 multiply by 2**120 (0x7B80) makes it exact.
-# The two NaN codes (0x7F, 0xFF) read as +-480: the pool's writers clamp to +-448 first.
-_E4M3X4_TO_BF16 = tl.constexpr("""{
-.reg .b32 a<2>, b<2>, s;
-mov.b32 s, 0x7B807B80;
-prmt.b32 a0, 0, $2, 0x5040;
-prmt.b32 a1, 0, $2, 0x7060;
-and.b32 b0, a0, 0x7FFF7FFF;
-and.b32 b1, a1, 0x7FFF7FFF;
-shr.b32 b0, b0, 4;
-shr.b32 b1, b1, 4;
-lop3.b32 b0, b0, a0, 0x80008000, 0xF8;
-lop3.b32 b1, b1, a1, 0x80008000, 0xF8;
-mul.rn.bf16x2 $0, b0, s;
-mul.rn.bf16x2 $1, b1, s;
-}""")
-
-
-@triton.jit
-def _kv_tile(tile, dtype: tl.constexpr, FP8_CONVERT: tl.constexpr):
-    """A loaded K/V tile in the dots' `dtype` (`DecodeConfig.fp8_convert`). Every e4m3 value
-    is a bf16/fp16/fp32 value, so every way is exact."""
-    if FP8_CONVERT == "cast" or tile.dtype != tl.float8e4nv or dtype != tl.bfloat16:
-        return tile.to(dtype)
-    else:  # "bits"
-        return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r",
-                                         [tile.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                         is_pure=True, pack=4)
-
-
 @triton.jit
 def _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head, stride_k_slot,
                  stride_k_head, stride_v_slot, stride_v_head, offs_d, col_mask, dim_mask,
@@ -370,20 +328,20 @@ def _tile_scores(q_tile, q_rope, k_buffer, v_buffer, slots, kv_head, stride_k_sl
     slots = slots.to(tl.int64)
     tile_mask = col_mask[:, None] & dim_mask[None, :]
     offsets = slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :]
-    k = _kv_tile(tl.load(k_buffer + offsets, mask=tile_mask, other=0.0), q_tile.dtype,
+    k = fp8_tile(tl.load(k_buffer + offsets, mask=tile_mask, other=0.0), q_tile.dtype,
                  FP8_CONVERT)
     if VALUES == "key_prefix":
         v = k
     elif VALUES == "key_strides":
-        v = _kv_tile(tl.load(v_buffer + offsets, mask=tile_mask, other=0.0), q_tile.dtype,
+        v = fp8_tile(tl.load(v_buffer + offsets, mask=tile_mask, other=0.0), q_tile.dtype,
                      FP8_CONVERT)
     else:
-        v = _kv_tile(tl.load(v_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head
+        v = fp8_tile(tl.load(v_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head
                              + offs_d[None, :], mask=tile_mask, other=0.0), q_tile.dtype,
                      FP8_CONVERT)
     if ROPE_DIM > 0:
         offs_dpe = tl.arange(0, BLOCK_DPE)
-        k_rope = _kv_tile(tl.load(k_buffer + slots[:, None] * stride_k_slot
+        k_rope = fp8_tile(tl.load(k_buffer + slots[:, None] * stride_k_slot
                                   + kv_head * stride_k_head + MAIN_DIM + offs_dpe[None, :],
                                   mask=col_mask[:, None] & (offs_dpe < ROPE_DIM)[None, :],
                                   other=0.0), q_tile.dtype, FP8_CONVERT)
