@@ -15,13 +15,16 @@ M = 1 and 16 should take about 4 minutes on an H100):
    and split, at 4 stages or the most that fit the shared memory (at W = 128 4 stages do
    not); above the smallest M only the chosen W;
 2. from the best, one axis at a time (keeping the best so far): column tiles of 16 to 128
-   (with the rule's split for them), split-K halved and doubled, 8 warps, 6 stages.
+   (with the rule's split for them), above MAX_ROWS row tiles of 16 to 256 rows up to M
+   rounded up (with the rule's split for them: a row tile of all M dequantises each weight
+   element once, fewer row tiles want more splits), split-K halved and doubled (at every
+   M: the mid-M kernel splits K as the decode one does), 8 warps, 6 stages.
 
 A config is timed only where it fits the shared memory as it stands (`launchable`): the
 engine launches a tuned config as measured.
 
     python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \\
-        --rows 1,16 --no-moe --int4-tuned int4_tuned.json
+        --rows 1,16,64,256 --no-moe --int4-tuned int4_tuned.json
     python bench/fp8_gemm.py --install-int4 int4_tuned.json   # writes engine/layers/int4_tuned.py
 
 The fused gate/up weight is swept as the engine runs it: with the SiLU-and-mul epilogue
@@ -36,9 +39,10 @@ from typing import Callable, Optional
 import torch
 
 from specserve.engine.layers.int4_gemm import (
-    MAX_ROWS, PACK, Int4Weight, W4Config, fit_shared_memory, pack_rows, plane_groups, split_for,
-    unpack_rows)
+    MAX_ROWS, PACK, ROW_TILES, Int4Weight, W4Config, fit_shared_memory, pack_rows, plane_groups,
+    split_for, unpack_rows)
 from specserve.engine.layers.int4_shared_memory import Operands
+from specserve.engine.layers.skinny_gemm import PARTIAL_CAPACITY, _scratch_values
 
 INTERLEAVES = (16, 32, 64, 128)
 FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
@@ -60,15 +64,20 @@ def sweep_operands(k: int, group: int, paired: bool, interleave: int) -> Operand
 
 def launchable(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,
                interleave: int, device: torch.device = torch.device("cuda")) -> bool:
-    """Configs worth timing: every split gets whole blocks, the multiply-and-sum path's
-    accumulators ([M, block_n, W], twice with the gate/up pair) fit in registers, and the
-    launch fits the device's shared memory as it stands (`fit_shared_memory`: the engine
-    launches a tuned config with its stages, so a config that does not fit is never timed)."""
+    """Configs worth timing: every split gets whole blocks and its partials fit the workspace,
+    the multiply-and-sum path's accumulators ([M, block_n, W], twice with the gate/up pair)
+    fit in registers (above MAX_ROWS: tl.dot only), a row tile is named only above MAX_ROWS
+    and no larger than M rounded up to a power of two, and the launch fits the device's
+    shared memory as it stands (`fit_shared_memory`: the engine launches a tuned config with
+    its stages, so a config that does not fit is never timed)."""
     m_pad = 1 << (m - 1).bit_length()
     halves = 2 if paired else 1
+    fma_fits = (m <= MAX_ROWS and m_pad * c.block_n * interleave * halves
+                <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps)
     return (k // c.split_k >= 8 * interleave and c.block_n <= max(16, n_cols)
-            and (c.dot or m_pad * c.block_n * interleave * halves
-                 <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps)
+            and _scratch_values(c.split_k, m, n_cols, paired) <= PARTIAL_CAPACITY
+            and (c.block_m == 0 or (m > MAX_ROWS and c.block_m in ROW_TILES and c.block_m <= m_pad))
+            and (c.dot or fma_fits)
             and fit_shared_memory(c, m, sweep_operands(k, group, paired, interleave), device,
                                   lower_stages=False) is not None)
 
@@ -83,10 +92,11 @@ def _variants(m: int, words: int, paired: bool) -> list[dict]:
 
 def _with_tile(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,
                block_n: int, words: int, device: torch.device) -> W4Config:
-    """c at column tile `block_n` with the rule's split for it, and its stages lowered where
-    the tile does not fit the shared memory at interleave `words` (wide interleaves at 4
-    stages do not: they are timed at the most that fit)."""
-    c = c._replace(block_n=block_n, split_k=split_for(m, n_cols, k, paired, block_n, device))
+    """c at column tile `block_n` with the rule's split for it (and c's row tile), and its
+    stages lowered where the tile does not fit the shared memory at interleave `words` (wide
+    interleaves at 4 stages do not: they are timed at the most that fit)."""
+    c = c._replace(block_n=block_n,
+                   split_k=split_for(m, n_cols, k, paired, block_n, device, c.block_m))
     fit = fit_shared_memory(c, m, sweep_operands(k, group, paired, words), device)
     return c if fit is None else fit[0]
 
@@ -121,9 +131,14 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
 
     for block_n in (16, 32, 64, 128):  # each axis from the best so far
         trial(_with_tile(best(), m, n_cols, k, group, paired, block_n, words, device), words)
+    if m > MAX_ROWS:
+        start = best()
+        for block_m in ROW_TILES:
+            trial(_with_tile(start._replace(block_m=block_m), m, n_cols, k, group, paired,
+                             start.block_n, words, device), words)
     start = best()
     for split in (start.split_k // 2, start.split_k * 2):
-        if split >= 1 and (m <= MAX_ROWS or split == 1):
+        if split >= 1:
             trial(start._replace(split_k=split), words)
     trial(best()._replace(num_warps=8), words)
     trial(best()._replace(num_stages=6), words)
@@ -132,7 +147,8 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
 
 def config_name(c: W4Config, words: int) -> str:
     kind = ("dot-wleft" if c.w_left else "dot") if c.dot else ("fma-bits" if c.round_bits else "fma")
-    return f"W{words} {kind} n{c.block_n} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+    rows = f" m{c.block_m}" if c.block_m else ""
+    return f"W{words} {kind} n{c.block_n}{rows} s{c.split_k} w{c.num_warps} st{c.num_stages}"
 
 
 def write_json(path: str, device: str, best: dict[tuple, dict]) -> None:

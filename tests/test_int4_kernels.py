@@ -171,8 +171,81 @@ def test_mid_m_row_tiles_equal_the_reference(silu):
     out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config)
     reference = int4_linear_reference(x, w, bias)
     torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
-    with pytest.raises(AssertionError, match="K not split"):
-        w4a16_gemm(x, w, bias, config=config._replace(split_k=2))
+
+
+MID_K = 1024  # 8 blocks of 128 codes a row at interleave 16: a split of 4 gets two each
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("m,block_m", [(17, 0), (70, 32), (70, 128)],
+                         ids=["m17-rule-tiles", "m70-tiles-of-32", "m70-one-tile-of-128"])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_mid_m_split_k_equals_the_reference_and_the_unsplit_result(silu, m, block_m, split_k):
+    """Mid M with K split over row tiles of the rule's (64, one partial tile), 32 (three, the
+    last partial) and 128 (one covering all rows), fp32 on tl.dot with a bias: exact operands
+    (small-integer rows, power-of-two scales), so the split result is the unsplit one bit for
+    bit and the reference; every (column tile, row tile) counter back at zero."""
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, MID_K, 64, seed=31 + m, interleave=16)
+    x = rows(m, MID_K, seed=32) / 16  # gates of a few units: the interpreter's exp stays finite
+    bias = (torch.randint(-8, 9, (n_rows,), generator=torch.Generator().manual_seed(33)) / 4).to(DEVICE)
+    config = W4Config(block_n=32, split_k=split_k, num_warps=4, num_stages=2, block_m=block_m)
+    workspace = _workspace()
+    out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config, workspace=workspace)
+    assert not workspace.arrivals.any()
+    unsplit = w4a16_gemm(x, w, bias, silu_mul=silu, config=config._replace(split_k=1))
+    assert torch.equal(out, unsplit)
+    reference = int4_linear_reference(x, w, bias)
+    torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
+
+
+class _Checkpoint(dict):
+    """A checkpoint reader over a dict of tensors (`get`, `in`), as the loader reads one."""
+
+    def get(self, key):
+        return self[key]
+
+
+def _loaded_int4_weight(fmt: str, n: int, k: int, group: int, seed: int) -> Int4Weight:
+    """A random weight quantized by the test quantizer (tests/int4_quantizer.py) into AWQ's
+    or GPTQ's tensors and loaded by the INT4 method (quantization/int4.py) into the kernels'
+    form: AWQ asymmetric, GPTQ symmetric (zeros stored as 7, loaded as 8)."""
+    from int4_quantizer import awq_tensors, gptq_tensors, quant_config, quantize_groups
+    from torch import nn
+
+    from specserve.engine.layers.linear_method import PartSlice
+    from specserve.engine.quantization.config import parse_quantization_config
+    from specserve.engine.quantization.int4 import Int4LinearMethod
+
+    sym = fmt == "gptq"
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, z, s = quantize_groups(dense, group, sym)
+    tensors = awq_tensors(q, z, s) if fmt == "awq" else gptq_tensors(q, z, s, group)
+    method = Int4LinearMethod(parse_quantization_config(quant_config(fmt, group, sym)))
+    layer = nn.Linear(k, n, bias=False)
+    method.create_weights(layer)
+    method.load_weights(layer, _Checkpoint({f"w.{name}": t for name, t in tensors.items()}),
+                        [PartSlice("w.weight", 0, 0, n)])
+    w = method.weight(layer)
+    w = w._replace(qweight=pack_rows(unpack_rows(w.qweight, w.interleave), 16), interleave=16)
+    return w._replace(qweight=w.qweight.to(DEVICE), scales=w.scales.to(DEVICE), zeros=w.zeros.to(DEVICE))
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_mid_m_split_k_on_awq_and_gptq_weights(fmt, silu):
+    """Weights as AWQ and GPTQ checkpoints store them, loaded as the engine loads them: 40
+    rows (row tiles of 32, the second partial), K split in 4, equal the reference and the
+    unsplit kernel within fp32 sums' roundings (real scales: the sums are not exact)."""
+    n_rows = 2 * N if silu else N
+    w = _loaded_int4_weight(fmt, n_rows, MID_K, 128, seed=41)
+    x = torch.randn(40, MID_K, generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    config = W4Config(block_n=32, split_k=4, num_warps=4, num_stages=2, block_m=32)
+    out = w4a16_gemm(x, w, silu_mul=silu, config=config, workspace=_workspace())
+    unsplit = w4a16_gemm(x, w, silu_mul=silu, config=config._replace(split_k=1))
+    reference = int4_linear_reference(x, w)
+    torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, unsplit, rtol=1e-5, atol=1e-5)
 
 
 def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
@@ -199,7 +272,7 @@ def test_configs_and_refusals(rules_only):
     assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
     assert default_w4_config(1, 14336, 4096, 128, True, device=cpu).split_k == 1
     assert default_w4_config(1, 6144, 4096, 128, device=cpu) == W4Config(128, 4, 4, 4, w_left=True)
-    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 1, 4, 4)  # row tiles
+    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 2, 4, 4)  # row tiles
     with pytest.raises(AssertionError, match="must lie in one group of 48"):
         w4a16_gemm(rows(1, 384, 0), int4_weight(N, 384, 48, 0), config=W4Config(32, 1, 4, 2))
     with pytest.raises(AssertionError, match="tl.dot takes planes of at least 16"):
