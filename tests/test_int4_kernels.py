@@ -22,7 +22,7 @@ from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.int4_gemm import (  # noqa: E402
     Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
     fit_shared_memory, int4_linear, int4_linear_reference, int4_linear_silu_and_mul,
-    interleave_for, pack_rows, plane_groups, unpack_rows, w4a16_gemm)
+    interleave_for, pack_rows, plane_groups, split_for, unpack_rows, w4a16_gemm)
 from specserve.engine.layers.int4_shared_memory import (  # noqa: E402
     H100_SHARED_MEMORY, Operands, shared_memory_need)
 from specserve.engine.layers.skinny_gemm import SkinnyWorkspace  # noqa: E402
@@ -282,6 +282,68 @@ def test_configs_and_refusals(rules_only):
             qweight=torch.zeros(N, 48, dtype=torch.int32, device=DEVICE),
             scales=torch.ones(N, 12, dtype=torch.float16, device=DEVICE),
             zeros=torch.zeros(N, 12, dtype=torch.uint8, device=DEVICE)))
+
+
+def test_mid_m_rule_splits_k_while_the_programs_of_all_row_tiles_are_fewer_than_the_sms(rules_only):
+    """The rule above 16 rows (an H100's 132 SMs on the CPU): 64-column tiles, row tiles of 64,
+    K doubled while column tiles times row tiles times splits are under 132, slices at least
+    1024 deep and the partials within the workspace."""
+    cpu = torch.device("cpu")
+
+    def split(m, n, k, paired=False):
+        return default_w4_config(m, n, k, 128, paired, cpu).split_k
+
+    # 8B shards: qkv 96 column tiles, o 64, down 64 (K 14336), gate/up 224 pairs
+    assert [split(m, 6144, 4096) for m in (32, 64, 128, 256)] == [2, 2, 1, 1]
+    assert [split(m, 4096, 4096) for m in (32, 64, 128, 256)] == [4, 4, 2, 1]
+    assert [split(m, 4096, 14336) for m in (32, 64, 128, 256)] == [4, 4, 2, 1]
+    assert [split(m, 14336, 4096, True) for m in (32, 64, 128, 256)] == [1, 1, 1, 1]
+    assert default_w4_config(64, 4096, 4096, 128, device=cpu) == W4Config(64, 4, 4, 4)
+    # row tiles of all 256 rows: fewer programs, more splits, up to the workspace's partials
+    assert split_for(256, 6144, 4096, False, 64, cpu, block_m=256) == 2
+    assert split_for(256, 4096, 14336, False, 64, cpu, block_m=256) == 4  # 4 x 256 x 4096: all of it
+    assert split_for(256, 14336, 4096, True, 128, cpu, block_m=256) == 1  # 2 x 256 x 28672: over
+    assert split_for(256, 4096, 1024, False, 64, cpu, block_m=256) == 1   # slices under 1024
+    assert split_for(64, 4096, 4096, False, 64, cpu, block_m=16) == 1     # 256 programs already
+
+
+def test_mid_m_tuned_configs_serve_mid_m_only(rules_only, monkeypatch):
+    """A config measured at 64 rows serves 17-64 rows, one at 256 serves 65-256; neither serves
+    decode sizes (whose measured configs pad one row tile) and a decode config not mid M."""
+    from specserve.engine.layers import int4_gemm
+
+    cpu = torch.device("cpu")
+    at_16, at_64, at_256 = W4Config(64, 4, 4, 4), W4Config(128, 2, 8, 3, block_m=32), \
+        W4Config(64, 1, 4, 2, w_left=True, block_m=128)
+    for m, config in ((16, at_16), (64, at_64), (256, at_256)):
+        monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (m, 4096, 4096, 128, False), config._asdict())
+    default_w4_config.cache_clear()
+    assert [default_w4_config(m, 4096, 4096, 128, device=cpu) for m in (1, 16, 17, 64, 65, 256)] == \
+        [at_16, at_16, at_64, at_64, at_256, at_256]
+    monkeypatch.delitem(int4_gemm.TUNED_W4_CONFIGS, (64, 4096, 4096, 128, False))
+    monkeypatch.delitem(int4_gemm.TUNED_W4_CONFIGS, (256, 4096, 4096, 128, False))
+    default_w4_config.cache_clear()
+    assert default_w4_config(17, 4096, 4096, 128, device=cpu) == W4Config(64, 4, 4, 4)  # the rule
+
+
+def test_mid_m_refusals_and_named_row_tiles():
+    """A row tile must be one of 16-256 (a power of two tl.dot takes); mid M runs on tl.dot; a
+    split whose partials overrun the workspace is refused; a named row tile is the only one
+    tried, and up to 16 rows it is unused (one tile of the rows)."""
+    cpu = torch.device("cpu")
+    w, x = int4_weight(N, K, 32, seed=0, interleave=32), rows(40, K, seed=0)
+    with pytest.raises(AssertionError, match="block_m 48: 0 .* or one of"):
+        w4a16_gemm(x, w, config=W4Config(32, 1, 4, 2, block_m=48))
+    with pytest.raises(AssertionError, match="more than 16 rows: row tiles on tl.dot"):
+        w4a16_gemm(x, w, config=W4Config(16, 1, 4, 2, dot=False))
+    with pytest.raises(AssertionError, match="split-K 4 at 40 rows: partials over"):
+        w4a16_gemm(x, w, config=W4Config(32, 4, 4, 2),
+                   workspace=SkinnyWorkspace(DEVICE, partial_capacity=4 * 40 * N - 1))
+    ops = Operands(128, 8, 4, 2, False)  # fp32 rows at W = 128: 64-row tiles never fit
+    named = W4Config(64, 1, 4, 4, block_m=64)
+    assert fit_shared_memory(named, 70, ops, cpu) is None
+    assert fit_shared_memory(named._replace(block_m=0), 70, ops, cpu)[1] == 32
+    assert fit_shared_memory(W4Config(64, 1, 4, 4, block_m=128), 5, ops, cpu)[1] == 16
 
 
 def test_the_h100_launches_that_overran_its_shared_memory_are_fitted(rules_only):

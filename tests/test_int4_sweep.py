@@ -49,6 +49,44 @@ def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
     assert timed and all(c.dot and w == 64 for c, w in timed)
 
 
+def test_search_at_mid_m_tries_row_tiles_and_split_k_on_tl_dot():
+    """At 64 and 256 rows: tl.dot only, row tiles of 16 up to M (none wider), K split by the
+    rule and halved/doubled, each config launchable (its partials within the workspace) and
+    timed once; a made-up device whose best is a row tile of all M split 2 ways is found."""
+    n, k = QKV
+
+    def mid_seconds(c: W4Config, words: int) -> float:
+        return fake_seconds(c, words) + 0.05 * (c.block_m != 256) + 0.02 * (c.split_k != 2)
+
+    for m in (64, 256):
+        seen = []
+
+        def time_config(c, words):
+            seen.append((c, words))
+            return mid_seconds(c, words)
+
+        timed = int4_sweep.search(m, n, k, 128, False, (16,), time_config, CPU)
+        assert len(seen) == len(set(seen)) == len(timed) <= 30
+        assert all(c.dot and int4_sweep.launchable(c, m, n, k, 128, False, 16, CPU) for c, _ in seen)
+        tiles = {c.block_m for c, _ in seen} - {0}
+        assert tiles == {t for t in (16, 32, 64, 128, 256) if t <= m}
+        assert len({c.split_k for c, _ in seen}) >= 2
+        if m == 256:
+            best = min(timed, key=timed.get)[0]
+            assert (best.block_m, best.split_k) == (256, 2)
+
+
+def test_launchable_at_mid_m():
+    n, k = QKV
+    c = W4Config(block_n=64, split_k=2, num_warps=4, num_stages=3)
+    assert int4_sweep.launchable(c, 64, n, k, 128, False, 16, CPU)
+    assert not int4_sweep.launchable(c._replace(dot=False), 64, n, k, 128, False, 16, CPU)
+    assert not int4_sweep.launchable(c._replace(block_m=128), 64, n, k, 128, False, 16, CPU)  # > M
+    assert not int4_sweep.launchable(c._replace(block_m=32), 16, n, k, 128, False, 16, CPU)  # decode M
+    assert not int4_sweep.launchable(c._replace(split_k=8), 256, n, k, 128, False, 16, CPU)  # partials
+    assert int4_sweep.config_name(c._replace(block_m=32), 16) == "W16 dot n64 m32 s2 w4 st3"
+
+
 def test_search_skips_layouts_whose_planes_cross_groups():
     timed = int4_sweep.search(1, 4096, 4096, 32, False, (16, 64), fake_seconds, CPU)
     assert timed and {w for _, w in timed} == {16}
