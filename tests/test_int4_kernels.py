@@ -415,11 +415,12 @@ def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 300])
 def test_gpu_int4_llama_shapes(shape, m):
     """bf16: the decode kernel (m <= 16, split-K; gate/up with its SiLU-and-mul epilogue), its
-    row tiles (64) and the dequantise + cuBLAS path (300) against the reference within bf16
-    roundings; deterministic; the same inside a CUDA graph."""
+    row tiles (64: K split by the rule but on gate/up; 256) and the dequantise + cuBLAS path
+    (300) against the reference within bf16 roundings; deterministic; the same inside a CUDA
+    graph."""
     n, k = LLAMA_8B[shape]
     silu = shape == "gate_up"
     w = _gpu_weight(n, k, seed=m)
@@ -436,6 +437,36 @@ def test_gpu_int4_llama_shapes(shape, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_left", [False, True], ids=["x-left", "w-left"])
+@pytest.mark.parametrize("shape", ["qkv", "gate_up"])
+def test_gpu_int4_mid_m_row_tiles_and_split_k(shape, w_left):
+    """100 rows (uneven) at the engine's layout, every row tile of 16-128 that fits the shared
+    memory (at the most stages from 4 that do), K whole and split in 4, either operand on
+    the left: within bf16 roundings of the reference and of the unsplit result; the
+    split launch deterministic (its counters reset)."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w = _gpu_weight(n, k, seed=100)
+    x = torch.randn(100, k, device="cuda", dtype=torch.bfloat16)
+    ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
+    ref = silu_and_mul(ref) if silu else ref
+    ops = Operands(w.interleave, 8 // plane_groups(128, k, w.interleave), 2, 2, silu)
+    ran = 0
+    for block_m in (16, 32, 64, 128):
+        fit = fit_shared_memory(W4Config(64, 1, 4, 4, w_left=w_left, block_m=block_m), 100, ops,
+                                torch.device("cuda"))
+        if fit is None:
+            continue
+        unsplit = w4a16_gemm(x, w, silu_mul=silu, config=fit[0])
+        split = w4a16_gemm(x, w, silu_mul=silu, config=fit[0]._replace(split_k=4))
+        torch.testing.assert_close(unsplit.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(split.float(), unsplit.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(split, w4a16_gemm(x, w, silu_mul=silu, config=fit[0]._replace(split_k=4)))
+        ran += 1
+    assert ran >= 2
 
 
 VARIANTS = {"dot": {}, "w_left": dict(w_left=True), "fma": dict(dot=False),
@@ -530,7 +561,8 @@ def test_int4_kernels_compile_for_hopper():
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=False",
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=True", "SILU_MUL=True",
                  "HAS_BIAS=True", "BLOCK_M=64", "PLANES_PER_GROUP=1", "PLANES_PER_GROUP=2",
-                 "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32"):
+                 "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32",
+                 "SPLIT_K=2 BLOCK_M=64", "BLOCK_M=128", "BLOCK_M=256"):  # mid M: split, wide tiles
         assert any(part in line for line in compiled), part
     # the launches nearest the limit were among them
     assert max(int(line.rsplit(" ", 1)[1]) for line in compiled) > H100_SHARED_MEMORY * 3 // 4

@@ -168,7 +168,7 @@ def test_the_kernel_module_takes_the_tuned_tables(monkeypatch):
     tuned = W4Config(128, 1, 8, 6, dot=True, w_left=True)
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (1, 6144, 4096, 128, False), tuned._asdict())
     int4_gemm.default_w4_config.cache_clear()
-    at_16 = W4Config(64, 2, 4, 4)
+    at_16 = W4Config(64, 2, 8, 4)
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (16, 6144, 4096, 128, False), at_16._asdict())
     try:
         assert int4_gemm.default_w4_config(1, 6144, 4096, 128, False, cpu) == tuned
