@@ -288,8 +288,10 @@ def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: st
 
 def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
                 num_calls: int, bandwidth: float, rows: list[dict]) -> None:
-    """The W4A16 decode kernel's search (bench/int4_sweep.py) at this shape and M: gate/up as
-    the engine runs it (SiLU-and-mul); the layout is the one the smallest M swept chose."""
+    """The W4A16 kernel's search (bench/int4_sweep.py) at this shape and M: gate/up as the
+    engine runs it (SiLU-and-mul); the layout is the one the smallest M swept chose, and
+    above MAX_ROWS without one the installed layout (`interleave_for`: decode chooses it, so a
+    sweep of mid M alone keeps the decode configs measured at it)."""
     n, k = weights.n, weights.k
     paired = name.endswith("gate_up")
     n_cols = n // 2 if paired else n
@@ -316,7 +318,7 @@ def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
         return _record_sweep(rows, name, m, n, k, f"sweep w4a16 {int4_sweep.config_name(c, words)}", c,
                              calls, total, bandwidth)
 
-    chosen = args.int4_layouts.get(name)
+    chosen = args.int4_layouts.get(name) or (weights.int4[0].interleave if m > MAX_ROWS else None)
     timed = int4_sweep.search(m, n_cols, k, INT4_GROUP, paired,
                               (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config)
     if not timed:

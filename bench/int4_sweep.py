@@ -3,8 +3,9 @@ its results as engine/layers/int4_tuned.py.
 
 Per weight shape, the layout is one choice for every M (the codes are interleaved at load):
 the smallest M swept picks it. A search per (shape, M) in two stages, about 19 configs at
-M = 1 and 9 above (Triton compiles each new one once, a second or two; the four 8B shapes at
-M = 1 and 16 should take about 4 minutes on an H100):
+M = 1, 9 up to 16 rows and 14 above (Triton compiles each new one once, a second or two; the
+four 8B shapes at M = 1 and 16 should take about 4 minutes on an H100, at 1, 16, 64 and 256
+about 10):
 
 1. every interleave W (16, 32, 64, 128 words: K steps of 128 to 1024 codes) times every
    product variant (tl.dot, tl.dot with the weight on the left, multiply-and-sum with the
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import runpy
 from typing import Callable, Optional
 
 import torch
@@ -177,18 +179,45 @@ def tuned_tables(sweep: dict) -> tuple[dict, dict]:
     return layouts, configs
 
 
+def weight_key(config_key: tuple) -> tuple[int, int, int]:
+    """(N, K, group) of the weight a TUNED_W4_CONFIGS key (M, output columns, K, group, paired)
+    is measured on."""
+    _, n_cols, k, group, paired = config_key
+    return (2 * n_cols if paired else n_cols, k, group)
+
+
+def merged_tables(sweep: dict, layouts: dict, configs: dict) -> tuple[dict, dict]:
+    """The tables after a sweep JSON is installed over `layouts` and `configs` (the installed
+    ones: {(N, K, group): interleave}, {key: anything}): the sweep's layouts and configs
+    (`tuned_tables`) replace those at their keys; an installed config stays where the sweep
+    measured none at its key and its weight's layout is unchanged (a sweep of mid M alone
+    keeps the decode configs)."""
+    new_layouts, new_configs = tuned_tables(sweep)
+    merged = {**layouts, **new_layouts}
+    kept = {key: value for key, value in configs.items() if key not in new_configs
+            and layouts.get(weight_key(key)) == merged.get(weight_key(key))}
+    return merged, {**kept, **new_configs}
+
+
 def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
-    """Writes the sweep's tables (`tuned_tables`) into engine/layers/int4_tuned.py."""
+    """Writes the sweep's tables merged over the module's (`merged_tables`) into
+    engine/layers/int4_tuned.py: a config kept from the module keeps its line."""
     with open(path) as f:
         sweep = json.load(f)
-    layouts, configs = tuned_tables(sweep)
+    text = module.read_text()
+    installed = runpy.run_path(str(module))
+    old_lines = {key: line for line in text.splitlines(keepends=True)
+                 for key in installed["TUNED_W4_CONFIGS"] if line.startswith(f"    {key!r}: ")}
+    layouts, configs = merged_tables(sweep, installed["TUNED_INTERLEAVE"], old_lines)
     lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
     config_lines = []
-    for key, entry in configs.items():
+    for key, entry in sorted(configs.items()):
+        if isinstance(entry, str):  # kept: the module's own line
+            config_lines.append(entry)
+            continue
         fields = W4Config(**entry["config"])._asdict()
         config_lines.append(f"    {key!r}: {fields!r},"
                             f"  # {entry['us']:.1f} us, {100 * entry['fraction_of_copy']:.0f} %\n")
-    text = module.read_text()
     marker = "from __future__ import annotations\n\n"
     head = text[:text.index(marker) + len(marker)]
     module.write_text(

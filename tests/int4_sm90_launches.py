@@ -139,11 +139,13 @@ def _sweep():
 
 @contextlib.contextmanager
 def tuned_tables_installed(path: str) -> Iterator[None]:
-    """The kernel module's tuned tables are a sweep JSON's (`tuned_tables`) meanwhile."""
+    """The kernel module's tuned tables are a sweep JSON's installed over them
+    (`merged_tables`, as `bench/fp8_gemm.py --install-int4` installs it) meanwhile."""
     with open(path) as f:
-        layouts, configs = _sweep().tuned_tables(json.load(f))
-    tables = (g.TUNED_INTERLEAVE, layouts), (g.TUNED_W4_CONFIGS, {
-        key: entry["config"] for key, entry in configs.items()})
+        layouts, configs = _sweep().merged_tables(json.load(f), dict(g.TUNED_INTERLEAVE),
+                                                  dict(g.TUNED_W4_CONFIGS))
+    tables = (g.TUNED_INTERLEAVE, layouts), (g.TUNED_W4_CONFIGS, {  # the sweep's: JSON entries
+        key: entry.get("config", entry) for key, entry in configs.items()})
     saved = [dict(table) for table, _ in tables]
     for table, new in tables:
         table.clear()

@@ -135,6 +135,42 @@ def test_relayout_keeps_the_codes():
     assert moved.interleave == 64 and torch.equal(unpack_rows(moved.qweight, 64), codes)
 
 
+def _empty_tuned_module(tmp_path) -> pathlib.Path:
+    """A copy of engine/layers/int4_tuned.py with empty tables."""
+    text = int4_sweep.TUNED_MODULE.read_text()
+    marker = "from __future__ import annotations\n\n"
+    module = tmp_path / "int4_tuned.py"
+    module.write_text(text[:text.index(marker) + len(marker)]
+                      + "TUNED_INTERLEAVE: dict = {}\n\nTUNED_W4_CONFIGS: dict = {}\n")
+    return module
+
+
+def test_install_merges_a_mid_m_sweep_over_the_decode_configs(tmp_path):
+    """A sweep of 64 and 256 rows installed over a decode sweep: the decode configs stay
+    (same layout, keys not measured again, their lines as they were), the mid-M ones join; a
+    later sweep that moves a weight's layout drops that weight's old configs only."""
+    decode = {(1, 6144, 4096, 128, False, 6144): dict(config=W4Config(128, 4, 4, 4, w_left=True)._asdict(),
+                                                      interleave=64, us=10.0, fraction_of_copy=0.5),
+              (1, 4096, 4096, 128, False, 4096): dict(config=W4Config(64, 4, 4, 4)._asdict(),
+                                                      interleave=64, us=8.0, fraction_of_copy=0.5)}
+    mid = {(64, 6144, 4096, 128, False, 6144): dict(config=W4Config(64, 2, 4, 2, block_m=64)._asdict(),
+                                                    interleave=64, us=20.0, fraction_of_copy=0.3)}
+    moved = {(1, 4096, 4096, 128, False, 4096): dict(config=W4Config(32, 2, 4, 4)._asdict(),
+                                                     interleave=16, us=7.0, fraction_of_copy=0.6)}
+    module = _empty_tuned_module(tmp_path)
+    for i, best in enumerate((decode, mid, moved)):
+        int4_sweep.write_json(str(tmp_path / f"{i}.json"), "NVIDIA H100", best)
+        int4_sweep.install(str(tmp_path / f"{i}.json"), module)
+        if i == 1:
+            assert "10.0 us, 50 %" in module.read_text()  # the decode line kept as written
+    tables = runpy.run_path(str(module))
+    assert tables["TUNED_INTERLEAVE"] == {(6144, 4096, 128): 64, (4096, 4096, 128): 16}
+    configs = {key: W4Config(**fields) for key, fields in tables["TUNED_W4_CONFIGS"].items()}
+    assert configs == {(1, 6144, 4096, 128, False): W4Config(128, 4, 4, 4, w_left=True),
+                       (64, 6144, 4096, 128, False): W4Config(64, 2, 4, 2, block_m=64),
+                       (1, 4096, 4096, 128, False): W4Config(32, 2, 4, 4)}
+
+
 def test_json_install_round_trip(tmp_path):
     """The JSON the sweep writes, installed into a copy of int4_tuned.py: the layout per weight
     and the configs measured at it (one measured at another layout is left out)."""
@@ -150,8 +186,7 @@ def test_json_install_round_trip(tmp_path):
     }
     path = tmp_path / "tuned.json"
     int4_sweep.write_json(str(path), "NVIDIA H100", best)
-    module = tmp_path / "int4_tuned.py"
-    module.write_text(int4_sweep.TUNED_MODULE.read_text())
+    module = _empty_tuned_module(tmp_path)
     int4_sweep.install(str(path), module)
     int4_sweep.install(str(path), module)  # again: the same file, not a second header
     assert module.read_text().count("TUNED_INTERLEAVE: dict") == 1
