@@ -96,11 +96,16 @@ def _with_tile(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: boo
                block_n: int, words: int, device: torch.device) -> W4Config:
     """c at column tile `block_n` with the rule's split for it (and c's row tile), and its
     stages lowered where the tile does not fit the shared memory at interleave `words` (wide
-    interleaves at 4 stages do not: they are timed at the most that fit)."""
+    interleaves at 4 stages do not: they are timed at the most that fit). Above MAX_ROWS the
+    row tile the fit takes is named in the config, so the engine runs a tuned config on the
+    row tile it was timed on (its own fit of an unnamed one may keep a larger tile at fewer
+    stages)."""
     c = c._replace(block_n=block_n,
                    split_k=split_for(m, n_cols, k, paired, block_n, device, c.block_m))
     fit = fit_shared_memory(c, m, sweep_operands(k, group, paired, words), device)
-    return c if fit is None else fit[0]
+    if fit is None:
+        return c
+    return fit[0]._replace(block_m=fit[1]) if m > MAX_ROWS else fit[0]
 
 
 def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: tuple[int, ...],

@@ -50,9 +50,9 @@ def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
 
 
 def test_search_at_mid_m_tries_row_tiles_and_split_k_on_tl_dot():
-    """At 64 and 256 rows: tl.dot only, row tiles of 16 up to M (none wider), K split by the
-    rule and halved/doubled, each config launchable (its partials within the workspace) and
-    timed once; a made-up device whose best is a row tile of all M split 2 ways is found."""
+    """At 64 and 256 rows: tl.dot only, row tiles of 16 up to M (none wider) each named in its
+    config, K split by the rule and halved/doubled, each config launchable (its partials
+    within the workspace) and timed once; a made-up device whose best is a row tile of all M split 2 ways is found."""
     n, k = QKV
 
     def mid_seconds(c: W4Config, words: int) -> float:
@@ -67,7 +67,8 @@ def test_search_at_mid_m_tries_row_tiles_and_split_k_on_tl_dot():
 
         timed = int4_sweep.search(m, n, k, 128, False, (16,), time_config, CPU)
         assert len(seen) == len(set(seen)) == len(timed) <= 30
-        assert all(c.dot and int4_sweep.launchable(c, m, n, k, 128, False, 16, CPU) for c, _ in seen)
+        assert all(c.dot and c.block_m and int4_sweep.launchable(c, m, n, k, 128, False, 16, CPU)
+                   for c, _ in seen)  # each on the row tile it names (the engine's then)
         tiles = {c.block_m for c, _ in seen} - {0}
         assert tiles == {t for t in (16, 32, 64, 128, 256) if t <= m}
         assert len({c.split_k for c, _ in seen}) >= 2
