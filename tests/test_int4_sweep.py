@@ -52,7 +52,8 @@ def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
 def test_search_at_mid_m_tries_row_tiles_and_split_k_on_tl_dot():
     """At 64 and 256 rows: tl.dot only, row tiles of 16 up to M (none wider) each named in its
     config, K split by the rule and halved/doubled, each config launchable (its partials
-    within the workspace) and timed once; a made-up device whose best is a row tile of all M split 2 ways is found."""
+    within the workspace) and timed once; a made-up device whose best is a row tile of all M
+    split 2 ways is found."""
     n, k = QKV
 
     def mid_seconds(c: W4Config, words: int) -> float:
