@@ -48,8 +48,9 @@ random routing each call; bytes are the experts a call touches.
 A variant that fails prints its error and the rest go on. The last table summarises.
 `--variants` keeps the variants named by prefix (and the bf16 ones, to compare with).
 `--sweep` (long: split it over runs with --shapes/--rows) also searches, at M <= 16, W8A16
-skinny configs (bench/skinny_gemm.py's coordinate descent from the default) and W4A16 decode
-configs and layouts (bench/int4_sweep.py's two stages), and prints the best three per shape and
+skinny configs (bench/skinny_gemm.py's coordinate descent from the default), and at M <= 256
+W4A16 kernel configs and layouts (bench/int4_sweep.py's two stages; row tiles above 16 rows),
+and prints the best three per shape and
 M. The W4A16 winners are printed as a table beside bf16 and the rule, and written as JSON
 (`--int4-tuned`); `--install-int4 JSON` writes them into engine/layers/int4_tuned.py, the
 kernel's tuned tables.
@@ -223,11 +224,10 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
                            TFLOPs=2 * m * n * k / seconds / 1e12, rel_err=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if args.sweep and m <= MAX_ROWS:
-                if selected(args, "w8a16"):
-                    sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
-                if selected(args, "w4a16"):
-                    sweep_w4a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+            if args.sweep and m <= MAX_ROWS and selected(args, "w8a16"):
+                sweep_w8a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
+            if args.sweep and m <= TILED_MAX_ROWS and selected(args, "w4a16"):  # mid M too
+                sweep_w4a16(args, name, m, weights, inputs, num_calls, bandwidth, rows)
             del inputs
         del weights
         torch.cuda.empty_cache()
@@ -300,8 +300,10 @@ def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: st
 
 def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
                 num_calls: int, bandwidth: float, rows: list[dict]) -> None:
-    """The W4A16 decode kernel's search (bench/int4_sweep.py) at this shape and M: gate/up as
-    the engine runs it (SiLU-and-mul); the layout is the one the smallest M swept chose."""
+    """The W4A16 kernel's search (bench/int4_sweep.py) at this shape and M: gate/up as the
+    engine runs it (SiLU-and-mul); the layout is the one the smallest M swept chose, and
+    above MAX_ROWS without one the installed layout (`interleave_for`: decode chooses it, so a
+    sweep of mid M alone keeps the decode configs measured at it)."""
     n, k = weights.n, weights.k
     paired = name.endswith("gate_up")
     n_cols = n // 2 if paired else n
@@ -328,7 +330,7 @@ def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
         return _record_sweep(rows, name, m, n, k, f"sweep w4a16 {int4_sweep.config_name(c, words)}", c,
                              calls, total, bandwidth)
 
-    chosen = args.int4_layouts.get(name)
+    chosen = args.int4_layouts.get(name) or (weights.int4[0].interleave if m > MAX_ROWS else None)
     timed = int4_sweep.search(m, n_cols, k, INT4_GROUP, paired,
                               (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config)
     if not timed:
@@ -345,7 +347,8 @@ def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
 
 
 def print_int4_table(args, rows: list[dict]) -> None:
-    """The best W4A16 config per (shape, M) beside the 16-bit skinny GEMM and the default."""
+    """The best W4A16 config per (shape, M) beside the engine's bf16 GEMM (the skinny one up to
+    16 rows, cuBLAS above) and the default."""
     print(f"\n{'shape':12} {'M':>3} {'bf16 us':>8} {'%':>4} {'w4 rule us':>10} {'%':>4} "
           f"{'w4 best us':>10} {'%':>4}  best config")
     for (m, _, _, _, _, _), best in sorted(args.int4_best.items(), key=lambda kv: (kv[1]["shape"], kv[0][0])):
@@ -353,7 +356,8 @@ def print_int4_table(args, rows: list[dict]) -> None:
             r = next((r for r in rows if (r["shape"], r["m"], r["variant"]) == (best["shape"], m, variant)
                       and "us" in r), None)
             return f"{'-':>8} {'-':>4}" if r is None else f"{r['us']:8.1f} {100 * r['fraction_of_copy']:4.0f}"
-        print(f"{best['shape']:12} {m:3} {cell('skinny_bf16')} {cell('w4a16_kernel'):>15} "
+        bf16 = "skinny_bf16" if m <= MAX_ROWS else "cublas_bf16"  # the engine's bf16 at this M
+        print(f"{best['shape']:12} {m:3} {cell(bf16)} {cell('w4a16_kernel'):>15} "
               f"{best['us']:10.1f} {100 * best['fraction_of_copy']:4.0f}  {best['name']}")
 
 

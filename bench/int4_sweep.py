@@ -3,8 +3,9 @@ its results as engine/layers/int4_tuned.py.
 
 Per weight shape, the layout is one choice for every M (the codes are interleaved at load):
 the smallest M swept picks it. A search per (shape, M) in two stages, about 19 configs at
-M = 1 and 9 above (Triton compiles each new one once, a second or two; the four 8B shapes at
-M = 1 and 16 should take about 4 minutes on an H100):
+M = 1, 9 up to 16 rows and 14 above (Triton compiles each new one once, a second or two; the
+four 8B shapes at M = 1 and 16 should take about 4 minutes on an H100, at 1, 16, 64 and 256
+about 10):
 
 1. every interleave W (16, 32, 64, 128 words: K steps of 128 to 1024 codes) times every
    product variant (tl.dot, tl.dot with the weight on the left, multiply-and-sum with the
@@ -15,13 +16,16 @@ M = 1 and 16 should take about 4 minutes on an H100):
    and split, at 4 stages or the most that fit the shared memory (at W = 128 4 stages do
    not); above the smallest M only the chosen W;
 2. from the best, one axis at a time (keeping the best so far): column tiles of 16 to 128
-   (with the rule's split for them), split-K halved and doubled, 8 warps, 6 stages.
+   (with the rule's split for them), above MAX_ROWS row tiles of 16 to 256 rows up to M
+   rounded up (with the rule's split for them: a row tile of all M dequantises each weight
+   element once, fewer row tiles want more splits), split-K halved and doubled (at every
+   M: the mid-M kernel splits K as the decode one does), 8 warps, 6 stages.
 
 A config is timed only where it fits the shared memory as it stands (`launchable`): the
 engine launches a tuned config as measured.
 
     python bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \\
-        --rows 1,16 --no-moe --int4-tuned int4_tuned.json
+        --rows 1,16,64,256 --no-moe --int4-tuned int4_tuned.json
     python bench/fp8_gemm.py --install-int4 int4_tuned.json   # writes engine/layers/int4_tuned.py
 
 The fused gate/up weight is swept as the engine runs it: with the SiLU-and-mul epilogue
@@ -31,14 +35,16 @@ from __future__ import annotations
 
 import json
 import pathlib
+import runpy
 from typing import Callable, Optional
 
 import torch
 
 from specserve.engine.layers.int4_gemm import (
-    MAX_ROWS, PACK, Int4Weight, W4Config, fit_shared_memory, pack_rows, plane_groups, split_for,
-    unpack_rows)
+    MAX_ROWS, PACK, ROW_TILES, Int4Weight, W4Config, fit_shared_memory, pack_rows, plane_groups,
+    split_for, unpack_rows)
 from specserve.engine.layers.int4_shared_memory import Operands
+from specserve.engine.layers.skinny_gemm import PARTIAL_CAPACITY, _scratch_values
 
 INTERLEAVES = (16, 32, 64, 128)
 FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
@@ -60,15 +66,20 @@ def sweep_operands(k: int, group: int, paired: bool, interleave: int) -> Operand
 
 def launchable(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,
                interleave: int, device: torch.device = torch.device("cuda")) -> bool:
-    """Configs worth timing: every split gets whole blocks, the multiply-and-sum path's
-    accumulators ([M, block_n, W], twice with the gate/up pair) fit in registers, and the
-    launch fits the device's shared memory as it stands (`fit_shared_memory`: the engine
-    launches a tuned config with its stages, so a config that does not fit is never timed)."""
+    """Configs worth timing: every split gets whole blocks and its partials fit the workspace,
+    the multiply-and-sum path's accumulators ([M, block_n, W], twice with the gate/up pair)
+    fit in registers (above MAX_ROWS: tl.dot only), a row tile is named only above MAX_ROWS
+    and no larger than M rounded up to a power of two, and the launch fits the device's
+    shared memory as it stands (`fit_shared_memory`: the engine launches a tuned config with
+    its stages, so a config that does not fit is never timed)."""
     m_pad = 1 << (m - 1).bit_length()
     halves = 2 if paired else 1
+    fma_fits = (m <= MAX_ROWS and m_pad * c.block_n * interleave * halves
+                <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps)
     return (k // c.split_k >= 8 * interleave and c.block_n <= max(16, n_cols)
-            and (c.dot or m_pad * c.block_n * interleave * halves
-                 <= MAX_FMA_ACCUMULATORS * 32 * c.num_warps)
+            and _scratch_values(c.split_k, m, n_cols, paired) <= PARTIAL_CAPACITY
+            and (c.block_m == 0 or (m > MAX_ROWS and c.block_m in ROW_TILES and c.block_m <= m_pad))
+            and (c.dot or fma_fits)
             and fit_shared_memory(c, m, sweep_operands(k, group, paired, interleave), device,
                                   lower_stages=False) is not None)
 
@@ -83,12 +94,18 @@ def _variants(m: int, words: int, paired: bool) -> list[dict]:
 
 def _with_tile(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,
                block_n: int, words: int, device: torch.device) -> W4Config:
-    """c at column tile `block_n` with the rule's split for it, and its stages lowered where
-    the tile does not fit the shared memory at interleave `words` (wide interleaves at 4
-    stages do not: they are timed at the most that fit)."""
-    c = c._replace(block_n=block_n, split_k=split_for(m, n_cols, k, paired, block_n, device))
+    """c at column tile `block_n` with the rule's split for it (and c's row tile), and its
+    stages lowered where the tile does not fit the shared memory at interleave `words` (wide
+    interleaves at 4 stages do not: they are timed at the most that fit). Above MAX_ROWS the
+    row tile the fit takes is named in the config, so the engine runs a tuned config on the
+    row tile it was timed on (its own fit of an unnamed one may keep a larger tile at fewer
+    stages)."""
+    c = c._replace(block_n=block_n,
+                   split_k=split_for(m, n_cols, k, paired, block_n, device, c.block_m))
     fit = fit_shared_memory(c, m, sweep_operands(k, group, paired, words), device)
-    return c if fit is None else fit[0]
+    if fit is None:
+        return c
+    return fit[0]._replace(block_m=fit[1]) if m > MAX_ROWS else fit[0]
 
 
 def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: tuple[int, ...],
@@ -121,9 +138,14 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
 
     for block_n in (16, 32, 64, 128):  # each axis from the best so far
         trial(_with_tile(best(), m, n_cols, k, group, paired, block_n, words, device), words)
+    if m > MAX_ROWS:
+        start = best()
+        for block_m in ROW_TILES:
+            trial(_with_tile(start._replace(block_m=block_m), m, n_cols, k, group, paired,
+                             start.block_n, words, device), words)
     start = best()
     for split in (start.split_k // 2, start.split_k * 2):
-        if split >= 1 and (m <= MAX_ROWS or split == 1):
+        if split >= 1:
             trial(start._replace(split_k=split), words)
     trial(best()._replace(num_warps=8), words)
     trial(best()._replace(num_stages=6), words)
@@ -132,7 +154,8 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
 
 def config_name(c: W4Config, words: int) -> str:
     kind = ("dot-wleft" if c.w_left else "dot") if c.dot else ("fma-bits" if c.round_bits else "fma")
-    return f"W{words} {kind} n{c.block_n} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+    rows = f" m{c.block_m}" if c.block_m else ""
+    return f"W{words} {kind} n{c.block_n}{rows} s{c.split_k} w{c.num_warps} st{c.num_stages}"
 
 
 def write_json(path: str, device: str, best: dict[tuple, dict]) -> None:
@@ -161,18 +184,45 @@ def tuned_tables(sweep: dict) -> tuple[dict, dict]:
     return layouts, configs
 
 
+def weight_key(config_key: tuple) -> tuple[int, int, int]:
+    """(N, K, group) of the weight a TUNED_W4_CONFIGS key (M, output columns, K, group, paired)
+    is measured on."""
+    _, n_cols, k, group, paired = config_key
+    return (2 * n_cols if paired else n_cols, k, group)
+
+
+def merged_tables(sweep: dict, layouts: dict, configs: dict) -> tuple[dict, dict]:
+    """The tables after a sweep JSON is installed over `layouts` and `configs` (the installed
+    ones: {(N, K, group): interleave}, {key: anything}): the sweep's layouts and configs
+    (`tuned_tables`) replace those at their keys; an installed config stays where the sweep
+    measured none at its key and its weight's layout is unchanged (a sweep of mid M alone
+    keeps the decode configs)."""
+    new_layouts, new_configs = tuned_tables(sweep)
+    merged = {**layouts, **new_layouts}
+    kept = {key: value for key, value in configs.items() if key not in new_configs
+            and layouts.get(weight_key(key)) == merged.get(weight_key(key))}
+    return merged, {**kept, **new_configs}
+
+
 def install(path: str, module: pathlib.Path = TUNED_MODULE) -> str:
-    """Writes the sweep's tables (`tuned_tables`) into engine/layers/int4_tuned.py."""
+    """Writes the sweep's tables merged over the module's (`merged_tables`) into
+    engine/layers/int4_tuned.py: a config kept from the module keeps its line."""
     with open(path) as f:
         sweep = json.load(f)
-    layouts, configs = tuned_tables(sweep)
+    text = module.read_text()
+    installed = runpy.run_path(str(module))
+    old_lines = {key: line for line in text.splitlines(keepends=True)
+                 for key in installed["TUNED_W4_CONFIGS"] if line.startswith(f"    {key!r}: ")}
+    layouts, configs = merged_tables(sweep, installed["TUNED_INTERLEAVE"], old_lines)
     lines = [f"    {tuple(key)!r}: {words},\n" for key, words in layouts.items()]
     config_lines = []
-    for key, entry in configs.items():
+    for key, entry in sorted(configs.items()):
+        if isinstance(entry, str):  # kept: the module's own line
+            config_lines.append(entry)
+            continue
         fields = W4Config(**entry["config"])._asdict()
         config_lines.append(f"    {key!r}: {fields!r},"
                             f"  # {entry['us']:.1f} us, {100 * entry['fraction_of_copy']:.0f} %\n")
-    text = module.read_text()
     marker = "from __future__ import annotations\n\n"
     head = text[:text.index(marker) + len(marker)]
     module.write_text(

@@ -35,10 +35,11 @@ from specserve.engine.layers.int4_shared_memory import (
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # Every M up to 16 (a tuned table may hold a config at any of them; multiply-and-sum tiles
-# the rows' power of two), then row tiles of 64 (or fewer where they do not fit)
+# the rows' power of two), then row tiles of 64 (or fewer where they do not fit), K split at
+# 17 and 64 rows, not at 256
 ENGINE_ROWS = (*range(1, 17), 17, 64, 256)
 GROUPS = (32, 64, 128, None)  # None: one group over K
-SWEEP_ROWS = (1, 16)  # bench/fp8_gemm.py --sweep's --rows
+SWEEP_ROWS = (1, 16, 64, 256)  # bench/fp8_gemm.py --sweep's --rows (device_session.sh's W4_ROWS)
 
 
 class Launch(NamedTuple):
@@ -138,11 +139,13 @@ def _sweep():
 
 @contextlib.contextmanager
 def tuned_tables_installed(path: str) -> Iterator[None]:
-    """The kernel module's tuned tables are a sweep JSON's (`tuned_tables`) meanwhile."""
+    """The kernel module's tuned tables are a sweep JSON's installed over them
+    (`merged_tables`, as `bench/fp8_gemm.py --install-int4` installs it) meanwhile."""
     with open(path) as f:
-        layouts, configs = _sweep().tuned_tables(json.load(f))
-    tables = (g.TUNED_INTERLEAVE, layouts), (g.TUNED_W4_CONFIGS, {
-        key: entry["config"] for key, entry in configs.items()})
+        layouts, configs = _sweep().merged_tables(json.load(f), dict(g.TUNED_INTERLEAVE),
+                                                  dict(g.TUNED_W4_CONFIGS))
+    tables = (g.TUNED_INTERLEAVE, layouts), (g.TUNED_W4_CONFIGS, {  # the sweep's: JSON entries
+        key: entry.get("config", entry) for key, entry in configs.items()})
     saved = [dict(table) for table, _ in tables]
     for table, new in tables:
         table.clear()
@@ -190,8 +193,8 @@ def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
 def sweep_launches(rows=SWEEP_ROWS, group: int = 128) -> list[Launch]:
     """Every launch bench/int4_sweep.py's `search` may make at the Llama-8B shapes and `rows`
     (as bench/fp8_gemm.py runs it): each interleave and product variant of stage 1 at every
-    point of stage 2's axes (column tiles, split-K halved and doubled, 8 warps, 6 stages), so
-    whichever config stage 1 picks."""
+    point of stage 2's axes (column tiles, above MAX_ROWS row tiles, split-K halved and
+    doubled, 8 warps, 6 stages), so whichever config stage 1 picks."""
     s = _sweep()
     cpu = torch.device("cpu")  # `split_for` on the CPU assumes an H100's 132 SMs
     with _recording() as launches:
@@ -204,16 +207,16 @@ def sweep_launches(rows=SWEEP_ROWS, group: int = 128) -> list[Launch]:
                 w = _weight(n, k, group, words)
                 for m in rows:
                     x = torch.empty(m, k, dtype=torch.bfloat16)
-                    for variant, block_n in itertools.product(s._variants(m, words, paired),
-                                                              (16, 32, 64, 128)):
-                        tiled = s._with_tile(g.W4Config(64, 1, 4, 4)._replace(**variant), m,
-                                             n_cols, k, group, paired, block_n, words, cpu)
+                    row_tiles = (0, *g.ROW_TILES) if m > g.MAX_ROWS else (0,)
+                    for variant, block_n, block_m in itertools.product(
+                            s._variants(m, words, paired), (16, 32, 64, 128), row_tiles):
+                        tiled = s._with_tile(g.W4Config(64, 1, 4, 4, block_m=block_m)._replace(
+                            **variant), m, n_cols, k, group, paired, block_n, words, cpu)
                         splits = {tiled.split_k, max(1, tiled.split_k // 2), 2 * tiled.split_k}
                         stage_counts = {tiled.num_stages, 4, 6}
                         for split, warps, stages in itertools.product(splits, (4, 8), stage_counts):
                             c = tiled._replace(split_k=split, num_warps=warps, num_stages=stages)
-                            if s.launchable(c, m, n_cols, k, group, paired, words, cpu) and (
-                                    m <= g.MAX_ROWS or split == 1):
+                            if s.launchable(c, m, n_cols, k, group, paired, words, cpu):
                                 g.w4a16_gemm(x, w, silu_mul=paired, config=c)
     return unique_launches(launches)
 
@@ -229,12 +232,13 @@ def modelled_shared_memory(launch: Launch) -> int:
 
 def tightest(launches: list[Launch]) -> list[Launch]:
     """Per way the decode kernel stages its operands (tl.dot with either operand on the left,
-    on tensor cores or not, a 64-row left operand (wgmma) or not; multiply-and-sum), the
+    on tensor cores or not, a 64-row left operand (wgmma) or not, row tiles over 64 rows
+    (mid M: several wgmma row blocks, or a wide right operand) or not; multiply-and-sum), the
     launch whose modelled shared memory is largest: where the model matters most."""
     def staging(launch: Launch) -> tuple:
         a = launch.args
         rows = a["BLOCK_N"] if a["W_LEFT"] else a["BLOCK_M"]
-        return a["DOT"], a["W_LEFT"], a["DOT_PRECISION"], rows >= 64
+        return a["DOT"], a["W_LEFT"], a["DOT_PRECISION"], rows >= 64, a["BLOCK_M"] > 64
     best: dict[tuple, Launch] = {}
     for launch in launches:
         if launch.kernel.fn.__name__ == "_w4a16_kernel":

@@ -22,7 +22,7 @@ from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.int4_gemm import (  # noqa: E402
     Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
     fit_shared_memory, int4_linear, int4_linear_reference, int4_linear_silu_and_mul,
-    interleave_for, pack_rows, plane_groups, unpack_rows, w4a16_gemm)
+    interleave_for, pack_rows, plane_groups, split_for, unpack_rows, w4a16_gemm)
 from specserve.engine.layers.int4_shared_memory import (  # noqa: E402
     H100_SHARED_MEMORY, Operands, shared_memory_need)
 from specserve.engine.layers.skinny_gemm import SkinnyWorkspace  # noqa: E402
@@ -171,8 +171,81 @@ def test_mid_m_row_tiles_equal_the_reference(silu):
     out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config)
     reference = int4_linear_reference(x, w, bias)
     torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
-    with pytest.raises(AssertionError, match="K not split"):
-        w4a16_gemm(x, w, bias, config=config._replace(split_k=2))
+
+
+MID_K = 1024  # 8 blocks of 128 codes a row at interleave 16: a split of 4 gets two each
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("m,block_m", [(17, 0), (70, 32), (70, 128)],
+                         ids=["m17-rule-tiles", "m70-tiles-of-32", "m70-one-tile-of-128"])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_mid_m_split_k_equals_the_reference_and_the_unsplit_result(silu, m, block_m, split_k):
+    """Mid M with K split over row tiles of the rule's (64, one partial tile), 32 (three, the
+    last partial) and 128 (one covering all rows), fp32 on tl.dot with a bias: exact operands
+    (small-integer rows, power-of-two scales), so the split result is the unsplit one bit for
+    bit and the reference; every (column tile, row tile) counter back at zero."""
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, MID_K, 64, seed=31 + m, interleave=16)
+    x = rows(m, MID_K, seed=32) / 16  # gates of a few units: the interpreter's exp stays finite
+    bias = (torch.randint(-8, 9, (n_rows,), generator=torch.Generator().manual_seed(33)) / 4).to(DEVICE)
+    config = W4Config(block_n=32, split_k=split_k, num_warps=4, num_stages=2, block_m=block_m)
+    workspace = _workspace()
+    out = w4a16_gemm(x, w, bias, silu_mul=silu, config=config, workspace=workspace)
+    assert not workspace.arrivals.any()
+    unsplit = w4a16_gemm(x, w, bias, silu_mul=silu, config=config._replace(split_k=1))
+    assert torch.equal(out, unsplit)
+    reference = int4_linear_reference(x, w, bias)
+    torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-5, atol=1e-4)
+
+
+class _Checkpoint(dict):
+    """A checkpoint reader over a dict of tensors (`get`, `in`), as the loader reads one."""
+
+    def get(self, key):
+        return self[key]
+
+
+def _loaded_int4_weight(fmt: str, n: int, k: int, group: int, seed: int) -> Int4Weight:
+    """A random weight quantized by the test quantizer (tests/int4_quantizer.py) into AWQ's
+    or GPTQ's tensors and loaded by the INT4 method (quantization/int4.py) into the kernels'
+    form: AWQ asymmetric, GPTQ symmetric (zeros stored as 7, loaded as 8)."""
+    from int4_quantizer import awq_tensors, gptq_tensors, quant_config, quantize_groups
+    from torch import nn
+
+    from specserve.engine.layers.linear_method import PartSlice
+    from specserve.engine.quantization.config import parse_quantization_config
+    from specserve.engine.quantization.int4 import Int4LinearMethod
+
+    sym = fmt == "gptq"
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, z, s = quantize_groups(dense, group, sym)
+    tensors = awq_tensors(q, z, s) if fmt == "awq" else gptq_tensors(q, z, s, group)
+    method = Int4LinearMethod(parse_quantization_config(quant_config(fmt, group, sym)))
+    layer = nn.Linear(k, n, bias=False)
+    method.create_weights(layer)
+    method.load_weights(layer, _Checkpoint({f"w.{name}": t for name, t in tensors.items()}),
+                        [PartSlice("w.weight", 0, 0, n)])
+    w = method.weight(layer)
+    w = w._replace(qweight=pack_rows(unpack_rows(w.qweight, w.interleave), 16), interleave=16)
+    return w._replace(qweight=w.qweight.to(DEVICE), scales=w.scales.to(DEVICE), zeros=w.zeros.to(DEVICE))
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_mid_m_split_k_on_awq_and_gptq_weights(fmt, silu):
+    """Weights as AWQ and GPTQ checkpoints store them, loaded as the engine loads them: 40
+    rows (row tiles of 32, the second partial), K split in 4, equal the reference and the
+    unsplit kernel within fp32 sums' roundings (real scales: the sums are not exact)."""
+    n_rows = 2 * N if silu else N
+    w = _loaded_int4_weight(fmt, n_rows, MID_K, 128, seed=41)
+    x = torch.randn(40, MID_K, generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    config = W4Config(block_n=32, split_k=4, num_warps=4, num_stages=2, block_m=32)
+    out = w4a16_gemm(x, w, silu_mul=silu, config=config, workspace=_workspace())
+    unsplit = w4a16_gemm(x, w, silu_mul=silu, config=config._replace(split_k=1))
+    reference = int4_linear_reference(x, w)
+    torch.testing.assert_close(out, silu_and_mul(reference) if silu else reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, unsplit, rtol=1e-5, atol=1e-5)
 
 
 def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
@@ -199,7 +272,7 @@ def test_configs_and_refusals(rules_only):
     assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
     assert default_w4_config(1, 14336, 4096, 128, True, device=cpu).split_k == 1
     assert default_w4_config(1, 6144, 4096, 128, device=cpu) == W4Config(128, 4, 4, 4, w_left=True)
-    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 1, 4, 4)  # row tiles
+    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 2, 4, 4)  # row tiles
     with pytest.raises(AssertionError, match="must lie in one group of 48"):
         w4a16_gemm(rows(1, 384, 0), int4_weight(N, 384, 48, 0), config=W4Config(32, 1, 4, 2))
     with pytest.raises(AssertionError, match="tl.dot takes planes of at least 16"):
@@ -209,6 +282,68 @@ def test_configs_and_refusals(rules_only):
             qweight=torch.zeros(N, 48, dtype=torch.int32, device=DEVICE),
             scales=torch.ones(N, 12, dtype=torch.float16, device=DEVICE),
             zeros=torch.zeros(N, 12, dtype=torch.uint8, device=DEVICE)))
+
+
+def test_mid_m_rule_splits_k_while_the_programs_of_all_row_tiles_are_fewer_than_the_sms(rules_only):
+    """The rule above 16 rows (an H100's 132 SMs on the CPU): 64-column tiles, row tiles of 64,
+    K doubled while column tiles times row tiles times splits are under 132, slices at least
+    1024 deep and the partials within the workspace."""
+    cpu = torch.device("cpu")
+
+    def split(m, n, k, paired=False):
+        return default_w4_config(m, n, k, 128, paired, cpu).split_k
+
+    # 8B shards: qkv 96 column tiles, o 64, down 64 (K 14336), gate/up 224 pairs
+    assert [split(m, 6144, 4096) for m in (32, 64, 128, 256)] == [2, 2, 1, 1]
+    assert [split(m, 4096, 4096) for m in (32, 64, 128, 256)] == [4, 4, 2, 1]
+    assert [split(m, 4096, 14336) for m in (32, 64, 128, 256)] == [4, 4, 2, 1]
+    assert [split(m, 14336, 4096, True) for m in (32, 64, 128, 256)] == [1, 1, 1, 1]
+    assert default_w4_config(64, 4096, 4096, 128, device=cpu) == W4Config(64, 4, 4, 4)
+    # row tiles of all 256 rows: fewer programs, more splits, up to the workspace's partials
+    assert split_for(256, 6144, 4096, False, 64, cpu, block_m=256) == 2
+    assert split_for(256, 4096, 14336, False, 64, cpu, block_m=256) == 4  # 4 x 256 x 4096: all of it
+    assert split_for(256, 14336, 4096, True, 128, cpu, block_m=256) == 1  # 2 x 256 x 28672: over
+    assert split_for(256, 4096, 1024, False, 64, cpu, block_m=256) == 1   # slices under 1024
+    assert split_for(64, 4096, 4096, False, 64, cpu, block_m=16) == 1     # 256 programs already
+
+
+def test_mid_m_tuned_configs_serve_mid_m_only(rules_only, monkeypatch):
+    """A config measured at 64 rows serves 17-64 rows, one at 256 serves 65-256; neither serves
+    decode sizes (whose measured configs pad one row tile) and a decode config not mid M."""
+    from specserve.engine.layers import int4_gemm
+
+    cpu = torch.device("cpu")
+    at_16, at_64, at_256 = W4Config(64, 4, 4, 4), W4Config(128, 2, 8, 3, block_m=32), \
+        W4Config(64, 1, 4, 2, w_left=True, block_m=128)
+    for m, config in ((16, at_16), (64, at_64), (256, at_256)):
+        monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (m, 4096, 4096, 128, False), config._asdict())
+    default_w4_config.cache_clear()
+    assert [default_w4_config(m, 4096, 4096, 128, device=cpu) for m in (1, 16, 17, 64, 65, 256)] == \
+        [at_16, at_16, at_64, at_64, at_256, at_256]
+    monkeypatch.delitem(int4_gemm.TUNED_W4_CONFIGS, (64, 4096, 4096, 128, False))
+    monkeypatch.delitem(int4_gemm.TUNED_W4_CONFIGS, (256, 4096, 4096, 128, False))
+    default_w4_config.cache_clear()
+    assert default_w4_config(17, 4096, 4096, 128, device=cpu) == W4Config(64, 4, 4, 4)  # the rule
+
+
+def test_mid_m_refusals_and_named_row_tiles():
+    """A row tile must be one of 16-256 (a power of two tl.dot takes); mid M runs on tl.dot; a
+    split whose partials overrun the workspace is refused; a named row tile is the only one
+    tried, and up to 16 rows it is unused (one tile of the rows)."""
+    cpu = torch.device("cpu")
+    w, x = int4_weight(N, K, 32, seed=0, interleave=32), rows(40, K, seed=0)
+    with pytest.raises(AssertionError, match="block_m 48: 0 .* or one of"):
+        w4a16_gemm(x, w, config=W4Config(32, 1, 4, 2, block_m=48))
+    with pytest.raises(AssertionError, match="more than 16 rows: row tiles on tl.dot"):
+        w4a16_gemm(x, w, config=W4Config(16, 1, 4, 2, dot=False))
+    with pytest.raises(AssertionError, match="split-K 4 at 40 rows: partials over"):
+        w4a16_gemm(x, w, config=W4Config(32, 4, 4, 2),
+                   workspace=SkinnyWorkspace(DEVICE, partial_capacity=4 * 40 * N - 1))
+    ops = Operands(128, 8, 4, 2, False)  # fp32 rows at W = 128: 64-row tiles never fit
+    named = W4Config(64, 1, 4, 4, block_m=64)
+    assert fit_shared_memory(named, 70, ops, cpu) is None
+    assert fit_shared_memory(named._replace(block_m=0), 70, ops, cpu)[1] == 32
+    assert fit_shared_memory(W4Config(64, 1, 4, 4, block_m=128), 5, ops, cpu)[1] == 16
 
 
 def test_the_h100_launches_that_overran_its_shared_memory_are_fitted(rules_only):
@@ -280,11 +415,12 @@ def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 300])
 def test_gpu_int4_llama_shapes(shape, m):
     """bf16: the decode kernel (m <= 16, split-K; gate/up with its SiLU-and-mul epilogue), its
-    row tiles (64) and the dequantise + cuBLAS path (300) against the reference within bf16
-    roundings; deterministic; the same inside a CUDA graph."""
+    row tiles (64: K split by the rule but on gate/up; 256) and the dequantise + cuBLAS path
+    (300) against the reference within bf16 roundings; deterministic; the same inside a CUDA
+    graph."""
     n, k = LLAMA_8B[shape]
     silu = shape == "gate_up"
     w = _gpu_weight(n, k, seed=m)
@@ -301,6 +437,36 @@ def test_gpu_int4_llama_shapes(shape, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_left", [False, True], ids=["x-left", "w-left"])
+@pytest.mark.parametrize("shape", ["qkv", "gate_up"])
+def test_gpu_int4_mid_m_row_tiles_and_split_k(shape, w_left):
+    """100 rows (uneven) at the engine's layout, every row tile of 16-128 that fits the shared
+    memory (at the most stages from 4 that do), K whole and split in 4, either operand on
+    the left: within bf16 roundings of the reference and of the unsplit result; the
+    split launch deterministic (its counters reset)."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w = _gpu_weight(n, k, seed=100)
+    x = torch.randn(100, k, device="cuda", dtype=torch.bfloat16)
+    ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
+    ref = silu_and_mul(ref) if silu else ref
+    ops = Operands(w.interleave, 8 // plane_groups(128, k, w.interleave), 2, 2, silu)
+    ran = 0
+    for block_m in (16, 32, 64, 128):
+        fit = fit_shared_memory(W4Config(64, 1, 4, 4, w_left=w_left, block_m=block_m), 100, ops,
+                                torch.device("cuda"))
+        if fit is None:
+            continue
+        unsplit = w4a16_gemm(x, w, silu_mul=silu, config=fit[0])
+        split = w4a16_gemm(x, w, silu_mul=silu, config=fit[0]._replace(split_k=4))
+        torch.testing.assert_close(unsplit.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(split.float(), unsplit.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(split, w4a16_gemm(x, w, silu_mul=silu, config=fit[0]._replace(split_k=4)))
+        ran += 1
+    assert ran >= 2
 
 
 VARIANTS = {"dot": {}, "w_left": dict(w_left=True), "fma": dict(dot=False),
@@ -395,7 +561,8 @@ def test_int4_kernels_compile_for_hopper():
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=False",
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=True", "SILU_MUL=True",
                  "HAS_BIAS=True", "BLOCK_M=64", "PLANES_PER_GROUP=1", "PLANES_PER_GROUP=2",
-                 "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32"):
+                 "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32",
+                 "SPLIT_K=2 BLOCK_M=64", "BLOCK_M=128", "BLOCK_M=256"):  # mid M: split, wide tiles
         assert any(part in line for line in compiled), part
     # the launches nearest the limit were among them
     assert max(int(line.rsplit(" ", 1)[1]) for line in compiled) > H100_SHARED_MEMORY * 3 // 4

@@ -49,6 +49,46 @@ def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
     assert timed and all(c.dot and w == 64 for c, w in timed)
 
 
+def test_search_at_mid_m_tries_row_tiles_and_split_k_on_tl_dot():
+    """At 64 and 256 rows: tl.dot only, row tiles of 16 up to M (none wider) each named in its
+    config, K split by the rule and halved/doubled, each config launchable (its partials
+    within the workspace) and timed once; a made-up device whose best is a row tile of all M
+    split 2 ways is found."""
+    n, k = QKV
+
+    def mid_seconds(c: W4Config, words: int) -> float:
+        return fake_seconds(c, words) + 0.05 * (c.block_m != 256) + 0.02 * (c.split_k != 2)
+
+    for m in (64, 256):
+        seen = []
+
+        def time_config(c, words):
+            seen.append((c, words))
+            return mid_seconds(c, words)
+
+        timed = int4_sweep.search(m, n, k, 128, False, (16,), time_config, CPU)
+        assert len(seen) == len(set(seen)) == len(timed) <= 30
+        assert all(c.dot and c.block_m and int4_sweep.launchable(c, m, n, k, 128, False, 16, CPU)
+                   for c, _ in seen)  # each on the row tile it names (the engine's then)
+        tiles = {c.block_m for c, _ in seen} - {0}
+        assert tiles == {t for t in (16, 32, 64, 128, 256) if t <= m}
+        assert len({c.split_k for c, _ in seen}) >= 2
+        if m == 256:
+            best = min(timed, key=timed.get)[0]
+            assert (best.block_m, best.split_k) == (256, 2)
+
+
+def test_launchable_at_mid_m():
+    n, k = QKV
+    c = W4Config(block_n=64, split_k=2, num_warps=4, num_stages=3)
+    assert int4_sweep.launchable(c, 64, n, k, 128, False, 16, CPU)
+    assert not int4_sweep.launchable(c._replace(dot=False), 64, n, k, 128, False, 16, CPU)
+    assert not int4_sweep.launchable(c._replace(block_m=128), 64, n, k, 128, False, 16, CPU)  # > M
+    assert not int4_sweep.launchable(c._replace(block_m=32), 16, n, k, 128, False, 16, CPU)  # decode M
+    assert not int4_sweep.launchable(c._replace(split_k=8), 256, n, k, 128, False, 16, CPU)  # partials
+    assert int4_sweep.config_name(c._replace(block_m=32), 16) == "W16 dot n64 m32 s2 w4 st3"
+
+
 def test_search_skips_layouts_whose_planes_cross_groups():
     timed = int4_sweep.search(1, 4096, 4096, 32, False, (16, 64), fake_seconds, CPU)
     assert timed and {w for _, w in timed} == {16}
@@ -97,6 +137,42 @@ def test_relayout_keeps_the_codes():
     assert moved.interleave == 64 and torch.equal(unpack_rows(moved.qweight, 64), codes)
 
 
+def _empty_tuned_module(tmp_path) -> pathlib.Path:
+    """A copy of engine/layers/int4_tuned.py with empty tables."""
+    text = int4_sweep.TUNED_MODULE.read_text()
+    marker = "from __future__ import annotations\n\n"
+    module = tmp_path / "int4_tuned.py"
+    module.write_text(text[:text.index(marker) + len(marker)]
+                      + "TUNED_INTERLEAVE: dict = {}\n\nTUNED_W4_CONFIGS: dict = {}\n")
+    return module
+
+
+def test_install_merges_a_mid_m_sweep_over_the_decode_configs(tmp_path):
+    """A sweep of 64 and 256 rows installed over a decode sweep: the decode configs stay
+    (same layout, keys not measured again, their lines as they were), the mid-M ones join; a
+    later sweep that moves a weight's layout drops that weight's old configs only."""
+    decode = {(1, 6144, 4096, 128, False, 6144): dict(config=W4Config(128, 4, 4, 4, w_left=True)._asdict(),
+                                                      interleave=64, us=10.0, fraction_of_copy=0.5),
+              (1, 4096, 4096, 128, False, 4096): dict(config=W4Config(64, 4, 4, 4)._asdict(),
+                                                      interleave=64, us=8.0, fraction_of_copy=0.5)}
+    mid = {(64, 6144, 4096, 128, False, 6144): dict(config=W4Config(64, 2, 4, 2, block_m=64)._asdict(),
+                                                    interleave=64, us=20.0, fraction_of_copy=0.3)}
+    moved = {(1, 4096, 4096, 128, False, 4096): dict(config=W4Config(32, 2, 4, 4)._asdict(),
+                                                     interleave=16, us=7.0, fraction_of_copy=0.6)}
+    module = _empty_tuned_module(tmp_path)
+    for i, best in enumerate((decode, mid, moved)):
+        int4_sweep.write_json(str(tmp_path / f"{i}.json"), "NVIDIA H100", best)
+        int4_sweep.install(str(tmp_path / f"{i}.json"), module)
+        if i == 1:
+            assert "10.0 us, 50 %" in module.read_text()  # the decode line kept as written
+    tables = runpy.run_path(str(module))
+    assert tables["TUNED_INTERLEAVE"] == {(6144, 4096, 128): 64, (4096, 4096, 128): 16}
+    configs = {key: W4Config(**fields) for key, fields in tables["TUNED_W4_CONFIGS"].items()}
+    assert configs == {(1, 6144, 4096, 128, False): W4Config(128, 4, 4, 4, w_left=True),
+                       (64, 6144, 4096, 128, False): W4Config(64, 2, 4, 2, block_m=64),
+                       (1, 4096, 4096, 128, False): W4Config(32, 2, 4, 4)}
+
+
 def test_json_install_round_trip(tmp_path):
     """The JSON the sweep writes, installed into a copy of int4_tuned.py: the layout per weight
     and the configs measured at it (one measured at another layout is left out)."""
@@ -112,8 +188,7 @@ def test_json_install_round_trip(tmp_path):
     }
     path = tmp_path / "tuned.json"
     int4_sweep.write_json(str(path), "NVIDIA H100", best)
-    module = tmp_path / "int4_tuned.py"
-    module.write_text(int4_sweep.TUNED_MODULE.read_text())
+    module = _empty_tuned_module(tmp_path)
     int4_sweep.install(str(path), module)
     int4_sweep.install(str(path), module)  # again: the same file, not a second header
     assert module.read_text().count("TUNED_INTERLEAVE: dict") == 1
@@ -130,7 +205,7 @@ def test_the_kernel_module_takes_the_tuned_tables(monkeypatch):
     tuned = W4Config(128, 1, 8, 6, dot=True, w_left=True)
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (1, 6144, 4096, 128, False), tuned._asdict())
     int4_gemm.default_w4_config.cache_clear()
-    at_16 = W4Config(64, 2, 4, 4)
+    at_16 = W4Config(64, 2, 8, 4)
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (16, 6144, 4096, 128, False), at_16._asdict())
     try:
         assert int4_gemm.default_w4_config(1, 6144, 4096, 128, False, cpu) == tuned

@@ -31,10 +31,17 @@ word k // 8, bits 4 (k % 8)).
   arrival counters; deterministic, no second kernel, capturable in a CUDA graph), the bias,
   and for the fused gate/up weight the SiLU-and-mul epilogue (a program reads a gate tile
   and its up tile).
-- Mid M (17-256 rows: large decode batches, verify steps): the same kernel over row tiles of
-  64 on tl.dot (32 or 16 where 64 rows do not fit the shared memory), K not split: each
-  program still reads its weight tile once per row tile, where dequantising the whole weight
-  first would write and read it again in 16 bits.
+- Mid M (17-256 rows: large decode batches, verify steps): the same kernel on tl.dot over
+  row tiles (`W4Config.block_m`: 16 to 256 rows; the rule's 64, or 32 or 16 where 64 rows do
+  not fit the shared memory), where dequantising the whole weight first would write and read
+  it again in 16 bits. Two costs shape it, as in Marlin and Machete: each program dequantises
+  its weight tile once per row tile (a row tile covering all M, 128 or 256 rows, dequantises
+  each weight element once and uses it for every row), and the 8B's 4096-wide shards make
+  only 64-96 column tiles for 132 SMs, each walking all of K with the dequantisation on its
+  critical path. So K is split here too (`split_for` counts the programs of every row tile),
+  with the decode path's partials and arrival counters (one counter per column and row
+  tile; the partials are per row, so row tiles never share one): every SM has work, the
+  sums are merged in split order, and the result is the same whatever the split.
 - Shared memory (layers/int4_shared_memory.py): a launch must fit the device's, or it fails
   at its first call. `fit_shared_memory` lowers the stages of a rule's or tuned config (to 2),
   then the mid-M row tile; a config given by the caller (the sweep, tests) must fit as given.
@@ -74,8 +81,9 @@ except ImportError:  # the CPU build needs no Triton
 
 PACK = 8          # 4-bit codes per int32
 MAX_ROWS = 16     # decode-sized M: one row tile, K split across programs
-TILED_MAX_ROWS = 256  # M up to this: row tiles of TILE_ROWS, no split; above: dequantise + cuBLAS
-TILE_ROWS = 64
+TILED_MAX_ROWS = 256  # M up to this: row tiles (`W4Config.block_m`); above: dequantise + cuBLAS
+TILE_ROWS = 64    # the rule's row tile above MAX_ROWS
+ROW_TILES = (16, 32, 64, 128, 256)  # the row tiles a config may name
 MIN_STAGES = 2  # fitting a config to the shared memory lowers its stages down to this
 # The rule's interleave (not yet measured): a step of 256 codes, two groups of 128, so a
 # thread's scale and zero work is shared by 4 planes of its rows.
@@ -108,6 +116,9 @@ class W4Config(NamedTuple):
     dot: bool = True          # tl.dot (rows padded to 16); False: multiply-and-sum
     round_bits: bool = False  # multiply-and-sum in bf16: round the weight by integer ops
     w_left: bool = False      # tl.dot with the weight plane as the left operand
+    # Rows of a row tile above MAX_ROWS (one of ROW_TILES; 0: the rule's, `row_tiles`); up to
+    # MAX_ROWS the kernel takes one tile of all the rows and this is unused.
+    block_m: int = 0
 
 
 def interleave_for(n: int, k: int, group_size: int) -> int:
@@ -207,47 +218,57 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     memory) over tiles of 128 columns, 64 with the gate/up pair (more spill), about 5.4-5.6
     instructions an element; x on the left over 64 columns 6.2-6.3 (the padded x fragments
     are moved into place for every mma), multiply-and-sum 9-11. K split by `split_for`.
-    Above MAX_ROWS: row tiles of 64 on tl.dot with x on the left, K not split."""
+    Above MAX_ROWS (M in 17-256): row tiles of 64 on tl.dot with x on the left (the orientation
+    measured; the sweep tries the other, and row tiles of 16-256), over 64-column tiles, K
+    split by `split_for` while the programs of all row tiles are fewer than the SMs: at 64
+    rows the 8B's qkv 2 ways, o and down 4 (64 column tiles), gate/up none (224); at 256 rows
+    (4 row tiles) none."""
     tuned = _tuned_w4_config(m, n, k, group_size, paired)
     if tuned is not None:
         return tuned
     if m > MAX_ROWS:
-        return W4Config(block_n=64, split_k=1, num_warps=4, num_stages=4)
+        return W4Config(block_n=64, split_k=split_for(m, n, k, paired, 64, device),
+                        num_warps=4, num_stages=4)
     block_n = 64 if paired else 128
     return W4Config(block_n=block_n, split_k=split_for(m, n, k, paired, block_n, device),
                     num_warps=4, num_stages=4, w_left=True)
 
 
 def _tuned_w4_config(m: int, n: int, k: int, group_size: int, paired: bool) -> Optional[W4Config]:
-    """The measured config of this shape at M, else at the nearest measured M above it up to
-    MAX_ROWS (a decode-sized kernel pads its rows anyway: a config measured at 16 rows serves
-    fewer; one measured at fewer may not fit more), else None."""
+    """The measured config of this shape at M, else at the nearest measured M above it on the
+    same side of MAX_ROWS (a decode-sized kernel pads its rows anyway: a config measured at 16
+    rows serves fewer; a mid-M config names its row tile, whose shared memory does not depend
+    on M; one measured at fewer rows may not fit more), else None."""
     swept = [rows for rows, *shape in TUNED_W4_CONFIGS if tuple(shape) == (n, k, group_size, paired)
-             and m <= rows and (rows == m or rows <= MAX_ROWS)]
+             and m <= rows and (rows <= MAX_ROWS) == (m <= MAX_ROWS)]
     if not swept:
         return None
     return W4Config(**TUNED_W4_CONFIGS[min(swept), n, k, group_size, paired])
 
 
 def split_for(m: int, n: int, k: int, paired: bool, block_n: int,
-              device: torch.device = torch.device("cuda")) -> int:
-    """The rule's split-K for column tiles of `block_n`: doubled while the programs are fewer
-    than the SMs, each slice stays at least 1024 deep and the partials fit the workspace
-    (none above MAX_ROWS rows)."""
-    tiles = -(-n // block_n)
+              device: torch.device = torch.device("cuda"), block_m: int = 0) -> int:
+    """The rule's split-K for column tiles of `block_n` (and above MAX_ROWS row tiles of
+    `block_m`, 0: TILE_ROWS): doubled while the programs (column tiles times row tiles times
+    splits) are fewer than the SMs, each slice stays at least 1024 deep and the partials (one
+    fp32 value per split, row and output column) fit the workspace."""
+    programs = -(-n // block_n) * (1 if m <= MAX_ROWS else -(-m // (block_m or TILE_ROWS)))
     split_k = 1
-    while (m <= MAX_ROWS and tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 1024
+    while (programs * split_k < _num_sms(device) and k // (2 * split_k) >= 1024
            and _scratch_values(2 * split_k, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     return split_k
 
 
-def row_tiles(m: int, dot: bool) -> tuple[int, ...]:
+def row_tiles(m: int, dot: bool, block_m: int = 0) -> tuple[int, ...]:
     """The kernel's row tiles for M rows, preferred first: up to MAX_ROWS one tile of the rows
-    (padded to 16 for tl.dot); above, TILE_ROWS, else 32 or 16 (`fit_shared_memory`)."""
+    (padded to 16 for tl.dot); above, a config's `block_m` alone, else TILE_ROWS, 32 or 16
+    (`fit_shared_memory`)."""
     if m <= MAX_ROWS:
         rows = 1 << (m - 1).bit_length()
         return (max(16, rows) if dot else rows,)
+    if block_m:
+        return (block_m,)
     return TILE_ROWS, TILE_ROWS // 2, TILE_ROWS // 4
 
 
@@ -263,7 +284,7 @@ def fit_shared_memory(config: W4Config, m: int, ops: Operands, device: torch.dev
         return None
     limit = shared_memory_limit(device)
     lowest = MIN_STAGES if lower_stages else config.num_stages
-    for block_m in row_tiles(m, config.dot):
+    for block_m in row_tiles(m, config.dot, config.block_m):
         for stages in range(config.num_stages, lowest - 1, -1):
             if shared_memory_need(ops, block_m, config.block_n, config.dot, config.w_left,
                                   stages) <= limit:
@@ -286,7 +307,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
                silu_mul: bool = False, config: Optional[W4Config] = None,
                workspace: Optional[SkinnyWorkspace] = None) -> torch.Tensor:
     """x [..., K] (at most 256 rows) @ W^T (+ bias) in x's dtype, the W4A16 kernel (more than 16
-    rows: row tiles of 64 or fewer, K not split); with `silu_mul`, silu_and_mul of it for a
+    rows: row tiles on tl.dot, `W4Config.block_m`); with `silu_mul`, silu_and_mul of it for a
     fused [2I, K] gate/up weight (result [..., I]). Without `config`, the rule's or tuned one,
     fitted to the shared memory; a given one must fit as it stands."""
     n_rows, k = w.shape
@@ -302,6 +323,8 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     assert planes_per_group, \
         f"interleave {w.interleave}: a plane of its blocks must lie in one group of {w.group_size}"
     given = config
+    assert config is None or config.block_m in (0, *ROW_TILES), \
+        f"block_m {config.block_m}: 0 (the rule's row tiles) or one of {ROW_TILES}"
     config = config or default_w4_config(m, n_cols, k, w.group_size, silu_mul, x.device)
     ops = Operands(w.interleave, PACK // planes_per_group, x.element_size(),
                    w.scales.element_size(), silu_mul)
@@ -315,17 +338,17 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n_cols, config.block_n)
+    tiles, m_tiles = triton.cdiv(n_cols, config.block_n), triton.cdiv(m, block_m)
     partials = arrivals = y  # never touched without split-K
     if config.split_k > 1:
         workspace = workspace or workspace_for(x.device)
-        assert _scratch_values(config.split_k, m, n_cols, silu_mul) <= workspace.partials.numel()
-        assert tiles <= workspace.arrivals.numel()
+        assert _scratch_values(config.split_k, m, n_cols, silu_mul) <= workspace.partials.numel(), \
+            f"split-K {config.split_k} at {m} rows: partials over the workspace's"
+        assert tiles * m_tiles <= workspace.arrivals.numel()
         partials, arrivals = workspace.partials, workspace.arrivals
-    assert m <= MAX_ROWS or (config.split_k == 1 and config.dot), \
-        "more than 16 rows: row tiles on tl.dot, K not split"
+    assert m <= MAX_ROWS or config.dot, "more than 16 rows: row tiles on tl.dot"
     words_per_split = triton.cdiv(triton.cdiv(k // PACK, config.split_k), w.interleave) * w.interleave
-    _w4a16_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
+    _w4a16_kernel[(tiles, config.split_k, m_tiles)](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
         m, n_cols, k // PACK, w.scales.shape[1], w.group_size, words_per_split, x2.stride(0),
         y.stride(0),
@@ -450,7 +473,7 @@ if triton is not None:
         else:  # columns past the end read row 0: never stored
             rows = tl.where(offs_n < n_cols, offs_n, 0).to(tl.int64)
             partner_rows = rows
-        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # one row tile with split-K
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_w = tl.arange(0, WORDS)
         m_mask = offs_m < M
         dtype = x.dtype.element_ty
@@ -504,7 +527,9 @@ if triton is not None:
         out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
         last = True
         if SPLIT_K > 1:
-            last, acc, acc_up = _merge_splits(acc, acc_up, partials, arrivals, tile, split, M,
+            # one arrival counter per (column tile, row tile); the partials are per row
+            counter = tile + tl.program_id(2) * tl.num_programs(0)
+            last, acc, acc_up = _merge_splits(acc, acc_up, partials, arrivals, counter, split, M,
                                               n_cols, offs_m, offs_n, out_mask, SILU_MUL,
                                               SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
