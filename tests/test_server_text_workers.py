@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from helpers import VOCAB, process_exited
+from server_harness import wait_until
 from specserve.engine.outputs import EngineInfo
 from specserve.proto import generate_pb2 as pb
 from specserve.server.config import ServerConfig
@@ -113,3 +114,29 @@ def test_tokenizer_pool_equals_in_process_and_survives_a_killed_worker(tokenizer
             pool.close()
 
     asyncio.run(run())
+
+
+_POOL_OWNER = """
+import asyncio, time
+from specserve.server.workers.tokenizer_pool import TokenizerPool
+pool = TokenizerPool(2, dict)
+print(" ".join(map(str, asyncio.run(pool.pids()))), flush=True)
+time.sleep(120)
+"""
+
+
+def test_tokenizer_workers_end_when_their_server_is_killed():
+    """A server killed without a shutdown (SIGKILL, the OOM killer) leaves no tokenizer worker
+    behind: the executor's workers block on a call queue whose write end they hold too, so
+    they watch their parent instead. (Before: orphans that lived for good.)"""
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", _POOL_OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(not process_exited(p) for p in pids)
+    finally:
+        owner.kill()
+        owner.wait(30)
+    assert wait_until(lambda: all(process_exited(p) for p in pids), timeout=30)

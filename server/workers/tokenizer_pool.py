@@ -18,6 +18,8 @@ import functools
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, TypeVar
@@ -25,6 +27,8 @@ from typing import Any, Callable, Optional, TypeVar
 logger = logging.getLogger("specserve.server.tokenizer_pool")
 
 T = TypeVar("T")
+
+PARENT_CHECK_S = 1.0  # how long a worker outlives a server killed without a shutdown
 
 _state: Any = None  # in a worker: what make_state built
 
@@ -40,7 +44,18 @@ def _init(make_state: Callable[[], Any]) -> None:
     # SIGTERM: the executor ends the workers of a broken pool with it, and joins them (a worker
     # that ignored it hung the pool's shutdown and the interpreter's exit).
     os.setpgrp()
+    # The executor's workers wait on a call queue whose write end each of them holds too (spawn
+    # passes the queue whole), so a server killed without a shutdown (SIGKILL, the OOM killer)
+    # would leave them waiting for good: they watch their parent instead.
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="exit-with-server",
+                     daemon=True).start()
     _state = make_state()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _call(fn: Callable[[Any], T]) -> T:
@@ -48,8 +63,6 @@ def _call(fn: Callable[[Any], T]) -> T:
 
 
 def _pid(_: Any, hold_s: float = 0.0) -> int:
-    import time
-
     time.sleep(hold_s)  # held, so that the calls of a round spread over every started worker
     return os.getpid()
 
