@@ -49,6 +49,7 @@ from specserve.server.engine_client import EngineHandle, EngineLauncher
 logger = logging.getLogger("specserve.server.cluster")
 
 FRONT_EXIT_GRACE_S = 30.0  # past its drain timeout, a front that has not exited is killed
+FRONT_REAP_S = 5.0  # the most a dead front's exit code takes to read
 
 # A front process's entry (app.py's run_front): picklable, run in a spawned process.
 FrontMain = Callable[[EngineConfig, ServerConfig, ClusterConfig, Optional[StartEngine],
@@ -189,7 +190,10 @@ class FrontSupervisor:
     def _front_exited(self, front: int) -> None:
         process = self.fronts[front]
         asyncio.get_running_loop().remove_reader(process.sentinel)
-        process.join(0)
+        # The sentinel closes as the process dies, a moment before it can be reaped: join(0)
+        # could read its exit code as None. It is dead, so this returns at once (the parent's
+        # loop serves no calls).
+        process.join(FRONT_REAP_S)
         if self.stopping.is_set():
             return
         logger.error("front process %d (pid %d) exited with code %s; stopping the server",
