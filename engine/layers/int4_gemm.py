@@ -224,8 +224,12 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     rows the 8B's qkv 2 ways, o and down 4 (64 column tiles), gate/up none (224); at 256 rows
     (4 row tiles) none."""
     tuned = _tuned_w4_config(m, n, k, group_size, paired)
-    if tuned is not None:
-        return tuned
+    return rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
+
+
+def rule_w4_config(m: int, n: int, k: int, paired: bool = False,
+                   device: torch.device = torch.device("cuda")) -> W4Config:
+    """`default_w4_config`'s rule (its docstring), without the measured table."""
     if m > MAX_ROWS:
         return W4Config(block_n=64, split_k=split_for(m, n, k, paired, 64, device),
                         num_warps=4, num_stages=4)
@@ -329,6 +333,11 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     ops = Operands(w.interleave, PACK // planes_per_group, x.element_size(),
                    w.scales.element_size(), silu_mul)
     fit = fit_shared_memory(config, m, ops, x.device, lower_stages=given is None)
+    if fit is None and given is None:
+        # A measured config was swept at the shape's engine layout; at another interleave (more
+        # words a plane) it may not fit the shared memory: the rule's config, fitted, instead.
+        config = rule_w4_config(m, n_cols, k, silu_mul, x.device)
+        fit = fit_shared_memory(config, m, ops, x.device)
     assert fit is not None, (
         f"{config} at {m} rows, {ops}: more shared memory than the device's "
         f"{shared_memory_limit(x.device)} bytes (layers/int4_shared_memory.py)")
