@@ -5,6 +5,7 @@ forward tokens and time (a fake clock: every step takes what a known cost says),
 and rank 0's times on every rank with tensor parallelism."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -219,29 +220,48 @@ def test_without_a_ratio_there_is_no_model_and_prompts_fill_the_cap(tiny_model, 
     assert make_engine(tiny_model, mixed_steps=False).core.scheduler.policy.step_cost is None
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_with_tensor_parallelism_rank_0s_step_times_reach_every_rank(tiny_model, make_engine, rank):
-    """Rank 0 keeps its priced steps for the next step's control message (engine/tp.py
-    ObservedStepCosts, which every rank applies); another rank's own times go nowhere."""
+def test_with_tensor_parallelism_rank_0_sends_its_step_times_to_every_rank(tiny_model, make_engine):
+    """Rank 0 keeps its priced steps' times for the next step's control message (engine/tp.py
+    ObservedStepCosts), which every rank's policy takes at the same point, rank 0's too (a
+    stand-in group records what rank 0 sends)."""
+    engine = make_engine(tiny_model)
+    core = engine.core
+    core.scheduler._tp_rank = 0
+    FakeClock().drive(engine, step_seconds(0.010, 0.0005, 0, core.scheduler.policy, extend=0.05))
+    sent = []
+
+    class Group:
+        def exchange(self, changes):
+            sent.append(changes)
+            return changes
+
+    engine.core = dataclasses.replace(core, tp_group=Group())
+    try:
+        steps = record_steps(engine)
+        drive(engine, _arrivals()[:8])
+    finally:
+        engine.core = core
+    samples = [sample for changes in sent for change in changes if isinstance(change, ObservedStepCosts)
+               for sample in change.samples]
+    priced = [s for s in steps if s.priced]
+    # Each step sends what was processed since the last; the last results wait for a next step.
+    left = core.scheduler.take_step_costs()
+    assert [n for n, _ in samples + left] == [s.num_decode + s.computed for s in priced] and samples
+    assert all(isinstance(s, StepCostSample) and s.seconds == pytest.approx(0.010 + 0.0005 * s.tokens)
+               for s in samples + left)
+    assert core.scheduler.policy.step_cost.num_samples == len(samples)
+
+
+def test_another_ranks_own_step_times_go_nowhere(tiny_model, make_engine):
     engine = make_engine(tiny_model)
     scheduler = engine.core.scheduler
-    scheduler._tp_rank = rank
-    FakeClock().drive(engine, step_seconds(0.010, 0.0005, 0, scheduler.policy, extend=0.05))
-    steps = record_steps(engine)
+    scheduler._tp_rank = 1
     drive(engine, _arrivals()[:8])
-    fit = scheduler.policy.step_cost
-    assert fit.num_samples == 0
-    samples = scheduler.take_step_costs()
-    assert scheduler.take_step_costs() == []
-    if rank:
-        assert samples == []
-        return
-    priced = [s for s in steps if s.priced]
-    assert [n for n, _ in samples] == [s.num_decode + s.computed for s in priced]
-    assert all(isinstance(s, StepCostSample) and s.seconds == pytest.approx(0.010 + 0.0005 * s.tokens)
-               for s in samples)
-    ObservedStepCosts(samples).apply(engine.core)
-    assert fit.num_samples == len(samples)
+    assert engine.metrics.num_mixed_steps > 0
+    assert scheduler.take_step_costs() == [] and scheduler.policy.step_cost.num_samples == 0
+    samples = [StepCostSample(8, 0.01), StepCostSample(40, 0.02)]
+    ObservedStepCosts(samples).apply(engine.core)  # rank 0's, at the start of a step
+    assert scheduler.policy.step_cost.num_samples == 2
 
 
 # --- configuration -------------------------------------------------------------------------
