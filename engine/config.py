@@ -375,8 +375,9 @@ class EngineConfig:
         _require(isinstance(self.prefill_interleave_tokens, int) and self.prefill_interleave_tokens >= 0,
                  "prefill_interleave_tokens",
                  f"must be an integer >= 0 (0 turns it off), got {self.prefill_interleave_tokens!r}")
-        _require(isinstance(self.mixed_step_time_ratio, (int, float)) and not isinstance(self.mixed_step_time_ratio, bool)
-                 and (self.mixed_step_time_ratio == 0 or 1.0 <= self.mixed_step_time_ratio < float("inf")),
+        ratio = self.mixed_step_time_ratio
+        _require(isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                 and (ratio == 0 or 1.0 <= ratio < float("inf")),
                  "mixed_step_time_ratio (--mixed-step-time-ratio)",
                  f"must be a number >= 1 (0: no cost model), got {self.mixed_step_time_ratio!r}")
         _require(self.grammar_compile_seconds > 0, "grammar_compile_seconds", "must be > 0")

@@ -14,10 +14,10 @@ shrinks. Its slope is shrunk toward a prior's, `fixed / prior_fixed_tokens`, as 
 prior's evidence weighs against the steps' (`_solve`): while the steps' token counts hardly
 spread (every step at one count says nothing of the slope) the prior supplies the slope, and
 before any step the model is the prior's shape alone, in units of its fixed part (a budget
-only compares the model's times). A step
-counts as at most twice the time predicted for it (a pause of the host, a garbage collection
-or a first-time cost must not drive the budget to its floor); slower runs of steps still move
-the fit, by that much per step.
+only compares the model's times). A step counts as at most twice the time predicted for it (a
+pause of the host, a garbage collection or a first-time cost must not drive the budget to its
+floor); slower runs of steps still move the fit, by that much per step. (The first step has no
+prediction to be held to: a slow one fades with its weight, over a few half-lives.)
 
 Pure host arithmetic over a handful of floats per step: no device value is read.
 """
@@ -109,7 +109,7 @@ class StepCostFit:
         against the prior's (`prior_weight` steps spread by `prior_spread` tokens), the prior
         slope being the fixed part over `prior_fixed_tokens`. Without spread (every step at
         one token count) that is the prior's shape through the steps' mean time."""
-        w, mean_x, mean_t = self._w, self._wx / self._w, self._wt / self._w
+        mean_x, mean_t = self._wx / self._w, self._wt / self._w
         spread = max(self._wxx - self._wx * mean_x, 0.0)
         covariance = self._wxt - self._wx * mean_t
         prior = self.prior_weight * self.prior_spread ** 2
