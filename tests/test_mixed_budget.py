@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from helpers import FakeClock, drive, random_prompts, record_steps, step_seconds
 from specserve.cli import build_parser, engine_config_from_args
 from specserve.engine import EngineConfig, SamplingParams
 from specserve.engine.runtime.captured_mixed import TOKEN_BUCKETS
+from specserve.engine.scheduler import policy as policy_module
 from specserve.engine.scheduler.mixed_batch import FLOOR_SHARE, prompt_budget
 from specserve.engine.scheduler.step_cost import (OUTLIER_FACTOR, PRIOR_FIXED_TOKENS, StepCost, StepCostFit,
                                                   StepCostSample)
@@ -275,3 +277,15 @@ def test_the_time_ratio_is_configured_and_checked():
     parse = lambda *flags: engine_config_from_args(build_parser().parse_args(["serve", *flags]))  # noqa: E731
     assert parse().mixed_step_time_ratio == 1.5
     assert parse("--mixed-step-time-ratio", "1.2").mixed_step_time_ratio == 1.2
+
+
+def test_the_cost_model_is_logged_every_so_many_priced_steps(tiny_model, make_engine, caplog, monkeypatch):
+    monkeypatch.setattr(policy_module, "LOG_COST_EVERY", 4)
+    engine = make_engine(tiny_model)
+    policy = engine.core.scheduler.policy
+    with caplog.at_level(logging.INFO, logger="specserve.engine"):
+        policy.observe_step_costs([StepCostSample(8, 0.01)] * 3)
+        assert "cost model" not in caplog.text
+        policy.observe_step_costs([StepCostSample(40, 0.02)])
+    assert "mixed steps' cost model after 4 steps" in caplog.text
+    assert "the last step: 40 tokens, 20.00 ms" in caplog.text

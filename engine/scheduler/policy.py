@@ -20,6 +20,7 @@ the chunk budget only.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 from typing import Callable, Optional, Sequence
 
@@ -29,6 +30,10 @@ from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
 from specserve.engine.scheduler.step_cost import StepCostFit, StepCostSample
 
+logger = logging.getLogger("specserve.engine")
+# The mixed steps' cost model is logged after every this many priced steps (a served engine's
+# log shows what its budget learnt: ~15 s apart at 8B speeds).
+LOG_COST_EVERY = 1024
 # Waiting requests beyond this many are admitted in arrival order; a request bypassed this many
 # times by later arrivals with longer cached prefixes is admitted next.
 LPM_WINDOW = 128
@@ -122,8 +127,14 @@ class AdmissionPolicy:
 
     def observe_step_costs(self, samples: Sequence[StepCostSample]) -> None:
         """Timed priced steps (Decision.priced), in the order they were processed."""
+        fit = self.step_cost
         for sample in samples:
-            self.step_cost.observe(*sample)
+            fit.observe(*sample)
+            if fit.num_samples % LOG_COST_EVERY == 0:
+                cost = fit.model
+                logger.info("mixed steps' cost model after %d steps: %.2f ms + %.2f us a token past %d "
+                            "(the last step: %d tokens, %.2f ms)", fit.num_samples, 1e3 * cost.fixed,
+                            1e6 * cost.per_token, cost.knee, sample.tokens, 1e3 * sample.seconds)
 
     # --- prefill -------------------------------------------------------------------------
     def _prefill(self, budget: int, reserved: int = 0,
