@@ -12,10 +12,10 @@ import math
 
 import pytest
 
-from helpers import FakeClock, drive, random_prompts, record_steps, step_seconds
+from helpers import FakeClock, drive, make_predictable_pair, random_prompts, record_steps, step_seconds
 
 from specserve.cli import build_parser, engine_config_from_args
-from specserve.engine import EngineConfig, SamplingParams
+from specserve.engine import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.runtime.captured_mixed import TOKEN_BUCKETS
 from specserve.engine.scheduler import policy as policy_module
 from specserve.engine.scheduler.mixed_batch import FLOOR_SHARE, prompt_budget
@@ -117,7 +117,7 @@ def test_the_budget_fills_the_graph_bucket_where_the_ratio_allows_else_shrinks_t
     buckets = TOKEN_BUCKETS
     assert prompt_budget(256, 1024, math.inf, buckets) == 1280  # 1280 -> the 1536 bucket, filled
     assert prompt_budget(256, 700, 800.0, buckets) == 768      # 956 replays 1024: filled, past the cap
-    assert prompt_budget(256, 1024, 600.0, buckets) == 512     # 856 -> 1024 is over: down to 768
+    assert prompt_budget(256, 1024, 600.0, buckets) == 512     # 856 -> 1024 is over: the 768 bucket
     assert prompt_budget(256, 1024, 0.0, buckets) == 256       # the floor's 384 replays 512 anyway
     assert prompt_budget(128, 1024, 0.0, buckets) == 128       # the floor's 256 is a bucket
     assert prompt_budget(2400, 1024, math.inf, buckets) == 1024  # no bucket holds it: eager
@@ -252,6 +252,24 @@ def test_with_tensor_parallelism_rank_0_sends_its_step_times_to_every_rank(tiny_
     assert all(isinstance(s, StepCostSample) and s.seconds == pytest.approx(0.010 + 0.0005 * s.tokens)
                for s in samples + left)
     assert core.scheduler.policy.step_cost.num_samples == len(samples)
+
+
+def test_a_speculative_step_prices_each_verify_row_at_its_width(tmp_path, make_engine):
+    """Chain speculation: a decode row's forward tokens are its verify nodes (4 here)."""
+    target, head = make_predictable_pair(str(tmp_path))
+    engine = make_engine(target, spec=SpecConfig(algorithm="eagle", draft_model=head, num_steps=3, topk=1,
+                                                 num_draft_tokens=4))
+    policy = engine.core.scheduler.policy
+    assert policy.mixed_row_tokens == 4
+    seen = []
+    policy.observe_step_costs = seen.extend
+    FakeClock().drive(engine, step_seconds(0.010, 0.0005, 0, policy, extend=0.05))
+    steps = record_steps(engine)
+    drive(engine, _arrivals()[:8])
+    priced = [s for s in steps if s.priced]
+    assert any(s.mixed for s in priced) and any(not s.mixed for s in priced)
+    assert [n for n, _ in seen] == [4 * s.num_decode + s.computed for s in priced]
+    assert [t for _, t in seen] == pytest.approx([0.010 + 0.0005 * (4 * s.num_decode + s.computed) for s in priced])
 
 
 def test_another_ranks_own_step_times_go_nowhere(tiny_model, make_engine):
