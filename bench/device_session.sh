@@ -10,7 +10,7 @@
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
 # profile (PROFILES="model:mode:bs[:tp[:ar[:quant]]] ...", ar: any word: NCCL for every
 # all-reduce; quant: fp8 for random block-FP8 weights, e.g. llama-70b:plain:1:2::fp8),
-# dsv3, prefix, structured, serving, mixed (E30's before/after), quant (E31's GEMMs and rows),
+# dsv3, prefix, structured, serving, mixed (E30's before/after; HOWS="separate mixed mixed-fixed"), quant (E31's GEMMs and rows),
 # drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B at tp 1/2/4, then
 # tp70), tp70 (70B at tp 4), tp70fp8 (70B FP8 at tp 2), tpdsv2 (DeepSeek-V2-Lite at tp
 # 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
@@ -86,8 +86,10 @@ for phase in $1; do case $phase in
                  --max-new-tokens 128 --client-procs 4 --tokenizer-workers ${TOKENIZER_WORKERS:-2} \
                  --server 127.0.0.1:$PORT --http-port $((PORT + 1)) --metrics-port $((PORT + 2)) --out $LOGS/serving_$api.json
            done ;;
-  mixed)  for api in ${APIS:-grpc openai}; do for how in separate mixed; do
-             flag=""; [ $how = mixed ] && flag=--mixed-steps
+  mixed)  for api in ${APIS:-grpc openai}; do for how in ${HOWS:-separate mixed}; do
+             # mixed: the adaptive prompt budget; mixed-fixed: no cost model (up to the cap)
+             flag=""; [ $how != separate ] && flag=--mixed-steps
+             [ $how = mixed-fixed ] && flag="$flag --mixed-step-time-ratio 0"
              run mixed_${api}_$how python $PWD/bench/serving.py --launch llama-8b --text --spec chain \
                  --rates inf --num-requests ${NUM_REQUESTS:-512} --max-new-tokens 128 --client-procs 4 \
                  --tokenizer-workers 2 --api $api --concurrency ${CONCURRENCY:-64,256} $flag --label $how \

@@ -415,6 +415,9 @@ def main():
                     help="with --launch: the decode-fairness extend budget (engine default if unset; 0: off)")
     ap.add_argument("--mixed-steps", action="store_true",
                     help="with --launch: prompts ride in decode steps (E30's mixed step; else extends of their own)")
+    ap.add_argument("--mixed-step-time-ratio", type=float, default=None,
+                    help="with --launch --mixed-steps: the adaptive prompt budget's step-time ratio "
+                         "(engine default if unset; 0: no cost model, up to --prefill-interleave-tokens)")
     ap.add_argument("--text", action="store_true",
                     help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
     ap.add_argument("--metrics-url", default=None,
@@ -437,7 +440,8 @@ def main():
                                                prefix_cache=not args.disable_prefix_cache, text=args.text,
                                                mixed_steps=args.mixed_steps,
                                                **{name: getattr(args, name) for name in
-                                                  ("chunked_prefill_size", "prefill_interleave_tokens")
+                                                  ("chunked_prefill_size", "prefill_interleave_tokens",
+                                                   "mixed_step_time_ratio")
                                                   if getattr(args, name) is not None})
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(

@@ -23,8 +23,8 @@ from specserve.engine.outputs import EngineInfo, EngineLoad, GenerateOutput, Gra
 from specserve.engine.runtime.tp_group import Rendezvous
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
-from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, ObservedStepTimes,
-                                 RequestChange, TPRankDied, spawn_followers)
+from specserve.engine.tp import (AbortRequest, AddRequest, FlushPrefixCache, GrammarNews, ObservedStepCosts,
+                                 ObservedStepTimes, RequestChange, TPRankDied, spawn_followers)
 
 # After a failed tp step: how long to wait for a dead rank's exit to show (its sockets close
 # first), so that the error names it.
@@ -180,6 +180,9 @@ class Engine:
             observed = core.worker.take_step_times() if isinstance(core.worker, AdaptiveSpecWorker) else ()
             if observed:  # rank 0's step times, taken by every rank here
                 self._change(ObservedStepTimes(observed))
+            costs = core.scheduler.take_step_costs()
+            if costs:  # likewise rank 0's priced steps, for the mixed steps' budget
+                self._change(ObservedStepCosts(costs))
             changes, self._changes = self._changes, []
             core.tp_group.exchange(changes)
         # Schedule-side device work runs on this engine's schedule stream (entered per call:

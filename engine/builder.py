@@ -330,11 +330,13 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                chunked_prefill_size=config.chunked_prefill_size,
                                prefill_interleave_tokens=config.prefill_interleave_tokens,
                                mixed_row_tokens=worker.mixed_row_tokens() if config.mixed_steps else 0,
+                               mixed_step_time_ratio=config.mixed_step_time_ratio,
                                max_context_len=max_context_len),
         outputs=OutputProcessor(max_context_len), vocab_size=cfg.vocab_size, eos_ids=eos_token_ids,
         enable_overlap=config.enable_overlap, speculative=spec is not None,
         grammars=target.grammar, rank0_value=None if tp_group is None else tp_group.exchange,
-        finished=drafter.remember if isinstance(drafter, SuffixDrafter) else None)
+        finished=drafter.remember if isinstance(drafter, SuffixDrafter) else None,
+        tp_rank=None if tp_group is None else rank)
     logger.info("KV pool: %d slots of %s; max_context_len %d; %s attention; prefix cache %s; %s",
                 num_slots, str(kv_dtype).replace("torch.", ""), max_context_len,
                 type(attn).__name__, "on" if cache is not None else "off",

@@ -299,10 +299,10 @@ class EngineConfig:
     # vLLM's --gpu-memory-utilization; two engines of 0.45 share one GPU. CUDA only.
     gpu_memory_utilization: float = 0.9
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; 0 or less disables
-    # Decode fairness: while some request decodes, prompt chunks ride in its decode step's
-    # forward, which computes at most this many tokens, the decode rows' included (where a
-    # step cannot mix: an extend of at most this many prompt tokens, then a decode step;
-    # docs/architecture.md "The mixed step"). Long prompts are chunked; cached prefixes are
+    # Decode fairness: while some request decodes, at most this many prompt tokens are
+    # computed between two decode steps: riding in the decode step (mixed_steps; the cap of
+    # the adaptive budget below) or in an extend of their own followed by a decode step
+    # (docs/architecture.md "The mixed step"). Long prompts are chunked; cached prefixes are
     # free. With nobody decoding, an extend is bounded by chunked_prefill_size only. 0 turns
     # it off (prefill first: extends back to back while prompts wait).
     prefill_interleave_tokens: int = 1024
@@ -311,6 +311,12 @@ class EngineConfig:
     # eager mixed steps lost 18-28 % of served throughput on an H100 (benchmarks.md); their
     # CUDA graphs (runtime/captured_mixed.py) are not measured yet.
     mixed_steps: bool = False
+    # A mixed step carries the most prompt tokens whose predicted step time stays within this
+    # many times the decode step alone's (a cost model fitted from the steps' times,
+    # engine/scheduler/step_cost.py), at least an eighth of prefill_interleave_tokens; 1.5
+    # keeps the inter-token p99 within 2x its p50 with margin. 0: no cost model, a mixed step
+    # carries up to prefill_interleave_tokens.
+    mixed_step_time_ratio: float = 1.5
     max_context_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_overlap: bool = True
     spec: Union[SpecConfig, None, str] = DEFAULT  # DEFAULT: on with the demo pair, else off
@@ -369,6 +375,11 @@ class EngineConfig:
         _require(isinstance(self.prefill_interleave_tokens, int) and self.prefill_interleave_tokens >= 0,
                  "prefill_interleave_tokens",
                  f"must be an integer >= 0 (0 turns it off), got {self.prefill_interleave_tokens!r}")
+        ratio = self.mixed_step_time_ratio
+        _require(isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                 and (ratio == 0 or 1.0 <= ratio < float("inf")),
+                 "mixed_step_time_ratio (--mixed-step-time-ratio)",
+                 f"must be a number >= 1 (0: no cost model), got {self.mixed_step_time_ratio!r}")
         _require(self.grammar_compile_seconds > 0, "grammar_compile_seconds", "must be > 0")
         _require(self.max_context_len is None or self.max_context_len >= 2,
                  "max_context_len", "must be >= 2")

@@ -80,7 +80,18 @@ class ObservedStepTimes(NamedTuple):
         core.worker.observe_step_times(self.observed)
 
 
-RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache, GrammarNews, ObservedStepTimes]
+class ObservedStepCosts(NamedTuple):
+    """Rank 0's priced step times since the last step (Scheduler.take_step_costs:
+    StepCostSamples): every rank's mixed-step budget takes them at the same point, so all
+    choose the same prompt chunks."""
+    samples: list
+
+    def apply(self, core: EngineCore) -> None:
+        core.scheduler.policy.observe_step_costs(self.samples)
+
+
+RequestChange = Union[AddRequest, AbortRequest, FlushPrefixCache, GrammarNews, ObservedStepTimes,
+                      ObservedStepCosts]
 
 
 class TPRankDied(RuntimeError):

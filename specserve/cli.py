@@ -33,13 +33,19 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default 0.9; with --gpus-per-rank below 1, each replica's is this "
                         "times its share)")
     g.add_argument("--prefill-interleave-tokens", type=int, default=None, metavar="N",
-                   help="decode fairness: while requests decode, prompt chunks ride in their "
-                        "decode step, whose forward computes at most N tokens, the decode rows' "
-                        "included (default 1024; 0: off, prefill first)")
+                   help="decode fairness: while requests decode, at most N prompt tokens are "
+                        "computed between two decode steps, in an extend of their own or riding in "
+                        "the decode step (--mixed-steps: the cap of its adaptive budget) "
+                        "(default 1024; 0: off, prefill first)")
     g.add_argument("--mixed-steps", action="store_true",
-                   help="prompt chunks ride in decode steps instead of extend steps of their own (at "
-                        "most --prefill-interleave-tokens prompt tokens each, then a decode step); "
-                        "off by default until their CUDA graphs are measured (docs/benchmarks.md)")
+                   help="prompt chunks ride in decode steps instead of extend steps of their own "
+                        "(each followed by a decode step); off by default until their CUDA graphs "
+                        "are measured (docs/benchmarks.md)")
+    g.add_argument("--mixed-step-time-ratio", type=float, default=None, metavar="R",
+                   help="with --mixed-steps: a step carries the most prompt tokens whose predicted "
+                        "time stays within R times the decode step alone's (a cost model fitted "
+                        "from the steps' times), at least an eighth of --prefill-interleave-tokens "
+                        "(default 1.5; 0: no model, up to --prefill-interleave-tokens)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -148,6 +154,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens",
                                                         "gpu_memory_utilization",
                                                         "prefill_interleave_tokens",
+                                                        "mixed_step_time_ratio",
                                                         "kv_events_endpoint",
                                                         "kv_events_replay_endpoint",
                                                         "kv_events_topic", "kv_events_block_size")

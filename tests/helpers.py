@@ -564,6 +564,7 @@ class Step(NamedTuple):
     chunks: tuple
     mixed: bool = False
     num_decode: int = 0  # decode rows of a decode or mixed step
+    priced: bool = False  # its time refines the mixed steps' cost model (Decision.priced)
 
 
 def could_decode(req) -> bool:
@@ -595,8 +596,61 @@ def record_steps(engine, old_order: bool = False) -> list[Step]:
                               sum(end - start for start, end in decision.chunks) if chunked else 0,
                               decoding, tuple(r.key for r in (chunked or decision.reqs)),
                               tuple(decision.chunks), decision.mode is ForwardMode.MIXED,
-                              len(decision.decode_reqs)))
+                              len(decision.decode_reqs), decision.priced))
         return decision
 
     policy.schedule = recording
     return steps
+
+
+class _TimedResult:
+    """A PendingResult whose wait() first moves a fake clock on by its step's seconds (a
+    device that took that long)."""
+
+    def __init__(self, pending, clock: "FakeClock", seconds: float):
+        self.pending, self.clock, self.seconds = pending, clock, seconds
+
+    @property
+    def copy_done(self):
+        return self.pending.copy_done
+
+    def wait(self):
+        self.clock.now += self.seconds
+        return self.pending.wait()
+
+
+class FakeClock:
+    """The scheduler's clock (Scheduler.clock) in tests: it moves only when a launched step's
+    result is waited for, by what `step_seconds(decision)` says that step took, so that every
+    step the scheduler times takes exactly that long, in both loops."""
+
+    def __init__(self):
+        self.now = 1.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def drive(self, engine, step_seconds: Callable) -> None:
+        """Engine `engine`'s scheduler runs on this clock from now on."""
+        scheduler = engine.core.scheduler
+        launch = scheduler._launch
+
+        def timed(decision):
+            launched = launch(decision)
+            return launched._replace(result=_TimedResult(launched.result, self, step_seconds(decision)))
+
+        scheduler.clock = self
+        scheduler._launch = timed
+
+
+def step_seconds(fixed: float, per_token: float, knee: int, policy, extend: float = 0.0) -> Callable:
+    """A FakeClock's step times: a decode or mixed step's by the forward tokens it computes
+    (policy.forward_tokens), `fixed + per_token * max(0, tokens - knee)`; an extend `extend`."""
+    from specserve.engine.forward_batch import ForwardMode
+
+    def seconds(decision) -> float:
+        if decision.mode is ForwardMode.EXTEND:
+            return extend
+        return fixed + per_token * max(0, policy.forward_tokens(decision) - knee)
+
+    return seconds

@@ -22,7 +22,6 @@ from specserve.engine.runtime import captured_mixed
 from specserve.engine.runtime.captured_extend import ExtendBucket
 from specserve.engine.runtime.captured_mixed import load_mixed_inputs, make_mixed_inputs, mixed_bucket, mixed_buckets
 from specserve.engine.runtime.mixed_step import DecodeRows
-from specserve.engine.scheduler.mixed_batch import prompt_budget
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=2, topk=2, num_draft_tokens=4)
@@ -90,12 +89,13 @@ def test_graphed_mixed_steps_equal_eager_ones_and_each_request_alone(pair, make_
     assert _mixed_replays(graphs, worker) == engine.metrics.num_mixed_steps > 0
     # The long prompt was chunked over several graphed mixed steps.
     assert sum(("long", 0) in s.reqs and s.mixed for s in steps) >= 2
-    # The prompt share filled the 64-token bucket the steps replay (BUDGET alone is 32).
+    # The prompt share filled the 64-token bucket the steps replay (BUDGET alone is 32; no
+    # smaller bucket holds the floor, so the step replays that one whatever the cost model says).
     row_tokens = worker.mixed_row_tokens()
     assert any(s.mixed and s.computed + s.num_decode * row_tokens > BUDGET for s in steps)
     for s in steps:
         if s.mixed:
-            assert s.computed <= prompt_budget(BUDGET, s.num_decode, row_tokens, (64,))
+            assert s.computed <= max(BUDGET, 64 - s.num_decode * row_tokens)
     assert_no_leaks(engine)
 
 
@@ -195,17 +195,6 @@ def test_bucket_choice():
     assert mixed_bucket(4, 250, [200, 56], False, big) == ExtendBucket(1536, 256, 256)
     assert all(b.max_chunk <= 300 for b in mixed_buckets(8, 300))
     assert mixed_bucket(1, 2, [400], False, mixed_buckets(8, 300)) is None
-
-
-def test_the_prompt_budget_fills_the_graph_bucket():
-    tokens = captured_mixed.TOKEN_BUCKETS
-    assert prompt_budget(1024, 64, 4, tokens) == 768  # 1024 exactly: a bucket already
-    assert prompt_budget(1000, 64, 4, tokens) == 768  # 256 + 744 -> 1024
-    assert prompt_budget(32, 2, 4, tokens) == 56      # 8 + 24 -> 64
-    assert prompt_budget(1024, 256, 4, tokens) == 512  # the quarter floor: 1280 -> 1536
-    assert prompt_budget(1024, 400, 4, tokens) == 448  # 1600 + 256 -> 2048
-    assert prompt_budget(1024, 600, 4, tokens) == 256  # 2400: no bucket holds it (eager)
-    assert prompt_budget(32, 2, 4) == 24              # no graphs: as before
 
 
 def test_loading_pads_after_the_rows_and_chunks():

@@ -1,6 +1,7 @@
 """Decode fairness (EngineConfig.prefill_interleave_tokens): while some request decodes, prompt
-chunks ride with its decode step in one mixed step, the budget counting the decode rows' tokens
-too (scheduler/mixed_batch.py); with mixed steps off (a backend that cannot mix, or a request
+chunks ride with its decode step in one mixed step, at most the budget's tokens (the cap of the
+adaptive budget, scheduler/mixed_batch.py; tests/test_mixed_budget.py prices the steps); with
+mixed steps off (a backend that cannot mix, or a request
 that cannot ride) an extend step computes at most the budget and the next step is a decode
 step; with nobody decoding, an extend is bounded by chunked_prefill_size only; 0 is the old
 prefill-first order."""
@@ -12,10 +13,9 @@ import random
 
 import pytest
 
-from helpers import Step, assert_no_leaks, drive, make_predictable_pair, random_prompts, record_steps
+from helpers import FakeClock, Step, assert_no_leaks, drive, make_predictable_pair, random_prompts, record_steps
 
 from specserve.engine import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
-from specserve.engine.scheduler.mixed_batch import prompt_budget
 
 BUDGET = 8
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
@@ -34,15 +34,14 @@ def pair(tmp_path_factory):
     return make_predictable_pair(str(tmp_path_factory.mktemp("pair")))
 
 
-def assert_decode_fair(steps: list[Step], budget: int, row_tokens: int = 1) -> None:
+def assert_decode_fair(steps: list[Step], budget: int) -> None:
     for i, step in enumerate(steps):
         if step.extend and step.decoding:
             assert step.computed <= budget, f"step {i}: an extend of {step.computed} tokens while requests decode"
             assert i == 0 or not steps[i - 1].extend, f"step {i}: two extends in a row while requests decode"
-        if step.mixed:
+        if step.mixed:  # (no graphs: no token bucket to fill past the cap)
             assert step.decoding and step.num_decode > 0
-            assert step.computed <= prompt_budget(budget, step.num_decode, row_tokens), \
-                f"step {i}: {step.computed} prompt tokens ride with {step.num_decode} decode rows"
+            assert step.computed <= budget, f"step {i}: {step.computed} prompt tokens ride with {step.num_decode} decode rows"
 
 
 def assert_rides(steps: list[Step]) -> None:
@@ -131,12 +130,14 @@ def test_a_prompt_longer_than_the_budget_is_chunked_between_decode_steps(tiny_mo
     arrivals = [(0, "d0", short[0], _greedy(60)), (0, "d1", short[1], _greedy(60)),
                 (3, "long", long, _greedy(8))]
     engine = _engine(make_engine, tiny_model, mixed, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
+    # Every step takes as long (a fake clock): prompt tokens look free to the cost model, so a
+    # mixed step's budget is the cap, as a separate extend's is.
+    FakeClock().drive(engine, lambda decision: 0.01)
     steps = record_steps(engine)
     got = drive(engine, arrivals)
     assert_decode_fair(steps, BUDGET)
     mine = [s for s in steps if ("long", 0) in s.reqs and (s.extend or s.mixed)]
-    # Mixed, each chunk rides with the two decode rows: the budget less their two tokens.
-    assert len(mine) == math.ceil(len(long) / (prompt_budget(BUDGET, 2, 1) if mixed else BUDGET))
+    assert len(mine) == math.ceil(len(long) / BUDGET)
     assert all(s.mixed == mixed for s in mine)
     # Its chunks cover the prompt in order (separate: each followed by a decode step of the others).
     chunks = [s.chunks[s.reqs.index(("long", 0))] for s in mine]
@@ -211,7 +212,7 @@ def test_outputs_equal_the_rule_off(pair, make_engine, overlap, speculative):
         results[budget] = drive(engine, arrivals)
         assert_no_leaks(engine)
         if budget:
-            assert_decode_fair(steps, budget, engine.core.worker.mixed_row_tokens())
+            assert_decode_fair(steps, budget)
             assert any(s.mixed for s in steps)  # prompts rode with decode steps
             # ... and the constrained requests (which cannot ride) had extends of their own.
             assert any(s.extend and s.decoding for s in steps)
@@ -237,7 +238,7 @@ def test_outputs_equal_the_rule_off_under_retraction(pair, make_engine, overlap,
         assert engine.metrics.num_retractions > 0
         assert_no_leaks(engine)
         if rule:
-            assert_decode_fair(steps, rule, engine.core.worker.mixed_row_tokens())
+            assert_decode_fair(steps, rule)
             assert engine.metrics.num_mixed_steps > 0
     assert results[budget] == results[0]
 

@@ -2,14 +2,19 @@
 tokens ride with the decode rows.
 
 A mixed step (ForwardMode.MIXED, runtime/mixed_step.py) runs one decode (or speculative
-verify) step of the decoding requests and prefill chunks of others in one target forward,
-under one token budget: `prefill_interleave_tokens` counts every token the forward computes,
-the decode rows' (one each, or the verify width) included, and the prompt chunks get what is
-left. So the prompt share shrinks as the decode batch grows (a forward of a few hundred tokens
-stays about as fast as the decode step alone on a GPU), down to a quarter of the budget, so
-that prompts still advance while a large batch decodes. Where the worker captured mixed-step
-graphs (runtime/captured_mixed.py), the share is rounded up to fill the token bucket the step
-replays.
+verify) step of the decoding requests and prefill chunks of others in one target forward. How
+many prompt tokens ride (`prompt_budget`) adapts to the decode batch: the most whose predicted
+step time stays within `mixed_step_time_ratio` times the decode step alone's, by the step-cost
+model the scheduler fits from the steps it times (scheduler/step_cost.py: prompt tokens are
+nearly free while the forward stays under the GEMMs' knee, then each costs its compute). So a
+small batch takes prompts up to the knee and then some, a batch whose step is already long
+takes proportionally more, and prompt tokens that turn out slow (a costly forward, host work
+that grows with them) shrink it. `prefill_interleave_tokens` caps it, and it is at least an
+eighth of that cap so that prompts always advance (and TTFT stays bounded) however costly they
+look. Where the worker captured mixed-step graphs (runtime/captured_mixed.py), the step fills
+the token bucket it replays when that bucket's predicted time stays within the ratio (padding
+costs what prompt tokens in its place would, so the fill may pass the cap), else shrinks to
+the largest bucket it fits (a step just over a bucket pays the next one's time).
 
 A request whose sampling needs per-row device state the mixed forward does not carry rides
 in no mixed step: a grammar (the grammar process plans one kind of step per launch), repeat
@@ -24,6 +29,8 @@ from typing import Sequence
 
 from specserve.engine.scheduler.schedule_batch import Req
 
+FLOOR_SHARE = 8  # a mixed step carries at least prefill_interleave_tokens // FLOOR_SHARE prompt tokens
+
 
 def rides_mixed(req: Req) -> bool:
     """Whether `req` may be a row of a mixed step (the module's docstring says why not)."""
@@ -32,14 +39,18 @@ def rides_mixed(req: Req) -> bool:
             and p.prompt_logprobs is None)
 
 
-def prompt_budget(step_tokens: int, num_decode: int, row_tokens: int,
-                  graph_tokens: Sequence[int] = ()) -> int:
-    """Prompt tokens that ride with `num_decode` rows of `row_tokens` each under a budget of
-    `step_tokens` for the whole forward: what the rows leave, and at least a quarter; with
-    mixed-step graphs of `graph_tokens` tokens (ascending), up to the smallest that holds
-    that forward: it replays padded to that many tokens anyway, and prompt tokens in the
-    padding's place cost the same."""
-    rows = num_decode * row_tokens
-    budget = max(step_tokens - rows, step_tokens // 4, 1)
+def prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequence[int] = ()) -> int:
+    """Prompt tokens that ride with decode rows of `rows` tokens in all (one per plain row, the
+    verify width per speculative one): `within` (the most the step-cost model allows within the
+    time ratio; math.inf without a model), at most `cap`, at least `cap // FLOOR_SHARE` (and 1).
+    With mixed-step graphs of `graph_tokens` tokens (ascending): the whole bucket the step
+    replays where `within` holds it (or no smaller bucket holds the floor: it replays that one
+    anyway), else the largest smaller bucket over the floor; as much as without graphs where no
+    bucket holds the step (it runs eagerly)."""
+    floor = max(cap // FLOOR_SHARE, 1)
+    budget = max(int(min(within, cap)), floor)
     bucket = next((t for t in graph_tokens if t >= rows + budget), None)
-    return budget if bucket is None else bucket - rows
+    if bucket is None:
+        return budget  # no graph holds the step: it runs eagerly
+    smaller = [t for t in graph_tokens if rows + floor <= t < bucket]
+    return bucket - rows if bucket - rows <= within or not smaller else smaller[-1] - rows

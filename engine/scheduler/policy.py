@@ -8,8 +8,10 @@ prefix cache, cached and evictable) and it waits to be prefilled again over prom
 
 Decode fairness (`prefill_interleave_tokens` > 0): while some running request could take a
 decode step, prompts ride with it in one mixed step (the worker's `mixed_row_tokens` > 0;
-scheduler/mixed_batch.py: the budget counts the decode rows' tokens too), so decoding requests
-never wait behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
+scheduler/mixed_batch.py: as many prompt tokens as keep the step within
+`mixed_step_time_ratio` of the decode step alone, by the step-cost model `step_cost` that the
+scheduler's timed steps refine, scheduler/step_cost.py), so decoding requests never wait
+behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
 `rides_mixed`), or the worker runs none, an extend computes at most that many tokens and is
 always followed by a decode step, so decoding requests never wait behind more than one
 bounded extend. With nobody decoding (an idle server's first arrivals) an extend is bounded by
@@ -18,13 +20,20 @@ the chunk budget only.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Optional
+import logging
+import math
+from typing import Callable, Optional, Sequence
 
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.scheduler.mixed_batch import prompt_budget, rides_mixed
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
+from specserve.engine.scheduler.step_cost import StepCostFit, StepCostSample
 
+logger = logging.getLogger("specserve.engine")
+# The mixed steps' cost model is logged after every this many priced steps (a served engine's
+# log shows what its budget learnt: ~15 s apart at 8B speeds).
+LOG_COST_EVERY = 1024
 # Waiting requests beyond this many are admitted in arrival order; a request bypassed this many
 # times by later arrivals with longer cached prefixes is admitted next.
 LPM_WINDOW = 128
@@ -33,14 +42,20 @@ MAX_BYPASS = 32
 
 class AdmissionPolicy:
     def __init__(self, slots: RequestSlots, *, max_running_requests: int, chunked_prefill_size: int,
-                 max_context_len: int, prefill_interleave_tokens: int = 0, mixed_row_tokens: int = 0):
+                 max_context_len: int, prefill_interleave_tokens: int = 0, mixed_row_tokens: int = 0,
+                 mixed_step_time_ratio: float = 0.0):
         """mixed_row_tokens: tokens a decode row adds to a mixed step (Worker.mixed_row_tokens);
-        0: no mixed steps."""
+        0: no mixed steps. mixed_step_time_ratio: a mixed step's predicted time at most this
+        many times the decode step alone's (EngineConfig.mixed_step_time_ratio); 0: no cost
+        model, prompts fill `prefill_interleave_tokens`."""
         self.slots = slots
         self.max_running = max_running_requests
         self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
         self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
         self.mixed_row_tokens = mixed_row_tokens
+        self.mixed_step_time_ratio = mixed_step_time_ratio
+        # The decode and mixed steps' cost by forward tokens (None: no mixed steps, or no ratio).
+        self.step_cost = StepCostFit() if mixed_row_tokens and mixed_step_time_ratio else None
         # The token counts of the worker's mixed-step graphs (set once they are captured): the
         # prompt budget fills the bucket a step replays (mixed_batch.py prompt_budget).
         self.mixed_graph_tokens: tuple[int, ...] = ()
@@ -91,15 +106,35 @@ class AdmissionPolicy:
         decode = self._decode(nothing_in_flight)
         if decode is None:
             return self._prefill(self.chunk_budget)
+        priced = self.step_cost is not None  # its time refines the model (Scheduler._process)
         reserved = sum(self.slots.to_reserve(r) for r in decode.reqs)
+        rows = len(decode.reqs) * self.mixed_row_tokens
+        within = math.inf if self.step_cost is None else \
+            self.step_cost.model.extra_tokens_within(rows, self.mixed_step_time_ratio)
         budget = min(self.chunk_budget,
-                     prompt_budget(self.interleave_tokens, len(decode.reqs), self.mixed_row_tokens,
-                                   self.mixed_graph_tokens))
+                     prompt_budget(rows, self.interleave_tokens, within, self.mixed_graph_tokens))
         extend = self._prefill(budget, reserved=reserved, only=rides_mixed)
         if extend is None:
-            return decode
+            return decode._replace(priced=priced)
         return Decision(ForwardMode.MIXED, decode.reqs + extend.reqs, extend.chunks, extend.samples,
-                        extend.prompt_spans, num_decode=len(decode.reqs))
+                        extend.prompt_spans, num_decode=len(decode.reqs), priced=priced)
+
+    def forward_tokens(self, decision: Decision) -> int:
+        """The tokens a decode or mixed step's target forward computes: the decode rows' and
+        the chunks'."""
+        return (len(decision.decode_reqs) * self.mixed_row_tokens
+                + sum(end - start for start, end in decision.chunks))
+
+    def observe_step_costs(self, samples: Sequence[StepCostSample]) -> None:
+        """Timed priced steps (Decision.priced), in the order they were processed."""
+        fit = self.step_cost
+        for sample in samples:
+            fit.observe(*sample)
+            if fit.num_samples % LOG_COST_EVERY == 0:
+                cost = fit.model
+                logger.info("mixed steps' cost model after %d steps: %.2f ms + %.2f us a token past %d "
+                            "(the last step: %d tokens, %.2f ms)", fit.num_samples, 1e3 * cost.fixed,
+                            1e6 * cost.per_token, cost.knee, sample.tokens, 1e3 * sample.seconds)
 
     # --- prefill -------------------------------------------------------------------------
     def _prefill(self, budget: int, reserved: int = 0,

@@ -174,7 +174,8 @@ class Decision(NamedTuple):
     ids, whether it samples a token and the prompt tokens it scores (Req.take_prompt_span);
     DECODE: one (speculative) step per request; MIXED: one decode step of the first
     `num_decode` requests and the chunks of the others (chunks, samples and prompt_spans are
-    theirs), in one forward."""
+    theirs), in one forward. `priced`: a step whose time refines the mixed steps' cost model
+    (policy.py `step_cost`: the mixed steps, and the decode steps scheduled where one could mix)."""
 
     mode: ForwardMode
     reqs: list[Req]
@@ -182,6 +183,7 @@ class Decision(NamedTuple):
     samples: Sequence[bool] = ()
     prompt_spans: Sequence[Optional[tuple[int, int]]] = ()
     num_decode: int = 0
+    priced: bool = False
 
     @property
     def decode_reqs(self) -> list[Req]:
@@ -199,5 +201,5 @@ class InflightBatch(NamedTuple):
 
     decision: Decision
     launched: Launched
-    launched_at: float = 0.0     # time.perf_counter() when it was launched
+    launched_at: float = 0.0     # Scheduler.clock() (time.perf_counter()) when it was launched
     num_others: int = 0          # requests holding a row that this step does not advance

@@ -40,6 +40,7 @@ from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, InflightBatch, Req, ReqStatus
+from specserve.engine.scheduler.step_cost import StepCostSample
 
 logger = logging.getLogger("specserve.engine")
 # How long an otherwise idle step waits for a grammar being compiled (instead of spinning).
@@ -78,12 +79,16 @@ class Scheduler:
                  outputs: OutputProcessor, vocab_size: int, eos_ids, enable_overlap: bool,
                  speculative: bool, grammars: Optional[GrammarService] = None,
                  rank0_value: Optional[Callable[[Any], Any]] = None,
-                 finished: Optional[Callable[[list[int], list[int]], None]] = None):
+                 finished: Optional[Callable[[list[int], list[int]], None]] = None,
+                 tp_rank: Optional[int] = None, clock: Callable[[], float] = time.perf_counter):
         """grammars: the grammar process (a follower rank's stand-in, grammar/ranks.py); None:
         no tokenizer for grammars. rank0_value: rank 0's value of something every rank passes
         its own of (tensor parallelism: the control group's broadcast); None: one rank.
         finished: told each sequence's prompt and output tokens when it ends (suffix drafting's
-        corpus, spec/suffix.py)."""
+        corpus, spec/suffix.py). tp_rank: this rank (tensor parallelism; None: one rank): the
+        priced steps' times that refine the mixed steps' cost model are rank 0's on every rank
+        (`take_step_costs`), as every rank must make the same decisions. clock: the host's
+        clock for the requests' stamps and the steps' times (tests pass a fake one)."""
         self.worker = worker
         self.slots = slots
         self.policy = policy
@@ -104,8 +109,11 @@ class Scheduler:
         self._compiling: list[Req] = []   # waiting for their grammar to compile
         self._idle_for_grammar = False    # the last step ran nothing, waiting for a compile
         self._constrained: dict[int, Req] = {}  # unfinished requests with a grammar, by serial
-        self._last_result_at = 0.0        # perf_counter() of the last processed batch's result
+        self._last_result_at = 0.0        # clock() of the last processed batch's result
         self._finished = finished
+        self._tp_rank = tp_rank
+        self._step_costs: list[StepCostSample] = []  # rank 0's, for take_step_costs (tp > 1)
+        self.clock = clock
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -113,7 +121,7 @@ class Scheduler:
         self._serial += 1
         req.serial = self._serial
         if not req.received_at:
-            req.received_at = time.perf_counter()
+            req.received_at = self.clock()
         self.reqs[req.key] = req
         self._num_sequences[req.rid] = self._num_sequences.get(req.rid, 0) + 1
         spec = req.sampling.grammar
@@ -152,7 +160,7 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         decision = self.policy.schedule(nothing_in_flight=not self.inflight)
         if decision is not None:
-            launched_at = time.perf_counter()
+            launched_at = self.clock()
             launched = self._launch(decision)
             for r in decision.extend_reqs:
                 if not r.admitted_at:
@@ -262,17 +270,20 @@ class Scheduler:
 
     # --- results -------------------------------------------------------------------------
     def _process(self, batch: InflightBatch) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         result = batch.launched.result.wait()
-        done = time.perf_counter()
+        done = self.clock()
         self.metrics.host_blocked_seconds += done - t0
         decision = batch.decision
         extend = decision.mode is ForwardMode.EXTEND  # a mixed step counts as a decode step
+        seconds = done - max(batch.launched_at, self._last_result_at)
         self.metrics.step_stats.append(StepStat(
-            extend, done - max(batch.launched_at, self._last_result_at),
+            extend, seconds,
             sum(end - start for start, end in decision.chunks) if extend else len(decision.decode_reqs),
             batch.num_others, 0 if extend else batch.launched.draft_depth))
         self._last_result_at = done
+        if decision.priced:
+            self._price(StepCostSample(self.policy.forward_tokens(decision), seconds))
         tokens = result.token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         lengths = result.accept_lens.tolist() if result.accept_lens is not None else None
@@ -320,6 +331,19 @@ class Scheduler:
                 if prefill and req.status is ReqStatus.RUNNING:
                     self.slots.cache_prefilled(req)
                 self._emit(req)
+
+    def _price(self, sample: StepCostSample) -> None:
+        """A priced step's time reaches the cost model now (one rank), or rank 0's reach every
+        rank's at the start of the next step (engine/tp.py ObservedStepCosts)."""
+        if self._tp_rank is None:
+            self.policy.observe_step_costs([sample])
+        elif self._tp_rank == 0:
+            self._step_costs.append(sample)
+
+    def take_step_costs(self) -> list[StepCostSample]:
+        """Rank 0's priced step times since the last call (tp > 1), for every rank's policy."""
+        samples, self._step_costs = self._step_costs, []
+        return samples
 
     def _deliver_prompt_logprobs(self, decision: Decision, result) -> None:
         """Hand each request its slice of the scored prompt tokens (concatenated in batch
