@@ -416,7 +416,7 @@ def _graph_sets(worker: Worker) -> list:
     workers = worker.workers.values() if isinstance(worker, AdaptiveSpecWorker) else (worker,)
     return [graphs for w in workers
             for graphs in (w.graphs, *w.sampled_graphs.values(), *w.constrained_graphs.values(),
-                           w.extend_graphs, w.mixed_graphs)
+                           w.extend_graphs, w.mixed_graphs, *w.mixed_wrap_graphs.values())
             if graphs is not None]
 
 

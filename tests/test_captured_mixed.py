@@ -66,6 +66,12 @@ def _mixed_replays(graphs, worker) -> int:
     return sum(g is worker.mixed_graphs for g, _, _ in graphs.replays)
 
 
+def _wrap_replays(graphs, worker) -> int:
+    """Replays of the speculative wrap's graphs (draft, accept, draft-extend: 3 a step)."""
+    wraps = list(worker.mixed_wrap_graphs.values())
+    return sum(any(g is w for w in wraps) for g, _, _ in graphs.replays)
+
+
 # --- engines on the CPU (the graphs' stand-in) --------------------------------------------
 @pytest.mark.parametrize("overlap,cache", [(False, False), (True, True)], ids=["normal-nocache", "overlap-cache"])
 @pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
@@ -88,6 +94,9 @@ def test_graphed_mixed_steps_equal_eager_ones_and_each_request_alone(pair, make_
     assert drive(engine, _arrivals()) == expected
     worker = engine.core.worker
     assert _mixed_replays(graphs, worker) == engine.metrics.num_mixed_steps > 0
+    # Chain: the draft, the accept and the draft-extend around every mixed forward replayed
+    # too (greedy, seeded and filtered decode rows: each its variant); plain samples eagerly.
+    assert _wrap_replays(graphs, worker) == (3 * engine.metrics.num_mixed_steps if shape else 0)
     # The long prompt was chunked over several graphed mixed steps.
     assert sum(("long", 0) in s.reqs and s.mixed for s in steps) >= 2
     # The prompt share filled the 64-token bucket the steps replay (BUDGET alone is 32).

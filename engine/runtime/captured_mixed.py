@@ -123,7 +123,9 @@ def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, rows: Deco
 class SharedOutputs:
     """The one output buffer of every mixed graph: the last hidden states and the auxiliary
     features of up to `max_tokens` tokens. Allocated at the first write (the largest bucket's
-    warm-up, before any capture), in the forward's own shapes and dtypes."""
+    warm-up, before any capture), in the forward's own shapes and dtypes, zeroed: the
+    speculative wrap's graphs (spec/spec_worker.py) read the first rows of a decode-batch
+    bucket, whose padded rows may lie past anything a forward wrote."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
@@ -133,11 +135,23 @@ class SharedOutputs:
         """Copy a forward's (hidden, aux) in; returns views of the buffer of the same shapes."""
         values = [hidden] if aux is None else [hidden, aux]
         if self.buffers is None:
-            self.buffers = [v.new_empty((self.max_tokens, *v.shape[1:])) for v in values]
+            self.buffers = [v.new_zeros((self.max_tokens, *v.shape[1:])) for v in values]
         views = [buf[:v.shape[0]] for buf, v in zip(self.buffers, values)]
         for view, v in zip(views, values):
             view.copy_(v)
         return views[0], (views[1] if aux is not None else None)
+
+    def read(self, n: int):
+        """(hidden, aux or None) of the first `n` tokens the last replay wrote (views)."""
+        views = [buf[:n] for buf in self.buffers]
+        return views[0], (views[1] if len(views) > 1 else None)
+
+
+def mixed_outputs(decode_tokens: int) -> SharedOutputs:
+    """The buffer a worker's mixed graphs share: the largest bucket's tokens, and at least
+    `decode_tokens` (every row's decode or verify tokens, which the speculative wrap's graphs
+    read per decode-batch bucket)."""
+    return SharedOutputs(max(TOKEN_BUCKETS[-1], decode_tokens))
 
 
 def replay_mixed(graphs, bucket: ExtendBucket, rows: DecodeRows, table_rows: torch.Tensor, chunks):
