@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, make_predictable_pair,
                      random_prompts, record_steps)
 
@@ -62,8 +63,9 @@ def _arrivals():
             (4, "n2", p[3], _sampled(6, seed=11, n=2)), (6, "warm", p[0] + p[4], _greedy(6))]
 
 
-def _mixed_replays(graphs, worker) -> int:
-    return sum(g is worker.mixed_graphs for g, _, _ in graphs.replays)
+def _mixed_replays(graphs, worker, part: int = 0) -> int:
+    """Replays of the mixed graphs' `part` (0: the target forward; 1: the draft-extend)."""
+    return sum(g is worker.mixed_graphs and p == part for g, _, p in graphs.replays)
 
 
 def _wrap_replays(graphs, worker) -> int:
@@ -94,9 +96,11 @@ def test_graphed_mixed_steps_equal_eager_ones_and_each_request_alone(pair, make_
     assert drive(engine, _arrivals()) == expected
     worker = engine.core.worker
     assert _mixed_replays(graphs, worker) == engine.metrics.num_mixed_steps > 0
-    # Chain: the draft, the accept and the draft-extend around every mixed forward replayed
-    # too (greedy, seeded and filtered decode rows: each its variant); plain samples eagerly.
+    # Chain: the draft, the accept and the outputs around every mixed forward replayed too
+    # (greedy, seeded and filtered decode rows: each its variant), and both parts' draft-extend
+    # after it; plain samples eagerly.
     assert _wrap_replays(graphs, worker) == (3 * engine.metrics.num_mixed_steps if shape else 0)
+    assert _mixed_replays(graphs, worker, part=1) == (engine.metrics.num_mixed_steps if shape else 0)
     # The long prompt was chunked over several graphed mixed steps.
     assert sum(("long", 0) in s.reqs and s.mixed for s in steps) >= 2
     # The prompt share filled the 64-token bucket the steps replay (BUDGET alone is 32).
@@ -142,6 +146,25 @@ def test_an_eagle3_head_reads_the_features_the_graphs_write(pair, make_engine, m
     assert _mixed_replays(graphs, engine.core.worker) == engine.metrics.num_mixed_steps > 0
 
 
+def test_an_ngram_drafter_replays_the_wrap_and_extends_its_table_eagerly(pair, make_engine, monkeypatch):
+    """A drafter without a draft model has no draft-extend in the mixed graphs: the wrap's last
+    graph is the decode step's second half (its token table written), the chunks' after_prefill
+    runs after the graphs; the outputs equal each request alone."""
+    spec = SpecConfig(algorithm="ngram", **CHAIN)
+    arrivals = _arrivals()[:4]
+    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
+    expected = {}
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
+    graphs.replays.clear()
+    assert drive(engine, arrivals) == expected
+    worker, n = engine.core.worker, engine.metrics.num_mixed_steps
+    assert _mixed_replays(graphs, worker) == n > 0 and _wrap_replays(graphs, worker) == 3 * n
+    assert _mixed_replays(graphs, worker, part=1) == 0
+    assert_no_leaks(engine)
+
+
 def test_tree_verify_rows_stay_eager(pair, make_engine, monkeypatch):
     spec = _spec(pair, TREE)
     arrivals = _arrivals()[:4]
@@ -152,7 +175,9 @@ def test_tree_verify_rows_stay_eager(pair, make_engine, monkeypatch):
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
     graphs.replays.clear()
     assert drive(engine, arrivals) == expected
-    assert engine.metrics.num_mixed_steps > 0 and _mixed_replays(graphs, engine.core.worker) == 0
+    worker = engine.core.worker
+    assert engine.metrics.num_mixed_steps > 0 and _mixed_replays(graphs, worker) == 0
+    assert not worker.mixed_wrap_graphs and _wrap_replays(graphs, worker) == 0
 
 
 @pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
@@ -174,6 +199,81 @@ def test_triton_graphed_mixed_steps_match_torch_native(pair, make_engine, monkey
     replayed = {bucket.max_chunk for bucket, captured in worker.mixed_graphs.captured.items()
                 for g, rows, _ in graphs.replays if g is worker.mixed_graphs and rows is captured.inputs.rows}
     assert min(replayed) == 64 < max(replayed)
+
+
+class _HostWork(TorchDispatchMode):
+    """The ops the host dispatches, and the model forwards it runs, outside graph replays (the
+    CPU stand-in runs a replay's parts eagerly: on a GPU a replay is one launch)."""
+
+    in_replay = False
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.forwards = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not _HostWork.in_replay
+        return func(*args, **(kwargs or {}))
+
+
+def _count_host_work(engine, graphs, monkeypatch) -> list:
+    """Run every launched forward inline under a _HostWork, appended to the list returned."""
+    counted, replay, core = [], graphs.replay, engine.core
+
+    def replay_uncounted(self, captured, part):
+        _HostWork.in_replay = True
+        try:
+            return replay(self, captured, part)
+        finally:
+            _HostWork.in_replay = False
+
+    def launch(fn):
+        with _HostWork() as work:
+            counted.append(work)
+            core.ctx._run(fn, (0.0, 0.0))
+
+    for runner in (core.runner, core.draft_runner):
+        def forward(*args, forward=runner.forward, **kwargs):
+            counted[-1].forwards += not _HostWork.in_replay
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(graphs, "replay", replay_uncounted)
+    monkeypatch.setattr(core.ctx, "launch", launch)
+    return counted
+
+
+def test_a_graphed_chain_mixed_step_runs_no_model_outside_its_replays(pair, make_engine, monkeypatch):
+    """The draft, the accept and the draft-extends of a chain mixed step replay graphs around its
+    forward's: no target or draft forward runs outside a replay, and the host dispatches a
+    quarter of the ops it does with the wrap eager (85 and 536 ops here; a graphed decode
+    step 10)."""
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, CHAIN),
+                                    enable_overlap=False, prefill_interleave_tokens=BUDGET)
+    for i, prompt in enumerate(random_prompts(3, seed=161, min_len=5, max_len=10)):
+        engine.add_request(f"d{i}", prompt, _greedy(60))
+    for _ in range(6):
+        engine.step()
+    counted = _count_host_work(engine, graphs, monkeypatch)
+
+    def mixed_step(rid: str):
+        mixed = engine.metrics.num_mixed_steps
+        engine.add_request(rid, random_prompts(1, seed=162, min_len=20, max_len=20)[0], _greedy(1))
+        counted.clear()
+        engine.step()
+        assert engine.metrics.num_mixed_steps == mixed + 1 and len(counted) == 1
+        return counted[0]
+
+    graphed = mixed_step("graphed")
+    monkeypatch.setattr(engine.core.worker, "mixed_wrap_graphs", {})  # the wrap eager (as before)
+    eager = mixed_step("eager")
+    assert graphed.forwards == 0 < eager.forwards
+    assert 4 * graphed.ops < eager.ops
+    engine.abort("d0"), engine.abort("d1"), engine.abort("d2")
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(engine)
 
 
 # --- units -----------------------------------------------------------------------------------

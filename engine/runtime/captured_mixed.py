@@ -81,7 +81,8 @@ def mixed_bucket(row_width: int, num_rows: int, chunk_lens: Sequence[int], custo
 
 class MixedGraphInputs(NamedTuple):
     """The static inputs of a captured mixed forward: the rows' tokens, then the chunks', then
-    padding; per entry its pool row, prefix and length (padding entries: theirs; empty: 0)."""
+    padding; per entry its pool row, prefix and length (padding entries: theirs; empty: 0).
+    With a draft model, its draft-extend over the same layout (`load_mixed_draft`)."""
 
     ids: torch.Tensor          # [T]
     positions: torch.Tensor    # [T]
@@ -89,15 +90,28 @@ class MixedGraphInputs(NamedTuple):
     rows: torch.Tensor         # [E] request-table row per entry
     prefix_lens: torch.Tensor  # [E]
     extend_lens: torch.Tensor  # [E]
+    draft_ids: torch.Tensor    # [T] the draft-extend's ids: each token's successor (padding: 0)
+    stash_rows: torch.Tensor   # [R] the row each real entry stashes the next draft state of (else 0)
+    stash_index: torch.Tensor  # [R] the token whose draft output that is (else T - 1)
     max_chunk: int             # M: the host bound the attention's grid is sized by
+
+
+class MixedForwardOut(NamedTuple):
+    """What a captured mixed forward hands the draft-extend after it: the static inputs, and
+    the views of the shared outputs it wrote (the bucket's T tokens)."""
+
+    inputs: MixedGraphInputs
+    hidden: torch.Tensor
+    aux: Optional[torch.Tensor]
 
 
 def make_mixed_inputs(bucket: ExtendBucket, device: torch.device) -> MixedGraphInputs:
     """Static inputs of one bucket, holding a valid forward of padding alone."""
-    T, E = bucket.tokens, bucket.entries
+    T, E, R = bucket.tokens, bucket.entries, bucket.requests
     zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
     lens = entry_lens(bucket, [], T).to(device)
-    return MixedGraphInputs(zeros(T), zeros(T), zeros(T), zeros(E), zeros(E), lens, bucket.max_chunk)
+    return MixedGraphInputs(zeros(T), zeros(T), zeros(T), zeros(E), zeros(E), lens, zeros(T), zeros(R),
+                            torch.full((R,), T - 1, dtype=torch.int64, device=device), bucket.max_chunk)
 
 
 def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, rows: DecodeRows,
@@ -118,6 +132,21 @@ def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, rows: Deco
     lens = [rows.width] * table_rows.shape[0] + list(chunks.extend_lens_cpu)
     static.extend_lens.copy_(entry_lens(bucket, lens, bucket.tokens - n), non_blocking=True)
     return n
+
+
+def load_mixed_draft(static: MixedGraphInputs, ids: Sequence[torch.Tensor], stash_rows: torch.Tensor,
+                     stash_index: torch.Tensor) -> None:
+    """Copy a step's draft-extend inputs into a bucket's static inputs (on the forward stream):
+    `ids` in the forward's order (the verify rows' emitted tokens, the chunks' shifted ids),
+    padding after them; per real entry the row its draft state goes to and the token it is
+    read from; the rest stash into row 0 from the last token."""
+    n, k = sum(t.shape[0] for t in ids), stash_rows.shape[0]
+    torch.cat(list(ids), out=static.draft_ids[:n])
+    static.draft_ids[n:].zero_()
+    static.stash_rows[:k].copy_(stash_rows)
+    static.stash_rows[k:].zero_()
+    static.stash_index[:k].copy_(stash_index)
+    static.stash_index[k:].fill_(static.ids.shape[0] - 1)
 
 
 class SharedOutputs:
@@ -160,8 +189,8 @@ def replay_mixed(graphs, bucket: ExtendBucket, rows: DecodeRows, table_rows: tor
     shared outputs that the next replay overwrites."""
     captured = graphs.captured[bucket]
     n = load_mixed_inputs(captured.inputs, bucket, rows, table_rows, chunks)
-    hidden, aux = graphs.replay(captured, 0)
-    return hidden[:n], None if aux is None else aux[:n]
+    out = graphs.replay(captured, 0)
+    return out.hidden[:n], None if out.aux is None else out.aux[:n]
 
 
 def mixed_graph_tokens(worker) -> tuple[int, ...]:

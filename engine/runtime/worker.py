@@ -28,7 +28,7 @@ from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, extend_buckets, load_captured_extend,
     make_captured_extend_inputs, pack_captured_extend)
 from specserve.engine.runtime.captured_mixed import (
-    SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, mixed_outputs, replay_mixed)
+    MixedForwardOut, SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, mixed_outputs, replay_mixed)
 from specserve.engine.runtime.mixed_step import DecodeRows, logit_rows, mixed_forward_batch, sample_chunks
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
                                            launch_forward)
@@ -289,10 +289,11 @@ class TargetModel:
         return graphs
 
     def capture_mixed(self, max_entries: int, width: int, aux_hidden_layers: tuple[int, ...],
-                      pool, outputs: SharedOutputs) -> Optional[GraphedStep]:
+                      pool, outputs: SharedOutputs, draft_part=None) -> Optional[GraphedStep]:
         """GraphedStep of the mixed steps' target forward over the mixed buckets
         (runtime/captured_mixed.py), writing (hidden, aux) into `outputs` (the buffer they
-        share); None where the attention cannot run it from device lengths. In the decode
+        share), and with `draft_part` (a drafter's, reading the MixedForwardOut) a second
+        graph; None where the attention cannot run it from device lengths. In the decode
         graphs' `pool`."""
         backend = self.runner.attn_backend
         if not (backend.supports_mixed_forward and backend.supports_device_extend_lens):
@@ -300,10 +301,12 @@ class TargetModel:
         buckets = mixed_buckets(max_entries, width)
 
         def forward(s):
-            return outputs.write(*self.captured_forward(s, width, aux_hidden_layers, ForwardMode.MIXED))
+            return MixedForwardOut(s, *outputs.write(*self.captured_forward(s, width, aux_hidden_layers,
+                                                                            ForwardMode.MIXED)))
 
         device = self.ctx.device
-        graphs = GraphedStep([forward], lambda bucket: make_mixed_inputs(bucket, device), pad={},
+        parts = [forward] if draft_part is None else [forward, draft_part]
+        graphs = GraphedStep(parts, lambda bucket: make_mixed_inputs(bucket, device), pad={},
                              max_batch_size=None, device=device, buckets=buckets, pool=pool)
         graphs.capture_all("mixed steps")
         return graphs

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import KVRows
 from specserve.engine.grammar.process import ONE, SPEC
@@ -21,13 +22,14 @@ from specserve.engine.layers.sampler import (GREEDY, SAMPLED, FILTERED, graph_sa
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, load_captured_extend, pack_captured_extend)
-from specserve.engine.runtime.captured_mixed import SharedOutputs, mixed_bucket, mixed_outputs, replay_mixed
+from specserve.engine.runtime.captured_mixed import (SharedOutputs, load_mixed_draft, mixed_bucket, mixed_outputs,
+                                                    replay_mixed)
 from specserve.engine.runtime.mixed_step import (DecodeRows, join_verify_result, logit_rows,
                                                  mixed_forward_batch, sample_chunks)
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
                                            launch_forward)
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel, graphs_for, release_graphs
-from specserve.engine.spec.drafter import CapturedExtendHalf, Drafter
+from specserve.engine.spec.drafter import CapturedExtendHalf, Drafter, MixedDraftExtend
 from specserve.engine.spec.tree import Tree
 from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified, Verifier, Verifying, plus
 
@@ -76,6 +78,8 @@ class SpecWorker:
         self.mixed_wrap_graphs: dict[str, GraphedStep] = {}
         self.mixed_outputs: Optional[SharedOutputs] = None  # what the mixed forwards write
         self.mixed_snapshot: Optional[torch.Tensor] = None  # [rows, width]: the wrap's snapshot
+        # The drafter's draft-extend inside the mixed graphs, where it has one (chain)
+        self.mixed_draft_extend: Optional[MixedDraftExtend] = None
 
     def slots_per_request(self) -> int:
         return self.spec.kv_reserve_per_request
@@ -124,6 +128,9 @@ class SpecWorker:
         bucket = None if self.mixed_graphs is None else mixed_bucket(
             D, bs, c.extend_lens_cpu, self.drafter.shape.is_tree, self.mixed_graphs.buckets)
         wrap = None if bucket is None else self.mixed_wrap_graphs.get(graph_variant(step.decode.sampling))
+        # Both parts' draft-extends as the mixed graphs' second part (it reads the table: then
+        # `read_done` follows it).
+        fused = wrap is not None and self.mixed_draft_extend is not None
         chunks = SpecExtendInputs(c, self.drafter.prefill_inputs(step.extend))
         width = max(max(step.decode.allocated_lens), c.max_seq_len)
         inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, width, step.decode.sampling)
@@ -132,7 +139,7 @@ class SpecWorker:
         n = bs * D
 
         def body(read_done) -> StepResult:
-            chunk_kv = self.target.req_to_token.table[c.rows, :width]
+            chunk_kv = None if fused else self.target.req_to_token.table[c.rows, :width]
             if wrap is not None:
                 captured = wrap.load(rows=rows, S=seq_lens)
                 if not step.decode.sampling.all_greedy:
@@ -146,7 +153,8 @@ class SpecWorker:
             verify_rows = drafted.verify_rows(bs, seq_lens, plus(seq_lens_cpu, D))
             if bucket is not None:
                 hidden, aux = replay_mixed(self.mixed_graphs, bucket, verify_rows, rows, c)
-                read_done.record()
+                if not fused:
+                    read_done.record()
             else:
                 kv = KVRows.by_batch_index(torch.cat([drafted.kv.table, chunk_kv]))
                 hidden, aux = self.target.runner.forward(mixed_forward_batch(verify_rows, c, kv, width, layers))
@@ -162,16 +170,34 @@ class SpecWorker:
             self.future_map.stash_tokens(c.stash_rows, tokens)
             self.future_map.publish(c.stash_rows, c.prefix_lens + c.extend_lens)
             publish_ready.record()
-            if wrap is not None:
+            if wrap is None:
+                result = self._extend_half(verified)
+            else:
                 out = wrap.replay(captured, 2)
                 result = StepResult(out.token_ids[:bs], None, out.accept_lens[:bs])
+            if fused:
+                self._replay_mixed_draft_extend(bucket, verified, rows, chunks, tokens)
+                read_done.record()
             else:
-                result = self._extend_half(verified)
-            self.drafter.after_prefill(chunks.drafter, c, tokens, feats[n:], KVRows.by_batch_index(chunk_kv))
+                self.drafter.after_prefill(chunks.drafter, c, tokens, feats[n:], KVRows.by_batch_index(chunk_kv))
             return join_verify_result(result, tokens)
 
         return launch_forward(self.target.ctx, (inputs, chunks), body)._replace(
             draft_depth=self.drafter.shape.num_steps)
+
+    def _replay_mixed_draft_extend(self, bucket: ExtendBucket, v: Verified, rows: torch.Tensor,
+                                   chunks: SpecExtendInputs, tokens: torch.Tensor) -> None:
+        """The mixed graphs' second part: the draft-extend of the verify rows' emitted tokens
+        (each row's draft state read at its last accepted node) and of the chunks (at their
+        last token, which carries the sampled one where the prefill ends) in one forward."""
+        bs, D = rows.shape[0], self.drafter.shape.num_draft_tokens
+        c = chunks.target
+        captured = self.mixed_graphs.captured[bucket]
+        load_mixed_draft(captured.inputs,
+                         [v.accept.tokens[:bs].reshape(-1), self.mixed_draft_extend.chunk_ids(chunks.drafter, c, tokens)],
+                         torch.cat([rows, c.stash_rows]),
+                         torch.cat([arange(bs, rows.device) * D + v.last[:bs], c.sample_rows + bs * D]))
+        self.mixed_graphs.replay(captured, 1)
 
     def _mixed_draft(self, s: SpecDecodeInputs, snap: Snapshot) -> MixedDraft:
         """A mixed step's decode rows drafted: the verify tree and its nodes' KV slots."""
@@ -196,7 +222,10 @@ class SpecWorker:
             hidden, aux = self.mixed_outputs.read(d.loc.numel())
             return self._mixed_accept(d, self.target.model.compute_logits(hidden), aux if layers else hidden)
 
-        return [draft, accept, self._extend_half]
+        # The verify rows' draft-extend runs in the mixed graphs' second part where the drafter
+        # has one (`_replay_mixed_draft_extend`): then the last part only stashes and outputs
+        # (a chain's compaction is nothing).
+        return [draft, accept, self._extend_half if self.mixed_draft_extend is None else self.verifier.outputs]
 
     def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
         """The eager extend's two halves as two graphs, `publish_ready` recorded between them."""
@@ -315,11 +344,15 @@ class SpecWorker:
         reads the forward's outputs from the buffer the mixed forwards share."""
         device = self.target.ctx.device
         D = self.drafter.shape.num_draft_tokens
+        chain = not self.drafter.shape.is_tree
+        draft = self.drafter.captured_mixed_part(width) if chain else None
         self.mixed_outputs = mixed_outputs(max_batch_size * D)
         self.mixed_graphs = self.target.capture_mixed(max_batch_size, width, self.drafter.feature_layers or (),
-                                                      self.graphs.pool, self.mixed_outputs)
-        if self.mixed_graphs is None or self.drafter.shape.is_tree:
+                                                      self.graphs.pool, self.mixed_outputs,
+                                                      None if draft is None else draft.part)
+        if self.mixed_graphs is None or not chain:
             return
+        self.mixed_draft_extend = draft
         self.mixed_snapshot = self.target.req_to_token.table.new_zeros((max_batch_size, width))
         for variant in (GREEDY, *self.sampled_graphs):
             graphs = GraphedStep(self.mixed_wrap_parts(), self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
