@@ -339,10 +339,15 @@ def test_loading_pads_after_the_rows_and_chunks():
 
 # --- on a GPU: the captured graphs ------------------------------------------------------------
 def _count_replays(engine) -> list:
-    """Every replay of the engine's mixed graphs from now on (their part index)."""
-    graphs = engine.core.worker.mixed_graphs
-    replays, replay = [], graphs.replay
-    graphs.replay = lambda captured, part: replays.append(part) or replay(captured, part)
+    """Every replay of the engine's mixed graphs ("mixed") and their speculative wrap's
+    ("wrap") from now on, with the part replayed."""
+    worker, replays = engine.core.worker, []
+    for kind, graphs in (("mixed", worker.mixed_graphs), *(("wrap", g) for g in worker.mixed_wrap_graphs.values())):
+        def counted(captured, part, kind=kind, replay=graphs.replay):
+            replays.append((kind, part))
+            return replay(captured, part)
+
+        graphs.replay = counted
     return replays
 
 
@@ -356,7 +361,11 @@ def test_gpu_graphed_mixed_steps_equal_eager(pair, make_engine, shape):
     assert engine.core.worker.mixed_graphs is not None and engine.core.scheduler.policy.mixed_graph_tokens
     replays = _count_replays(engine)
     assert drive(engine, _arrivals()) == expected
-    assert len(replays) == engine.metrics.num_mixed_steps > 0
+    n = engine.metrics.num_mixed_steps
+    assert replays.count(("mixed", 0)) == n > 0
+    # Chain: the draft-extend part, and the wrap's three graphs, every mixed step.
+    assert replays.count(("mixed", 1)) == (n if shape else 0)
+    assert sum(kind == "wrap" for kind, _ in replays) == (3 * n if shape else 0)
 
 
 @pytest.mark.gpu
@@ -377,7 +386,7 @@ def test_gpu_graphed_mixed_steps_have_no_blocking_sync(pair, make_engine):
             if i % 3 == 0:
                 engine.add_request(f"a{i}", list(range(10, 40)), _greedy(3))
             engine.step()
-    assert replays and engine.metrics.num_mixed_steps > 0
+    assert ("wrap", 2) in replays and ("mixed", 1) in replays and engine.metrics.num_mixed_steps > 0
     engine.abort("long")
     while engine.has_unfinished():
         engine.step()
