@@ -15,13 +15,15 @@ forward whose layout changes with every arrival:
   chain verify row another (its D causal nodes over its prefix), a chunk a third; so the mixed
   forward is one replay, keyed by (T, M, R) and not by (decode batch x prompt tokens).
 
-The second is taken. What stays eager around the replay is what the workers do after the
-eager forward as well, reading the forward's outputs: the logits of the rows that sample
-(every decode or verify token and each chunk's last: a device index, as eagerly), the
-sampling with each part's own SamplingInfo (so sampled, seeded and filtered rows ride the
-graphs too), the verifier's accept, and the drafter's draft (before) and draft-extends
-(after), which need the target's features of every row. Tree verify rows carry a custom mask
-and run eagerly, as does any step no bucket holds.
+The second is taken. Around the replay the workers do what they do around the eager forward,
+reading its outputs: the logits of the rows that sample (every decode or verify token and each
+chunk's last: a device index, as eagerly) and the sampling with each part's own SamplingInfo
+(so sampled, seeded and filtered rows ride the graphs too); with chain speculation the
+drafter's draft before it and the verifier's accept after it replay graphs of their own per
+decode-batch bucket (spec/spec_worker.py, the mixed wrap), and a draft model's draft-extends
+of both parts are this module's graphs' second part: one draft forward over the same layout
+and features (`MixedGraphInputs.draft_ids`, the stash entries; `load_mixed_draft`). Tree
+verify rows carry a custom mask and run eagerly, as does any step no bucket holds.
 
 Buckets: T in TOKEN_BUCKETS (the extends', and 768 and 1536 where the default budget lands);
 M as the extends' (64 up to T = 256: Triton's split extend over the prefix, which a verify row
@@ -36,8 +38,8 @@ prompt tokens in its place would.
 Unlike the captured extend, every graph writes its outputs (the last hidden states and the
 EAGLE-3 features, [T, ...]) into one buffer all buckets share (`SharedOutputs`), so the
 buckets keep no outputs of their own in the graphs' pool; one step replays at a time, and it
-consumes them before the next. The graph reads the request table itself (pool rows per
-entry), so a graphed step records `read_done` after the replay, as the decode graphs do.
+consumes them before the next. The graphs read the request table themselves (pool rows per
+entry), so a graphed step records `read_done` after them, as the decode graphs do.
 """
 from __future__ import annotations
 
