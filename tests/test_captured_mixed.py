@@ -21,7 +21,8 @@ from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, m
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime import captured_mixed
 from specserve.engine.runtime.captured_extend import ExtendBucket
-from specserve.engine.runtime.captured_mixed import load_mixed_inputs, make_mixed_inputs, mixed_bucket, mixed_buckets
+from specserve.engine.runtime.captured_mixed import (load_mixed_draft, load_mixed_inputs, make_mixed_inputs,
+                                                    mixed_bucket, mixed_buckets)
 from specserve.engine.runtime.mixed_step import DecodeRows
 from specserve.engine.scheduler.mixed_batch import prompt_budget
 
@@ -335,6 +336,14 @@ def test_loading_pads_after_the_rows_and_chunks():
     # The entries: 2 rows of 2, the chunk, the 57 padding tokens in one entry, then empty ones.
     assert static.extend_lens.tolist() == [2, 2, 3, 57] + [0] * 13
     assert static.extend_lens.sum() == bucket.tokens
+    # The draft-extend's inputs: the rows' emitted tokens, then the chunk's shifted ids; each
+    # row's state from its last accepted node, the chunk's (it samples nothing: row 0) from its
+    # last token; the other entries stash into row 0 from token T - 1, over an earlier replay's.
+    static.draft_ids.fill_(99), static.stash_rows.fill_(99), static.stash_index.fill_(99)
+    load_mixed_draft(static, [t(11, 12, 13, 14), t(41, 42, 43)], t(2, 3, 0), t(1, 2, 6))
+    assert static.draft_ids.tolist()[:8] == [11, 12, 13, 14, 41, 42, 43, 0] and not static.draft_ids[7:].any()
+    assert static.stash_rows.tolist() == [2, 3, 0] + [0] * 13
+    assert static.stash_index.tolist() == [1, 2, 6] + [63] * 13
 
 
 # --- on a GPU: the captured graphs ------------------------------------------------------------

@@ -74,7 +74,7 @@ class SpecWorker:
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.mixed_graphs = None  # GraphedStep of mixed forwards (runtime/captured_mixed.py)
         # GREEDY / SAMPLED / FILTERED -> GraphedStep of the mixed steps' draft, accept and
-        # draft-extend of the verify rows, per decode-batch bucket (`capture_mixed`)
+        # outputs, per decode-batch bucket (`capture_mixed`; `mixed_wrap_parts`)
         self.mixed_wrap_graphs: dict[str, GraphedStep] = {}
         self.mixed_outputs: Optional[SharedOutputs] = None  # what the mixed forwards write
         self.mixed_snapshot: Optional[torch.Tensor] = None  # [rows, width]: the wrap's snapshot
@@ -118,8 +118,9 @@ class SpecWorker:
         a bucket holds the step (chain; runtime/captured_mixed.py) the target forward is a
         graph replay, which reads the table itself: `read_done` follows it. Around it, where
         the decode rows' sampling has a captured variant, the draft, the accept and the
-        verify rows' draft-extend replay the mixed wrap's graphs (`capture_mixed`); the
-        chunks' sampling and draft-extend stay eager."""
+        outputs replay the mixed wrap's graphs (`capture_mixed`), and a draft model's
+        draft-extend of both parts the mixed graphs' second part; the chunks' logits and
+        sampling run eagerly between them."""
         D = self.drafter.shape.num_draft_tokens
         bs = len(step.decode.rows)
         rows = self.target.to_device(step.decode.rows)
@@ -211,8 +212,8 @@ class SpecWorker:
     def mixed_wrap_parts(self) -> list:
         """The mixed wrap's three graphs (`capture_mixed`): the draft (its snapshot into the
         one buffer they share), the accept from the shared outputs of the mixed forward's
-        replay, which puts the verify nodes first (their features too), and the decode
-        step's own second half."""
+        replay, which puts the verify nodes first (their features too), and the outputs
+        (without a draft-extend in the mixed graphs: the decode step's own second half)."""
         layers = self.drafter.feature_layers or ()
 
         def draft(s: SpecDecodeInputs) -> MixedDraft:
@@ -338,8 +339,9 @@ class SpecWorker:
         features the drafter reads, in the decode graphs' pool (after enable_cuda_graphs);
         then their wrap per decode-batch bucket, as the decode graphs are (greedy and the
         sampled variants the decode graphs have; chain drafting: tree verify rows run their
-        mixed steps eagerly). Eagerly the wrap was ~400 host launches a step (draft steps,
-        accept, draft-extend), which left an H100 waiting on the host for ~11 ms of a 25 ms
+        mixed steps eagerly), and a draft model's draft-extend of both parts as the mixed
+        graphs' second part. Eagerly these were ~400 host launches a step (draft steps,
+        accept, draft-extends), which left an H100 waiting on the host for ~11 ms of a 25 ms
         mixed step at 64 rows (8B chain). Every wrap bucket snapshots into one buffer, and
         reads the forward's outputs from the buffer the mixed forwards share."""
         device = self.target.ctx.device
