@@ -59,7 +59,7 @@ from specserve.engine.scheduler.scheduler import Scheduler
 from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
 from specserve.engine.spec.eagle_drafter import ModelDrafter
 from specserve.engine.spec.ngram import NgramDrafter
-from specserve.engine.spec.spec_worker import SpecWorker
+from specserve.engine.spec.spec_worker import CHUNK_LOGIT_ROWS, SpecWorker
 from specserve.engine.spec.suffix import SuffixDrafter
 from specserve.engine.tokenizer import Tokenizer
 
@@ -403,11 +403,14 @@ def _graph_pool_bytes(device: torch.device) -> int:
 
 def _static_input_bytes(worker: Worker) -> int:
     """The captured steps' static input buffers (allocated outside the graphs' pool), and the
-    mixed wrap's shared snapshot (spec/spec_worker.py `capture_mixed`)."""
+    mixed wrap's shared snapshot and chunk logits (spec/spec_worker.py `capture_mixed`)."""
     tensors = {t.data_ptr(): t.nbytes for graphs in _graph_sets(worker) for captured in graphs.captured.values()
                for t in captured.inputs if isinstance(t, torch.Tensor)}
-    snapshot = getattr(worker, "mixed_snapshot", None)
-    return sum(tensors.values()) + (0 if snapshot is None else snapshot.nbytes)
+    wrap = [getattr(worker, "mixed_snapshot", None)]
+    chunk_logits = getattr(worker, "mixed_chunk_logits", None)
+    if chunk_logits is not None and chunk_logits.buffers is not None:
+        wrap += chunk_logits.buffers
+    return sum(tensors.values()) + sum(t.nbytes for t in wrap if t is not None)
 
 
 def _graph_sets(worker: Worker) -> list:
@@ -569,13 +572,14 @@ def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
     constrained ones, where the engine serves grammars); with mixed steps also the buffer their
     graphs share (runtime/captured_mixed.py): the largest bucket's hidden states (or a verify
     of every row's) and, at most, three EAGLE-3 feature layers; and with chain speculation the
-    one request-table snapshot of every row (`row_width` slots) their wrap's graphs share."""
+    one request-table snapshot of every row (`row_width` slots) their wrap's graphs share, and
+    the float32 logits of the chunks their accept takes with the verify rows'."""
     decode_tokens = _decode_tokens(num_rows, spec)
     mixed = 0
     if config.mixed_steps:
         mixed = max(MIXED_TOKEN_BUCKETS[-1], decode_tokens) * 4 * cfg.hidden_size * dtype.itemsize
         if spec is not None and spec.topk == 1:
-            mixed += num_rows * row_width * 8
+            mixed += num_rows * row_width * 8 + CHUNK_LOGIT_ROWS * cfg.vocab_size * 4
     return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
                       decode_tokens + MAX_REQUESTS) + mixed + \
         _pick_bytes(cfg, decode_tokens, sampled=config.cuda_graph_sampled, constrained=constrained)

@@ -25,6 +25,7 @@ from specserve.engine.runtime.captured_mixed import (load_mixed_draft, load_mixe
                                                     mixed_bucket, mixed_buckets)
 from specserve.engine.runtime.mixed_step import DecodeRows
 from specserve.engine.scheduler.mixed_batch import prompt_budget
+from specserve.engine.spec import spec_worker
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=2, topk=2, num_draft_tokens=4)
@@ -127,6 +128,28 @@ def test_steps_no_bucket_holds_run_eagerly_beside_graphed_ones(pair, make_engine
     graphs.replays.clear()
     assert drive(engine, _arrivals()) == expected
     assert 0 < _mixed_replays(graphs, engine.core.worker) < engine.metrics.num_mixed_steps
+
+
+def test_chunk_logits_past_the_wraps_rows_are_computed_after_it(pair, make_engine, monkeypatch):
+    """The wrap's accept takes the logits of up to CHUNK_LOGIT_ROWS chunks (1 here) with the
+    verify rows'; a step of more chunks computes theirs after it: both give each request's
+    own tokens (greedy and seeded)."""
+    prompts = random_prompts(5, seed=171, min_len=5, max_len=8)
+    arrivals = [(0, "d0", prompts[0], _greedy(24)), (0, "d1", prompts[1], _sampled(24, seed=3)),
+                (2, "a", prompts[2], _greedy(4)), (2, "b", prompts[3], _sampled(4, seed=4)),
+                (8, "c", prompts[4], _greedy(4))]
+    spec = _spec(pair, CHAIN)
+    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
+    expected = {}
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
+    monkeypatch.setattr(spec_worker, "CHUNK_LOGIT_ROWS", 1)
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
+    steps = record_steps(engine)
+    graphs.replays.clear()
+    assert drive(engine, arrivals) == expected
+    assert {len(s.chunks) for s in steps if s.mixed} >= {1, 2}
+    assert _wrap_replays(graphs, engine.core.worker) == 3 * engine.metrics.num_mixed_steps
 
 
 def test_an_eagle3_head_reads_the_features_the_graphs_write(pair, make_engine, monkeypatch, tmp_path):

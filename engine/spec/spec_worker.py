@@ -36,6 +36,9 @@ from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified,
 
 # Padded rows of a captured decode step: pool row 0, length 1 (they write nowhere that matters).
 GRAPH_PAD = {"rows": 0, "S": 1}
+# Chunks whose logits a mixed wrap's accept computes in the verify rows' GEMM (one read of the
+# LM head, ~0.3 ms at 8B, not two); a step of more computes its chunks' logits after it.
+CHUNK_LOGIT_ROWS = 32
 
 
 class SpecExtendInputs(NamedTuple):
@@ -80,6 +83,10 @@ class SpecWorker:
         self.mixed_snapshot: Optional[torch.Tensor] = None  # [rows, width]: the wrap's snapshot
         # The drafter's draft-extend inside the mixed graphs, where it has one (chain)
         self.mixed_draft_extend: Optional[MixedDraftExtend] = None
+        # [CHUNK_LOGIT_ROWS] the chunks' last tokens the wrap's accept takes logits of, and the
+        # buffer it writes them to
+        self.mixed_chunk_rows: Optional[torch.Tensor] = None
+        self.mixed_chunk_logits: Optional[SharedOutputs] = None
 
     def slots_per_request(self) -> int:
         return self.spec.kv_reserve_per_request
@@ -161,8 +168,12 @@ class SpecWorker:
                 hidden, aux = self.target.runner.forward(mixed_forward_batch(verify_rows, c, kv, width, layers))
             feats = aux if layers else hidden
             if wrap is not None:
+                k = c.sample_rows.shape[0]
+                if k <= CHUNK_LOGIT_ROWS:
+                    self._load_chunk_logit_rows(c.sample_rows + n)
                 verified = wrap.replay(captured, 1)
-                chunk_logits = self.target.model.compute_logits(hidden[c.sample_rows + n])
+                chunk_logits = self.mixed_chunk_logits.read(k)[0] if k <= CHUNK_LOGIT_ROWS else \
+                    self.target.model.compute_logits(hidden[c.sample_rows + n])
             else:
                 logits = self.target.model.compute_logits(hidden[logit_rows(n, c)])
                 verified = self._mixed_accept(drafted, logits[:n], feats[:n])
@@ -185,6 +196,13 @@ class SpecWorker:
 
         return launch_forward(self.target.ctx, (inputs, chunks), body)._replace(
             draft_depth=self.drafter.shape.num_steps)
+
+    def _load_chunk_logit_rows(self, rows: torch.Tensor) -> None:
+        """The chunks' last tokens (indices into the mixed forward's outputs) whose logits the
+        wrap's accept computes with the verify rows'; the rest of the rows: token 0."""
+        k = rows.shape[0]
+        self.mixed_chunk_rows[:k].copy_(rows)
+        self.mixed_chunk_rows[k:].zero_()
 
     def _replay_mixed_draft_extend(self, bucket: ExtendBucket, v: Verified, rows: torch.Tensor,
                                    chunks: SpecExtendInputs, tokens: torch.Tensor) -> None:
@@ -212,7 +230,8 @@ class SpecWorker:
     def mixed_wrap_parts(self) -> list:
         """The mixed wrap's three graphs (`capture_mixed`): the draft (its snapshot into the
         one buffer they share), the accept from the shared outputs of the mixed forward's
-        replay, which puts the verify nodes first (their features too), and the outputs
+        replay, which puts the verify nodes first (their features too), with the logits of
+        the chunks' last tokens (`mixed_chunk_rows`) in the same GEMM, and the outputs
         (without a draft-extend in the mixed graphs: the decode step's own second half)."""
         layers = self.drafter.feature_layers or ()
 
@@ -220,8 +239,12 @@ class SpecWorker:
             return self._mixed_draft(s, self.verifier.snapshot(s, self.mixed_snapshot))
 
         def accept(d: MixedDraft) -> Verified:
-            hidden, aux = self.mixed_outputs.read(d.loc.numel())
-            return self._mixed_accept(d, self.target.model.compute_logits(hidden), aux if layers else hidden)
+            n = d.loc.numel()
+            hidden, aux = self.mixed_outputs.read(self.mixed_outputs.max_tokens)
+            logits = self.target.model.compute_logits(
+                hidden[torch.cat([arange(n, hidden.device), self.mixed_chunk_rows])])
+            self.mixed_chunk_logits.write(logits[n:], None)
+            return self._mixed_accept(d, logits[:n], (aux if layers else hidden)[:n])
 
         # The verify rows' draft-extend runs in the mixed graphs' second part where the drafter
         # has one (`_replay_mixed_draft_extend`): then the last part only stashes and outputs
@@ -356,6 +379,8 @@ class SpecWorker:
             return
         self.mixed_draft_extend = draft
         self.mixed_snapshot = self.target.req_to_token.table.new_zeros((max_batch_size, width))
+        self.mixed_chunk_rows = torch.zeros(CHUNK_LOGIT_ROWS, dtype=torch.int64, device=device)
+        self.mixed_chunk_logits = SharedOutputs(CHUNK_LOGIT_ROWS)
         for variant in (GREEDY, *self.sampled_graphs):
             graphs = GraphedStep(self.mixed_wrap_parts(), self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
                                  max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
