@@ -143,10 +143,10 @@ def test_mixed_steps_reserve_the_buffer_their_graphs_share(fake_device):
     assert reserve(config.replace(mixed_steps=True, cuda_graph=False)) == \
         reserve(config.replace(cuda_graph=False))
     # Chain speculation: the wrap's graphs share one snapshot of every row's table row (int64
-    # slots) and 32 chunks' float32 logits; the outputs hold a verify of every row where that is
+    # slots) and 16 chunks' float32 logits; the outputs hold a verify of every row where that is
     # more than 2048 tokens.
     chain = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
-    wrap = 32 * 128256 * 4
+    wrap = 16 * 128256 * 4
     extra = reserve(config.replace(mixed_steps=True), chain) - reserve(config, chain)
     assert extra == 2048 * 4 * 4096 * 2 + 64 * 8192 * 8 + wrap
     extra = reserve(config.replace(mixed_steps=True), chain, 1024) - reserve(config, chain, 1024)

@@ -38,7 +38,7 @@ from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified,
 GRAPH_PAD = {"rows": 0, "S": 1}
 # Chunks whose logits a mixed wrap's accept computes in the verify rows' GEMM (one read of the
 # LM head, ~0.3 ms at 8B, not two); a step of more computes its chunks' logits after it.
-CHUNK_LOGIT_ROWS = 32
+CHUNK_LOGIT_ROWS = 16
 
 
 class SpecExtendInputs(NamedTuple):
