@@ -126,8 +126,8 @@ class SpecWorker:
         graph replay, which reads the table itself: `read_done` follows it. Around it, where
         the decode rows' sampling has a captured variant, the draft, the accept and the
         outputs replay the mixed wrap's graphs (`capture_mixed`), and a draft model's
-        draft-extend of both parts the mixed graphs' second part; the chunks' logits and
-        sampling run eagerly between them."""
+        draft-extend of both parts the mixed graphs' second part; the chunks' sampling runs
+        eagerly between them (their logits come from the accept's GEMM)."""
         D = self.drafter.shape.num_draft_tokens
         bs = len(step.decode.rows)
         rows = self.target.to_device(step.decode.rows)
