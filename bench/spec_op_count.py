@@ -12,15 +12,6 @@ to the innermost engine function on its stack (the attention backend and the mod
 reported as one group each: they are the same in a plain step). Host syncs (`item`,
 `_local_scalar_dense`, `nonzero`) are counted separately: the steady state must have none.
 
-`--mixed` profiles mixed steps instead (E30: a prompt of `--arrival-prompt-len` tokens arrives
-before each step and rides in it, runtime/mixed_step.py); `--graphs` runs the engine's CUDA graphs
-through the tests' CPU stand-in (tests/helpers.py `eager_graphs`: a replay runs its part
-eagerly), counting each replay as one op, a launch, as on a GPU, so what is left is the host
-work around the graphs. `--modes plain` is a target alone. Compare a graphed mixed step with a
-graphed decode step:
-
-    python bench/spec_op_count.py --modes plain,chain --batch-sizes 4 --graphs [--mixed]
-
 `--cuda-kernels` takes the draft tree's CUDA paths (the Triton kernels of
 engine/spec/tree_kernels.py, run by the Triton interpreter) and counts each launch as one op,
 as a GPU would; without it the torch code those kernels replace is counted (what runs off
@@ -40,7 +31,7 @@ from collections import Counter, defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-MODES = {"plain": None, "chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
+MODES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
          "tree": dict(num_steps=5, topk=4, num_draft_tokens=8)}
 TARGET = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
@@ -66,9 +57,7 @@ PHASES = [("draft loop", re.compile(r": (_draft_start|_draft_forward|_draft_grow
           ("verify (tree, target forward)", re.compile(r": _verify_(half|forward|accept)$")),
           ("draft extend + stash + outputs", re.compile(r": _extend_half$")),
           ("prefill-free forward glue", re.compile(r"runtime/step\.py.*: run$")),
-          ("mixed: chunks' sampling and draft-extend", re.compile(r": (sample_chunks|after_prefill)$")),
-          ("mixed: forward (inputs, replay)", re.compile(r": replay_mixed$")),
-          ("schedule side", re.compile(r"(scheduler/|: launch_(decode|mixed)$)"))]
+          ("schedule side", re.compile(r"(scheduler/|: launch_decode$)"))]
 
 
 def write_pair(root: str) -> tuple[str, str]:
@@ -122,12 +111,12 @@ def kernel_ops(prof) -> list:
     def in_kernel(e) -> bool:  # the interpreter's own ops inside a Triton launch
         e = e.cpu_parent
         while e is not None:
-            if e.name.startswith(ONE_LAUNCH):
+            if e.name.startswith(KERNEL_RANGE):
                 return True
             e = e.cpu_parent
         return False
 
-    return [e for e in prof.events() if e.name.startswith(ONE_LAUNCH) or (
+    return [e for e in prof.events() if e.name.startswith(KERNEL_RANGE) or (
         e.name.startswith("aten::") and e.name not in NO_KERNEL and not below(e) and not in_kernel(e))]
 
 
@@ -136,8 +125,6 @@ def aten_children(e) -> list:
 
 
 KERNEL_RANGE = "triton kernel: "
-GRAPH_RANGE = "graph replay"
-ONE_LAUNCH = (KERNEL_RANGE, GRAPH_RANGE)  # ranges that count as one launch, whatever runs inside
 
 
 def use_tree_kernels() -> None:
@@ -155,48 +142,14 @@ def use_tree_kernels() -> None:
         setattr(tree_kernels, name, counted(getattr(tree_kernels, name)))
 
 
-def graphed(engine, monkeypatch) -> None:
-    """Capture the engine's graphs through the tests' CPU stand-in, each replay one range."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from helpers import eager_graphs
-
-    from specserve.engine.runtime.captured_mixed import mixed_graph_tokens
-
-    graphs = eager_graphs(monkeypatch)
-    replay = graphs.replay
-
-    def one_launch(self, captured, part):
-        with record_function(GRAPH_RANGE):
-            return replay(self, captured, part)
-
-    monkeypatch.setattr(graphs, "replay", one_launch)
-    core = engine.core
-    core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width)
-    if core.scheduler.policy.mixed_row_tokens:
-        core.worker.capture_mixed(core.config.max_running_requests, core.req_to_token.row_width)
-        core.scheduler.policy.mixed_graph_tokens = mixed_graph_tokens(core.worker)
-
-
-def measure(mode: str, bs: int, steps: int, root: str, backend: str, graphs: bool = False,
-            arrival_len: int = 0) -> dict:
-    """`arrival_len` > 0: a prompt of that many tokens arrives before every profiled step
-    (one token wanted: it leaves when its prefill ends), so each step is a mixed one."""
-    import pytest
-
+def measure(mode: str, bs: int, steps: int, root: str, backend: str) -> dict:
     from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 
     target, draft = write_pair(root)
-    spec = None if MODES[mode] is None else \
-        SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=3, **MODES[mode])
-    mixed = dict(mixed_steps=True, prefill_interleave_tokens=bs * 8 + arrival_len) if arrival_len else {}
+    spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=3, **MODES[mode])
     engine = Engine(EngineConfig(model=target, device="cpu", dtype="float32", load_format="dummy", spec=spec,
-                                 max_running_requests=bs + 2 * bool(arrival_len), max_context_len=512,
-                                 attention_backend=backend, enable_prefix_cache=False, **mixed))
-    monkeypatch = pytest.MonkeyPatch()
-    if graphs:
-        graphed(engine, monkeypatch)
+                                 max_running_requests=bs, max_context_len=512, attention_backend=backend,
+                                 enable_prefix_cache=False))
     # The profiler records the thread it runs in: run the forward "stream" (an executor thread
     # on the CPU) inline, so that the schedule side and the forwards are both recorded.
     ctx = engine.core.ctx
@@ -206,25 +159,14 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str, graphs: boo
         engine.add_request(f"ops-{i}", [(7 * i + j) % 500 + 3 for j in range(16 + i)], params)
     while not any(o.new_token_ids for o in engine.step()):  # prefill, outside the window
         pass
-    arrivals = iter(range(steps + 4))
-
-    def step():
-        if arrival_len:
-            i = next(arrivals)
-            engine.add_request(f"arrival-{i}", [(11 * i + j) % 500 + 3 for j in range(arrival_len)],
-                               SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-        engine.step()
-
     for _ in range(4):  # settle into the steady state
-        step()
-    steps0, mixed0 = engine.metrics.num_steps, engine.metrics.num_mixed_steps
+        engine.step()
+    steps0 = engine.metrics.num_steps
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(steps):
-            step()
+            engine.step()
     num_steps = engine.metrics.num_steps - steps0
-    num_mixed = engine.metrics.num_mixed_steps - mixed0
     engine.shutdown()
-    monkeypatch.undo()
     by_frame, by_op, by_phase = Counter(), Counter(), Counter()
     by_frame_op = defaultdict(Counter)
     syncs = Counter()
@@ -238,8 +180,7 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str, graphs: boo
         if e.name in SYNCS:
             syncs[engine_frame(e)] += 1
     per = lambda c: {k: v / num_steps for k, v in c.most_common()}
-    return {"mode": mode, "batch_size": bs, "steps": num_steps, "mixed_steps": num_mixed, "graphs": graphs,
-            "arrival_prompt_len": arrival_len, "attention_backend": backend,
+    return {"mode": mode, "batch_size": bs, "steps": num_steps, "attention_backend": backend,
             "cuda_kernels": KERNEL_RANGE.strip() in str(by_op),
             "ops_per_step": sum(by_frame.values()) / num_steps,
             "spec_ops_per_step": sum(v for k, v in by_frame.items() if k not in dict(GROUPS)) / num_steps,
@@ -256,10 +197,6 @@ def main():
     ap.add_argument("--detail", action="store_true", help="print the ops of every function")
     ap.add_argument("--cuda-kernels", action="store_true",
                     help="take the draft tree's Triton kernels (interpreted), one op a launch")
-    ap.add_argument("--graphs", action="store_true",
-                    help="the CUDA graphs' CPU stand-in: each replay counts as one op")
-    ap.add_argument("--mixed", action="store_true", help="mixed steps: a prompt arrives before each step")
-    ap.add_argument("--arrival-prompt-len", type=int, default=24)
     ap.add_argument("--out", default="spec_op_count.json")
     args = ap.parse_args()
     if args.cuda_kernels:
@@ -270,12 +207,9 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         for mode in args.modes.split(","):
             for bs in map(int, args.batch_sizes.split(",")):
-                r = measure(mode, bs, args.steps, root, args.attention_backend, args.graphs,
-                            args.arrival_prompt_len if args.mixed else 0)
+                r = measure(mode, bs, args.steps, root, args.attention_backend)
                 results.append(r)
-                kind = f"{r['mixed_steps']} of {r['steps']} steps mixed" if args.mixed else "decode"
-                print(f"\n{mode} bs={bs} ({kind}, {'graphs' if args.graphs else 'eager'}): "
-                      f"{r['ops_per_step']:.1f} ops/step, {r['spec_ops_per_step']:.1f} outside "
+                print(f"\n{mode} bs={bs}: {r['ops_per_step']:.1f} ops/step, {r['spec_ops_per_step']:.1f} outside "
                       f"the model and attention; host syncs {r['syncs_per_step'] or 'none'}")
                 for name, n in r["by_phase"].items():
                     print(f"  {n:7.1f}  {name}")

@@ -64,9 +64,6 @@ def main():
                          "before each profiled step: with --mixed-steps its prompt rides in "
                          "the decode step, else it gets an extend of its own")
     ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
-    ap.add_argument("--eager-mixed-wrap", action="store_true",
-                    help="with --mixed-steps: the speculative wrap around the mixed forward's graph "
-                         "(draft, accept, draft-extends) eager, as before its graphs (a baseline)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -82,8 +79,6 @@ def main():
                                  kv_cache_dtype=args.kv_cache_dtype, mixed_steps=args.mixed_steps,
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
                                  custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization))
-    if args.eager_mixed_wrap:
-        engine.core.worker.mixed_wrap_graphs.clear()
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(args.batch_size):
@@ -123,7 +118,7 @@ def main():
     result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "tp": args.tp,
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "prompt_len": args.prompt_len, "arrival_prompt_len": args.arrival_prompt_len,
-              "mixed_steps": args.mixed_steps, "eager_mixed_wrap": args.eager_mixed_wrap,
+              "mixed_steps": args.mixed_steps,
               "custom_all_reduce": not args.nccl_all_reduce, "steps": num_steps,
               "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
               "kernel_ms_per_step": total_us / num_steps / 1000,
