@@ -536,7 +536,6 @@ if triton is not None:
         d = (offs_n % HALF)[None, :]
         rows, partner_rows = _pair_rows(offs_n, n_cols, HALF)
         k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
         # Before the wait (engine/pdl.py's early reads), while the RMSNorm before this kernel
         # runs: the L2 gets the first PREFETCH_LINES lines of the program's weight rows (no
         # kernel writes weights), so the main loop starts on L2 hits instead of DRAM reads.
@@ -544,7 +543,7 @@ if triton is not None:
         if PREFETCH_LINES > 0:
             if EARLY_READS:
                 cols = k_begin + tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMENTS
-                cols = tl.where(cols < k_end, cols, 0)
+                cols = tl.where(cols < tl.minimum(k_begin + k_per_split, K), cols, 0)
                 prefetch_l2(w + rows[:, None] * stride_wn + cols)
                 prefetch_l2(w + partner_rows[:, None] * stride_wn + cols)
         wait_after_early_reads(PDL)
@@ -561,7 +560,7 @@ if triton is not None:
         cos2 = tl.load(cos + table + HALF, mask=out_mask, other=0.0).to(dtype)
         sin1 = tl.load(sin + table, mask=out_mask, other=0.0).to(dtype)
         sin2 = tl.load(sin + table + HALF, mask=out_mask, other=0.0).to(dtype)
-        acc, acc_up = _sum_tiles(x, w, M, K, k_begin, k_end,
+        acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
                                  FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT)
