@@ -11,8 +11,8 @@ through enough copies of the weight (>= 128 MiB together) that none is still in 
 read again, so a row is a read of the weight from HBM: `copy%` is weight bytes / time over the
 device-to-device copy bandwidth measured in this run (bench/one_batch.py's bs=1 limit).
 `--qkv-rope` times the q/k/v weights instead as the engine's decode runs them, with RoPE and
-the KV store in the epilogue (`skinny_qkv_rope`), in the engine's config with and without its
-L2 weight prefetch, and other tilings (`qkv_rope_variants`):
+the KV store in the epilogue (`skinny_qkv_rope`), in the engine's config with and without an
+L2 weight prefetch before the wait, and another tiling (`qkv_rope_variants`):
 
     python bench/skinny_gemm.py --qkv-rope --shapes 8b.qkv,1b.qkv --rows 1,16
 
@@ -151,16 +151,15 @@ def sweep(start: SkinnyConfig, m: int, n: int, k: int, silu: bool, rounds: int,
 def qkv_rope_variants(m: int, n: int, k: int, head_dim: int,
                       device) -> dict[str, tuple[SkinnyConfig, int]]:
     """`skinny_qkv_rope`'s (config, weight prefetch bytes) to time for a weight [n, k]: the
-    engine's (`_qkv_rope_config`, `QKV_ROPE_WEIGHT_PREFETCH_BYTES`), without the prefetch,
-    with twice it, and the rule over 16-column pairs: 32 weight rows a program, the plain
-    GEMM's 32-column tiles (no split-K at the 8B shape), with and without the prefetch."""
+    engine's (`_qkv_rope_config`, `QKV_ROPE_WEIGHT_PREFETCH_BYTES`), with 1 and 2 KiB of
+    each weight row prefetched into the L2 before the wait, and the rule over 16-column pairs
+    (32 weight rows a program, as the plain GEMM's 32-column tiles: no split-K at the 8B
+    shape), without and with the 1 KiB prefetch."""
     engine = _qkv_rope_config(m, n, k, head_dim, device)
     pairs16 = rule_config(m, n // 2, k, True, device, block_n=16)
-    return {"engine": (engine, QKV_ROPE_WEIGHT_PREFETCH_BYTES),
-            "engine no-prefetch": (engine, 0),
-            "engine prefetch x2": (engine, 2 * QKV_ROPE_WEIGHT_PREFETCH_BYTES),
-            "pairs16": (pairs16, QKV_ROPE_WEIGHT_PREFETCH_BYTES),
-            "pairs16 no-prefetch": (pairs16, 0)}
+    return {f"engine (prefetch {QKV_ROPE_WEIGHT_PREFETCH_BYTES})": (engine, QKV_ROPE_WEIGHT_PREFETCH_BYTES),
+            "engine prefetch 1024": (engine, 1024), "engine prefetch 2048": (engine, 2048),
+            "pairs16 prefetch 0": (pairs16, 0), "pairs16 prefetch 1024": (pairs16, 1024)}
 
 
 def qkv_rope_rows(name: str, m: int, device, bandwidth: float) -> list[dict]:
@@ -231,8 +230,8 @@ def main():
     ap.add_argument("--sweep-rounds", type=int, default=2)
     ap.add_argument("--qkv-rope", action="store_true",
                     help="only the q/k/v weights among --shapes, timed with RoPE and the KV store "
-                         "(skinny_qkv_rope) in the engine's config, with and without its weight "
-                         "prefetch, and other tilings (`qkv_rope_variants`)")
+                         "(skinny_qkv_rope) in the engine's config, with and without a weight "
+                         "prefetch, and another tiling (`qkv_rope_variants`)")
     ap.add_argument("--out", default="bench_skinny_gemm.json")
     args = ap.parse_args()
     device = torch.device("cuda")

@@ -126,7 +126,7 @@ report("norm", compile_sm90(fused._add_rmsnorm_kernel, dict(
     x_ptr=t(bf16), res_ptr=t(bf16), w_ptr=t(bf16), out_ptr=t(bf16), res_out_ptr=t(bf16),
     n_cols=4096, stride_x=4096, eps=1e-6, HAS_RESIDUAL=True, BLOCK=4096, PDL=True), 8, 1))
 
-# Llama-8B's q/k/v as the engine launches it at bs=1.
+# Llama-8B's q/k/v as the engine launches it at bs=1, asked for a 1 KiB weight prefetch.
 c = sk._qkv_rope_config(1, 6144, 4096, 128, torch.device("cpu"))
 report("qkv", compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     x=t(bf16), w=t(bf16), bias=t(bf16), q_out=t(bf16), k_cache=t(bf16), v_cache=t(bf16),
@@ -137,8 +137,7 @@ report("qkv", compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     KV_FP8=False, QK_NORM=False, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
     SPLIT_K=c.split_k, HAS_BIAS=False, DOT=True, EVEN_K=True, DOT_PRECISION="tf32",
     FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, FP8_CONVERT="cast", PDL=True,
-    PREFETCH_LINES=sk.QKV_ROPE_WEIGHT_PREFETCH_BYTES // sk.L2_LINE_BYTES,
-    LINE_ELEMENTS=sk.L2_LINE_BYTES // 2), c.num_warps, c.num_stages))
+    PREFETCH_LINES=8, LINE_ELEMENTS=sk.L2_LINE_BYTES // 2), c.num_warps, c.num_stages))
 
 # Llama-8B's decode attention with the H100's config, over a bf16 pool.
 c = A.default_decode_config(128, torch.device("cuda"))
@@ -160,8 +159,8 @@ report("decode", compile_sm90(A._decode_kernel, dict(
 @pytest.mark.parametrize("early_reads", [None, "0"])
 def test_early_reads_come_before_the_wait_unless_switched_off(early_reads):
     """Compiled for sm_90 (engine/pdl.py's early reads): the RMSNorm loads its weight before
-    its wait; the 8B q/k/v kernel prefetches its first weight lines into the L2 before it,
-    and loads the RoPE epilogue's inputs before its main loop; the 8B decode attention (the
+    its wait; the 8B q/k/v kernel, asked for a weight prefetch, prefetches its first weight
+    lines into the L2 before it, and loads the RoPE epilogue's inputs before its main loop; the 8B decode attention (the
     H100 config) loads its KV indices and prefetches its first K/V tile before it. With
     SPECSERVE_PDL_EARLY_READS=0 nothing is read before the wait and nothing prefetched."""
     import subprocess
@@ -192,8 +191,9 @@ def test_early_reads_come_before_the_wait_unless_switched_off(early_reads):
 def _attention_chain(x, residual, norm_weight, qkv_weight, o_weight, rotary, step, pool,
                      config) -> torch.Tensor:
     """A decode layer's attention half as the engine launches it: the KV indices (before
-    the first layer), RMSNorm, the q/k/v kernel (RoPE, the new tokens' K/V into the pool),
-    the decode attention over the pool, o_proj."""
+    the first layer), RMSNorm, the q/k/v kernel (RoPE, the new tokens' K/V into the pool;
+    here with a 1 KiB weight prefetch, off in the engine by default), the decode attention
+    over the pool, o_proj."""
     from specserve.engine.attention.triton.kernels import decode_attention, fill_kv_indices
     from specserve.engine.layers import fused
     from specserve.engine.layers.skinny_gemm import skinny_gemm, skinny_qkv_rope
@@ -203,7 +203,7 @@ def _attention_chain(x, residual, norm_weight, qkv_weight, o_weight, rotary, ste
     fill_kv_indices(table, rows, prefix_lens, kv_indptr, kv_indices, decode_token_slots=new_slots)
     h, _ = fused.add_rmsnorm(x, residual, norm_weight, 1e-5)
     q = skinny_qkv_rope(h, qkv_weight, None, heads, k_cache.shape[1], prefix_lens, rotary.cos,
-                        rotary.sin, k_cache, v_cache, new_slots)
+                        rotary.sin, k_cache, v_cache, new_slots, weight_prefetch_bytes=1024)
     out = torch.empty_like(q)
     decode_attention(q, k_cache, v_cache, out, kv_indptr, kv_indices, partial_out, partial_lse,
                      arrivals, dim ** -0.5, config)
@@ -215,7 +215,8 @@ def _attention_chain(x, residual, norm_weight, qkv_weight, o_weight, rotary, ste
 @pytest.mark.parametrize("prefix_lens", [[150], [150, 700, 3000]], ids=["one-split", "splits"])
 def test_gpu_attention_chain_with_early_reads_matches_plain_launches(monkeypatch, prefix_lens):
     """The 8B attention half in a CUDA graph with PDL and the early reads (the q/k/v weight
-    prefetch, the decode's KV indices and K/V prefetch) is bit for bit the same kernels
+    prefetch, the decode's KV indices and K/V prefetch: one split at 150 tokens, several
+    splits without the prefetch at 700 and 3000) is bit for bit the same kernels
     launched plainly, the decode seeing the new token's K/V that the kernel just before it
     wrote; and the decode's prefetch changes nothing."""
     from specserve.engine.attention.triton.kernels import default_decode_config

@@ -44,6 +44,7 @@ fp16 (the multiply-and-sum path is right in every dtype).
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -728,10 +729,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 SHARED_MEMORY = 227 * 1024  # bytes a program may take on an H100 or H200
 L2_LINE_BYTES = 128          # what one `prefetch_l2` address brings in
 # Bytes at the start of each weight row a q/k/v program prefetches into the L2 before its wait
-# (`skinny_qkv_rope`): 8 lines, 512 bf16 weights, about what the main loop's first stages
-# ask for (two 256-wide or three 128-wide K steps); for the 8B shape's 192 programs of 64
-# rows, 12 MiB of the 50 MiB L2, read while the RMSNorm before the kernel runs.
-QKV_ROPE_WEIGHT_PREFETCH_BYTES = 1024
+# (`skinny_qkv_rope`), while the RMSNorm before it runs. Off until timed: 1024 (8 lines, what
+# the main loop's first stages ask for) is 12 MiB for the 8B shape's 192 programs of 64 rows,
+# and an earlier pre-wait prefetch of the skinny GEMMs' weight slices made the 8B bs=1 step
+# slower (docs/benchmarks.md: the prefetch competed with the predecessor's loads; here the
+# predecessor is the RMSNorm, a few KiB). `SPECSERVE_QKV_PREFETCH_BYTES` sets it for an A/B
+# of `bench/one_batch.py`; `bench/skinny_gemm.py --qkv-rope` times the kernel with it.
+QKV_ROPE_WEIGHT_PREFETCH_BYTES = int(os.environ.get("SPECSERVE_QKV_PREFETCH_BYTES", "0"))
 
 
 @functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
@@ -785,7 +789,7 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     scale: Optional[WeightScale] = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
                     qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
-                    weight_prefetch_bytes: int = QKV_ROPE_WEIGHT_PREFETCH_BYTES
+                    weight_prefetch_bytes: Optional[int] = None
                     ) -> torch.Tensor:
     """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
     x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
@@ -796,9 +800,9 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     the weight is FP8, as in `skinny_gemm`. With `qk_norm` (q_norm weight [D], k_norm weight
     [D], eps: Qwen3's per-head RMSNorm) each q and k head is normalised before RoPE (the two
     RMSNorm kernels gone too); its column tiles are then half a head.
-    `weight_prefetch_bytes` (a multiple of 128 whose count of lines is a power of two; 0: none;
-    CUDA only): the bytes at the start of each of its weight rows a program asks the L2 for
-    before waiting for the kernel before it (engine/pdl.py's early reads)."""
+    `weight_prefetch_bytes` (None: `QKV_ROPE_WEIGHT_PREFETCH_BYTES`; 0 or 128 times a power
+    of two; CUDA only): the bytes at the start of each of its weight rows a program asks the
+    L2 for before waiting for the kernel before it (engine/pdl.py's early reads)."""
     n_rows, k = weight.shape
     _check_operands(x, weight, scale)
     head_dim = n_rows // (num_q_heads + 2 * num_kv_heads)
@@ -821,7 +825,9 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     else:
         q_norm_w = k_norm_w = weight  # never read
         norm_eps = 0.0
-    prefetch_lines = weight_prefetch_bytes // L2_LINE_BYTES if x.is_cuda else 0  # (inline PTX)
+    if weight_prefetch_bytes is None:
+        weight_prefetch_bytes = QKV_ROPE_WEIGHT_PREFETCH_BYTES
+    prefetch_lines = weight_prefetch_bytes // L2_LINE_BYTES
     assert weight_prefetch_bytes % L2_LINE_BYTES == 0 and prefetch_lines & (prefetch_lines - 1) == 0
     q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, scale, unused=q)
@@ -831,6 +837,7 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         launch.k_per_split, launch.x.stride(0), weight.stride(0), launch.fp8, 1.0 / k_scale,
         1.0 / v_scale, norm_eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2, KV_FP8=is_fp8(k_cache.dtype), QK_NORM=qk_norm is not None,
-        PREFETCH_LINES=prefetch_lines, LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
+        PREFETCH_LINES=prefetch_lines if x.is_cuda else 0,  # (inline PTX: not the interpreter)
+        LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
         **launch.meta)
     return q
