@@ -9,9 +9,9 @@ predecessor to complete and its writes to be visible.
 
 The contract every kernel launched with `launch_options` keeps: each of its programs calls
 `wait_for_predecessor` before it reads or writes any memory that a kernel before it reads or
-writes (the reads below excepted). Then a kernel only starts its real work once its predecessor has completed, and that
-predecessor completed only after waiting for its own, so every earlier kernel is complete too
-(the same order as without PDL).
+writes (the reads below excepted). Then a kernel only starts its real work once its
+predecessor has completed, and that predecessor completed only after waiting for its own, so
+every earlier kernel is complete too (the same order as without PDL).
 
 Where a kernel signals its dependents early (`release_dependents`, `griddepcontrol.
 launch_dependents`) the next kernel's programs are launched once every program of this one has
@@ -36,9 +36,9 @@ before the model's first layer). It never writes before its wait. An L2 prefetch
 (`prefetch_l2`) is a hint and may name any line of a buffer: the L2 is the GPU's point of
 coherence, so a prefetched line that the predecessor then writes is not read stale. These
 early reads (`EARLY_READS`: the RMSNorm weight, the q/k/v kernel's prefetch of its first
-weight columns, the decode attention's KV indices and prefetch of its first KV tile) overlap
-the predecessor's tail instead of following it. `SPECSERVE_PDL_EARLY_READS=0` moves them
-after the wait (an A/B of `bench/one_batch.py`).
+weight columns where asked for, the decode attention's KV indices and prefetch of a one-split
+sequence's K/V) overlap the predecessor's tail instead of following it.
+`SPECSERVE_PDL_EARLY_READS=0` moves them after the wait (an A/B of `bench/one_batch.py`).
 
 `SPECSERVE_PDL=0` in the environment turns it off (an A/B in `bench/one_batch.py`, or a
 driver that refuses the launch attribute).

@@ -116,7 +116,8 @@ def lines(ptx, pattern):
 def report(name, ptx):
     wait = lines(ptx, "griddepcontrol.wait")
     assert len(wait) == 1, wait
-    loads, prefetches, mma = lines(ptx, "ld.global"), lines(ptx, "prefetch.global.L2"), lines(ptx, "mma")
+    loads, mma = lines(ptx, "ld.global"), lines(ptx, "mma")
+    prefetches = lines(ptx, "prefetch.global.L2")
     # name, loads before the wait, prefetches (all before the wait?), loads before the first mma
     print(name, sum(i < wait[0] for i in loads), len(prefetches),
           all(i < wait[0] for i in prefetches), sum(i < (mma or [0])[0] for i in loads))
@@ -160,9 +161,10 @@ report("decode", compile_sm90(A._decode_kernel, dict(
 def test_early_reads_come_before_the_wait_unless_switched_off(early_reads):
     """Compiled for sm_90 (engine/pdl.py's early reads): the RMSNorm loads its weight before
     its wait; the 8B q/k/v kernel, asked for a weight prefetch, prefetches its first weight
-    lines into the L2 before it, and loads the RoPE epilogue's inputs before its main loop; the 8B decode attention (the
-    H100 config) loads its KV indices and prefetches its first K/V tile before it. With
-    SPECSERVE_PDL_EARLY_READS=0 nothing is read before the wait and nothing prefetched."""
+    lines into the L2 before it, and loads the RoPE epilogue's inputs before its main loop;
+    the 8B decode attention (the H100 config) loads its KV indices and prefetches a short
+    sequence's K/V before it. With SPECSERVE_PDL_EARLY_READS=0 nothing is read before the wait
+    and nothing prefetched."""
     import subprocess
     import sys
 

@@ -550,9 +550,9 @@ def _decode_kernel(
     split_end = tl.minimum(split_begin + split_len, seq_len)
     if EARLY_INDICES:
         _prefetch_kv_rows(k_buffer, v_buffer, kv_indices + kv_start, split_begin,
-                          tl.where(num_splits == 1, split_end, split_begin), kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                          MAIN_DIM, ROPE_DIM, VALUES, PREFETCH_TOKENS, PREFETCH_LINES,
-                          LINE_ELEMENTS)
+                          tl.where(num_splits == 1, split_end, split_begin), kv_head,
+                          stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, MAIN_DIM,
+                          ROPE_DIM, VALUES, PREFETCH_TOKENS, PREFETCH_LINES, LINE_ELEMENTS)
         wait_for_predecessor(PDL)
     release_dependents(PDL)
 
