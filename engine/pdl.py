@@ -36,7 +36,7 @@ before the model's first layer). It never writes before its wait. An L2 prefetch
 (`prefetch_l2`) is a hint and may name any line of a buffer: the L2 is the GPU's point of
 coherence, so a prefetched line that the predecessor then writes is not read stale. These
 early reads (`EARLY_READS`: the RMSNorm weight, the q/k/v kernel's prefetch of its first
-weight columns where asked for, the decode attention's KV indices and prefetch of a one-split
+weight columns where asked for, the decode attention's KV indices and prefetch of a short
 sequence's K/V) overlap the predecessor's tail instead of following it.
 `SPECSERVE_PDL_EARLY_READS=0` moves them after the wait (an A/B of `bench/one_batch.py`).
 

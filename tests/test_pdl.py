@@ -217,8 +217,8 @@ def _attention_chain(x, residual, norm_weight, qkv_weight, o_weight, rotary, ste
 @pytest.mark.parametrize("prefix_lens", [[150], [150, 700, 3000]], ids=["one-split", "splits"])
 def test_gpu_attention_chain_with_early_reads_matches_plain_launches(monkeypatch, prefix_lens):
     """The 8B attention half in a CUDA graph with PDL and the early reads (the q/k/v weight
-    prefetch, the decode's KV indices and K/V prefetch: one split at 150 tokens, several
-    splits without the prefetch at 700 and 3000) is bit for bit the same kernels
+    prefetch, the decode's KV indices and K/V prefetch: prefetched at 150 tokens, not at 700
+    and 3000) is bit for bit the same kernels
     launched plainly, the decode seeing the new token's K/V that the kernel just before it
     wrote; and the decode's prefetch changes nothing."""
     from specserve.engine.attention.triton.kernels import default_decode_config

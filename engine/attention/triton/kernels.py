@@ -80,9 +80,9 @@ class DecodeConfig(NamedTuple):
     # the second dot's transposed operand, is then read from shared memory a byte at a time:
     # no ldmatrix for bytes).
     fp8_convert: str = "cast"
-    # Decode only, CUDA only: tokens at the start of a short sequence (one split) whose K and
-    # V rows a program asks the L2 for (`prefetch_l2`) before its wait (engine/pdl.py's early
-    # reads), so that the gathers after the wait hit the L2; 0: none. A power of two. It reads
+    # Decode only, CUDA only: a sequence of at most this many tokens has its K and V rows
+    # asked of the L2 (`prefetch_l2`) before the wait (engine/pdl.py's early reads), so that
+    # the gathers after the wait hit the L2; 0: none. A power of two. It reads
     # kv_indptr and kv_indices before the wait: the kernel launched just before the decode
     # must not write them (the backend fills them before the model's first layer).
     prefetch_tokens: int = 0
@@ -173,7 +173,7 @@ def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) ->
     # 13.9 ms, different context widths) and the lease ended before the split was timed alone:
     # `bench/attention_kernels.py --sweep-min-split 32,256` does that.
     #
-    # A short sequence (one split, up to 256 tokens) is prefetched into the L2 before the
+    # A short sequence (up to 256 tokens: one split) is prefetched into the L2 before the
     # wait: at bs=1 and a short context (128 tokens, 8B) the decode is 8 programs whose one
     # split is a chain of reads (the KV indices, then the gathered K and V rows from DRAM,
     # one 128-token tile after the other) after the q/k/v kernel, 7.6 us a layer in the step
@@ -535,10 +535,11 @@ def _decode_kernel(
 
     # With PREFETCH_TOKENS, before the wait (engine/pdl.py's early reads), while the q/k/v
     # kernel's tail runs: the KV indices (written before the model's first layer, never by
-    # the predecessor: `DecodeConfig.prefetch_tokens`) and, for a sequence of one split, an
-    # L2 prefetch of its first tokens, so the loads after the wait hit the L1 (indices) and
-    # the L2 (K and V). Longer sequences stream many tiles; there the prefetch would save one
-    # latency of many and add a burst of loads to the predecessor's tail.
+    # the predecessor: `DecodeConfig.prefetch_tokens`) and, for a sequence of at most
+    # PREFETCH_TOKENS tokens, an L2 prefetch of its K and V (each split its own part), so
+    # the loads after the wait hit the L1 (indices) and the L2 (K and V). Longer sequences
+    # stream many tiles; there the prefetch would save one latency of many and add a burst
+    # of loads to the predecessor's tail.
     EARLY_INDICES: tl.constexpr = PREFETCH_TOKENS > 0 and EARLY_READS
     if not EARLY_INDICES:
         wait_for_predecessor(PDL)
@@ -550,7 +551,7 @@ def _decode_kernel(
     split_end = tl.minimum(split_begin + split_len, seq_len)
     if EARLY_INDICES:
         _prefetch_kv_rows(k_buffer, v_buffer, kv_indices + kv_start, split_begin,
-                          tl.where(num_splits == 1, split_end, split_begin), kv_head,
+                          tl.where(seq_len <= PREFETCH_TOKENS, split_end, split_begin), kv_head,
                           stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, MAIN_DIM,
                           ROPE_DIM, VALUES, PREFETCH_TOKENS, PREFETCH_LINES, LINE_ELEMENTS)
         wait_for_predecessor(PDL)
