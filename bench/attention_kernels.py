@@ -145,7 +145,7 @@ def main():
                     help="DecodeConfig.prefetch_tokens values (the L2 prefetch before the wait)")
     ap.add_argument("--prefetch", action="store_true",
                     help="also time each default decode with its L2 prefetch flipped (off where "
-                         "the default has it, one tile where it has none)")
+                         "the default has it, else on for sequences of one split)")
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
     ap.add_argument("--kv-dtypes", default="bf16", help="comma list of: " + ", ".join(KV_DTYPES))
     ap.add_argument("--out", default="bench_attention_kernels.json")
@@ -184,8 +184,8 @@ def main():
                     kernels[f"decode {name}"] = (lambda c=config: time_decode(
                         bs, context, c, c.max_kv_splits, device, kv_dtype))
         if args.prefetch:
-            flipped = default._replace(
-                prefetch_tokens=0 if default.prefetch_tokens else default.block_n)
+            flipped = default._replace(prefetch_tokens=0 if default.prefetch_tokens else
+                                       1 << (default.min_kv_split_len - 1).bit_length())
             kernels[f"decode prefetch{flipped.prefetch_tokens}"] = (
                 lambda c=flipped: time_decode(bs, context, c, splits, device, kv_dtype))
         if args.sweep:
