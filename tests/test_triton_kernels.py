@@ -817,7 +817,8 @@ def test_decode_prefetch_changes_no_result():
     CPU the launcher leaves the hint out: the interpreter runs no inline PTX; on a GPU the
     prefetched kernel runs)."""
     gen = torch.Generator().manual_seed(5)
-    scene = make_scene([63, 17, 40], [1] * 3, num_kv_heads=2, head_dim=16, generator=gen)
+    # (the 10-token sequence is prefetched: at most prefetch_tokens; the others are not)
+    scene = make_scene([63, 9, 40], [1] * 3, num_kv_heads=2, head_dim=16, generator=gen)
     q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
     kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
     outputs = []
