@@ -44,7 +44,6 @@ fp16 (the multiply-and-sum path is right in every dtype).
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -733,9 +732,9 @@ L2_LINE_BYTES = 128          # what one `prefetch_l2` address brings in
 # the main loop's first stages ask for) is 12 MiB for the 8B shape's 192 programs of 64 rows,
 # and an earlier pre-wait prefetch of the skinny GEMMs' weight slices made the 8B bs=1 step
 # slower (docs/benchmarks.md: the prefetch competed with the predecessor's loads; here the
-# predecessor is the RMSNorm, a few KiB). `SPECSERVE_QKV_PREFETCH_BYTES` sets it for an A/B
-# of `bench/one_batch.py`; `bench/skinny_gemm.py --qkv-rope` times the kernel with it.
-QKV_ROPE_WEIGHT_PREFETCH_BYTES = int(os.environ.get("SPECSERVE_QKV_PREFETCH_BYTES", "0"))
+# predecessor is the RMSNorm, a few KiB). `bench/skinny_gemm.py --qkv-rope` times the kernel
+# with it; read at each launch, so a bench may set it before it builds an engine.
+QKV_ROPE_WEIGHT_PREFETCH_BYTES = 0
 
 
 @functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
