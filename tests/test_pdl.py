@@ -102,58 +102,61 @@ def test_early_signals_compile_in_unless_switched_off(early):
 
 _COMPILE_EARLY_READS = """
 import torch
-from sm90_compile import compile_sm90, t
+from int4_sm90_launches import _Recorder
+from sm90_compile import compile_sm90
 from specserve.engine.attention.triton import kernels as A
 from specserve.engine.layers import fused, skinny_gemm as sk
+from specserve.engine.layers.rotary import RotaryEmbedding
 
-bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+bf16, i32, i64 = torch.bfloat16, torch.int32, torch.int64
+cuda = torch.device("cuda")  # only for choosing configs: nothing is allocated on it
+
+
+def recorded(module, name, launch):
+    \"\"\"The arguments `launch()` passes to `module.name` (the real launcher's, on the CPU).\"\"\"
+    launches, kernel = [], getattr(module, name)
+    setattr(module, name, _Recorder(kernel, launches))
+    try:
+        launch()
+    finally:
+        setattr(module, name, kernel)
+    return launches[0]
 
 
 def lines(ptx, pattern):
     return [i for i, line in enumerate(ptx.splitlines()) if pattern in line]
 
 
-def report(name, ptx):
+def report(name, launch, **overrides):
+    \"\"\"Compiles a recorded launch for sm_90 (with `overrides`: what an H100 launch sets
+    that a CPU one does not) and prints: loads before the wait, prefetches, all of them
+    before the wait, loads before the first mma.\"\"\"
+    ptx = compile_sm90(launch.kernel, {**launch.args, **overrides}, launch.num_warps,
+                       launch.num_stages)
     wait = lines(ptx, "griddepcontrol.wait")
     assert len(wait) == 1, wait
     loads, mma = lines(ptx, "ld.global"), lines(ptx, "mma")
     prefetches = lines(ptx, "prefetch.global.L2")
-    # name, loads before the wait, prefetches (all before the wait?), loads before the first mma
     print(name, sum(i < wait[0] for i in loads), len(prefetches),
           all(i < wait[0] for i in prefetches), sum(i < (mma or [0])[0] for i in loads))
 
 
-report("norm", compile_sm90(fused._add_rmsnorm_kernel, dict(
-    x_ptr=t(bf16), res_ptr=t(bf16), w_ptr=t(bf16), out_ptr=t(bf16), res_out_ptr=t(bf16),
-    n_cols=4096, stride_x=4096, eps=1e-6, HAS_RESIDUAL=True, BLOCK=4096, PDL=True), 8, 1))
-
-# Llama-8B's q/k/v as the engine launches it at bs=1, asked for a 1 KiB weight prefetch.
-c = sk._qkv_rope_config(1, 6144, 4096, 128, torch.device("cpu"))
-report("qkv", compile_sm90(sk._skinny_qkv_rope_kernel, dict(
-    x=t(bf16), w=t(bf16), bias=t(bf16), q_out=t(bf16), k_cache=t(bf16), v_cache=t(bf16),
-    loc=t(i64), positions=t(i64), cos=t(f32), sin=t(f32), q_norm_w=t(bf16), k_norm_w=t(bf16),
-    partials=t(f32), arrivals=t(i32), M=1, K=4096, k_per_split=4096 // c.split_k,
-    stride_xm=4096, stride_wn=4096, fp8=sk._Fp8Args(t(f32), t(f32), 1, 1, 1, 1),
-    k_scale_inv=1.0, v_scale_inv=1.0, norm_eps=1e-6, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64,
-    KV_FP8=False, QK_NORM=False, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-    SPLIT_K=c.split_k, HAS_BIAS=False, DOT=True, EVEN_K=True, DOT_PRECISION="tf32",
-    FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, FP8_CONVERT="cast", PDL=True,
-    PREFETCH_LINES=8, LINE_ELEMENTS=sk.L2_LINE_BYTES // 2), c.num_warps, c.num_stages))
-
-# Llama-8B's decode attention with the H100's config, over a bf16 pool.
-c = A.default_decode_config(128, torch.device("cuda"))
-k_buffer = torch.empty(4, 8, 128, dtype=bf16)
-report("decode", compile_sm90(A._decode_kernel, dict(
-    q=t(bf16), out=t(bf16), k_buffer=t(bf16), v_buffer=t(bf16), kv_indptr=t(i64),
-    kv_indices=t(i32), partial_out=t(f32), partial_lse=t(f32), arrivals=t(i32),
-    sm_scale_log2=0.1, v_scale=1.0, stride_q_tok=4096, stride_q_head=128, stride_o_tok=4096,
-    stride_o_head=128, stride_k_slot=1024, stride_k_head=128, stride_v_slot=1024,
-    stride_v_head=128, stride_po_tok=32 * 16 * 128, stride_po_head=16 * 128,
-    stride_po_split=128, stride_pl_tok=32 * 16, stride_pl_head=16, GROUP_SIZE=4, BLOCK_H=16,
-    HEAD_BLOCKS=1, MAIN_DIM=128, ROPE_DIM=0, BLOCK_D=128, BLOCK_DPE=1, VALUES="key_strides",
-    BLOCK_N=c.block_n, MAX_KV_SPLITS=16, MIN_KV_SPLIT_LEN=c.min_kv_split_len,
-    DOT_PRECISION="tf32", FP8_CONVERT=c.fp8_convert, PDL=True,
-    **A.decode_prefetch_meta(c, k_buffer, torch.device("cuda"))), c.num_warps, c.num_stages))
+# Llama-8B's shapes at bs=1.
+x = torch.empty(1, 4096, dtype=bf16)
+report("norm", recorded(fused, "_add_rmsnorm_kernel", lambda: fused.add_rmsnorm(
+    x, torch.empty_like(x), torch.empty(4096, dtype=bf16), 1e-6)))
+k_cache = torch.empty(8, 8, 128, dtype=bf16)
+rotary = RotaryEmbedding(128, 64, 500000.0, None)
+report("qkv", recorded(sk, "_skinny_qkv_rope_kernel", lambda: sk.skinny_qkv_rope(
+    x, torch.empty(6144, 4096, dtype=bf16), None, 32, 8, torch.zeros(1, dtype=i64), rotary.cos,
+    rotary.sin, k_cache, torch.empty_like(k_cache), torch.zeros(1, dtype=i64),
+    weight_prefetch_bytes=1024)), PREFETCH_LINES=1024 // sk.L2_LINE_BYTES)
+config = A.default_decode_config(128, cuda)  # the H100's
+report("decode", recorded(A, "_decode_kernel", lambda: A.decode_attention(
+    torch.empty(1, 32, 128, dtype=bf16), k_cache, torch.empty_like(k_cache),
+    torch.empty(1, 32, 128, dtype=bf16), torch.zeros(2, dtype=i64), torch.zeros(1, dtype=i32),
+    torch.empty(1, 32, 16, 128), torch.empty(1, 32, 16), torch.zeros(8, dtype=i32), 0.1,
+    config)), **A.decode_prefetch_meta(config, k_cache, cuda))
 """
 
 
