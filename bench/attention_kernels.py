@@ -8,7 +8,14 @@ pool over copies of it that together outsize the L2 (`POOL_BYTES`), as the engin
 verify and an 8-token tree verify, each with the backend's default launch configs, plus a
 sweep of decode configs (`--sweep`) to choose the defaults from. Kernels are replayed from a
 CUDA graph, as the engine runs them: timed with eager launches, a short decode measures the
-host's launch cost (about 70 us for the two kernels), not the kernels.
+host's launch cost (about 70 us for the two kernels), not the kernels. `--prefetch` adds each
+default decode with its L2 prefetch (`DecodeConfig.prefetch_tokens`) flipped; with PDL each
+launch's prefetch overlaps the launch before it, as in the engine it overlaps the q/k/v
+kernel's tail. The 8B bs=1 step's short-context decode and its configs:
+
+    python bench/attention_kernels.py --contexts 160,8192,32768 --batch-sizes 1,16 --prefetch
+    python bench/attention_kernels.py --contexts 160 --batch-sizes 1 --sweep --sweep-splits 16 \
+        --sweep-block-n 64,128 --sweep-stages 2,3 --sweep-min-split 64,256 --sweep-prefetch 0,128
 `--kv-dtypes bf16,fp8` times every row over a bf16 and an FP8 pool (`kv_cache_dtype="fp8_e4m3"`:
 half the bytes, non-unit scales), each with its pool's default configs; the sweep then picks
 configs for each (FP8 also over `--sweep-fp8-convert`, how its tiles become bf16).
@@ -134,6 +141,11 @@ def main():
     ap.add_argument("--sweep-warps", default="4,8")
     ap.add_argument("--sweep-min-split", default="256",
                     help="DecodeConfig.min_kv_split_len values (tokens a split, at least)")
+    ap.add_argument("--sweep-prefetch", default="0",
+                    help="DecodeConfig.prefetch_tokens values (the L2 prefetch before the wait)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="also time each default decode with its L2 prefetch flipped (off where "
+                         "the default has it, else on for sequences of one split)")
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
     ap.add_argument("--kv-dtypes", default="bf16", help="comma list of: " + ", ".join(KV_DTYPES))
     ap.add_argument("--out", default="bench_attention_kernels.json")
@@ -171,18 +183,25 @@ def main():
                 if config != default:
                     kernels[f"decode {name}"] = (lambda c=config: time_decode(
                         bs, context, c, c.max_kv_splits, device, kv_dtype))
+        if args.prefetch:
+            flipped = default._replace(prefetch_tokens=0 if default.prefetch_tokens else
+                                       1 << (default.min_kv_split_len - 1).bit_length())
+            kernels[f"decode prefetch{flipped.prefetch_tokens}"] = (
+                lambda c=flipped: time_decode(bs, context, c, splits, device, kv_dtype))
         if args.sweep:
             grid = [[int(x) for x in getattr(args, f"sweep_{name}").split(",")]
-                    for name in ("block_n", "splits", "stages", "warps", "min_split")]
+                    for name in ("block_n", "splits", "stages", "warps", "min_split", "prefetch")]
             if args.fp8_sweep and kv_name != "fp8":  # the bf16 pool's tiles and warps
                 grid[0], grid[3] = [default.block_n], [default.num_warps]
             converts = args.sweep_fp8_convert.split(",") if kv_name == "fp8" else ["cast"]
-            for (block_n, max_splits, stages, warps, min_split), convert in itertools.product(
-                    itertools.product(*grid), converts):
+            for (block_n, max_splits, stages, warps, min_split, prefetch), convert in \
+                    itertools.product(itertools.product(*grid), converts):
                 config = DecodeConfig(block_n=block_n, min_kv_split_len=min_split,
                                       num_warps=warps, num_stages=stages,
-                                      max_kv_splits=max_splits, fp8_convert=convert)
-                name = f"decode n{block_n} s{max_splits} st{stages} w{warps} m{min_split}"
+                                      max_kv_splits=max_splits, fp8_convert=convert,
+                                      prefetch_tokens=prefetch)
+                name = (f"decode n{block_n} s{max_splits} st{stages} w{warps} m{min_split}"
+                        + (f" p{prefetch}" if prefetch else ""))
                 kernels[name + (f" {convert}" if kv_name == "fp8" else "")] = \
                     (lambda c=config: time_decode(bs, context, c, c.max_kv_splits, device,
                                                   kv_dtype))

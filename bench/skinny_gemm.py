@@ -10,6 +10,12 @@ replaces), the skinny kernel runs with `default_config` (what the engine uses). 
 through enough copies of the weight (>= 128 MiB together) that none is still in L2 when it is
 read again, so a row is a read of the weight from HBM: `copy%` is weight bytes / time over the
 device-to-device copy bandwidth measured in this run (bench/one_batch.py's bs=1 limit).
+`--qkv-rope` times the q/k/v weights instead as the engine's decode runs them, with RoPE and
+the KV store in the epilogue (`skinny_qkv_rope`), in the engine's config with and without an
+L2 weight prefetch before the wait, and another tiling (`qkv_rope_variants`):
+
+    python bench/skinny_gemm.py --qkv-rope --shapes 8b.qkv,1b.qkv --rows 1,16
+
 `--sweep` also searches launch configs per (shape, M) and prints the best of each: the numbers
 to retune `default_config` and `prefers_skinny` (engine/layers/skinny_gemm.py) from. The search
 is a coordinate descent from the default config (one parameter at a time over `SWEEP_AXES`,
@@ -31,8 +37,10 @@ import torch.nn.functional as F
 
 from one_batch import copy_bandwidth  # bench/ is this script's folder
 from specserve.engine.layers.activation import silu_and_mul
+from specserve.engine.layers.rotary import RotaryEmbedding
 from specserve.engine.layers.skinny_gemm import (
-    PARTIAL_CAPACITY, SkinnyConfig, default_config, skinny_gemm)
+    PARTIAL_CAPACITY, QKV_ROPE_WEIGHT_PREFETCH_BYTES, SkinnyConfig, _qkv_rope_config,
+    default_config, rule_config, skinny_gemm, skinny_qkv_rope)
 
 SHAPES = {  # name: (N, K) of the weight; gate_up is the fused [2I, K] gate/up weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -46,6 +54,9 @@ SHAPES = {  # name: (N, K) of the weight; gate_up is the fused [2I, K] gate/up w
     "70b.tp4.qkv": (2560, 8192), "70b.tp4.o": (8192, 2048), "70b.tp4.gate_up": (14336, 8192),
     "70b.tp4.down": (8192, 7168),
 }
+# (query heads, KV heads, head dim) of the q/k/v weights `--qkv-rope` times with RoPE.
+QKV_HEADS = {"8b.qkv": (32, 8, 128), "1b.qkv": (32, 8, 64), "8b.tp2.qkv": (16, 4, 128),
+             "8b.tp4.qkv": (8, 2, 128)}
 ROTATION_BYTES = 128 << 20   # weight copies cycled through: more than an H100/H200's 50 MiB L2
 MIN_CALLS = 20               # calls per graph
 SWEEP_AXES = {"block_n": (16, 32, 64, 128, 256), "block_k": (32, 64, 128, 256, 512),
@@ -137,6 +148,52 @@ def sweep(start: SkinnyConfig, m: int, n: int, k: int, silu: bool, rounds: int,
     return timed
 
 
+def qkv_rope_variants(m: int, n: int, k: int, head_dim: int,
+                      device) -> dict[str, tuple[SkinnyConfig, int]]:
+    """`skinny_qkv_rope`'s (config, weight prefetch bytes) to time for a weight [n, k]: the
+    engine's (`_qkv_rope_config`, `QKV_ROPE_WEIGHT_PREFETCH_BYTES`), with 1 and 2 KiB of
+    each weight row prefetched into the L2 before the wait, and the rule over 16-column pairs
+    (32 weight rows a program, as the plain GEMM's 32-column tiles: no split-K at the 8B
+    shape), without and with the 1 KiB prefetch."""
+    engine = _qkv_rope_config(m, n, k, head_dim, device)
+    pairs16 = rule_config(m, n // 2, k, True, device, block_n=16)
+    return {f"engine (prefetch {QKV_ROPE_WEIGHT_PREFETCH_BYTES})": (engine, QKV_ROPE_WEIGHT_PREFETCH_BYTES),
+            "engine prefetch 1024": (engine, 1024), "engine prefetch 2048": (engine, 2048),
+            "pairs16 prefetch 0": (pairs16, 0), "pairs16 prefetch 1024": (pairs16, 1024)}
+
+
+def qkv_rope_rows(name: str, m: int, device, bandwidth: float) -> list[dict]:
+    """The q/k/v projection with RoPE and the KV store (`skinny_qkv_rope`, the engine's
+    decode q/k/v kernel) in its `qkv_rope_variants`, beside the plain skinny GEMM of the same
+    weight: microseconds and % of copy bandwidth."""
+    n, k = SHAPES[name]
+    heads, kv_heads, dim = QKV_HEADS[name]
+    scene = Scene(n, k, m, device)
+    rotary = RotaryEmbedding(dim, 8192, 500000.0, None).to(device)
+    positions = torch.arange(m, device=device) * 97 + 130
+    loc = torch.randperm(4 * m, device=device)[:m]
+    k_cache = torch.zeros(4 * m, kv_heads, dim, dtype=torch.bfloat16, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    variants = {"plain skinny (no rope)": None, **qkv_rope_variants(m, n, k, dim, device)}
+    rows = []
+    for variant, setting in variants.items():
+        if setting is None:
+            op = skinny_op(False)
+            config = default_config(m, n, k, False, device)
+        else:
+            config, prefetch = setting
+            op = (lambda x, w, c=config, p=prefetch: skinny_qkv_rope(
+                x, w, None, heads, kv_heads, positions, rotary.cos, rotary.sin, k_cache,
+                v_cache, loc, config=c, weight_prefetch_bytes=p))
+        seconds = time_per_call(scene.calls(op))
+        rows.append(dict(shape=name, n=n, k=k, m=m, kernel=f"qkv_rope {variant}", us=seconds * 1e6,
+                         weight_GBps=scene.weight_bytes / seconds / 1e9,
+                         fraction_of_copy=scene.weight_bytes / seconds / bandwidth,
+                         config=config._asdict()))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def print_tables(rows: list[dict], swept: list[dict]) -> None:
     """The two tables of engine/layers/skinny_gemm.py, from this run: the best config per
     (shape, M), and per weight the largest M up to which the skinny kernel (at its best config)
@@ -171,11 +228,27 @@ def main():
     ap.add_argument("--rows", default="1,2,4,8,16", help="M values (decode batch sizes)")
     ap.add_argument("--sweep", action="store_true", help="also search launch configs per shape and M")
     ap.add_argument("--sweep-rounds", type=int, default=2)
+    ap.add_argument("--qkv-rope", action="store_true",
+                    help="only the q/k/v weights among --shapes, timed with RoPE and the KV store "
+                         "(skinny_qkv_rope) in the engine's config, with and without a weight "
+                         "prefetch, and another tiling (`qkv_rope_variants`)")
     ap.add_argument("--out", default="bench_skinny_gemm.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows, swept = [], []
+    if args.qkv_rope:
+        for name, m in itertools.product([s for s in args.shapes.split(",") if s in QKV_HEADS],
+                                         (int(r) for r in args.rows.split(","))):
+            rows += qkv_rope_rows(name, m, device, bandwidth)
+        print(f"\n{torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+        print(f"{'shape':12} {'M':>3} {'kernel':34} {'us':>8} {'copy%':>6}  config")
+        for r in rows:
+            print(f"{r['shape']:12} {r['m']:3} {r['kernel']:34} {r['us']:8.2f} "
+                  f"{100 * r['fraction_of_copy']:6.1f}  {config_name(SkinnyConfig(**r['config']))}")
+        json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
+                   "date": time.strftime("%Y-%m-%d"), "rows": rows}, open(args.out, "w"), indent=1)
+        return
     for name, m in itertools.product(args.shapes.split(","), (int(r) for r in args.rows.split(","))):
         n, k = SHAPES[name]
         silu = name.endswith("gate_up")

@@ -9,9 +9,9 @@ predecessor to complete and its writes to be visible.
 
 The contract every kernel launched with `launch_options` keeps: each of its programs calls
 `wait_for_predecessor` before it reads or writes any memory that a kernel before it reads or
-writes. Then a kernel only starts its real work once its predecessor has completed, and that
-predecessor completed only after waiting for its own, so every earlier kernel is complete too
-(the same order as without PDL).
+writes (the reads below excepted). Then a kernel only starts its real work once its
+predecessor has completed, and that predecessor completed only after waiting for its own, so
+every earlier kernel is complete too (the same order as without PDL).
 
 Where a kernel signals its dependents early (`release_dependents`, `griddepcontrol.
 launch_dependents`) the next kernel's programs are launched once every program of this one has
@@ -25,6 +25,20 @@ their main loop, before the split-K merge or combine. Measured on an H100 (`benc
 one lease, against no early signals): DeepSeek-V2-Lite bs=1 plain 2.76 against 2.85 ms, NextN
 6.10 against 6.24 ms; Qwen3-30B-A3B chain 4.75 against 4.95 ms; Llama 8B bs=1 6.00 against
 6.05 ms; bs=16 rows unchanged. `SPECSERVE_PDL_EARLY=0` turns the early signals off.
+
+Reads before the wait. A kernel's programs start once every program of its predecessor has
+signalled, and every kernel here signals only after its own wait; a predecessor that does not
+signal (any other kernel) lets them start once it has completed. Either way, every kernel
+launched before the predecessor has completed. So a kernel may read before its wait memory
+that no kernel writes (weights, RoPE tables), and memory that its predecessor does not write
+where its callers guarantee that (the decode attention's KV indices, which the backend fills
+before the model's first layer). It never writes before its wait. An L2 prefetch
+(`prefetch_l2`) is a hint and may name any line of a buffer: the L2 is the GPU's point of
+coherence, so a prefetched line that the predecessor then writes is not read stale. These
+early reads (`EARLY_READS`: the RMSNorm weight, the q/k/v kernel's prefetch of its first
+weight columns where asked for, the decode attention's KV indices and prefetch of a short
+sequence's K/V) overlap the predecessor's tail instead of following it.
+`SPECSERVE_PDL_EARLY_READS=0` moves them after the wait (an A/B of `bench/one_batch.py`).
 
 `SPECSERVE_PDL=0` in the environment turns it off (an A/B in `bench/one_batch.py`, or a
 driver that refuses the launch attribute).
@@ -74,6 +88,32 @@ if triton is not None:
             gdc_wait()
 
     _EARLY = tl.constexpr(os.environ.get("SPECSERVE_PDL_EARLY") != "0")
+    # Whether the reads the module docstring allows before the wait come before it.
+    EARLY_READS = tl.constexpr(os.environ.get("SPECSERVE_PDL_EARLY_READS") != "0")
+
+    @triton.jit
+    def wait_unless_early_reads(PDL: tl.constexpr):
+        """The wait, placed before a kernel's early reads: taken here only where early reads
+        are switched off (`wait_after_early_reads` takes it otherwise, after them)."""
+        if PDL:
+            if not EARLY_READS:
+                gdc_wait()
+
+    @triton.jit
+    def wait_after_early_reads(PDL: tl.constexpr):
+        """The wait, placed after a kernel's early reads (see `wait_unless_early_reads`)."""
+        if PDL:
+            if EARLY_READS:
+                gdc_wait()
+
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """A hint: fetch the 128-byte lines holding `ptrs` (a tensor of valid addresses) into
+        the L2, holding no registers and waiting for nothing. The L2 is the GPU's point of
+        coherence, so a line that a running kernel writes later is never read stale: the hint
+        is only ever early or useless. CUDA only (inline PTX; not the interpreter)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def release_dependents(PDL: tl.constexpr):

@@ -33,9 +33,9 @@ def compile_sm90(kernel, args: dict, num_warps: int, num_stages: int) -> str:
 
 def compile_sm90_kernel(kernel, args: dict, num_warps: int, num_stages: int):
     """The compiled `kernel` for sm_90 (its PTX in .asm, its shared memory in .metadata) from
-    its launch arguments by name: tensors are pointers of
-    their dtype, Python floats fp32, other scalars i32; pointers and ints that are positive
-    multiples of 16 are marked 16-divisible, as the launcher marks real shapes."""
+    its launch arguments by name (constexprs with defaults may be left out): tensors are
+    pointers of their dtype, Python floats fp32, other scalars i32; pointers and ints that are
+    positive multiples of 16 are marked 16-divisible, as the launcher marks real shapes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +58,9 @@ def compile_sm90_kernel(kernel, args: dict, num_warps: int, num_stages: int):
 
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:
-            sig[name], consts[(i,)] = "constexpr", args[name]
+            # (a constexpr the caller leaves out takes its default, as at a launch)
+            sig[name] = "constexpr"
+            consts[(i,)] = args[name] if name in args or not param.has_default else param.default
         else:
             sig[name] = ty(args[name])
             mark((i,), args[name])

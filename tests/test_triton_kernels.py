@@ -795,3 +795,38 @@ def test_backend_sizes_its_splits_by_the_context(max_context_len, expected):
     assert backend._partial_out_buf.shape[2] == expected
     assert TritonAttnBackend(4, 2, 16, 96, DEVICE, max_batch_size=2, decode_config=config,
                              max_kv_splits=16).max_kv_splits == 16
+
+
+@pytest.mark.parametrize("tokens", [-128, 3, 96])
+def test_decode_prefetch_must_be_a_power_of_two(tokens):
+    """`DecodeConfig.prefetch_tokens` (0 or a power of two) is checked before any launch."""
+    gen = torch.Generator().manual_seed(4)
+    scene = make_scene([20], [1], num_kv_heads=2, head_dim=16, generator=gen)
+    q = torch.randn(1, 4, 16, generator=gen).to(DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+    with pytest.raises(ValueError, match="prefetch_tokens"):
+        decode_attention(q, scene.k_buffer, scene.v_buffer, torch.empty_like(q), kv_indptr,
+                         kv_indices, torch.empty(1, 4, 2, 16, device=DEVICE),
+                         torch.empty(1, 4, 2, device=DEVICE),
+                         torch.zeros(2, dtype=torch.int32, device=DEVICE), 0.25,
+                         SMALL_DECODE._replace(prefetch_tokens=tokens))
+
+
+def test_decode_prefetch_changes_no_result():
+    """A config with the L2 prefetch gives the same output, bit for bit, as without it (on the
+    CPU the launcher leaves the hint out: the interpreter runs no inline PTX; on a GPU the
+    prefetched kernel runs)."""
+    gen = torch.Generator().manual_seed(5)
+    # (the 10-token sequence is prefetched: at most prefetch_tokens; the others are not)
+    scene = make_scene([63, 9, 40], [1] * 3, num_kv_heads=2, head_dim=16, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+    outputs = []
+    for config in (SMALL_DECODE, SMALL_DECODE._replace(prefetch_tokens=16)):
+        out = torch.empty_like(q)
+        decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                         torch.empty(3, 4, 4, 16, device=DEVICE), torch.empty(3, 4, 4, device=DEVICE),
+                         torch.zeros(6, dtype=torch.int32, device=DEVICE), 0.25, config)
+        outputs.append(out)
+    torch.testing.assert_close(outputs[0], scene_reference(scene, q, 0.25), atol=1e-4, rtol=1e-4)
+    assert torch.equal(outputs[0], outputs[1])

@@ -13,17 +13,23 @@ import triton
 import triton.language as tl
 
 from specserve.engine.kvcache.fp8 import is_fp8
-from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
+from specserve.engine.pdl import (
+    launch_options, release_dependents, wait_after_early_reads, wait_for_predecessor,
+    wait_unless_early_reads)
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, eps,
                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_predecessor(PDL)
-    release_dependents(PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # The weight is no kernel's output: read before the wait, its latency (a DRAM read: the
+    # step's weights stream through the L2) overlaps the predecessor's tail (engine/pdl.py).
+    wait_unless_early_reads(PDL)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_after_early_reads(PDL)
+    release_dependents(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
@@ -32,7 +38,6 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, str
     h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / n_cols
     normed = (h * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 

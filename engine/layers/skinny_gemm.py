@@ -51,7 +51,9 @@ import torch.nn.functional as F
 
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
-from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
+from specserve.engine.pdl import (
+    EARLY_READS, launch_options, prefetch_l2, release_dependents, wait_after_early_reads,
+    wait_for_predecessor, wait_unless_early_reads)
 from specserve.engine.layers.fp8_weight import FP8_DTYPE, WeightScale
 from specserve.engine.layers.fp8_convert import (WEIGHT_FP8_CONVERT, check_fp8_convert,
                                                   has_sm90_conversions)
@@ -514,6 +516,7 @@ if triton is not None:
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
         FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMENTS: tl.constexpr = 64,
     ):
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
         # the epilogue: a program's BLOCK_N columns are the same dims of both halves of one
@@ -522,21 +525,46 @@ if triton is not None:
         # KV_FP8, as `rope_and_store_kv` stores them). QK_NORM (Qwen3): a tile is half a head
         # (BLOCK_N == HALF), so a program holds whole heads and RMS-normalises each q and k
         # head with `q_norm_w` / `k_norm_w` before RoPE.
-        wait_for_predecessor(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
         n_cols = (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HALF
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
+        head = (tile * BLOCK_N) // HALF
+        d = (offs_n % HALF)[None, :]
         rows, partner_rows = _pair_rows(offs_n, n_cols, HALF)
         k_begin = split * k_per_split
+        # Before the wait (engine/pdl.py's early reads), while the RMSNorm before this kernel
+        # runs: the L2 gets the first PREFETCH_LINES lines of the program's weight rows (no
+        # kernel writes weights), so the main loop starts on L2 hits instead of DRAM reads.
+        wait_unless_early_reads(PDL)
+        if PREFETCH_LINES > 0:
+            if EARLY_READS:
+                cols = k_begin + tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMENTS
+                cols = tl.where(cols < tl.minimum(k_begin + k_per_split, K), cols, 0)
+                prefetch_l2(w + rows[:, None] * stride_wn + cols)
+                prefetch_l2(w + partner_rows[:, None] * stride_wn + cols)
+        wait_after_early_reads(PDL)
+        # The epilogue's inputs, read before the main loop, which hides their latency: read
+        # after it they were a chain of two dependent DRAM reads (the positions, then the
+        # tables) in the tail of the one program per tile that merges the split-K partials.
+        pos = tl.load(positions + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
+        slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
+        # torch casts the fp32 cos/sin table to the activation dtype, then rounds each product
+        # and the sum (`_rope_kernel` in engine/layers/fused.py).
+        dtype = q_out.dtype.element_ty
+        table = pos * (2 * HALF) + d
+        cos1 = tl.load(cos + table, mask=out_mask, other=0.0).to(dtype)
+        cos2 = tl.load(cos + table + HALF, mask=out_mask, other=0.0).to(dtype)
+        sin1 = tl.load(sin + table, mask=out_mask, other=0.0).to(dtype)
+        sin2 = tl.load(sin + table + HALF, mask=out_mask, other=0.0).to(dtype)
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
                                  FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT)
         release_dependents(PDL)
-        m_mask = offs_m < M
-        out_mask = m_mask[:, None] & (offs_n < n_cols)[None, :]
         last = True
         if SPLIT_K > 1:
             last, acc, acc_up = _merge_splits(acc, acc_up, partials, arrivals, tile, split, M,
@@ -545,12 +573,9 @@ if triton is not None:
         if last:
             if HAS_BIAS:
                 acc, acc_up = _add_bias(acc, acc_up, bias, rows, partner_rows, True)
-            dtype = q_out.dtype.element_ty
             # The unfused path rounds the projection to the activation dtype first.
             x1 = acc.to(dtype).to(tl.float32)
             x2 = acc_up.to(dtype).to(tl.float32)
-            head = (tile * BLOCK_N) // HALF
-            d = (offs_n % HALF)[None, :]
             m64 = offs_m.to(tl.int64)[:, None]
             if head < NUM_Q_HEADS + NUM_KV_HEADS:
                 if QK_NORM:
@@ -559,16 +584,10 @@ if triton is not None:
                     else:
                         norm_w = k_norm_w
                     x1, x2 = _head_rmsnorm(x1, x2, norm_w, d, norm_eps, dtype, HALF)
-                pos = tl.load(positions + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
-                # torch casts the fp32 cos/sin table to the activation dtype, then rounds each
-                # product and the sum (`_rope_kernel` in engine/layers/fused.py).
-                table = pos * (2 * HALF) + d
-                cos1 = tl.load(cos + table, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
-                cos2 = tl.load(cos + table + HALF, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
-                sin1 = tl.load(sin + table, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
-                sin2 = tl.load(sin + table + HALF, mask=out_mask, other=0.0).to(dtype).to(tl.float32)
-                o1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
-                o2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+                o1 = ((x1 * cos1.to(tl.float32)).to(dtype).to(tl.float32)
+                      + (-x2 * sin1.to(tl.float32)).to(dtype).to(tl.float32))
+                o2 = ((x2 * cos2.to(tl.float32)).to(dtype).to(tl.float32)
+                      + (x1 * sin2.to(tl.float32)).to(dtype).to(tl.float32))
                 # Each branch stores through its own pointer: an FP8 cache's pointer type
                 # differs from q_out's, and a variable both branches assign must not.
                 if head < NUM_Q_HEADS:
@@ -576,13 +595,11 @@ if triton is not None:
                     tl.store(q_dst, o1.to(dtype), mask=out_mask)
                     tl.store(q_dst + HALF, o2.to(dtype), mask=out_mask)
                 else:
-                    slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
                     k_dst = (k_cache + slot * (NUM_KV_HEADS * 2 * HALF)
                              + (head - NUM_Q_HEADS) * (2 * HALF) + d)
                     store_kv(k_dst, o1.to(dtype), out_mask, k_scale_inv, KV_FP8)
                     store_kv(k_dst + HALF, o2.to(dtype), out_mask, k_scale_inv, KV_FP8)
             else:
-                slot = tl.load(loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
                 v_dst = (v_cache + slot * (NUM_KV_HEADS * 2 * HALF)
                          + (head - NUM_Q_HEADS - NUM_KV_HEADS) * (2 * HALF) + d)
                 store_kv(v_dst, x1.to(dtype), out_mask, v_scale_inv, KV_FP8)
@@ -709,6 +726,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 SHARED_MEMORY = 227 * 1024  # bytes a program may take on an H100 or H200
+L2_LINE_BYTES = 128          # what one `prefetch_l2` address brings in
+# Bytes at the start of each weight row a q/k/v program prefetches into the L2 before its wait
+# (`skinny_qkv_rope`), while the RMSNorm before it runs. Off until timed: 1024 (8 lines, what
+# the main loop's first stages ask for) is 12 MiB for the 8B shape's 192 programs of 64 rows,
+# and an earlier pre-wait prefetch of the skinny GEMMs' weight slices made the 8B bs=1 step
+# slower (docs/benchmarks.md: the prefetch competed with the predecessor's loads; here the
+# predecessor is the RMSNorm, a few KiB). `bench/skinny_gemm.py --qkv-rope` times the kernel
+# with it; read at each launch, so a bench may set it before it builds an engine.
+QKV_ROPE_WEIGHT_PREFETCH_BYTES = 0
 
 
 @functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
@@ -761,7 +787,8 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     workspace: Optional[SkinnyWorkspace] = None,
                     scale: Optional[WeightScale] = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
-                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None
+                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+                    weight_prefetch_bytes: Optional[int] = None
                     ) -> torch.Tensor:
     """The q/k/v projection with `rope_and_store_kv` (engine/layers/fused.py) in its epilogue:
     x [M, K] against the fused weight [(Hq + 2 Hk) * D, K] (q heads, k heads, v heads), RoPE
@@ -771,7 +798,10 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     One kernel instead of the GEMM and the RoPE kernel, with the same roundings. With `scale`
     the weight is FP8, as in `skinny_gemm`. With `qk_norm` (q_norm weight [D], k_norm weight
     [D], eps: Qwen3's per-head RMSNorm) each q and k head is normalised before RoPE (the two
-    RMSNorm kernels gone too); its column tiles are then half a head."""
+    RMSNorm kernels gone too); its column tiles are then half a head.
+    `weight_prefetch_bytes` (None: `QKV_ROPE_WEIGHT_PREFETCH_BYTES`; 0 or 128 times a power
+    of two; CUDA only): the bytes at the start of each of its weight rows a program asks the
+    L2 for before waiting for the kernel before it (engine/pdl.py's early reads)."""
     n_rows, k = weight.shape
     _check_operands(x, weight, scale)
     head_dim = n_rows // (num_q_heads + 2 * num_kv_heads)
@@ -794,6 +824,10 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     else:
         q_norm_w = k_norm_w = weight  # never read
         norm_eps = 0.0
+    if weight_prefetch_bytes is None:
+        weight_prefetch_bytes = QKV_ROPE_WEIGHT_PREFETCH_BYTES
+    prefetch_lines = weight_prefetch_bytes // L2_LINE_BYTES
+    assert weight_prefetch_bytes % L2_LINE_BYTES == 0 and prefetch_lines & (prefetch_lines - 1) == 0
     q = torch.empty((m, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     launch = _plan(x2, n_rows // 2, True, bias is not None, config, workspace, scale, unused=q)
     _skinny_qkv_rope_kernel[launch.grid](
@@ -802,5 +836,7 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         launch.k_per_split, launch.x.stride(0), weight.stride(0), launch.fp8, 1.0 / k_scale,
         1.0 / v_scale, norm_eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2, KV_FP8=is_fp8(k_cache.dtype), QK_NORM=qk_norm is not None,
+        PREFETCH_LINES=prefetch_lines if x.is_cuda else 0,  # (inline PTX: not the interpreter)
+        LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
         **launch.meta)
     return q

@@ -52,9 +52,11 @@ import triton.language as tl
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.fp8_convert import (
     check_fp8_convert, fp8_tile, has_sm90_conversions)
-from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
+from specserve.engine.pdl import (
+    EARLY_READS, launch_options, prefetch_l2, release_dependents, wait_for_predecessor)
 
 LOG2_E = math.log2(math.e)
+L2_LINE_BYTES = 128  # what one `prefetch_l2` address brings in
 
 
 class DecodeConfig(NamedTuple):
@@ -78,6 +80,12 @@ class DecodeConfig(NamedTuple):
     # the second dot's transposed operand, is then read from shared memory a byte at a time:
     # no ldmatrix for bytes).
     fp8_convert: str = "cast"
+    # Decode only, CUDA only: a sequence of at most this many tokens has its K and V rows
+    # asked of the L2 (`prefetch_l2`) before the wait (engine/pdl.py's early reads), so that
+    # the gathers after the wait hit the L2; 0: none. A power of two. It reads
+    # kv_indptr and kv_indices before the wait: the kernel launched just before the decode
+    # must not write them (the backend fills them before the model's first layer).
+    prefetch_tokens: int = 0
 
 
 class ExtendConfig(NamedTuple):
@@ -106,6 +114,9 @@ def default_decode_config(head_dim: int, device: torch.device,
 
 def _checked(config: DecodeConfig) -> DecodeConfig:
     check_fp8_convert(config.fp8_convert)
+    tokens = config.prefetch_tokens
+    if tokens < 0 or tokens & (tokens - 1):
+        raise ValueError(f"prefetch_tokens must be 0 or a power of two, not {tokens}")
     return config
 
 
@@ -161,8 +172,16 @@ def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) ->
     # bs=64 chain steps were slower (Qwen3 37.6 against 32.8 ms, the 8B shape 19.8 against
     # 13.9 ms, different context widths) and the lease ended before the split was timed alone:
     # `bench/attention_kernels.py --sweep-min-split 32,256` does that.
+    #
+    # A short sequence (up to 256 tokens: one split) is prefetched into the L2 before the
+    # wait: at bs=1 and a short context (128 tokens, 8B) the decode is 8 programs whose one
+    # split is a chain of reads (the KV indices, then the gathered K and V rows from DRAM,
+    # one 128-token tile after the other) after the q/k/v kernel, 7.6 us a layer in the step
+    # profile; the indices and the prefetch now run during that kernel's split-K merge and
+    # RoPE epilogue. `bench/attention_kernels.py --prefetch` times it on and off.
     if head_dim <= 128:
-        return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3,
+                            prefetch_tokens=256)
     return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2)
 
 
@@ -470,6 +489,30 @@ def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.con
 
 
 @triton.jit
+def _prefetch_kv_rows(k_buffer, v_buffer, slot_list, begin, end, kv_head, stride_k_slot,
+                      stride_k_head, stride_v_slot, stride_v_head, MAIN_DIM: tl.constexpr,
+                      ROPE_DIM: tl.constexpr, VALUES: tl.constexpr, TOKENS: tl.constexpr,
+                      LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
+    """Ask the L2 for the K (and V) rows of `kv_head` of the keys `slot_list[begin:end]`,
+    at most TOKENS of them, a line of LINE_ELEMENTS elements at a time (LINES a row, a power
+    of two). Lines past a row's end and keys past `end` name the first key's first line
+    again: every address lies in the buffers."""
+    if begin < end:  # (the splits past a short sequence's end have nothing to fetch)
+        cols = begin + tl.arange(0, TOKENS)
+        col_mask = cols < end
+        slots = tl.load(slot_list + cols, mask=col_mask, other=0)
+        slots = tl.where(col_mask, slots, tl.load(slot_list + begin)).to(tl.int64)[:, None]
+        lines = tl.arange(0, LINES)[None, :] * LINE_ELEMENTS
+        key_lines = tl.where(lines < MAIN_DIM + ROPE_DIM, lines, 0)
+        prefetch_l2(k_buffer + slots * stride_k_slot + kv_head * stride_k_head + key_lines)
+        value_lines = tl.where(lines < MAIN_DIM, lines, 0)
+        if VALUES == "key_strides":
+            prefetch_l2(v_buffer + slots * stride_k_slot + kv_head * stride_k_head + value_lines)
+        elif VALUES == "own_strides":
+            prefetch_l2(v_buffer + slots * stride_v_slot + kv_head * stride_v_head + value_lines)
+
+
+@triton.jit
 def _decode_kernel(
     q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
     sm_scale_log2, v_scale, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_k_slot,
@@ -479,24 +522,40 @@ def _decode_kernel(
     MAIN_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
+    FP8_CONVERT: tl.constexpr, PDL: tl.constexpr, PREFETCH_TOKENS: tl.constexpr = 0,
+    PREFETCH_LINES: tl.constexpr = 1, LINE_ELEMENTS: tl.constexpr = 64,
 ):
     # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
     # is larger than BLOCK_H, as MLA's one KV head for all query heads is) over one split of
     # the sequence. A sequence of at most MIN_KV_SPLIT_LEN tokens is one split: one pass,
     # its program stores the output and the other splits' programs exit at once.
-    wait_for_predecessor(PDL)
-    release_dependents(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
 
+    # With PREFETCH_TOKENS, before the wait (engine/pdl.py's early reads), while the q/k/v
+    # kernel's tail runs: the KV indices (written before the model's first layer, never by
+    # the predecessor: `DecodeConfig.prefetch_tokens`) and, for a sequence of at most
+    # PREFETCH_TOKENS tokens, an L2 prefetch of its K and V (each split its own part), so
+    # the loads after the wait hit the L1 (indices) and the L2 (K and V). Longer sequences
+    # stream many tiles; there the prefetch would save one latency of many and add a burst
+    # of loads to the predecessor's tail.
+    EARLY_INDICES: tl.constexpr = PREFETCH_TOKENS > 0 and EARLY_READS
+    if not EARLY_INDICES:
+        wait_for_predecessor(PDL)
     kv_start = tl.load(kv_indptr + req)
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
     split_len = _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN, BLOCK_N)
     num_splits = tl.maximum(tl.cdiv(seq_len, split_len), 1)
     split_begin = split * split_len
     split_end = tl.minimum(split_begin + split_len, seq_len)
+    if EARLY_INDICES:
+        _prefetch_kv_rows(k_buffer, v_buffer, kv_indices + kv_start, split_begin,
+                          tl.where(seq_len <= PREFETCH_TOKENS, split_end, split_begin), kv_head,
+                          stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, MAIN_DIM,
+                          ROPE_DIM, VALUES, PREFETCH_TOKENS, PREFETCH_LINES, LINE_ELEMENTS)
+        wait_for_predecessor(PDL)
+    release_dependents(PDL)
 
     if HEAD_BLOCKS == 1:
         offs_h = tl.arange(0, BLOCK_H)
@@ -549,6 +608,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     are scratch; `max_kv_splits` is their third dim. arrivals: int32 [>= bs * num_kv_heads *
     tiles per KV head (at most the group size rounded up to a power of two)], all zero (the
     kernel leaves them zero). `k_scale`, `v_scale`: an FP8 pool's scales (stored = x / scale).
+    With `config.prefetch_tokens` (the CUDA default's), the kernel launched just before this
+    one must not write `kv_indptr` or `kv_indices`.
     """
     bs, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -577,8 +638,20 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_DPE=layout.block_dpe, VALUES=layout.values, BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
         DOT_PRECISION=_dot_input_precision(q.dtype), FP8_CONVERT=config.fp8_convert,
+        **decode_prefetch_meta(config, k_buffer, q.device),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
     )
+
+
+def decode_prefetch_meta(config: DecodeConfig, k_buffer: torch.Tensor,
+                         device: torch.device) -> dict:
+    """The decode kernel's prefetch constexprs for `config` over keys like `k_buffer`'s: none
+    off CUDA (the hint is inline PTX, which the interpreter does not run)."""
+    line_elements = L2_LINE_BYTES // k_buffer.element_size()
+    return dict(PREFETCH_TOKENS=config.prefetch_tokens if device.type == "cuda" else 0,
+                PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_buffer.shape[-1],
+                                                                  line_elements)),
+                LINE_ELEMENTS=line_elements)
 
 
 def _head_tiling(group_size: int, max_rows: int, tokens_pad: int = 1) -> tuple[int, int]:
