@@ -203,6 +203,156 @@ def test_skinny_fp8_qkv_rope_wide_steps():
         assert torch.equal(got, want)
 
 
+# --- fp16 products (`fp8_f16`) and the weight on the left of tl.dot (`w_left`) -----------------
+
+def exact_product(x: torch.Tensor, w8: torch.Tensor, scale: WeightScale,
+                  bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+    """x times the FP8 weight times its scales exactly (float64, no rounding of the dequantised
+    weight), rounded once to x's dtype; then silu_and_mul's roundings: what fp16 products
+    compute, up to their fp32 sums."""
+    w = dequantize(w8, scale, torch.float64)
+    y = F.linear(x.double(), w, None if bias is None else bias.double()).to(x.dtype)
+    return silu_and_mul(y) if silu else y
+
+
+def assert_rows_close(out: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """|out - expected| within rtol of each element, or of 2^-10 of its row's largest (sums
+    near zero cancel: their relative error is fp32's relative to the terms)."""
+    out, expected = out.double(), expected.double()
+    scale = expected.abs() + expected.abs().amax(dim=-1, keepdim=True) * 2 ** -10
+    assert torch.isfinite(out).all()
+    assert ((out - expected).abs() <= rtol * scale).all(), float(((out - expected).abs() / scale).max())
+
+
+F16_BLOCKS = {"128x128": (128, 128), "1x128": (1, 128), "16x32": (16, 32), "channel": (1, K),
+              "tensor": (N, K)}
+# Row magnitudes 2^-14 to 2^8 in fp16 (2^-14 rows are partly subnormal there) and 2^-30 to
+# 2^20 in bf16 (beyond fp16's range both ways): each row's own power of two keeps it exact.
+ROW_SCALES = {torch.float16: (1.0, 2.0 ** -14, 2.0 ** 8, 2.0 ** -3, 4.0),
+              torch.bfloat16: (1.0, 2.0 ** -30, 2.0 ** 20, 2.0 ** -3, 2.0 ** 12)}
+
+
+def wide_range_rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    scales = torch.tensor(ROW_SCALES[dtype][:m])[:, None]
+    return (dense_rows(m, k, seed).cpu() * scales).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("block", list(F16_BLOCKS))
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "silu_mul"])
+@pytest.mark.parametrize("w_left", [False, True])
+def test_skinny_fp8_f16_products(block, epilogue, w_left):
+    """`fp8_f16`: the exact product of x and the scaled FP8 weight, rounded once (not the
+    reference's rounding of the weight to x's dtype), for rows whose magnitudes lie 2^22
+    (fp16) and 2^50 (bf16) apart; fp16 within an ulp where fp32's sums meet a rounding tie,
+    bf16 within the interpreter's truncations (an ulp each); split-K on and off, K's tail partial
+    (200 = 6 steps of 32 and 8), either operand on the left."""
+    silu = epilogue == "silu_mul"
+    n_rows = 2 * N if silu else N
+    w8, scale = fp8_weight(n_rows, K, F16_BLOCKS[block] if block != "tensor" else (n_rows, K), seed=21)
+    # bf16: an ulp a rounding the interpreter truncates (SiLU-and-mul's four: 4 ulps)
+    for dtype, rtol in ((torch.float16, 2 ** -10), (torch.bfloat16, 2 ** -7 * (4 if silu else 1))):
+        bias = (torch.randint(-8, 9, (n_rows,)) / 4).to(DEVICE, dtype) if epilogue == "bias" else None
+        for m, split_k in ((1, 1), (5, 3)):
+            x = wide_range_rows(m, K, dtype, seed=30 + m)
+            if silu and dtype == torch.float16:
+                x = x * 2 ** -8  # gate times up within fp16's range
+            cfg = config(block_n=16, split_k=split_k)._replace(fp8_f16=True, w_left=w_left)
+            assert fp8_weight_config(cfg, scale.block_k, K).fp8_f16
+            ws = _workspace()
+            out = skinny_gemm(x, w8, bias, silu_mul=silu, config=cfg, workspace=ws, scale=scale)
+            assert out.dtype == dtype and not ws.arrivals.any()
+            assert_rows_close(out, exact_product(x, w8, scale, bias, silu), rtol)
+
+
+def test_fp8_f16_configs():
+    """fp16 products need K steps inside one k-block (a 16x24 grid's k-blocks are no whole
+    number of steps: dropped, the dequantising path runs), take precedence over wide steps,
+    and keep fp32 activations on the dequantising path; without tl.dot they are refused."""
+    f16 = config(block_k=32)._replace(fp8_f16=True)
+    assert not fp8_weight_config(f16, 24, K).fp8_f16
+    assert fp8_weight_config(f16, 16, K).fp8_f16 and fp8_weight_config(f16, K, K).fp8_f16
+    wide = config(block_k=256)._replace(num_stages=3, fp8_wide=True, fp8_f16=True)
+    assert fp8_weight_config(wide, 128, 4096).block_k == 128  # one k-block a step, not 512
+    plain = config(block_k=32)
+    for grid, x in (((16, 24), wide_range_rows(2, K, torch.float16, seed=1)),
+                    ((1, 128), dense_rows(3, K, seed=2))):  # fp32 activations
+        w8, scale = fp8_weight(N, K, grid, seed=22)
+        assert torch.equal(skinny_gemm(x, w8, config=f16, workspace=_workspace(), scale=scale),
+                           skinny_gemm(x, w8, config=plain, workspace=_workspace(), scale=scale))
+    w8, scale = fp8_weight(N, K, (1, 128), seed=22)
+    with pytest.raises(AssertionError, match="fp16 products need tl.dot"):
+        skinny_gemm(dense_rows(1, K, seed=3).half(), w8, config=f16._replace(dot=False),
+                    workspace=_workspace(), scale=scale)
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_skinny_fp8_weight_on_the_left_rounds_as_the_reference(block):
+    """`w_left` (W x^T on tl.dot) on the dequantising path: fp16 bit for bit (exact sums:
+    the interpreter's fp16 dot sums in fp32), with SiLU-and-mul and split-K too; a 16-bit
+    weight in fp32 as F.linear."""
+    for silu, m, split_k in ((False, 1, 1), (True, 5, 3)):
+        n_rows = 2 * N if silu else N
+        w8, scale = fp8_weight(n_rows, K, BLOCKS[block] if block != "tensor" else (n_rows, K), seed=23)
+        x = sparse_rows(m, K, torch.float16, seed=m)
+        cfg = config(block_n=16, split_k=split_k)._replace(w_left=True)
+        out = skinny_gemm(x, w8, silu_mul=silu, config=cfg, workspace=_workspace(), scale=scale)
+        assert torch.equal(out, exact_reference(x, w8, scale, silu=silu))
+    w, x = dense_rows(N, K, seed=4), dense_rows(3, K, seed=5)
+    out = skinny_gemm(x, w, config=config(block_n=16)._replace(w_left=True), workspace=_workspace())
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("w_left", [False, True])
+def test_skinny_fp8_qkv_rope_f16_products(w_left):
+    """The q/k/v + RoPE + KV-store epilogue on fp16 products (its tiles transposed with the
+    weight on the left): the exact projection, torch RoPE (fp16: an ulp or two of RoPE's
+    sums of products), k and v at their slots, split-K on."""
+    n_rows = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None).to(DEVICE)
+    positions, loc = torch.tensor([5, 63, 0], device=DEVICE), torch.tensor([7, 2, 11], device=DEVICE)
+    w8, scale = fp8_weight(n_rows, K, (1, 128), seed=24)
+    x = wide_range_rows(5, K, torch.float16, seed=25)[[0, 3, 4]]  # outputs within fp16's range
+    k_cache = torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    cfg = config(block_n=8, split_k=2)._replace(fp8_f16=True, w_left=w_left)
+    q = skinny_qkv_rope(x, w8, None, Q_HEADS, KV_HEADS, positions, rotary.cos, rotary.sin, k_cache,
+                        v_cache, loc, config=cfg, workspace=_workspace(), scale=scale)
+    expected = _qkv_rope_reference(x, dequantize(w8, scale, torch.float64), None, positions, rotary, loc)
+    for got, want in zip((q, k_cache, v_cache), expected):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
+
+
+def test_fp8_f16_rule(monkeypatch):
+    """`FP8_F16_PRODUCTS` makes `fp8_f16_config` the FP8 weights' rule (the q/k/v + RoPE
+    projection's too, its tiles within half a head; with the q/k norm exactly half a head):
+    128 weight rows a program on the left, K split over them; 16-bit weights keep theirs.
+    The rule's default launch computes the exact product."""
+    cpu = torch.device("cpu")
+    sixteen = default_config(1, 4096, 4096, False, cpu)
+    monkeypatch.setattr(skinny_module, "FP8_F16_PRODUCTS", True)
+    default_config.cache_clear()
+    skinny_module._qkv_rope_config.cache_clear()
+    try:
+        o = default_config(1, 4096, 4096, False, cpu, fp8=True)
+        assert o == skinny_module.fp8_f16_config(1, 4096, 4096, False, cpu)
+        assert (o.block_n, o.block_k, o.split_k, o.fp8_f16, o.w_left) == (128, 128, 8, True, True)
+        gate_up = default_config(1, 14336, 4096, True, cpu, fp8=True)
+        assert (gate_up.block_n, gate_up.split_k, gate_up.fp8_f16) == (64, 1, True)
+        assert default_config(1, 4096, 4096, False, cpu) == sixteen
+        qkv = skinny_module._qkv_rope_config(1, 6144, 4096, 128, cpu, fp8=True)
+        assert (qkv.block_n, qkv.fp8_f16, qkv.w_left) == (64, True, True)
+        normed = skinny_module._qkv_rope_config(1, 5120, 2048, 128, cpu, True, fp8=True)
+        assert (normed.block_n, normed.fp8_f16) == (64, True)
+        assert not skinny_module._qkv_rope_config(1, 6144, 4096, 128, cpu).fp8_f16
+        w8, scale = fp8_weight(N, 256, (128, 128), seed=26)
+        x = wide_range_rows(2, 256, torch.float16, seed=27)
+        assert_rows_close(skinny_gemm(x, w8, workspace=_workspace(), scale=scale),
+                          exact_product(x, w8, scale), 2 ** -10)
+    finally:
+        default_config.cache_clear()
+        skinny_module._qkv_rope_config.cache_clear()
+
+
 def test_skinny_fp8_silu_mul_and_default_config_fp32():
     """gate/up with SiLU-and-mul under the rule's config (K split, 128x128 blocks), fp32."""
     w8, scale = fp8_weight(2 * N, 1024, (128, 128), seed=4)
