@@ -567,16 +567,20 @@ import torch
 from specserve.engine.layers import fused_moe_triton as moe, skinny_gemm as sk
 from specserve.engine.layers import fp8_gemm as q
 from specserve.engine.layers.fp8_weight import FP8_DTYPE
-from sm90_compile import compile_sm90, t
+from sm90_compile import compile_sm90, compile_sm90_kernel, t
 
 bf16, f32, i32, fp8 = torch.bfloat16, torch.float32, torch.int32, FP8_DTYPE
 cpu = torch.device("cpu")
 
 def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=False, convert="bits",
-           dot=True):
+           dot=True, f16=False, **fields):
     n_cols = n_rows // 2 if silu or qkv else n_rows
-    c = (sk._qkv_rope_config(m, n_rows, k, 128, cpu, qk_norm) if qkv
-         else sk.default_config(m, n_cols, k, silu, cpu))._replace(fp8_activations=act, fp8_wide=wide)
+    if f16:  # fp16 products: the rule's tiles (64 columns of each half of a pair)
+        c = sk.fp8_f16_config(m, n_cols, k, silu or qkv, cpu, 64 if qkv else 0)._replace(**fields)
+    else:
+        c = (sk._qkv_rope_config(m, n_rows, k, 128, cpu, qk_norm) if qkv
+             else sk.default_config(m, n_cols, k, silu, cpu))._replace(fp8_activations=act, fp8_wide=wide,
+                                                                       **fields)
     c = sk.fp8_weight_config(c, 128 if uniform else 24, k)
     x = t(fp8 if act else bf16)
     fp8_args = sk._Fp8Args(t(f32), t(f32), k // 128, k // 128, 128, 128 if uniform else 24)
@@ -589,11 +593,12 @@ def skinny(m, n_rows, k, silu, act, uniform, qkv=False, qk_norm=False, wide=Fals
                 HAS_BIAS=False, SILU_MUL=silu, DOT=dot,
                 EVEN_K=k % c.block_k == 0, DOT_PRECISION="tf32", FP8_WEIGHT=True,
                 SCALE_COLS=sk.scale_columns(128 if uniform else 24, k, c.block_k),
-                FP8_ACT=act, FP8_CONVERT=convert, PDL=True, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64,
-                k_scale_inv=1.0,
-                v_scale_inv=1.0, KV_FP8=False)
+                FP8_ACT=act, FP8_CONVERT=convert, FP8_F16=c.fp8_f16, W_LEFT=c.w_left, PDL=True,
+                NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, k_scale_inv=1.0, v_scale_inv=1.0, KV_FP8=False)
     kernel = sk._skinny_qkv_rope_kernel if qkv else sk._skinny_gemm_kernel
-    return compile_sm90(kernel, args, c.num_warps, c.num_stages)
+    compiled = compile_sm90_kernel(kernel, args, c.num_warps, c.num_stages)
+    assert compiled.metadata.shared <= 232448, ("shared memory over an H100's", c)
+    return compiled.asm["ptx"]
 
 def check(name, ptx, *needles, absent=()):
     assert "griddepcontrol.wait" in ptx or name.startswith("moe"), name
@@ -628,6 +633,24 @@ down = dict(m=1, n_rows=4096, k=14336, silu=False, act=False, uniform=True, dot=
 assert "cvt.rn.bf16x2.f32" in skinny(**down, convert="cast")
 check("w8a16 multiply-and-sum", skinny(**down), "mul.rn.bf16x2",
       absent=CAST + ("cvt.rn.bf16x2.f32",))
+# fp16 products: e4m3 -> fp16 by the conversion pipe, never widened to fp32; the weight on the
+# left of wgmma (f16 operands), or x on the left (mma.sync)
+F16 = ("cvt.rn.f16x2.e4m3x2", "wgmma", ".f32.f16.f16")
+WIDENED = ("cvt.f32.f16", "mul.rn.bf16x2")
+check("w8a16 f16 o", skinny(1, 4096, 4096, False, False, True, f16=True), *F16, absent=WIDENED)
+check("w8a16 f16 gate_up", skinny(16, 28672, 4096, True, False, True, f16=True), *F16, absent=WIDENED)
+check("w8a16 f16 down 8 warps 6 stages", skinny(4, 4096, 14336, False, False, True, f16=True,
+                                                num_warps=8, num_stages=6), *F16, absent=WIDENED)
+check("w8a16 f16 qkv_rope", skinny(1, 6144, 4096, False, False, True, qkv=True, f16=True), *F16,
+      absent=WIDENED)
+check("w8a16 f16 qkv_rope qk_norm", skinny(1, 5120, 2048, False, False, True, qkv=True, qk_norm=True,
+                                           f16=True), *F16, "rsqrt", absent=WIDENED)
+check("w8a16 f16 x left", skinny(16, 4096, 4096, False, False, True, f16=True, block_n=64,
+                                 w_left=False), "cvt.rn.f16x2.e4m3x2", "mma.sync", ".f32.f16.f16",
+      absent=WIDENED + ("wgmma",))
+# The dequantising path with the weight on the left: wgmma on bf16 ("bits")
+check("w8a16 w_left", skinny(1, 4096, 4096, False, False, True, block_n=128, w_left=True),
+      "mul.rn.bf16x2", "wgmma", absent=CAST)
 # W8A8: FP8 tensor-core products
 check("w8a8 skinny", skinny(4, 6144, 4096, False, True, True), "wgmma", "e4m3.e4m3")
 for m in (64, 4096):
@@ -662,7 +685,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 13
+    assert done.stdout.count("compiled") == 20
 
 
 # --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------
