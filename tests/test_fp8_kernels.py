@@ -820,6 +820,55 @@ def test_gpu_skinny_fp8_qkv_rope_llama_8b(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_skinny_fp8_f16_llama_shapes(shape, m):
+    """fp16 products (`fp8_f16_config`'s rule and bench/fp8_gemm.py's neighbours: 8 warps, x on
+    the left over 64 columns) against the exact product of x and the scaled FP8 weight: within
+    a bf16 rounding of it, closer to it than the dequantising kernel (which rounds the weight
+    to bf16 first), and deterministic (split-K)."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    n_cols = n // 2 if silu else n
+    w8, scale = _gpu_fp8_weight(n, k, seed=20 + m)
+    x = _gpu_rows(m, k, seed=120 + m)
+    expected = exact_product(x, w8, scale, silu=silu)
+    dequantising = skinny_gemm(x, w8, silu_mul=silu, config=default_config(m, n_cols, k, silu, x.device),
+                               scale=scale)
+    rule = skinny_module.fp8_f16_config(m, n_cols, k, silu, x.device)
+    narrow = skinny_module.fp8_f16_config(m, n_cols, k, silu, x.device, block_n=64)
+    for config in (rule, rule._replace(num_warps=8), narrow._replace(w_left=False)):
+        out = skinny_gemm(x, w8, silu_mul=silu, config=config, scale=scale)
+        torch.testing.assert_close(out, expected, rtol=2e-2 if silu else 1e-2, atol=1e-2)
+        assert _relative_error(out, expected) < _relative_error(dequantising, expected), config
+        assert torch.equal(out, skinny_gemm(x, w8, silu_mul=silu, config=config, scale=scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_skinny_fp8_qkv_rope_f16_llama_8b(m):
+    """Llama 8B's fused q/k/v + RoPE + KV store on fp16 products (64 columns of each half of a
+    head, the weight on the left): q, k and v as the 16-bit fused kernel makes them from the
+    dequantised weight, within RoPE's bf16 steps."""
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
+    w8, scale = _gpu_fp8_weight(6144, 4096, seed=23)
+    x = _gpu_rows(m, 4096, seed=24)
+    positions = torch.arange(m, device="cuda") * 53
+    loc = torch.arange(m, device="cuda") * 2
+    f16 = skinny_module.fp8_f16_config(m, 3072, 4096, True, x.device, block_n=64)
+    sixteen = skinny_module._qkv_rope_config(m, 6144, 4096, 128, x.device)
+    outs = []
+    for weight, sc, config in ((w8, scale, f16), (dequantize(w8, scale, torch.bfloat16), None, sixteen)):
+        k_cache = torch.zeros(64, 8, 128, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.zeros_like(k_cache)
+        q = skinny_qkv_rope(x, weight, None, 32, 8, positions, rotary.cos, rotary.sin, k_cache,
+                            v_cache, loc, config=config, scale=sc)
+        outs.append((q, k_cache, v_cache))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_activation_quantiser_is_torchs():
     x = _gpu_rows(64, 14336 + 40, seed=5) * 3
     x8, scales = quantize_activations(x)
