@@ -20,9 +20,9 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     bf16x2 multiply a pair, the same output bit for bit): if it leads, make it
                     the default (`fp8_convert.WEIGHT_FP8_CONVERT`)
 - `w8a16_skinny_wide` the same with `SkinnyConfig.fp8_wide`: K steps of the 16-bit step's bytes
-                    (512 FP8 columns over four 128-blocks, scales broadcast in registers): if it
-                    leads, set `skinny_gemm.FP8_WIDE_STEPS = True`; `w8a16_skinny_wide_bits`
-                    with "bits"
+                    (512 FP8 columns over four 128-blocks, scales broadcast in registers); the
+                    rule's since an H100 run (`skinny_gemm.FP8_WIDE_STEPS`), so now the same as
+                    `w8a16_skinny`; `w8a16_skinny_wide_bits` with "bits"
 - `w8a16_f16`       the skinny GEMM on fp16 products (`SkinnyConfig.fp8_f16`: e4m3 -> fp16 in
                     one conversion a pair, x scaled into fp16 by a power of two a row, scales
                     after each step's dot) with the weight on the left (`w_left`: wgmma takes it

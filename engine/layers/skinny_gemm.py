@@ -23,9 +23,11 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
 - FP8 weights (`scale=`, a `WeightScale`): W8A16, the weight tile dequantised in fp32 and
   rounded to the activation dtype before the product (the reference's weight, so the results
   are the 16-bit kernel's on the dequantised weight; on sm_90 the e4m3 values are widened by
-  byte moves, `SkinnyConfig.fp8_convert`), or with `SkinnyConfig.fp8_activations`
-  W8A8 on FP8 tensor cores; the shared main loop serves all three kernels
-  (docs/architecture.md, "FP8 weight kernels").
+  byte moves, `SkinnyConfig.fp8_convert`); or with `SkinnyConfig.fp8_f16` on fp16 tensor
+  cores, the weight widened to fp16 exactly and x scaled into fp16 by a power of two a row,
+  the scales applied after each step's dot (under half the dequantising loop's instructions
+  with `w_left`); or with `SkinnyConfig.fp8_activations` W8A8 on FP8 tensor cores; the shared
+  main loop serves all three kernels (docs/architecture.md, "FP8 weight kernels").
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
   tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two). The
   H100 sweep found tl.dot faster at every M, so the rule always picks it; the interpreter tests
