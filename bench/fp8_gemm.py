@@ -92,6 +92,9 @@ SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
     # DeepSeek-V3: a shared expert's (and each routed expert's) gate/up and down, the MLA q_b
     "v3.expert_gate_up": (4096, 7168), "v3.expert_down": (7168, 2048), "v3.q_b": (24576, 1536),
+    # Llama 70B at tp=2: one rank's fused q/k/v (64 + 2 x 8 heads of 128, halved), o, gate/up, down
+    "70b_tp2.qkv": (5120, 8192), "70b_tp2.o": (8192, 4096), "70b_tp2.gate_up": (28672, 8192),
+    "70b_tp2.down": (8192, 14336),
 }
 BLOCK = (128, 128)
 INT4_GROUP = 128
