@@ -267,12 +267,14 @@ def test_skinny_fp8_f16_products(block, epilogue, w_left):
 def test_fp8_f16_configs():
     """fp16 products need K steps inside one k-block (a 16x24 grid's k-blocks are no whole
     number of steps: dropped, the dequantising path runs), take precedence over wide steps,
-    and keep fp32 activations on the dequantising path; without tl.dot they are refused."""
+    give way to FP8 activations, and keep fp32 activations on the dequantising path; without
+    tl.dot they are refused."""
     f16 = config(block_k=32)._replace(fp8_f16=True)
     assert not fp8_weight_config(f16, 24, K).fp8_f16
     assert fp8_weight_config(f16, 16, K).fp8_f16 and fp8_weight_config(f16, K, K).fp8_f16
     wide = config(block_k=256)._replace(num_stages=3, fp8_wide=True, fp8_f16=True)
     assert fp8_weight_config(wide, 128, 4096).block_k == 128  # one k-block a step, not 512
+    assert not fp8_weight_config(f16._replace(fp8_activations=True), 128, K).fp8_f16  # W8A8's own
     plain = config(block_k=32)
     for grid, x in (((16, 24), wide_range_rows(2, K, torch.float16, seed=1)),
                     ((1, 128), dense_rows(3, K, seed=2))):  # fp32 activations

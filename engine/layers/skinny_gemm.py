@@ -256,8 +256,9 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
         step = scale_block_k & -scale_block_k  # the largest power of two dividing it
         block_k = step if step >= 16 else block_k
     stages = min(8, max(config.num_stages, config.num_stages * config.block_k // block_k))
-    # fp16 products scale a step's sum by one scale per row: per-element scales cannot
-    fp8_f16 = config.fp8_f16 and k_uniform(scale_block_k, k, block_k)
+    # fp16 products scale a step's sum by one scale per row: per-element scales cannot; FP8
+    # activations are products of their own
+    fp8_f16 = config.fp8_f16 and not config.fp8_activations and k_uniform(scale_block_k, k, block_k)
     return config._replace(block_k=block_k, block_n=block_n, num_stages=stages, fp8_f16=fp8_f16)
 
 
