@@ -363,7 +363,7 @@ if triton is not None:
 
     @triton.jit
     def _rows_to_f16(x_tile):
-        """x_tile [BLOCK_M, BLOCK_K] (16-bit or fp32) in fp16, each row times the power of two
+        """x_tile [BLOCK_M, BLOCK_K] (16-bit) in fp16, each row times the power of two
         that puts its largest magnitude in [2^14, 2^15), and the inverse powers [BLOCK_M]: a
         bf16 value (8 significant bits) is exact in fp16 (11) down to 2^-32 of its row's
         largest (fp16's subnormals round the smaller ones, which weigh less than 2^-32 in the
@@ -422,7 +422,10 @@ if triton is not None:
         transposed, W x^T ([BLOCK_N, BLOCK_M], transposed once after the loop): FP8 tensor
         cores (wgmma) want 64 rows or more on the left, and x has 16 at most, the weight
         tile BLOCK_N (64 in `fp8_weight_config`). With x on the left Triton would convert
-        both operands to fp16 for 16-row mma instead."""
+        both operands to fp16 for 16-row mma instead. FP8_F16 (W8A16 on fp16 tensor cores, DOT
+        and SCALE_COLS 1 only): x converted once a step for both tiles of a pair
+        (`_rows_to_f16`), the weight tile widened to fp16, the step's product scaled in fp32.
+        W_LEFT (DOT): W x^T as well, for wgmma's register operand."""
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -448,8 +451,8 @@ if triton is not None:
                 k_mask = (k + offs_k) < K
                 x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-            x_inv = offs_m  # (unused but with FP8_F16)
-            if FP8_F16:  # x once a step for both tiles of a pair
+            x_inv = offs_m  # a placeholder: only FP8_F16 reads it
+            if FP8_F16:
                 x_tile, x_inv = _rows_to_f16(x_tile)
             acc = _accumulate_step(acc, x_tile, x_inv, w_tile, fp8, scale_rows, offs_m, m_mask, k,
                                    offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT, SCALE_COLS, FP8_ACT,
@@ -794,9 +797,9 @@ SHARED_MEMORY = 227 * 1024  # bytes a program may take on an H100 or H200
 def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int, device: torch.device,
                      qk_norm: bool = False, itemsize: int = 2,
                      fp8: bool = False) -> Optional[SkinnyConfig]:
-    """The rule's config (with `fp8`, an FP8 weight's: `default_config`'s) for the paired
-    columns of a q/k/v projection, its column tiles cut to
-    half a head where that is narrower; None where half a head is no whole number of tiles
+    """The rule's config (with `fp8` an FP8 weight's, `FP8_F16_PRODUCTS` included) for the
+    paired columns of a q/k/v projection, its column tiles cut to half a head where that is
+    narrower; None where half a head is no whole number of tiles
     of at least 16 columns (tl.dot's least). With `qk_norm` a tile is exactly half a head (a
     program normalises whole heads; a power of two, for tl.arange), K split by the rule over
     those tiles, and K steps halved while the pipeline's tiles of x and of both weight halves
