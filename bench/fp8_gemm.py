@@ -28,6 +28,7 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     after each step's dot) with the weight on the left (`w_left`: wgmma takes it
                     from registers), `fp8_f16_config`'s tiles of 128 rows: if it leads, set
                     `skinny_gemm.FP8_F16_PRODUCTS = True`. Around it: `_n64` (64-row tiles),
+                    `_n256` (256-row tiles in 8 warps: half the x work a weight),
                     `_w8` (8 warps), `_split_x2` and `_split_half` (the rule's split-K doubled and
                     halved), `_stages6`, `_xleft`
                     (x on the left over 64 columns)
@@ -189,6 +190,7 @@ def f16_configs(m: int, n: int, k: int) -> dict:
     rule = fp8_f16_config(m, n, k, False, cuda)
     return {"w8a16_f16": rule,
             "w8a16_f16_n64": fp8_f16_config(m, n, k, False, cuda, block_n=64),
+            "w8a16_f16_n256": fp8_f16_config(m, n, k, False, cuda, block_n=256)._replace(num_warps=8),
             "w8a16_f16_w8": rule._replace(num_warps=8),
             "w8a16_f16_split_x2": rule._replace(split_k=2 * rule.split_k),
             "w8a16_f16_split_half": rule._replace(split_k=max(1, rule.split_k // 2)),

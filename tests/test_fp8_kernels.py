@@ -641,6 +641,8 @@ F16 = ("cvt.rn.f16x2.e4m3x2", "wgmma", ".f32.f16.f16")
 WIDENED = ("cvt.f32.f16", "mul.rn.bf16x2")
 check("w8a16 f16 o", skinny(1, 4096, 4096, False, False, True, f16=True), *F16, absent=WIDENED)
 check("w8a16 f16 gate_up", skinny(16, 28672, 4096, True, False, True, f16=True), *F16, absent=WIDENED)
+check("w8a16 f16 o 256 rows 8 warps", skinny(16, 4096, 4096, False, False, True, f16=True, block_n=256,
+                                            num_warps=8), *F16, absent=WIDENED)
 check("w8a16 f16 down 8 warps 6 stages", skinny(4, 4096, 14336, False, False, True, f16=True,
                                                 num_warps=8, num_stages=6), *F16, absent=WIDENED)
 check("w8a16 f16 qkv_rope", skinny(1, 6144, 4096, False, False, True, qkv=True, f16=True), *F16,
@@ -687,7 +689,7 @@ def test_fp8_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FP8_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 20
+    assert done.stdout.count("compiled") == 21
 
 
 # --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------
