@@ -262,8 +262,9 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
 
 
 # The W8A16 search's axes: the skinny GEMM's, and the FP8 options (wide K steps over whole
-# scale blocks; deeper pipelines, the FP8 step being half the 16-bit step's bytes).
-W8A16_AXES = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512),
+# scale blocks; deeper pipelines, the FP8 step being half the 16-bit step's bytes; fp16
+# products and the weight on the left, whose tiles run to 256 rows).
+W8A16_AXES = {"block_n": (16, 32, 64, 128, 256), "block_k": (64, 128, 256, 512),
               "split_k": (1, 2, 4, 8, 16), "num_warps": (2, 4, 8), "num_stages": (3, 4, 6, 8),
               "fp8_wide": (False, True), "fp8_f16": (False, True), "w_left": (False, True)}
 
