@@ -692,6 +692,41 @@ def test_fp8_kernels_compile_for_hopper():
     assert done.stdout.count("compiled") == 21
 
 
+# The loop an H100 runs (tests/sm90_sass.py: the compiled loop's SASS, counted): fp16 products
+# with the weight on the left take under 0.6 of the dequantising loop's instructions a weight
+# (0.44 at o_proj), never widen the weight to fp32 nor pack it to bf16, and run on wgmma.
+_COUNT_FP8_LOOPS = """
+import torch
+from specserve.engine.layers import skinny_gemm as sk
+from sm90_sass import loop_opcodes, per_weight, skinny_fp8_launch
+
+cpu = torch.device("cpu")
+for name, (n, k, silu) in {"o": (4096, 4096, False), "gate_up": (28672, 4096, True)}.items():
+    n_cols = n // 2 if silu else n
+    dequantising = sk.default_config(1, n_cols, k, silu, cpu)._replace(fp8_wide=False)
+    (old, old_c), (new, new_c) = (skinny_fp8_launch(1, n, k, silu, c)
+                                  for c in (dequantising, sk.fp8_f16_config(1, n_cols, k, silu, cpu)))
+    old_ops, new_ops = loop_opcodes(old), loop_opcodes(new)
+    ratio = per_weight(new_ops, new_c, silu) / per_weight(old_ops, old_c, silu)
+    assert ratio < 0.6, (name, ratio)
+    assert old_ops["HADD2.F32"] and not new_ops["HADD2.F32"] and not new_ops["F2FP.BF16.F32.PACK_AB"]
+    assert any(op.startswith("HGMMA") for op in new_ops), new_ops
+    print("counted", name, round(ratio, 2))
+"""
+
+
+def test_fp16_products_take_under_0_6_of_the_loop_instructions():
+    import subprocess
+    import sys
+
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COUNT_FP8_LOOPS], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("counted") == 2
+
+
 # --- GPU: real shapes in bf16, 128x128 blocks --------------------------------------------------------
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
