@@ -20,9 +20,18 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     bf16x2 multiply a pair, the same output bit for bit): if it leads, make it
                     the default (`fp8_convert.WEIGHT_FP8_CONVERT`)
 - `w8a16_skinny_wide` the same with `SkinnyConfig.fp8_wide`: K steps of the 16-bit step's bytes
-                    (512 FP8 columns over four 128-blocks, scales broadcast in registers): if it
-                    leads, set `skinny_gemm.FP8_WIDE_STEPS = True`; `w8a16_skinny_wide_bits`
-                    with "bits"
+                    (512 FP8 columns over four 128-blocks, scales broadcast in registers); the
+                    rule's since an H100 run (`skinny_gemm.FP8_WIDE_STEPS`), so now the same as
+                    `w8a16_skinny`; `w8a16_skinny_wide_bits` with "bits"
+- `w8a16_f16`       the skinny GEMM on fp16 products (`SkinnyConfig.fp8_f16`: e4m3 -> fp16 in
+                    one conversion a pair, x scaled into fp16 by a power of two a row, scales
+                    after each step's dot) with the weight on the left (`w_left`: wgmma takes it
+                    from registers), `fp8_f16_config`'s tiles of 128 rows: if it leads, set
+                    `skinny_gemm.FP8_F16_PRODUCTS = True`. Around it: `_n64` (64-row tiles),
+                    `_n256` (256-row tiles in 8 warps: half the x work a weight),
+                    `_w8` (8 warps), `_split_x2` and `_split_half` (the rule's split-K doubled and
+                    halved), `_stages6`, `_xleft`
+                    (x on the left over 64 columns)
 - `w8a8_skinny`     its `fp8_activations` option: x quantised per 128-column group, FP8 dot
 - `w8a8_triton`     the large-M block-scaled kernel, quantiser included (`fp8_matmul` on CUDA)
 - `scaled_mm_block` torch._scaled_mm with 1x128 activation and 128x128 weight scales, the
@@ -72,7 +81,7 @@ from skinny_gemm import MIN_CALLS, ROTATION_BYTES, config_name, sweep, time_per_
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.skinny_gemm import (
-    MAX_ROWS, default_config, fp8_weight_config, skinny_gemm)
+    MAX_ROWS, default_config, fp8_f16_config, fp8_weight_config, skinny_gemm)
 from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
@@ -84,6 +93,9 @@ SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
     # DeepSeek-V3: a shared expert's (and each routed expert's) gate/up and down, the MLA q_b
     "v3.expert_gate_up": (4096, 7168), "v3.expert_down": (7168, 2048), "v3.q_b": (24576, 1536),
+    # Llama 70B at tp=2: one rank's fused q/k/v (64 + 2 x 8 heads of 128, halved), o, gate/up, down
+    "70b_tp2.qkv": (5120, 8192), "70b_tp2.o": (8192, 4096), "70b_tp2.gate_up": (28672, 8192),
+    "70b_tp2.down": (8192, 14336),
 }
 BLOCK = (128, 128)
 INT4_GROUP = 128
@@ -159,6 +171,8 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
         wide_bits = wide._replace(fp8_convert="bits")
         ops["w8a16_skinny_wide_bits"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=wide_bits,
                                                                           scale=w[1]))
+        for name, config in f16_configs(m, n, k).items():
+            ops[name] = ("fp8", lambda x, w, c=config: skinny_gemm(x, w[0], config=c, scale=w[1]))
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
     if m <= TILED_MAX_ROWS:
         ops["w4a16_kernel"] = ("int4", lambda x, w: w4a16_gemm(x, w))
@@ -168,6 +182,20 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
     ops["scaled_mm_block"] = ("fp8", scaled_mm_block)
     ops["scaled_mm_row"] = ("rowwise", scaled_mm_row)
     return ops
+
+
+def f16_configs(m: int, n: int, k: int) -> dict:
+    """The fp16-product variants (`w8a16_f16*`): the rule's config and its neighbours."""
+    cuda = torch.device("cuda")
+    rule = fp8_f16_config(m, n, k, False, cuda)
+    return {"w8a16_f16": rule,
+            "w8a16_f16_n64": fp8_f16_config(m, n, k, False, cuda, block_n=64),
+            "w8a16_f16_n256": fp8_f16_config(m, n, k, False, cuda, block_n=256)._replace(num_warps=8),
+            "w8a16_f16_w8": rule._replace(num_warps=8),
+            "w8a16_f16_split_x2": rule._replace(split_k=2 * rule.split_k),
+            "w8a16_f16_split_half": rule._replace(split_k=max(1, rule.split_k // 2)),
+            "w8a16_f16_stages6": rule._replace(num_stages=6),
+            "w8a16_f16_xleft": fp8_f16_config(m, n, k, False, cuda, block_n=64)._replace(w_left=False)}
 
 
 def scaled_mm_block(x: torch.Tensor, w) -> torch.Tensor:
@@ -234,10 +262,11 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
 
 
 # The W8A16 search's axes: the skinny GEMM's, and the FP8 options (wide K steps over whole
-# scale blocks; deeper pipelines, the FP8 step being half the 16-bit step's bytes).
-W8A16_AXES = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512),
+# scale blocks; deeper pipelines, the FP8 step being half the 16-bit step's bytes; fp16
+# products and the weight on the left, whose tiles run to 256 rows).
+W8A16_AXES = {"block_n": (16, 32, 64, 128, 256), "block_k": (64, 128, 256, 512),
               "split_k": (1, 2, 4, 8, 16), "num_warps": (2, 4, 8), "num_stages": (3, 4, 6, 8),
-              "fp8_wide": (False, True)}
+              "fp8_wide": (False, True), "fp8_f16": (False, True), "w_left": (False, True)}
 
 
 def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Tensor],
@@ -256,7 +285,7 @@ def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
     expected = silu_and_mul(expected) if paired else expected
 
     def time_config(c) -> float | None:
-        label = f"sweep {config_name(c)}{' wide' if c.fp8_wide else ''}"
+        label = f"sweep {w8a16_name(c)}"
         try:
             out = skinny_gemm(x0, w0, silu_mul=paired, config=c, scale=s0)
         except Exception as e:  # the compiler's refusal (shared memory, registers)
@@ -271,16 +300,26 @@ def sweep_w8a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
                  for i in range(num_calls)]
         return _record_sweep(rows, name, m, n, k, label, c, calls, total, bandwidth)
 
-    start = default_config(m, n_cols, k, paired, torch.device("cuda"), fp8=True)
-    timed = sweep(start, m, n_cols, k, paired, args.sweep_rounds, time_config, W8A16_AXES)
+    # Two descents: from the rule's dequantising config and from the fp16-product rule's
+    # (one axis at a time would not reach the latter's wide weight-on-the-left tiles).
+    timed = {}
+    for start in (default_config(m, n_cols, k, paired, torch.device("cuda"), fp8=True),
+                  fp8_f16_config(m, n_cols, k, paired, torch.device("cuda"))):
+        timed.update(sweep(start, m, n_cols, k, paired, args.sweep_rounds, time_config, W8A16_AXES))
     ranked = sorted(timed.items(), key=lambda item: item[1])
     for c, seconds in ranked[:3]:
         print(f"best w8a16 {name} m={m}: {seconds * 1e6:.2f} us {100 * total / seconds / bandwidth:.0f}%  "
-              f"{config_name(c)}{' wide' if c.fp8_wide else ''}", flush=True)
+              f"{w8a16_name(c)}", flush=True)
     if ranked:
         c, seconds = ranked[0]
         args.fp8_best.append(f"    {(m, n_cols, k, paired)!r}: {c!r},  # {name}: {seconds * 1e6:.1f} us, "
                              f"{100 * total / seconds / bandwidth:.0f} %")
+
+
+def w8a16_name(c) -> str:
+    """A swept W8A16 config's name: the skinny GEMM's and its FP8 options."""
+    options = [flag for flag, on in (("wide", c.fp8_wide), ("f16", c.fp8_f16), ("w_left", c.w_left)) if on]
+    return " ".join([config_name(c), *options])
 
 
 def _record_sweep(rows: list[dict], name: str, m: int, n: int, k: int, label: str, config,

@@ -333,6 +333,40 @@ def test_gpu_bf16_logits_close_to_the_dequantized_model(quantized, make_engine, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,block", [("block", (128, 128)), ("ct-channel", None)])
+def test_gpu_f16_products_logits_close_to_the_dequantized_model(quantized, make_engine, monkeypatch,
+                                                               fmt, block):
+    """The FP8 rule on fp16 products (`skinny_gemm.FP8_F16_PRODUCTS`, the exact product of the
+    scaled FP8 weight: no bf16 rounding of it) against the dequantized model in bf16, as close
+    as the dequantising kernel is, and every skinny launch of the engine took them."""
+    from specserve.engine.layers import skinny_gemm
+
+    fp8, ref = quantized("llama", fmt, block, hidden_size=512, intermediate_size=1024)
+    ids = torch.randint(3, 300, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096, max_running_requests=4)
+    real, planned = skinny_gemm._plan, []
+
+    def recorded(*args, **kwargs):
+        launch = real(*args, **kwargs)
+        planned.append(launch.meta)
+        return launch
+
+    monkeypatch.setattr(skinny_gemm, "_plan", recorded)
+    monkeypatch.setattr(skinny_gemm, "FP8_F16_PRODUCTS", True)
+    skinny_gemm.default_config.cache_clear()
+    skinny_gemm._qkv_rope_config.cache_clear()
+    try:
+        a = make_engine(fp8, **kw).prompt_logits(ids).float()
+    finally:
+        skinny_gemm.default_config.cache_clear()
+        skinny_gemm._qkv_rope_config.cache_clear()
+    b = make_engine(ref, **kw).prompt_logits(ids).float()
+    fp8_launches = [meta for meta in planned if meta["FP8_WEIGHT"]]
+    assert fp8_launches and all(meta["FP8_F16"] and meta["W_LEFT"] for meta in fp8_launches)
+    assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block", [("block", (128, 128)), ("ct-channel", None)])
 def test_gpu_bits_conversion_keeps_the_greedy_tokens(quantized, make_engine, monkeypatch, fmt, block):
     """bf16 on sm_90: the skinny GEMM's default FP8 conversion ("bits") and "cast" (what older
     GPUs run) generate the same greedy tokens, CUDA graphs on; each engine ran the one it names."""

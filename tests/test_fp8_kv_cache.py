@@ -530,7 +530,7 @@ ptx["skinny qkv store"] = compile_sm90(sk._skinny_qkv_rope_kernel, dict(
     norm_eps=1e-6, NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, KV_FP8=True, QK_NORM=False, BLOCK_M=16, BLOCK_N=c.block_n,
     BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
     DOT_PRECISION="tf32", FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, FP8_CONVERT="cast",
-    PDL=True),
+    FP8_F16=False, W_LEFT=False, PDL=True),
     c.num_warps, c.num_stages)
 for name, text in ptx.items():
     # Loads convert e4m3 pairs to f16 then to the query's bf16 ("cast") or by moving bits and

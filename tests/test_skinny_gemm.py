@@ -201,7 +201,8 @@ for m, n, k, bias, silu, dtype in [(1, 14336, 4096, False, True, "bf16"), (1, 20
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(m)) if c.dot else triton.next_power_of_2(m),
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k, HAS_BIAS=bias, SILU_MUL=silu,
                   DOT=c.dot, EVEN_K=k % c.block_k == 0, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-                  FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, FP8_CONVERT="cast", PDL=True)
+                  FP8_WEIGHT=False, SCALE_COLS=0, FP8_ACT=False, FP8_CONVERT="cast", FP8_F16=False,
+                  W_LEFT=False, PDL=True)
     names = list(sig) + list(consts)
     sig.update({name: "constexpr" for name in consts})
     aligned = [name for name in ("x", "w", "bias", "y", "partials", "arrivals", "stride_xm", "stride_wn",
@@ -353,7 +354,8 @@ for m, heads, kv_heads, dim, k, dtype in [(1, 32, 4, 128, 2048, bf16), (16, 16, 
         QK_NORM=True, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
         HAS_BIAS=False, DOT=c.dot, EVEN_K=True,
         DOT_PRECISION="ieee" if dtype == f32 else "tf32", FP8_WEIGHT=False, SCALE_COLS=0,
-        FP8_ACT=False, FP8_CONVERT="cast", PDL=True), c.num_warps, c.num_stages)
+        FP8_ACT=False, FP8_CONVERT="cast", FP8_F16=False, W_LEFT=False, PDL=True), c.num_warps,
+        c.num_stages)
     ptx = kernel.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and ("mma" in ptx or dtype == f32) and "rsqrt" in ptx
     assert kernel.metadata.shared <= sk.SHARED_MEMORY, (m, k, dtype, c, kernel.metadata.shared)

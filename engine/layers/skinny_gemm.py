@@ -23,9 +23,11 @@ qkv and o_proj) at 45-65 % of it, and reduces its split-K partials in a second k
 - FP8 weights (`scale=`, a `WeightScale`): W8A16, the weight tile dequantised in fp32 and
   rounded to the activation dtype before the product (the reference's weight, so the results
   are the 16-bit kernel's on the dequantised weight; on sm_90 the e4m3 values are widened by
-  byte moves, `SkinnyConfig.fp8_convert`), or with `SkinnyConfig.fp8_activations`
-  W8A8 on FP8 tensor cores; the shared main loop serves all three kernels
-  (docs/architecture.md, "FP8 weight kernels").
+  byte moves, `SkinnyConfig.fp8_convert`); or with `SkinnyConfig.fp8_f16` on fp16 tensor
+  cores, the weight widened to fp16 exactly and x scaled into fp16 by a power of two a row,
+  the scales applied after each step's dot (under half the dequantising loop's instructions
+  with `w_left`); or with `SkinnyConfig.fp8_activations` W8A8 on FP8 tensor cores; the shared
+  main loop serves all three kernels (docs/architecture.md, "FP8 weight kernels").
 - The rows are padded to 16 for `tl.dot` (tensor cores), or, with `SkinnyConfig.dot` off, the
   tile is reduced with multiply-and-sum on the CUDA cores (rows padded to a power of two). The
   H100 sweep found tl.dot faster at every M, so the rule always picks it; the interpreter tests
@@ -95,6 +97,18 @@ class SkinnyConfig(NamedTuple):
     # "cast" or "bits", the same values; "bits" on sm_90 and newer only); None:
     # `WEIGHT_FP8_CONVERT`.
     fp8_convert: Optional[str] = None
+    # With an FP8 weight (W8A16): the product on fp16 tensor cores (`_rows_to_f16`): the e4m3
+    # values widened to fp16 (one conversion a pair, exact), x's rows scaled into fp16 by a
+    # power of two each step (exact), each step's fp32 product times the weight rows' and x
+    # rows' scales. Not the reference's rounding of the dequantised weight to bf16: the
+    # exact product of the FP8 weight, rounded once a step. 16-bit activations only (fp32 ones
+    # take the dequantising path), K steps within one k-block of the grid (`fp8_weight_config`
+    # drops it where they cannot be; it takes precedence over `fp8_wide`).
+    fp8_f16: bool = False
+    # tl.dot with the weight tile on the left, W x^T ([block_n, rows]; Marlin's orientation):
+    # from 64 columns wgmma takes the dequantised weight from registers and x from shared
+    # memory, where with x on the left every warp loads the padded x tile into registers.
+    w_left: bool = False
 
 
 class SkinnyWorkspace:
@@ -125,9 +139,15 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
 
 
-# The default for `SkinnyConfig.fp8_wide` in the rule's configs: flip to True where
-# bench/fp8_gemm.py shows w8a16_skinny_wide ahead of w8a16_skinny on the device.
-FP8_WIDE_STEPS = False
+# The default for `SkinnyConfig.fp8_wide` in the rule's configs. On an H100
+# (`bench/fp8_gemm.py --variants w8a16 --rows 1,4,16`, 8B shapes at M = 1) the wide steps
+# lead: qkv 14.4 against 16.7 us, gate_up 48.9 against 51.8, down 33.1 against 33.8, o even
+# (13.0); M = 4 and 16 alike.
+FP8_WIDE_STEPS = True
+
+# The rule's FP8 configs (W8A16) take `fp8_f16_config` (fp16 products, the weight on the left)
+# when True: flip where bench/fp8_gemm.py's w8a16_f16 rows lead w8a16_skinny on the device.
+FP8_F16_PRODUCTS = False
 
 # Measured best configs, (m, n, k, paired) -> config, as `bench/skinny_gemm.py --sweep`
 # prints them; shapes not listed take the rule of `default_config`.
@@ -164,6 +184,8 @@ def default_config(m: int, n: int, k: int, paired: bool = False,
     """
     if fp8 and (m, n, k, paired) in FP8_TUNED_CONFIGS:
         return FP8_TUNED_CONFIGS[m, n, k, paired]
+    if fp8 and FP8_F16_PRODUCTS:
+        return fp8_f16_config(m, n, k, paired, device)
     if (m, n, k, paired) in TUNED_CONFIGS:
         return TUNED_CONFIGS[m, n, k, paired]
     return rule_config(m, n, k, paired, device, block_n=32)
@@ -183,6 +205,21 @@ def rule_config(m: int, n: int, k: int, paired: bool, device: torch.device,
                             fp8_wide=FP8_WIDE_STEPS)
     return SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4,
                         fp8_wide=FP8_WIDE_STEPS)
+
+
+def fp8_f16_config(m: int, n: int, k: int, paired: bool, device: torch.device,
+                   block_n: int = 0) -> SkinnyConfig:
+    """The rule for FP8 weights on fp16 products (`SkinnyConfig.fp8_f16`): the weight tile on
+    the left of tl.dot over 128 weight rows a program (64 columns of each half of a pair, or
+    `block_n`), so that Hopper's wgmma takes the tile from registers and x from shared memory;
+    128-wide K steps (a 128-column k-block's) in four stages, K split by `rule_config`'s rule
+    over these tiles. Chosen by the compiled loop's instructions per weight (sm_90, Llama 8B
+    o_proj at M = 1: 0.10 warp instructions a weight against 0.22 for the dequantising
+    kernel), not yet timed: bench/fp8_gemm.py's w8a16_f16 rows."""
+    block_n = block_n or (64 if paired else 128)
+    split_k = rule_config(m, n, k, paired, device, block_n).split_k
+    return SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=4,
+                        fp8_f16=True, w_left=True)
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -210,7 +247,7 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
     the 16-bit stages), where they lie in one k-block or span whole power-of-two k-blocks
     (`scale_columns`): a row's step is then one wide load and a few scales, not one narrow
     step a block."""
-    if config.fp8_wide and not config.fp8_activations:
+    if config.fp8_wide and not config.fp8_activations and not config.fp8_f16:
         wide = 2 * config.block_k
         if scale_columns(scale_block_k, k, wide):
             return config._replace(block_k=wide)
@@ -221,7 +258,10 @@ def fp8_weight_config(config: SkinnyConfig, scale_block_k: int, k: int) -> Skinn
         step = scale_block_k & -scale_block_k  # the largest power of two dividing it
         block_k = step if step >= 16 else block_k
     stages = min(8, max(config.num_stages, config.num_stages * config.block_k // block_k))
-    return config._replace(block_k=block_k, block_n=block_n, num_stages=stages)
+    # fp16 products scale a step's sum by one scale per row: per-element scales cannot; FP8
+    # activations are products of their own
+    fp8_f16 = config.fp8_f16 and not config.fp8_activations and k_uniform(scale_block_k, k, block_k)
+    return config._replace(block_k=block_k, block_n=block_n, num_stages=stages, fp8_f16=fp8_f16)
 
 
 def scale_columns(scale_block_k: int, k: int, block_k: int) -> int:
@@ -280,8 +320,11 @@ if triton is not None:
     from specserve.engine.layers.fp8_convert import e4m3_to_f32
 
     @triton.jit
-    def _accumulate(acc, x_tile, w_tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        if DOT:  # acc [BLOCK_M, BLOCK_N]
+    def _accumulate(acc, x_tile, w_tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    W_LEFT: tl.constexpr):
+        if DOT and W_LEFT:  # acc [BLOCK_N, BLOCK_M]
+            acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=DOT_PRECISION)
+        elif DOT:  # acc [BLOCK_M, BLOCK_N]
             acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
         else:
             # acc [BLOCK_M, BLOCK_N, BLOCK_K]: products summed per lane, reduced over K once
@@ -290,15 +333,23 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k, K,
-                         DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    def _accumulate_step(acc, x_tile, x_inv, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k,
+                         K, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
-                         FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr):
-        """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`."""
+                         FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr, FP8_F16: tl.constexpr,
+                         W_LEFT: tl.constexpr):
+        """One K step (from k) of the weight rows whose scale-grid rows are at `scale_rows`
+        (FP8_F16: x_tile in fp16 as `_rows_to_f16` made it, x_inv its rows' inverse powers)."""
         if FP8_ACT:  # acc [BLOCK_N, BLOCK_M]: W x^T (see _sum_tiles)
             acc = scaled_dot(acc, w_tile, x_tile,
                              weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True),
                              activation_scales(fp8.x_scale, offs_m, m_mask, fp8.stride_xsm, k))
+        elif FP8_F16:
+            w_scales = weight_scales(fp8.w_scale, scale_rows, k, offs_k, K, fp8.block_k, True)
+            if W_LEFT:  # acc [BLOCK_N, BLOCK_M]
+                acc = scaled_dot(acc, w_tile.to(tl.float16), x_tile, w_scales, x_inv)
+            else:
+                acc = scaled_dot(acc, x_tile, w_tile.to(tl.float16), x_inv, w_scales)
         else:
             if FP8_WEIGHT:
                 if SCALE_COLS > 1:
@@ -309,8 +360,23 @@ if triton is not None:
                         w_tile, weight_scales(fp8.w_scale, scale_rows[:, None], k, offs_k[None, :], K,
                                               fp8.block_k, SCALE_COLS == 1), x_tile.dtype,
                         FP8_CONVERT, DOT)
-            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION)
+            acc = _accumulate(acc, x_tile, w_tile, DOT, DOT_PRECISION, W_LEFT)
         return acc
+
+    @triton.jit
+    def _rows_to_f16(x_tile):
+        """x_tile [BLOCK_M, BLOCK_K] (16-bit) in fp16, each row times the power of two
+        that puts its largest magnitude in [2^14, 2^15), and the inverse powers [BLOCK_M]: a
+        bf16 value (8 significant bits) is exact in fp16 (11) down to 2^-32 of its row's
+        largest (fp16's subnormals round the smaller ones, which weigh less than 2^-32 in the
+        row's products). The powers are made from the exponent field of the row's maximum:
+        2^(14 - E) for a maximum in [2^E, 2^(E+1)), clamped to fp32's normal range (an
+        all-zero row takes the largest power: zeros either way)."""
+        x = x_tile.to(tl.float32)
+        exponent = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        up = tl.minimum(tl.maximum(268 - exponent, 1), 253)  # the biased exponent of 2^(14 - E)
+        x16 = (x * (up << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        return x16, ((254 - up) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _dequantize_grouped(w_tile, w_scale, scale_rows, k, K, scale_block_k,
@@ -343,7 +409,8 @@ if triton is not None:
                    fp8, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr,
-                   SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr):
+                   SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr,
+                   FP8_F16: tl.constexpr, W_LEFT: tl.constexpr):
         """x[:, k_begin:k_end] against the weight rows `rows` (and `partner_rows` when PAIRED):
         the fp32 tiles [BLOCK_M, BLOCK_N] (the partner's zero unless PAIRED).
 
@@ -357,7 +424,10 @@ if triton is not None:
         transposed, W x^T ([BLOCK_N, BLOCK_M], transposed once after the loop): FP8 tensor
         cores (wgmma) want 64 rows or more on the left, and x has 16 at most, the weight
         tile BLOCK_N (64 in `fp8_weight_config`). With x on the left Triton would convert
-        both operands to fp16 for 16-row mma instead."""
+        both operands to fp16 for 16-row mma instead. FP8_F16 (W8A16 on fp16 tensor cores, DOT
+        and SCALE_COLS 1 only): x converted once a step for both tiles of a pair
+        (`_rows_to_f16`), the weight tile widened to fp16, the step's product scaled in fp32.
+        W_LEFT (DOT): W x^T as well, for wgmma's register operand."""
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -366,7 +436,7 @@ if triton is not None:
         # Offsets of the rows' scale-grid rows (unused for a 16-bit weight).
         scale_rows = (rows // fp8.block_n) * fp8.stride_wsn
         partner_scale_rows = (partner_rows // fp8.block_n) * fp8.stride_wsn
-        if FP8_ACT:
+        if FP8_ACT or (DOT and W_LEFT):
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         elif DOT:
@@ -383,18 +453,22 @@ if triton is not None:
                 k_mask = (k + offs_k) < K
                 x_tile = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_tile = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-            acc = _accumulate_step(acc, x_tile, w_tile, fp8, scale_rows, offs_m, m_mask, k, offs_k,
-                                   K, DOT, DOT_PRECISION, FP8_WEIGHT, SCALE_COLS, FP8_ACT,
-                                   FP8_CONVERT)
+            x_inv = offs_m  # a placeholder: only FP8_F16 reads it
+            if FP8_F16:
+                x_tile, x_inv = _rows_to_f16(x_tile)
+            acc = _accumulate_step(acc, x_tile, x_inv, w_tile, fp8, scale_rows, offs_m, m_mask, k,
+                                   offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT, SCALE_COLS, FP8_ACT,
+                                   FP8_CONVERT, FP8_F16, W_LEFT)
             if PAIRED:
                 if EVEN_K:
                     up_tile = tl.load(partner_ptrs + k)
                 else:
                     up_tile = tl.load(partner_ptrs + k, mask=k_mask[None, :], other=0.0)
-                acc_up = _accumulate_step(acc_up, x_tile, up_tile, fp8, partner_scale_rows, offs_m,
-                                          m_mask, k, offs_k, K, DOT, DOT_PRECISION, FP8_WEIGHT,
-                                          SCALE_COLS, FP8_ACT, FP8_CONVERT)
-        if FP8_ACT:
+                acc_up = _accumulate_step(acc_up, x_tile, x_inv, up_tile, fp8, partner_scale_rows,
+                                          offs_m, m_mask, k, offs_k, K, DOT, DOT_PRECISION,
+                                          FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT, FP8_F16,
+                                          W_LEFT)
+        if FP8_ACT or (DOT and W_LEFT):
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
         elif not DOT:
@@ -463,7 +537,8 @@ if triton is not None:
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr, FP8_ACT: tl.constexpr,
-        FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
+        FP8_CONVERT: tl.constexpr, FP8_F16: tl.constexpr, W_LEFT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows).
         wait_for_predecessor(PDL)
@@ -480,7 +555,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, SILU_MUL,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT)
+                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT, FP8_F16, W_LEFT)
         release_dependents(PDL)
         out_mask = (offs_m < M)[:, None] & (offs_n < n_cols)[None, :]
         last = True
@@ -515,7 +590,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr, FP8_WEIGHT: tl.constexpr, SCALE_COLS: tl.constexpr,
-        FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr, PDL: tl.constexpr,
+        FP8_ACT: tl.constexpr, FP8_CONVERT: tl.constexpr, FP8_F16: tl.constexpr,
+        W_LEFT: tl.constexpr, PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMENTS: tl.constexpr = 64,
     ):
         # The fused q/k/v projection [(Hq + 2 Hk) * 2 HALF, K], then `_rope_kernel`'s work in
@@ -563,7 +639,7 @@ if triton is not None:
         acc, acc_up = _sum_tiles(x, w, M, K, k_begin, tl.minimum(k_begin + k_per_split, K),
                                  offs_m, rows, partner_rows, stride_xm, stride_wn, fp8, True,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT, EVEN_K, DOT_PRECISION,
-                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT)
+                                 FP8_WEIGHT, SCALE_COLS, FP8_ACT, FP8_CONVERT, FP8_F16, W_LEFT)
         release_dependents(PDL)
         last = True
         if SPLIT_K > 1:
@@ -667,6 +743,9 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
     x_in, fp8 = x2, _Fp8Args(unused, unused, 1, 1, 1, 1)
     if scale is not None:
         assert config.dot or not config.fp8_activations, "FP8 activations need tl.dot"
+        assert config.dot or not config.fp8_f16, "fp16 products need tl.dot"
+        assert not config.fp8_f16 or k_uniform(scale.block_k, k, config.block_k), \
+            "with fp8_f16 a K step lies in one k-block"
         x_scale, stride_xsm = unused, 1
         if config.fp8_activations:
             assert ACT_GROUP % config.block_k == 0 and k_uniform(scale.block_k, k, config.block_k), \
@@ -692,6 +771,9 @@ def _plan(x2: torch.Tensor, n_cols: int, paired: bool, has_bias: bool, config: S
         SCALE_COLS=0 if scale is None else scale_columns(scale.block_k, k, config.block_k),
         FP8_ACT=scale is not None and config.fp8_activations,
         FP8_CONVERT="cast" if scale is None else _fp8_convert(config, x2.device),
+        # fp16 holds 16-bit activations exactly (`_rows_to_f16`), not fp32 ones
+        FP8_F16=scale is not None and config.fp8_f16 and x2.dtype != torch.float32,
+        W_LEFT=config.w_left,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x2.device))
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return _Launch((tiles, config.split_k), k_per_split, partials, arrivals, x_in, fp8, meta)
@@ -739,9 +821,11 @@ QKV_ROPE_WEIGHT_PREFETCH_BYTES = 0
 
 @functools.lru_cache(maxsize=None)  # asked twice a layer per forward: can_fuse, then the launch
 def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int, device: torch.device,
-                     qk_norm: bool = False, itemsize: int = 2) -> Optional[SkinnyConfig]:
-    """The rule's config for the paired columns of a q/k/v projection, its column tiles cut to
-    half a head where that is narrower; None where half a head is no whole number of tiles
+                     qk_norm: bool = False, itemsize: int = 2,
+                     fp8: bool = False) -> Optional[SkinnyConfig]:
+    """The rule's config (with `fp8` an FP8 weight's, `FP8_F16_PRODUCTS` included) for the
+    paired columns of a q/k/v projection, its column tiles cut to half a head where that is
+    narrower; None where half a head is no whole number of tiles
     of at least 16 columns (tl.dot's least). With `qk_norm` a tile is exactly half a head (a
     program normalises whole heads; a power of two, for tl.arange), K split by the rule over
     those tiles, and K steps halved while the pipeline's tiles of x and of both weight halves
@@ -752,13 +836,16 @@ def _qkv_rope_config(m: int, n_rows: int, k: int, head_dim: int, device: torch.d
     if qk_norm:
         if head_dim % 2 or half < 16 or half & (half - 1):
             return None
-        config = rule_config(m, n_rows // 2, k, True, device, block_n=half)
+        if fp8 and FP8_F16_PRODUCTS:
+            config = fp8_f16_config(m, n_rows // 2, k, True, device, block_n=half)
+        else:
+            config = rule_config(m, n_rows // 2, k, True, device, block_n=half)
         rows = max(16, triton.next_power_of_2(m)) + 2 * half
         while (config.block_k > 16
                and (config.num_stages - 1) * rows * config.block_k * itemsize > SHARED_MEMORY):
             config = config._replace(block_k=config.block_k // 2)
         return config
-    config = default_config(m, n_rows // 2, k, True, device)
+    config = default_config(m, n_rows // 2, k, True, device, fp8)
     block_n = min(config.block_n, half)
     if head_dim % 2 or block_n < 16 or half % block_n:
         return None
@@ -774,7 +861,7 @@ def can_fuse_qkv_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int,
         return False
     n_rows, k = weight.shape
     config = _qkv_rope_config(x.numel() // k, n_rows, k, head_dim, x.device, qk_norm,
-                              x.element_size())
+                              x.element_size(), scale is not None)
     return config is not None and (
         not qk_norm or _config_for(config, scale, k).block_n == head_dim // 2)
 
@@ -813,7 +900,7 @@ def skinny_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     config = config or _qkv_rope_config(m, n_rows, k, head_dim, x.device, qk_norm is not None,
-                                        x.element_size())
+                                        x.element_size(), scale is not None)
     assert config is not None, "a column tile must lie within half a head"
     config = _config_for(config, scale, k)  # (FP8 activations widen the tiles to 64)
     assert (head_dim // 2) % config.block_n == 0, "a column tile must lie within half a head"
