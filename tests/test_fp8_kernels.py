@@ -905,8 +905,11 @@ def test_gpu_skinny_fp8_qkv_rope_f16_llama_8b(m):
         q = skinny_qkv_rope(x, weight, None, 32, 8, positions, rotary.cos, rotary.sin, k_cache,
                             v_cache, loc, config=config, scale=sc)
         outs.append((q, k_cache, v_cache))
+    # Two roundings apart (the product's, and the dequantised weight's in the 16-bit path),
+    # each through RoPE's bf16 steps: a bf16 step of values near 2-4 is 0.0156 (the H100 saw 9
+    # of 65,536 values one such step apart at 16 rows).
     for got, want in zip(*outs):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
