@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import logging
 import math
+import pathlib
+import sys
 
 import pytest
 
@@ -147,6 +149,21 @@ def test_with_graphs_the_budget_shrinks_to_a_smaller_bucket_only_if_it_holds_the
     # 256 chain rows (1024 tokens), ~760 prompt tokens arriving a step: the 2048 bucket, filled.
     assert prompt_budget(1024, 1024, 400.0, buckets, backlog=1520) == 1024
     assert prompt_budget(1024, 1024, 400.0, buckets) == 512
+
+
+def test_the_closed_loop_simulation_predicts_the_ratio_alone_starves_and_the_backlogs_share_keeps_up():
+    """bench/mixed_budget_sim.py (which chose DRAIN_STEPS and DRAIN_TIME_RATIO) at 256 chain
+    streams and the prior's costly slope: the shape where the H100 starved the queue."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import mixed_budget_sim as sim
+
+    cost = sim.COSTS["25 us"]
+    separate, ratio_only, drained = (sim.simulate(256, policy, cost) for policy in (
+        sim.Policy("separate", mixed=False), sim.Policy("ratio only", mixed=True),
+        sim.Policy("drained", mixed=True, drain_steps=DRAIN_STEPS)))
+    assert ratio_only.tok_s < separate.tok_s <= drained.tok_s
+    assert ratio_only.ttft_p50 > 5 * drained.ttft_p50 and drained.ttft_p99 < separate.ttft_p99
+    assert drained.gap_p99 <= DRAIN_TIME_RATIO * drained.gap_p50
 
 
 def _budget(cost: StepCost, num_decode: int, graph_tokens=TOKEN_BUCKETS) -> int:

@@ -45,10 +45,12 @@ FLOOR_SHARE = 8  # a mixed step carries at least prefill_interleave_tokens // FL
 # time past twice the usual (issue 41's target: p99 <= 2x p50). In a closed loop each decode
 # row brings about prompt x accepted / output tokens a step (~3 at 127 in, 128 out, accept 3),
 # fewer than its own verify tokens, so 2x (the step's time again in prompt tokens) keeps up
-# with the arrivals at any batch. A host-only simulation of that loop (64 and 256 chain
-# streams, 12.2 ms + 25 us a token past 256): 2 steps and 2x give chunk gap p99 1.3x p50, TTFT
-# p99 below separate extends', 8-13 % more tokens/s; draining all that waits at once (1 step,
-# no time bound) gives p99 3.6x at 64 streams, 3 steps queue requests longer.
+# with the arrivals at any batch. A host-only simulation of that loop (bench/mixed_budget_sim.py:
+# 64 and 256 chain streams, 12.2 ms + 10 or 25 us a token past 256): 2 steps and 2x give
+# chunk gap p99 1.2-1.3x p50 at 256 and 1.3-2.1x at 64 (a graph bucket's padding may pass 2x),
+# TTFT p99 below separate extends', 8-25 % more tokens/s; the ratio alone starves the queue at
+# 256 (as the H100 did); draining all that waits at once (1 step, no time bound) gives p99
+# 3.6x at 64 streams; 3 steps queue requests longer for no steadier steps.
 DRAIN_STEPS = 2
 DRAIN_TIME_RATIO = 2.0
 
