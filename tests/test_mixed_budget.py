@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import logging
 import math
+import pathlib
+import sys
 
 import pytest
 
@@ -17,8 +19,8 @@ from helpers import FakeClock, drive, make_predictable_pair, random_prompts, rec
 from specserve.cli import build_parser, engine_config_from_args
 from specserve.engine import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.runtime.captured_mixed import TOKEN_BUCKETS
-from specserve.engine.scheduler import policy as policy_module
-from specserve.engine.scheduler.mixed_batch import FLOOR_SHARE, prompt_budget
+from specserve.engine.scheduler import mixed_batch, policy as policy_module
+from specserve.engine.scheduler.mixed_batch import DRAIN_STEPS, DRAIN_TIME_RATIO, FLOOR_SHARE, prompt_budget
 from specserve.engine.scheduler.step_cost import (OUTLIER_FACTOR, PRIOR_FIXED_TOKENS, StepCost, StepCostFit,
                                                   StepCostSample)
 from specserve.engine.tp import ObservedStepCosts
@@ -126,6 +128,44 @@ def test_the_budget_fills_the_graph_bucket_where_the_ratio_allows_else_shrinks_t
     assert prompt_budget(256, 1024, 300.0) == 300              # no graphs: as the ratio says
 
 
+def test_waiting_prompt_tokens_raise_the_budget_to_drain_within_a_few_steps():
+    assert DRAIN_STEPS == 2 and DRAIN_TIME_RATIO == 2.0
+    assert prompt_budget(1024, 1024, 100.0, backlog=1500) == 750           # the backlog's share
+    assert prompt_budget(1024, 1024, 100.0, backlog=1501) == 751           # rounded up: it drains
+    assert prompt_budget(1024, 1024, 100.0, backlog=1500, stretch=600.7) == 600  # within 2x the step
+    assert prompt_budget(256, 1024, 300.0, backlog=200) == 300             # the ratio allows more
+    assert prompt_budget(0, 1024, 0.0, backlog=10 ** 6) == 1024            # the cap holds
+    assert prompt_budget(0, 1024, math.inf, backlog=10 ** 6) == 1024
+    assert prompt_budget(256, 1024, 0.0, backlog=100) == 128               # the floor holds
+    assert prompt_budget(256, 1024, 0.0, backlog=10 ** 6, stretch=5.0) == 128
+
+
+def test_with_graphs_the_budget_shrinks_to_a_smaller_bucket_only_if_it_holds_the_backlogs_share():
+    buckets = TOKEN_BUCKETS
+    # 256 rows and 600 allowed: 856 replays 1024, whose fill (768) the ratio does not allow.
+    assert prompt_budget(256, 1024, 600.0, buckets) == 512                 # the 768 bucket
+    assert prompt_budget(256, 1024, 600.0, buckets, backlog=600) == 512    # 300 fits in it
+    assert prompt_budget(256, 1024, 600.0, buckets, backlog=1100) == 768   # 550 does not: filled
+    # 256 chain rows (1024 tokens), ~760 prompt tokens arriving a step: the 2048 bucket, filled.
+    assert prompt_budget(1024, 1024, 400.0, buckets, backlog=1520) == 1024
+    assert prompt_budget(1024, 1024, 400.0, buckets) == 512
+
+
+def test_the_closed_loop_simulation_predicts_the_ratio_alone_starves_and_the_backlogs_share_keeps_up():
+    """bench/mixed_budget_sim.py (which chose DRAIN_STEPS and DRAIN_TIME_RATIO) at 256 chain
+    streams and the prior's costly slope: the shape where the H100 starved the queue."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import mixed_budget_sim as sim
+
+    cost = sim.COSTS["25 us"]
+    separate, ratio_only, drained = (sim.simulate(256, policy, cost) for policy in (
+        sim.Policy("separate", mixed=False), sim.Policy("ratio only", mixed=True),
+        sim.Policy("drained", mixed=True, drain_steps=DRAIN_STEPS)))
+    assert ratio_only.tok_s < separate.tok_s <= drained.tok_s
+    assert ratio_only.ttft_p50 > 5 * drained.ttft_p50 and drained.ttft_p99 < separate.ttft_p99
+    assert drained.gap_p99 <= DRAIN_TIME_RATIO * drained.gap_p50
+
+
 def _budget(cost: StepCost, num_decode: int, graph_tokens=TOKEN_BUCKETS) -> int:
     rows = num_decode * 4  # chain verify rows of 4 tokens
     return prompt_budget(rows, 1024, cost.extra_tokens_within(rows, 1.5), graph_tokens)
@@ -180,7 +220,10 @@ def _timed_engine(make_engine, tiny_model, truth: StepCost, overlap: bool):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_mixed_steps_stay_within_the_ratio_of_the_decode_step_they_carry(tiny_model, make_engine, overlap):
+def test_mixed_steps_stay_within_the_ratio_of_the_decode_step_they_carry(tiny_model, make_engine, overlap,
+                                                                          monkeypatch):
+    # The ratio alone: the backlog's share off (the burst below would raise it to 2x).
+    monkeypatch.setattr(mixed_batch, "DRAIN_STEPS", 10 ** 9)
     slow = StepCost(fixed=0.010, per_token=0.0005, knee=0)   # 20 tokens cost half a step
     free = StepCost(fixed=0.010, per_token=0.0, knee=0)
     engine, steps = _timed_engine(make_engine, tiny_model, slow, overlap)
@@ -209,6 +252,84 @@ def test_mixed_steps_stay_within_the_ratio_of_the_decode_step_they_carry(tiny_mo
     mixed2 = [s for s in steps2 if s.mixed]
     assert max(s.computed for s in mixed2) == CAP
     assert sum(s.computed for s in mixed2) / len(mixed2) > sum(s.computed for s in mixed) / len(mixed)
+
+
+def _steady_arrivals():
+    """Two requests decoding throughout, and a 24-token prompt arriving every step for 40 steps
+    (4 outputs each): more prompt tokens a step than the ratio lets ride at the slow cost below
+    (half of 20 tokens + the rows), fewer than twice the decode step takes (20 + the rows)."""
+    prompts = random_prompts(42, seed=23, min_len=24, max_len=24)
+    return ([(0, f"d{i}", prompts[i], _greedy(120)) for i in range(2)]
+            + [(3 + i, f"a{i}", prompts[2 + i], _greedy(4)) for i in range(40)])
+
+
+def _queue_lengths(engine) -> list[int]:
+    """The requests queued when each decision is made, from now on."""
+    policy, lengths = engine.core.scheduler.policy, []
+    schedule = policy.schedule
+
+    def watching(nothing_in_flight: bool):
+        lengths.append(len(policy.waiting))
+        return schedule(nothing_in_flight)
+
+    policy.schedule = watching
+    return lengths
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_the_backlogs_share_drains_a_queue_that_the_ratio_alone_starves(tiny_model, make_engine, overlap,
+                                                                         monkeypatch):
+    slow = StepCost(fixed=0.010, per_token=0.0005, knee=0)
+    engine, steps = _timed_engine(make_engine, tiny_model, slow, overlap)
+    queued = _queue_lengths(engine)
+    got = drive(engine, _steady_arrivals())
+    monkeypatch.setattr(mixed_batch, "DRAIN_STEPS", 10 ** 9)  # the ratio alone
+    starved, steps_starved = _timed_engine(make_engine, tiny_model, slow, overlap)
+    queued_starved = _queue_lengths(starved)
+    assert drive(starved, _steady_arrivals()) == got  # the budget moves when tokens run, never which
+    # Each arrival rides within a step or two; the ratio alone takes about one every other step,
+    # so the queue grows for as long as they arrive.
+    assert max(queued) <= 2
+    assert max(queued_starved) >= 10 and queued_starved.index(max(queued_starved)) > 30
+    # The backlog's share stretches a step past the ratio, never past DRAIN_TIME_RATIO (up to
+    # the fit's error), or carries no more than the floor.
+    settled = [s for s in steps if s.mixed][10:]
+    stretch = [slow.seconds(s.num_decode + s.computed) / slow.seconds(s.num_decode) for s in settled]
+    assert settled and all(x <= DRAIN_TIME_RATIO * 1.05 or s.computed <= CAP // FLOOR_SHARE
+                           for x, s in zip(stretch, settled))
+    assert sum(x > 1.5 * 1.05 for x in stretch) > len(settled) / 2
+    mean = lambda steps: sum(s.computed for s in steps) / len(steps)  # noqa: E731
+    assert mean([s for s in steps_starved if s.mixed][10:]) < 0.75 * mean(settled)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_burst_stretches_the_steps_to_the_drain_ratio_and_no_further(tiny_model, make_engine, overlap):
+    slow = StepCost(fixed=0.010, per_token=0.0005, knee=0)
+    engine, steps = _timed_engine(make_engine, tiny_model, slow, overlap)
+    drive(engine, _arrivals())  # the burst's backlog asks for the cap (64) a step: 3x and more
+    settled = [s for s in steps if s.mixed][10:]
+    stretch = [slow.seconds(s.num_decode + s.computed) / slow.seconds(s.num_decode) for s in settled]
+    assert settled and all(x <= DRAIN_TIME_RATIO * 1.05 or s.computed <= CAP // FLOOR_SHARE
+                           for x, s in zip(stretch, settled))
+    assert max(stretch) > 1.5 * 1.05
+
+
+def test_the_backlog_is_the_running_prompts_rest_and_the_queued_requests_counted_up_to_enough(
+        tiny_model, make_engine):
+    engine = make_engine(tiny_model, enable_overlap=False, chunked_prefill_size=16)
+    policy = engine.core.scheduler.policy
+    prompts = random_prompts(3, seed=5, min_len=40, max_len=40)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, _greedy(2))
+    assert policy._prompt_backlog(math.inf) == 120
+    assert policy._prompt_backlog(1) == 40 and policy._prompt_backlog(41) == 80  # the scan stops there
+    engine.step()  # r0's first chunk of 16
+    assert [r.is_prefilling for r in policy.running] == [True] and len(policy.waiting) == 2
+    assert policy._prompt_backlog(math.inf) == 24 + 80
+    assert policy._prompt_backlog(1) == 24
+    while engine.has_unfinished():
+        engine.step()
+    assert policy._prompt_backlog(math.inf) == 0
 
 
 def test_without_a_ratio_there_is_no_model_and_prompts_fill_the_cap(tiny_model, make_engine):

@@ -11,10 +11,17 @@ small batch takes prompts up to the knee and then some, a batch whose step is al
 takes proportionally more, and prompt tokens that turn out slow (a costly forward, host work
 that grows with them) shrink it. `prefill_interleave_tokens` caps it, and it is at least an
 eighth of that cap so that prompts always advance (and TTFT stays bounded) however costly they
-look. Where the worker captured mixed-step graphs (runtime/captured_mixed.py), the step fills
-the token bucket it replays when that bucket's predicted time stays within the ratio (padding
-costs what prompt tokens in its place would, so the fill may pass the cap), else shrinks to
-the largest bucket it fits (a step just over a bucket pays the next one's time).
+look. It also keeps up with the arrivals: while prompt tokens wait (queued requests and the
+unprefilled rest of running ones: the backlog), it is at least the backlog over `DRAIN_STEPS`,
+so that a queue drains within a few steps whatever the ratio allows (the ratio alone, at a
+batch past the knee, can admit fewer prompt tokens a step than arrive: the queue then grows
+without bound, fewer streams decode and throughput falls), as long as the step stays within
+`DRAIN_TIME_RATIO` of the decode step alone; the ratio bounds it only where the backlog's
+share is less than it allows. Where the worker captured mixed-step graphs
+(runtime/captured_mixed.py), the step fills the token bucket it replays when that bucket's
+predicted time stays within the ratio (padding costs what prompt tokens in its place would, so
+the fill may pass the cap), else shrinks to the largest bucket that still holds the floor and
+the backlog's share (a step just over a bucket pays the next one's time).
 
 A request whose sampling needs per-row device state the mixed forward does not carry rides
 in no mixed step: a grammar (the grammar process plans one kind of step per launch), repeat
@@ -25,11 +32,27 @@ admission order), the step stops there and the next one is a separate extend, wh
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from specserve.engine.scheduler.schedule_batch import Req
 
 FLOOR_SHARE = 8  # a mixed step carries at least prefill_interleave_tokens // FLOOR_SHARE prompt tokens
+# A backlog of waiting prompt tokens drains within DRAIN_STEPS mixed steps, as long as that
+# keeps the step within DRAIN_TIME_RATIO times the decode step alone (and within the cap): so a
+# request waits a couple of steps and a steady arrival rate rides at about that rate every
+# step, while a burst (a benchmark's start) cannot stretch the decoding streams' inter-token
+# time past twice the usual (issue 41's target: p99 <= 2x p50). In a closed loop each decode
+# row brings about prompt x accepted / output tokens a step (~3 at 127 in, 128 out, accept 3),
+# fewer than its own verify tokens, so 2x (the step's time again in prompt tokens) keeps up
+# with the arrivals at any batch. A host-only simulation of that loop (bench/mixed_budget_sim.py:
+# 64 and 256 chain streams, 12.2 ms + 10 or 25 us a token past 256): 2 steps and 2x give
+# chunk gap p99 1.2-1.3x p50 at 256 and 1.3-2.1x at 64 (a graph bucket's padding may pass 2x),
+# TTFT p99 below separate extends', 8-25 % more tokens/s; the ratio alone starves the queue at
+# 256 (as the H100 did); draining all that waits at once (1 step, no time bound) gives p99
+# 3.6x at 64 streams; 3 steps queue requests longer for no steadier steps.
+DRAIN_STEPS = 2
+DRAIN_TIME_RATIO = 2.0
 
 
 def rides_mixed(req: Req) -> bool:
@@ -39,18 +62,21 @@ def rides_mixed(req: Req) -> bool:
             and p.prompt_logprobs is None)
 
 
-def prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequence[int] = ()) -> int:
+def prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequence[int] = (),
+                  backlog: int = 0, stretch: float = math.inf) -> int:
     """Prompt tokens that ride with decode rows of `rows` tokens in all (one per plain row, the
     verify width per speculative one): `within` (the most the step-cost model allows within the
-    time ratio; math.inf without a model), at most `cap`, at least `cap // FLOOR_SHARE` (and 1).
-    With mixed-step graphs of `graph_tokens` tokens (ascending): the whole bucket the step
-    replays where `within` holds it (or no smaller bucket holds the floor: it replays that one
-    anyway), else the largest smaller bucket over the floor; as much as without graphs where no
-    bucket holds the step (it runs eagerly)."""
-    floor = max(cap // FLOOR_SHARE, 1)
-    budget = max(int(min(within, cap)), floor)
+    time ratio; math.inf without a model), at most `cap`; at least `cap // FLOOR_SHARE` (and 1)
+    and the `backlog` (prompt tokens waiting) over DRAIN_STEPS, that share up to `cap` and up to
+    `stretch` (the most the model allows within DRAIN_TIME_RATIO). With mixed-step graphs of
+    `graph_tokens` tokens (ascending): the whole bucket the step replays where `within` holds it
+    (or no smaller bucket holds that least: it replays that one anyway), else the largest
+    smaller bucket that holds it; as much as without graphs where no bucket holds the step (it
+    runs eagerly)."""
+    least = max(cap // FLOOR_SHARE, 1, int(min(math.ceil(backlog / DRAIN_STEPS), stretch, cap)))
+    budget = max(int(min(within, cap)), least)
     bucket = next((t for t in graph_tokens if t >= rows + budget), None)
     if bucket is None:
         return budget  # no graph holds the step: it runs eagerly
-    smaller = [t for t in graph_tokens if rows + floor <= t < bucket]
+    smaller = [t for t in graph_tokens if rows + least <= t < bucket]
     return bucket - rows if bucket - rows <= within or not smaller else smaller[-1] - rows

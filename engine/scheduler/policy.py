@@ -10,7 +10,8 @@ Decode fairness (`prefill_interleave_tokens` > 0): while some running request co
 decode step, prompts ride with it in one mixed step (the worker's `mixed_row_tokens` > 0;
 scheduler/mixed_batch.py: as many prompt tokens as keep the step within
 `mixed_step_time_ratio` of the decode step alone, by the step-cost model `step_cost` that the
-scheduler's timed steps refine, scheduler/step_cost.py), so decoding requests never wait
+scheduler's timed steps refine, scheduler/step_cost.py; more where prompt tokens wait, to
+drain them within a few steps), so decoding requests never wait
 behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
 `rides_mixed`), or the worker runs none, an extend computes at most that many tokens and is
 always followed by a decode step, so decoding requests never wait behind more than one
@@ -25,7 +26,7 @@ import math
 from typing import Callable, Optional, Sequence
 
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.scheduler.mixed_batch import prompt_budget, rides_mixed
+from specserve.engine.scheduler.mixed_batch import DRAIN_STEPS, DRAIN_TIME_RATIO, prompt_budget, rides_mixed
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
 from specserve.engine.scheduler.step_cost import StepCostFit, StepCostSample
@@ -109,15 +110,31 @@ class AdmissionPolicy:
         priced = self.step_cost is not None  # its time refines the model (Scheduler._process)
         reserved = sum(self.slots.to_reserve(r) for r in decode.reqs)
         rows = len(decode.reqs) * self.mixed_row_tokens
-        within = math.inf if self.step_cost is None else \
-            self.step_cost.model.extra_tokens_within(rows, self.mixed_step_time_ratio)
-        budget = min(self.chunk_budget,
-                     prompt_budget(rows, self.interleave_tokens, within, self.mixed_graph_tokens))
+        within = stretch = math.inf
+        if self.step_cost is not None:
+            within = self.step_cost.model.extra_tokens_within(rows, self.mixed_step_time_ratio)
+            stretch = self.step_cost.model.extra_tokens_within(rows, DRAIN_TIME_RATIO)
+        backlog = self._prompt_backlog(DRAIN_STEPS * self.interleave_tokens)
+        budget = min(self.chunk_budget, prompt_budget(rows, self.interleave_tokens, within,
+                                                      self.mixed_graph_tokens, backlog, stretch))
         extend = self._prefill(budget, reserved=reserved, only=rides_mixed)
         if extend is None:
             return decode._replace(priced=priced)
         return Decision(ForwardMode.MIXED, decode.reqs + extend.reqs, extend.chunks, extend.samples,
                         extend.prompt_spans, num_decode=len(decode.reqs), priced=priced)
+
+    def _prompt_backlog(self, enough: int) -> int:
+        """Prompt tokens waiting to be prefilled, counted up to `enough` (the most the budget
+        can use: the scan stays short however long the queue): the running requests' unfilled
+        rest, then the queued requests' prompt + outputs. A queued request counts whole, its
+        cached prefix too (matching every queued request against the cache each step would
+        cost host time; an overcount only drains the queue sooner, within the cap)."""
+        backlog = sum(len(r.fill_ids) - r.num_prefilled for r in self.running if r.is_prefilling)
+        for req in self.waiting:
+            if backlog >= enough:
+                break
+            backlog += req.seq_len
+        return backlog
 
     def forward_tokens(self, decision: Decision) -> int:
         """The tokens a decode or mixed step's target forward computes: the decode rows' and
