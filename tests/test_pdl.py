@@ -71,6 +71,19 @@ def test_gpu_graph_of_pdl_kernels_matches_plain_launches(monkeypatch):
         assert torch.equal(graph_out, plain)
 
 
+def _compile_in_child(script: str, env: dict[str, str]) -> str:
+    """`script`'s stdout, run in a child with sm90_compile's environment plus `env` (the PDL
+    switches are read once, at import)."""
+    import subprocess
+    import sys
+
+    from sm90_compile import compile_env
+    done = subprocess.run([sys.executable, "-c", script], env={**compile_env(), **env},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 _COMPILE_ADD_RMSNORM = """
 from specserve.engine.layers import fused
 from sm90_compile import compile_sm90, t
@@ -87,17 +100,8 @@ print("wait" if "griddepcontrol.wait" in ptx else "", "signal" if "launch_depend
 def test_early_signals_compile_in_unless_switched_off(early):
     """A latency-bound kernel signals its dependents right after its wait; with
     SPECSERVE_PDL_EARLY=0 it only waits."""
-    import subprocess
-    import sys
-
-    from sm90_compile import compile_env
-    env = compile_env()
-    if early is not None:
-        env["SPECSERVE_PDL_EARLY"] = early
-    done = subprocess.run([sys.executable, "-c", _COMPILE_ADD_RMSNORM], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == (["wait", "signal"] if early is None else ["wait"])
+    stdout = _compile_in_child(_COMPILE_ADD_RMSNORM, {} if early is None else {"SPECSERVE_PDL_EARLY": early})
+    assert stdout.split() == (["wait", "signal"] if early is None else ["wait"])
 
 
 _COMPILE_EARLY_READS = """
@@ -168,18 +172,10 @@ def test_early_reads_come_before_the_wait_unless_switched_off(early_reads):
     the 8B decode attention (the H100 config) loads its KV indices and prefetches a short
     sequence's K/V before it. With SPECSERVE_PDL_EARLY_READS=0 nothing is read before the wait
     and nothing prefetched."""
-    import subprocess
-    import sys
-
-    from sm90_compile import compile_env
-    env = compile_env()
-    if early_reads is not None:
-        env["SPECSERVE_PDL_EARLY_READS"] = early_reads
-    done = subprocess.run([sys.executable, "-c", _COMPILE_EARLY_READS], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    stdout = _compile_in_child(_COMPILE_EARLY_READS,
+                               {} if early_reads is None else {"SPECSERVE_PDL_EARLY_READS": early_reads})
     rows = {name: [int(v) if v.isdigit() else v == "True" for v in values]
-            for name, *values in (line.split() for line in done.stdout.splitlines())}
+            for name, *values in (line.split() for line in stdout.splitlines())}
     assert set(rows) == {"norm", "qkv", "decode"}
     # (loads before the wait, prefetches, all of them before the wait, loads before the mma)
     if early_reads is None:
