@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 from typing import Iterator, NamedTuple
@@ -269,6 +270,23 @@ def compile_and_check(launch: Launch) -> int:
         assert not launch.args["FMA_DEQUANT"] or "cvt.rn.f32.s32" not in ptx, \
             "an int-to-float conversion with FMA_DEQUANT"
     return shared
+
+
+def compile_all(launches: list[Launch]) -> list[int]:
+    """`compile_and_check` of every launch, in as many forked processes as the machine has
+    cores (the compiles are CPU-bound and independent; a forked worker reads the launches from
+    the parent's memory, so only indices and shared-memory sizes cross), in order."""
+    global _LAUNCHES_TO_COMPILE
+    _LAUNCHES_TO_COMPILE = launches
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        return pool.map(_compile_one, range(len(launches)), chunksize=1)
+
+
+_LAUNCHES_TO_COMPILE: list[Launch] = []
+
+
+def _compile_one(i: int) -> int:
+    return compile_and_check(_LAUNCHES_TO_COMPILE[i])
 
 
 def main() -> int:

@@ -541,11 +541,10 @@ def test_gpu_int4_wide_layouts_launch_as_the_engine_does(interleave, shape, m):
 # run, compile all of them under the GPU machines' Triton as well (docs/architecture.md, INT4).
 _COMPILE_INT4_FOR_SM90 = """
 from int4_sm90_launches import (
-    unique_launches, compile_and_check, covering, engine_launches, sweep_launches, tightest)
+    unique_launches, compile_all, covering, engine_launches, sweep_launches, tightest)
 launches = engine_launches() + sweep_launches()
 launches = unique_launches(covering(launches) + tightest(launches))
-for launch in launches:
-    shared = compile_and_check(launch)
+for launch, shared in zip(launches, compile_all(launches)):
     print("compiled", launch.name(), "shared", shared)
 print(len(launches), "launches")
 """
