@@ -179,7 +179,7 @@ MID_K = 1024  # 8 blocks of 128 codes a row at interleave 16: a split of 4 gets 
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
 @pytest.mark.parametrize("m,block_m", [(17, 0), (70, 32), (70, 128)],
                          ids=["m17-rule-tiles", "m70-tiles-of-32", "m70-one-tile-of-128"])
-@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("split_k", [4])  # (2 ran as well: the same merge, half the partials)
 def test_mid_m_split_k_equals_the_reference_and_the_unsplit_result(silu, m, block_m, split_k):
     """Mid M with K split over row tiles of the rule's (64, one partial tile), 32 (three, the
     last partial) and 128 (one covering all rows), fp32 on tl.dot with a bias: exact operands
