@@ -7,8 +7,8 @@ does not compiles all the same and fails only when loaded on the device, so the 
 `metadata.shared` is checked against the limit, and against the model the launching code
 fits its configs by (layers/int4_shared_memory.py), which must never be below it.
 
-The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both, and the
-`tightest` (most shared memory by the model), under this venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
+The compile test (tests/test_int4_kernels.py) compiles a `covering` few of both (every
+value, the code paths' pairwise: `code_path`), and the `tightest` (most shared memory by the model), under this venv's Triton. The GPU machines' Triton is older (3.6, where 3.9 here took a kernel 3.6
 rejects), so before a GPU run compile all of them under a scratch venv holding that version:
 
     python tests/int4_sm90_launches.py [--sweep] [--tuned SWEEP.json]   # exit 1 naming every failure
@@ -110,16 +110,21 @@ def unique_launches(launches: list) -> list[Launch]:
     return list({launch.key(): launch for launch in launches}.values())
 
 
-def covering(launches: list[Launch]) -> list[Launch]:
+def covering(launches: list[Launch], paired=None) -> list[Launch]:
     """A few of `launches` that between them take every value each of them takes of every
-    argument's dtype or alignment, and every pair of values they combine of the constexprs,
-    warps and stages (greedy: most values new first)."""
+    argument's dtype or alignment, of every constexpr, warps and stages, and every pair of
+    values they combine of the constexprs `paired(name, value)` maps to a value (None: that
+    constexpr is covered value by value only; without `paired`, all of them, warps and
+    stages by value) (greedy: most values new first)."""
     def values(launch: Launch) -> set:
         name = launch.kernel.fn.__name__
         consts = [(n, launch.args[n]) for n, p in zip(launch.kernel.arg_names, launch.kernel.params)
                   if p.is_constexpr] + [("warps", launch.num_warps), ("stages", launch.num_stages)]
+        shaped = consts if paired is None else [
+            (n, paired(n, v)) for n, v in consts if paired(n, v) is not None]
         return ({(name, i, v) for i, v in enumerate(launch.key()[1:])}
-                | {(name, a, b) for a, b in itertools.combinations(consts, 2)})
+                | {(name, n, v) for n, v in consts}
+                | {(name, a, b) for a, b in itertools.combinations(shaped, 2)})
 
     left = set().union(*map(values, launches))
     chosen = []
@@ -128,6 +133,25 @@ def covering(launches: list[Launch]) -> list[Launch]:
         chosen.append(best)
         left -= values(best)
     return chosen
+
+
+# The constexprs that choose the W4A16 kernels' code paths: their values pairwise. Sizes (the
+# column tile, the interleave's words, warps, stages) only size the same code: each of their
+# values is compiled once and `tightest` takes the shared memory's extremes.
+CODE_PATHS = ("HAS_BIAS", "SILU_MUL", "DOT", "W_LEFT", "FMA_DEQUANT", "ROUND_BITS",
+              "DOT_PRECISION", "PLANES_PER_GROUP")
+
+
+def code_path(name: str, value):
+    """`covering`'s `paired` for the W4A16 kernels: a code-path constexpr's value, split-K on or
+    off, the row tile's kind (one padded tile, wgmma-sized, several wgmma row blocks)."""
+    if name in CODE_PATHS:
+        return value
+    if name == "SPLIT_K":
+        return value > 1
+    if name == "BLOCK_M":
+        return "decode" if value <= g.MAX_ROWS else "mid" if value <= 64 else "wide"
+    return None
 
 
 def _sweep():

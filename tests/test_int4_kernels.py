@@ -12,6 +12,8 @@ Marked `gpu`: Llama-8B shapes in bf16, against the reference and inside a CUDA g
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -534,16 +536,16 @@ def test_gpu_int4_wide_layouts_launch_as_the_engine_does(interleave, shape, m):
 
 # That Triton compiles the W4A16 kernels for an H100 (the unpacking reshape, bf16 tensor cores),
 # in a child process without TRITON_INTERPRET: the launches the engine and the sweep make, taken
-# from the launching functions (tests/int4_sm90_launches.py), as few as take every pair of
-# constexpr values they combine, and per way of staging operands the one of most shared memory
+# from the launching functions (tests/int4_sm90_launches.py), as few as take every value of every
+# argument and every pair of code-path values they combine (`code_path`), and per way of staging operands the one of most shared memory
 # by the model the launches are fitted by: each within an H100's shared memory and the model's
 # (a launch over it compiles and fails only when loaded). This venv's Triton only: before a GPU
 # run, compile all of them under the GPU machines' Triton as well (docs/architecture.md, INT4).
 _COMPILE_INT4_FOR_SM90 = """
 from int4_sm90_launches import (
-    unique_launches, compile_all, covering, engine_launches, sweep_launches, tightest)
+    code_path, compile_all, covering, engine_launches, sweep_launches, tightest, unique_launches)
 launches = engine_launches() + sweep_launches()
-launches = unique_launches(covering(launches) + tightest(launches))
+launches = unique_launches(covering(launches, code_path) + tightest(launches))
 for launch, shared in zip(launches, compile_all(launches)):
     print("compiled", launch.name(), "shared", shared)
 print(len(launches), "launches")
@@ -566,7 +568,9 @@ def test_int4_kernels_compile_for_hopper():
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=True", "SILU_MUL=True",
                  "HAS_BIAS=True", "BLOCK_M=64", "PLANES_PER_GROUP=1", "PLANES_PER_GROUP=2",
                  "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32",
-                 "SPLIT_K=2 BLOCK_M=64", "BLOCK_M=128", "BLOCK_M=256"):  # mid M: split, wide tiles
+                 "BLOCK_M=128", "BLOCK_M=256"):  # mid M: wide tiles
         assert any(part in line for line in compiled), part
+    assert any(re.search(r"SPLIT_K=[2-9]\d* BLOCK_M=(32|64) ", line) for line in compiled), \
+        "split-K over mid-M row tiles"
     # the launches nearest the limit were among them
     assert max(int(line.rsplit(" ", 1)[1]) for line in compiled) > H100_SHARED_MEMORY * 3 // 4

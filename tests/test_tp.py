@@ -165,13 +165,14 @@ def _summary(outs):
     return [(o.token_ids, o.finish_reason, o.error, o.num_verify_steps, o.num_accepted_drafts) for o in outs]
 
 
+# Every mode on the default (overlap) loop, and the normal loop once: a chain's masks reach the
+# draft steps on both loops (the loops' grammar paths are compared at tp=1 elsewhere).
 @pytest.mark.parametrize("spec,overlap", [
-    (None, True), (None, False),
+    (None, True),
     (dict(num_steps=3, topk=1, num_draft_tokens=4), True),
     (dict(num_steps=3, topk=1, num_draft_tokens=4), False),
     (dict(num_steps=3, topk=2, num_draft_tokens=6), True),
-    (dict(num_steps=3, topk=2, num_draft_tokens=6), False),
-], ids=["plain-overlap", "plain-normal", "chain-overlap", "chain-normal", "tree-overlap", "tree-normal"])
+], ids=["plain-overlap", "chain-overlap", "chain-normal", "tree-overlap"])
 def test_tp2_structured_outputs_match_tp1(shared_embedding_pair, make_engine, spec, overlap):
     """JSON schema, regex, EBNF, n=2 sampled and unconstrained requests in one batch give at
     tp=2 exactly tp=1's tokens, and the same accepted drafts (every rank drafts under rank 0's
