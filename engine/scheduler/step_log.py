@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
-import time
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.scheduler.schedule_batch import InflightBatch
@@ -31,7 +30,7 @@ class StepRow(NamedTuple):
     """One step, a JSON object a line (its fields by these names)."""
 
     step: int                  # launch order, from 0
-    t: float                   # its launch, seconds since the log opened
+    t: float                   # its launch, seconds after the first step's (the scheduler's clock)
     kind: str                  # "decode", "mixed" (prompt chunks riding) or "extend" (a separate extend)
     decode_rows: int           # requests it decodes (verifies)
     verify_tokens: int         # their forward tokens: decode_rows x the verify width (1 without drafts)
@@ -69,8 +68,7 @@ class StepLog:
     to `path` as JSON lines. `verify_width`: tokens a decode row computes (1, or the drafts'
     verify width)."""
 
-    def __init__(self, path: str, verify_width: int, clock: Callable[[], float] = time.perf_counter,
-                 flush_every: int = FLUSH_EVERY):
+    def __init__(self, path: str, verify_width: int, flush_every: int = FLUSH_EVERY):
         try:
             self._file = open(path, "w", encoding="utf-8")
         except OSError as e:
@@ -78,7 +76,7 @@ class StepLog:
         self.path = path
         self.verify_width = verify_width
         self.flush_every = flush_every
-        self._t0 = clock()
+        self._t0: Optional[float] = None  # the first step's launch
         self._launches: collections.deque[_Launch] = collections.deque()  # launched, not processed
         self._rows: list[StepRow] = []
         self._num_launched = 0
@@ -87,6 +85,8 @@ class StepLog:
     def launched(self, policy, launched_at: float) -> None:
         """A step was just launched (policy: the scheduler's AdmissionPolicy, right after it
         scheduled the step)."""
+        if self._t0 is None:
+            self._t0 = launched_at
         retractions = policy.num_retractions
         fit = policy.step_cost
         self._launches.append(_Launch(self._num_launched, launched_at - self._t0, len(policy.running),
