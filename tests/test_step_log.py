@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-from helpers import FakeClock, assert_no_leaks, drive, graphed_engine, random_prompts, record_steps, step_seconds
+from helpers import (FakeClock, assert_no_leaks, blocking_syncs_fail, drive, graphed_engine, make_predictable_pair,
+                     random_prompts, record_steps, step_seconds)
 
 from specserve.cli import build_parser, engine_config_from_args
-from specserve.engine import Engine, EngineConfig, SamplingParams
+from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.scheduler.mixed_batch import FLOOR_SHARE, PromptBudget, plan_prompt_budget
 from specserve.engine.scheduler.step_cost import StepCost, StepCostFit
 from specserve.engine.scheduler.step_log import StepLog
@@ -123,6 +124,35 @@ def test_graph_buckets_are_logged(tiny_model, make_engine, monkeypatch, tmp_path
                          for r in mixed)
     decode = [r for r in rows if r["kind"] == "decode"]
     assert decode and all(r["graph"] in decode_buckets and r["graph"] >= r["decode_rows"] for r in decode)
+
+
+@pytest.mark.gpu
+def test_gpu_chain_mixed_steps_log_their_graph_buckets_without_a_blocking_sync(make_engine, tmp_path):
+    """On CUDA (chain drafts, graphs): logging adds no blocking host sync to the steps (CUDA's
+    sync debug mode raises on one), and the rows show the buckets the steps replayed."""
+    target, head = make_predictable_pair(str(tmp_path / "pair"))
+    log = tmp_path / "steps.jsonl"
+    engine = make_engine(target, device="cuda", attention_backend="triton", cuda_graph=True, mixed_steps=True,
+                         spec=SpecConfig(algorithm="eagle", draft_model=head, num_steps=3, topk=1,
+                                         num_draft_tokens=4), step_log=str(log))
+    engine.add_request("long", [5, 6, 7, 8], _greedy(400))
+    for _ in range(4):
+        engine.step()
+    with blocking_syncs_fail():
+        for i in range(24):
+            if i % 3 == 0:
+                engine.add_request(f"a{i}", list(range(10, 40)), _greedy(3))
+            engine.step()
+    engine.abort("long")
+    while engine.has_unfinished():
+        engine.step()
+    rows = _closed_rows(engine, log)
+    assert len(rows) == engine.metrics.num_steps
+    mixed = [r for r in rows if r["kind"] == "mixed"]
+    assert len(mixed) == engine.metrics.num_mixed_steps > 0
+    assert all(r["verify_tokens"] == 4 * r["decode_rows"] and r["draft_depth"] == 3 for r in mixed)
+    assert all(r["graph"] in engine.core.scheduler.policy.mixed_graph_tokens for r in mixed)
+    assert any(r["kind"] == "decode" and r["graph"] >= r["decode_rows"] > 0 for r in rows)
 
 
 def test_retractions_are_logged_at_the_step_they_made_room_for(tiny_model, make_engine, tmp_path):
