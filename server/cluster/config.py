@@ -66,10 +66,9 @@ def replica_engine_config(config: EngineConfig, index: int,
     gpu_memory_utilization is the user's times that fraction: two replicas of 0.5 take what one
     engine would. A --kv-events-endpoint (and replay endpoint) of the user's moves up by the
     index (port + index; ipc://: the path suffixed -index), as vLLM's data-parallel ranks do,
-    so that replicas on one node do not share it; a --step-log is suffixed .index (log.1.jsonl).
-    ValueError naming the field when a port
-    passes 65535, or for a fraction of a GPU per rank with --tp (two ranks of one engine on one
-    GPU)."""
+    so that replicas on one node do not share it; a --step-log gets the index before its
+    extension (steps.1.jsonl). ValueError naming the field when a port passes 65535, or for a
+    fraction of a GPU per rank with --tp (two ranks of one engine on one GPU)."""
     if gpus_per_rank is not None and 0 < gpus_per_rank < 1:
         if config.tp_size > 1:
             raise ValueError(f"gpus_per_rank (--gpus-per-rank): {gpus_per_rank:g} would put "
