@@ -10,6 +10,8 @@ import math
 import pathlib
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 
 from helpers import (FakeClock, assert_no_leaks, blocking_syncs_fail, drive, graphed_engine, make_predictable_pair,
@@ -17,7 +19,10 @@ from helpers import (FakeClock, assert_no_leaks, blocking_syncs_fail, drive, gra
 
 from specserve.cli import build_parser, engine_config_from_args
 from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.runtime.step import Launched
 from specserve.engine.scheduler.mixed_batch import FLOOR_SHARE, PromptBudget, plan_prompt_budget
+from specserve.engine.scheduler.schedule_batch import Decision, InflightBatch
 from specserve.engine.scheduler.step_cost import StepCost, StepCostFit
 from specserve.engine.scheduler.step_log import StepLog
 from specserve.server.cluster.config import replica_engine_config
@@ -192,6 +197,19 @@ def test_a_bad_path_is_refused_naming_the_flag(tmp_path):
     # A path the config cannot judge (no permission, ...) is refused when the engine opens it.
     with pytest.raises(ValueError, match=r"step_log \(--step-log\): cannot write"):
         StepLog(str(tmp_path / "file" / "steps.jsonl"), verify_width=1)
+
+
+def test_a_failed_write_ends_the_log_not_the_engine(caplog):
+    """/dev/full takes the open and refuses every write (ENOSPC)."""
+    policy = SimpleNamespace(num_retractions=0, step_cost=None, running=[], waiting=[])
+    batch = InflightBatch(Decision(ForwardMode.DECODE, [object()]), Launched(None, None, None), 0.0, 0)
+    log = StepLog("/dev/full", verify_width=1, flush_every=2)
+    for i in range(5):
+        log.launched(policy, float(i))
+        log.processed(batch, 0.01, 0.0)
+    assert log.failed and "no more steps are written" in caplog.text
+    assert len(log._rows) == 1  # still bounded: dropped at every flush
+    log.close()
 
 
 def test_each_data_parallel_replica_writes_its_own_log(tmp_path):

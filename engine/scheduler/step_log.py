@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 from typing import NamedTuple, Optional
 
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.scheduler.schedule_batch import InflightBatch
 
+logger = logging.getLogger("specserve.engine")
 # Rows buffered before they are written (and at most this many lost if the process dies):
 # about 3 s of an 8B engine's steps, about a millisecond of JSON a flush.
 FLUSH_EVERY = 256
@@ -76,6 +78,7 @@ class StepLog:
         self.path = path
         self.verify_width = verify_width
         self.flush_every = flush_every
+        self.failed = False  # a write failed (flush)
         self._t0: Optional[float] = None  # the first step's launch
         self._launches: collections.deque[_Launch] = collections.deque()  # launched, not processed
         self._rows: list[StepRow] = []
@@ -115,13 +118,22 @@ class StepLog:
             self.flush()
 
     def flush(self) -> None:
-        if self._rows:
-            self._file.write("".join(json.dumps(row._asdict()) + "\n" for row in self._rows))
-            self._file.flush()
-            self._rows.clear()
+        """Write the buffered rows. A write that fails (a full disk) ends the log, not the
+        engine: rows are dropped from then on."""
+        if self._rows and not self.failed:
+            try:
+                self._file.write("".join(json.dumps(row._asdict()) + "\n" for row in self._rows))
+                self._file.flush()
+            except OSError as e:
+                logger.error("step log %s: %s; no more steps are written", self.path, e)
+                self.failed = True
+        self._rows.clear()
 
     def close(self) -> None:
         """Write what is buffered and close the file (Scheduler.close_step_log)."""
         if not self._file.closed:
             self.flush()
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # what a failed write left buffered (flush logged it)
+                pass
