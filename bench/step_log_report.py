@@ -121,6 +121,22 @@ def ratios(rows: list[dict], min_fit: int) -> dict:
     return out
 
 
+def by_graph(rows: list[dict], min_fit: int) -> dict:
+    """The mixed steps per graph bucket they replayed (0: eager): their measured time, and
+    measured over predicted where a fitted model priced them (a cost the linear model misses
+    shows as a bucket whose ratio departs from the others')."""
+    groups = collections.defaultdict(list)
+    for r in rows:
+        if r["kind"] == "mixed":
+            groups[r["graph"]].append(r)
+    return {str(graph): {"ms": summary([r["seconds"] for r in group], 1e3),
+                         "x_predicted": summary([r["seconds"] / r["predicted_s"] for r in group
+                                                 if r["predicted_s"] and r["fit_steps"] >= min_fit]),
+                         "mean_prompt_tokens": sum(r["prompt_tokens"] for r in group) / len(group),
+                         "mean_prompt_reqs": sum(r["prompt_reqs"] for r in group) / len(group)}
+            for graph, group in sorted(groups.items())}
+
+
 def part_report(rows: list[dict], burst_until: float, min_fit: int, top: int) -> dict:
     side = decode_side(rows)
     times = [r["seconds"] for r in side]
@@ -134,7 +150,7 @@ def part_report(rows: list[dict], burst_until: float, min_fit: int, top: int) ->
             "above_p95": carried([r for r in side if r["seconds"] > p95]),
             "above_p99": carried(above99),
             "slowest": [line(r, burst_until) for r in above99[:top]],
-            "ratios": ratios(rows, min_fit)}
+            "ratios": ratios(rows, min_fit), "mixed_by_graph": by_graph(rows, min_fit)}
 
 
 def report(rows: list[dict], burst_s: float = 2.0, gap_s: float = 0.25, min_fit: int = 32, top: int = 12) -> dict:
@@ -192,6 +208,13 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
             if s["n"]:
                 print(f"  mixed measured/decode-alone predicted: p50 {_fmt(s['p50'])} p99 {_fmt(s['p99'])} "
                       f"max {_fmt(s['max'])}; over 2x: {s['over_2x']} measured, {s['predicted_over_2x']} predicted")
+            if part["mixed_by_graph"]:
+                print(f"  mixed steps by graph bucket: {'bucket':>6} {'n':>5} {'p50 ms':>7} {'p99':>7} "
+                      f"{'x pred p50':>10} {'p99':>6} {'prompt':>6} {'reqs':>5}")
+                for graph, g in part["mixed_by_graph"].items():
+                    print(f"  {'':>28} {graph if graph != '0' else 'eager':>6} {g['ms']['n']:5d} {_fmt(g['ms']['p50'])} "
+                          f"{_fmt(g['ms']['p99'])} {_fmt(g['x_predicted']['p50'], 10)} {_fmt(g['x_predicted']['p99'], 6)} "
+                          f"{g['mean_prompt_tokens']:6.0f} {g['mean_prompt_reqs']:5.1f}")
             if part["slowest"]:
                 print(f"  slowest above p99: {'step':>7} {'kind':>6} {'rows':>4} {'prompt':>6} {'reqs':>4} "
                       f"{'bound':>14} {'graph':>5} {'pred':>7} {'alone':>7} {'meas':>7} {'x pred':>6} {'wait':>5} "

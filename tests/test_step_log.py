@@ -325,6 +325,10 @@ def test_the_report_splits_segments_and_the_burst_and_finds_what_the_slow_steps_
     assert ratios["decode"]["n"] == 500 and ratios["decode"]["max"] == pytest.approx(1.0)
     assert ratios["mixed"]["n"] == 490 and ratios["mixed"]["max"] == pytest.approx(2.5)
     assert ratios["mixed_over_alone"]["over_2x"] == 9 and ratios["mixed_over_alone"]["predicted_over_2x"] == 0
+    # Per graph bucket: the eager ones are the slow ones, 2.5x their prediction.
+    assert steady["mixed_by_graph"]["0"]["ms"]["n"] == 10 and steady["mixed_by_graph"]["0"]["ms"]["p50"] == 35
+    assert steady["mixed_by_graph"]["0"]["x_predicted"]["p50"] == pytest.approx(2.5)
+    assert steady["mixed_by_graph"]["512"]["x_predicted"]["max"] == pytest.approx(1.0)
     # Decode gaps: result to result, 14 ms after a mixed step's, 10 ms after a decode step's.
     assert steady["decode_gap_ms"]["p50"] in (pytest.approx(10), pytest.approx(14))
     assert steady["decode_gap_ms"]["max"] == pytest.approx(35)
