@@ -7,8 +7,9 @@ a captured graph (the bucket) or ran eagerly, and what it took: the StepStat sec
 scheduler measures anyway (no device sync is added). bench/step_log_report.py reads it.
 
 The scheduler thread pays for a row of host values it already holds when a step launches
-and when its result is processed (a few microseconds), and for their JSON every FLUSH_EVERY
-steps (and at shutdown); while the log is off the scheduler holds None and pays nothing.
+and when its result is processed (~4 us a step on a busy 2-core host), and for their JSON every
+FLUSH_EVERY steps (and at shutdown); while the log is off the scheduler holds None and pays
+nothing (the plan a step carries, Decision.plan, is built either way: the budget's terms).
 Under tensor parallelism only rank 0 writes one (every rank makes the same decisions).
 """
 from __future__ import annotations
@@ -22,9 +23,10 @@ from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.scheduler.schedule_batch import InflightBatch
 
 logger = logging.getLogger("specserve.engine")
-# Rows buffered before they are written (and at most this many lost if the process dies):
-# about 3 s of an 8B engine's steps, about a millisecond of JSON a flush.
-FLUSH_EVERY = 256
+# Rows buffered before they are written (at most this many lost if the process dies): about
+# 0.8 s of an 8B engine's steps; their JSON (~8 us a row on a busy 2-core host) takes about half
+# a millisecond, which the overlap loop spends while the next step runs on the device.
+FLUSH_EVERY = 64
 KINDS = {ForwardMode.DECODE: "decode", ForwardMode.MIXED: "mixed", ForwardMode.EXTEND: "extend"}
 
 
