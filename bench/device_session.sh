@@ -10,7 +10,8 @@
 # Phases: tests, kernels, sweep, llama, longctx, moe, qwen3,
 # profile (PROFILES="model:mode:bs[:tp[:ar[:quant]]] ...", ar: any word: NCCL for every
 # all-reduce; quant: fp8 for random block-FP8 weights, e.g. llama-70b:plain:1:2::fp8),
-# dsv3, prefix, structured, serving, mixed (E30's before/after; HOWS="separate mixed mixed-fixed"), quant (E31's GEMMs and rows),
+# dsv3, prefix, structured, serving, mixed (E30's before/after; HOWS="separate mixed mixed-fixed";
+# STEP_LOG=1: each server's step log to $LOGS/steps_API_HOW.jsonl), quant (E31's GEMMs and rows),
 # drafters (E32), gptfast (the peer; its model.py in wheels/gptfast), tp (8B at tp 1/2/4, then
 # tp70), tp70 (70B at tp 4), tp70fp8 (70B FP8 at tp 2), tpdsv2 (DeepSeek-V2-Lite at tp
 # 1/2/4), accuracy, dp1 (one GPU), dp4 and dp2x2 (four GPUs) (see below).
@@ -94,7 +95,7 @@ for phase in $1; do case $phase in
                  --rates inf --num-requests ${NUM_REQUESTS:-512} --max-new-tokens 128 --client-procs 4 \
                  --tokenizer-workers 2 --api $api --concurrency ${CONCURRENCY:-64,256} $flag --label $how \
                  --server 127.0.0.1:$PORT --http-port $((PORT + 1)) --metrics-port $((PORT + 2)) \
-                 --out $LOGS/mixed_${api}_$how.json
+                 ${STEP_LOG:+--step-log $LOGS/steps_${api}_$how.jsonl} --out $LOGS/mixed_${api}_$how.json
            done; done ;;
   quant)  run quant_gemm python $PWD/bench/fp8_gemm.py --shapes 8b.qkv,8b.o,8b.gate_up,8b.down --rows 1,16,64 \
               --no-moe --out $LOGS/quant_gemm.json

@@ -418,6 +418,9 @@ def main():
     ap.add_argument("--mixed-step-time-ratio", type=float, default=None,
                     help="with --launch --mixed-steps: the adaptive prompt budget's step-time ratio "
                          "(engine default if unset; 0: no cost model, up to --prefill-interleave-tokens)")
+    ap.add_argument("--step-log", default=None, metavar="PATH",
+                    help="with --launch: the engine writes a JSON line per step to PATH (one log for "
+                         "every row; bench/step_log_report.py reads it)")
     ap.add_argument("--text", action="store_true",
                     help="with --launch of a shape: the demo tokenizer, text prompts in and text out")
     ap.add_argument("--metrics-url", default=None,
@@ -441,7 +444,7 @@ def main():
                                                mixed_steps=args.mixed_steps,
                                                **{name: getattr(args, name) for name in
                                                   ("chunked_prefill_size", "prefill_interleave_tokens",
-                                                   "mixed_step_time_ratio")
+                                                   "mixed_step_time_ratio", "step_log")
                                                   if getattr(args, name) is not None})
         # Not a daemon: the server spawns the engine process.
         server = multiprocessing.get_context("spawn").Process(

@@ -8,6 +8,8 @@ included), per kernel name, per step.
 
 Prints kernels per step, kernel time per step against the step's wall time (the difference is
 gaps between kernels and host time the GPU waits for), and the kernels that take the most time.
+With --step-log PATH the engine logs every step (bench/step_log_report.py reads it: predicted
+against measured step times without a server).
 """
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ def main():
                          "before each profiled step: with --mixed-steps its prompt rides in "
                          "the decode step, else it gets an extend of its own")
     ap.add_argument("--mixed-steps", action="store_true", help="EngineConfig.mixed_steps")
+    ap.add_argument("--step-log", default=None, metavar="PATH",
+                    help="the engine writes a JSON line per step to PATH (warm-up included; "
+                         "bench/step_log_report.py reads it)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -78,7 +83,8 @@ def main():
                                  max_context_len=max(4096, args.prompt_len + args.steps + 64),
                                  kv_cache_dtype=args.kv_cache_dtype, mixed_steps=args.mixed_steps,
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
-                                 custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization))
+                                 custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization,
+                                 step_log=args.step_log))
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(args.batch_size):

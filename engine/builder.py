@@ -56,6 +56,7 @@ from specserve.engine.scheduler.output_processor import OutputProcessor
 from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.scheduler import Scheduler
+from specserve.engine.scheduler.step_log import StepLog
 from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
 from specserve.engine.spec.eagle_drafter import ModelDrafter
 from specserve.engine.spec.ngram import NgramDrafter
@@ -145,7 +146,9 @@ class EngineCore:
         return states
 
     def _release(self) -> None:
-        """Graphs, streams and the grammar service (after the last forward that talks to it)."""
+        """Graphs, streams and the grammar service (after the last forward that talks to it);
+        the step log's last rows."""
+        self.scheduler.close_step_log()
         self.worker.release_graphs()
         self.ctx.close()
         if self.scheduler.grammars is not None:
@@ -336,7 +339,9 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
         enable_overlap=config.enable_overlap, speculative=spec is not None,
         grammars=target.grammar, rank0_value=None if tp_group is None else tp_group.exchange,
         finished=drafter.remember if isinstance(drafter, SuffixDrafter) else None,
-        tp_rank=None if tp_group is None else rank)
+        tp_rank=None if tp_group is None else rank,
+        step_log=None if config.step_log is None or rank != 0 else
+        StepLog(config.step_log, verify_width=1 if spec is None else spec.num_draft_tokens))
     logger.info("KV pool: %d slots of %s; max_context_len %d; %s attention; prefix cache %s; %s",
                 num_slots, str(kv_dtype).replace("torch.", ""), max_context_len,
                 type(attn).__name__, "on" if cache is not None else "off",

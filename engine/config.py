@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -360,6 +361,9 @@ class EngineConfig:
     kv_events_replay_endpoint: Optional[str] = None
     kv_events_topic: str = ""
     kv_events_block_size: int = 16
+    # A JSON line per engine step written to this file (rank 0; engine/scheduler/step_log.py:
+    # what each step carried, why, what it was predicted to take and took); None: off.
+    step_log: Optional[str] = None
 
     def __post_init__(self):
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -408,6 +412,10 @@ class EngineConfig:
         _require(self.spec is None or self.spec == DEFAULT or isinstance(self.spec, SpecConfig),
                  "spec", "must be a SpecConfig, None or 'default'")
         self._check_kv_events()
+        _require(self.step_log is None or (isinstance(self.step_log, str) and self.step_log.strip() != ""
+                                           and not os.path.isdir(self.step_log)
+                                           and os.path.isdir(os.path.dirname(os.path.abspath(self.step_log)))),
+                 "step_log (--step-log)", f"must be a file path in an existing directory, got {self.step_log!r}")
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

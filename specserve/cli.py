@@ -46,6 +46,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "time stays within R times the decode step alone's (a cost model fitted "
                         "from the steps' times), at least an eighth of --prefill-interleave-tokens "
                         "(default 1.5; 0: no model, up to --prefill-interleave-tokens)")
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="write one JSON line per engine step to PATH: its kind, rows, prompt tokens, "
+                        "budget and the term that set it, predicted and measured time, graph or eager "
+                        "(bench/step_log_report.py reads it; off by default)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -154,7 +158,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     optional = {name: getattr(args, name) for name in ("max_running_requests", "max_total_tokens",
                                                         "gpu_memory_utilization",
                                                         "prefill_interleave_tokens",
-                                                        "mixed_step_time_ratio",
+                                                        "mixed_step_time_ratio", "step_log",
                                                         "kv_events_endpoint",
                                                         "kv_events_replay_endpoint",
                                                         "kv_events_topic", "kv_events_block_size")

@@ -89,6 +89,9 @@ class Launched(NamedTuple):
     read_done: Any      # event: the forward no longer reads the request table
     inputs: Any         # device tensors the forward reads, held until the result is processed
     draft_depth: int = 0  # draft levels a request that the step verifies (a tree's depth; 0: no drafts)
+    # The captured bucket it replays: a decode step's batch size, an extend's or a mixed step's
+    # tokens (T); 0: eager (the step log shows it, scheduler/step_log.py).
+    graph: int = 0
 
 
 class Worker(Protocol):
@@ -124,10 +127,11 @@ class Worker(Protocol):
 
 
 def launch_forward(ctx: DeviceContext, inputs: Any,
-                   body: Callable[[Any], StepResult]) -> Launched:
+                   body: Callable[[Any], StepResult], graph: int = 0) -> Launched:
     """Run `body(read_done)` on the forward stream and copy its StepResult to the host.
 
-    `body` records `read_done` once it no longer reads the request table."""
+    `body` records `read_done` once it no longer reads the request table; `graph`: the bucket
+    it replays (Launched.graph)."""
     read_done = ctx.new_event()
     result = PendingResult(ctx.new_event())
 
@@ -137,4 +141,4 @@ def launch_forward(ctx: DeviceContext, inputs: Any,
         result.copy_done.record()
 
     ctx.launch(run)
-    return Launched(result, read_done, inputs)
+    return Launched(result, read_done, inputs, graph=graph)

@@ -366,7 +366,7 @@ class NormalWorker:
             read_done.record()
             return StepResult(tokens[:bs])
 
-        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
+        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay, graph=bucket.tokens)
 
     def mixed_row_tokens(self) -> int:
         return 1 if self.target.runner.attn_backend.supports_mixed_forward else 0
@@ -396,7 +396,7 @@ class NormalWorker:
             target.future_map.stash_tokens(torch.cat([decode.stash_rows, chunks.stash_rows]), tokens)
             return StepResult(tokens)
 
-        return launch_forward(target.ctx, (decode, chunks), body)
+        return launch_forward(target.ctx, (decode, chunks), body, graph=0 if bucket is None else bucket.tokens)
 
     def launch_decode(self, step: DecodeStep) -> Launched:
         inputs = self.target.decode_inputs(step)
@@ -417,7 +417,7 @@ class NormalWorker:
             read_done.record()
             return StepResult(tokens[:bs])
 
-        return launch_forward(self.target.ctx, inputs, replay)
+        return launch_forward(self.target.ctx, inputs, replay, graph=graphs.bucket_for(bs))
 
     def _sample(self, inputs: ForwardInputs, read_done) -> StepResult:
         return self.target.forward_and_sample(inputs, read_done).step_result()

@@ -33,7 +33,7 @@ admission order), the step stops there and the next one is a separate extend, wh
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from specserve.engine.scheduler.schedule_batch import Req
 
@@ -62,8 +62,25 @@ def rides_mixed(req: Req) -> bool:
             and p.prompt_logprobs is None)
 
 
+class PromptBudget(NamedTuple):
+    """A mixed step's prompt budget and the term that set it (the step log shows it,
+    scheduler/step_log.py): "ratio" (what the step-cost model allows within the time ratio),
+    "cap", "floor", "backlog" (the backlog's share), "stretch" (that share held to
+    DRAIN_TIME_RATIO), "bucket" (filled up to the graph bucket the step replays),
+    "smaller_bucket" (shrunk to a bucket whose fill the ratio allows)."""
+
+    tokens: int
+    bound: str
+
+
 def prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequence[int] = (),
                   backlog: int = 0, stretch: float = math.inf) -> int:
+    """`plan_prompt_budget`'s tokens."""
+    return plan_prompt_budget(rows, cap, within, graph_tokens, backlog, stretch).tokens
+
+
+def plan_prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequence[int] = (),
+                       backlog: int = 0, stretch: float = math.inf) -> PromptBudget:
     """Prompt tokens that ride with decode rows of `rows` tokens in all (one per plain row, the
     verify width per speculative one): `within` (the most the step-cost model allows within the
     time ratio; math.inf without a model), at most `cap`; at least `cap // FLOOR_SHARE` (and 1)
@@ -72,11 +89,23 @@ def prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequence[int
     `graph_tokens` tokens (ascending): the whole bucket the step replays where `within` holds it
     (or no smaller bucket holds that least: it replays that one anyway), else the largest
     smaller bucket that holds it; as much as without graphs where no bucket holds the step (it
-    runs eagerly)."""
-    least = max(cap // FLOOR_SHARE, 1, int(min(math.ceil(backlog / DRAIN_STEPS), stretch, cap)))
-    budget = max(int(min(within, cap)), least)
+    runs eagerly). With the term that set it."""
+    floor = max(cap // FLOOR_SHARE, 1)
+    share = math.ceil(backlog / DRAIN_STEPS)
+    drain = int(min(share, stretch, cap))
+    least = max(floor, drain)
+    allowed = int(min(within, cap))
+    budget = max(allowed, least)
+    if budget == allowed:
+        bound = "cap" if within >= cap else "ratio"
+    elif drain > floor:
+        bound = "backlog" if share <= min(stretch, cap) else "stretch" if stretch < cap else "cap"
+    else:
+        bound = "floor"
     bucket = next((t for t in graph_tokens if t >= rows + budget), None)
     if bucket is None:
-        return budget  # no graph holds the step: it runs eagerly
+        return PromptBudget(budget, bound)  # no graph holds the step: it runs eagerly
     smaller = [t for t in graph_tokens if rows + least <= t < bucket]
-    return bucket - rows if bucket - rows <= within or not smaller else smaller[-1] - rows
+    if bucket - rows <= within or not smaller:
+        return PromptBudget(bucket - rows, "bucket" if bucket - rows > budget else bound)
+    return PromptBudget(smaller[-1] - rows, "smaller_bucket")

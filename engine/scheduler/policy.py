@@ -26,9 +26,9 @@ import math
 from typing import Callable, Optional, Sequence
 
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.scheduler.mixed_batch import DRAIN_STEPS, DRAIN_TIME_RATIO, prompt_budget, rides_mixed
+from specserve.engine.scheduler.mixed_batch import DRAIN_STEPS, DRAIN_TIME_RATIO, plan_prompt_budget, rides_mixed
 from specserve.engine.scheduler.request_slots import RequestSlots
-from specserve.engine.scheduler.schedule_batch import Decision, Req, ReqStatus
+from specserve.engine.scheduler.schedule_batch import Decision, MixedPlan, Req, ReqStatus
 from specserve.engine.scheduler.step_cost import StepCostFit, StepCostSample
 
 logger = logging.getLogger("specserve.engine")
@@ -111,17 +111,19 @@ class AdmissionPolicy:
         reserved = sum(self.slots.to_reserve(r) for r in decode.reqs)
         rows = len(decode.reqs) * self.mixed_row_tokens
         within = stretch = math.inf
-        if self.step_cost is not None:
-            within = self.step_cost.model.extra_tokens_within(rows, self.mixed_step_time_ratio)
-            stretch = self.step_cost.model.extra_tokens_within(rows, DRAIN_TIME_RATIO)
+        cost = None if self.step_cost is None else self.step_cost.model
+        if cost is not None:
+            within = cost.extra_tokens_within(rows, self.mixed_step_time_ratio)
+            stretch = cost.extra_tokens_within(rows, DRAIN_TIME_RATIO)
         backlog = self._prompt_backlog(DRAIN_STEPS * self.interleave_tokens)
-        budget = min(self.chunk_budget, prompt_budget(rows, self.interleave_tokens, within,
-                                                      self.mixed_graph_tokens, backlog, stretch))
-        extend = self._prefill(budget, reserved=reserved, only=rides_mixed)
+        planned = plan_prompt_budget(rows, self.interleave_tokens, within, self.mixed_graph_tokens, backlog, stretch)
+        plan = MixedPlan(min(self.chunk_budget, planned.tokens),
+                         "chunk" if self.chunk_budget < planned.tokens else planned.bound, backlog, cost)
+        extend = self._prefill(plan.budget, reserved=reserved, only=rides_mixed)
         if extend is None:
-            return decode._replace(priced=priced)
+            return decode._replace(priced=priced, plan=plan)
         return Decision(ForwardMode.MIXED, decode.reqs + extend.reqs, extend.chunks, extend.samples,
-                        extend.prompt_spans, num_decode=len(decode.reqs), priced=priced)
+                        extend.prompt_spans, num_decode=len(decode.reqs), priced=priced, plan=plan)
 
     def _prompt_backlog(self, enough: int) -> int:
         """Prompt tokens waiting to be prefilled, counted up to `enough` (the most the budget

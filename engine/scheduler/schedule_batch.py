@@ -13,6 +13,7 @@ from specserve.engine.grammar.process import GrammarState
 from specserve.engine.kvcache.radix_cache import PrefixMatch
 from specserve.engine.outputs import FinishError, TopLogprobs
 from specserve.engine.runtime.step import Launched
+from specserve.engine.scheduler.step_cost import StepCost
 
 
 class ReqStatus(enum.Enum):
@@ -169,13 +170,27 @@ class Req:
         self.num_prefilled = self.kv_committed_len = self.kv_allocated_len = 0
 
 
+class MixedPlan(NamedTuple):
+    """What a decode-side step where prompts could ride was planned with (the step log shows
+    it, scheduler/step_log.py): the prompt budget and the term that set it
+    (mixed_batch.PromptBudget's, or "chunk": chunked_prefill_size), the prompt tokens waiting
+    (counted up to what the budget can use) and the step-cost model it was priced by (None:
+    no model)."""
+
+    budget: int
+    bound: str
+    backlog: int
+    cost: Optional[StepCost]
+
+
 class Decision(NamedTuple):
     """What the next launch covers. EXTEND: per request, the [start, end) chunk of its fill
     ids, whether it samples a token and the prompt tokens it scores (Req.take_prompt_span);
     DECODE: one (speculative) step per request; MIXED: one decode step of the first
     `num_decode` requests and the chunks of the others (chunks, samples and prompt_spans are
     theirs), in one forward. `priced`: a step whose time refines the mixed steps' cost model
-    (policy.py `step_cost`: the mixed steps, and the decode steps scheduled where one could mix)."""
+    (policy.py `step_cost`: the mixed steps, and the decode steps scheduled where one could mix).
+    `plan`: theirs (None for the other steps)."""
 
     mode: ForwardMode
     reqs: list[Req]
@@ -184,6 +199,7 @@ class Decision(NamedTuple):
     prompt_spans: Sequence[Optional[tuple[int, int]]] = ()
     num_decode: int = 0
     priced: bool = False
+    plan: Optional[MixedPlan] = None
 
     @property
     def decode_reqs(self) -> list[Req]:

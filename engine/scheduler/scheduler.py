@@ -41,6 +41,7 @@ from specserve.engine.scheduler.policy import AdmissionPolicy
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, InflightBatch, Req, ReqStatus
 from specserve.engine.scheduler.step_cost import StepCostSample
+from specserve.engine.scheduler.step_log import StepLog
 
 logger = logging.getLogger("specserve.engine")
 # How long an otherwise idle step waits for a grammar being compiled (instead of spinning).
@@ -80,7 +81,8 @@ class Scheduler:
                  speculative: bool, grammars: Optional[GrammarService] = None,
                  rank0_value: Optional[Callable[[Any], Any]] = None,
                  finished: Optional[Callable[[list[int], list[int]], None]] = None,
-                 tp_rank: Optional[int] = None, clock: Callable[[], float] = time.perf_counter):
+                 tp_rank: Optional[int] = None, clock: Callable[[], float] = time.perf_counter,
+                 step_log: Optional[StepLog] = None):
         """grammars: the grammar process (a follower rank's stand-in, grammar/ranks.py); None:
         no tokenizer for grammars. rank0_value: rank 0's value of something every rank passes
         its own of (tensor parallelism: the control group's broadcast); None: one rank.
@@ -88,7 +90,8 @@ class Scheduler:
         corpus, spec/suffix.py). tp_rank: this rank (tensor parallelism; None: one rank): the
         priced steps' times that refine the mixed steps' cost model are rank 0's on every rank
         (`take_step_costs`), as every rank must make the same decisions. clock: the host's
-        clock for the requests' stamps and the steps' times (tests pass a fake one)."""
+        clock for the requests' stamps and the steps' times (tests pass a fake one). step_log:
+        where every step is logged (--step-log; None: off)."""
         self.worker = worker
         self.slots = slots
         self.policy = policy
@@ -114,6 +117,7 @@ class Scheduler:
         self._tp_rank = tp_rank
         self._step_costs: list[StepCostSample] = []  # rank 0's, for take_step_costs (tp > 1)
         self.clock = clock
+        self.step_log = step_log
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -167,6 +171,8 @@ class Scheduler:
                     r.admitted_at = launched_at
             self.inflight.append(InflightBatch(decision, launched, launched_at,
                                                len(self.policy.running) - len(decision.reqs)))
+            if self.step_log is not None:
+                self.step_log.launched(self.policy, launched_at)
         self._idle_for_grammar = decision is None and bool(self._compiling) and not self.inflight
         keep = 1 if (self.enable_overlap and decision is not None) else 0
         while len(self.inflight) > keep:
@@ -179,6 +185,12 @@ class Scheduler:
         """Process every launched batch (shutdown, leak checks)."""
         while self.inflight:
             self._process(self.inflight.popleft())
+
+    def close_step_log(self) -> None:
+        """Write the step log's last rows and stop logging (shutdown, after `drain`)."""
+        if self.step_log is not None:
+            self.step_log.close()
+            self.step_log = None
 
     def hear_grammars(self) -> Optional[tuple[list, bool]]:
         """Rank 0's (or the only rank's) news from the grammar service since the last step:
@@ -282,6 +294,8 @@ class Scheduler:
             sum(end - start for start, end in decision.chunks) if extend else len(decision.decode_reqs),
             batch.num_others, 0 if extend else batch.launched.draft_depth))
         self._last_result_at = done
+        if self.step_log is not None:
+            self.step_log.processed(batch, seconds, done - t0)
         if decision.priced:
             self._price(StepCostSample(self.policy.forward_tokens(decision), seconds))
         tokens = result.token_ids.tolist()

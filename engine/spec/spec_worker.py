@@ -129,7 +129,8 @@ class SpecWorker:
             self.drafter.after_prefill(chunks.drafter, c, tokens, feats[n:], KVRows.by_batch_index(chunk_kv))
             return join_verify_result(result, tokens)
 
-        return launch_forward(self.target.ctx, (inputs, chunks), body)._replace(
+        return launch_forward(self.target.ctx, (inputs, chunks), body,
+                              graph=0 if bucket is None else bucket.tokens)._replace(
             draft_depth=self.drafter.shape.num_steps)
 
     def _replay_captured_extend(self, step: ExtendStep, bucket: ExtendBucket) -> Launched:
@@ -147,7 +148,7 @@ class SpecWorker:
             read_done.record()  # the draft half reads the request table too
             return StepResult(tokens[:bs])
 
-        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay)
+        return launch_forward(self.target.ctx, (packed, step.out_cache_loc), replay, graph=bucket.tokens)
 
     def _captured_extend_target_half(self, width: int, s: CapturedExtendInputs) -> CapturedExtendHalf:
         layers = self.drafter.feature_layers or ()
@@ -190,7 +191,8 @@ class SpecWorker:
             publish_ready.record()
             return self._extend_half(verified)
 
-        return launch_forward(self.target.ctx, inputs, body)._replace(
+        return launch_forward(self.target.ctx, inputs, body,
+                              graph=graphs.bucket_for(bs) if use_graph else 0)._replace(
             draft_depth=self.drafter.shape.num_steps)
 
     def _verify_half(self, s: SpecDecodeInputs, read_done=None) -> Verified:

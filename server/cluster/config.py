@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -65,9 +66,9 @@ def replica_engine_config(config: EngineConfig, index: int,
     gpu_memory_utilization is the user's times that fraction: two replicas of 0.5 take what one
     engine would. A --kv-events-endpoint (and replay endpoint) of the user's moves up by the
     index (port + index; ipc://: the path suffixed -index), as vLLM's data-parallel ranks do,
-    so that replicas on one node do not share it. ValueError naming the field when a port
-    passes 65535, or for a fraction of a GPU per rank with --tp (two ranks of one engine on one
-    GPU)."""
+    so that replicas on one node do not share it; a --step-log gets the index before its
+    extension (steps.1.jsonl). ValueError naming the field when a port passes 65535, or for a
+    fraction of a GPU per rank with --tp (two ranks of one engine on one GPU)."""
     if gpus_per_rank is not None and 0 < gpus_per_rank < 1:
         if config.tp_size > 1:
             raise ValueError(f"gpus_per_rank (--gpus-per-rank): {gpus_per_rank:g} would put "
@@ -75,6 +76,9 @@ def replica_engine_config(config: EngineConfig, index: int,
                              f"{config.tp_size} give 1 (or more)")
         config = config.replace(
             gpu_memory_utilization=config.gpu_memory_utilization * gpus_per_rank)
+    if config.step_log is not None and index > 0:  # each replica's engine writes a log of its own
+        root, ext = os.path.splitext(config.step_log)
+        config = config.replace(step_log=f"{root}.{index}{ext}")
     if config.kv_events_endpoint is None or index == 0:
         return config
     try:
