@@ -89,6 +89,10 @@ MIN_STAGES = 2  # fitting a config to the shared memory lowers its stages down t
 # thread's scale and zero work is shared by 4 planes of its rows.
 DEFAULT_INTERLEAVE = 32
 MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
+# Whether `default_w4_config`'s configs on tl.dot dequantise two weights an instruction
+# (`W4Config.paired_dequant`; where exact): off until an H100 times it faster
+# (bench/fp8_gemm.py --variants w4a16: the w4a16_paired rows beside w4a16_kernel's)
+PAIRED_DEQUANT = False
 
 
 class Int4Weight(NamedTuple):
@@ -119,6 +123,9 @@ class W4Config(NamedTuple):
     # Rows of a row tile above MAX_ROWS (one of ROW_TILES; 0: the rule's, `row_tiles`); up to
     # MAX_ROWS the kernel takes one tile of all the rows and this is unused.
     block_m: int = 0
+    # tl.dot only: dequantise two weights an instruction (`_paired_planes`) where that is
+    # exact (`paired_dequant_exact`), else the kernel's fma dequantisation
+    paired_dequant: bool = False
 
 
 def interleave_for(n: int, k: int, group_size: int) -> int:
@@ -146,6 +153,13 @@ def plane_groups(group_size: int, k: int, interleave: int) -> int:
     if group_size % interleave == 0 and block % group_size == 0:
         return group_size // interleave
     return 0
+
+
+def paired_dequant_exact(x_dtype: torch.dtype, scale_dtype: torch.dtype) -> bool:
+    """Whether the paired dequantisation (`_paired_planes`) equals the reference bit for bit:
+    16-bit activations and scales of the same dtype (the scale is an operand of the 16-bit
+    multiply; an fp16 scale with bf16 activations, or an fp32 one, is not representable)."""
+    return x_dtype in (torch.float16, torch.bfloat16) and scale_dtype == x_dtype
 
 
 def pack_rows(q: torch.Tensor, interleave: int = 1) -> torch.Tensor:
@@ -224,7 +238,8 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     rows the 8B's qkv 2 ways, o and down 4 (64 column tiles), gate/up none (224); at 256 rows
     (4 row tiles) none."""
     tuned = _tuned_w4_config(m, n, k, group_size, paired)
-    return rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
+    config = rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
+    return config._replace(paired_dequant=config.paired_dequant or (PAIRED_DEQUANT and config.dot))
 
 
 def rule_w4_config(m: int, n: int, k: int, paired: bool = False,
@@ -344,6 +359,10 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     config, block_m = fit
     assert not config.dot or w.interleave >= MIN_DOT_INTERLEAVE, \
         f"tl.dot takes planes of at least {MIN_DOT_INTERLEAVE} columns (interleave {w.interleave})"
+    assert config.dot or not config.paired_dequant, "paired_dequant: on tl.dot only"
+    # the inline asm on CUDA; its bit-equal pure-Triton form where the interpreter runs
+    paired = ("off" if not (config.paired_dequant and paired_dequant_exact(x.dtype, w.scales.dtype))
+              else "asm" if x.is_cuda else "emulated")
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
@@ -367,7 +386,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         # exact fma dequantisation needs 16-bit scales (`_dequantized_plane`)
         FMA_DEQUANT=w.scales.dtype in (torch.float16, torch.bfloat16),
         ROUND_BITS=config.round_bits and not config.dot and x.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PAIRED=paired,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], n_cols)
 
@@ -436,6 +455,128 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _pair_terms(scales, zeros, rows, group_lo, group_hi, n_groups):
+        """Per row of a tile, the 32-bit words `_paired_planes` takes for a pair of planes in
+        groups `group_lo` and `group_hi` (the same group where the block lies in one): the
+        scales' 16 bits side by side (low half: the low plane's), and BIAS + z side by side
+        as 16-bit floats, negated (sign bits flipped)."""
+        at_lo = rows * n_groups + group_lo
+        at_hi = rows * n_groups + group_hi
+        s_lo = tl.load(scales + at_lo).to(tl.uint16, bitcast=True).to(tl.int32)
+        s_hi = tl.load(scales + at_hi).to(tl.uint16, bitcast=True).to(tl.int32)
+        z_lo = tl.load(zeros + at_lo).to(tl.int32)
+        z_hi = tl.load(zeros + at_hi).to(tl.int32)
+        magic = _pair_magic(scales.dtype.element_ty)
+        # ^ 0x80008000 (written as an int32): -(BIAS + z) in both halves
+        return s_lo | (s_hi << 16), (magic | z_lo | (z_hi << 16)) ^ -0x7FFF8000
+
+    @triton.jit
+    def _pair_magic(dtype: tl.constexpr):
+        """Two 16-bit floats BIAS side by side whose last 4 mantissa bits are zero: a nibble
+        or-ed into them makes BIAS + q exactly (bf16 0x4300 = 128, ulp 1; fp16 0x6400 = 1024,
+        ulp 1)."""
+        if dtype == tl.bfloat16:
+            magic = 0x43004300
+        else:
+            magic = 0x64006400
+        return magic
+
+    @triton.jit
+    def _half_value(bits, dtype: tl.constexpr):
+        """The 16-bit float of dtype whose bits are the low 16 of `bits` (int32), in fp32."""
+        if dtype == tl.bfloat16:
+            value = ((bits & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            value = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return value
+
+    @triton.jit
+    def _to_half(w, dtype: tl.constexpr):
+        """fp32 w rounded once to nearest even in the 16-bit dtype, subnormals and overflow as
+        the hardware rounds them (bf16 by integer ops on the bits, `_rounded`: the
+        interpreter's fp32 -> bf16 cast truncates and flushes subnormals)."""
+        if dtype == tl.bfloat16:
+            bits = _rounded(w, dtype, True).to(tl.int32, bitcast=True)
+            half = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            half = w.to(dtype)
+        return half
+
+    @triton.jit
+    def _paired_planes(packed, P: tl.constexpr, scale_word, neg_zero_word, dtype: tl.constexpr,
+                       PAIRED: tl.constexpr):
+        """Planes P and P + 4 of the words [rows, W] dequantised in `dtype` (16-bit, the
+        scales' dtype) as one pair plane [rows, 2 W] whose column 2 w + h is column w of plane
+        P + 4 h (the kernel loads x's columns in that order: a dot sums over K in any order).
+
+        Nibbles P and P + 4 lie at bits 4 P and 4 P + 16 of a word: one shift, and one
+        and-or with `_pair_magic`, make two 16-bit floats BIAS + q side by side. Two packed
+        16-bit instructions (x2: both halves at once) then give the weight:
+        - (BIAS + q) - (BIAS + z) = q - z, exactly: both are integers of at most 11 bits
+          (fp16: 1024 + 15) or 8 (bf16: 128 + 15), their difference in -15..15, all
+          representable, so the sum is exact (and +0 where q = z, as the reference's);
+        - (q - z) s rounded once to the 16-bit dtype: q - z has at most 4 significant bits, s
+          at most 11 (fp16) or 8 (bf16), so the exact product has at most 15 and is what the
+          reference computes in fp32 exactly (no fp32 rounding: fp32 keeps 24 bits, and its
+          range holds every product of a 16-bit float and 15, subnormals included: a bf16
+          subnormal s times an integer is a multiple of 2^-133, an fp32 subnormal's grid is
+          2^-149); both round that exact value once to the dtype, to nearest even, including
+          to a subnormal, and past the dtype's largest finite value to infinity (the
+          reference's cast does too), and a zero product keeps the sign of s in both.
+        So the pair is the reference's weight bit for bit. Not exact (so not taken,
+        `paired_dequant_exact`): fp32 activations (the product is not rounded to 16 bits),
+        or a scale of another dtype than x's (the scale itself would be rounded first).
+
+        PAIRED "asm": the two steps as fma.rn.{bf16x2,f16x2} (t 1 + (-(BIAS + z)), then
+        t s + (-0): the -0 addend leaves the product's value and sign), which sm_80 has
+        for bf16 (its sub/mul.bf16x2 need sm_90; ptxas emits the same HFMA2 for either).
+        "emulated": the same values in fp32, rounded once (the interpreter runs no asm)."""
+        if P > 0:
+            shifted = packed >> (4 * P)  # (arithmetic: the high bits are masked off)
+        else:
+            shifted = packed
+        if PAIRED == "asm":
+            if dtype == tl.bfloat16:
+                lo, hi = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 t, one, nz;
+                    lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+                    mov.b32 one, 0x3F803F80;
+                    mov.b32 nz, 0x80008000;
+                    fma.rn.bf16x2 t, t, one, $3;
+                    fma.rn.bf16x2 t, t, $4, nz;
+                    mov.b32 {$0, $1}, t;
+                    }""",
+                    "=h,=h,r,r,r", [shifted, neg_zero_word[:, None], scale_word[:, None]],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 t, one, nz;
+                    lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
+                    mov.b32 one, 0x3C003C00;
+                    mov.b32 nz, 0x80008000;
+                    fma.rn.f16x2 t, t, one, $3;
+                    fma.rn.f16x2 t, t, $4, nz;
+                    mov.b32 {$0, $1}, t;
+                    }""",
+                    "=h,=h,r,r,r", [shifted, neg_zero_word[:, None], scale_word[:, None]],
+                    dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            t = (shifted & 0x000F000F) | _pair_magic(dtype)
+            zero_word = neg_zero_word[:, None] ^ -0x7FFF8000
+            lo = _to_half((_half_value(t, dtype) - _half_value(zero_word, dtype))
+                          * _half_value(scale_word[:, None], dtype), dtype)
+            hi = _to_half((_half_value(t >> 16, dtype) - _half_value(zero_word >> 16, dtype))
+                          * _half_value(scale_word[:, None] >> 16, dtype), dtype)
+        return _joined(lo, hi)
+
+    @triton.jit
+    def _joined(a, b):
+        """[R, C] and [R, C] -> [R, 2 C] whose column 2 c + h is column c of a (h = 0) or b."""
+        return tl.reshape(tl.join(a, b), [a.shape[0], 2 * a.shape[1]])
+
+    @triton.jit
     def _rounded(w, dtype: tl.constexpr, ROUND_BITS: tl.constexpr):
         """w rounded to `dtype` as the reference rounds it. ROUND_BITS (bf16): round to nearest
         even by integer ops on the fp32 bits, the result kept in fp32 (finite w)."""
@@ -469,7 +610,7 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                       PLANES_PER_GROUP: tl.constexpr, DOT: tl.constexpr, W_LEFT: tl.constexpr,
                       FMA_DEQUANT: tl.constexpr, ROUND_BITS: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows). A K step is
         # one interleave block (WORDS words, 8 * WORDS codes; K a whole number of them): its 8
         # planes. Offsets count words (K / 8 a row), which keeps the compiler's knowledge of
@@ -506,25 +647,45 @@ if triton is not None:
             if SILU_MUL:
                 packed_up = tl.load(up_ptrs + word)
             k = word * 8
-            for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
-                group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
-                terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
-                if SILU_MUL:
-                    up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
-                                            FMA_DEQUANT)
-                # j must stay a constexpr (`_dequantized_plane` branches on it): a plain
-                # assignment makes it a tensor on triton 3.6, a loop variable stays one
-                for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
-                    x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
-                    w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
-                                       ROUND_BITS)
-                    acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
+            if PAIRED != "off":
+                for p in tl.static_range(4):  # planes p and p + 4
+                    if p % PLANES_PER_GROUP == 0:  # a pair of groups not yet loaded
+                        lo = (k + p * WORDS) // group_size
+                        hi = (k + (p + 4) * WORDS) // group_size
+                        pair_terms = _pair_terms(scales, zeros, rows, lo, hi, n_groups)
+                        if SILU_MUL:
+                            up_pair_terms = _pair_terms(scales, zeros, partner_rows, lo, hi,
+                                                        n_groups)
+                    # x's planes p and p + 4 in the pair plane's column order
+                    x_pair = _joined(tl.load(x_ptrs + k + p * WORDS, mask=m_mask[:, None], other=0.0),
+                                     tl.load(x_ptrs + k + (p + 4) * WORDS, mask=m_mask[:, None],
+                                             other=0.0))
+                    w_pair = _paired_planes(packed, p, *pair_terms, dtype, PAIRED)
+                    acc = _plane_product(acc, x_pair, w_pair, DOT, W_LEFT, DOT_PRECISION)
                     if SILU_MUL:
-                        up_plane = _rounded(
-                            _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
-                            ROUND_BITS)
-                        acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
+                        up_pair = _paired_planes(packed_up, p, *up_pair_terms, dtype, PAIRED)
+                        acc_up = _plane_product(acc_up, x_pair, up_pair, DOT, W_LEFT,
                                                 DOT_PRECISION)
+            else:
+                for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
+                    group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
+                    terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
+                    if SILU_MUL:
+                        up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
+                                                FMA_DEQUANT)
+                    # j must stay a constexpr (`_dequantized_plane` branches on it): a plain
+                    # assignment makes it a tensor on triton 3.6, a loop variable stays one
+                    for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
+                        x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
+                        w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
+                                           ROUND_BITS)
+                        acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
+                        if SILU_MUL:
+                            up_plane = _rounded(
+                                _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
+                                ROUND_BITS)
+                            acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
+                                                    DOT_PRECISION)
         if DOT:
             if W_LEFT:
                 acc = tl.trans(acc)

@@ -1,0 +1,269 @@
+"""The W4A16 kernel's paired dequantisation (`W4Config.paired_dequant`, layers/int4_gemm.py's
+`_paired_planes`: two weights a 32-bit instruction) against the reference, bit for bit.
+
+In the interpreter on the CPU (its pure-Triton form, the same 16-bit values as the inline asm):
+the pair planes alone (a test kernel around the kernel's helpers) for bf16 and fp16, every code
+and zero point 0..15, scales whose products round (ties included), are subnormal, overflow or
+are negative; the whole kernel in fp16 (the interpreter's bf16 tl.dot is wrong) at group sizes
+32, 64 and 128, interleaves 16 and 32, either operand on the left, split-K, a bias, the SiLU-
+and-mul pair and mid-M row tiles; where the pairing is not exact (fp32 activations, scales of
+another dtype) the kernel takes its fma dequantisation, and a paired multiply-and-sum config is
+refused. Marked `gpu`: the inline asm on the same edge cases and on the Llama-8B shapes at 1, 4
+and 16 rows, in a CUDA graph too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from specserve.engine.layers import int4_gemm  # noqa: E402
+from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
+from specserve.engine.layers.int4_gemm import (  # noqa: E402
+    Int4Weight, W4Config, _pair_terms, _paired_planes, dequantize_int4, int4_linear,
+    int4_linear_silu_and_mul, interleave_for, pack_rows, paired_dequant_exact, w4a16_gemm)
+from test_int4_kernels import DEVICE, _workspace, int4_weight, rows  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@triton.jit
+def _pair_planes_kernel(qweight, scales, zeros, out, n_groups, group_size,
+                        ROWS: tl.constexpr, WORDS: tl.constexpr, PAIRED: tl.constexpr):
+    """Every pair plane of a [ROWS, 8 WORDS] weight (one block) stored in the pair planes'
+    column order: out[r, 2 WORDS p + 2 w + h] is plane p + 4 h, column w."""
+    offs_r = tl.arange(0, ROWS)
+    packed = tl.load(qweight + offs_r[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
+    offs_out = tl.arange(0, 2 * WORDS)
+    for p in tl.static_range(4):
+        terms = _pair_terms(scales, zeros, offs_r, (p * WORDS) // group_size,
+                            ((p + 4) * WORDS) // group_size, n_groups)
+        pair = _paired_planes(packed, p, *terms, out.dtype.element_ty, PAIRED)
+        tl.store(out + offs_r[:, None] * 8 * WORDS + p * 2 * WORDS + offs_out[None, :], pair)
+
+
+def _pair_planes(w: Int4Weight, dtype: torch.dtype, mode: str) -> torch.Tensor:
+    """The dequantised weight [N, 8 W] by `_paired_planes`, back in the codes' column order."""
+    n, k = w.shape
+    words = w.interleave
+    assert k == 8 * words, "one block a row"
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    _pair_planes_kernel[(1,)](w.qweight, w.scales, w.zeros, out, w.scales.shape[1], w.group_size,
+                              ROWS=n, WORDS=words, PAIRED=mode)
+    # column 2 W p + 2 w + h of out is code W (p + 4 h) + w
+    p, w_, h = torch.meshgrid(torch.arange(4), torch.arange(words), torch.arange(2), indexing="ij")
+    codes = (words * (p + 4 * h) + w_).reshape(-1).to(out.device)
+    return torch.empty_like(out).index_copy_(1, codes, out)
+
+
+def _edge_scales(dtype: torch.dtype, n: int, groups: int) -> torch.Tensor:
+    """Scales [n, groups] whose products by q - z in -15..15 round (every mantissa bit set:
+    products of odd q - z need 12-15 bits; ties among them), are subnormal, overflow, or are
+    negative, plus plain ones."""
+    info = torch.finfo(dtype)
+    special = torch.tensor([info.max / 4, info.max, info.tiny, info.tiny * 2 ** -3,
+                            info.smallest_normal / 3, -0.3, -info.max / 8, 1.0], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    full = torch.rand(n * groups, generator=gen, dtype=torch.float64) * 2 + 0.5
+    full = (full.to(dtype).view(torch.int16) | 0x7F if dtype == torch.bfloat16
+            else full.to(dtype).view(torch.int16) | 0x3FF).view(dtype)  # every mantissa bit
+    full[:len(special)] = special.to(dtype)
+    return full.view(n, groups)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the inf products
+@pytest.mark.parametrize("mode", ["emulated", pytest.param("asm", marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("words,group", [(16, 128), (16, 32), (32, 64), (32, 32)],
+                         ids=["one-group", "pairs-of-groups", "two-groups", "a-group-a-plane"])
+def test_pair_planes_are_the_reference_bit_for_bit(mode, dtype, words, group):
+    """Every code (each row holds 0..15 in every plane) against every zero point (16 rows a
+    zero each, per group), on scales whose products round, are subnormal, overflow or are
+    negative: `_paired_planes` equals `dequantize_int4` rounded to dtype, bit for bit (signed
+    zeros and infinities included). Blocks in one group, two, four (a group per pair of
+    planes) or eight."""
+    device = torch.device("cuda" if mode == "asm" else "cpu")
+    n, k = 64, 8 * words
+    groups = k // group
+    codes = (torch.arange(k)[None, :] + torch.arange(n)[:, None] * 5) % 16
+    zeros = ((torch.arange(n)[:, None] + 3 * torch.arange(groups)[None, :]) % 16).to(torch.uint8)
+    w = Int4Weight(pack_rows(codes, words).to(device), _edge_scales(dtype, n, groups).to(device),
+                   zeros.to(device), group, words)
+    expected = dequantize_int4(w, dtype)
+    subnormal = (expected != 0) & (expected.abs() < torch.finfo(dtype).smallest_normal)
+    assert expected.isinf().any() and subnormal.any() and (expected.view(torch.int16) == -32768).any()
+    out = _pair_planes(w, dtype, mode)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+def test_the_pairing_is_exact_only_for_16_bit_activations_and_scales_of_their_dtype():
+    assert paired_dequant_exact(torch.bfloat16, torch.bfloat16)
+    assert paired_dequant_exact(torch.float16, torch.float16)
+    assert not paired_dequant_exact(torch.bfloat16, torch.float16)  # AWQ's fp16 scales, bf16 x
+    assert not paired_dequant_exact(torch.float16, torch.bfloat16)
+    assert not paired_dequant_exact(torch.float32, torch.float32)
+    assert not paired_dequant_exact(torch.float32, torch.float16)
+
+
+N, K = 72, 256
+PAIRED = W4Config(block_n=32, split_k=1, num_warps=4, num_stages=2, paired_dequant=True)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("interleave", [16, 32])
+@pytest.mark.parametrize("split_k,m,w_left,epilogue", [
+    (1, 1, False, "plain"), (2, 5, True, "bias"), (4, 3, False, "silu_mul")],
+    ids=["m1", "m5-w-left-split2-bias", "m3-split4-silu-mul"])
+def test_paired_kernel_fp16_equals_the_reference_bit_for_bit(group, interleave, split_k, m, w_left,
+                                                             epilogue):
+    """fp16 activations and scales (powers of two and small-integer rows: exact sums, so the
+    output is the reference's bit for bit): a group a plane up to one over the block; split-K
+    (its counters left at zero), a bias, the gate/up pair's SiLU-and-mul."""
+    silu = epilogue == "silu_mul"
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, K, group, seed=group + interleave, interleave=interleave)
+    x = rows(m, K, seed=m, dtype=torch.float16) / (16 if silu else 1)
+    bias = ((torch.randint(-8, 9, (n_rows,), generator=torch.Generator().manual_seed(3)) / 4)
+            .to(DEVICE, torch.float16) if epilogue == "bias" else None)
+    workspace = _workspace()
+    out = w4a16_gemm(x, w, bias, silu_mul=silu, workspace=workspace,
+                     config=PAIRED._replace(split_k=split_k, w_left=w_left))
+    assert not workspace.arrivals.any()
+    reference = F.linear(x.double(), dequantize_int4(w, torch.float16).double(),
+                         None if bias is None else bias.double()).to(torch.float16)
+    assert torch.equal(out, silu_and_mul(reference) if silu else reference)
+
+
+def test_paired_kernel_rounds_each_weight_as_the_reference():
+    """Scales with every mantissa bit set (the products round) and rows of x picking one column
+    each: the output is one dequantised weight each, the reference's bit for bit."""
+    w = int4_weight(N, K, 64, seed=8, interleave=32, scales=_edge_scales(torch.float16, N, K // 64)
+                    .clamp(-4, 4))
+    picks = torch.tensor([0, 3, 17, 64, 130, 255])
+    x = F.one_hot(picks, K).to(torch.float16).to(DEVICE)
+    out = w4a16_gemm(x, w, config=PAIRED._replace(split_k=2), workspace=_workspace())
+    expected = dequantize_int4(w, torch.float16)[:, picks.to(DEVICE)].t()
+    assert not torch.equal(expected.float(), dequantize_int4(w)[:, picks.to(DEVICE)].t())  # rounded
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+def test_paired_kernel_mid_m_row_tiles(silu):
+    """40 rows in row tiles of 32 (the second partial), K split in 2, fp16: bit for bit."""
+    n_rows = 2 * N if silu else N
+    w = int4_weight(n_rows, K, 32, seed=21, interleave=16)
+    x = rows(40, K, seed=22, dtype=torch.float16) / 16
+    out = w4a16_gemm(x, w, silu_mul=silu, workspace=_workspace(),
+                     config=PAIRED._replace(split_k=2, block_m=32))
+    reference = F.linear(x.double(), dequantize_int4(w, torch.float16).double()).to(torch.float16)
+    assert torch.equal(out, silu_and_mul(reference) if silu else reference)
+
+
+@pytest.mark.parametrize("x_dtype,scale_dtype", [(torch.float32, torch.float16),
+                                                 (torch.float16, torch.bfloat16)],
+                         ids=["fp32-rows", "bf16-scales-fp16-rows"])
+def test_paired_config_where_not_exact_takes_the_fma_dequantisation(monkeypatch, x_dtype,
+                                                                     scale_dtype):
+    """Where the pairing would round (`paired_dequant_exact`), a paired config launches the
+    kernel unpaired (PAIRED off) and still equals the reference."""
+    launched = []
+    kernel = int4_gemm._w4a16_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["PAIRED"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(int4_gemm, "_w4a16_kernel", Recorder())
+    w = int4_weight(N, K, 64, seed=4, scale_dtype=scale_dtype)
+    x = rows(2, K, seed=5, dtype=x_dtype)
+    out = w4a16_gemm(x, w, config=PAIRED)
+    reference = F.linear(x.double(), dequantize_int4(w, x_dtype).double()).to(x_dtype)
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-5)
+    w_exact = int4_weight(N, K, 64, seed=4, scale_dtype=torch.float16)
+    w4a16_gemm(rows(2, K, seed=5, dtype=torch.float16), w_exact, config=PAIRED)
+    assert launched == ["off", "asm" if DEVICE.type == "cuda" else "emulated"]
+
+
+def test_a_paired_multiply_and_sum_config_is_refused():
+    with pytest.raises(AssertionError, match="paired_dequant: on tl.dot only"):
+        w4a16_gemm(rows(1, K, 0, torch.float16), int4_weight(N, K, 32, 0),
+                   config=PAIRED._replace(dot=False))
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _gpu_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> Int4Weight:
+    """Random codes and zero points, scales of every mantissa bit in the activations' dtype
+    (the pairing's exact case), at the engine's layout."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand((n, k // 128), generator=gen, device="cuda") * 0.01 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda", dtype=torch.uint8)
+    interleave = interleave_for(n, k, 128)
+    return Int4Weight(pack_rows(codes, interleave), scales, zeros, 128, interleave)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_paired_asm_on_llama_shapes(shape, m, dtype):
+    """The inline asm at the engine's layout and config (paired): one-hot rows give every
+    picked weight bit for bit; random rows within 16-bit roundings of the reference and of the
+    unpaired kernel; deterministic; the same inside a CUDA graph."""
+    n, k = LLAMA_8B[shape]
+    silu = shape == "gate_up"
+    w = _gpu_weight(n, k, dtype, seed=m)
+    config = int4_gemm.default_w4_config(m, n // 2 if silu else n, k, 128, silu)
+    paired = config._replace(paired_dequant=True)
+    picks = torch.arange(m, device="cuda") * 251 % k
+    one_hot = F.one_hot(picks, k).to(dtype)
+    weight = dequantize_int4(w, dtype)
+    exact = w4a16_gemm(one_hot, w, config=paired)
+    assert torch.equal(exact.view(torch.int16), weight[:, picks].t().contiguous().view(torch.int16))
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    run = lambda: w4a16_gemm(x, w, silu_mul=silu, config=paired)  # noqa: E731
+    out = run()
+    ref = (x.float() @ weight.float().t()).to(dtype)
+    ref = silu_and_mul(ref) if silu else ref
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    unpaired = w4a16_gemm(x, w, silu_mul=silu, config=config)
+    torch.testing.assert_close(out.float(), unpaired.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, run())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_engine_entry_with_the_paired_default(monkeypatch):
+    """With the one-line switch on (`PAIRED_DEQUANT`), the engine's entries take the paired
+    kernel: bf16 with bf16 scales at 1 row equals the reference within roundings."""
+    monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", True)
+    int4_gemm.default_w4_config.cache_clear()
+    try:
+        assert int4_gemm.default_w4_config(1, 4096, 4096, 128).paired_dequant
+        for shape in ("o", "gate_up"):
+            n, k = LLAMA_8B[shape]
+            w = _gpu_weight(n, k, torch.bfloat16, seed=3)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            out = int4_linear_silu_and_mul(x, w) if shape == "gate_up" else int4_linear(x, w)
+            ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
+            ref = silu_and_mul(ref) if shape == "gate_up" else ref
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        int4_gemm.default_w4_config.cache_clear()
