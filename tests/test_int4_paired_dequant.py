@@ -9,7 +9,9 @@ are negative; the whole kernel in fp16 (the interpreter's bf16 tl.dot is wrong) 
 and-mul pair and mid-M row tiles; where the pairing is not exact (fp32 activations, scales of
 another dtype) the kernel takes its fma dequantisation, and a paired multiply-and-sum config is
 refused. Marked `gpu`: the inline asm on the same edge cases and on the Llama-8B shapes at 1, 4
-and 16 rows, in a CUDA graph too.
+and 16 rows, in a CUDA graph too. Compiled for sm_90 without a GPU (a child process): the asm's
+16-bit x2 instructions, fewer instructions a weight in the loop than today's config, the shared
+memory within the model's.
 """
 from __future__ import annotations
 
@@ -267,3 +269,45 @@ def test_gpu_engine_entry_with_the_paired_default(monkeypatch):
             torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     finally:
         int4_gemm.default_w4_config.cache_clear()
+
+
+# --- compiled for Hopper (no GPU needed) -----------------------------------------------------------
+
+_COMPILE_PAIRED_FOR_SM90 = """
+import json
+import torch
+from int4_sm90_launches import modelled_shared_memory
+from sm90_sass import loop_opcodes, w4_per_weight, w4a16_launch
+from specserve.engine.layers.int4_gemm import W4Config
+
+today = W4Config(64, 4, 4, 4)  # the H100's tuned o_proj config at M = 1
+for dtype, config in ((torch.bfloat16, today), (torch.bfloat16, today._replace(paired_dequant=True)),
+                      (torch.float16, today._replace(paired_dequant=True))):
+    compiled, launch = w4a16_launch(1, 4096, 4096, False, config, dtype)
+    ptx = compiled.asm["ptx"]
+    print(json.dumps(dict(paired=launch.args["PAIRED"], per_weight=w4_per_weight(loop_opcodes(compiled), launch),
+                          bf16x2="fma.rn.bf16x2" in ptx, f16x2="fma.rn.f16x2" in ptx,
+                          fits=compiled.metadata.shared <= modelled_shared_memory(launch))))
+"""
+
+
+def test_paired_kernel_compiles_for_hopper_with_fewer_instructions_a_weight():
+    """8B o_proj at M = 1 on the H100's tuned tiles, compiled for sm_90 (this venv's Triton):
+    the paired launch's PTX has the asm's x2 fma of its dtype (and not the other's), its
+    loop fewer warp instructions a weight than the unpaired one (tests/sm90_sass.py), and
+    every launch's shared memory within the model's."""
+    import json
+    import subprocess
+    import sys
+
+    from sm90_compile import compile_env
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_PAIRED_FOR_SM90], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    today, bf16, f16 = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["paired"] for r in (today, bf16, f16)] == ["off", "asm", "asm"]
+    assert [(r["bf16x2"], r["f16x2"]) for r in (today, bf16, f16)] == \
+        [(False, False), (True, False), (False, True)]
+    assert all(r["fits"] for r in (today, bf16, f16))
+    assert bf16["per_weight"] < today["per_weight"] and f16["per_weight"] < today["per_weight"]
