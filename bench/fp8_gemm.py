@@ -43,11 +43,14 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     error is against its own dequantised weight
 - `w4a16_dequant`   INT4 by the dequantise kernel, then cuBLAS (the engine's above 256 rows)
 - `w4a16_paired`    the W4A16 kernel at the engine's config with `W4Config.paired_dequant`
-                    (two weights a 32-bit instruction, exact for scales of x's dtype: this
-                    variant's weights have bf16 scales, the same bytes; M <= 16): if it leads,
+                    (two weights a 32-bit instruction; M <= 16; fp16 scales, AWQ's, with bf16
+                    x: each scale split in two bf16 parts, three x2 fmas a pair): if it leads,
                     set `int4_gemm.PAIRED_DEQUANT = True`. Around it: `_wleft_n128` and `_n128`
                     (128-column tiles, the weight or x on the left), `_split_x2` and
-                    `_split_half` (the split-K doubled and halved), `_w8` (8 warps)
+                    `_split_half` (the split-K doubled and halved), `_w8` (8 warps),
+                    `_bf16_scales` (the engine's config on bf16 scales, the same bytes: two
+                    fmas a pair). On gate/up also `w4a16_kernel_silu` and `w4a16_paired*_silu`:
+                    the fused weight with its SiLU-and-mul epilogue, as the engine runs it
 
 Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
 cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
@@ -141,7 +144,7 @@ class Weights:
         # INT4 copies: half FP8's bytes each, so twice as many rotate through L2.
         self.int4 = [random_int4(n, k, device) for _ in range(2 * copies)]
         self._int4_layouts = {self.int4[0].interleave: self.int4}
-        # the same with bf16 scales (the paired dequantisation's exact case with bf16 x)
+        # the same with bf16 scales (`w4a16_paired_bf16_scales`: no split scales)
         self.int4_bf16_scales = [w._replace(scales=w.scales.bfloat16()) for w in self.int4]
         self.n, self.k = n, k
         self.scale_bytes = self.fp8[0][1].values.numel() * 4
@@ -187,12 +190,15 @@ def dense_variants(m: int, n: int, k: int, gate_up: bool = False) -> dict[str, t
     if m <= TILED_MAX_ROWS:
         ops["w4a16_kernel"] = ("int4", lambda x, w: w4a16_gemm(x, w))
     if m <= MAX_ROWS:
-        for name, config in w4_paired_configs(m, n, k).items():
-            ops[name] = ("int4_bf16_scales", lambda x, w, c=config: w4a16_gemm(x, w, config=c))
+        paired = w4_paired_configs(m, n, k)
+        for name, config in paired.items():
+            ops[name] = ("int4", lambda x, w, c=config: w4a16_gemm(x, w, config=c))
+        ops["w4a16_paired_bf16_scales"] = ("int4_bf16_scales", lambda x, w: w4a16_gemm(
+            x, w, config=paired["w4a16_paired"]))
         if gate_up:  # as the engine runs it; `_silu` variants' err: against silu_and_mul
             ops["w4a16_kernel_silu"] = ("int4", lambda x, w: w4a16_gemm(x, w, silu_mul=True))
             for name, config in w4_paired_configs(m, n, k, silu=True).items():
-                ops[name + "_silu"] = ("int4_bf16_scales", lambda x, w, c=config: w4a16_gemm(
+                ops[name + "_silu"] = ("int4", lambda x, w, c=config: w4a16_gemm(
                     x, w, silu_mul=True, config=c))
     if m > MAX_ROWS:
         ops["w4a16_dequant"] = ("int4", lambda x, w: F.linear(x, dequantize_int4_gpu(w, x.dtype)))

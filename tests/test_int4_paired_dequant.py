@@ -2,9 +2,10 @@
 `_paired_planes`: two weights a 32-bit instruction) against the reference, bit for bit.
 
 In the interpreter on the CPU (its pure-Triton form, the same 16-bit values as the inline asm):
-the pair planes alone (a test kernel around the kernel's helpers) for bf16 and fp16, every code
-and zero point 0..15, scales whose products round (ties included), are subnormal, overflow or
-are negative; the whole kernel in fp16 (the interpreter's bf16 tl.dot is wrong) at group sizes
+the pair planes alone (a test kernel around the kernel's helpers) for bf16, fp16, and bf16 with
+fp16 scales (AWQ's: split in two bf16 parts), every code and zero point 0..15, scales whose
+products round (ties included), are subnormal, overflow or are negative; the whole kernel in
+fp16 (the interpreter's bf16 tl.dot is wrong) at group sizes
 32, 64 and 128, interleaves 16 and 32, either operand on the left, split-K, a bias, the SiLU-
 and-mul pair and mid-M row tiles; where the pairing is not exact (fp32 activations, scales of
 another dtype) the kernel takes its fma dequantisation, and a paired multiply-and-sum config is
@@ -41,10 +42,11 @@ def _pair_planes_kernel(qweight, scales, zeros, out, n_groups, group_size,
     offs_r = tl.arange(0, ROWS)
     packed = tl.load(qweight + offs_r[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
     offs_out = tl.arange(0, 2 * WORDS)
+    dtype = out.dtype.element_ty
     for p in tl.static_range(4):
         terms = _pair_terms(scales, zeros, offs_r, (p * WORDS) // group_size,
-                            ((p + 4) * WORDS) // group_size, n_groups)
-        pair = _paired_planes(packed, p, *terms, out.dtype.element_ty, PAIRED)
+                            ((p + 4) * WORDS) // group_size, n_groups, dtype)
+        pair = _paired_planes(packed, p, *terms, dtype, scales.dtype.element_ty != dtype, PAIRED)
         tl.store(out + offs_r[:, None] * 8 * WORDS + p * 2 * WORDS + offs_out[None, :], pair)
 
 
@@ -68,7 +70,7 @@ def _edge_scales(dtype: torch.dtype, n: int, groups: int) -> torch.Tensor:
     negative, plus plain ones."""
     info = torch.finfo(dtype)
     special = torch.tensor([info.max / 4, info.max, info.tiny, info.tiny * 2 ** -3,
-                            info.smallest_normal / 3, -0.3, -info.max / 8, 1.0], dtype=torch.float64)
+                            info.smallest_normal / 3, -0.3, -0.5, -info.max / 8, 1.0], dtype=torch.float64)
     gen = torch.Generator().manual_seed(11)
     full = torch.rand(n * groups, generator=gen, dtype=torch.float64) * 2 + 0.5
     full = (full.to(dtype).view(torch.int16) | 0x7F if dtype == torch.bfloat16
@@ -79,34 +81,41 @@ def _edge_scales(dtype: torch.dtype, n: int, groups: int) -> torch.Tensor:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the inf products
 @pytest.mark.parametrize("mode", ["emulated", pytest.param("asm", marks=[pytest.mark.gpu, gpu])])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float16)],
+                         ids=["bf16", "fp16", "bf16-fp16-scales"])
 @pytest.mark.parametrize("words,group", [(16, 128), (16, 32), (32, 64), (32, 32)],
                          ids=["one-group", "pairs-of-groups", "two-groups", "a-group-a-plane"])
-def test_pair_planes_are_the_reference_bit_for_bit(mode, dtype, words, group):
+def test_pair_planes_are_the_reference_bit_for_bit(mode, dtype, scale_dtype, words, group):
     """Every code (each row holds 0..15 in every plane) against every zero point (16 rows a
-    zero each, per group), on scales whose products round, are subnormal, overflow or are
-    negative: `_paired_planes` equals `dequantize_int4` rounded to dtype, bit for bit (signed
-    zeros and infinities included). Blocks in one group, two, four (a group per pair of
-    planes) or eight."""
+    zero each, per group), on scales whose products round (ties included), are subnormal,
+    overflow (where the dtype's range allows: not with fp16 scales and bf16 x, whose scales
+    are split in two) or are negative: `_paired_planes` equals `dequantize_int4` rounded to
+    dtype, bit for bit (signed zeros and infinities included). Blocks in one group, two,
+    four (a group per pair of planes) or eight."""
     device = torch.device("cuda" if mode == "asm" else "cpu")
     n, k = 64, 8 * words
     groups = k // group
     codes = (torch.arange(k)[None, :] + torch.arange(n)[:, None] * 5) % 16
     zeros = ((torch.arange(n)[:, None] + 3 * torch.arange(groups)[None, :]) % 16).to(torch.uint8)
-    w = Int4Weight(pack_rows(codes, words).to(device), _edge_scales(dtype, n, groups).to(device),
+    w = Int4Weight(pack_rows(codes, words).to(device), _edge_scales(scale_dtype, n, groups).to(device),
                    zeros.to(device), group, words)
     expected = dequantize_int4(w, dtype)
-    subnormal = (expected != 0) & (expected.abs() < torch.finfo(dtype).smallest_normal)
-    assert expected.isinf().any() and subnormal.any() and (expected.view(torch.int16) == -32768).any()
+    assert (expected.view(torch.int16) == -32768).any()  # -0: q = z with a negative scale
+    assert not torch.equal(expected.float(), dequantize_int4(w))  # rounded
+    if scale_dtype == dtype:
+        subnormal = (expected != 0) & (expected.abs() < torch.finfo(dtype).smallest_normal)
+        assert expected.isinf().any() and subnormal.any()
     out = _pair_planes(w, dtype, mode)
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
-def test_the_pairing_is_exact_only_for_16_bit_activations_and_scales_of_their_dtype():
+def test_the_pairing_is_exact_for_16_bit_activations_and_scales_of_their_dtype_or_fp16():
     assert paired_dequant_exact(torch.bfloat16, torch.bfloat16)
     assert paired_dequant_exact(torch.float16, torch.float16)
-    assert not paired_dequant_exact(torch.bfloat16, torch.float16)  # AWQ's fp16 scales, bf16 x
-    assert not paired_dequant_exact(torch.float16, torch.bfloat16)
+    assert paired_dequant_exact(torch.bfloat16, torch.float16)  # AWQ's fp16 scales, bf16 x
+    assert not paired_dequant_exact(torch.float16, torch.bfloat16)  # outside fp16's range
     assert not paired_dequant_exact(torch.float32, torch.float32)
     assert not paired_dequant_exact(torch.float32, torch.float16)
 
@@ -204,8 +213,8 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
 
 
 def _gpu_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> Int4Weight:
-    """Random codes and zero points, scales of every mantissa bit in the activations' dtype
-    (the pairing's exact case), at the engine's layout."""
+    """Random codes and zero points, scales of `dtype` (most of their mantissa bits set), at
+    the engine's layout."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
     scales = (torch.rand((n, k // 128), generator=gen, device="cuda") * 0.01 + 0.001).to(dtype)
@@ -216,16 +225,19 @@ def _gpu_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> Int4Weight:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float16)],
+                         ids=["bf16", "fp16", "bf16-awq-fp16-scales"])
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_gpu_paired_asm_on_llama_shapes(shape, m, dtype):
+def test_gpu_paired_asm_on_llama_shapes(shape, m, dtype, scale_dtype):
     """The inline asm at the engine's layout and config (paired): one-hot rows give every
     picked weight bit for bit; random rows within 16-bit roundings of the reference and of the
     unpaired kernel; deterministic; the same inside a CUDA graph."""
     n, k = LLAMA_8B[shape]
     silu = shape == "gate_up"
-    w = _gpu_weight(n, k, dtype, seed=m)
+    w = _gpu_weight(n, k, scale_dtype, seed=m)
     config = int4_gemm.default_w4_config(m, n // 2 if silu else n, k, 128, silu)
     paired = config._replace(paired_dequant=True)
     picks = torch.arange(m, device="cuda") * 251 % k
@@ -254,14 +266,14 @@ def test_gpu_paired_asm_on_llama_shapes(shape, m, dtype):
 @gpu
 def test_gpu_engine_entry_with_the_paired_default(monkeypatch):
     """With the one-line switch on (`PAIRED_DEQUANT`), the engine's entries take the paired
-    kernel: bf16 with bf16 scales at 1 row equals the reference within roundings."""
+    kernel: bf16 x with AWQ's fp16 scales at 1 row equals the reference within roundings."""
     monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", True)
     int4_gemm.default_w4_config.cache_clear()
     try:
         assert int4_gemm.default_w4_config(1, 4096, 4096, 128).paired_dequant
         for shape in ("o", "gate_up"):
             n, k = LLAMA_8B[shape]
-            w = _gpu_weight(n, k, torch.bfloat16, seed=3)
+            w = _gpu_weight(n, k, torch.float16, seed=3)
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             out = int4_linear_silu_and_mul(x, w) if shape == "gate_up" else int4_linear(x, w)
             ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
@@ -281,21 +293,24 @@ from sm90_sass import loop_opcodes, w4_per_weight, w4a16_launch
 from specserve.engine.layers.int4_gemm import W4Config
 
 today = W4Config(64, 4, 4, 4)  # the H100's tuned o_proj config at M = 1
-for dtype, config in ((torch.bfloat16, today), (torch.bfloat16, today._replace(paired_dequant=True)),
-                      (torch.float16, today._replace(paired_dequant=True))):
-    compiled, launch = w4a16_launch(1, 4096, 4096, False, config, dtype)
+paired = today._replace(paired_dequant=True)
+bf16, f16 = torch.bfloat16, torch.float16
+for config, dtype, scale_dtype in ((today, bf16, bf16), (paired, bf16, bf16), (paired, f16, f16),
+                                   (paired, bf16, f16)):
+    compiled, launch = w4a16_launch(1, 4096, 4096, False, config, dtype, scale_dtype)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(paired=launch.args["PAIRED"], per_weight=w4_per_weight(loop_opcodes(compiled), launch),
-                          bf16x2="fma.rn.bf16x2" in ptx, f16x2="fma.rn.f16x2" in ptx,
+                          bf16x2=ptx.count("fma.rn.bf16x2"), f16x2=ptx.count("fma.rn.f16x2"),
                           fits=compiled.metadata.shared <= modelled_shared_memory(launch))))
 """
 
 
 def test_paired_kernel_compiles_for_hopper_with_fewer_instructions_a_weight():
-    """8B o_proj at M = 1 on the H100's tuned tiles, compiled for sm_90 (this venv's Triton):
-    the paired launch's PTX has the asm's x2 fma of its dtype (and not the other's), its
-    loop fewer warp instructions a weight than the unpaired one (tests/sm90_sass.py), and
-    every launch's shared memory within the model's."""
+    """8B o_proj at M = 1 on the H100's tuned tiles, compiled for sm_90 (this venv's Triton),
+    bf16, fp16, and bf16 x with fp16 scales: each paired launch's PTX has its asm's x2 fmas
+    (of its dtype, not the other's; three a pair with split scales, two else), its loop
+    fewer warp instructions a weight than the unpaired one (tests/sm90_sass.py), and every
+    launch's shared memory within the model's."""
     import json
     import subprocess
     import sys
@@ -305,9 +320,11 @@ def test_paired_kernel_compiles_for_hopper_with_fewer_instructions_a_weight():
     done = subprocess.run([sys.executable, "-c", _COMPILE_PAIRED_FOR_SM90], env=compile_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    today, bf16, f16 = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["paired"] for r in (today, bf16, f16)] == ["off", "asm", "asm"]
-    assert [(r["bf16x2"], r["f16x2"]) for r in (today, bf16, f16)] == \
-        [(False, False), (True, False), (False, True)]
-    assert all(r["fits"] for r in (today, bf16, f16))
-    assert bf16["per_weight"] < today["per_weight"] and f16["per_weight"] < today["per_weight"]
+    launches = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    today, bf16, f16, split = launches
+    assert [r["paired"] for r in launches] == ["off", "asm", "asm", "asm"]
+    assert [(r["bf16x2"] > 0, r["f16x2"] > 0) for r in launches] == \
+        [(False, False), (True, False), (False, True), (True, False)]
+    assert split["bf16x2"] * 2 == bf16["bf16x2"] * 3  # an fma more a pair: d tail
+    assert all(r["fits"] for r in launches)
+    assert max(r["per_weight"] for r in (bf16, f16, split)) < today["per_weight"]

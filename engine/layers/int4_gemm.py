@@ -157,9 +157,12 @@ def plane_groups(group_size: int, k: int, interleave: int) -> int:
 
 def paired_dequant_exact(x_dtype: torch.dtype, scale_dtype: torch.dtype) -> bool:
     """Whether the paired dequantisation (`_paired_planes`) equals the reference bit for bit:
-    16-bit activations and scales of the same dtype (the scale is an operand of the 16-bit
-    multiply; an fp16 scale with bf16 activations, or an fp32 one, is not representable)."""
-    return x_dtype in (torch.float16, torch.bfloat16) and scale_dtype == x_dtype
+    16-bit activations with scales of their dtype, or bf16 activations with fp16 scales (AWQ's
+    and GPTQ's, each split into two bf16 parts); not fp32 activations (the product is not
+    rounded to 16 bits), fp32 scales, or bf16 scales with fp16 activations (a bf16 scale may
+    lie outside fp16's range)."""
+    return (x_dtype in (torch.float16, torch.bfloat16) and scale_dtype == x_dtype
+            or (x_dtype, scale_dtype) == (torch.bfloat16, torch.float16))
 
 
 def pack_rows(q: torch.Tensor, interleave: int = 1) -> torch.Tensor:
@@ -455,20 +458,39 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _pair_terms(scales, zeros, rows, group_lo, group_hi, n_groups):
+    def _pair_terms(scales, zeros, rows, group_lo, group_hi, n_groups, dtype: tl.constexpr):
         """Per row of a tile, the 32-bit words `_paired_planes` takes for a pair of planes in
-        groups `group_lo` and `group_hi` (the same group where the block lies in one): the
-        scales' 16 bits side by side (low half: the low plane's), and BIAS + z side by side
-        as 16-bit floats, negated (sign bits flipped)."""
+        groups `group_lo` and `group_hi` (the same group where the block lies in one), each two
+        16-bit floats of `dtype` side by side (low half: the low plane's): the scales (head),
+        for fp16 scales with bf16 x their parts past bf16's 8 significant bits (tail, else
+        unused), and -(BIAS + z)."""
         at_lo = rows * n_groups + group_lo
         at_hi = rows * n_groups + group_hi
-        s_lo = tl.load(scales + at_lo).to(tl.uint16, bitcast=True).to(tl.int32)
-        s_hi = tl.load(scales + at_hi).to(tl.uint16, bitcast=True).to(tl.int32)
+        head_lo, tail_lo = _scale_parts(tl.load(scales + at_lo), dtype)
+        head_hi, tail_hi = _scale_parts(tl.load(scales + at_hi), dtype)
         z_lo = tl.load(zeros + at_lo).to(tl.int32)
         z_hi = tl.load(zeros + at_hi).to(tl.int32)
-        magic = _pair_magic(scales.dtype.element_ty)
-        # ^ 0x80008000 (written as an int32): -(BIAS + z) in both halves
-        return s_lo | (s_hi << 16), (magic | z_lo | (z_hi << 16)) ^ -0x7FFF8000
+        # ^ 0x80008000 (written as an int32): both sign bits flipped
+        neg_zero_word = (_pair_magic(dtype) | z_lo | (z_hi << 16)) ^ -0x7FFF8000
+        return head_lo | (head_hi << 16), tail_lo | (tail_hi << 16), neg_zero_word
+
+    @triton.jit
+    def _scale_parts(s, dtype: tl.constexpr):
+        """A scale s [rows] as the 16 bits (int32) of `dtype` floats head and tail: s itself and
+        0 where s is of dtype; for an fp16 s and bf16 dtype head = s cut to bf16's 8
+        significant bits (toward zero) and tail = s - head, at most 3 significant bits (s has
+        11): both exactly bf16, head + tail = s, and tail carries s's sign (-0 for a negative
+        s that head holds whole, so that a zero product keeps the sign of s)."""
+        if s.dtype == dtype:
+            head = s.to(tl.uint16, bitcast=True).to(tl.int32)
+            tail = head & 0
+        else:
+            bits = s.to(tl.float32).to(tl.int32, bitcast=True)
+            cut = (bits & -65536).to(tl.float32, bitcast=True)
+            rest = s.to(tl.float32) - cut  # exact: the low bits of bits
+            head = (bits >> 16) & 0xFFFF
+            tail = ((rest.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | ((bits >> 16) & 0x8000)
+        return head, tail
 
     @triton.jit
     def _pair_magic(dtype: tl.constexpr):
@@ -503,40 +525,60 @@ if triton is not None:
         return half
 
     @triton.jit
-    def _paired_planes(packed, P: tl.constexpr, scale_word, neg_zero_word, dtype: tl.constexpr,
-                       PAIRED: tl.constexpr):
-        """Planes P and P + 4 of the words [rows, W] dequantised in `dtype` (16-bit, the
-        scales' dtype) as one pair plane [rows, 2 W] whose column 2 w + h is column w of plane
-        P + 4 h (the kernel loads x's columns in that order: a dot sums over K in any order).
+    def _paired_planes(packed, P: tl.constexpr, head_word, tail_word, neg_zero_word,
+                       dtype: tl.constexpr, SPLIT_SCALE: tl.constexpr, PAIRED: tl.constexpr):
+        """Planes P and P + 4 of the words [rows, W] dequantised in `dtype` (16-bit) as one pair
+        plane [rows, 2 W] whose column 2 w + h is column w of plane P + 4 h (the kernel loads
+        x's columns in that order: a dot sums over K in any order). The words
+        (`_pair_terms`): per row, two scales (head, and with SPLIT_SCALE tail) and -(BIAS + z).
 
         Nibbles P and P + 4 lie at bits 4 P and 4 P + 16 of a word: one shift, and one
-        and-or with `_pair_magic`, make two 16-bit floats BIAS + q side by side. Two packed
+        and-or with `_pair_magic`, make two 16-bit floats BIAS + q side by side. Packed
         16-bit instructions (x2: both halves at once) then give the weight:
-        - (BIAS + q) - (BIAS + z) = q - z, exactly: both are integers of at most 11 bits
-          (fp16: 1024 + 15) or 8 (bf16: 128 + 15), their difference in -15..15, all
-          representable, so the sum is exact (and +0 where q = z, as the reference's);
-        - (q - z) s rounded once to the 16-bit dtype: q - z has at most 4 significant bits, s
-          at most 11 (fp16) or 8 (bf16), so the exact product has at most 15 and is what the
-          reference computes in fp32 exactly (no fp32 rounding: fp32 keeps 24 bits, and its
-          range holds every product of a 16-bit float and 15, subnormals included: a bf16
-          subnormal s times an integer is a multiple of 2^-133, an fp32 subnormal's grid is
-          2^-149); both round that exact value once to the dtype, to nearest even, including
-          to a subnormal, and past the dtype's largest finite value to infinity (the
-          reference's cast does too), and a zero product keeps the sign of s in both.
+        - (BIAS + q) - (BIAS + z) = d = q - z, exactly: both are integers of at most 11 bits
+          (fp16: 1024 + 15) or 8 (bf16: 128 + 15), d in -15..15, all representable, so the
+          sum is exact (and +0 where q = z, as the reference's q - z);
+        - d s rounded once to the 16-bit dtype: d has at most 4 significant bits, s at most
+          11 (fp16) or 8 (bf16), so the exact product has at most 15 and is what the reference
+          computes in fp32 exactly (fp32 keeps 24 bits, and its range holds every product of a
+          16-bit float and 15, subnormals included: a bf16 subnormal s times an integer is a
+          multiple of 2^-133, an fp32 subnormal's grid is 2^-149); both round that exact
+          value once, to nearest even, to a subnormal where it is one, past the largest
+          finite value to infinity (the reference's cast does too), and a zero product keeps
+          the sign of s in both.
+        SPLIT_SCALE (fp16 scales, bf16 x: s is not a bf16): s = head + tail (`_scale_parts`),
+        d tail is exact in bf16 (4 + 3 significant bits of 8), and one fma d head + d tail
+        rounds the exact d s once; no overflow or subnormal (|d s| in 2^-24..15 * 65504).
         So the pair is the reference's weight bit for bit. Not exact (so not taken,
-        `paired_dequant_exact`): fp32 activations (the product is not rounded to 16 bits),
-        or a scale of another dtype than x's (the scale itself would be rounded first).
+        `paired_dequant_exact`): fp32 activations or scales, bf16 scales with fp16 x.
 
-        PAIRED "asm": the two steps as fma.rn.{bf16x2,f16x2} (t 1 + (-(BIAS + z)), then
-        t s + (-0): the -0 addend leaves the product's value and sign), which sm_80 has
-        for bf16 (its sub/mul.bf16x2 need sm_90; ptxas emits the same HFMA2 for either).
+        PAIRED "asm": the steps as fma.rn.{bf16x2,f16x2} (t 1 + (-(BIAS + z)); d s + (-0),
+        whose -0 addend leaves the product's value and sign), which sm_80 has for bf16 (its
+        sub/mul.bf16x2 need sm_90; ptxas emits HADD2/HMUL2 for them either way).
         "emulated": the same values in fp32, rounded once (the interpreter runs no asm)."""
         if P > 0:
             shifted = packed >> (4 * P)  # (arithmetic: the high bits are masked off)
         else:
             shifted = packed
+        heads = head_word[:, None]
+        tails = tail_word[:, None]
+        neg_zeros = neg_zero_word[:, None]
         if PAIRED == "asm":
-            if dtype == tl.bfloat16:
+            if SPLIT_SCALE:
+                lo, hi = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 t, u, one, nz;
+                    lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+                    mov.b32 one, 0x3F803F80;
+                    mov.b32 nz, 0x80008000;
+                    fma.rn.bf16x2 t, t, one, $3;
+                    fma.rn.bf16x2 u, t, $5, nz;
+                    fma.rn.bf16x2 t, t, $4, u;
+                    mov.b32 {$0, $1}, t;
+                    }""",
+                    "=h,=h,r,r,r,r", [shifted, neg_zeros, heads, tails],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            elif dtype == tl.bfloat16:
                 lo, hi = tl.inline_asm_elementwise(
                     """{
                     .reg .b32 t, one, nz;
@@ -547,7 +589,7 @@ if triton is not None:
                     fma.rn.bf16x2 t, t, $4, nz;
                     mov.b32 {$0, $1}, t;
                     }""",
-                    "=h,=h,r,r,r", [shifted, neg_zero_word[:, None], scale_word[:, None]],
+                    "=h,=h,r,r,r", [shifted, neg_zeros, heads],
                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
             else:
                 lo, hi = tl.inline_asm_elementwise(
@@ -560,16 +602,25 @@ if triton is not None:
                     fma.rn.f16x2 t, t, $4, nz;
                     mov.b32 {$0, $1}, t;
                     }""",
-                    "=h,=h,r,r,r", [shifted, neg_zero_word[:, None], scale_word[:, None]],
+                    "=h,=h,r,r,r", [shifted, neg_zeros, heads],
                     dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
         else:
             t = (shifted & 0x000F000F) | _pair_magic(dtype)
-            zero_word = neg_zero_word[:, None] ^ -0x7FFF8000
-            lo = _to_half((_half_value(t, dtype) - _half_value(zero_word, dtype))
-                          * _half_value(scale_word[:, None], dtype), dtype)
-            hi = _to_half((_half_value(t >> 16, dtype) - _half_value(zero_word >> 16, dtype))
-                          * _half_value(scale_word[:, None] >> 16, dtype), dtype)
+            zeros = neg_zeros ^ -0x7FFF8000
+            lo = _emulated_weight(t, zeros, heads, tails, dtype, SPLIT_SCALE)
+            hi = _emulated_weight(t >> 16, zeros >> 16, heads >> 16, tails >> 16, dtype,
+                                  SPLIT_SCALE)
         return _joined(lo, hi)
+
+    @triton.jit
+    def _emulated_weight(t, zeros, heads, tails, dtype: tl.constexpr, SPLIT_SCALE: tl.constexpr):
+        """`_paired_planes`' weight from the low halves of its words, in fp32 (every step exact
+        as in the asm) rounded once to dtype."""
+        d = _half_value(t, dtype) - _half_value(zeros, dtype)
+        w = d * _half_value(heads, dtype)
+        if SPLIT_SCALE:
+            w += d * _half_value(tails, dtype)  # the exact d s: at most 15 bits
+        return _to_half(w, dtype)
 
     @triton.jit
     def _joined(a, b):
@@ -627,6 +678,7 @@ if triton is not None:
         offs_w = tl.arange(0, WORDS)
         m_mask = offs_m < M
         dtype = x.dtype.element_ty
+        split_scale: tl.constexpr = scales.dtype.element_ty != dtype  # PAIRED: fp16 s, bf16 x
         if DOT:
             if W_LEFT:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -652,18 +704,19 @@ if triton is not None:
                     if p % PLANES_PER_GROUP == 0:  # a pair of groups not yet loaded
                         lo = (k + p * WORDS) // group_size
                         hi = (k + (p + 4) * WORDS) // group_size
-                        pair_terms = _pair_terms(scales, zeros, rows, lo, hi, n_groups)
+                        pair_terms = _pair_terms(scales, zeros, rows, lo, hi, n_groups, dtype)
                         if SILU_MUL:
                             up_pair_terms = _pair_terms(scales, zeros, partner_rows, lo, hi,
-                                                        n_groups)
+                                                        n_groups, dtype)
                     # x's planes p and p + 4 in the pair plane's column order
                     x_pair = _joined(tl.load(x_ptrs + k + p * WORDS, mask=m_mask[:, None], other=0.0),
                                      tl.load(x_ptrs + k + (p + 4) * WORDS, mask=m_mask[:, None],
                                              other=0.0))
-                    w_pair = _paired_planes(packed, p, *pair_terms, dtype, PAIRED)
+                    w_pair = _paired_planes(packed, p, *pair_terms, dtype, split_scale, PAIRED)
                     acc = _plane_product(acc, x_pair, w_pair, DOT, W_LEFT, DOT_PRECISION)
                     if SILU_MUL:
-                        up_pair = _paired_planes(packed_up, p, *up_pair_terms, dtype, PAIRED)
+                        up_pair = _paired_planes(packed_up, p, *up_pair_terms, dtype, split_scale,
+                                                 PAIRED)
                         acc_up = _plane_product(acc_up, x_pair, up_pair, DOT, W_LEFT,
                                                 DOT_PRECISION)
             else:
