@@ -202,6 +202,27 @@ def test_paired_config_where_not_exact_takes_the_fma_dequantisation(monkeypatch,
     assert launched == ["off", "asm" if DEVICE.type == "cuda" else "emulated"]
 
 
+def test_the_default_switch_pairs_decode_configs_on_tl_dot_only(monkeypatch):
+    """`PAIRED_DEQUANT` off: no default config pairs; on: the decode-sized ones (the rule's
+    and a tuned one, up to 16 rows) do, mid-M ones (not timed) and multiply-and-sum ones
+    do not."""
+    cpu = torch.device("cpu")
+
+    def configs():
+        int4_gemm.default_w4_config.cache_clear()
+        return [int4_gemm.default_w4_config(m, n, 4096, 128, device=cpu) for m, n in
+                ((1, 4096), (16, 1024), (64, 4096), (2, 999))]
+
+    monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (2, 999, 4096, 128, False),
+                        W4Config(32, 1, 4, 2, dot=False)._asdict())
+    try:
+        assert [c.paired_dequant for c in configs()] == [False] * 4
+        monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", True)
+        assert [c.paired_dequant for c in configs()] == [True, True, False, False]
+    finally:
+        int4_gemm.default_w4_config.cache_clear()
+
+
 def test_a_paired_multiply_and_sum_config_is_refused():
     with pytest.raises(AssertionError, match="paired_dequant: on tl.dot only"):
         w4a16_gemm(rows(1, K, 0, torch.float16), int4_weight(N, K, 32, 0),
@@ -270,7 +291,6 @@ def test_gpu_engine_entry_with_the_paired_default(monkeypatch):
     monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", True)
     int4_gemm.default_w4_config.cache_clear()
     try:
-        assert int4_gemm.default_w4_config(1, 4096, 4096, 128).paired_dequant
         for shape in ("o", "gate_up"):
             n, k = LLAMA_8B[shape]
             w = _gpu_weight(n, k, torch.float16, seed=3)

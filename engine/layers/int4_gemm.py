@@ -89,9 +89,10 @@ MIN_STAGES = 2  # fitting a config to the shared memory lowers its stages down t
 # thread's scale and zero work is shared by 4 planes of its rows.
 DEFAULT_INTERLEAVE = 32
 MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
-# Whether `default_w4_config`'s configs on tl.dot dequantise two weights an instruction
-# (`W4Config.paired_dequant`; where exact): off until an H100 times it faster
-# (bench/fp8_gemm.py --variants w4a16: the w4a16_paired rows beside w4a16_kernel's)
+# Whether `default_w4_config`'s decode-sized configs (up to MAX_ROWS rows: the sizes timed) on
+# tl.dot dequantise two weights an instruction (`W4Config.paired_dequant`; where exact): off
+# until an H100 times it faster (bench/fp8_gemm.py --variants w4a16: the w4a16_paired rows
+# beside w4a16_kernel's)
 PAIRED_DEQUANT = False
 
 
@@ -242,7 +243,8 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     (4 row tiles) none."""
     tuned = _tuned_w4_config(m, n, k, group_size, paired)
     config = rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
-    return config._replace(paired_dequant=config.paired_dequant or (PAIRED_DEQUANT and config.dot))
+    paired = PAIRED_DEQUANT and config.dot and m <= MAX_ROWS
+    return config._replace(paired_dequant=config.paired_dequant or paired)
 
 
 def rule_w4_config(m: int, n: int, k: int, paired: bool = False,
