@@ -4,7 +4,7 @@ ships, and the body of the loop (the longest backward branch) counted by opcode.
 the loop's instructions times the warps, over the weight elements a step reads, the number
 docs/benchmarks.md ("FP8 W8A16: instructions a weight") compares.
 
-    python tests/sm90_sass.py          # the table for Llama 8B's o_proj at M = 1
+    python tests/sm90_sass.py    # the table for Llama 8B's o_proj at M = 1
     python tests/sm90_sass.py w4a16    # the W4A16 kernel's: 8B o and gate/up at M = 1
 
 (under the GPU machines' Triton, 3.6, as the table was made, or this venv's)."""
