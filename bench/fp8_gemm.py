@@ -193,8 +193,9 @@ def dense_variants(m: int, n: int, k: int, gate_up: bool = False) -> dict[str, t
         paired = w4_paired_configs(m, n, k)
         for name, config in paired.items():
             ops[name] = ("int4", lambda x, w, c=config: w4a16_gemm(x, w, config=c))
-        ops["w4a16_paired_bf16_scales"] = ("int4_bf16_scales", lambda x, w: w4a16_gemm(
-            x, w, config=paired["w4a16_paired"]))
+        if "w4a16_paired" in paired:
+            ops["w4a16_paired_bf16_scales"] = ("int4_bf16_scales", lambda x, w: w4a16_gemm(
+                x, w, config=paired["w4a16_paired"]))
         if gate_up:  # as the engine runs it; `_silu` variants' err: against silu_and_mul
             ops["w4a16_kernel_silu"] = ("int4", lambda x, w: w4a16_gemm(x, w, silu_mul=True))
             for name, config in w4_paired_configs(m, n, k, silu=True).items():
@@ -457,7 +458,7 @@ def print_w4_paired_table(rows: list[dict]) -> None:
     """Per (shape, M): bf16 (the skinny GEMM), the W4A16 kernel today, and the fastest paired
     variant (plain, and for gate/up as the engine runs it, with SiLU-and-mul)."""
     print(f"\n{'shape':16} {'M':>3} {'bf16 us':>7} {'%':>4} {'w4 us':>7} {'%':>4} "
-          f"{'paired us':>9} {'%':>4}  fastest paired")
+          f"{'paired':>7} {'%':>4}  fastest paired")
     for shape, m in dict.fromkeys((r["shape"], r["m"]) for r in rows if "us" in r):
         timed = {r["variant"]: r for r in rows if (r["shape"], r["m"]) == (shape, m) and "us" in r}
         for suffix in ("", "_silu"):
