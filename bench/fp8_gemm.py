@@ -45,7 +45,9 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
 - `w4a16_paired`    the W4A16 kernel at the engine's config with `W4Config.paired_dequant`
                     (two weights a 32-bit instruction; M <= 16; fp16 scales, AWQ's, with bf16
                     x: each scale split in two bf16 parts, three x2 fmas a pair): if it leads,
-                    set `int4_gemm.PAIRED_DEQUANT = True`. Around it: `_wleft_n128` and `_n128`
+                    set `int4_gemm.PAIRED_DEQUANT = True`. Around it: `_swapped` (the other
+                    operand order at its tiles: the weight on the left, wgmma taking it from
+                    registers, where the engine's has x there), `_wleft_n128` and `_n128`
                     (128-column tiles, the weight or x on the left), `_split_x2` and
                     `_split_half` (the split-K doubled and halved), `_w8` (8 warps),
                     `_bf16_scales` (the engine's config on bf16 scales, the same bytes: two
@@ -249,7 +251,8 @@ def w4_paired_configs(m: int, n: int, k: int, silu: bool = False,
     n_cols = n // 2 if silu else n
     base = default_w4_config(m, n_cols, k, INT4_GROUP, silu, cuda)._replace(paired_dequant=True)
     n128 = base._replace(block_n=128, split_k=split_for(m, n_cols, k, silu, 128, cuda))
-    configs = {"w4a16_paired": base, "w4a16_paired_wleft_n128": n128._replace(w_left=True),
+    configs = {"w4a16_paired": base, "w4a16_paired_swapped": base._replace(w_left=not base.w_left),
+               "w4a16_paired_wleft_n128": n128._replace(w_left=True),
                "w4a16_paired_n128": n128._replace(w_left=False),
                "w4a16_paired_split_x2": base._replace(split_k=2 * base.split_k),
                "w4a16_paired_split_half": base._replace(split_k=max(1, base.split_k // 2)),
