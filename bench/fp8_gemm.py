@@ -46,8 +46,7 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     (two weights a 32-bit instruction; M <= 16; fp16 scales, AWQ's, with bf16
                     x: each scale split in two bf16 parts, three x2 fmas a pair): if it leads,
                     set `int4_gemm.PAIRED_DEQUANT = True`. Around it: `_swapped` (the other
-                    operand order at its tiles: the weight on the left, wgmma taking it from
-                    registers, where the engine's has x there), `_wleft_n128` and `_n128`
+                    operand on the left, at its tiles), `_wleft_n128` and `_n128`
                     (128-column tiles, the weight or x on the left), `_split_x2` and
                     `_split_half` (the split-K doubled and halved), `_w8` (8 warps),
                     `_bf16_scales` (the engine's config on bf16 scales, the same bytes: two
