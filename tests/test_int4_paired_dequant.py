@@ -124,16 +124,22 @@ N, K = 72, 256
 PAIRED = W4Config(block_n=32, split_k=1, num_warps=4, num_stages=2, paired_dequant=True)
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("interleave", [16, 32])
-@pytest.mark.parametrize("split_k,m,w_left,epilogue", [
-    (1, 1, False, "plain"), (2, 5, True, "bias"), (4, 3, False, "silu_mul")],
-    ids=["m1", "m5-w-left-split2-bias", "m3-split4-silu-mul"])
+PLAIN, BIAS, SILU = (1, 1, False, "plain"), (2, 5, True, "bias"), (4, 3, False, "silu_mul")
+
+
+@pytest.mark.parametrize("group,interleave,split_k,m,w_left,epilogue", [
+    (32, 32, *PLAIN), (128, 16, *PLAIN), (64, 16, *BIAS), (32, 16, *BIAS), (128, 32, *SILU),
+    (32, 32, *SILU), (128, 16, *SILU)],
+    ids=["g32-w32-m1", "g128-w16-m1", "g64-w16-m5-w-left-split2-bias",
+         "g32-w16-m5-w-left-split2-bias", "g128-w32-m3-split4-silu-mul",
+         "g32-w32-m3-split4-silu-mul", "g128-w16-m3-split4-silu-mul"])
 def test_paired_kernel_fp16_equals_the_reference_bit_for_bit(group, interleave, split_k, m, w_left,
                                                              epilogue):
     """fp16 activations and scales (powers of two and small-integer rows: exact sums, so the
-    output is the reference's bit for bit): a group a plane up to one over the block; split-K
-    (its counters left at zero), a bias, the gate/up pair's SiLU-and-mul."""
+    output is the reference's bit for bit): a group a plane (group 32 at W = 32), a group per
+    two planes, four, and one over the block (group 128 at W = 16), each plain, with split-K
+    (its counters left at zero), a bias and x on the right, or the gate/up pair's
+    SiLU-and-mul."""
     silu = epilogue == "silu_mul"
     n_rows = 2 * N if silu else N
     w = int4_weight(n_rows, K, group, seed=group + interleave, interleave=interleave)
