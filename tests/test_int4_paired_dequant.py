@@ -5,11 +5,10 @@ In the interpreter on the CPU (its pure-Triton form, the same 16-bit values as t
 the pair planes alone (a test kernel around the kernel's helpers) for bf16, fp16, and bf16 with
 fp16 scales (AWQ's: split in two bf16 parts), every code and zero point 0..15, scales whose
 products round (ties included), are subnormal, overflow or are negative; the whole kernel in
-fp16 (the interpreter's bf16 tl.dot is wrong) at group sizes
-32, 64 and 128, interleaves 16 and 32, either operand on the left, split-K, a bias, the SiLU-
-and-mul pair and mid-M row tiles; where the pairing is not exact (fp32 activations, scales of
-another dtype) the kernel takes its fma dequantisation, and a paired multiply-and-sum config is
-refused. Marked `gpu`: the inline asm on the same edge cases and on the Llama-8B shapes at 1, 4
+fp16 (the interpreter's bf16 tl.dot is wrong) at group sizes 32, 64 and 128, interleaves 16 and
+32, either operand on the left, split-K, a bias, the SiLU-and-mul pair and mid-M row tiles;
+where the pairing is not exact (fp32 activations, bf16 scales with fp16 x) the kernel takes its
+fma dequantisation, and a paired multiply-and-sum config is refused; the default switch. Marked `gpu`: the inline asm on the same edge cases and on the Llama-8B shapes at 1, 4
 and 16 rows, in a CUDA graph too. Compiled for sm_90 without a GPU (a child process): the asm's
 16-bit x2 instructions, fewer instructions a weight in the loop than today's config, the shared
 memory within the model's.
@@ -66,11 +65,13 @@ def _pair_planes(w: Int4Weight, dtype: torch.dtype, mode: str) -> torch.Tensor:
 
 def _edge_scales(dtype: torch.dtype, n: int, groups: int) -> torch.Tensor:
     """Scales [n, groups] whose products by q - z in -15..15 round (every mantissa bit set:
-    products of odd q - z need 12-15 bits; ties among them), are subnormal, overflow, or are
-    negative, plus plain ones."""
+    products of odd q - z need more bits than the dtype has), round a tie to even (1 + eps:
+    3 (1 + eps) has one bit too many, a 1), are subnormal, overflow, or are negative (-0.5:
+    a zero product is -0), plus plain ones."""
     info = torch.finfo(dtype)
     special = torch.tensor([info.max / 4, info.max, info.tiny, info.tiny * 2 ** -3,
-                            info.smallest_normal / 3, -0.3, -0.5, -info.max / 8, 1.0], dtype=torch.float64)
+                            info.smallest_normal / 3, -0.3, -0.5, -info.max / 8, 1.0,
+                            1 + info.eps], dtype=torch.float64)
     gen = torch.Generator().manual_seed(11)
     full = torch.rand(n * groups, generator=gen, dtype=torch.float64) * 2 + 0.5
     full = (full.to(dtype).view(torch.int16) | 0x7F if dtype == torch.bfloat16
