@@ -427,7 +427,8 @@ def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
 
     chosen = args.int4_layouts.get(name) or (weights.int4[0].interleave if m > MAX_ROWS else None)
     timed = int4_sweep.search(m, n_cols, k, INT4_GROUP, paired,
-                              (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config)
+                              (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config,
+                              paired_dequant=args.sweep_paired_dequant)
     if not timed:
         return
     ranked = sorted(timed.items(), key=lambda item: item[1])
@@ -558,6 +559,8 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also search W8A16 skinny and W4A16 decode configs (M <= 16)")
     ap.add_argument("--sweep-rounds", type=int, default=1)
+    ap.add_argument("--sweep-paired-dequant", action="store_true",
+                    help="the W4A16 sweep times paired-dequantisation configs (W4Config.paired_dequant)")
     ap.add_argument("--variants", default="",
                     help="comma-separated variant prefixes (e.g. w4a16); the bf16 ones always run")
     ap.add_argument("--int4-tuned", default="int4_tuned.json",

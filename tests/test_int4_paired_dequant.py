@@ -210,22 +210,24 @@ def test_paired_config_where_not_exact_takes_the_fma_dequantisation(monkeypatch,
 
 
 def test_the_default_switch_pairs_decode_configs_on_tl_dot_only(monkeypatch):
-    """`PAIRED_DEQUANT` off: no default config pairs; on: the decode-sized ones (the rule's
-    and a tuned one, up to 16 rows) do, mid-M ones (not timed) and multiply-and-sum ones
-    do not."""
+    """`PAIRED_DEQUANT` off: no default config pairs but a tuned one swept paired
+    (`--sweep-paired-dequant`); on: the decode-sized ones (the rule's and a tuned one, up to
+    16 rows) do, mid-M ones (not timed) and multiply-and-sum ones do not."""
     cpu = torch.device("cpu")
 
     def configs():
         int4_gemm.default_w4_config.cache_clear()
         return [int4_gemm.default_w4_config(m, n, 4096, 128, device=cpu) for m, n in
-                ((1, 4096), (16, 1024), (64, 4096), (2, 999))]
+                ((1, 4096), (16, 1024), (64, 4096), (2, 999), (1, 998))]
 
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (2, 999, 4096, 128, False),
                         W4Config(32, 1, 4, 2, dot=False)._asdict())
+    monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (1, 998, 4096, 128, False),
+                        W4Config(64, 1, 4, 4, paired_dequant=True)._asdict())
     try:
-        assert [c.paired_dequant for c in configs()] == [False] * 4
+        assert [c.paired_dequant for c in configs()] == [False] * 4 + [True]
         monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", True)
-        assert [c.paired_dequant for c in configs()] == [True, True, False, False]
+        assert [c.paired_dequant for c in configs()] == [True, True, False, False, True]
     finally:
         int4_gemm.default_w4_config.cache_clear()
 
