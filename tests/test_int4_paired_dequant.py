@@ -8,10 +8,11 @@ products round (ties included), are subnormal, overflow or are negative; the who
 fp16 (the interpreter's bf16 tl.dot is wrong) at group sizes 32, 64 and 128, interleaves 16 and
 32, either operand on the left, split-K, a bias, the SiLU-and-mul pair and mid-M row tiles;
 where the pairing is not exact (fp32 activations, bf16 scales with fp16 x) the kernel takes its
-fma dequantisation, and a paired multiply-and-sum config is refused; the default switch. Marked `gpu`: the inline asm on the same edge cases and on the Llama-8B shapes at 1, 4
-and 16 rows, in a CUDA graph too. Compiled for sm_90 without a GPU (a child process): the asm's
-16-bit x2 instructions, fewer instructions a weight in the loop than today's config, the shared
-memory within the model's.
+fma dequantisation, and a paired multiply-and-sum config is refused; the default switch.
+Marked `gpu`: the inline asm on the same edge cases and on the Llama-8B shapes at 1, 4 and 16
+rows (bf16, fp16, bf16 with fp16 scales), in a CUDA graph too. Compiled for sm_90 without a GPU
+(a child process): the asm's 16-bit x2 instructions, fewer instructions a weight in the loop
+than today's config, the shared memory within the model's.
 """
 from __future__ import annotations
 
@@ -328,7 +329,8 @@ for config, dtype, scale_dtype in ((today, bf16, bf16), (paired, bf16, bf16), (p
                                    (paired, bf16, f16)):
     compiled, launch = w4a16_launch(1, 4096, 4096, False, config, dtype, scale_dtype)
     ptx = compiled.asm["ptx"]
-    print(json.dumps(dict(paired=launch.args["PAIRED"], per_weight=w4_per_weight(loop_opcodes(compiled), launch),
+    print(json.dumps(dict(paired=launch.args["PAIRED"],
+                          per_weight=w4_per_weight(loop_opcodes(compiled), launch),
                           bf16x2=ptx.count("fma.rn.bf16x2"), f16x2=ptx.count("fma.rn.f16x2"),
                           fits=compiled.metadata.shared <= modelled_shared_memory(launch))))
 """
