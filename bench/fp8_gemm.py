@@ -42,6 +42,16 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     split-K at M <= 16, row tiles of 64 up to 256; the engine's there); its
                     error is against its own dequantised weight
 - `w4a16_dequant`   INT4 by the dequantise kernel, then cuBLAS (the engine's above 256 rows)
+- `w4a16_paired`    the W4A16 kernel at the engine's config with `W4Config.paired_dequant`
+                    (two weights a 32-bit instruction; M <= 16; fp16 scales, AWQ's, with bf16
+                    x: each scale split in two bf16 parts, three x2 fmas a pair): if it leads,
+                    set `int4_gemm.PAIRED_DEQUANT = True`. Around it: `_swapped` (the other
+                    operand on the left, at its tiles), `_wleft_n128` and `_n128`
+                    (128-column tiles, the weight or x on the left), `_split_x2` and
+                    `_split_half` (the split-K doubled and halved), `_w8` (8 warps),
+                    `_bf16_scales` (the engine's config on bf16 scales, the same bytes: two
+                    fmas a pair). On gate/up also `w4a16_kernel_silu` and `w4a16_paired*_silu`:
+                    the fused weight with its SiLU-and-mul epilogue, as the engine runs it
 
 Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
 cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
@@ -86,8 +96,9 @@ from specserve.engine.layers.fp8_weight import (
     FP8_DTYPE, FP8_MAX, WeightScale, dequantize, expand_scale, scale_grid_shape)
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
 from specserve.engine.layers.int4_gemm import (
-    TILED_MAX_ROWS, Int4Weight, dequantize_int4, dequantize_int4_gpu, interleave_for, pack_rows,
-    w4a16_gemm)
+    PACK, TILED_MAX_ROWS, Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu,
+    fit_shared_memory, interleave_for, pack_rows, plane_groups, split_for, w4a16_gemm)
+from specserve.engine.layers.int4_shared_memory import Operands
 
 SHAPES = {  # name: (N, K) of the weight
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -134,6 +145,8 @@ class Weights:
         # INT4 copies: half FP8's bytes each, so twice as many rotate through L2.
         self.int4 = [random_int4(n, k, device) for _ in range(2 * copies)]
         self._int4_layouts = {self.int4[0].interleave: self.int4}
+        # the same with bf16 scales (`w4a16_paired_bf16_scales`: no split scales)
+        self.int4_bf16_scales = [w._replace(scales=w.scales.bfloat16()) for w in self.int4]
         self.n, self.k = n, k
         self.scale_bytes = self.fp8[0][1].values.numel() * 4
         self.int4_extra_bytes = n * (k // INT4_GROUP) * 3  # fp16 scales and uint8 zeros
@@ -156,8 +169,9 @@ def random_int4(n: int, k: int, device) -> Int4Weight:
                       words)
 
 
-def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
-    """name -> (weight kind, op(x, weight)) for the variants that apply at this M."""
+def dense_variants(m: int, n: int, k: int, gate_up: bool = False) -> dict[str, tuple[str, Callable]]:
+    """name -> (weight kind, op(x, weight)) for the variants that apply at this M (`gate_up`: the
+    W4A16 kernel's `_silu` variants too, the fused weight with its epilogue)."""
     ops: dict[str, tuple[str, Callable]] = {"cublas_bf16": ("bf16", lambda x, w: F.linear(x, w))}
     if m <= MAX_ROWS:
         w8a8 = fp8_weight_config(default_config(m, n, k, False, torch.device("cuda"))
@@ -176,6 +190,18 @@ def dense_variants(m: int, n: int, k: int) -> dict[str, tuple[str, Callable]]:
         ops["w8a8_skinny"] = ("fp8", lambda x, w: skinny_gemm(x, w[0], config=w8a8, scale=w[1]))
     if m <= TILED_MAX_ROWS:
         ops["w4a16_kernel"] = ("int4", lambda x, w: w4a16_gemm(x, w))
+    if m <= MAX_ROWS:
+        paired = w4_paired_configs(m, n, k)
+        for name, config in paired.items():
+            ops[name] = ("int4", lambda x, w, c=config: w4a16_gemm(x, w, config=c))
+        if "w4a16_paired" in paired:
+            ops["w4a16_paired_bf16_scales"] = ("int4_bf16_scales", lambda x, w: w4a16_gemm(
+                x, w, config=paired["w4a16_paired"]))
+        if gate_up:  # as the engine runs it; `_silu` variants' err: against silu_and_mul
+            ops["w4a16_kernel_silu"] = ("int4", lambda x, w: w4a16_gemm(x, w, silu_mul=True))
+            for name, config in w4_paired_configs(m, n, k, silu=True).items():
+                ops[name + "_silu"] = ("int4", lambda x, w, c=config: w4a16_gemm(
+                    x, w, silu_mul=True, config=c))
     if m > MAX_ROWS:
         ops["w4a16_dequant"] = ("int4", lambda x, w: F.linear(x, dequantize_int4_gpu(w, x.dtype)))
     ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
@@ -213,6 +239,31 @@ def scaled_mm_row(x: torch.Tensor, w) -> torch.Tensor:
     return torch._scaled_mm(x8, w8_t, scale_a=s_x, scale_b=s_w, out_dtype=torch.bfloat16)
 
 
+def w4_paired_configs(m: int, n: int, k: int, silu: bool = False,
+                      cuda: torch.device = torch.device("cuda")) -> dict:
+    """The paired-dequantisation variants (`w4a16_paired*`): the engine's config paired and its
+    neighbours (`silu`: of the fused gate/up weight [n, k] with its SiLU-and-mul epilogue, as
+    the engine runs it), each fitted to the shared memory at the weight's layout (stages
+    lowered); a neighbour equal to one before it is left out."""
+    words = interleave_for(n, k, INT4_GROUP)
+    ops = Operands(words, PACK // plane_groups(INT4_GROUP, k, words), 2, 2, silu)
+    n_cols = n // 2 if silu else n
+    base = default_w4_config(m, n_cols, k, INT4_GROUP, silu, cuda)._replace(paired_dequant=True)
+    n128 = base._replace(block_n=128, split_k=split_for(m, n_cols, k, silu, 128, cuda))
+    configs = {"w4a16_paired": base, "w4a16_paired_swapped": base._replace(w_left=not base.w_left),
+               "w4a16_paired_wleft_n128": n128._replace(w_left=True),
+               "w4a16_paired_n128": n128._replace(w_left=False),
+               "w4a16_paired_split_x2": base._replace(split_k=2 * base.split_k),
+               "w4a16_paired_split_half": base._replace(split_k=max(1, base.split_k // 2)),
+               "w4a16_paired_w8": base._replace(num_warps=8)}
+    fitted = {}
+    for name, config in configs.items():
+        fit = fit_shared_memory(config, m, ops, cuda)
+        if fit is not None and fit[0] not in fitted.values():
+            fitted[name] = fit[0]
+    return fitted
+
+
 def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
     device = torch.device("cuda")
     for name in args.shapes.split(","):
@@ -224,20 +275,25 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
             inputs = [torch.randn(m, k, device=device).bfloat16() for _ in range(num_inputs)]
             x0 = inputs[0]
             reference = x0.float() @ dequantize(*weights.fp8[0], torch.float32).t()
-            int4_reference = x0.float() @ dequantize_int4(weights.int4[0], torch.bfloat16).float().t()
-            for variant, (kind, op) in dense_variants(m, n, k).items():
+            int4_references = {kind: x0.float() @ dequantize_int4(getattr(weights, kind)[0],
+                                                                  torch.bfloat16).float().t()
+                               for kind in ("int4", "int4_bf16_scales")}
+            for variant, (kind, op) in dense_variants(m, n, k, name.endswith("gate_up")).items():
                 if not selected(args, variant):
                     continue
                 pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise,
-                        "int4": weights.int4}[kind]
-                weight_bytes = n * k * {"bf16": 2, "int4": 0.5}.get(kind, 1)
-                extra = {"fp8": weights.scale_bytes, "rowwise": 4 * n,
-                         "int4": weights.int4_extra_bytes}.get(kind, 0)
+                        "int4": weights.int4, "int4_bf16_scales": weights.int4_bf16_scales}[kind]
+                int4 = kind.startswith("int4")
+                weight_bytes = n * k * (2 if kind == "bf16" else 0.5 if int4 else 1)
+                extra = weights.int4_extra_bytes if int4 else {
+                    "fp8": weights.scale_bytes, "rowwise": 4 * n}.get(kind, 0)
                 calls = [lambda i=i: op(inputs[i % num_inputs], pool[i % len(pool)])
                          for i in range(num_calls)]
                 row = dict(part="dense", shape=name, n=n, k=k, m=m, variant=variant)
                 try:
-                    ref = int4_reference if kind == "int4" else reference
+                    ref = int4_references[kind] if int4 else reference
+                    if variant.endswith("_silu"):
+                        ref = silu_and_mul(ref.bfloat16()).float()
                     err = float((op(x0, pool[0]).float() - ref).norm() / ref.norm())
                     seconds = time_per_call(calls)
                 except Exception as e:  # an unsupported variant (torch build, device): go on
@@ -246,7 +302,7 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
                     if args.verbose:
                         traceback.print_exc()
                     continue
-                total = weight_bytes + extra + m * k * 2 + m * n * 2
+                total = weight_bytes + extra + m * k * 2 + m * n * (1 if variant.endswith("_silu") else 2)
                 row.update(us=seconds * 1e6, GBps=total / seconds / 1e9,
                            fraction_of_copy=total / seconds / bandwidth,
                            TFLOPs=2 * m * n * k / seconds / 1e12, rel_err=err)
@@ -371,7 +427,8 @@ def sweep_w4a16(args, name: str, m: int, weights: Weights, inputs: list[torch.Te
 
     chosen = args.int4_layouts.get(name) or (weights.int4[0].interleave if m > MAX_ROWS else None)
     timed = int4_sweep.search(m, n_cols, k, INT4_GROUP, paired,
-                              (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config)
+                              (chosen,) if chosen else int4_sweep.INTERLEAVES, time_config,
+                              paired_dequant=args.sweep_paired_dequant)
     if not timed:
         return
     ranked = sorted(timed.items(), key=lambda item: item[1])
@@ -398,6 +455,25 @@ def print_int4_table(args, rows: list[dict]) -> None:
         bf16 = "skinny_bf16" if m <= MAX_ROWS else "cublas_bf16"  # the engine's bf16 at this M
         print(f"{best['shape']:12} {m:3} {cell(bf16)} {cell('w4a16_kernel'):>15} "
               f"{best['us']:10.1f} {100 * best['fraction_of_copy']:4.0f}  {best['name']}")
+
+
+def print_w4_paired_table(rows: list[dict]) -> None:
+    """Per (shape, M): bf16 (the skinny GEMM), the W4A16 kernel today, and the fastest paired
+    variant (plain, and for gate/up as the engine runs it, with SiLU-and-mul)."""
+    print(f"\n{'shape':16} {'M':>3} {'bf16 us':>7} {'%':>4} {'w4 us':>7} {'%':>4} "
+          f"{'paired':>7} {'%':>4}  fastest paired")
+    for shape, m in dict.fromkeys((r["shape"], r["m"]) for r in rows if "us" in r):
+        timed = {r["variant"]: r for r in rows if (r["shape"], r["m"]) == (shape, m) and "us" in r}
+        for suffix in ("", "_silu"):
+            paired = [r for v, r in timed.items() if v.startswith("w4a16_paired")
+                      and v.endswith("_silu") == bool(suffix)]
+            if not paired:
+                continue
+            best = min(paired, key=lambda r: r["us"])
+            cells = [timed.get(v) for v in ("skinny_bf16", "w4a16_kernel" + suffix)] + [best]
+            print(f"{shape + suffix:16} {m:3} " + " ".join(
+                f"{'-':>7} {'-':>4}" if r is None else f"{r['us']:7.1f} {100 * r['fraction_of_copy']:4.0f}"
+                for r in cells) + f"  {best['variant']}")
 
 
 def selected(args, variant: str) -> bool:
@@ -483,6 +559,8 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also search W8A16 skinny and W4A16 decode configs (M <= 16)")
     ap.add_argument("--sweep-rounds", type=int, default=1)
+    ap.add_argument("--sweep-paired-dequant", action="store_true",
+                    help="the W4A16 sweep times paired-dequantisation configs (W4Config.paired_dequant)")
     ap.add_argument("--variants", default="",
                     help="comma-separated variant prefixes (e.g. w4a16); the bf16 ones always run")
     ap.add_argument("--int4-tuned", default="int4_tuned.json",
@@ -512,6 +590,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print_table([r for r in rows if r["part"] != "sweep"], bandwidth)
+    if any(r["variant"].startswith("w4a16_paired") for r in rows):
+        print_w4_paired_table([r for r in rows if r["part"] == "dense"])
     if args.fp8_best:
         print("\nFP8_TUNED_CONFIGS entries (engine/layers/skinny_gemm.py):\n" + "\n".join(args.fp8_best))
     if args.int4_best:

@@ -28,6 +28,9 @@ engine launches a tuned config as measured.
         --rows 1,16,64,256 --no-moe --int4-tuned int4_tuned.json
     python bench/fp8_gemm.py --install-int4 int4_tuned.json   # writes engine/layers/int4_tuned.py
 
+`--sweep-paired-dequant` searches the paired dequantisation's configs instead (tl.dot alone;
+the installed entries carry `paired_dequant`).
+
 The fused gate/up weight is swept as the engine runs it: with the SiLU-and-mul epilogue
 (paired columns), so its table key is (M, I, K, group, True).
 """
@@ -84,9 +87,12 @@ def launchable(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: boo
                                   lower_stages=False) is not None)
 
 
-def _variants(m: int, words: int, paired: bool) -> list[dict]:
-    """The product variants of stage 1, each at the column tile the rule gives it."""
+def _variants(m: int, words: int, paired: bool, paired_dequant: bool = False) -> list[dict]:
+    """The product variants of stage 1, each at the column tile the rule gives it (with
+    `paired_dequant` tl.dot's alone, dequantising two weights an instruction)."""
     dots = [dict(block_n=64 if paired else 128, dot=True, w_left=True), dict(block_n=64, dot=True)]
+    if paired_dequant:
+        return [dict(variant, paired_dequant=True) for variant in dots]
     if m > FMA_MAX_ROWS or words > FMA_MAX_INTERLEAVE:
         return dots
     return dots + [dict(block_n=32, dot=False), dict(block_n=32, dot=False, round_bits=True)]
@@ -110,9 +116,11 @@ def _with_tile(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: boo
 
 def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: tuple[int, ...],
            time_config: Callable[[W4Config, int], Optional[float]],
-           device: torch.device = torch.device("cuda")) -> dict[tuple[W4Config, int], float]:
+           device: torch.device = torch.device("cuda"),
+           paired_dequant: bool = False) -> dict[tuple[W4Config, int], float]:
     """The two-stage search: {(config, interleave): seconds} of every config timed (None from
-    `time_config`: the compiler refused it)."""
+    `time_config`: the compiler refused it); with `paired_dequant` of the paired
+    dequantisation's configs (`W4Config.paired_dequant`, tl.dot) alone."""
     timed: dict[tuple[W4Config, int], float] = {}
 
     def trial(c: W4Config, words: int) -> None:
@@ -126,7 +134,7 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
     for words in interleaves:
         if not plane_groups(group, k, words):
             continue
-        for variant in _variants(m, words, paired):
+        for variant in _variants(m, words, paired, paired_dequant):
             trial(_with_tile(base._replace(**variant), m, n_cols, k, group, paired,
                              variant["block_n"], words, device), words)
     if not timed:
@@ -154,6 +162,7 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
 
 def config_name(c: W4Config, words: int) -> str:
     kind = ("dot-wleft" if c.w_left else "dot") if c.dot else ("fma-bits" if c.round_bits else "fma")
+    kind += "-paired" if c.paired_dequant else ""
     rows = f" m{c.block_m}" if c.block_m else ""
     return f"W{words} {kind} n{c.block_n}{rows} s{c.split_k} w{c.num_warps} st{c.num_stages}"
 

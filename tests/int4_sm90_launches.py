@@ -82,6 +82,8 @@ class _Recorder:
         def launch(*args, num_warps=4, num_stages=3, launch_pdl=False, **kwargs):  # Triton's defaults
             named = dict(zip(self.kernel.arg_names, args), **kwargs)
             named["PDL"] = True  # as an H100 launches it (`pdl_enabled`)
+            if named.get("PAIRED") == "emulated":  # (CPU tensors) as CUDA ones launch it
+                named["PAIRED"] = "asm"
             self.launches.append(Launch(self.kernel, named, num_warps, num_stages))
         return launch
 

@@ -5,6 +5,7 @@ the loop's instructions times the warps, over the weight elements a step reads, 
 docs/benchmarks.md ("FP8 W8A16: instructions a weight") compares.
 
     python tests/sm90_sass.py    # the table for Llama 8B's o_proj at M = 1
+    python tests/sm90_sass.py w4a16    # the W4A16 kernel's: 8B o and gate/up at M = 1
 
 (under the GPU machines' Triton, 3.6, as the table was made, or this venv's)."""
 from __future__ import annotations
@@ -69,6 +70,54 @@ def per_weight(opcodes: collections.Counter, config, silu: bool) -> float:
     return sum(opcodes.values()) * config.num_warps / (config.block_n * config.block_k * (2 if silu else 1))
 
 
+def w4a16_launch(m: int, n_rows: int, k: int, silu: bool, config, dtype=torch.bfloat16,
+                 scale_dtype=None):
+    """(the compiled W4A16 kernel for a group-128 weight [n_rows, k] at the engine's interleave,
+    x of `dtype` and scales of `scale_dtype` (default: dtype), at `config` as `w4a16_gemm`
+    launches it (on CUDA: the paired dequantisation's inline asm), that launch)."""
+    from int4_sm90_launches import _recording, _weight
+
+    from specserve.engine.layers import int4_gemm as g
+
+    w = _weight(n_rows, k, 128, g.interleave_for(n_rows, k, 128), scale_dtype or dtype)
+    with _recording() as launches:
+        g.w4a16_gemm(torch.empty(m, k, dtype=dtype), w, silu_mul=silu, config=config)
+    launch, = launches
+    return compile_sm90_kernel(launch.kernel, launch.args, launch.num_warps, launch.num_stages), launch
+
+
+def w4_per_weight(opcodes: collections.Counter, launch) -> float:
+    """Warp instructions a weight element of the W4A16 loop: a step reads 8 * WORDS codes of
+    each of BLOCK_N rows (both tiles of a gate/up pair)."""
+    a = launch.args
+    weights = a["BLOCK_N"] * 8 * a["WORDS"] * (2 if a["SILU_MUL"] else 1)
+    return sum(opcodes.values()) * launch.num_warps / weights
+
+
+def w4a16_main() -> None:
+    from specserve.engine.layers import int4_gemm as g
+
+    import triton
+
+    print(f"triton {triton.__version__}: W4A16 (group 128, bf16 x and scales; AWQ: fp16 scales), "
+          "M = 1, sm_90: warp instructions a weight of the compiled loop")
+    for shape, (n_rows, k), silu in (("o", (4096, 4096), False), ("gate_up", (28672, 4096), True)):
+        today = g.default_w4_config(1, n_rows // 2 if silu else n_rows, k, 128, silu)
+        paired = today._replace(paired_dequant=True)
+        f16 = torch.float16
+        variants = {"today (tuned)": (today, None), "today, AWQ": (today, f16),
+                    "paired": (paired, None), "paired, AWQ": (paired, f16),
+                    "paired, weight left": (paired._replace(w_left=True), None),
+                    "paired, 128 columns": (paired._replace(block_n=128), None),
+                    "paired, 8 warps": (paired._replace(num_warps=8), None)}
+        for name, (config, scale_dtype) in variants.items():
+            compiled, launch = w4a16_launch(1, n_rows, k, silu, config, scale_dtype=scale_dtype)
+            opcodes = loop_opcodes(compiled)
+            top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))
+            print(f"{shape:8} W{launch.args['WORDS']:<3} {name:22} n{launch.args['BLOCK_N']:<3} "
+                  f"{w4_per_weight(opcodes, launch):.3f}  ({top})", flush=True)
+
+
 def main() -> None:
     from specserve.engine.layers import skinny_gemm as sk
 
@@ -93,4 +142,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    w4a16_main() if sys.argv[1:] == ["w4a16"] else main()

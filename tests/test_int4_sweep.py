@@ -43,6 +43,20 @@ def test_search_finds_the_best_layout_and_config_and_times_only_launchable_ones(
     assert all(int4_sweep.launchable(c, 1, n, k, 128, False, w, CPU) for c, w in seen)
 
 
+def test_search_of_paired_dequantisation_times_paired_tl_dot_configs_alone():
+    """`paired_dequant`: every config timed is on tl.dot and paired (no multiply-and-sum, even
+    at M = 1), each launchable; the made-up device's best is found, paired, and named so."""
+    n, k = QKV
+    timed = int4_sweep.search(1, n, k, 128, False, int4_sweep.INTERLEAVES, fake_seconds, CPU,
+                              paired_dequant=True)
+    assert timed and all(c.dot and c.paired_dequant for c, _ in timed)
+    assert all(int4_sweep.launchable(c, 1, n, k, 128, False, w, CPU) for c, w in timed)
+    best, words = min(timed, key=timed.get)
+    assert (words, best) == (32, W4Config(block_n=128, split_k=2, num_warps=4, num_stages=6,
+                                          w_left=True, paired_dequant=True))
+    assert int4_sweep.config_name(best, words) == "W32 dot-wleft-paired n128 s2 w4 st6"
+
+
 def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
     n, k = QKV
     timed = int4_sweep.search(16, n, k, 128, False, (64,), fake_seconds, CPU)

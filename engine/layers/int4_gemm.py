@@ -89,6 +89,11 @@ MIN_STAGES = 2  # fitting a config to the shared memory lowers its stages down t
 # thread's scale and zero work is shared by 4 planes of its rows.
 DEFAULT_INTERLEAVE = 32
 MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
+# Whether `default_w4_config`'s decode-sized configs (up to MAX_ROWS rows: the sizes timed) on
+# tl.dot dequantise two weights an instruction (`W4Config.paired_dequant`; where exact): off
+# until an H100 times it faster (bench/fp8_gemm.py --variants w4a16: the w4a16_paired rows
+# beside w4a16_kernel's)
+PAIRED_DEQUANT = False
 
 
 class Int4Weight(NamedTuple):
@@ -119,6 +124,9 @@ class W4Config(NamedTuple):
     # Rows of a row tile above MAX_ROWS (one of ROW_TILES; 0: the rule's, `row_tiles`); up to
     # MAX_ROWS the kernel takes one tile of all the rows and this is unused.
     block_m: int = 0
+    # tl.dot only: dequantise two weights an instruction (`_paired_planes`) where that is
+    # exact (`paired_dequant_exact`), else the kernel's fma dequantisation
+    paired_dequant: bool = False
 
 
 def interleave_for(n: int, k: int, group_size: int) -> int:
@@ -146,6 +154,16 @@ def plane_groups(group_size: int, k: int, interleave: int) -> int:
     if group_size % interleave == 0 and block % group_size == 0:
         return group_size // interleave
     return 0
+
+
+def paired_dequant_exact(x_dtype: torch.dtype, scale_dtype: torch.dtype) -> bool:
+    """Whether the paired dequantisation (`_paired_planes`) equals the reference bit for bit:
+    16-bit activations with scales of their dtype, or bf16 activations with fp16 scales (AWQ's
+    and GPTQ's, each split into two bf16 parts); not fp32 activations (the product is not
+    rounded to 16 bits), fp32 scales, or bf16 scales with fp16 activations (a bf16 scale may
+    lie outside fp16's range)."""
+    return (x_dtype in (torch.float16, torch.bfloat16) and scale_dtype == x_dtype
+            or (x_dtype, scale_dtype) == (torch.bfloat16, torch.float16))
 
 
 def pack_rows(q: torch.Tensor, interleave: int = 1) -> torch.Tensor:
@@ -224,7 +242,9 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     rows the 8B's qkv 2 ways, o and down 4 (64 column tiles), gate/up none (224); at 256 rows
     (4 row tiles) none."""
     tuned = _tuned_w4_config(m, n, k, group_size, paired)
-    return rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
+    config = rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
+    paired = PAIRED_DEQUANT and config.dot and m <= MAX_ROWS
+    return config._replace(paired_dequant=config.paired_dequant or paired)
 
 
 def rule_w4_config(m: int, n: int, k: int, paired: bool = False,
@@ -344,6 +364,10 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     config, block_m = fit
     assert not config.dot or w.interleave >= MIN_DOT_INTERLEAVE, \
         f"tl.dot takes planes of at least {MIN_DOT_INTERLEAVE} columns (interleave {w.interleave})"
+    assert config.dot or not config.paired_dequant, "paired_dequant: on tl.dot only"
+    # the inline asm on CUDA; its bit-equal pure-Triton form where the interpreter runs
+    paired = ("off" if not (config.paired_dequant and paired_dequant_exact(x.dtype, w.scales.dtype))
+              else "asm" if x.is_cuda else "emulated")
     if bias is not None:
         assert bias.shape == (n_rows,) and bias.is_contiguous()
     y = torch.empty((m, n_cols), dtype=x.dtype, device=x.device)
@@ -367,7 +391,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         # exact fma dequantisation needs 16-bit scales (`_dequantized_plane`)
         FMA_DEQUANT=w.scales.dtype in (torch.float16, torch.bfloat16),
         ROUND_BITS=config.round_bits and not config.dot and x.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PAIRED=paired,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], n_cols)
 
@@ -436,6 +460,176 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _pair_terms(scales, zeros, rows, group_lo, group_hi, n_groups, dtype: tl.constexpr):
+        """Per row of a tile, the 32-bit words `_paired_planes` takes for a pair of planes in
+        groups `group_lo` and `group_hi` (the same group where the block lies in one), each two
+        16-bit floats of `dtype` side by side (low half: the low plane's): the scales (head),
+        for fp16 scales with bf16 x their parts past bf16's 8 significant bits (tail, else
+        unused), and -(BIAS + z)."""
+        at_lo = rows * n_groups + group_lo
+        at_hi = rows * n_groups + group_hi
+        head_lo, tail_lo = _scale_parts(tl.load(scales + at_lo), dtype)
+        head_hi, tail_hi = _scale_parts(tl.load(scales + at_hi), dtype)
+        z_lo = tl.load(zeros + at_lo).to(tl.int32)
+        z_hi = tl.load(zeros + at_hi).to(tl.int32)
+        # ^ 0x80008000 (written as an int32): both sign bits flipped
+        neg_zero_word = (_pair_magic(dtype) | z_lo | (z_hi << 16)) ^ -0x7FFF8000
+        return head_lo | (head_hi << 16), tail_lo | (tail_hi << 16), neg_zero_word
+
+    @triton.jit
+    def _scale_parts(s, dtype: tl.constexpr):
+        """A scale s [rows] as the 16 bits (int32) of `dtype` floats head and tail: s itself and
+        0 where s is of dtype; for an fp16 s and bf16 dtype head = s cut to bf16's 8
+        significant bits (toward zero) and tail = s - head, at most 3 significant bits (s has
+        11): both exactly bf16, head + tail = s, and tail carries s's sign (-0 for a negative
+        s that head holds whole, so that a zero product keeps the sign of s)."""
+        if s.dtype == dtype:
+            head = s.to(tl.uint16, bitcast=True).to(tl.int32)
+            tail = head & 0
+        else:
+            bits = s.to(tl.float32).to(tl.int32, bitcast=True)
+            cut = (bits & -65536).to(tl.float32, bitcast=True)
+            rest = s.to(tl.float32) - cut  # exact: the low bits of bits
+            head = (bits >> 16) & 0xFFFF
+            tail = ((rest.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | ((bits >> 16) & 0x8000)
+        return head, tail
+
+    @triton.jit
+    def _pair_magic(dtype: tl.constexpr):
+        """Two 16-bit floats BIAS side by side whose last 4 mantissa bits are zero: a nibble
+        or-ed into them makes BIAS + q exactly (bf16 0x4300 = 128, ulp 1; fp16 0x6400 = 1024,
+        ulp 1)."""
+        if dtype == tl.bfloat16:
+            magic = 0x43004300
+        else:
+            magic = 0x64006400
+        return magic
+
+    @triton.jit
+    def _half_value(bits, dtype: tl.constexpr):
+        """The 16-bit float of dtype whose bits are the low 16 of `bits` (int32), in fp32."""
+        if dtype == tl.bfloat16:
+            value = ((bits & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            value = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return value
+
+    @triton.jit
+    def _to_half(w, dtype: tl.constexpr):
+        """fp32 w rounded once to nearest even in the 16-bit dtype, subnormals and overflow as
+        the hardware rounds them (bf16 by integer ops on the bits, `_rounded`: the
+        interpreter's fp32 -> bf16 cast truncates and flushes subnormals)."""
+        if dtype == tl.bfloat16:
+            bits = _rounded(w, dtype, True).to(tl.int32, bitcast=True)
+            half = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            half = w.to(dtype)
+        return half
+
+    @triton.jit
+    def _paired_planes(packed, P: tl.constexpr, head_word, tail_word, neg_zero_word,
+                       dtype: tl.constexpr, SPLIT_SCALE: tl.constexpr, PAIRED: tl.constexpr):
+        """Planes P and P + 4 of the words [rows, W] dequantised in `dtype` (16-bit) as one pair
+        plane [rows, 2 W] whose column 2 w + h is column w of plane P + 4 h (the kernel loads
+        x's columns in that order: a dot sums over K in any order). The words
+        (`_pair_terms`): per row, two scales (head, and with SPLIT_SCALE tail) and -(BIAS + z).
+
+        Nibbles P and P + 4 lie at bits 4 P and 4 P + 16 of a word: one shift, and one
+        and-or with `_pair_magic`, make two 16-bit floats BIAS + q side by side. Packed
+        16-bit instructions (x2: both halves at once) then give the weight:
+        - (BIAS + q) - (BIAS + z) = d = q - z, exactly: both are integers of at most 11 bits
+          (fp16: 1024 + 15) or 8 (bf16: 128 + 15), d in -15..15, all representable, so the
+          sum is exact (and +0 where q = z, as the reference's q - z);
+        - d s rounded once to the 16-bit dtype: d has at most 4 significant bits, s at most
+          11 (fp16) or 8 (bf16), so the exact product has at most 15 and is what the reference
+          computes in fp32 exactly (fp32 keeps 24 bits, and its range holds every product of a
+          16-bit float and 15, subnormals included: a bf16 subnormal s times an integer is a
+          multiple of 2^-133, an fp32 subnormal's grid is 2^-149); both round that exact
+          value once, to nearest even, to a subnormal where it is one, past the largest
+          finite value to infinity (the reference's cast does too), and a zero product keeps
+          the sign of s in both.
+        SPLIT_SCALE (fp16 scales, bf16 x: s is not a bf16): s = head + tail (`_scale_parts`),
+        d tail is exact in bf16 (4 + 3 significant bits of 8), and one fma d head + d tail
+        rounds the exact d s once; no overflow or subnormal (|d s| in 2^-24..15 * 65504).
+        So the pair is the reference's weight bit for bit. Not exact (so not taken,
+        `paired_dequant_exact`): fp32 activations or scales, bf16 scales with fp16 x.
+
+        PAIRED "asm": the steps as fma.rn.{bf16x2,f16x2} (t 1 + (-(BIAS + z)); d s + (-0),
+        whose -0 addend leaves the product's value and sign), which sm_80 has for bf16 (its
+        sub/mul.bf16x2 need sm_90; ptxas emits HADD2/HMUL2 for them either way).
+        "emulated": the same values in fp32, rounded once (the interpreter runs no asm)."""
+        if P > 0:
+            shifted = packed >> (4 * P)  # (arithmetic: the high bits are masked off)
+        else:
+            shifted = packed
+        heads = head_word[:, None]
+        tails = tail_word[:, None]
+        neg_zeros = neg_zero_word[:, None]
+        if PAIRED == "asm":
+            if SPLIT_SCALE:
+                lo, hi = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 t, u, one, nz;
+                    lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+                    mov.b32 one, 0x3F803F80;
+                    mov.b32 nz, 0x80008000;
+                    fma.rn.bf16x2 t, t, one, $3;
+                    fma.rn.bf16x2 u, t, $5, nz;
+                    fma.rn.bf16x2 t, t, $4, u;
+                    mov.b32 {$0, $1}, t;
+                    }""",
+                    "=h,=h,r,r,r,r", [shifted, neg_zeros, heads, tails],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            elif dtype == tl.bfloat16:
+                lo, hi = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 t, one, nz;
+                    lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+                    mov.b32 one, 0x3F803F80;
+                    mov.b32 nz, 0x80008000;
+                    fma.rn.bf16x2 t, t, one, $3;
+                    fma.rn.bf16x2 t, t, $4, nz;
+                    mov.b32 {$0, $1}, t;
+                    }""",
+                    "=h,=h,r,r,r", [shifted, neg_zeros, heads],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 t, one, nz;
+                    lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
+                    mov.b32 one, 0x3C003C00;
+                    mov.b32 nz, 0x80008000;
+                    fma.rn.f16x2 t, t, one, $3;
+                    fma.rn.f16x2 t, t, $4, nz;
+                    mov.b32 {$0, $1}, t;
+                    }""",
+                    "=h,=h,r,r,r", [shifted, neg_zeros, heads],
+                    dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            t = (shifted & 0x000F000F) | _pair_magic(dtype)
+            zeros = neg_zeros ^ -0x7FFF8000
+            lo = _emulated_weight(t, zeros, heads, tails, dtype, SPLIT_SCALE)
+            hi = _emulated_weight(t >> 16, zeros >> 16, heads >> 16, tails >> 16, dtype,
+                                  SPLIT_SCALE)
+        return _joined(lo, hi)
+
+    @triton.jit
+    def _emulated_weight(t, zeros, heads, tails, dtype: tl.constexpr, SPLIT_SCALE: tl.constexpr):
+        """`_paired_planes`' weight from the low halves of its words, in fp32 (every step exact
+        as in the asm) rounded once to dtype."""
+        d = _half_value(t, dtype) - _half_value(zeros, dtype)
+        w = d * _half_value(heads, dtype)
+        if SPLIT_SCALE:
+            w += d * _half_value(tails, dtype)  # the exact d s: at most 15 bits
+        return _to_half(w, dtype)
+
+    @triton.jit
+    def _joined(a, b):
+        """[R, C] and [R, C] -> [R, 2 C] whose column 2 c + h is column c of a (h = 0) or b."""
+        return tl.reshape(tl.join(a, b), [a.shape[0], 2 * a.shape[1]])
+
+    @triton.jit
     def _rounded(w, dtype: tl.constexpr, ROUND_BITS: tl.constexpr):
         """w rounded to `dtype` as the reference rounds it. ROUND_BITS (bf16): round to nearest
         even by integer ops on the fp32 bits, the result kept in fp32 (finite w)."""
@@ -469,7 +663,7 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                       PLANES_PER_GROUP: tl.constexpr, DOT: tl.constexpr, W_LEFT: tl.constexpr,
                       FMA_DEQUANT: tl.constexpr, ROUND_BITS: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows). A K step is
         # one interleave block (WORDS words, 8 * WORDS codes; K a whole number of them): its 8
         # planes. Offsets count words (K / 8 a row), which keeps the compiler's knowledge of
@@ -486,6 +680,7 @@ if triton is not None:
         offs_w = tl.arange(0, WORDS)
         m_mask = offs_m < M
         dtype = x.dtype.element_ty
+        split_scale: tl.constexpr = scales.dtype.element_ty != dtype  # PAIRED: fp16 s, bf16 x
         if DOT:
             if W_LEFT:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -506,25 +701,46 @@ if triton is not None:
             if SILU_MUL:
                 packed_up = tl.load(up_ptrs + word)
             k = word * 8
-            for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
-                group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
-                terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
-                if SILU_MUL:
-                    up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
-                                            FMA_DEQUANT)
-                # j must stay a constexpr (`_dequantized_plane` branches on it): a plain
-                # assignment makes it a tensor on triton 3.6, a loop variable stays one
-                for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
-                    x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
-                    w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
-                                       ROUND_BITS)
-                    acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
+            if PAIRED != "off":
+                for p in tl.static_range(4):  # planes p and p + 4
+                    if p % PLANES_PER_GROUP == 0:  # a pair of groups not yet loaded
+                        lo = (k + p * WORDS) // group_size
+                        hi = (k + (p + 4) * WORDS) // group_size
+                        pair_terms = _pair_terms(scales, zeros, rows, lo, hi, n_groups, dtype)
+                        if SILU_MUL:
+                            up_pair_terms = _pair_terms(scales, zeros, partner_rows, lo, hi,
+                                                        n_groups, dtype)
+                    # x's planes p and p + 4 in the pair plane's column order
+                    x_pair = _joined(tl.load(x_ptrs + k + p * WORDS, mask=m_mask[:, None], other=0.0),
+                                     tl.load(x_ptrs + k + (p + 4) * WORDS, mask=m_mask[:, None],
+                                             other=0.0))
+                    w_pair = _paired_planes(packed, p, *pair_terms, dtype, split_scale, PAIRED)
+                    acc = _plane_product(acc, x_pair, w_pair, DOT, W_LEFT, DOT_PRECISION)
                     if SILU_MUL:
-                        up_plane = _rounded(
-                            _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
-                            ROUND_BITS)
-                        acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
+                        up_pair = _paired_planes(packed_up, p, *up_pair_terms, dtype, split_scale,
+                                                 PAIRED)
+                        acc_up = _plane_product(acc_up, x_pair, up_pair, DOT, W_LEFT,
                                                 DOT_PRECISION)
+            else:
+                for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
+                    group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
+                    terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
+                    if SILU_MUL:
+                        up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
+                                                FMA_DEQUANT)
+                    # j must stay a constexpr (`_dequantized_plane` branches on it): a plain
+                    # assignment makes it a tensor on triton 3.6, a loop variable stays one
+                    for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
+                        x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
+                        w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
+                                           ROUND_BITS)
+                        acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
+                        if SILU_MUL:
+                            up_plane = _rounded(
+                                _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
+                                ROUND_BITS)
+                            acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
+                                                    DOT_PRECISION)
         if DOT:
             if W_LEFT:
                 acc = tl.trans(acc)
