@@ -141,7 +141,7 @@ def covering(launches: list[Launch], paired=None) -> list[Launch]:
 # column tile, the interleave's words, warps, stages) only size the same code: each of their
 # values is compiled once and `tightest` takes the shared memory's extremes.
 CODE_PATHS = ("HAS_BIAS", "SILU_MUL", "DOT", "W_LEFT", "FMA_DEQUANT", "ROUND_BITS",
-              "DOT_PRECISION", "PLANES_PER_GROUP")
+              "DOT_PRECISION", "PLANES_PER_GROUP", "PAIRED")
 
 
 def code_path(name: str, value):

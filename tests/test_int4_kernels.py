@@ -273,8 +273,10 @@ def test_configs_and_refusals(rules_only):
     config = default_w4_config(1, 1024, 4096, 128, device=cpu)
     assert config.split_k > 1 and 4096 // config.split_k >= 1024  # few tiles: K is split
     assert default_w4_config(1, 14336, 4096, 128, True, device=cpu).split_k == 1
-    assert default_w4_config(1, 6144, 4096, 128, device=cpu) == W4Config(128, 4, 4, 4, w_left=True)
-    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 2, 4, 4)  # row tiles
+    # decode sizes dequantise in pairs (PAIRED_DEQUANT), row tiles do not
+    assert default_w4_config(1, 6144, 4096, 128, device=cpu) == W4Config(
+        128, 4, 4, 4, w_left=True, paired_dequant=True)
+    assert default_w4_config(64, 6144, 4096, 128, device=cpu) == W4Config(64, 2, 4, 4)
     with pytest.raises(AssertionError, match="must lie in one group of 48"):
         w4a16_gemm(rows(1, 384, 0), int4_weight(N, 384, 48, 0), config=W4Config(32, 1, 4, 2))
     with pytest.raises(AssertionError, match="tl.dot takes planes of at least 16"):
@@ -315,6 +317,7 @@ def test_mid_m_tuned_configs_serve_mid_m_only(rules_only, monkeypatch):
     from specserve.engine.layers import int4_gemm
 
     cpu = torch.device("cpu")
+    monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", False)  # the tables as they stand
     at_16, at_64, at_256 = W4Config(64, 4, 4, 4), W4Config(128, 2, 8, 3, block_m=32), \
         W4Config(64, 1, 4, 2, w_left=True, block_m=128)
     for m, config in ((16, at_16), (64, at_64), (256, at_256)):
@@ -568,7 +571,8 @@ def test_int4_kernels_compile_for_hopper():
                  "DOT=False W_LEFT=False FMA_DEQUANT=True ROUND_BITS=True", "SILU_MUL=True",
                  "HAS_BIAS=True", "BLOCK_M=64", "PLANES_PER_GROUP=1", "PLANES_PER_GROUP=2",
                  "PLANES_PER_GROUP=4", "PLANES_PER_GROUP=8", "_dequantize_kernel", "BLOCK_M=32",
-                 "BLOCK_M=128", "BLOCK_M=256"):  # mid M: wide tiles
+                 "BLOCK_M=128", "BLOCK_M=256",  # mid M: wide tiles
+                 "PAIRED=asm"):  # the decode sizes' paired dequantisation (int4_gemm.PAIRED_DEQUANT)
         assert any(part in line for line in compiled), part
     assert any(re.search(r"SPLIT_K=[2-9]\d* BLOCK_M=(32|64) ", line) for line in compiled), \
         "split-K over mid-M row tiles"

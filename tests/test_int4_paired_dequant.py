@@ -225,6 +225,7 @@ def test_the_default_switch_pairs_decode_configs_on_tl_dot_only(monkeypatch):
                         W4Config(32, 1, 4, 2, dot=False)._asdict())
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (1, 998, 4096, 128, False),
                         W4Config(64, 1, 4, 4, paired_dequant=True)._asdict())
+    monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", False)
     try:
         assert [c.paired_dequant for c in configs()] == [False] * 4 + [True]
         monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", True)

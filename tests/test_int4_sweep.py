@@ -216,6 +216,7 @@ def test_json_install_round_trip(tmp_path):
 
 def test_the_kernel_module_takes_the_tuned_tables(monkeypatch):
     cpu = CPU
+    monkeypatch.setattr(int4_gemm, "PAIRED_DEQUANT", False)  # the tables as they stand
     tuned = W4Config(128, 1, 8, 6, dot=True, w_left=True)
     monkeypatch.setitem(int4_gemm.TUNED_W4_CONFIGS, (1, 6144, 4096, 128, False), tuned._asdict())
     int4_gemm.default_w4_config.cache_clear()

@@ -90,10 +90,11 @@ MIN_STAGES = 2  # fitting a config to the shared memory lowers its stages down t
 DEFAULT_INTERLEAVE = 32
 MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
 # Whether `default_w4_config`'s decode-sized configs (up to MAX_ROWS rows: the sizes timed) on
-# tl.dot dequantise two weights an instruction (`W4Config.paired_dequant`; where exact): off
-# until an H100 times it faster (bench/fp8_gemm.py --variants w4a16: the w4a16_paired rows
-# beside w4a16_kernel's)
-PAIRED_DEQUANT = False
+# tl.dot dequantise two weights an instruction (`W4Config.paired_dequant`; where exact). On: on an
+# H100 the paired kernel led today's on every 8B shape at M 1 and 16 by 8-13 % (bench/fp8_gemm.py
+# --variants w4a16, AWQ's fp16 scales; docs/benchmarks.md, fourteenth round), though with 40 %
+# fewer instructions a weight it still streams at 31-46 % of copy bandwidth: not issue-bound.
+PAIRED_DEQUANT = True
 
 
 class Int4Weight(NamedTuple):
@@ -243,8 +244,8 @@ def default_w4_config(m: int, n: int, k: int, group_size: int, paired: bool = Fa
     (4 row tiles) none."""
     tuned = _tuned_w4_config(m, n, k, group_size, paired)
     config = rule_w4_config(m, n, k, paired, device) if tuned is None else tuned
-    paired = PAIRED_DEQUANT and config.dot and m <= MAX_ROWS
-    return config._replace(paired_dequant=config.paired_dequant or paired)
+    pair_planes = PAIRED_DEQUANT and config.dot and m <= MAX_ROWS
+    return config._replace(paired_dequant=config.paired_dequant or pair_planes)
 
 
 def rule_w4_config(m: int, n: int, k: int, paired: bool = False,
