@@ -89,7 +89,12 @@ def carried(rows: list[dict]) -> dict:
             "mean_ms": 1e3 * mean("seconds"), "mean_decode_rows": mean("decode_rows"),
             "mean_prompt_tokens": mean("prompt_tokens"), "mean_prompt_reqs": mean("prompt_reqs"),
             "mean_waiting": mean("waiting"), "with_retractions": sum(r["retracted"] > 0 for r in rows),
-            "with_others": sum(r["others"] > 0 for r in rows), "mean_host_wait_ms": 1e3 * mean("wait_s")}
+            "with_others": sum(r["others"] > 0 for r in rows), "mean_host_wait_ms": 1e3 * mean("wait_s"),
+            # the host's pauses (engine/host_pauses.py; absent from logs before them)
+            "mean_gc_ms": 1e3 * sum(r.get("gc_s", 0.0) for r in rows) / n,
+            "with_full_gc": sum(r.get("gc_full", 0) > 0 for r in rows),
+            "mean_compile_ms": 1e3 * sum(r.get("compile_s", 0.0) for r in rows) / n,
+            "with_compiles": sum(bool(r.get("compiled")) for r in rows)}
 
 
 def line(r: dict, burst_until: float) -> dict:
@@ -104,7 +109,9 @@ def line(r: dict, burst_until: float) -> dict:
             "alone_ms": 1e3 * alone if priced else None, "measured_ms": 1e3 * r["seconds"],
             "x_predicted": r["seconds"] / predicted if priced and predicted else None,
             "x_alone": r["seconds"] / alone if priced and alone else None,
-            "others": r["others"], "retracted": r["retracted"], "host_wait_ms": 1e3 * r["wait_s"]}
+            "others": r["others"], "retracted": r["retracted"], "host_wait_ms": 1e3 * r["wait_s"],
+            "gc_ms": 1e3 * r.get("gc_s", 0.0), "compile_ms": 1e3 * r.get("compile_s", 0.0),
+            "compiled": r.get("compiled", [])}
 
 
 def ratios(rows: list[dict], min_fit: int) -> dict:
@@ -197,7 +204,9 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
                           f"graphed {100 * c['graphed']:.0f}%, rows {c['mean_decode_rows']:.1f}, "
                           f"prompt {c['mean_prompt_tokens']:.0f} tok / {c['mean_prompt_reqs']:.1f} req, "
                           f"waiting {c['mean_waiting']:.1f}, retractions {c['with_retractions']}, "
-                          f"host wait {c['mean_host_wait_ms']:.2f} ms")
+                          f"host wait {c['mean_host_wait_ms']:.2f} ms, gc {c['mean_gc_ms']:.2f} ms "
+                          f"({c['with_full_gc']} full), compiles {c['mean_compile_ms']:.2f} ms "
+                          f"({c['with_compiles']} steps)")
             r = part["ratios"]
             for kind in ("decode", "mixed"):
                 s = r[kind]
@@ -218,12 +227,13 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
             if part["slowest"]:
                 print(f"  slowest above p99: {'step':>7} {'kind':>6} {'rows':>4} {'prompt':>6} {'reqs':>4} "
                       f"{'bound':>14} {'graph':>5} {'pred':>7} {'alone':>7} {'meas':>7} {'x pred':>6} {'wait':>5} "
-                      f"{'retr':>4}")
+                      f"{'retr':>4} {'gc':>6} {'compile':>7}")
                 for s in part["slowest"]:
                     print(f"  {'':>17} {s['step']:7d} {s['kind']:>6} {s['rows']:4d} {s['prompt']:6d} "
                           f"{s['prompt_reqs']:4d} {str(s['bound']):>14} {s['graph']:5d} {_fmt(s['predicted_ms'])} "
                           f"{_fmt(s['alone_ms'])} {_fmt(s['measured_ms'])} {_fmt(s['x_predicted'], 6)} "
-                          f"{s['waiting']:5d} {s['retracted']:4d}")
+                          f"{s['waiting']:5d} {s['retracted']:4d} {_fmt(s['gc_ms'], 6, 1)} "
+                          f"{_fmt(s['compile_ms'], 7, 1)} {' '.join(s['compiled'])}")
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

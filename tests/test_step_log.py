@@ -5,6 +5,7 @@ default, a bad path refused naming the flag; and its report (bench/step_log_repo
 synthetic log."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import pathlib
@@ -210,6 +211,38 @@ def test_a_failed_write_ends_the_log_not_the_engine(caplog):
     assert log.failed and "no more steps are written" in caplog.text
     assert len(log._rows) == 1  # still bounded: dropped at every flush
     log.close()
+
+
+def test_rows_carry_the_host_pauses_since_the_step_before(tmp_path, monkeypatch):
+    """A collection and a Triton compile between two steps land in the later step's row, once;
+    Triton hooks set before the log are chained and come back when it closes."""
+    from triton import knobs
+
+    seen = []
+    earlier = (lambda **kw: seen.append("cache") or None, lambda **kw: seen.append("post") or None)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier[0])
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", earlier[1])
+    policy = SimpleNamespace(num_retractions=0, step_cost=None, running=[], waiting=[])
+    batch = InflightBatch(Decision(ForwardMode.DECODE, [object()]), Launched(None, None, None), 0.0, 0)
+    log = StepLog(str(tmp_path / "steps.jsonl"), verify_width=1)
+    gc.disable()  # no automatic collection in between
+    try:
+        log.launched(policy, 0.0)
+        log.processed(batch, 0.01, 0.0)  # nothing paused: zeros
+        log.launched(policy, 1.0)
+        gc.collect()
+        assert knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="_decode_kernel")) is None
+        knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_decode_kernel"))
+        log.processed(batch, 0.5, 0.0)
+    finally:
+        gc.enable()
+        log.close()
+    assert seen == ["cache", "post"]
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == earlier
+    quiet, paused = _rows(tmp_path / "steps.jsonl")
+    assert (quiet["gc_s"], quiet["gc_full"], quiet["compile_s"], quiet["compiled"]) == (0.0, 0, 0.0, [])
+    assert paused["gc_s"] > 0 and paused["gc_full"] == 1 and paused["compiled"] == ["_decode_kernel"]
+    assert paused["compile_s"] >= 0
 
 
 def test_each_data_parallel_replica_writes_its_own_log(tmp_path):

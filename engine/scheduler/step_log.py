@@ -4,7 +4,10 @@ kind, decode rows, verify tokens, the prompt tokens riding and how many requests
 to), why (the prompt budget, the term that set it and the backlog: schedule_batch.MixedPlan),
 what the step-cost model predicted for it and for its decode rows alone, whether it replayed
 a captured graph (the bucket) or ran eagerly, and what it took: the StepStat seconds the
-scheduler measures anyway (no device sync is added). bench/step_log_report.py reads it.
+scheduler measures anyway (no device sync is added), and of that the host's pauses since the
+step before: garbage collections and Triton compiles (engine/host_pauses.py: a step many times
+its prediction with no device wait is one of those, or neither). bench/step_log_report.py
+reads it.
 
 The scheduler thread pays for a row of host values it already holds when a step launches
 and when its result is processed (~4 us a step on a busy 2-core host), and for their JSON every
@@ -20,6 +23,7 @@ import logging
 from typing import NamedTuple, Optional
 
 from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.host_pauses import HostPauses
 from specserve.engine.scheduler.schedule_batch import InflightBatch
 
 logger = logging.getLogger("specserve.engine")
@@ -54,6 +58,10 @@ class StepRow(NamedTuple):
     draft_depth: int           # StepStat.draft_depth
     seconds: float             # StepStat.seconds: launch (or the previous result) to its result
     wait_s: float              # of which the host waited for its result
+    gc_s: float                # garbage collections since the step before (host_pauses.Pauses)
+    gc_full: int               # of which of the oldest generation
+    compile_s: float           # Triton compiles since the step before
+    compiled: tuple[str, ...]  # their kernels
 
 
 class _Launch(NamedTuple):
@@ -86,6 +94,7 @@ class StepLog:
         self._rows: list[StepRow] = []
         self._num_launched = 0
         self._retractions = 0  # the policy's count at the last launch
+        self._pauses = HostPauses()
 
     def launched(self, policy, launched_at: float) -> None:
         """A step was just launched (policy: the scheduler's AdmissionPolicy, right after it
@@ -115,7 +124,8 @@ class StepLog:
             None if plan is None else plan.backlog, None if plan is None else plan.budget,
             None if plan is None else plan.bound,
             None if cost is None else cost.seconds(verify + prompt), None if cost is None else cost.seconds(verify),
-            at.fit_steps, batch.launched.graph, batch.launched.draft_depth, seconds, wait_s))
+            at.fit_steps, batch.launched.graph, batch.launched.draft_depth, seconds, wait_s,
+            *self._pauses.take()))
         if len(self._rows) >= self.flush_every:
             self.flush()
 
@@ -133,6 +143,7 @@ class StepLog:
 
     def close(self) -> None:
         """Write what is buffered and close the file (Scheduler.close_step_log)."""
+        self._pauses.close()
         if not self._file.closed:
             self.flush()
             try:

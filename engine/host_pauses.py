@@ -1,0 +1,97 @@
+"""What stops the engine process's Python threads other than its own work: the garbage
+collector (it holds the GIL for a whole collection, so every thread waits) and Triton's
+just-in-time compiles (a kernel launched with a specialisation not yet in its in-memory cache
+compiles, or loads from the disk cache, on the launching thread before it launches). The step
+log (scheduler/step_log.py) charges each step with the pauses since the step before, so that a
+step taking many times its prediction with no device wait can be told apart: a collection, a
+compile, or neither.
+
+`HostPauses` installs a `gc.callbacks` entry and Triton's `jit_cache_hook` /
+`jit_post_compile_hook` (chaining whatever hooks were set before) while it is open; only the
+step log opens one, so an engine without a log pays nothing. The callbacks run on whichever
+thread collects or compiles (the scheduler's, the executor's); a lock guards the totals.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import NamedTuple, Optional
+
+try:
+    from triton import knobs
+except ImportError:  # the CPU build needs no Triton
+    knobs = None
+
+# Compiled kernels named a step at most (a first step may compile dozens).
+MAX_NAMED = 8
+
+
+class Pauses(NamedTuple):
+    """The pauses since the previous `HostPauses.take`."""
+
+    gc_s: float                # seconds in garbage collections
+    gc_full: int               # of which collections of the oldest generation (the costly ones)
+    compile_s: float           # seconds in Triton compiles (or disk-cache loads) of new specialisations
+    compiled: tuple[str, ...]  # their kernels' names (at most MAX_NAMED)
+
+
+class HostPauses:
+    """Totals of garbage collections and Triton compiles since the last `take` (the module's
+    docstring); `close` removes the hooks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._local = threading.local()  # a thread's collection or compile in progress
+        self._reset()
+        gc.callbacks.append(self._on_gc)
+        self._chained: Optional[tuple] = None
+        if knobs is not None:
+            runtime = knobs.runtime
+            self._chained = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+            runtime.jit_cache_hook = self._on_compile_start
+            runtime.jit_post_compile_hook = self._on_compile_end
+
+    def _reset(self) -> None:
+        self._gc_s, self._gc_full, self._compile_s, self._compiled = 0.0, 0, 0.0, []
+
+    def take(self) -> Pauses:
+        with self._lock:
+            pauses = Pauses(self._gc_s, self._gc_full, self._compile_s, tuple(self._compiled))
+            self._reset()
+        return pauses
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        if self._chained is not None:
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._chained
+            self._chained = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._local.gc_started = time.perf_counter()
+            return
+        started = getattr(self._local, "gc_started", None)
+        if started is not None:
+            self._local.gc_started = None
+            with self._lock:
+                self._gc_s += time.perf_counter() - started
+                self._gc_full += info.get("generation") == 2
+
+    def _on_compile_start(self, **kwargs):
+        self._local.compile_started = time.perf_counter()
+        before = self._chained[0] if self._chained else None
+        return before(**kwargs) if before else None  # truthy: Triton skips the compile
+
+    def _on_compile_end(self, **kwargs):
+        started = getattr(self._local, "compile_started", None)
+        if started is not None:
+            self._local.compile_started = None
+            fn = kwargs.get("fn")
+            with self._lock:
+                self._compile_s += time.perf_counter() - started
+                if len(self._compiled) < MAX_NAMED:
+                    self._compiled.append(getattr(fn, "name", "?"))
+        after = self._chained[1] if self._chained else None
+        return after(**kwargs) if after else None
