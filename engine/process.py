@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import zmq
 
 from specserve.engine.config import EngineConfig, SamplingParams
+from specserve.engine.host_pauses import freeze_startup_heap
 from specserve.engine.kv_events import KVEventPublisher
 from specserve.engine.progress import progress
 from specserve.engine.wire import (encode_batch, grammar_health_to_proto, info_to_proto, load_to_proto,
@@ -46,6 +47,12 @@ logger = logging.getLogger("specserve.engine.process")
 WARMUP_MAX_PROMPT = 256
 # Then batches of prompts (count, longest length; each shorter by one than the one before).
 WARMUP_BATCHES = ((3, 7), (16, 40), (64, 160))
+# With mixed steps: prompts of these lengths arriving one a step while a request decodes (on a
+# GPU; the CPU's first three). A mixed step runs its chunks' draft side eagerly around the
+# replayed target forward, whose kernels specialise on token counts as above (1, a multiple of
+# 16, other) and their powers of two: on an H100 a 1-token chunk (a prompt cached but its last
+# token) compiled for 0.8 s in the middle of serving (engine/host_pauses.py).
+MIXED_WARMUP_PROMPTS = (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 129, 256)
 # How long start-up waits for the grammar process to start and compile its warm-up schema.
 GRAMMAR_WARMUP_TIMEOUT_S = 120.0
 # How often an idle engine wakes up to check that the server process is still there. The main
@@ -115,6 +122,7 @@ def run_engine_process(config: EngineConfig, link: ServerLinks,
         kv_events = kv_event_publisher(config, context,
                                        [each.kv_events for each in links if each.kv_events])
         engine = (start_engine or start_warm_engine)(config)
+        freeze_startup_heap()  # start-up's objects out of the collector's walks (host_pauses.py)
         if kv_events is not None:
             engine.record_kv_events()  # the warm-up's cached blocks are the first batch
         loop = _EngineLoop(engine, requests, outputs, server_pid, kv_events)
@@ -202,11 +210,35 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
                                for i in range(length - j % length)] for j in range(batch)], params))
     for prompts, params in progress(runs, len(runs), "warming up", "generations"):
         engine.generate(prompt_token_ids=prompts, sampling=params)
+    if engine.config.mixed_steps:
+        lengths = MIXED_WARMUP_PROMPTS if engine.core.device.type == "cuda" else MIXED_WARMUP_PROMPTS[:3]
+        for offset, params in passes:
+            _warm_mixed_steps(engine, [n for n in lengths if n < engine.max_context_len - 4], params,
+                              first_token=31 * (offset + 1))
     if engine.warm_grammar(GRAMMAR_WARMUP_TIMEOUT_S) is False:
         logger.warning("the grammar service did not warm up within %.0f s; structured outputs "
                        "wait for it", GRAMMAR_WARMUP_TIMEOUT_S)
     engine.take_step_stats()  # the warm-up's steps are no one's
     return engine
+
+
+def _warm_mixed_steps(engine, lengths: list[int], params: SamplingParams, first_token: int) -> None:
+    """One request decoding, and a prompt of each of `lengths` arriving once the one before has
+    its first token, so that mixed steps carry chunks of those sizes one at a time
+    (MIXED_WARMUP_PROMPTS); distinct tokens, so that no prompt is a cached prefix of another."""
+    vocab = engine.info.vocab_size
+    decoding = SamplingParams(max_new_tokens=8 * len(lengths) + 16, temperature=params.temperature,
+                              seed=params.seed, ignore_eos=True)
+    engine.add_request(f"warm-mixed-{first_token}", [first_token % vocab] * 4, decoding)
+    engine.step()
+    for i, n in enumerate(lengths):
+        prompt = [(first_token + 7919 * (i + 1) + j) % vocab for j in range(n)]
+        rid = f"warm-mixed-{first_token}-{i}"
+        engine.add_request(rid, prompt, params)
+        while not any(out.rid == rid for out in engine.step()):
+            pass
+    while engine.has_unfinished():
+        engine.step()
 
 
 def _ready_message(engine) -> ipc.EngineReady:

@@ -13,6 +13,7 @@ import torch
 
 from specserve.engine.builder import EngineCore, build_engine
 from specserve.engine.config import EngineConfig, SamplingParams, sequence_seed
+from specserve.engine.host_pauses import freeze_startup_heap
 from specserve.engine.runtime.tp_group import Stop
 from specserve.engine.scheduler.schedule_batch import PromptScores, Req, SharedPrefix
 
@@ -117,6 +118,7 @@ def run_follower(config: EngineConfig, rank: int, init_method: str,
         threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
                          name="specserve-tp-parent-watch").start()
     core = build_engine(config, rank, init_method, local_ranks)
+    freeze_startup_heap()  # the weights' and graphs' objects out of the collector's walks
     while True:
         changes = core.tp_group.exchange([])
         if any(isinstance(change, Stop) for change in changes):

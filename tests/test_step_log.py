@@ -245,6 +245,22 @@ def test_rows_carry_the_host_pauses_since_the_step_before(tmp_path, monkeypatch)
     assert paused["compile_s"] >= 0
 
 
+def test_the_warm_up_runs_mixed_steps_with_a_chunk_of_each_warm_up_length(tiny_model, tmp_path):
+    """With mixed steps the engine process's warm-up makes prompts of MIXED_WARMUP_PROMPTS's
+    lengths (the CPU's first three) ride mixed steps, greedy and sampled, and frees their KV."""
+    from specserve.engine.process import MIXED_WARMUP_PROMPTS, start_warm_engine
+
+    log = tmp_path / "steps.jsonl"
+    engine = start_warm_engine(EngineConfig(model=tiny_model, device="cpu", dtype="float32", spec=None,
+                                            mixed_steps=True, step_log=str(log)))
+    try:
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
+    chunks = [r["prompt_tokens"] for r in _rows(log) if r["kind"] == "mixed"]
+    assert sorted(chunks) == sorted(2 * MIXED_WARMUP_PROMPTS[:3]), chunks
+
+
 def test_each_data_parallel_replica_writes_its_own_log(tmp_path):
     config = EngineConfig(step_log=str(tmp_path / "steps.jsonl"))
     assert replica_engine_config(config, 0).step_log == str(tmp_path / "steps.jsonl")
