@@ -225,14 +225,16 @@ def start_warm_engine(config: EngineConfig, tp_init_method: Optional[str] = None
 def _warm_mixed_steps(engine, lengths: list[int], params: SamplingParams, first_token: int) -> None:
     """One request decoding, and a prompt of each of `lengths` arriving once the one before has
     its first token, so that mixed steps carry chunks of those sizes one at a time
-    (MIXED_WARMUP_PROMPTS); distinct tokens, so that no prompt is a cached prefix of another."""
+    (MIXED_WARMUP_PROMPTS; distinct tokens, so that no prompt is a cached prefix of another),
+    then the longest again with one more token: a 1-token chunk behind a cached prefix."""
     vocab = engine.info.vocab_size
     decoding = SamplingParams(max_new_tokens=8 * len(lengths) + 16, temperature=params.temperature,
                               seed=params.seed, ignore_eos=True)
     engine.add_request(f"warm-mixed-{first_token}", [first_token % vocab] * 4, decoding)
     engine.step()
-    for i, n in enumerate(lengths):
-        prompt = [(first_token + 7919 * (i + 1) + j) % vocab for j in range(n)]
+    prompts = [[(first_token + 7919 * (i + 1) + j) % vocab for j in range(n)]
+               for i, n in enumerate(lengths)]
+    for i, prompt in enumerate(prompts + [prompts[-1] + [first_token % vocab]]):
         rid = f"warm-mixed-{first_token}-{i}"
         engine.add_request(rid, prompt, params)
         while not any(out.rid == rid for out in engine.step()):

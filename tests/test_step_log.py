@@ -247,7 +247,8 @@ def test_rows_carry_the_host_pauses_since_the_step_before(tmp_path, monkeypatch)
 
 def test_the_warm_up_runs_mixed_steps_with_a_chunk_of_each_warm_up_length(tiny_model, tmp_path):
     """With mixed steps the engine process's warm-up makes prompts of MIXED_WARMUP_PROMPTS's
-    lengths (the CPU's first three) ride mixed steps, greedy and sampled, and frees their KV."""
+    lengths (the CPU's first three) ride mixed steps, then a 1-token chunk behind a cached
+    prefix, greedy and sampled, and frees their KV."""
     from specserve.engine.process import MIXED_WARMUP_PROMPTS, start_warm_engine
 
     log = tmp_path / "steps.jsonl"
@@ -258,7 +259,7 @@ def test_the_warm_up_runs_mixed_steps_with_a_chunk_of_each_warm_up_length(tiny_m
     finally:
         engine.shutdown()
     chunks = [r["prompt_tokens"] for r in _rows(log) if r["kind"] == "mixed"]
-    assert sorted(chunks) == sorted(2 * MIXED_WARMUP_PROMPTS[:3]), chunks
+    assert sorted(chunks) == sorted(2 * (*MIXED_WARMUP_PROMPTS[:3], 1)), chunks
 
 
 def test_each_data_parallel_replica_writes_its_own_log(tmp_path):
