@@ -171,7 +171,7 @@ def test_triton_graphed_mixed_steps_match_torch_native(pair, make_engine, monkey
 def test_bucket_choice():
     buckets = mixed_buckets(64, 4096)
     assert buckets == sorted(buckets) and buckets[0] == ExtendBucket(64, 64, 16)
-    assert {b.tokens for b in buckets} == {64, 128, 256, 512, 768, 1024, 1536, 2048}
+    assert {b.tokens for b in buckets} == {64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048}
     assert {b.requests for b in buckets} == {16, 64}
     # 8 chain rows (4 tokens each) and a 20-token chunk: 52 tokens, 9 entries.
     assert mixed_bucket(4, 8, [20], False, buckets) == ExtendBucket(64, 64, 16)
@@ -192,7 +192,7 @@ def test_bucket_choice():
     assert {b.requests for b in big if b.tokens == 128} == {16, 64, 128}
     assert {b.requests for b in big if b.tokens == 2048} == {16, 64, 256}
     assert mixed_bucket(4, 240, [30], False, big) == ExtendBucket(1024, 256, 256)
-    assert mixed_bucket(4, 250, [200, 56], False, big) == ExtendBucket(1536, 256, 256)
+    assert mixed_bucket(4, 250, [200, 56], False, big) == ExtendBucket(1280, 256, 256)
     assert all(b.max_chunk <= 300 for b in mixed_buckets(8, 300))
     assert mixed_bucket(1, 2, [400], False, mixed_buckets(8, 300)) is None
 

@@ -23,7 +23,7 @@ graphs too), the verifier's accept, and the drafter's draft (before) and draft-e
 (after), which need the target's features of every row. Tree verify rows carry a custom mask
 and run eagerly, as does any step no bucket holds.
 
-Buckets: T in TOKEN_BUCKETS (the extends', and 768 and 1536 where the default budget lands);
+Buckets: T in TOKEN_BUCKETS (the extends', and steps of a quarter between them from 256 on);
 M as the extends' (64 up to T = 256: Triton's split extend over the prefix, which a verify row
 wants; 256 above, the arrivals' prompts; and T) capped at the rows' width; R, the real entries
 (decode rows and chunks, at most the engine's rows), in rungs (16, 64, 256, the rows), so
@@ -48,9 +48,13 @@ import torch
 from specserve.engine.runtime.captured_extend import SPLIT_CHUNK, ExtendBucket, entry_lens
 from specserve.engine.runtime.mixed_step import DecodeRows
 
-# T: the extends' buckets and the steps between them that the default budget makes (256 chain
-# rows of 4 are 1024 tokens, with a quarter of the budget for prompts 1280: 1536, not 2048).
-TOKEN_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+# T: the extends' buckets and steps of a quarter between them from 256 on. The budget holds a
+# step within DRAIN_TIME_RATIO of its decode rows' in whole buckets (scheduler/mixed_batch.py),
+# so a coarse ladder drains less: on an H100 at 256 chain streams (150-200 rows of 4, 600-800
+# tokens) the 1024 bucket held ~300 prompt tokens a step, fewer than arrived (TTFT p50 1.1 s),
+# where 1280 holds ~600; and 64 rows (256 tokens) with any prompt replayed 512 tokens, 1.5x
+# their step, where 384 holds a prompt of 128.
+TOKEN_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 ENTRY_RUNGS = (16, 64, 256)  # R below the engine's rows (the largest rung)
 
 

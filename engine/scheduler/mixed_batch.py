@@ -21,7 +21,9 @@ share is less than it allows. Where the worker captured mixed-step graphs
 (runtime/captured_mixed.py), the step fills the token bucket it replays when that bucket's
 predicted time stays within the ratio (padding costs what prompt tokens in its place would, so
 the fill may pass the cap), else shrinks to the largest bucket that still holds the floor and
-the backlog's share (a step just over a bucket pays the next one's time).
+the backlog's share (a step just over a bucket pays the next one's time), but never rounds the
+backlog's share up to a bucket past DRAIN_TIME_RATIO (it shrinks to the largest bucket within
+it: a CPU closed loop's step log at 256 chain streams showed 2.4-2.8x steps before).
 
 A request whose sampling needs per-row device state the mixed forward does not carry rides
 in no mixed step: a grammar (the grammar process plans one kind of step per launch), repeat
@@ -66,8 +68,9 @@ class PromptBudget(NamedTuple):
     """A mixed step's prompt budget and the term that set it (the step log shows it,
     scheduler/step_log.py): "ratio" (what the step-cost model allows within the time ratio),
     "cap", "floor", "backlog" (the backlog's share), "stretch" (that share held to
-    DRAIN_TIME_RATIO), "bucket" (filled up to the graph bucket the step replays),
-    "smaller_bucket" (shrunk to a bucket whose fill the ratio allows)."""
+    DRAIN_TIME_RATIO, in tokens or in the graph bucket it replays), "bucket" (filled up to the
+    graph bucket the step replays), "smaller_bucket" (shrunk to a bucket that holds the least
+    where the ratio does not allow the fill)."""
 
     tokens: int
     bound: str
@@ -86,10 +89,11 @@ def plan_prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequenc
     time ratio; math.inf without a model), at most `cap`; at least `cap // FLOOR_SHARE` (and 1)
     and the `backlog` (prompt tokens waiting) over DRAIN_STEPS, that share up to `cap` and up to
     `stretch` (the most the model allows within DRAIN_TIME_RATIO). With mixed-step graphs of
-    `graph_tokens` tokens (ascending): the whole bucket the step replays where `within` holds it
-    (or no smaller bucket holds that least: it replays that one anyway), else the largest
-    smaller bucket that holds it; as much as without graphs where no bucket holds the step (it
-    runs eagerly). With the term that set it."""
+    `graph_tokens` tokens (ascending): the whole bucket the step replays where `within` holds it,
+    else the largest smaller bucket that holds that least; where none does, that bucket anyway
+    (its padding is paid whatever rides) if `stretch` holds it, else the largest smaller bucket
+    within `stretch` that holds the floor, else that bucket; as much as without graphs where no
+    bucket holds the step (it runs eagerly). With the term that set it."""
     floor = max(cap // FLOOR_SHARE, 1)
     share = math.ceil(backlog / DRAIN_STEPS)
     drain = int(min(share, stretch, cap))
@@ -105,7 +109,18 @@ def plan_prompt_budget(rows: int, cap: int, within: float, graph_tokens: Sequenc
     bucket = next((t for t in graph_tokens if t >= rows + budget), None)
     if bucket is None:
         return PromptBudget(budget, bound)  # no graph holds the step: it runs eagerly
+    fill = PromptBudget(bucket - rows, "bucket" if bucket - rows > budget else bound)
+    if bucket - rows <= within:
+        return fill
     smaller = [t for t in graph_tokens if rows + least <= t < bucket]
-    if bucket - rows <= within or not smaller:
-        return PromptBudget(bucket - rows, "bucket" if bucket - rows > budget else bound)
-    return PromptBudget(smaller[-1] - rows, "smaller_bucket")
+    if smaller:
+        return PromptBudget(smaller[-1] - rows, "smaller_bucket")
+    # No smaller bucket holds the least: the step replays this one anyway, unless that passes
+    # DRAIN_TIME_RATIO, where the largest smaller bucket within it that holds the floor is
+    # taken (the backlog's share, held to `stretch` in tokens, must not round up past it: 101
+    # chain rows with a 636-token share would replay 1536 tokens, 2.8x their decode step, where
+    # 1024 take 2x).
+    held = [t for t in graph_tokens if rows + floor <= t < bucket and t - rows <= stretch]
+    if bucket - rows > stretch and held:
+        return PromptBudget(held[-1] - rows, "stretch")
+    return fill
