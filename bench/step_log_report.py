@@ -94,7 +94,9 @@ def carried(rows: list[dict]) -> dict:
             "mean_gc_ms": 1e3 * sum(r.get("gc_s", 0.0) for r in rows) / n,
             "with_full_gc": sum(r.get("gc_full", 0) > 0 for r in rows),
             "mean_compile_ms": 1e3 * sum(r.get("compile_s", 0.0) for r in rows) / n,
-            "with_compiles": sum(bool(r.get("compiled")) for r in rows)}
+            "with_compiles": sum(bool(r.get("compiled")) for r in rows),
+            "mean_cpu_ms": 1e3 * sum(r.get("cpu_s", 0.0) for r in rows) / n,
+            "mean_preempted": sum(r.get("preempted", 0) for r in rows) / n}
 
 
 def line(r: dict, burst_until: float) -> dict:
@@ -111,7 +113,8 @@ def line(r: dict, burst_until: float) -> dict:
             "x_alone": r["seconds"] / alone if priced and alone else None,
             "others": r["others"], "retracted": r["retracted"], "host_wait_ms": 1e3 * r["wait_s"],
             "gc_ms": 1e3 * r.get("gc_s", 0.0), "compile_ms": 1e3 * r.get("compile_s", 0.0),
-            "compiled": r.get("compiled", [])}
+            "compiled": r.get("compiled", []), "cpu_ms": 1e3 * r.get("cpu_s", 0.0),
+            "preempted": r.get("preempted", 0)}
 
 
 def ratios(rows: list[dict], min_fit: int) -> dict:
@@ -206,7 +209,8 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
                           f"waiting {c['mean_waiting']:.1f}, retractions {c['with_retractions']}, "
                           f"host wait {c['mean_host_wait_ms']:.2f} ms, gc {c['mean_gc_ms']:.2f} ms "
                           f"({c['with_full_gc']} full), compiles {c['mean_compile_ms']:.2f} ms "
-                          f"({c['with_compiles']} steps)")
+                          f"({c['with_compiles']} steps), scheduler CPU {c['mean_cpu_ms']:.2f} ms, "
+                          f"preempted {c['mean_preempted']:.2f}")
             r = part["ratios"]
             for kind in ("decode", "mixed"):
                 s = r[kind]
@@ -227,13 +231,14 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
             if part["slowest"]:
                 print(f"  slowest above p99: {'step':>7} {'kind':>6} {'rows':>4} {'prompt':>6} {'reqs':>4} "
                       f"{'bound':>14} {'graph':>5} {'pred':>7} {'alone':>7} {'meas':>7} {'x pred':>6} {'wait':>5} "
-                      f"{'retr':>4} {'gc':>6} {'compile':>7}")
+                      f"{'retr':>4} {'gc':>6} {'compile':>7} {'cpu':>6} {'preempt':>7}")
                 for s in part["slowest"]:
                     print(f"  {'':>17} {s['step']:7d} {s['kind']:>6} {s['rows']:4d} {s['prompt']:6d} "
                           f"{s['prompt_reqs']:4d} {str(s['bound']):>14} {s['graph']:5d} {_fmt(s['predicted_ms'])} "
                           f"{_fmt(s['alone_ms'])} {_fmt(s['measured_ms'])} {_fmt(s['x_predicted'], 6)} "
                           f"{s['waiting']:5d} {s['retracted']:4d} {_fmt(s['gc_ms'], 6, 1)} "
-                          f"{_fmt(s['compile_ms'], 7, 1)} {' '.join(s['compiled'])}")
+                          f"{_fmt(s['compile_ms'], 7, 1)} {_fmt(s['cpu_ms'], 6, 1)} {s['preempted']:7d} "
+                          f"{' '.join(s['compiled'])}")
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -24,6 +24,7 @@ thread collects or compiles (the scheduler's, the executor's); a lock guards the
 from __future__ import annotations
 
 import gc
+import resource
 import threading
 import time
 from typing import NamedTuple, Optional
@@ -39,6 +40,12 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def _involuntary_switches() -> int:
+    """The calling thread's involuntary context switches (Linux; 0 where not counted)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return 0 if who is None else resource.getrusage(who).ru_nivcsw
+
+
 class Pauses(NamedTuple):
     """The pauses since the previous `HostPauses.take`."""
 
@@ -46,6 +53,9 @@ class Pauses(NamedTuple):
     gc_full: int               # of which collections of the oldest generation (the costly ones)
     compile_s: float           # seconds in Triton compiles (or disk-cache loads) of new specialisations
     compiled: tuple[str, ...]  # their kernels' names (at most MAX_NAMED)
+    cpu_s: float               # CPU time of the thread that took them (the scheduler's), so that
+    preempted: int             # a long interval with little of it was spent off the CPU: and how
+                               # often the OS took the CPU from that thread (involuntary switches)
 
 
 class HostPauses:
@@ -56,6 +66,7 @@ class HostPauses:
         self._lock = threading.Lock()
         self._local = threading.local()  # a thread's collection or compile in progress
         self._reset()
+        self._cpu, self._preempted = time.thread_time(), _involuntary_switches()
         gc.callbacks.append(self._on_gc)
         self._chained: Optional[tuple] = None
         try:  # here, not at import: the server imports engine/process.py, which imports this
@@ -73,9 +84,14 @@ class HostPauses:
         self._gc_s, self._gc_full, self._compile_s, self._compiled = 0.0, 0, 0.0, []
 
     def take(self) -> Pauses:
+        """The pauses since the last take; the CPU time and preemptions are the calling
+        thread's (the scheduler thread's, which takes them once a step)."""
+        cpu, preempted = time.thread_time(), _involuntary_switches()
         with self._lock:
-            pauses = Pauses(self._gc_s, self._gc_full, self._compile_s, tuple(self._compiled))
+            pauses = Pauses(self._gc_s, self._gc_full, self._compile_s, tuple(self._compiled),
+                            cpu - self._cpu, preempted - self._preempted)
             self._reset()
+            self._cpu, self._preempted = cpu, preempted
         return pauses
 
     def close(self) -> None:

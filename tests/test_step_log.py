@@ -243,6 +243,9 @@ def test_rows_carry_the_host_pauses_since_the_step_before(tmp_path, monkeypatch)
     assert (quiet["gc_s"], quiet["gc_full"], quiet["compile_s"], quiet["compiled"]) == (0.0, 0, 0.0, [])
     assert paused["gc_s"] > 0 and paused["gc_full"] == 1 and paused["compiled"] == ["_decode_kernel"]
     assert paused["compile_s"] >= 0
+    # the scheduler thread's CPU time over the interval (the collection ran on it) and its
+    # involuntary switches: a long step with little CPU was spent off the CPU
+    assert paused["cpu_s"] > 0 and quiet["preempted"] >= 0 and paused["preempted"] >= 0
 
 
 def test_the_warm_up_runs_mixed_steps_with_a_chunk_of_each_warm_up_length(tiny_model, tmp_path):

@@ -62,6 +62,8 @@ class StepRow(NamedTuple):
     gc_full: int               # of which of the oldest generation
     compile_s: float           # Triton compiles since the step before
     compiled: tuple[str, ...]  # their kernels
+    cpu_s: float               # the scheduler thread's CPU time since the step before
+    preempted: int             # and the OS's involuntary switches of it
 
 
 class _Launch(NamedTuple):
