@@ -15,6 +15,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from specserve.engine.host_copy import to_device
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenSlotAllocator
 from specserve.engine.kvcache.radix_cache import PrefixPeek, RadixCache
 from specserve.engine.layers.sampler import SamplingInfo
@@ -214,7 +215,7 @@ class RequestSlots:
     def _write_table(self, flat_index: Sequence[int], slots: torch.Tensor) -> None:
         """Schedule-side table write, after the last forward finished reading the table."""
         self._wait_table_readers()
-        idx = torch.tensor(flat_index, dtype=torch.int64).to(self.ctx.device, non_blocking=True)
+        idx = to_device(flat_index, torch.int64, self.ctx.device)  # every step: pinned on CUDA
         self.req_to_token.table.view(-1)[idx] = slots
 
     def _wait_table_readers(self) -> None:
