@@ -413,7 +413,23 @@ def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
     return out
 
 
+def _pair_asm(magic: str, one: str, fma: str, split_scale: bool) -> str:
+    """`_paired_planes`' inline asm for one 16-bit type (`magic`: BIAS twice, `one`: 1.0 twice,
+    `fma`: its x2 fma): $2 the shifted word, $3 -(BIAS + z) twice, $4 the scale (head) twice,
+    with `split_scale` $5 the tail twice; $0, $1 the two weights."""
+    scale = (f"fma.rn.{fma} u, t, $5, nz;\n    fma.rn.{fma} t, t, $4, u;" if split_scale
+             else f"fma.rn.{fma} t, t, $4, nz;")
+    return (f"{{\n    .reg .b32 t, {'u, ' if split_scale else ''}one, nz;\n"
+            f"    lop3.b32 t, $2, 0x000F000F, {magic}, 0xEA;\n"
+            f"    mov.b32 one, {one};\n    mov.b32 nz, 0x80008000;\n"
+            f"    fma.rn.{fma} t, t, one, $3;\n    {scale}\n    mov.b32 {{$0, $1}}, t;\n    }}")
+
+
 if triton is not None:
+    _PAIR_ASM_BF16_SPLIT = tl.constexpr(_pair_asm("0x43004300", "0x3F803F80", "bf16x2", True))
+    _PAIR_ASM_BF16 = tl.constexpr(_pair_asm("0x43004300", "0x3F803F80", "bf16x2", False))
+    _PAIR_ASM_F16 = tl.constexpr(_pair_asm("0x64006400", "0x3C003C00", "f16x2", False))
+
     @triton.jit
     def _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT: tl.constexpr):
         """Per row of a tile, the fp32 terms of its dequantisation in `group`: for a nibble
@@ -569,43 +585,15 @@ if triton is not None:
         if PAIRED == "asm":
             if SPLIT_SCALE:
                 lo, hi = tl.inline_asm_elementwise(
-                    """{
-                    .reg .b32 t, u, one, nz;
-                    lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
-                    mov.b32 one, 0x3F803F80;
-                    mov.b32 nz, 0x80008000;
-                    fma.rn.bf16x2 t, t, one, $3;
-                    fma.rn.bf16x2 u, t, $5, nz;
-                    fma.rn.bf16x2 t, t, $4, u;
-                    mov.b32 {$0, $1}, t;
-                    }""",
-                    "=h,=h,r,r,r,r", [shifted, neg_zeros, heads, tails],
+                    _PAIR_ASM_BF16_SPLIT, "=h,=h,r,r,r,r", [shifted, neg_zeros, heads, tails],
                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
             elif dtype == tl.bfloat16:
                 lo, hi = tl.inline_asm_elementwise(
-                    """{
-                    .reg .b32 t, one, nz;
-                    lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
-                    mov.b32 one, 0x3F803F80;
-                    mov.b32 nz, 0x80008000;
-                    fma.rn.bf16x2 t, t, one, $3;
-                    fma.rn.bf16x2 t, t, $4, nz;
-                    mov.b32 {$0, $1}, t;
-                    }""",
-                    "=h,=h,r,r,r", [shifted, neg_zeros, heads],
+                    _PAIR_ASM_BF16, "=h,=h,r,r,r", [shifted, neg_zeros, heads],
                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
             else:
                 lo, hi = tl.inline_asm_elementwise(
-                    """{
-                    .reg .b32 t, one, nz;
-                    lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
-                    mov.b32 one, 0x3C003C00;
-                    mov.b32 nz, 0x80008000;
-                    fma.rn.f16x2 t, t, one, $3;
-                    fma.rn.f16x2 t, t, $4, nz;
-                    mov.b32 {$0, $1}, t;
-                    }""",
-                    "=h,=h,r,r,r", [shifted, neg_zeros, heads],
+                    _PAIR_ASM_F16, "=h,=h,r,r,r", [shifted, neg_zeros, heads],
                     dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
         else:
             t = (shifted & 0x000F000F) | _pair_magic(dtype)
