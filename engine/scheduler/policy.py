@@ -107,7 +107,6 @@ class AdmissionPolicy:
         decode = self._decode(nothing_in_flight)
         if decode is None:
             return self._prefill(self.chunk_budget)
-        priced = self.step_cost is not None  # its time refines the model (Scheduler._process)
         reserved = sum(self.slots.to_reserve(r) for r in decode.reqs)
         rows = len(decode.reqs) * self.mixed_row_tokens
         within = stretch = math.inf
@@ -121,9 +120,9 @@ class AdmissionPolicy:
                          "chunk" if self.chunk_budget < planned.tokens else planned.bound, backlog, cost)
         extend = self._prefill(plan.budget, reserved=reserved, only=rides_mixed)
         if extend is None:
-            return decode._replace(priced=priced, plan=plan)
+            return decode._replace(plan=plan)
         return Decision(ForwardMode.MIXED, decode.reqs + extend.reqs, extend.chunks, extend.samples,
-                        extend.prompt_spans, num_decode=len(decode.reqs), priced=priced, plan=plan)
+                        extend.prompt_spans, num_decode=len(decode.reqs), plan=plan)
 
     def _prompt_backlog(self, enough: int) -> int:
         """Prompt tokens waiting to be prefilled, counted up to `enough` (the most the budget

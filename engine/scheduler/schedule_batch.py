@@ -188,9 +188,8 @@ class Decision(NamedTuple):
     ids, whether it samples a token and the prompt tokens it scores (Req.take_prompt_span);
     DECODE: one (speculative) step per request; MIXED: one decode step of the first
     `num_decode` requests and the chunks of the others (chunks, samples and prompt_spans are
-    theirs), in one forward. `priced`: a step whose time refines the mixed steps' cost model
-    (policy.py `step_cost`: the mixed steps, and the decode steps scheduled where one could mix).
-    `plan`: theirs (None for the other steps)."""
+    theirs), in one forward. `plan`: what a decode-side step where prompts could ride was
+    planned with (None for the other steps)."""
 
     mode: ForwardMode
     reqs: list[Req]
@@ -198,8 +197,13 @@ class Decision(NamedTuple):
     samples: Sequence[bool] = ()
     prompt_spans: Sequence[Optional[tuple[int, int]]] = ()
     num_decode: int = 0
-    priced: bool = False
     plan: Optional[MixedPlan] = None
+
+    @property
+    def priced(self) -> bool:
+        """A step whose time refines the mixed steps' cost model (policy.py `step_cost`: the
+        mixed steps, and the decode steps scheduled where one could mix): one planned by it."""
+        return self.plan is not None and self.plan.cost is not None
 
     @property
     def decode_reqs(self) -> list[Req]:
