@@ -404,7 +404,8 @@ class NormalWorker:
         if graphs is None:
             self.target.plan_grammar(ONE, bs, step.grammar)
             return launch_forward(self.target.ctx, inputs, lambda read_done: self._sample(inputs, read_done))
-        self.target.plan_grammar(ONE, graphs.bucket_for(bs), step.grammar)
+        bucket = graphs.bucket_for(bs)
+        self.target.plan_grammar(ONE, bucket, step.grammar)
 
         def replay(read_done) -> StepResult:
             captured = graphs.load(ids=inputs.input_ids, positions=inputs.positions,
@@ -415,7 +416,7 @@ class NormalWorker:
             read_done.record()
             return StepResult(tokens[:bs])
 
-        return launch_forward(self.target.ctx, inputs, replay, graph=graphs.bucket_for(bs))
+        return launch_forward(self.target.ctx, inputs, replay, graph=bucket)
 
     def _sample(self, inputs: ForwardInputs, read_done) -> StepResult:
         return self.target.forward_and_sample(inputs, read_done).step_result()

@@ -173,7 +173,8 @@ class SpecWorker:
         publish_ready = self.future_map.new_publish_event()
         graphs = graphs_for(self, step.sampling, constrained, bs)
         use_graph = graphs is not None
-        self.target.plan_grammar(SPEC, graphs.bucket_for(bs) if use_graph else bs, step.grammar)
+        bucket = graphs.bucket_for(bs) if use_graph else 0  # 0: eager (Launched.graph)
+        self.target.plan_grammar(SPEC, bucket or bs, step.grammar)
 
         def body(read_done) -> StepResult:
             if refresh_rows is not None:
@@ -192,7 +193,7 @@ class SpecWorker:
             return self._extend_half(verified)
 
         return launch_forward(self.target.ctx, inputs, body,
-                              graph=graphs.bucket_for(bs) if use_graph else 0)._replace(
+                              graph=bucket)._replace(
             draft_depth=self.drafter.shape.num_steps)
 
     def _verify_half(self, s: SpecDecodeInputs, read_done=None) -> Verified:
