@@ -53,6 +53,9 @@ FP8_SCALE = 1 / 64  # randn / scale stays within e4m3's +-448; not 1.0, so the s
 # GEMMs, so no launch finds its KV in the L2. One pool replayed would: a bs=1, 32k FP8 pool
 # is 67 MB, and its decode timed 43 us a layer here against 64 in the engine's profile.
 POOL_BYTES = 256 << 20
+# How the requests' slots lie in the pool: "random" (a long-running server's free list) or
+# "contiguous" (a fresh pool's allocator hands a prompt consecutive slots: the engine's 32k rows).
+SLOTS = "random"  # --slots sets it
 
 
 def copy_bandwidth(device) -> float:
@@ -73,7 +76,9 @@ def scene(bs: int, context: int, extend: int, device, kv_dtype: torch.dtype):
         scales = dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
     copies = -(-POOL_BYTES // (2 * k.numel() * k.element_size()))
     pools = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
-    table = (torch.randperm(num_slots - 1, device=device) + 1).view(bs, context + extend)
+    order = (torch.randperm(num_slots - 1, device=device) if SLOTS == "random"
+             else torch.arange(num_slots - 1, device=device))
+    table = (order + 1).view(bs, context + extend)
     rows = torch.arange(bs, device=device)
     prefix = torch.full((bs,), context, device=device)
     return pools, table, rows, prefix, scales
@@ -124,7 +129,7 @@ def time_verify(bs, context, extend: int, tree: bool, config: DecodeConfig, max_
 
 
 def main():
-    global KV_HEADS
+    global KV_HEADS, SLOTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--batch-sizes", default="1,4")
@@ -147,6 +152,8 @@ def main():
                     help="also time each default decode with its L2 prefetch flipped (off where "
                          "the default has it, else on for sequences of one split)")
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
+    ap.add_argument("--slots", default=SLOTS, choices=["random", "contiguous"],
+                    help="the requests' KV slots: scattered over the pool, or consecutive")
     ap.add_argument("--kv-dtypes", default="bf16", help="comma list of: " + ", ".join(KV_DTYPES))
     ap.add_argument("--out", default="bench_attention_kernels.json")
     if ap.parse_known_args()[0].fp8_sweep:  # its defaults; options given still win
@@ -155,7 +162,7 @@ def main():
                         sweep_warps="4,8", sweep_min_split="256",
                         sweep_fp8_convert="cast,bits")
     args = ap.parse_args()
-    KV_HEADS = args.kv_heads
+    KV_HEADS, SLOTS = args.kv_heads, args.slots
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -218,7 +225,7 @@ def main():
                              fraction_of_copy=kv_read / seconds / bandwidth))
             print(json.dumps(rows[-1]), flush=True)
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
-              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+              "slots": SLOTS, "date": time.strftime("%Y-%m-%d"), "rows": rows}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"\n{result['device']}  copy bandwidth {bandwidth / 1e9:.0f} GB/s (one layer)")
     # "x bf16": the bf16 pool's default decode's time over the row's (same context and bs)

@@ -505,8 +505,8 @@ ptx = {
     "mla decode bits": compile_sm90(A._decode_kernel, dict(
         mla, GROUP_SIZE=16, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=32, FP8_CONVERT="bits"), 4, 2),
     "verify bits": compile_sm90(A._short_extend_kernel, dict(
-        llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, BLOCK_M=32, USE_CUSTOM_MASK=True,
-        **tuned), fp8_config.num_warps, fp8_config.num_stages),
+        llama, GROUP_SIZE=4, HEADS_PER_TILE=4, HEAD_BLOCKS=1, TOKEN_BLOCKS=1, BLOCK_M=32,
+        USE_CUSTOM_MASK=True, **tuned), fp8_config.num_warps, fp8_config.num_stages),
     "decode cast": compile_sm90(A._decode_kernel, dict(
         llama, GROUP_SIZE=4, BLOCK_H=16, HEAD_BLOCKS=1, BLOCK_N=128, FP8_CONVERT="cast"), 4, 3),
     "extend cast": compile_sm90(A._extend_attention_kernel, dict(

@@ -18,13 +18,13 @@ from typing import NamedTuple, Optional  # noqa: E402
 
 import pytest  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from specserve.engine.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
     DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices,
-    short_extend_attention)
+    short_extend_attention, short_extend_tiling)
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows  # noqa: E402
 
@@ -262,6 +262,54 @@ def test_short_extend_attention(num_kv_heads, group_size, head_dim, use_custom_m
         torch.testing.assert_close(out, scene_reference(scene, q, scale, custom_mask),
                                    atol=1e-4, rtol=1e-4)
         assert not arrivals.any()
+
+
+@pytest.mark.parametrize("use_custom_mask", [False, True])
+def test_short_extend_token_blocks(use_custom_mask):
+    """Tiles of 16 rows (`block_h`): a group of 4 heads takes 4 tokens a tile, so the longest
+    request's 8 tokens take two token blocks, and the second reads nothing for the shorter
+    requests (1, 3 and 4 tokens); split over the prefix, merged by the last split."""
+    gen = torch.Generator().manual_seed(14)
+    prefix_lens, extend_lens = [70, 9, 33, 0, 40], [8, 1, 3, 5, 4]
+    scene = make_scene(prefix_lens, extend_lens, 2, 16, gen)
+    config = SMALL_DECODE._replace(block_h=16)
+    tiling = short_extend_tiling(4, max(extend_lens), config)
+    assert tiling == (4, 1, 16, 2)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, 8, 16, generator=gen).to(DEVICE)
+    custom_mask = random_tree_mask(5, 8, gen).to(DEVICE) if use_custom_mask else None
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=False)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    partial_out = torch.full((num_tokens, 8, 4, 16), float("nan"), device=DEVICE)
+    partial_lse = torch.full((num_tokens, 8, 4), float("nan"), device=DEVICE)
+    arrivals = torch.zeros(5 * 2 * tiling.tiles_per_kv_head, dtype=torch.int32, device=DEVICE)
+    short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
+                           kv_indices, scene.new_slots, max(extend_lens), 0.25, partial_out,
+                           partial_lse, arrivals, custom_mask=custom_mask, config=config)
+    torch.testing.assert_close(out, scene_reference(scene, q, 0.25, custom_mask),
+                               atol=1e-4, rtol=1e-4)
+    assert not arrivals.any()
+
+
+def test_short_extend_tiles_hold_the_group_first():
+    """A verify row's tokens in a bucket sized for longer chunks: the 8B shape's group of 4
+    fills each 64-row tile with 16 tokens, so a 4-token row runs one tile per KV head, not one
+    per head; MLA's 16 heads (16-row tiles) take a token a tile; a 128-head group is sliced."""
+    h100 = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
+    assert short_extend_tiling(4, 64, h100) == (4, 1, 64, 4)
+    assert short_extend_tiling(4, 4, h100) == (4, 1, 16, 1)
+    mla = h100._replace(block_h=16)
+    assert short_extend_tiling(16, 4, mla) == (16, 1, 16, 4)
+    assert short_extend_tiling(16, 64, mla) == (16, 1, 64, 16)
+    assert short_extend_tiling(128, 64, mla) == (64, 2, 64, 64)
+    for group, tokens, config in itertools.product((1, 3, 4, 8, 16, 128), (1, 2, 4, 7, 64),
+                                                   (h100, mla)):
+        tiling = short_extend_tiling(group, tokens, config)
+        assert tiling.tiles_per_kv_head <= triton.next_power_of_2(group)  # the backend's counters
+        tokens_per_tile = tiling.block_m // tiling.heads_per_tile
+        assert tiling.token_blocks * tokens_per_tile >= tokens
+        assert tiling.head_blocks * tiling.heads_per_tile >= group
 
 
 def test_short_extend_attention_is_batch_invariant():
@@ -648,7 +696,7 @@ def test_mla_rope_dims_change_the_scores():
 @pytest.mark.parametrize("use_custom_mask", [False, True])
 @pytest.mark.parametrize("max_kv_splits", [1, 4])
 def test_mla_short_extend_attention(use_custom_mask, max_kv_splits):
-    """8 heads and up to 8 new tokens: tiles of 2 heads x 8 tokens, 4 slices of the group."""
+    """8 heads and up to 8 new tokens: tiles of the 8 heads x 2 tokens, 4 token blocks."""
     gen = torch.Generator().manual_seed(22)
     num_heads, prefix_lens, extend_lens = 8, [0, 70, 9, 33], [4, 8, 1, 5]
     scene = make_mla_scene(prefix_lens, extend_lens, gen)
