@@ -3,7 +3,8 @@
     python bench/attention_kernels.py --contexts 8192,32768 --batch-sizes 1,4 --out out.json
 
 One layer of an 8B-shaped model (32 query heads, 8 KV heads, head_dim 128, bf16; `--kv-heads 4`:
-Qwen3-30B-A3B's) over a pool holding every request's context in scattered slots, a launch per
+Qwen3-30B-A3B's) over a pool holding every request's context in scattered slots (`--slots
+contiguous`: consecutive ones, as a fresh pool gives a long prompt), a launch per
 pool over copies of it that together outsize the L2 (`POOL_BYTES`), as the engine's layers do. Rows: plain decode, a 4-token chain
 verify and an 8-token tree verify, each with the backend's default launch configs, plus a
 sweep of decode configs (`--sweep`) to choose the defaults from. Kernels are replayed from a
@@ -110,7 +111,7 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
 
 
 def time_verify(bs, context, extend: int, tree: bool, config: DecodeConfig, max_kv_splits: int,
-                device, kv_dtype: torch.dtype) -> float:
+                device, kv_dtype: torch.dtype, split_programs: int = None) -> float:
     pools, table, rows, prefix, scales = scene(bs, context, extend, device, kv_dtype)
     kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
     kv_indices = torch.empty(bs * context, dtype=torch.int32, device=device)
@@ -125,7 +126,8 @@ def time_verify(bs, context, extend: int, tree: bool, config: DecodeConfig, max_
     mask = torch.ones(bs, extend, extend, dtype=torch.bool, device=device).tril() if tree else None
     return time_per_pool(lambda k, v: short_extend_attention(
         q, k, v, out, qo_indptr, kv_indptr, kv_indices, new_slots, extend, 0.088, po, pl,
-        arrivals, custom_mask=mask, config=config, **scales), pools)
+        arrivals, custom_mask=mask, config=config, split_programs=split_programs, **scales),
+        pools)
 
 
 def main():
@@ -177,7 +179,10 @@ def main():
                    "verify-chain-4": lambda: time_verify(bs, context, 4, False, default, splits,
                                                          device, kv_dtype),
                    "verify-tree-8": lambda: time_verify(bs, context, 8, True, default, splits,
-                                                        device, kv_dtype)}
+                                                        device, kv_dtype),
+                   # The grid before split programs: a program for every split of every tile.
+                   "verify-chain-4 every-split": lambda: time_verify(
+                       bs, context, 4, False, default, splits, device, kv_dtype, splits)}
         if kv_name == "fp8":
             # What FP8 pools ran before they had configs of their own: the bf16 pool's; and
             # the default with each of its changes from that undone.

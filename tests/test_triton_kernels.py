@@ -24,7 +24,7 @@ from specserve.engine.attention.torch_native import TorchNativeAttnBackend  # no
 from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
     DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices,
-    short_extend_attention, short_extend_tiling)
+    default_split_programs, short_extend_attention, short_extend_tiling)
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows  # noqa: E402
 
@@ -268,7 +268,8 @@ def test_short_extend_attention(num_kv_heads, group_size, head_dim, use_custom_m
 def test_short_extend_token_blocks(use_custom_mask):
     """Tiles of 16 rows (`block_h`): a group of 4 heads takes 4 tokens a tile, so the longest
     request's 8 tokens take two token blocks, and the second reads nothing for the shorter
-    requests (1, 3 and 4 tokens); split over the prefix, merged by the last split."""
+    requests (1, 3 and 4 tokens); split over the prefix, merged by the last split, the same
+    bits whether each split has a program of its own or a program runs several in turn."""
     gen = torch.Generator().manual_seed(14)
     prefix_lens, extend_lens = [70, 9, 33, 0, 40], [8, 1, 3, 5, 4]
     scene = make_scene(prefix_lens, extend_lens, 2, 16, gen)
@@ -284,18 +285,24 @@ def test_short_extend_token_blocks(use_custom_mask):
     partial_out = torch.full((num_tokens, 8, 4, 16), float("nan"), device=DEVICE)
     partial_lse = torch.full((num_tokens, 8, 4), float("nan"), device=DEVICE)
     arrivals = torch.zeros(5 * 2 * tiling.tiles_per_kv_head, dtype=torch.int32, device=DEVICE)
-    short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
-                           kv_indices, scene.new_slots, max(extend_lens), 0.25, partial_out,
-                           partial_lse, arrivals, custom_mask=custom_mask, config=config)
-    torch.testing.assert_close(out, scene_reference(scene, q, 0.25, custom_mask),
+    outputs = []
+    for split_programs in (4, 1, 3):  # the 70-token prefix has 4 splits of 16 tokens
+        short_extend_attention(q, scene.k_buffer, scene.v_buffer, out, qo_indptr, kv_indptr,
+                               kv_indices, scene.new_slots, max(extend_lens), 0.25, partial_out,
+                               partial_lse, arrivals, custom_mask=custom_mask, config=config,
+                               split_programs=split_programs)
+        assert not arrivals.any()
+        outputs.append(out.clone())
+    torch.testing.assert_close(outputs[0], scene_reference(scene, q, 0.25, custom_mask),
                                atol=1e-4, rtol=1e-4)
-    assert not arrivals.any()
+    assert all(torch.equal(o, outputs[0]) for o in outputs[1:])
 
 
-def test_short_extend_tiles_hold_the_group_first():
+def test_short_extend_grid():
     """A verify row's tokens in a bucket sized for longer chunks: the 8B shape's group of 4
     fills each 64-row tile with 16 tokens, so a 4-token row runs one tile per KV head, not one
-    per head; MLA's 16 heads (16-row tiles) take a token a tile; a 128-head group is sliced."""
+    per head; MLA's 16 heads (16-row tiles) take a token a tile; a 128-head group is sliced.
+    Splits get programs of their own only while the batch's tiles leave the GPU room."""
     h100 = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3)
     assert short_extend_tiling(4, 64, h100) == (4, 1, 64, 4)
     assert short_extend_tiling(4, 4, h100) == (4, 1, 16, 1)
@@ -303,6 +310,9 @@ def test_short_extend_tiles_hold_the_group_first():
     assert short_extend_tiling(16, 4, mla) == (16, 1, 16, 4)
     assert short_extend_tiling(16, 64, mla) == (16, 1, 64, 16)
     assert short_extend_tiling(128, 64, mla) == (64, 2, 64, 64)
+    assert default_split_programs(8, 16, torch.device("cpu")) == 16  # bs 1: a program a split
+    assert default_split_programs(60 * 8, 16, torch.device("cpu")) == 2  # 60 verify rows
+    assert default_split_programs(68 * 8 * 4, 16, torch.device("cpu")) == 1  # mixed, T 256
     for group, tokens, config in itertools.product((1, 3, 4, 8, 16, 128), (1, 2, 4, 7, 64),
                                                    (h100, mla)):
         tiling = short_extend_tiling(group, tokens, config)

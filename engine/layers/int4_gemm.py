@@ -62,12 +62,13 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.sm_count import num_sms
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.layers.int4_shared_memory import (
     Operands, shared_memory_limit, shared_memory_need)
 from specserve.engine.layers.int4_tuned import TUNED_INTERLEAVE, TUNED_W4_CONFIGS
 from specserve.engine.layers.skinny_gemm import (
-    PARTIAL_CAPACITY, SkinnyWorkspace, _num_sms, _scratch_values, workspace_for)
+    PARTIAL_CAPACITY, SkinnyWorkspace, _scratch_values, workspace_for)
 from specserve.engine.pdl import launch_options, release_dependents, wait_for_predecessor
 
 try:
@@ -279,7 +280,7 @@ def split_for(m: int, n: int, k: int, paired: bool, block_n: int,
     fp32 value per split, row and output column) fit the workspace."""
     programs = -(-n // block_n) * (1 if m <= MAX_ROWS else -(-m // (block_m or TILE_ROWS)))
     split_k = 1
-    while (programs * split_k < _num_sms(device) and k // (2 * split_k) >= 1024
+    while (programs * split_k < num_sms(device) and k // (2 * split_k) >= 1024
            and _scratch_values(2 * split_k, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     return split_k

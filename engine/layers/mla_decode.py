@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.engine.sm_count import num_sms
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.skinny_gemm import MAX_ROWS
 
@@ -186,12 +187,6 @@ if triton is not None:
                 HALF, INTERLEAVE, BLOCK_LATENT, BLOCK_H, KV_FP8)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H100's count, so CPU tests see the GPU's tiles
-
-
 def absorb_query(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, q_abs: torch.Tensor,
                  pool: torch.Tensor, loc: torch.Tensor, positions: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -233,7 +228,7 @@ def absorb_query(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, q_abs: t
 def _column_tile(num_heads: int, n: int, device: torch.device) -> int:
     # 32 columns a program, 16 where that leaves SMs idle (W_UV's 128 columns x 16 heads):
     # at decode every program is a stream of its head's weight rows.
-    return 32 if num_heads * triton.cdiv(n, 32) >= _num_sms(device) else 16
+    return 32 if num_heads * triton.cdiv(n, 32) >= num_sms(device) else 16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

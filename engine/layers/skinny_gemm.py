@@ -51,6 +51,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.sm_count import num_sms
 from specserve.engine.kvcache.fp8 import is_fp8
 from specserve.engine.layers.activation import silu_and_mul
 from specserve.engine.pdl import (
@@ -133,12 +134,6 @@ def workspace_for(device: torch.device) -> SkinnyWorkspace:
     return _WORKSPACES[device]
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H100's count, so CPU tests see the GPU's configs
-
-
 # The default for `SkinnyConfig.fp8_wide` in the rule's configs. On an H100
 # (`bench/fp8_gemm.py --variants w8a16 --rows 1,4,16`, 8B shapes at M = 1) the wide steps
 # lead: qkv 14.4 against 16.7 us, gate_up 48.9 against 51.8, down 33.1 against 33.8, o even
@@ -197,7 +192,7 @@ def rule_config(m: int, n: int, k: int, paired: bool, device: torch.device,
     wider tiles than 32 splits K by the same rule over its fewer tiles)."""
     tiles = triton.cdiv(n, block_n)
     split_k = 1
-    while (tiles * split_k < _num_sms(device) and k // (2 * split_k) >= 512
+    while (tiles * split_k < num_sms(device) and k // (2 * split_k) >= 512
            and _scratch_values(split_k * 2, m, n, paired) <= PARTIAL_CAPACITY):
         split_k *= 2
     if split_k == 1:
