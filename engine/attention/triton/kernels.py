@@ -472,16 +472,6 @@ def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask,
 # Decode: split-KV, merged by the last split
 # ---------------------------------------------------------------------------------------------
 
-# When the split decode and short extend let the next kernel launch (engine/pdl.py): right
-# after their wait where a split spans at most this many K/V tiles, so the launch overlaps
-# their short loop; after their loop where it spans more. Released early, the next kernel's
-# programs sit resident while the splits stream K and V: at 32k tokens, bs=1 (8B, FP8
-# weights, H100) the step took 5.92 ms with every kernel's early release and 5.37 ms with
-# none (FP8 KV; 5.93 against 5.80 ms over a bf16 pool), the decode kernel alone 43.5 us a
-# layer released late against 61 early.
-STREAMING_SPLIT_TILES = tl.constexpr(4)
-
-
 @triton.jit
 def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
                   BLOCK_N: tl.constexpr):
@@ -566,9 +556,7 @@ def _decode_kernel(
                           stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, MAIN_DIM,
                           ROPE_DIM, VALUES, PREFETCH_TOKENS, PREFETCH_LINES, LINE_ELEMENTS)
         wait_for_predecessor(PDL)
-    streams = split_len > STREAMING_SPLIT_TILES * BLOCK_N
-    if not streams:
-        release_dependents(PDL)
+    release_dependents(PDL)
 
     if HEAD_BLOCKS == 1:
         offs_h = tl.arange(0, BLOCK_H)
@@ -590,8 +578,6 @@ def _decode_kernel(
         split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
         offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
         DOT_PRECISION, FP8_CONVERT)
-    if streams:
-        release_dependents(PDL)
 
     _store_or_merge_splits(
         acc, m_i, l_i, out + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
@@ -841,6 +827,7 @@ def _short_extend_kernel(
     # more than the splits save).
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     wait_for_predecessor(PDL)
+    release_dependents(PDL)
     req = tl.program_id(0)
     tile = tl.program_id(1)  # (KV head, head block, token block)
     kv_head = tile // (HEAD_BLOCKS * TOKEN_BLOCKS)
@@ -854,9 +841,6 @@ def _short_extend_kernel(
     prefix_len = tl.load(kv_indptr + req + 1) - kv_start
     split_len = _kv_split_len(prefix_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN, BLOCK_N)
     num_splits = tl.maximum(tl.cdiv(prefix_len, split_len), 1)
-    streams = split_len > STREAMING_SPLIT_TILES * BLOCK_N
-    if not streams:
-        release_dependents(PDL)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -909,8 +893,6 @@ def _short_extend_kernel(
             split, num_splits,
             arrivals + req * (NUM_KV_HEADS * HEAD_BLOCKS * TOKEN_BLOCKS) + tile,
             stride_po_split, v_scale, BLOCK_M, BLOCK_D)
-    if streams:
-        release_dependents(PDL)
 
 
 # Programs a tile's splits run on, per SM: where a batch's tiles alone make this many, its
