@@ -7,7 +7,8 @@ Qwen3-30B-A3B's) over a pool holding every request's context in scattered slots 
 contiguous`: consecutive ones, as a fresh pool gives a long prompt), a launch per
 pool over copies of it that together outsize the L2 (`POOL_BYTES`), as the engine's layers do. Rows: plain decode, a 4-token chain
 verify and an 8-token tree verify, each with the backend's default launch configs, plus a
-sweep of decode configs (`--sweep`) to choose the defaults from. Kernels are replayed from a
+sweep of decode configs (`--sweep`) to choose the defaults from, and the decode and chain
+verify on given numbers of programs a tile's splits run on (`--split-programs 1,2,4,16`). Kernels are replayed from a
 CUDA graph, as the engine runs them: timed with eager launches, a short decode measures the
 host's launch cost (about 70 us for the two kernels), not the kernels. `--prefetch` adds each
 default decode with its L2 prefetch (`DecodeConfig.prefetch_tokens`) flipped; with PDL each
@@ -94,7 +95,7 @@ def time_per_pool(launch, pools) -> float:
 
 
 def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
-                kv_dtype: torch.dtype) -> float:
+                kv_dtype: torch.dtype, split_programs: int = None) -> float:
     """Seconds a decode of `bs` requests over `context` tokens takes with `config`, its split
     scratch (so its splits) sized `max_kv_splits`."""
     pools, table, rows, prefix, scales = scene(bs, context, 1, device, kv_dtype)
@@ -107,7 +108,8 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
     pl = torch.empty(bs, HEADS, max_kv_splits, device=device)
     arrivals = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device=device)
     return time_per_pool(lambda k, v: decode_attention(
-        q, k, v, out, kv_indptr, kv_indices, po, pl, arrivals, 0.088, config, **scales), pools)
+        q, k, v, out, kv_indptr, kv_indices, po, pl, arrivals, 0.088, config,
+        split_programs=split_programs, **scales), pools)
 
 
 def time_verify(bs, context, extend: int, tree: bool, config: DecodeConfig, max_kv_splits: int,
@@ -153,6 +155,10 @@ def main():
     ap.add_argument("--prefetch", action="store_true",
                     help="also time each default decode with its L2 prefetch flipped (off where "
                          "the default has it, else on for sequences of one split)")
+    ap.add_argument("--split-programs", default="",
+                    help="also time the default decode and chain verify with these many "
+                         "programs a tile's splits run on (comma list; the default: "
+                         "default_split_programs's choice)")
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
     ap.add_argument("--slots", default=SLOTS, choices=["random", "contiguous"],
                     help="the requests' KV slots: scattered over the pool, or consecutive")
@@ -179,10 +185,13 @@ def main():
                    "verify-chain-4": lambda: time_verify(bs, context, 4, False, default, splits,
                                                          device, kv_dtype),
                    "verify-tree-8": lambda: time_verify(bs, context, 8, True, default, splits,
-                                                        device, kv_dtype),
-                   # The grid before split programs: a program for every split of every tile.
-                   "verify-chain-4 every-split": lambda: time_verify(
-                       bs, context, 4, False, default, splits, device, kv_dtype, splits)}
+                                                        device, kv_dtype)}
+        for programs in (int(p) for p in args.split_programs.split(",") if p):
+            # (the number of splits: a program a split, the grid before split programs)
+            kernels[f"decode sp{programs}"] = (lambda n=programs: time_decode(
+                bs, context, default, splits, device, kv_dtype, n))
+            kernels[f"verify-chain-4 sp{programs}"] = (lambda n=programs: time_verify(
+                bs, context, 4, False, default, splits, device, kv_dtype, n))
         if kv_name == "fp8":
             # What FP8 pools ran before they had configs of their own: the bf16 pool's; and
             # the default with each of its changes from that undone.

@@ -103,6 +103,24 @@ def test_a_burst_of_arrivals_is_interleaved_with_decode_steps(tiny_model, make_e
     assert_no_leaks(engine)
 
 
+def test_a_large_decode_batch_takes_prompts_in_extends_of_their_own(tiny_model, make_engine):
+    """Past `mixed_max_row_tokens` decode row tokens (3 here: plain rows are a token each) the
+    burst runs in bounded extends between decode steps, as with mixed steps off; below it,
+    prompts ride. The outputs are the same either way."""
+    arrivals = _burst(seed=13)
+    engine = _engine(make_engine, tiny_model, True, prefill_interleave_tokens=BUDGET)
+    engine.core.scheduler.policy.mixed_max_row_tokens = 3
+    steps = record_steps(engine)
+    got = drive(engine, arrivals)
+    assert_decode_fair(steps, BUDGET)
+    assert all(s.num_decode <= 3 for s in steps if s.mixed)
+    separate = [i for i, s in enumerate(steps) if s.extend and s.decoding]
+    assert len(separate) >= 10
+    assert all(steps[i + 1].num_decode > 3 for i in separate if i + 1 < len(steps))
+    assert_no_leaks(engine)
+    assert drive(_engine(make_engine, tiny_model, True, prefill_interleave_tokens=BUDGET), arrivals) == got
+
+
 @pytest.mark.parametrize("chunk", [0, 2048, 24])
 def test_with_nobody_decoding_the_first_extend_is_bounded_by_the_chunk_budget_only(
         tiny_model, make_engine, chunk):

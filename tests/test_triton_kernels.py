@@ -172,14 +172,17 @@ def test_decode_attention(num_kv_heads, group_size, head_dim, max_kv_splits, con
     arrivals = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     outputs = []
-    for _ in range(2):  # the merge leaves its counters at zero: a second launch is the same
+    # The merge leaves its counters at zero: the next launch is the same, a program a split
+    # (the default here), one program running every split of its tile, or 3 programs.
+    for split_programs in (None, 1, 3):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
-                         partial_out, partial_lse, arrivals, scale, config)
+                         partial_out, partial_lse, arrivals, scale, config,
+                         split_programs=split_programs)
         torch.testing.assert_close(out, scene_reference(scene, q, scale), atol=1e-4, rtol=1e-4)
         assert not arrivals.any()
         outputs.append(out)
-    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(outputs[0], o) for o in outputs[1:])
 
 
 def test_decode_attention_is_batch_invariant():

@@ -55,6 +55,15 @@ FLOOR_SHARE = 8  # a mixed step carries at least prefill_interleave_tokens // FL
 # 3.6x at 64 streams; 3 steps queue requests longer for no steadier steps.
 DRAIN_STEPS = 2
 DRAIN_TIME_RATIO = 2.0
+# Prompts ride in mixed steps while the decode rows verify at most this many tokens; a larger
+# decode batch takes them in extends of their own (each followed by a decode step). On an H100
+# (8B chain, gRPC, 127-token prompts, closed loop, after the split-KV fix of the 256-token
+# bucket) mixed steps at 64 streams (256 row tokens) held the server's chunk gap p99 at 1.5x
+# p50 against separate extends' 5.1x, TTFT p50 50 against 72 ms, for 4 % of tokens/s; at 256
+# (1,024 row tokens) they lost on every count: 16 % of tokens/s, TTFT p50 181 against 116 ms,
+# gap p99 3.0x against 1.8x: a step that long already stalls its streams as much as an extend
+# beside it, and prompt tokens in it cost more than in an extend of their own.
+MIXED_MAX_ROW_TOKENS = 512
 
 
 def rides_mixed(req: Req) -> bool:

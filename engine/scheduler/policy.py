@@ -7,13 +7,14 @@ decode step, the most recently admitted request is retracted: its KV is freed (o
 prefix cache, cached and evictable) and it waits to be prefilled again over prompt + outputs.
 
 Decode fairness (`prefill_interleave_tokens` > 0): while some running request could take a
-decode step, prompts ride with it in one mixed step (the worker's `mixed_row_tokens` > 0;
+decode step of at most `MIXED_MAX_ROW_TOKENS` row tokens, prompts ride with it in one mixed
+step (the worker's `mixed_row_tokens` > 0;
 scheduler/mixed_batch.py: as many prompt tokens as keep the step within
 `mixed_step_time_ratio` of the decode step alone, by the step-cost model `step_cost` that the
 scheduler's timed steps refine, scheduler/step_cost.py; more where prompt tokens wait, to
 drain them within a few steps), so decoding requests never wait
 behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
-`rides_mixed`), or the worker runs none, an extend computes at most that many tokens and is
+`rides_mixed`), the decode batch is larger, or the worker runs none, an extend computes at most that many tokens and is
 always followed by a decode step, so decoding requests never wait behind more than one
 bounded extend. With nobody decoding (an idle server's first arrivals) an extend is bounded by
 the chunk budget only.
@@ -26,7 +27,8 @@ import math
 from typing import Callable, Optional, Sequence
 
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.scheduler.mixed_batch import DRAIN_STEPS, DRAIN_TIME_RATIO, plan_prompt_budget, rides_mixed
+from specserve.engine.scheduler.mixed_batch import (
+    DRAIN_STEPS, DRAIN_TIME_RATIO, MIXED_MAX_ROW_TOKENS, plan_prompt_budget, rides_mixed)
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, MixedPlan, Req, ReqStatus
 from specserve.engine.scheduler.step_cost import StepCostFit, StepCostSample
@@ -55,6 +57,7 @@ class AdmissionPolicy:
         self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
         self.mixed_row_tokens = mixed_row_tokens
         self.mixed_step_time_ratio = mixed_step_time_ratio
+        self.mixed_max_row_tokens = MIXED_MAX_ROW_TOKENS  # (tests lower it)
         # The decode and mixed steps' cost by forward tokens (None: no mixed steps, or no ratio).
         self.step_cost = StepCostFit() if mixed_row_tokens and mixed_step_time_ratio else None
         # The token counts of the worker's mixed-step graphs (set once they are captured): the
@@ -86,11 +89,13 @@ class AdmissionPolicy:
         while the previous one is still in flight; `_last_was_extend` is about that one)."""
         # Whether a running request could take a decode step (the host's view: one whose
         # prefill's last chunk is launched counts, its first token still in flight).
-        decoding = self.interleave_tokens > 0 and bool(self._decode_ready())
+        ready = self._decode_ready() if self.interleave_tokens > 0 else []
+        decoding = bool(ready)
         if decoding and self._last_was_extend:
             decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
         elif (decoding and self.mixed_row_tokens and not self._non_rider_next
-              and all(rides_mixed(r) for r in self._decode_ready())):
+              and len(ready) * self.mixed_row_tokens <= self.mixed_max_row_tokens
+              and all(rides_mixed(r) for r in ready)):
             decision = self._mixed(nothing_in_flight)
         else:
             self._non_rider_next = False

@@ -472,6 +472,23 @@ def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask,
 # Decode: split-KV, merged by the last split
 # ---------------------------------------------------------------------------------------------
 
+# Programs a tile's splits run on, per SM: where a batch's tiles alone make this many, its
+# splits run one after the other in a tile's program. A program launched for a split past
+# its prefix's end still costs the GPU a dispatch: with a program a split (16), a chain
+# verify of 60 rows of ~300-token prefixes (2 splits each) launched 7,680 programs a layer,
+# ~7 of 8 with nothing to do, and the 256-token mixed graph (64-token chunks: 4 token blocks
+# a tile) 34,816, its attention 6.4 ms of the step's 14.0 ms of kernels. With this, on an
+# H100 (8B): that mixed step's attention 0.95 ms (8.6 ms of kernels), a 64-row verify over
+# 320 tokens 58 against 76 us a layer (bench/attention_kernels.py "every-split" rows).
+SPLIT_PROGRAMS_PER_SM = 4
+
+
+def default_split_programs(tiles: int, max_kv_splits: int, device: torch.device) -> int:
+    """Programs per tile: every split its own where the tiles leave the GPU room (a long
+    prefix at a small batch), fewer down to one as the tiles fill SPLIT_PROGRAMS_PER_SM."""
+    return max(1, min(max_kv_splits, triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms(device), tiles)))
+
+
 @triton.jit
 def _kv_split_len(seq_len, MAX_KV_SPLITS: tl.constexpr, MIN_KV_SPLIT_LEN: tl.constexpr,
                   BLOCK_N: tl.constexpr):
@@ -532,7 +549,7 @@ def _decode_kernel(
     # its program stores the output and the other splits' programs exit at once.
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
-    split = tl.program_id(2)
+    first_split = tl.program_id(2)
 
     # With PREFETCH_TOKENS, before the wait (engine/pdl.py's early reads), while the q/k/v
     # kernel's tail runs: the KV indices (written before the model's first layer, never by
@@ -548,11 +565,12 @@ def _decode_kernel(
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
     split_len = _kv_split_len(seq_len, MAX_KV_SPLITS, MIN_KV_SPLIT_LEN, BLOCK_N)
     num_splits = tl.maximum(tl.cdiv(seq_len, split_len), 1)
-    split_begin = split * split_len
-    split_end = tl.minimum(split_begin + split_len, seq_len)
-    if EARLY_INDICES:
-        _prefetch_kv_rows(k_buffer, v_buffer, kv_indices + kv_start, split_begin,
-                          tl.where(seq_len <= PREFETCH_TOKENS, split_end, split_begin), kv_head,
+    if EARLY_INDICES:  # (a sequence this short is one split: its program's first)
+        first_begin = first_split * split_len
+        _prefetch_kv_rows(k_buffer, v_buffer, kv_indices + kv_start, first_begin,
+                          tl.where(seq_len <= PREFETCH_TOKENS,
+                                   tl.minimum(first_begin + split_len, seq_len), first_begin),
+                          kv_head,
                           stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, MAIN_DIM,
                           ROPE_DIM, VALUES, PREFETCH_TOKENS, PREFETCH_LINES, LINE_ELEMENTS)
         wait_for_predecessor(PDL)
@@ -570,22 +588,27 @@ def _decode_kernel(
     q_tile, q_rope = _load_query(q, req * stride_q_tok + heads * stride_q_head, head_mask,
                                  offs_d, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _attend_slot_range(
-        q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start, split_begin,
-        split_end, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, offs_n,
-        offs_d, dim_mask, sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES,
-        DOT_PRECISION, FP8_CONVERT)
-
-    _store_or_merge_splits(
-        acc, m_i, l_i, out + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
-        partial_out + req * stride_po_tok + heads[:, None] * stride_po_head + offs_d[None, :],
-        partial_lse + req * stride_pl_tok + heads * stride_pl_head,
-        head_mask[:, None] & dim_mask[None, :], head_mask, split, num_splits,
-        arrivals + req * tl.num_programs(1) + tl.program_id(1), stride_po_split, v_scale, BLOCK_H,
-        BLOCK_D)
+    # The splits program_id(2), + num_programs(2), ...: a program a split unless the batch
+    # fills the GPU without (`default_split_programs`); the same result either way.
+    for split in range(first_split, num_splits, tl.num_programs(2)):
+        split_begin = split * split_len
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _attend_slot_range(
+            q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start,
+            split_begin, tl.minimum(split_begin + split_len, seq_len), kv_head, stride_k_slot,
+            stride_k_head, stride_v_slot, stride_v_head, offs_n, offs_d, dim_mask,
+            sm_scale_log2, BLOCK_N, MAIN_DIM, ROPE_DIM, BLOCK_DPE, VALUES, DOT_PRECISION,
+            FP8_CONVERT)
+        _store_or_merge_splits(
+            acc, m_i, l_i,
+            out + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+            partial_out + req * stride_po_tok + heads[:, None] * stride_po_head + offs_d[None, :],
+            partial_lse + req * stride_pl_tok + heads * stride_pl_head,
+            head_mask[:, None] & dim_mask[None, :], head_mask, split, num_splits,
+            arrivals + req * tl.num_programs(1) + tl.program_id(1), stride_po_split, v_scale,
+            BLOCK_H, BLOCK_D)
 
 
 def _check_qkv_out(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -599,7 +622,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      out: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      partial_out: torch.Tensor, partial_lse: torch.Tensor, arrivals: torch.Tensor,
                      sm_scale: float, config: Optional[DecodeConfig] = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0,
+                     split_programs: Optional[int] = None) -> None:
     """out[b] = attention of q[b] over the slots `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`.
 
     q: [bs, num_heads, key_dim]; k_buffer: [slots, num_kv_heads, key_dim]; v_buffer: [slots,
@@ -610,7 +634,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     tiles per KV head (at most the group size rounded up to a power of two)], all zero (the
     kernel leaves them zero). `k_scale`, `v_scale`: an FP8 pool's scales (stored = x / scale).
     With `config.prefetch_tokens` (the CUDA default's), the kernel launched just before this
-    one must not write `kv_indptr` or `kv_indices`.
+    one must not write `kv_indptr` or `kv_indices`. `split_programs`: the programs that run a
+    tile's splits (default: `default_split_programs`'s); any number gives the same result.
     """
     bs, num_heads, key_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -627,7 +652,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if bs == 0:
         return
     max_kv_splits = partial_out.shape[2]
-    _decode_kernel[(bs, num_kv_heads * head_blocks, max_kv_splits)](
+    split_programs = split_programs or default_split_programs(bs * num_kv_heads * head_blocks,
+                                                              max_kv_splits, q.device)
+    _decode_kernel[(bs, num_kv_heads * head_blocks, split_programs)](
         q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
         sm_scale * LOG2_E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_buffer.stride(0),
@@ -895,21 +922,6 @@ def _short_extend_kernel(
             stride_po_split, v_scale, BLOCK_M, BLOCK_D)
 
 
-# Programs a tile's splits run on, per SM: where a batch's tiles alone make this many, its
-# splits run one after the other in a tile's program. A program launched for a split past
-# its prefix's end costs the GPU a dispatch: a chain verify of 60 rows (~300-token prefixes,
-# 2 splits) launched 16 split programs a tile, 7,680 a layer, ~7 of 8 with nothing to do;
-# the 256-token mixed graph (64-token chunks: 4 token blocks a tile) 34,816 a layer, 6.4 ms
-# of its step's 14.0 ms of kernels (H100, 8B).
-SPLIT_PROGRAMS_PER_SM = 4
-
-
-def default_split_programs(tiles: int, max_kv_splits: int, device: torch.device) -> int:
-    """Programs per tile: every split its own where the tiles leave the GPU room (a long
-    prefix at a small batch), fewer down to one as the tiles fill SPLIT_PROGRAMS_PER_SM."""
-    return max(1, min(max_kv_splits, triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms(device), tiles)))
-
-
 class ShortExtendTiling(NamedTuple):
     """How `short_extend_attention` tiles a KV head's query rows: tiles of `block_m` rows, each
     `heads_per_tile` heads (the whole group where it fits) of `block_m // heads_per_tile` new
@@ -962,7 +974,7 @@ def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     at most the group size rounded up to a power of two)], all zero (the kernel leaves them
     zero). A request's splits depend on its own prefix length only (batch invariance, as in
     decode). `k_scale`, `v_scale` as in `decode_attention`. `split_programs`: the programs
-    that run a tile's splits (default: `split_programs`'s choice); any number gives the same
+    that run a tile's splits (default: `default_split_programs`'s); any number gives the same
     result.
     """
     num_tokens, num_heads, key_dim = q.shape
