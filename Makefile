@@ -19,8 +19,11 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 venv: $(VENV)/.installed
 
+# Two workers, a test file each (its module fixtures shared): the suite's servers, Ray
+# clusters and compiles mostly wait or use one core, so two run in about half the time.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile
 
 # On a GPU machine: the decode benchmark, the Hugging Face peers, and the plots in docs/bench/.
 BENCH_ARGS ?= --models llama-8b,llama-1b,demo --batch-sizes 1,4,16,64 --modes plain,chain,tree

@@ -101,7 +101,12 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
     pools, table, rows, prefix, scales = scene(bs, context, 1, device, kv_dtype)
     kv_indptr = torch.empty(bs + 1, dtype=torch.int64, device=device)
     kv_indices = torch.empty(bs * (context + 1), dtype=torch.int32, device=device)
-    fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices, decode_token_slots=table[:, context])
+    fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices,
+                    decode_token_slots=table[:, context].contiguous())
+    # The decode reads its KV offsets before its PDL wait (the engine fills them before the
+    # model's first layer, never just before the decode): here fill must be done first. An
+    # 8192 x 64 decode launched right behind it read stale offsets, an illegal address.
+    torch.cuda.synchronize()
     q = torch.randn(bs, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     po = torch.empty(bs, HEADS, max_kv_splits, HEAD_DIM, device=device)
@@ -230,7 +235,7 @@ def main():
             try:
                 seconds = run()
             except Exception as e:  # a sweep config the compiler refuses (shared memory)
-                print(f"{name}: {type(e).__name__}")
+                print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 continue
             kv_read = bs * context * kv_bytes_per_token
             rows.append(dict(kernel=f"{name} [{kv_name}]", kv_dtype=kv_name, context=context,

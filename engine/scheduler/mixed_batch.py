@@ -57,13 +57,12 @@ DRAIN_STEPS = 2
 DRAIN_TIME_RATIO = 2.0
 # Prompts ride in mixed steps while the decode rows verify at most this many tokens; a larger
 # decode batch takes them in extends of their own (each followed by a decode step). On an H100
-# (8B chain, gRPC, 127-token prompts, closed loop, after the split-KV fix of the 256-token
-# bucket) mixed steps at 64 streams (256 row tokens) held the server's chunk gap p99 at 1.5x
-# p50 against separate extends' 5.1x, TTFT p50 50 against 72 ms, for 4 % of tokens/s; at 256
-# (1,024 row tokens) they lost on every count: 16 % of tokens/s, TTFT p50 181 against 116 ms,
-# gap p99 3.0x against 1.8x: a step that long already stalls its streams as much as an extend
-# beside it, and prompt tokens in it cost more than in an extend of their own.
-MIXED_MAX_ROW_TOKENS = 512
+# (8B chain, gRPC, 127-token prompts, 1,024 requests a row, closed loop, after the split-KV
+# fixes), mixed against separate extends: 64 streams (256 row tokens) chunk gap p99 1.5-2.0x
+# p50 against 4.5-5.1x, TTFT p50 50-55 against 72-73 ms, for 4-7 % of tokens/s; 128 streams
+# (512) gap 1.9x against 3.9x but 20 % of tokens/s and TTFT p99 868 against 593 ms; 256
+# streams (1,024) 16 % of tokens/s, TTFT p50 181 against 116 ms, gap 3.0x against 1.8x.
+MIXED_MAX_ROW_TOKENS = 256
 
 
 def rides_mixed(req: Req) -> bool:
