@@ -425,6 +425,13 @@ def _attend_new_tokens(q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, new_to
 
 
 @triton.jit
+def _softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's state before any key: running max, sum and output of ROWS rows."""
+    return (tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.zeros([ROWS, BLOCK_D], tl.float32))
+
+
+@triton.jit
 def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask, row_mask, split,
                            num_splits, counter, stride_po_split, v_scale, BLOCK_M: tl.constexpr,
                            BLOCK_D: tl.constexpr):
@@ -450,9 +457,7 @@ def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask,
         tl.debug_barrier()
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.debug_barrier()
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            m_i, l_i, acc = _softmax_start(BLOCK_M, BLOCK_D)
             for s in range(0, num_splits):
                 lse = tl.load(pl_ptrs + s, mask=row_mask, other=0.0, cache_modifier=".cg")
                 part = tl.load(po_ptrs + s * stride_po_split, mask=tile_mask, other=0.0,
@@ -593,9 +598,7 @@ def _decode_kernel(
     # fills the GPU without (`default_split_programs`); the same result either way.
     for split in range(first_split, num_splits, tl.num_programs(2)):
         split_begin = split * split_len
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _softmax_start(BLOCK_H, BLOCK_D)
         m_i, l_i, acc = _attend_slot_range(
             q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start,
             split_begin, tl.minimum(split_begin + split_len, seq_len), kv_head, stride_k_slot,
@@ -738,9 +741,7 @@ def _extend_attention_kernel(
     q_tile, q_rope = _load_query(q, (qo_start + tokens) * stride_q_tok + heads * stride_q_head,
                                  row_mask, offs_d, dim_mask, MAIN_DIM, ROPE_DIM, BLOCK_DPE)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _softmax_start(BLOCK_M, BLOCK_D)
 
     # Stage 1: the cached prefix, visible to every new token.
     m_i, l_i, acc = _attend_slot_range(
@@ -897,9 +898,7 @@ def _short_extend_kernel(
     for split in range(tl.program_id(2), tl.where(first_token < extend_len, num_splits, 0),
                        tl.num_programs(2)):
         split_begin = split * split_len
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _softmax_start(BLOCK_M, BLOCK_D)
         m_i, l_i, acc = _attend_slot_range(
             q_tile, q_rope, m_i, l_i, acc, k_buffer, v_buffer, kv_indices + kv_start,
             split_begin, tl.minimum(split_begin + split_len, prefix_len), kv_head,
