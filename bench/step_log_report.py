@@ -11,7 +11,9 @@ prompts) are reported apart from the steady state. Per part:
   extends in between add shows there);
 - the decode-side steps (decode and mixed) above their p95 and p99: what they carry (kind, rows,
   prompt tokens, the budget's binding term, predicted against measured, graph or eager) against
-  the steps below the p95, and the slowest ones line by line;
+  the steps below the p95, and the slowest ones line by line ("queued": requests waiting;
+  "gpu wait": the host's wait for the step's result, a GPU-bound step's; "cpu": the scheduler
+  thread's CPU time, which includes that wait, since a CUDA wait spins);
 - the measured over predicted time per kind (steps priced by a fitted model only: fit_steps >=
   --min-fit), and a mixed step's measured time over its decode rows' predicted time alone (the
   budget bounds the predicted one at DRAIN_TIME_RATIO, 2x).
@@ -230,13 +232,15 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
                           f"{g['mean_prompt_tokens']:6.0f} {g['mean_prompt_reqs']:5.1f}")
             if part["slowest"]:
                 print(f"  slowest above p99: {'step':>7} {'kind':>6} {'rows':>4} {'prompt':>6} {'reqs':>4} "
-                      f"{'bound':>14} {'graph':>5} {'pred':>7} {'alone':>7} {'meas':>7} {'x pred':>6} {'wait':>5} "
-                      f"{'retr':>4} {'gc':>6} {'compile':>7} {'cpu':>6} {'preempt':>7}")
+                      f"{'bound':>14} {'graph':>5} {'pred':>7} {'alone':>7} {'meas':>7} {'x pred':>6} "
+                      f"{'queued':>6} {'retr':>4} {'gpu wait':>8} {'gc':>6} {'compile':>7} {'cpu':>6} "
+                      f"{'preempt':>7}")
                 for s in part["slowest"]:
                     print(f"  {'':>17} {s['step']:7d} {s['kind']:>6} {s['rows']:4d} {s['prompt']:6d} "
                           f"{s['prompt_reqs']:4d} {str(s['bound']):>14} {s['graph']:5d} {_fmt(s['predicted_ms'])} "
                           f"{_fmt(s['alone_ms'])} {_fmt(s['measured_ms'])} {_fmt(s['x_predicted'], 6)} "
-                          f"{s['waiting']:5d} {s['retracted']:4d} {_fmt(s['gc_ms'], 6, 1)} "
+                          f"{s['waiting']:6d} {s['retracted']:4d} {_fmt(s['host_wait_ms'], 8, 1)} "
+                          f"{_fmt(s['gc_ms'], 6, 1)} "
                           f"{_fmt(s['compile_ms'], 7, 1)} {_fmt(s['cpu_ms'], 6, 1)} {s['preempted']:7d} "
                           f"{' '.join(s['compiled'])}")
 
