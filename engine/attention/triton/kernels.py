@@ -485,7 +485,7 @@ def _store_or_merge_splits(acc, m_i, l_i, out_ptrs, po_ptrs, pl_ptrs, tile_mask,
 # ~7 of 8 with nothing to do, and the 256-token mixed graph (64-token chunks: 4 token blocks
 # a tile) 34,816, its attention 6.4 ms of the step's 14.0 ms of kernels. With this, on an
 # H100 (8B): that mixed step's attention 0.95 ms (8.6 ms of kernels), a 64-row verify over
-# 320 tokens 58 against 76 us a layer (bench/attention_kernels.py "every-split" rows).
+# 320 tokens 58 against 76 us a layer (bench/attention_kernels.py --split-programs 16 rows).
 SPLIT_PROGRAMS_PER_SM = 4
 
 
@@ -550,9 +550,9 @@ def _decode_kernel(
     PREFETCH_LINES: tl.constexpr = 1, LINE_ELEMENTS: tl.constexpr = 64,
 ):
     # A program covers BLOCK_H query heads of one KV head's group (the whole group unless it
-    # is larger than BLOCK_H, as MLA's one KV head for all query heads is) over one split of
-    # the sequence. A sequence of at most MIN_KV_SPLIT_LEN tokens is one split: one pass,
-    # its program stores the output and the other splits' programs exit at once.
+    # is larger than BLOCK_H, as MLA's one KV head for all query heads is) over splits of the
+    # sequence (below). A sequence of at most MIN_KV_SPLIT_LEN tokens is one split: one pass,
+    # its program stores the output and the other programs exit at once.
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     first_split = tl.program_id(2)
