@@ -1,9 +1,12 @@
 """How many SMs a device has, for the kernels that size their grids by it."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.cache  # asked at every eager launch of the kernels that use it
 def num_sms(device: torch.device) -> int:
     device = torch.device(device)
     if device.type == "cuda":

@@ -103,15 +103,19 @@ def test_a_burst_of_arrivals_is_interleaved_with_decode_steps(tiny_model, make_e
     assert_no_leaks(engine)
 
 
-def test_a_large_decode_batch_takes_prompts_in_extends_of_their_own(tiny_model, make_engine):
-    """Past `mixed_max_row_tokens` decode row tokens (3 here: plain rows are a token each) the
+def test_a_large_decode_batch_takes_prompts_in_extends_of_their_own(tiny_model, make_engine,
+                                                                    monkeypatch):
+    """Past `MIXED_MAX_ROW_TOKENS` decode row tokens (3 here: plain rows are a token each) the
     burst runs in bounded extends between decode steps, as with mixed steps off; below it,
     prompts ride. The outputs are the same either way."""
+    from specserve.engine.scheduler import policy
+
     arrivals = _burst(seed=13)
     engine = _engine(make_engine, tiny_model, True, prefill_interleave_tokens=BUDGET)
-    engine.core.scheduler.policy.mixed_max_row_tokens = 3
     steps = record_steps(engine)
-    got = drive(engine, arrivals)
+    with monkeypatch.context() as patch:
+        patch.setattr(policy, "MIXED_MAX_ROW_TOKENS", 3)
+        got = drive(engine, arrivals)
     assert_decode_fair(steps, BUDGET)
     assert all(s.num_decode <= 3 for s in steps if s.mixed)
     separate = [i for i, s in enumerate(steps) if s.extend and s.decoding]

@@ -14,9 +14,9 @@ scheduler/mixed_batch.py: as many prompt tokens as keep the step within
 scheduler's timed steps refine, scheduler/step_cost.py; more where prompt tokens wait, to
 drain them within a few steps), so decoding requests never wait
 behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
-`rides_mixed`), the decode batch is larger, or the worker runs none, an extend computes at most that many tokens and is
-always followed by a decode step, so decoding requests never wait behind more than one
-bounded extend. With nobody decoding (an idle server's first arrivals) an extend is bounded by
+`rides_mixed`), the decode batch is larger, or the worker runs none, an extend computes at
+most that many tokens and is always followed by a decode step, so decoding requests never
+wait behind more than one bounded extend. With nobody decoding (an idle server's first arrivals) an extend is bounded by
 the chunk budget only.
 """
 from __future__ import annotations
@@ -57,7 +57,6 @@ class AdmissionPolicy:
         self.interleave_tokens = prefill_interleave_tokens  # 0: decode fairness off
         self.mixed_row_tokens = mixed_row_tokens
         self.mixed_step_time_ratio = mixed_step_time_ratio
-        self.mixed_max_row_tokens = MIXED_MAX_ROW_TOKENS  # (tests lower it)
         # The decode and mixed steps' cost by forward tokens (None: no mixed steps, or no ratio).
         self.step_cost = StepCostFit() if mixed_row_tokens and mixed_step_time_ratio else None
         # The token counts of the worker's mixed-step graphs (set once they are captured): the
@@ -94,7 +93,7 @@ class AdmissionPolicy:
         if decoding and self._last_was_extend:
             decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
         elif (decoding and self.mixed_row_tokens and not self._non_rider_next
-              and len(ready) * self.mixed_row_tokens <= self.mixed_max_row_tokens
+              and len(ready) * self.mixed_row_tokens <= MIXED_MAX_ROW_TOKENS
               and all(rides_mixed(r) for r in ready)):
             decision = self._mixed(nothing_in_flight)
         else:
