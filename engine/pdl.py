@@ -24,7 +24,12 @@ attention) after their wait, the streaming ones (skinny GEMMs, the decode MoE ex
 their main loop, before the split-K merge or combine. Measured on an H100 (`bench/one_batch.py`,
 one lease, against no early signals): DeepSeek-V2-Lite bs=1 plain 2.76 against 2.85 ms, NextN
 6.10 against 6.24 ms; Qwen3-30B-A3B chain 4.75 against 4.95 ms; Llama 8B bs=1 6.00 against
-6.05 ms; bs=16 rows unchanged. `SPECSERVE_PDL_EARLY=0` turns the early signals off.
+6.05 ms; bs=16 rows unchanged. `SPECSERVE_PDL_EARLY=0` turns the early signals off. One
+streaming kernel does not signal: the fused q/k/v+RoPE GEMM, whose dependent is the decode
+attention. Let in during the GEMM's split-K merge, a long context's split-KV programs made the
+8B FP8 step at 32k 0.3 ms slower with the bf16 pool and 0.7 ms with the FP8 pool (H200,
+one lease, that release removed and nothing else: 5.60 -> 5.30 and 5.95 -> 5.28 ms), and at 128
+tokens the release gained nothing (bs 1 and 64, plain and chain, bf16 and FP8: within 1-2 %).
 
 Reads before the wait. A kernel's programs start once every program of its predecessor has
 signalled, and every kernel here signals only after its own wait; a predecessor that does not

@@ -134,7 +134,7 @@ def lines(ptx, pattern):
 def report(name, launch, **overrides):
     \"\"\"Compiles a recorded launch for sm_90 (with `overrides`: what an H100 launch sets
     that a CPU one does not) and prints: loads before the wait, prefetches, all of them
-    before the wait, loads before the first mma.\"\"\"
+    before the wait, loads before the first mma, whether it signals its dependents.\"\"\"
     ptx = compile_sm90(launch.kernel, {**launch.args, **overrides}, launch.num_warps,
                        launch.num_stages)
     wait = lines(ptx, "griddepcontrol.wait")
@@ -142,7 +142,8 @@ def report(name, launch, **overrides):
     loads, mma = lines(ptx, "ld.global"), lines(ptx, "mma")
     prefetches = lines(ptx, "prefetch.global.L2")
     print(name, sum(i < wait[0] for i in loads), len(prefetches),
-          all(i < wait[0] for i in prefetches), sum(i < (mma or [0])[0] for i in loads))
+          all(i < wait[0] for i in prefetches), sum(i < (mma or [0])[0] for i in loads),
+          bool(lines(ptx, "launch_dependents")))
 
 
 # Llama-8B's shapes at bs=1.
@@ -171,13 +172,17 @@ def test_early_reads_come_before_the_wait_unless_switched_off(early_reads):
     lines into the L2 before it, and loads the RoPE epilogue's inputs before its main loop;
     the 8B decode attention (the H100 config) loads its KV indices and prefetches a short
     sequence's K/V before it. With SPECSERVE_PDL_EARLY_READS=0 nothing is read before the wait
-    and nothing prefetched."""
+    and nothing prefetched. Either way the RMSNorm and the decode signal their dependents early
+    and the q/k/v kernel does not (engine/pdl.py: the decode's long-context programs let in
+    during its merge cost more than the release saves)."""
     stdout = _compile_in_child(_COMPILE_EARLY_READS,
                                {} if early_reads is None else {"SPECSERVE_PDL_EARLY_READS": early_reads})
     rows = {name: [int(v) if v.isdigit() else v == "True" for v in values]
             for name, *values in (line.split() for line in stdout.splitlines())}
     assert set(rows) == {"norm", "qkv", "decode"}
-    # (loads before the wait, prefetches, all of them before the wait, loads before the mma)
+    # (loads before the wait, prefetches, all of them before the wait, loads before the mma,
+    # signals)
+    assert [rows[name][4] for name in ("norm", "qkv", "decode")] == [True, False, True]
     if early_reads is None:
         assert rows["norm"][0] > 0 and rows["norm"][1] == 0
         assert rows["qkv"][0] == 0 and rows["qkv"][1] > 0 and rows["qkv"][2]
