@@ -156,6 +156,21 @@ def test_fill_kv_indices(with_decode_token, prefix_lens):
     assert (kv_indices[expected_indptr[-1]:] == -1).all()
 
 
+def test_fill_kv_indices_reads_decode_slots_as_consecutive_values():
+    """A column of the slot table is refused for two requests (its values are a row apart) and
+    taken for one (a one-element view: bench/attention_kernels.py's bs=1 decode)."""
+    table = torch.arange(2 * 9, dtype=torch.int32, device=DEVICE).view(2, 9)
+    prefix = torch.tensor([3, 5], device=DEVICE)
+    indptr = torch.empty(3, dtype=torch.int64, device=DEVICE)
+    indices = torch.full((20,), -1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError):
+        fill_kv_indices(table, torch.arange(2, device=DEVICE), prefix, indptr, indices,
+                        decode_token_slots=table[:, 8])
+    fill_kv_indices(table, torch.tensor([1], device=DEVICE), prefix[1:], indptr, indices,
+                    decode_token_slots=table[1:, 8])
+    assert indices[:7].tolist() == [9, 10, 11, 12, 13, 17, -1]
+
+
 @pytest.mark.parametrize("num_kv_heads,group_size,head_dim", [(2, 1, 32), (2, 2, 16),
                                                                (1, 4, 32), (2, 3, 24)])
 @pytest.mark.parametrize("max_kv_splits", [1, 4])

@@ -256,7 +256,8 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     """
     bs = req_pool_indices.shape[0]
     assert kv_indptr.shape[0] >= bs + 1 and req_to_token.stride(1) == 1
-    assert decode_token_slots is None or decode_token_slots.stride(0) == 1
+    # Read as consecutive values (a one-element view of any stride is contiguous too).
+    assert decode_token_slots is None or decode_token_slots.is_contiguous()
     if bs == 0:
         kv_indptr[:1].zero_()  # not `= 0`: a host scalar copy, which CUDA-graph capture refuses
         return
