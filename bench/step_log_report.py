@@ -13,7 +13,8 @@ prompts) are reported apart from the steady state. Per part:
   prompt tokens, the budget's binding term, predicted against measured, graph or eager) against
   the steps below the p95, and the slowest ones line by line ("queued": requests waiting;
   "gpu wait": the host's wait for the step's result, a GPU-bound step's; "cpu": the scheduler
-  thread's CPU time, which includes that wait, since a CUDA wait spins);
+  thread's CPU time, which includes that wait, since a CUDA wait spins; "launch": the host's
+  time launching the step, which includes a launch blocked by a full CUDA queue);
 - the measured over predicted time per kind (steps priced by a fitted model only: fit_steps >=
   --min-fit), and a mixed step's measured time over its decode rows' predicted time alone (the
   budget bounds the predicted one at DRAIN_TIME_RATIO, 2x).
@@ -98,6 +99,8 @@ def carried(rows: list[dict]) -> dict:
             "mean_compile_ms": 1e3 * sum(r.get("compile_s", 0.0) for r in rows) / n,
             "with_compiles": sum(bool(r.get("compiled")) for r in rows),
             "mean_cpu_ms": 1e3 * sum(r.get("cpu_s", 0.0) for r in rows) / n,
+            # the host's launch of the step (absent from logs before it)
+            "mean_launch_ms": 1e3 * sum(r.get("launch_s", 0.0) for r in rows) / n,
             "mean_preempted": sum(r.get("preempted", 0) for r in rows) / n}
 
 
@@ -116,7 +119,7 @@ def line(r: dict, burst_until: float) -> dict:
             "others": r["others"], "retracted": r["retracted"], "host_wait_ms": 1e3 * r["wait_s"],
             "gc_ms": 1e3 * r.get("gc_s", 0.0), "compile_ms": 1e3 * r.get("compile_s", 0.0),
             "compiled": r.get("compiled", []), "cpu_ms": 1e3 * r.get("cpu_s", 0.0),
-            "preempted": r.get("preempted", 0)}
+            "preempted": r.get("preempted", 0), "launch_ms": 1e3 * r.get("launch_s", 0.0)}
 
 
 def ratios(rows: list[dict], min_fit: int) -> dict:
@@ -212,7 +215,7 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
                           f"host wait {c['mean_host_wait_ms']:.2f} ms, gc {c['mean_gc_ms']:.2f} ms "
                           f"({c['with_full_gc']} full), compiles {c['mean_compile_ms']:.2f} ms "
                           f"({c['with_compiles']} steps), scheduler CPU {c['mean_cpu_ms']:.2f} ms, "
-                          f"preempted {c['mean_preempted']:.2f}")
+                          f"launch {c['mean_launch_ms']:.2f} ms, preempted {c['mean_preempted']:.2f}")
             r = part["ratios"]
             for kind in ("decode", "mixed"):
                 s = r[kind]
@@ -234,14 +237,15 @@ def print_report(rep: dict, min_steps: int = 20) -> None:
                 print(f"  slowest above p99: {'step':>7} {'kind':>6} {'rows':>4} {'prompt':>6} {'reqs':>4} "
                       f"{'bound':>14} {'graph':>5} {'pred':>7} {'alone':>7} {'meas':>7} {'x pred':>6} "
                       f"{'queued':>6} {'retr':>4} {'gpu wait':>8} {'gc':>6} {'compile':>7} {'cpu':>6} "
-                      f"{'preempt':>7}")
+                      f"{'launch':>6} {'preempt':>7}")
                 for s in part["slowest"]:
                     print(f"  {'':>17} {s['step']:7d} {s['kind']:>6} {s['rows']:4d} {s['prompt']:6d} "
                           f"{s['prompt_reqs']:4d} {str(s['bound']):>14} {s['graph']:5d} {_fmt(s['predicted_ms'])} "
                           f"{_fmt(s['alone_ms'])} {_fmt(s['measured_ms'])} {_fmt(s['x_predicted'], 6)} "
                           f"{s['waiting']:6d} {s['retracted']:4d} {_fmt(s['host_wait_ms'], 8, 1)} "
                           f"{_fmt(s['gc_ms'], 6, 1)} "
-                          f"{_fmt(s['compile_ms'], 7, 1)} {_fmt(s['cpu_ms'], 6, 1)} {s['preempted']:7d} "
+                          f"{_fmt(s['compile_ms'], 7, 1)} {_fmt(s['cpu_ms'], 6, 1)} {_fmt(s['launch_ms'], 6, 1)} "
+                          f"{s['preempted']:7d} "
                           f"{' '.join(s['compiled'])}")
 
 

@@ -94,6 +94,7 @@ def test_a_row_per_step_consistent_with_the_schedulers_decisions_counters_and_ti
         expected = 0.05 if r["kind"] == "extend" else SLOW.seconds(r["verify_tokens"] + r["prompt_tokens"])
         assert r["seconds"] == pytest.approx(expected)
         assert 0.0 <= r["wait_s"] <= r["seconds"] + 1e-9
+        assert r["launch_s"] == 0.0  # the fake clock moves only while a result is waited for
     # Why: the plan of every priced step (the mixed ones and the decode steps that could mix);
     # nothing for the others. Its prediction is the model's at the time, which the fit learns.
     assert [r["budget"] is not None for r in rows] == [s.priced for s in steps]
@@ -206,7 +207,7 @@ def test_a_failed_write_ends_the_log_not_the_engine(caplog):
     batch = InflightBatch(Decision(ForwardMode.DECODE, [object()]), Launched(None, None, None), 0.0, 0)
     log = StepLog("/dev/full", verify_width=1, flush_every=2)
     for i in range(5):
-        log.launched(policy, float(i))
+        log.launched(policy, float(i), 0.0)
         log.processed(batch, 0.01, 0.0)
     assert log.failed and "no more steps are written" in caplog.text
     assert len(log._rows) == 1  # still bounded: dropped at every flush
@@ -227,9 +228,9 @@ def test_rows_carry_the_host_pauses_since_the_step_before(tmp_path, monkeypatch)
     log = StepLog(str(tmp_path / "steps.jsonl"), verify_width=1)
     gc.disable()  # no automatic collection in between
     try:
-        log.launched(policy, 0.0)
+        log.launched(policy, 0.0, 0.002)
         log.processed(batch, 0.01, 0.0)  # nothing paused: zeros
-        log.launched(policy, 1.0)
+        log.launched(policy, 1.0, 0.003)
         gc.collect()
         assert knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="_decode_kernel")) is None
         knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_decode_kernel"))
@@ -241,6 +242,7 @@ def test_rows_carry_the_host_pauses_since_the_step_before(tmp_path, monkeypatch)
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == earlier
     quiet, paused = _rows(tmp_path / "steps.jsonl")
     assert (quiet["gc_s"], quiet["gc_full"], quiet["compile_s"], quiet["compiled"]) == (0.0, 0, 0.0, [])
+    assert (quiet["launch_s"], paused["launch_s"]) == (0.002, 0.003)  # each its own launch's
     assert paused["gc_s"] > 0 and paused["gc_full"] == 1 and paused["compiled"] == ["_decode_kernel"]
     assert paused["compile_s"] >= 0
     # the scheduler thread's CPU time over the interval (the collection ran on it) and its
@@ -311,7 +313,7 @@ def test_the_budget_names_the_term_that_set_it():
 
 # --- the report ------------------------------------------------------------------------------
 def _row(step, t, kind, seconds, *, rows=8, prompt=0, bound=None, predicted=None, alone=None, graph=0,
-         fit=100, retracted=0):
+         fit=100, retracted=0, launch=0.001):
     plan = kind != "extend"
     return {"step": step, "t": t, "kind": kind, "decode_rows": 0 if kind == "extend" else rows,
             "verify_tokens": 0 if kind == "extend" else 4 * rows, "prompt_tokens": prompt,
@@ -319,7 +321,7 @@ def _row(step, t, kind, seconds, *, rows=8, prompt=0, bound=None, predicted=None
             "retracted": retracted, "backlog": 0 if plan else None, "budget": 256 if plan else None,
             "bound": bound if plan else None, "predicted_s": predicted if plan else None,
             "decode_alone_s": alone if plan else None, "fit_steps": fit, "graph": graph, "draft_depth": 3,
-            "seconds": seconds, "wait_s": seconds / 2}
+            "seconds": seconds, "wait_s": seconds / 2, "launch_s": launch}
 
 
 def _synthetic_log() -> list[dict]:
@@ -341,7 +343,8 @@ def _synthetic_log() -> list[dict]:
             slow = i % 100 == 1
             rows.append(_row(len(rows), t, "mixed", 0.035 if slow else 0.014, prompt=300 if slow else 64,
                              bound="bucket" if slow else "ratio", predicted=0.014, alone=0.010,
-                             graph=0 if slow else 512, fit=10 if i < 20 else 100))
+                             graph=0 if slow else 512, fit=10 if i < 20 else 100,
+                             launch=0.02 if slow else 0.001))
         else:
             rows.append(_row(len(rows), t, "decode", 0.010, bound="ratio", predicted=0.010, alone=0.010, graph=64))
         t += rows[-1]["seconds"]
@@ -369,9 +372,11 @@ def test_the_report_splits_segments_and_the_burst_and_finds_what_the_slow_steps_
     slow = steady["above_p99"]
     assert slow["n"] == 10 and slow["kinds"] == {"mixed": 10} and slow["bounds"] == {"bucket": 10}
     assert slow["graphed"] == 0.0 and slow["mean_prompt_tokens"] == 300
+    assert slow["mean_launch_ms"] == pytest.approx(20) and steady["below_p95"]["mean_launch_ms"] == pytest.approx(1)
     assert steady["below_p95"]["graphed"] == 1.0
     assert [s["measured_ms"] for s in steady["slowest"]] == [pytest.approx(35)] * 5
     assert steady["slowest"][0]["x_predicted"] == pytest.approx(2.5)
+    assert steady["slowest"][0]["launch_ms"] == pytest.approx(20)
     # Measured over predicted: only steps priced by a model fitted from >= 32 steps (the first
     # slow one was not).
     ratios = steady["ratios"]

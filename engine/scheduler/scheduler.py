@@ -172,7 +172,7 @@ class Scheduler:
             self.inflight.append(InflightBatch(decision, launched, launched_at,
                                                len(self.policy.running) - len(decision.reqs)))
             if self.step_log is not None:
-                self.step_log.launched(self.policy, launched_at)
+                self.step_log.launched(self.policy, launched_at, self.clock() - launched_at)
         self._idle_for_grammar = decision is None and bool(self._compiling) and not self.inflight
         keep = 1 if (self.enable_overlap and decision is not None) else 0
         while len(self.inflight) > keep:

@@ -4,10 +4,12 @@ kind, decode rows, verify tokens, the prompt tokens riding and how many requests
 to), why (the prompt budget, the term that set it and the backlog: schedule_batch.MixedPlan),
 what the step-cost model predicted for it and for its decode rows alone, whether it replayed
 a captured graph (the bucket) or ran eagerly, and what it took: the StepStat seconds the
-scheduler measures anyway (no device sync is added), and of that the host's pauses since the
-step before: garbage collections and Triton compiles (engine/host_pauses.py: a step many times
-its prediction with no device wait is one of those, or neither). bench/step_log_report.py
-reads it.
+scheduler measures anyway (no device sync is added), the host's time launching it, and the
+host's pauses since the step before: garbage collections and Triton compiles (engine/
+host_pauses.py). A step many times its prediction with no device wait is one of those, or a
+launch that blocked: CUDA's launch queue was full (a stack sampler found the eager parts of
+speculative mixed steps blocked in launches for a whole step on an H200, docs/benchmarks.md's
+sixteenth round). bench/step_log_report.py reads it.
 
 The scheduler thread pays for a row of host values it already holds when a step launches
 and when its result is processed (~4 us a step on a busy 2-core host), and for their JSON every
@@ -58,6 +60,8 @@ class StepRow(NamedTuple):
     draft_depth: int           # StepStat.draft_depth
     seconds: float             # StepStat.seconds: launch (or the previous result) to its result
     wait_s: float              # of which the host waited for its result
+    launch_s: float            # the host's time launching it (Scheduler._launch: its inputs built
+                               # and its work enqueued; a launch blocks while CUDA's queue is full)
     gc_s: float                # garbage collections since the step before (host_pauses.Pauses)
     gc_full: int               # of which of the oldest generation
     compile_s: float           # Triton compiles since the step before
@@ -75,6 +79,7 @@ class _Launch(NamedTuple):
     waiting: int
     retracted: int
     fit_steps: int
+    launch_s: float
 
 
 class StepLog:
@@ -98,16 +103,16 @@ class StepLog:
         self._retractions = 0  # the policy's count at the last launch
         self._pauses = HostPauses()
 
-    def launched(self, policy, launched_at: float) -> None:
+    def launched(self, policy, launched_at: float, launch_s: float) -> None:
         """A step was just launched (policy: the scheduler's AdmissionPolicy, right after it
-        scheduled the step)."""
+        scheduled the step), its launch having taken the host `launch_s`."""
         if self._t0 is None:
             self._t0 = launched_at
         retractions = policy.num_retractions
         fit = policy.step_cost
         self._launches.append(_Launch(self._num_launched, launched_at - self._t0, len(policy.running),
                                       len(policy.waiting), retractions - self._retractions,
-                                      0 if fit is None else fit.num_samples))
+                                      0 if fit is None else fit.num_samples, launch_s))
         self._retractions = retractions
         self._num_launched += 1
 
@@ -127,7 +132,7 @@ class StepLog:
             None if plan is None else plan.bound,
             None if cost is None else cost.seconds(verify + prompt), None if cost is None else cost.seconds(verify),
             at.fit_steps, batch.launched.graph, batch.launched.draft_depth, seconds, wait_s,
-            *self._pauses.take()))
+            at.launch_s, *self._pauses.take()))
         if len(self._rows) >= self.flush_every:
             self.flush()
 
