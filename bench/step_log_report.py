@@ -14,7 +14,7 @@ prompts) are reported apart from the steady state. Per part:
   the steps below the p95, and the slowest ones line by line ("queued": requests waiting;
   "gpu wait": the host's wait for the step's result, a GPU-bound step's; "cpu": the scheduler
   thread's CPU time, which includes that wait, since a CUDA wait spins; "launch": the host's
-  time launching the step, which includes a launch blocked by a full CUDA queue);
+  time launching the step, including any kernel launch the driver held);
 - the measured over predicted time per kind (steps priced by a fitted model only: fit_steps >=
   --min-fit), and a mixed step's measured time over its decode rows' predicted time alone (the
   budget bounds the predicted one at DRAIN_TIME_RATIO, 2x).

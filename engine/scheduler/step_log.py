@@ -7,9 +7,9 @@ a captured graph (the bucket) or ran eagerly, and what it took: the StepStat sec
 scheduler measures anyway (no device sync is added), the host's time launching it, and the
 host's pauses since the step before: garbage collections and Triton compiles (engine/
 host_pauses.py). A step many times its prediction with no device wait is one of those, or a
-launch that blocked: CUDA's launch queue was full (a stack sampler found the eager parts of
-speculative mixed steps blocked in launches for a whole step on an H200, docs/benchmarks.md's
-sixteenth round). bench/step_log_report.py reads it.
+launch that blocked (on an H200 a stack sampler found the eager parts of speculative mixed
+steps spinning inside kernel launches for up to a step's time, docs/benchmarks.md's sixteenth
+round: most likely CUDA's launch queue full behind the step before). bench/step_log_report.py reads it.
 
 The scheduler thread pays for a row of host values it already holds when a step launches
 and when its result is processed (~4 us a step on a busy 2-core host), and for their JSON every
@@ -61,7 +61,7 @@ class StepRow(NamedTuple):
     seconds: float             # StepStat.seconds: launch (or the previous result) to its result
     wait_s: float              # of which the host waited for its result
     launch_s: float            # the host's time launching it (Scheduler._launch: its inputs built
-                               # and its work enqueued; a launch blocks while CUDA's queue is full)
+                               # and its work enqueued, including any launch the driver held)
     gc_s: float                # garbage collections since the step before (host_pauses.Pauses)
     gc_full: int               # of which of the oldest generation
     compile_s: float           # Triton compiles since the step before
