@@ -21,7 +21,8 @@ export SPECSERVE_MODELS_DIR=$PWD/models PYTHONUNBUFFERED=1
 # NVLink multicast stays off in every process on the lent machines (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the wheels (also for a later call that skips the install); SITE_FIRST: a directory searched
-# before them (another checkout installed with --target, run beside this one)
+# before them (another checkout installed with --target, run beside this one; or
+# $PWD/bench/stack_sampler with STACK_SAMPLER=PATH: every process samples its stacks)
 export PYTHONPATH=${SITE_FIRST:+$SITE_FIRST:}/tmp/site
 if [ -z "${SESSION_INSTALLED:-}" ]; then
   python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site wheels/base/*.whl \
