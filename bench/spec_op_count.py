@@ -1,6 +1,7 @@
 """Ops a steady-state speculative step dispatches, per engine function, on the CPU.
 
     python bench/spec_op_count.py --modes chain,tree --batch-sizes 1,4 --out ops.json
+    python bench/spec_op_count.py --modes chain --batch-sizes 4 --arrival-prompt-len 32
 
 Builds a tiny random Llama target and an EAGLE-3 head (config.json + `load_format="dummy"`),
 runs the engine in speculative mode with the accept length forced (as bench/step_profile.py
@@ -11,6 +12,12 @@ graph of the step replays: the GPU-side measure is bench/step_profile.py. An op 
 to the innermost engine function on its stack (the attention backend and the models are
 reported as one group each: they are the same in a plain step). Host syncs (`item`,
 `_local_scalar_dense`, `nonzero`) are counted separately: the steady state must have none.
+
+`--arrival-prompt-len N` counts mixed steps instead (`mixed_steps`: a prompt of N tokens arrives
+before every profiled step, and only the steps that launched a mixed step count): the ops inside
+the target's forward, which a bucket replays as one CUDA graph (runtime/captured_mixed.py), and
+the ops around it, which a GPU launches one by one from the scheduler thread (the draft, the LM
+head, the accept, the chunks' draft prefill).
 
 `--cuda-kernels` takes the draft tree's CUDA paths (the Triton kernels of
 engine/spec/tree_kernels.py, run by the Triton interpreter) and counts each launch as one op,
@@ -75,7 +82,7 @@ def engine_frame(event) -> str:
     e = event.cpu_parent
     while e is not None:
         path = e.name.replace("\\", "/")
-        if "/engine/" in path and "): " in path:
+        if re.search(r"(^|/)engine/", path) and "): " in path:  # absolute, or relative to the cwd
             for group, pattern in GROUPS:
                 if pattern.search(path):
                     return group
@@ -108,16 +115,10 @@ def kernel_ops(prof) -> list:
     def below(e) -> bool:
         return any(works(c) for c in aten_children(e))
 
-    def in_kernel(e) -> bool:  # the interpreter's own ops inside a Triton launch
-        e = e.cpu_parent
-        while e is not None:
-            if e.name.startswith(KERNEL_RANGE):
-                return True
-            e = e.cpu_parent
-        return False
-
     return [e for e in prof.events() if e.name.startswith(KERNEL_RANGE) or (
-        e.name.startswith("aten::") and e.name not in NO_KERNEL and not below(e) and not in_kernel(e))]
+        e.name.startswith("aten::") and e.name not in NO_KERNEL and not below(e)
+        # (not the interpreter's own ops inside a Triton launch)
+        and ancestor(e, KERNEL_PATTERN) is None)]
 
 
 def aten_children(e) -> list:
@@ -125,6 +126,31 @@ def aten_children(e) -> list:
 
 
 KERNEL_RANGE = "triton kernel: "
+KERNEL_PATTERN = re.compile("^" + KERNEL_RANGE)
+STEP_FRAME = re.compile(r"engine/api\.py\(\d+\): step$")  # Engine.step: one per profiled step
+# A mixed step's target forward: the model runner's forward called by the speculative worker's
+# step body (the draft head's forwards are called by the drafter).
+TARGET_FORWARD = re.compile(r"runtime/model_runner\.py\(\d+\): forward$")
+SPEC_BODY = re.compile(r"spec/spec_worker\.py\(\d+\): body$")
+
+
+def ancestor(e, pattern: re.Pattern):
+    """The innermost event around op `e` whose name matches `pattern` (None if none does)."""
+    e = e.cpu_parent
+    while e is not None:
+        if pattern.search(e.name.replace("\\", "/")):
+            return e
+        e = e.cpu_parent
+    return None
+
+
+def in_target_forward(e) -> bool:
+    forward = ancestor(e, TARGET_FORWARD)
+    while forward is not None:
+        if forward.cpu_parent is not None and SPEC_BODY.search(forward.cpu_parent.name.replace("\\", "/")):
+            return True
+        forward = ancestor(forward, TARGET_FORWARD)
+    return False
 
 
 def use_tree_kernels() -> None:
@@ -142,14 +168,20 @@ def use_tree_kernels() -> None:
         setattr(tree_kernels, name, counted(getattr(tree_kernels, name)))
 
 
-def measure(mode: str, bs: int, steps: int, root: str, backend: str) -> dict:
+def arrival_prompt(index: int, length: int) -> list[int]:
+    """A prompt no earlier one shares a prefix with (the radix cache would shorten it)."""
+    return [(11 * index + 5 * j) % 400 + 100 for j in range(length)]
+
+
+def measure(mode: str, bs: int, steps: int, root: str, backend: str, arrival_len: int = 0) -> dict:
     from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 
     target, draft = write_pair(root)
     spec = SpecConfig(algorithm="eagle3", draft_model=draft, bench_force_accept_len=3, **MODES[mode])
     engine = Engine(EngineConfig(model=target, device="cpu", dtype="float32", load_format="dummy", spec=spec,
-                                 max_running_requests=bs, max_context_len=512, attention_backend=backend,
-                                 enable_prefix_cache=False))
+                                 max_running_requests=bs + (arrival_len > 0), max_context_len=512,
+                                 attention_backend=backend, enable_prefix_cache=False,
+                                 mixed_steps=arrival_len > 0))
     # The profiler records the thread it runs in: run the forward "stream" (an executor thread
     # on the CPU) inline, so that the schedule side and the forwards are both recorded.
     ctx = engine.core.ctx
@@ -161,26 +193,51 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str) -> dict:
         pass
     for _ in range(4):  # settle into the steady state
         engine.step()
-    steps0 = engine.metrics.num_steps
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        for _ in range(steps):
-            engine.step()
-    num_steps = engine.metrics.num_steps - steps0
-    engine.shutdown()
     by_frame, by_op, by_phase = Counter(), Counter(), Counter()
     by_frame_op = defaultdict(Counter)
     syncs = Counter()
+    in_target, around_target = 0, Counter()
+
+    # One profile over every step (several in a row do not parse reliably); a step is told by its
+    # Engine.step frame, in call order.
+    launched_mixed = []
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for step in range(steps):
+            if arrival_len:  # each step a mixed one: the decode rows and a new prompt
+                engine.add_request(f"arrival-{step}", arrival_prompt(step, arrival_len),
+                                   SamplingParams(max_new_tokens=1, temperature=0.0))
+            mixed0 = engine.metrics.num_mixed_steps
+            engine.step()
+            launched_mixed.append(engine.metrics.num_mixed_steps > mixed0)
+    engine.shutdown()
+    events = prof.events()
+    step_frames = sorted((e for e in events if STEP_FRAME.search(e.name)), key=lambda e: e.time_range.start)
+    assert len(step_frames) == steps, (len(step_frames), steps)
+    # Without arrivals every step counts; with them, those that launched a mixed step.
+    counted = {id(e) for e, mixed in zip(step_frames, launched_mixed) if mixed or not arrival_len}
+    num_steps = len(counted)
     for e in kernel_ops(prof):
+        if id(ancestor(e, STEP_FRAME)) not in counted:
+            continue
         frame = engine_frame(e)
         by_frame[frame] += 1
         by_op[e.name] += 1
         by_phase[phase(e)] += 1
         by_frame_op[frame][e.name] += 1
-    for e in prof.events():
-        if e.name in SYNCS:
+        if in_target_forward(e):
+            in_target += 1
+        else:
+            around_target[frame] += 1
+    for e in events:
+        if e.name in SYNCS and id(ancestor(e, STEP_FRAME)) in counted:
             syncs[engine_frame(e)] += 1
+    if not num_steps:
+        raise RuntimeError("no mixed step was profiled: the arrivals did not ride")
     per = lambda c: {k: v / num_steps for k, v in c.most_common()}
-    return {"mode": mode, "batch_size": bs, "steps": num_steps, "attention_backend": backend,
+    return {"mode": mode, "batch_size": bs, "steps": num_steps, "arrival_prompt_len": arrival_len,
+            "attention_backend": backend,
+            "target_forward_ops_per_step": in_target / num_steps if arrival_len else None,
+            "around_target_by_function": per(around_target) if arrival_len else None,
             "cuda_kernels": KERNEL_RANGE.strip() in str(by_op),
             "ops_per_step": sum(by_frame.values()) / num_steps,
             "spec_ops_per_step": sum(v for k, v in by_frame.items() if k not in dict(GROUPS)) / num_steps,
@@ -195,6 +252,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--detail", action="store_true", help="print the ops of every function")
+    ap.add_argument("--arrival-prompt-len", type=int, default=0,
+                    help="mixed steps: a prompt of this many tokens arrives before every profiled step")
     ap.add_argument("--cuda-kernels", action="store_true",
                     help="take the draft tree's Triton kernels (interpreted), one op a launch")
     ap.add_argument("--out", default="spec_op_count.json")
@@ -207,10 +266,16 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         for mode in args.modes.split(","):
             for bs in map(int, args.batch_sizes.split(",")):
-                r = measure(mode, bs, args.steps, root, args.attention_backend)
+                r = measure(mode, bs, args.steps, root, args.attention_backend, args.arrival_prompt_len)
                 results.append(r)
-                print(f"\n{mode} bs={bs}: {r['ops_per_step']:.1f} ops/step, {r['spec_ops_per_step']:.1f} outside "
-                      f"the model and attention; host syncs {r['syncs_per_step'] or 'none'}")
+                print(f"\n{mode} bs={bs}: {r['ops_per_step']:.1f} ops/step, {r['spec_ops_per_step']:.1f} "
+                      f"outside the model and attention; host syncs {r['syncs_per_step'] or 'none'}")
+                if args.arrival_prompt_len:
+                    print(f"  mixed steps ({r['steps']} profiled): {r['target_forward_ops_per_step']:.1f} ops in "
+                          f"the target's forward (one graph replay where a bucket holds it), "
+                          f"{r['ops_per_step'] - r['target_forward_ops_per_step']:.1f} around it:")
+                    for frame, n in list(r["around_target_by_function"].items())[:8]:
+                        print(f"  {n:7.1f}  {frame}")
                 for name, n in r["by_phase"].items():
                     print(f"  {n:7.1f}  {name}")
                 print("  by function:")
