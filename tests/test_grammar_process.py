@@ -350,22 +350,22 @@ def test_channel_kernels_in_the_triton_interpreter():
     seq % 2 and the flags; wait passes once the host flag reaches the counter, and gives up
     after max_spins reads otherwise, saying so."""
     from specserve.engine.grammar import channel_kernels
-    from specserve.engine.grammar.channel import TIMED_OUT
+    from specserve.engine.grammar.channel import DEVICE_FLAG, HOST_FLAG, TIMED_OUT
 
     ring = torch.zeros(2 * 8, dtype=torch.int64)
     header = torch.zeros(16, dtype=torch.int64)
     seq = torch.zeros(1, dtype=torch.int64)
-    channel_kernels.signal(torch.arange(5) + 10, 5, seq, ring, header, 8)
+    channel_kernels.signal(torch.arange(5) + 10, 5, seq, ring, header, 8, DEVICE_FLAG)
     assert (seq.item(), header[0].item()) == (1, 1) and ring[8:13].tolist() == [10, 11, 12, 13, 14]
-    channel_kernels.signal(torch.arange(3) * 2, 3, seq, ring, header, 8)
+    channel_kernels.signal(torch.arange(3) * 2, 3, seq, ring, header, 8, DEVICE_FLAG)
     assert (seq.item(), header[0].item()) == (2, 2) and ring[:3].tolist() == [0, 2, 4]
-    channel_kernels.signal(torch.zeros(1, dtype=torch.int64), 0, seq, ring, header, 8)  # no data
+    channel_kernels.signal(torch.zeros(1, dtype=torch.int64), 0, seq, ring, header, 8, DEVICE_FLAG)  # no data
     assert (seq.item(), header[0].item()) == (3, 3) and ring[8:13].tolist() == [10, 11, 12, 13, 14]
-    header[8] = 3
-    channel_kernels.wait(header, seq, 100)
+    header[HOST_FLAG] = 3
+    channel_kernels.wait(header, seq, 100, HOST_FLAG, TIMED_OUT)
     assert header[TIMED_OUT].item() == 0
-    header[8] = 2
-    channel_kernels.wait(header, seq, 100)
+    header[HOST_FLAG] = 2
+    channel_kernels.wait(header, seq, 100, HOST_FLAG, TIMED_OUT)
     assert header[TIMED_OUT].item() == 1
 
 

@@ -220,12 +220,12 @@ class CudaDeviceChannel(DeviceChannel):
         flat = self._flat(tensors)
         n = 0 if flat is None else flat.shape[0]
         channel_kernels.signal(self._nothing if flat is None else flat, n, self.seq, self.inputs_d,
-                               self.header_d, self.layout.slot)
+                               self.header_d, self.layout.slot, DEVICE_FLAG)
 
     def masks(self, n: int) -> torch.Tensor:
         from specserve.engine.grammar import channel_kernels
 
-        channel_kernels.wait(self.header_d, self.seq, MAX_SPINS)
+        channel_kernels.wait(self.header_d, self.seq, MAX_SPINS, HOST_FLAG, TIMED_OUT)
         self._masks[:n].copy_(self.masks_d[:n])
         return self._masks[:n]
 

@@ -1,13 +1,12 @@
 """The CUDA side of the grammar channel (channel.py): two one-program Triton kernels that read
 their sequence numbers from device memory, so a captured graph publishes and waits for new
-phases at every replay."""
+phases at every replay. The header's layout is channel.py's: its callers pass the word
+positions, so this module depends on nothing of it."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from specserve.engine.grammar.channel import DEVICE_FLAG, HOST_FLAG, TIMED_OUT
 
 BLOCK = 1024
 
@@ -40,9 +39,14 @@ def _wait_kernel(header, seq_ptr, max_spins, HOST_FLAG_AT: tl.constexpr, TIMED_O
 
 
 def signal(flat: torch.Tensor, n: int, seq: torch.Tensor, ring: torch.Tensor, header: torch.Tensor,
-           slot: int) -> None:
-    _signal_kernel[(1,)](flat, n, seq, ring, header, slot, DEVICE_FLAG_AT=DEVICE_FLAG, BLOCK=BLOCK)
+           slot: int, device_flag_at: int) -> None:
+    """Publish the next phase: `flat[:n]` into ring slot (seq + 1) % 2, then seq + 1 into the
+    counter and into header[device_flag_at]."""
+    _signal_kernel[(1,)](flat, n, seq, ring, header, slot, DEVICE_FLAG_AT=device_flag_at, BLOCK=BLOCK)
 
 
-def wait(header: torch.Tensor, seq: torch.Tensor, max_spins: int) -> None:
-    _wait_kernel[(1,)](header, seq, max_spins, HOST_FLAG_AT=HOST_FLAG, TIMED_OUT_AT=TIMED_OUT)
+def wait(header: torch.Tensor, seq: torch.Tensor, max_spins: int, host_flag_at: int,
+         timed_out_at: int) -> None:
+    """Spin until header[host_flag_at] reaches the counter, or give up after `max_spins` reads
+    and set header[timed_out_at]."""
+    _wait_kernel[(1,)](header, seq, max_spins, HOST_FLAG_AT=host_flag_at, TIMED_OUT_AT=timed_out_at)
