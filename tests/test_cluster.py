@@ -312,7 +312,12 @@ def test_a_killed_replica_fails_its_calls_the_other_serves_and_it_returns(dp_ser
         dp_server.wait_for_log(r"replica 0 serving .*restart|replica 0: starting its engine again",
                                timeout=60)
         assert wait_until(lambda: _idle(client), timeout=120, interval=0.5)
-        assert [row.restarts for row in client.server_load().replicas] == [1, 0]
+        # Replica 0 serves again, after one restart or more: a restart whose engine dies while
+        # starting (seen once in a suite run on a busy 2-core host, restarts [2, 0]; e.g. one
+        # started before Ray has restarted the killed actor) is tried again after the backoff.
+        # Replica 1 never restarted.
+        restarts = [row.restarts for row in client.server_load().replicas]
+        assert restarts[0] >= 1 and restarts[1] == 0, restarts
 
 
 @pytest.mark.parametrize("placement", ["spread", "node"])
