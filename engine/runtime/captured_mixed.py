@@ -21,7 +21,10 @@ eager forward as well, reading the forward's outputs: the logits of the rows tha
 sampling with each part's own SamplingInfo (so sampled, seeded and filtered rows ride the
 graphs too), the verifier's accept, and the drafter's draft (before) and draft-extends
 (after), which need the target's features of every row. Tree verify rows carry a custom mask
-and run eagerly, as does any step no bucket holds.
+and run eagerly, as does any step no bucket holds. That eager part is what a speculative mixed
+step's p99 is made of now: about 430 launches around the replay of a chain step
+(`bench/spec_op_count.py --arrival-prompt-len`), which on an H200 at 64 streams held the
+scheduler thread in a launch for up to a step's time (docs/benchmarks.md, sixteenth round).
 
 Buckets: T in TOKEN_BUCKETS (the extends', and steps of a quarter between them from 256 on);
 M as the extends' (64 up to T = 256: Triton's split extend over the prefix, which a verify row
