@@ -8,8 +8,9 @@ scheduler measures anyway (no device sync is added), the host's time launching i
 host's pauses since the step before: garbage collections and Triton compiles (engine/
 host_pauses.py). A step many times its prediction with no device wait is one of those, or a
 launch that blocked (on an H200 a stack sampler found the eager parts of speculative mixed
-steps spinning inside kernel launches for up to a step's time, docs/benchmarks.md's sixteenth
-round: most likely CUDA's launch queue full behind the step before). bench/step_log_report.py reads it.
+steps spinning inside kernel launches for up to a step's time, docs/benchmarks.md's
+sixteenth round: most likely CUDA's launch queue full behind the step before).
+bench/step_log_report.py reads it.
 
 The scheduler thread pays for a row of host values it already holds when a step launches
 and when its result is processed (~4 us a step on a busy 2-core host), and for their JSON every
