@@ -95,10 +95,10 @@ MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
 # H100 the paired kernel led today's on every 8B shape at M 1 and 16 by 8-13 % (bench/fp8_gemm.py
 # --variants w4a16, AWQ's fp16 scales; docs/benchmarks.md, fourteenth round), though with 40 %
 # fewer instructions a weight it still streams at 31-46 % of copy bandwidth: not issue-bound.
-# What the compiled loop waits on instead (sm_90 SASS, Triton 3.9, the 8B shapes at M = 1, not
-# yet timed): its weights come through 16-byte cp.async (LDGSTS.128, pipelined over the stages)
-# but each iteration's scales and zeros are 16 plain loads (LDG.E.U16 and LDG.E.U8, 8 each),
-# which the iteration waits for; the FP8 skinny GEMM's loop has none (its scales ride cp.async).
+# A lead, not yet timed (sm_90 SASS, Triton 3.9, the 8B shapes at M = 1): the loop's weights
+# come through 16-byte cp.async (LDGSTS.128, pipelined over the stages), but its scales and
+# zeros are 16 plain loads an iteration (LDG.E.U16 and LDG.E.U8, 8 each) that no stage hides;
+# the FP8 skinny GEMM's loop has none (its scales ride cp.async too).
 PAIRED_DEQUANT = True
 
 
