@@ -2,7 +2,8 @@
 compiled for sm_90 (tests/sm90_compile.py), its cubin disassembled by the nvdisasm Triton
 ships, and the body of the loop (the longest backward branch) counted by opcode. Per weight:
 the loop's instructions times the warps, over the weight elements a step reads, the number
-docs/benchmarks.md ("FP8 W8A16: instructions a weight") compares.
+docs/benchmarks.md ("FP8 W8A16: instructions a weight") compares; and the loop's global loads,
+cp.async (LDGSTS: pipelined over the stages) or plain (LDG).
 
     python tests/sm90_sass.py    # the table for Llama 8B's o_proj at M = 1
     python tests/sm90_sass.py w4a16    # the W4A16 kernel's: 8B o and gate/up at M = 1
@@ -64,6 +65,13 @@ def skinny_fp8_launch(m: int, n_rows: int, k: int, silu: bool, config, convert: 
     return compile_sm90_kernel(sk._skinny_gemm_kernel, args, c.num_warps, c.num_stages), c
 
 
+def global_loads(opcodes: collections.Counter) -> str:
+    """The loop's loads from global memory: cp.async ones (LDGSTS, which the stages pipeline)
+    and plain ones (LDG, which an iteration issues for itself)."""
+    loads = sorted((op, n) for op, n in opcodes.items() if op.startswith("LDG") and op != "LDGDEPBAR")
+    return "loads " + (", ".join(f"{op} {n}" for op, n in loads) or "none")
+
+
 def per_weight(opcodes: collections.Counter, config, silu: bool) -> float:
     """Warp instructions a weight element: the loop's per thread, times the warps, over a
     step's weight elements (both tiles of a pair)."""
@@ -115,7 +123,7 @@ def w4a16_main() -> None:
             opcodes = loop_opcodes(compiled)
             top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))
             print(f"{shape:8} W{launch.args['WORDS']:<3} {name:22} n{launch.args['BLOCK_N']:<3} "
-                  f"{w4_per_weight(opcodes, launch):.3f}  ({top})", flush=True)
+                  f"{w4_per_weight(opcodes, launch):.3f}  ({top}; {global_loads(opcodes)})", flush=True)
 
 
 def main() -> None:
@@ -138,7 +146,7 @@ def main() -> None:
         compiled, c = skinny_fp8_launch(1, 4096, 4096, False, config, convert)
         opcodes = loop_opcodes(compiled)
         top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))
-        print(f"{name:48} {per_weight(opcodes, c, False):.3f}  ({top})", flush=True)
+        print(f"{name:48} {per_weight(opcodes, c, False):.3f}  ({top}; {global_loads(opcodes)})", flush=True)
 
 
 if __name__ == "__main__":
