@@ -344,6 +344,33 @@ def test_released_channel_passes_every_wait():
     _close(shm, channel)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_wait_that_gives_up_passes_every_row_all_allowed(monkeypatch, device):
+    """No answer (the grammar process alive but silent): the wait gives up and says so, and every
+    row comes back all allowed, not the stale rows the shared masks hold (another phase's: a
+    constrained row's mask where an unconstrained row sits now, which once made an
+    unconstrained request under overlap decode a token it would not alone); later waits do
+    not wait again until the service restarts."""
+    from specserve.engine.grammar import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "CPU_WAIT_LIMIT_SECONDS", 0.05)
+    monkeypatch.setattr(channel_module, "MAX_SPINS", 1000)
+    shm, layout, views, channel = _channel(device)
+    try:
+        views.masks[:4] = 5                        # a stale, restrictive answer
+        channel.signal(torch.tensor([1], device=device))
+        assert channel.masks(4).tolist() == [[-1] * 3] * 4
+        assert views.timed_out
+        channel.signal(torch.tensor([2], device=device))
+        start = time.perf_counter()
+        assert channel.masks(4).tolist() == [[-1] * 3] * 4
+        if device == "cpu":
+            assert time.perf_counter() - start < 0.04   # no second wait
+    finally:
+        del views
+        _close(shm, channel)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter runs on machines without CUDA")
 def test_channel_kernels_in_the_triton_interpreter():
     """The CUDA channel's kernels (channel_kernels.py) on CPU tensors: signal writes slot

@@ -117,6 +117,11 @@ class DeviceChannel:
         raise NotImplementedError
 
     def masks(self, n: int) -> torch.Tensor:
+        """The answer's first n mask rows. After a wait that gave up (the grammar process alive
+        but silent: TIMED_OUT in the header) the shared rows are stale, another phase's rows or
+        half written, so every row comes back all allowed, as a released channel's: the
+        constrained rows of such a step are failed (GrammarService.dead) and the unconstrained
+        ones, whose rows may hold another request's old mask, decode as they would alone."""
         raise NotImplementedError
 
     def captured(self):
@@ -164,7 +169,7 @@ class CpuDeviceChannel(DeviceChannel):
 
     def masks(self, n: int) -> torch.Tensor:
         header, target = self.views.header, self._seq
-        if header[HOST_FLAG] < target:
+        if header[HOST_FLAG] < target and not header[TIMED_OUT]:
             deadline = time.monotonic() + CPU_WAIT_LIMIT_SECONDS
             spins = 0
             while header[HOST_FLAG] < target:
@@ -174,7 +179,10 @@ class CpuDeviceChannel(DeviceChannel):
                     if time.monotonic() > deadline:  # as the CUDA wait: say so, go on
                         header[TIMED_OUT] = 1
                         break
-        self._masks[:n].copy_(self.views.masks[:n])
+        if header[TIMED_OUT]:  # no answer: all allowed, as a released channel's (see masks())
+            self._masks[:n].fill_(-1)
+        else:
+            self._masks[:n].copy_(self.views.masks[:n])
         return self._masks[:n]
 
     def _reset(self) -> None:
@@ -227,6 +235,9 @@ class CudaDeviceChannel(DeviceChannel):
 
         channel_kernels.wait(self.header_d, self.seq, MAX_SPINS, HOST_FLAG, TIMED_OUT)
         self._masks[:n].copy_(self.masks_d[:n])
+        # After a wait that gave up, all allowed (see DeviceChannel.masks), decided on the device
+        # from the flag the wait wrote: no host sync, the same in a graph.
+        self._masks[:n].masked_fill_(self.header_d[TIMED_OUT] != 0, -1)
         return self._masks[:n]
 
     def _reset(self) -> None:
