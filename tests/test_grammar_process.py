@@ -394,6 +394,10 @@ def test_channel_kernels_in_the_triton_interpreter():
     header[HOST_FLAG] = 2
     channel_kernels.wait(header, seq, 100, HOST_FLAG, TIMED_OUT)
     assert header[TIMED_OUT].item() == 1
+    # Given up once, a wait no longer spins (2^30 interpreted reads would not end in the test's
+    # time): it returns, the word still set.
+    channel_kernels.wait(header, seq, 1 << 30, HOST_FLAG, TIMED_OUT)
+    assert header[TIMED_OUT].item() == 1
 
 
 # --- on a GPU ----------------------------------------------------------------------------------

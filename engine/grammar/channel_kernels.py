@@ -30,7 +30,9 @@ def _signal_kernel(src, n, seq_ptr, ring, header, slot, DEVICE_FLAG_AT: tl.const
 def _wait_kernel(header, seq_ptr, max_spins, HOST_FLAG_AT: tl.constexpr, TIMED_OUT_AT: tl.constexpr):
     target = tl.load(seq_ptr)
     seen = tl.load(header + HOST_FLAG_AT, volatile=True)
-    spins = 0
+    # An earlier wait gave up: the process is silent, so this one does not spin again (the
+    # masks it passes are all allowed: channel.py) until a restart clears the word.
+    spins = tl.where(tl.load(header + TIMED_OUT_AT, volatile=True) != 0, max_spins, 0)
     while (seen < target) & (spins < max_spins):
         seen = tl.load(header + HOST_FLAG_AT, volatile=True)
         spins += 1
@@ -48,5 +50,5 @@ def signal(flat: torch.Tensor, n: int, seq: torch.Tensor, ring: torch.Tensor, he
 def wait(header: torch.Tensor, seq: torch.Tensor, max_spins: int, host_flag_at: int,
          timed_out_at: int) -> None:
     """Spin until header[host_flag_at] reaches the counter, or give up after `max_spins` reads
-    and set header[timed_out_at]."""
+    and set header[timed_out_at]; once that is set, return at once."""
     _wait_kernel[(1,)](header, seq, max_spins, HOST_FLAG_AT=host_flag_at, TIMED_OUT_AT=timed_out_at)

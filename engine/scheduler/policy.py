@@ -8,16 +8,15 @@ prefix cache, cached and evictable) and it waits to be prefilled again over prom
 
 Decode fairness (`prefill_interleave_tokens` > 0): while some running request could take a
 decode step of at most `MIXED_MAX_ROW_TOKENS` row tokens, prompts ride with it in one mixed
-step (the worker's `mixed_row_tokens` > 0;
-scheduler/mixed_batch.py: as many prompt tokens as keep the step within
-`mixed_step_time_ratio` of the decode step alone, by the step-cost model `step_cost` that the
-scheduler's timed steps refine, scheduler/step_cost.py; more where prompt tokens wait, to
-drain them within a few steps), so decoding requests never wait
-behind an extend. Where a request cannot ride in a mixed step (mixed_batch.py
+step (the worker's `mixed_row_tokens` > 0; scheduler/mixed_batch.py: as many prompt tokens
+as keep the step within `mixed_step_time_ratio` of the decode step alone, by the step-cost
+model `step_cost` that the scheduler's timed steps refine, scheduler/step_cost.py; more where
+prompt tokens wait, to drain them within a few steps), so decoding requests never wait behind
+an extend. Where a request cannot ride in a mixed step (mixed_batch.py
 `rides_mixed`), the decode batch is larger, or the worker runs none, an extend computes at
 most that many tokens and is always followed by a decode step, so decoding requests never
-wait behind more than one bounded extend. With nobody decoding (an idle server's first arrivals) an extend is bounded by
-the chunk budget only.
+wait behind more than one bounded extend. With nobody decoding (an idle server's first
+arrivals) an extend is bounded by the chunk budget only.
 """
 from __future__ import annotations
 
