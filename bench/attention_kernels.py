@@ -8,8 +8,8 @@ contiguous`: consecutive ones, as a fresh pool gives a long prompt), a launch pe
 pool over copies of it that together outsize the L2 (`POOL_BYTES`), as the engine's layers do. Rows: plain decode, a 4-token chain
 verify and an 8-token tree verify, each with the backend's default launch configs, plus a
 sweep of decode configs (`--sweep`) to choose the defaults from, and the decode and chain
-verify on given numbers of programs a tile's splits run on (`--split-programs 1,2,4,16`). Kernels are replayed from a
-CUDA graph, as the engine runs them: timed with eager launches, a short decode measures the
+verify on given numbers of programs a tile's splits run on (`--split-programs 1,2,4,16`).
+Kernels are replayed from a CUDA graph, as the engine runs them: timed with eager launches, a short decode measures the
 host's launch cost (about 70 us for the two kernels), not the kernels. `--prefetch` adds each
 default decode with its L2 prefetch (`DecodeConfig.prefetch_tokens`) flipped; with PDL each
 launch's prefetch overlaps the launch before it, as in the engine it overlaps the q/k/v
