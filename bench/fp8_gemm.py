@@ -51,11 +51,7 @@ M (rows: decode batch sizes up to 16, prefill chunks above), the variants that a
                     `_split_half` (the split-K doubled and halved), `_w8` (8 warps),
                     `_bf16_scales` (the engine's config on bf16 scales, the same bytes: two
                     fmas a pair). On gate/up also `w4a16_kernel_silu` and `w4a16_paired*_silu`:
-                    the fused weight with its SiLU-and-mul epilogue, as the engine runs it;
-                    `_stages6` (6 stages, where they fit)
-- `w4a16_terms*`    each `w4a16_paired*` variant on the weight's packed terms
-                    (`Int4Weight.terms`: a row's scale and zero a 4-byte word, which the
-                    loop's pipeliner takes by cp.async; bytes counted as the 3 of the others)
+                    the fused weight with its SiLU-and-mul epilogue, as the engine runs it
 
 Each variant runs as the engine runs it, replayed from one CUDA graph of at least 20 calls
 cycling through enough weight copies (>= 128 MiB) that none is in L2 when read again (see
@@ -101,7 +97,7 @@ from specserve.engine.layers.fp8_weight import (
 from specserve.engine.layers.fp8_gemm import block_scaled_matmul, quantize_activations
 from specserve.engine.layers.int4_gemm import (
     PACK, TILED_MAX_ROWS, Int4Weight, default_w4_config, dequantize_int4, dequantize_int4_gpu,
-    fit_shared_memory, interleave_for, pack_rows, plane_groups, split_for, w4a16_gemm, with_terms)
+    fit_shared_memory, interleave_for, pack_rows, plane_groups, split_for, w4a16_gemm)
 from specserve.engine.layers.int4_shared_memory import Operands
 
 SHAPES = {  # name: (N, K) of the weight
@@ -151,8 +147,6 @@ class Weights:
         self._int4_layouts = {self.int4[0].interleave: self.int4}
         # the same with bf16 scales (`w4a16_paired_bf16_scales`: no split scales)
         self.int4_bf16_scales = [w._replace(scales=w.scales.bfloat16()) for w in self.int4]
-        # the same with packed terms (`w4a16_terms*`: a 4-byte word per row and group)
-        self.int4_terms = [with_terms(w) for w in self.int4]
         self.n, self.k = n, k
         self.scale_bytes = self.fp8[0][1].values.numel() * 4
         self.int4_extra_bytes = n * (k // INT4_GROUP) * 3  # fp16 scales and uint8 zeros
@@ -200,9 +194,6 @@ def dense_variants(m: int, n: int, k: int, gate_up: bool = False) -> dict[str, t
         paired = w4_paired_configs(m, n, k)
         for name, config in paired.items():
             ops[name] = ("int4", lambda x, w, c=config: w4a16_gemm(x, w, config=c))
-        for name, config in w4_paired_configs(m, n, k, group_bytes=4).items():
-            ops[name.replace("paired", "terms")] = ("int4_terms", lambda x, w, c=config: w4a16_gemm(
-                x, w, config=c))
         if "w4a16_paired" in paired:
             ops["w4a16_paired_bf16_scales"] = ("int4_bf16_scales", lambda x, w: w4a16_gemm(
                 x, w, config=paired["w4a16_paired"]))
@@ -211,9 +202,6 @@ def dense_variants(m: int, n: int, k: int, gate_up: bool = False) -> dict[str, t
             for name, config in w4_paired_configs(m, n, k, silu=True).items():
                 ops[name + "_silu"] = ("int4", lambda x, w, c=config: w4a16_gemm(
                     x, w, silu_mul=True, config=c))
-            for name, config in w4_paired_configs(m, n, k, silu=True, group_bytes=4).items():
-                ops[name.replace("paired", "terms") + "_silu"] = ("int4_terms", lambda x, w, c=config:
-                                                                  w4a16_gemm(x, w, silu_mul=True, config=c))
     if m > MAX_ROWS:
         ops["w4a16_dequant"] = ("int4", lambda x, w: F.linear(x, dequantize_int4_gpu(w, x.dtype)))
     ops["w8a8_triton"] = ("fp8", lambda x, w: block_scaled_matmul(x, w[0], w[1]))
@@ -252,13 +240,13 @@ def scaled_mm_row(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def w4_paired_configs(m: int, n: int, k: int, silu: bool = False,
-                      cuda: torch.device = torch.device("cuda"), group_bytes: int = 3) -> dict:
+                      cuda: torch.device = torch.device("cuda")) -> dict:
     """The paired-dequantisation variants (`w4a16_paired*`): the engine's config paired and its
     neighbours (`silu`: of the fused gate/up weight [n, k] with its SiLU-and-mul epilogue, as
     the engine runs it), each fitted to the shared memory at the weight's layout (stages
-    lowered; `group_bytes` 4: packed terms); a neighbour equal to one before it is left out."""
+    lowered); a neighbour equal to one before it is left out."""
     words = interleave_for(n, k, INT4_GROUP)
-    ops = Operands(words, PACK // plane_groups(INT4_GROUP, k, words), 2, group_bytes, silu)
+    ops = Operands(words, PACK // plane_groups(INT4_GROUP, k, words), 2, 2, silu)
     n_cols = n // 2 if silu else n
     base = default_w4_config(m, n_cols, k, INT4_GROUP, silu, cuda)._replace(paired_dequant=True)
     n128 = base._replace(block_n=128, split_k=split_for(m, n_cols, k, silu, 128, cuda))
@@ -267,8 +255,7 @@ def w4_paired_configs(m: int, n: int, k: int, silu: bool = False,
                "w4a16_paired_n128": n128._replace(w_left=False),
                "w4a16_paired_split_x2": base._replace(split_k=2 * base.split_k),
                "w4a16_paired_split_half": base._replace(split_k=max(1, base.split_k // 2)),
-               "w4a16_paired_w8": base._replace(num_warps=8),
-               "w4a16_paired_stages6": base._replace(num_stages=6)}
+               "w4a16_paired_w8": base._replace(num_warps=8)}
     fitted = {}
     for name, config in configs.items():
         fit = fit_shared_memory(config, m, ops, cuda)
@@ -290,13 +277,12 @@ def bench_dense(args, bandwidth: float, rows: list[dict]) -> None:
             reference = x0.float() @ dequantize(*weights.fp8[0], torch.float32).t()
             int4_references = {kind: x0.float() @ dequantize_int4(getattr(weights, kind)[0],
                                                                   torch.bfloat16).float().t()
-                               for kind in ("int4", "int4_bf16_scales", "int4_terms")}
+                               for kind in ("int4", "int4_bf16_scales")}
             for variant, (kind, op) in dense_variants(m, n, k, name.endswith("gate_up")).items():
                 if not selected(args, variant):
                     continue
                 pool = {"bf16": weights.bf16, "fp8": weights.fp8, "rowwise": weights.rowwise,
-                        "int4": weights.int4, "int4_bf16_scales": weights.int4_bf16_scales,
-                        "int4_terms": weights.int4_terms}[kind]
+                        "int4": weights.int4, "int4_bf16_scales": weights.int4_bf16_scales}[kind]
                 int4 = kind.startswith("int4")
                 weight_bytes = n * k * (2 if kind == "bf16" else 0.5 if int4 else 1)
                 extra = weights.int4_extra_bytes if int4 else {

@@ -64,7 +64,7 @@ def relayout(w: Int4Weight, interleave: int) -> Int4Weight:
 
 def sweep_operands(k: int, group: int, paired: bool, interleave: int) -> Operands:
     """The operands as the sweep times them (bf16 activations, fp16 scales: AWQ's)."""
-    return Operands(interleave, PACK // plane_groups(group, k, interleave), 2, 3, paired)
+    return Operands(interleave, PACK // plane_groups(group, k, interleave), 2, 2, paired)
 
 
 def launchable(c: W4Config, m: int, n_cols: int, k: int, group: int, paired: bool,

@@ -101,14 +101,11 @@ def _recording() -> Iterator[list]:
             setattr(g, name, kernel)
 
 
-def _weight(n: int, k: int, group: int, interleave: int, scale_dtype=torch.float16,
-            terms: bool = False) -> g.Int4Weight:
-    """(`terms`: with 16-bit scales packed with the zeros, as the engine loads them)"""
+def _weight(n: int, k: int, group: int, interleave: int, scale_dtype=torch.float16) -> g.Int4Weight:
     groups = -(-k // group)
-    w = g.Int4Weight(torch.empty(n, k // g.PACK, dtype=torch.int32),
-                     torch.zeros(n, groups, dtype=scale_dtype),
-                     torch.zeros(n, groups, dtype=torch.uint8), group, interleave)
-    return g.with_terms(w) if terms else w
+    return g.Int4Weight(torch.empty(n, k // g.PACK, dtype=torch.int32),
+                        torch.empty(n, groups, dtype=scale_dtype),
+                        torch.empty(n, groups, dtype=torch.uint8), group, interleave)
 
 
 def unique_launches(launches: list) -> list[Launch]:
@@ -208,7 +205,7 @@ def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
                 layouts = {g.interleave_for(n, k, group)} | {
                     words for words in _sweep().INTERLEAVES if g.plane_groups(group, k, words)}
                 for words, (x_dtype, scale_dtype) in itertools.product(sorted(layouts), dtypes):
-                    w = _weight(n, k, group, words, scale_dtype, terms=True)
+                    w = _weight(n, k, group, words, scale_dtype)
                     bias = torch.empty(n, dtype=x_dtype) if name == "qkv" else None
                     for m in rows:
                         g.w4a16_gemm(torch.empty(m, k, dtype=x_dtype), w, bias, silu_mul=paired)
@@ -216,8 +213,7 @@ def engine_launches(rows=ENGINE_ROWS, groups=GROUPS) -> list[Launch]:
         for words in (1, 2, 4, 8, 16, 32, 64, 128):
             for group in groups:
                 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                    for terms in (False, True):
-                        g.dequantize_int4_gpu(_weight(n, k, group or k, words, terms=terms), dtype)
+                    g.dequantize_int4_gpu(_weight(n, k, group or k, words), dtype)
     return unique_launches(launches)
 
 
@@ -256,7 +252,7 @@ def modelled_shared_memory(launch: Launch) -> int:
     """The decode kernel's shared memory by the model its launches are fitted by."""
     a = launch.args
     ops = Operands(a["WORDS"], g.PACK // a["PLANES_PER_GROUP"], a["x"].dtype.itemsize,
-                   4 if a["TERMS"] else a["scales"].dtype.itemsize + 1, a["SILU_MUL"])
+                   a["scales"].dtype.itemsize, a["SILU_MUL"])
     return shared_memory_need(ops, a["BLOCK_M"], a["BLOCK_N"], a["DOT"], a["W_LEFT"],
                               launch.num_stages)
 

@@ -79,17 +79,15 @@ def per_weight(opcodes: collections.Counter, config, silu: bool) -> float:
 
 
 def w4a16_launch(m: int, n_rows: int, k: int, silu: bool, config, dtype=torch.bfloat16,
-                 scale_dtype=None, terms: bool = False):
+                 scale_dtype=None):
     """(the compiled W4A16 kernel for a group-128 weight [n_rows, k] at the engine's interleave,
-    x of `dtype` and scales of `scale_dtype` (default: dtype), with `terms` packed or not, at
-    `config` as `w4a16_gemm` launches it (on CUDA: the paired dequantisation's inline asm), that
-    launch)."""
+    x of `dtype` and scales of `scale_dtype` (default: dtype), at `config` as `w4a16_gemm`
+    launches it (on CUDA: the paired dequantisation's inline asm), that launch)."""
     from int4_sm90_launches import _recording, _weight
 
     from specserve.engine.layers import int4_gemm as g
 
     w = _weight(n_rows, k, 128, g.interleave_for(n_rows, k, 128), scale_dtype or dtype)
-    w = g.with_terms(w) if terms else w
     with _recording() as launches:
         g.w4a16_gemm(torch.empty(m, k, dtype=dtype), w, silu_mul=silu, config=config)
     launch, = launches
@@ -116,15 +114,12 @@ def w4a16_main() -> None:
         paired = today._replace(paired_dequant=True)
         f16 = torch.float16
         variants = {"today (tuned)": (today, None), "today, AWQ": (today, f16),
-                    "today, AWQ, terms": (today, f16, True),
-                    "unpaired, AWQ, terms": (today._replace(paired_dequant=False), f16, True),
                     "paired": (paired, None), "paired, AWQ": (paired, f16),
                     "paired, weight left": (paired._replace(w_left=True), None),
                     "paired, 128 columns": (paired._replace(block_n=128), None),
                     "paired, 8 warps": (paired._replace(num_warps=8), None)}
-        for name, (config, scale_dtype, *terms) in variants.items():
-            compiled, launch = w4a16_launch(1, n_rows, k, silu, config, scale_dtype=scale_dtype,
-                                            terms=bool(terms))
+        for name, (config, scale_dtype) in variants.items():
+            compiled, launch = w4a16_launch(1, n_rows, k, silu, config, scale_dtype=scale_dtype)
             opcodes = loop_opcodes(compiled)
             top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))
             print(f"{shape:8} W{launch.args['WORDS']:<3} {name:22} n{launch.args['BLOCK_N']:<3} "

@@ -24,8 +24,7 @@ from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.int4_gemm import (  # noqa: E402
     Int4Weight, W4Config, default_w4_config, dequantize_int4, dequantize_int4_gpu,
     fit_shared_memory, int4_linear, int4_linear_reference, int4_linear_silu_and_mul,
-    interleave_for, pack_rows, pack_terms, plane_groups, split_for, unpack_rows, w4a16_gemm,
-    with_terms)
+    interleave_for, pack_rows, plane_groups, split_for, unpack_rows, w4a16_gemm)
 from specserve.engine.layers.int4_shared_memory import (  # noqa: E402
     H100_SHARED_MEMORY, Operands, shared_memory_need)
 from specserve.engine.layers.skinny_gemm import SkinnyWorkspace  # noqa: E402
@@ -263,12 +262,10 @@ def test_silu_and_mul_dispatch_on_the_cpu_is_the_unfused_reference():
                          ids=["plain", "w4", "w32-g32", "w32-per-channel", "w16-g128", "odd-group"])
 def test_dequantize_kernel_is_the_reference_bit_for_bit(interleave, group, k):
     """Every interleave, blocks spanning groups, groups spanning blocks, one group over K, and
-    a group size no block aligns with (48: a scale load per plane); on the packed terms too."""
+    a group size no block aligns with (48: a scale load per plane)."""
     w = int4_weight(N, k, group, seed=5, interleave=interleave)
-    expected = dequantize_int4(w, torch.float16)
-    for weight in (w, with_terms(w)):
-        assert torch.equal(dequantize_int4_gpu(weight, torch.float16, block_n=32, block_words=16),
-                           expected)
+    assert torch.equal(dequantize_int4_gpu(w, torch.float16, block_n=32, block_words=16),
+                       dequantize_int4(w, torch.float16))
 
 
 def test_configs_and_refusals(rules_only):
@@ -347,7 +344,7 @@ def test_mid_m_refusals_and_named_row_tiles():
     with pytest.raises(AssertionError, match="split-K 4 at 40 rows: partials over"):
         w4a16_gemm(x, w, config=W4Config(32, 4, 4, 2),
                    workspace=SkinnyWorkspace(DEVICE, partial_capacity=4 * 40 * N - 1))
-    ops = Operands(128, 8, 4, 3, False)  # fp32 rows at W = 128: 64-row tiles never fit
+    ops = Operands(128, 8, 4, 2, False)  # fp32 rows at W = 128: 64-row tiles never fit
     named = W4Config(64, 1, 4, 4, block_m=64)
     assert fit_shared_memory(named, 70, ops, cpu) is None
     assert fit_shared_memory(named._replace(block_m=0), 70, ops, cpu)[1] == 32
@@ -362,7 +359,7 @@ def test_the_h100_launches_that_overran_its_shared_memory_are_fitted(rules_only)
     smaller row tiles (W = 128: 64 rows fit at no stage count); a config given as it stands
     keeps its stages."""
     cpu = torch.device("cpu")
-    qkv_w64 = Operands(words=64, groups_per_step=4, x_bytes=2, group_bytes=3, paired=False)
+    qkv_w64 = Operands(words=64, groups_per_step=4, x_bytes=2, scale_bytes=2, paired=False)
     rule = default_w4_config(64, 6144, 4096, 128, device=cpu)
     assert shared_memory_need(qkv_w64, 64, rule.block_n, rule.dot, rule.w_left, 4) >= 319488
     assert fit_shared_memory(rule, 64, qkv_w64, cpu) == (rule._replace(num_stages=2), 64)
@@ -370,7 +367,7 @@ def test_the_h100_launches_that_overran_its_shared_memory_are_fitted(rules_only)
     qkv_w128 = qkv_w64._replace(words=128, groups_per_step=8)
     assert fit_shared_memory(rule, 17, qkv_w128, cpu) == (rule._replace(num_stages=3), 32)
 
-    gate_up_w128 = Operands(words=128, groups_per_step=8, x_bytes=2, group_bytes=3, paired=True)
+    gate_up_w128 = Operands(words=128, groups_per_step=8, x_bytes=2, scale_bytes=2, paired=True)
     for w_left, measured in ((False, 294912), (True, 327680)):
         config = W4Config(block_n=64, split_k=2, num_warps=4, num_stages=4, w_left=w_left)
         assert shared_memory_need(gate_up_w128, 16, 64, True, w_left, 4) >= measured
@@ -395,63 +392,10 @@ def test_mid_m_rows_take_smaller_row_tiles_where_64_do_not_fit(rules_only):
     of them for 70 rows; the rule's config, as the engine launches it): the reference."""
     w = int4_weight(N, 1024, 128, seed=24, interleave=128)
     x = rows(70, 1024, seed=25)
-    ops = Operands(128, 8, 4, 3, False)
+    ops = Operands(128, 8, 4, 2, False)
     config = default_w4_config(70, N, 1024, 128, device=torch.device("cpu"))
     assert fit_shared_memory(config, 70, ops, torch.device("cpu"))[1] == 32
     torch.testing.assert_close(w4a16_gemm(x, w), int4_linear_reference(x, w), rtol=1e-5, atol=1e-4)
-
-
-def test_packed_terms_hold_the_scales_and_zeros_bit_for_bit():
-    """`pack_terms`: a row's scale bits (negative, subnormal and infinite ones too) in bits
-    0-15 and its zero point (0..16: GPTQ's z - 1 + 1 reaches 16) in bits 16-23; fp32
-    scales keep no terms."""
-    scales = torch.tensor([[-0.5, 6e-8, float("inf"), 1.0], [65504.0, -0.0, 3e-5, 0.01]],
-                          dtype=torch.float16)
-    zeros = torch.tensor([[0, 16, 15, 1], [7, 0, 3, 9]], dtype=torch.uint8)
-    for s in (scales, scales.bfloat16()):
-        terms = pack_terms(s, zeros)
-        assert terms.dtype == torch.int32 and terms.shape == s.shape
-        assert torch.equal((terms & 0xFFFF).to(torch.int16).view(s.dtype).view(torch.int16),
-                           s.view(torch.int16))
-        assert torch.equal((terms >> 16).to(torch.uint8), zeros)
-    w = int4_weight(N, K, 32, seed=1, scale_dtype=torch.float32)
-    assert with_terms(w).terms is None
-    w = int4_weight(N, K, 32, seed=1)
-    packed = with_terms(w)
-    assert torch.equal(packed.terms, pack_terms(w.scales, w.zeros))
-    # the scales and zeros are views of the terms: held once, read as before
-    assert torch.equal(packed.scales, w.scales) and torch.equal(packed.zeros, w.zeros)
-    for view in (packed.scales, packed.zeros):
-        assert view.untyped_storage().data_ptr() == packed.terms.untyped_storage().data_ptr()
-    assert torch.equal(dequantize_int4(packed), dequantize_int4(w))
-    assert with_terms(packed) is packed
-
-
-@pytest.mark.parametrize("x_dtype,scale_dtype,config", [
-    (torch.bfloat16, torch.float16, W4Config(32, 2, 4, 2, paired_dequant=True)),
-    (torch.float16, torch.float16, W4Config(32, 4, 4, 2, w_left=True, paired_dequant=True)),
-    (torch.bfloat16, torch.bfloat16, W4Config(32, 2, 4, 2)),
-    (torch.float16, torch.float16, W4Config(16, 2, 4, 2, dot=False)),
-    (torch.float16, torch.float16, W4Config(32, 2, 4, 2, paired_dequant=True, block_m=16))],
-    ids=["paired-awq", "paired-fp16-w-left-split4", "fma-bf16", "multiply-and-sum", "mid-m"])
-@pytest.mark.parametrize("group,interleave", [(32, 16), (128, 16), (64, 32)])
-def test_decode_kernel_on_packed_terms_is_the_kernel_on_scales_and_zeros(x_dtype, scale_dtype,
-                                                                        config, group, interleave):
-    """The decode kernel reading `Int4Weight.terms` gives what it gives reading the scales and
-    zeros, bit for bit, in every dequantisation (paired, with AWQ's split fp16 scales; fma;
-    multiply-and-sum), a plane a group to a block in one group, split-K, mid-M row tiles,
-    the gate/up pair; and (fp16: the interpreter's bf16 dot is wrong) the reference."""
-    m = 20 if config.block_m else 3
-    for silu in (False, True):
-        w = int4_weight(2 * N if silu else N, K, group, seed=group + interleave,
-                        scale_dtype=scale_dtype, interleave=interleave)
-        x = rows(m, K, seed=5, dtype=x_dtype) / 16
-        out = w4a16_gemm(x, with_terms(w), silu_mul=silu, config=config, workspace=_workspace())
-        assert torch.equal(out, w4a16_gemm(x, w, silu_mul=silu, config=config,
-                                           workspace=_workspace()))
-        if x_dtype == torch.float16:
-            reference = F.linear(x.double(), dequantize_int4(w, torch.float16).double()).half()
-            assert torch.equal(out, silu_and_mul(reference) if silu else reference)
 
 
 def test_int4_linear_on_the_cpu_is_the_reference():
@@ -480,15 +424,14 @@ def _gpu_weight(n: int, k: int, seed: int) -> Int4Weight:
 def test_gpu_int4_llama_shapes(shape, m):
     """bf16: the decode kernel (m <= 16, split-K; gate/up with its SiLU-and-mul epilogue), its
     row tiles (64: K split by the rule but on gate/up; 256) and the dequantise + cuBLAS path
-    (300) against the reference within bf16 roundings; deterministic; on the packed terms
-    bit for bit the same; the same inside a CUDA graph."""
+    (300) against the reference within bf16 roundings; deterministic; the same inside a CUDA
+    graph."""
     n, k = LLAMA_8B[shape]
     silu = shape == "gate_up"
     w = _gpu_weight(n, k, seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    run = (lambda w=w: int4_linear_silu_and_mul(x, w)) if silu else (lambda w=w: int4_linear(x, w))
+    run = (lambda: int4_linear_silu_and_mul(x, w)) if silu else (lambda: int4_linear(x, w))
     out = run()
-    assert torch.equal(run(with_terms(w)), out)
     ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
     ref = silu_and_mul(ref) if silu else ref
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
@@ -515,7 +458,7 @@ def test_gpu_int4_mid_m_row_tiles_and_split_k(shape, w_left):
     x = torch.randn(100, k, device="cuda", dtype=torch.bfloat16)
     ref = (x.float() @ dequantize_int4(w, torch.bfloat16).float().t()).bfloat16()
     ref = silu_and_mul(ref) if silu else ref
-    ops = Operands(w.interleave, 8 // plane_groups(128, k, w.interleave), 2, 3, silu)
+    ops = Operands(w.interleave, 8 // plane_groups(128, k, w.interleave), 2, 2, silu)
     # The device's shared workspace holds what the rule splits; a split of the 8B's gate/up
     # at 100 rows (which the rule never picks) needs partials of its own.
     workspace = SkinnyWorkspace(torch.device("cuda"), partial_capacity=4 * 100 * n)
@@ -558,7 +501,7 @@ def test_gpu_int4_variants_and_layouts(interleave, variant, m):
     config = W4Config(block_n=32 if variant.startswith("fma") else 64, split_k=2, num_warps=4,
                       num_stages=4, **VARIANTS[variant])
     per_group = plane_groups(128, k, interleave)
-    config, _ = fit_shared_memory(config, m, Operands(interleave, 8 // per_group, 2, 3, True),
+    config, _ = fit_shared_memory(config, m, Operands(interleave, 8 // per_group, 2, 2, True),
                                   torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = w4a16_gemm(x, w, silu_mul=True, config=config)
@@ -566,7 +509,7 @@ def test_gpu_int4_variants_and_layouts(interleave, variant, m):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     picks = torch.arange(m, device="cuda") * 97
     one_hot = F.one_hot(picks, k).to(torch.bfloat16)
-    config, _ = fit_shared_memory(config, m, Operands(interleave, 8 // per_group, 2, 3, False),
+    config, _ = fit_shared_memory(config, m, Operands(interleave, 8 // per_group, 2, 2, False),
                                   torch.device("cuda"))
     exact = w4a16_gemm(one_hot, w, config=config)
     assert torch.equal(exact, dequantize_int4(w, torch.bfloat16)[:, picks].t())

@@ -28,17 +28,15 @@ from specserve.engine.layers import int4_gemm  # noqa: E402
 from specserve.engine.layers.activation import silu_and_mul  # noqa: E402
 from specserve.engine.layers.int4_gemm import (  # noqa: E402
     Int4Weight, W4Config, _pair_terms, _paired_planes, dequantize_int4, int4_linear,
-    int4_linear_silu_and_mul, interleave_for, pack_rows, paired_dequant_exact, w4a16_gemm,
-    with_terms)
+    int4_linear_silu_and_mul, interleave_for, pack_rows, paired_dequant_exact, w4a16_gemm)
 from test_int4_kernels import DEVICE, _workspace, int4_weight, rows  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @triton.jit
-def _pair_planes_kernel(qweight, scales, zeros, terms, out, n_groups, group_size,
-                        ROWS: tl.constexpr, WORDS: tl.constexpr, PAIRED: tl.constexpr,
-                        TERMS: tl.constexpr):
+def _pair_planes_kernel(qweight, scales, zeros, out, n_groups, group_size,
+                        ROWS: tl.constexpr, WORDS: tl.constexpr, PAIRED: tl.constexpr):
     """Every pair plane of a [ROWS, 8 WORDS] weight (one block) stored in the pair planes'
     column order: out[r, 2 WORDS p + 2 w + h] is plane p + 4 h, column w."""
     offs_r = tl.arange(0, ROWS)
@@ -46,9 +44,9 @@ def _pair_planes_kernel(qweight, scales, zeros, terms, out, n_groups, group_size
     offs_out = tl.arange(0, 2 * WORDS)
     dtype = out.dtype.element_ty
     for p in tl.static_range(4):
-        pair_terms = _pair_terms(scales, zeros, terms, offs_r, (p * WORDS) // group_size,
-                                 ((p + 4) * WORDS) // group_size, n_groups, dtype, TERMS)
-        pair = _paired_planes(packed, p, *pair_terms, dtype, scales.dtype.element_ty != dtype, PAIRED)
+        terms = _pair_terms(scales, zeros, offs_r, (p * WORDS) // group_size,
+                            ((p + 4) * WORDS) // group_size, n_groups, dtype)
+        pair = _paired_planes(packed, p, *terms, dtype, scales.dtype.element_ty != dtype, PAIRED)
         tl.store(out + offs_r[:, None] * 8 * WORDS + p * 2 * WORDS + offs_out[None, :], pair)
 
 
@@ -58,10 +56,8 @@ def _pair_planes(w: Int4Weight, dtype: torch.dtype, mode: str) -> torch.Tensor:
     words = w.interleave
     assert k == 8 * words, "one block a row"
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
-    terms = w.terms if w.terms is not None else w.scales
-    _pair_planes_kernel[(1,)](w.qweight, w.scales, w.zeros, terms, out, w.scales.shape[1],
-                              w.group_size, ROWS=n, WORDS=words, PAIRED=mode,
-                              TERMS=w.terms is not None)
+    _pair_planes_kernel[(1,)](w.qweight, w.scales, w.zeros, out, w.scales.shape[1], w.group_size,
+                              ROWS=n, WORDS=words, PAIRED=mode)
     # column 2 W p + 2 w + h of out is code W (p + 4 h) + w
     p, w_, h = torch.meshgrid(torch.arange(4), torch.arange(words), torch.arange(2), indexing="ij")
     codes = (words * (p + 4 * h) + w_).reshape(-1).to(out.device)
@@ -93,15 +89,13 @@ def _edge_scales(dtype: torch.dtype, n: int, groups: int) -> torch.Tensor:
                          ids=["bf16", "fp16", "bf16-fp16-scales"])
 @pytest.mark.parametrize("words,group", [(16, 128), (16, 32), (32, 64), (32, 32)],
                          ids=["one-group", "pairs-of-groups", "two-groups", "a-group-a-plane"])
-@pytest.mark.parametrize("packed", [False, True], ids=["scales-and-zeros", "packed-terms"])
-def test_pair_planes_are_the_reference_bit_for_bit(mode, dtype, scale_dtype, words, group, packed):
+def test_pair_planes_are_the_reference_bit_for_bit(mode, dtype, scale_dtype, words, group):
     """Every code (each row holds 0..15 in every plane) against every zero point (16 rows a
     zero each, per group), on scales whose products round (ties included), are subnormal,
     overflow (where the dtype's range allows: not with fp16 scales and bf16 x, whose scales
     are split in two) or are negative: `_paired_planes` equals `dequantize_int4` rounded to
     dtype, bit for bit (signed zeros and infinities included). Blocks in one group, two,
-    four (a group per pair of planes) or eight; read from the scales and zeros or from their
-    packed words (`Int4Weight.terms`)."""
+    four (a group per pair of planes) or eight."""
     device = torch.device("cuda" if mode == "asm" else "cpu")
     n, k = 64, 8 * words
     groups = k // group
@@ -109,7 +103,6 @@ def test_pair_planes_are_the_reference_bit_for_bit(mode, dtype, scale_dtype, wor
     zeros = ((torch.arange(n)[:, None] + 3 * torch.arange(groups)[None, :]) % 16).to(torch.uint8)
     w = Int4Weight(pack_rows(codes, words).to(device), _edge_scales(scale_dtype, n, groups).to(device),
                    zeros.to(device), group, words)
-    w = with_terms(w) if packed else w
     expected = dequantize_int4(w, dtype)
     assert (expected.view(torch.int16) == -32768).any()  # -0: q = z with a negative scale
     assert not torch.equal(expected.float(), dequantize_int4(w))  # rounded

@@ -112,10 +112,6 @@ class Int4Weight(NamedTuple):
     zeros: torch.Tensor     # uint8 [N, G]
     group_size: int         # input columns per group (K for one group per row)
     interleave: int = 1     # words per block (1: the plain order)
-    # int32 [N, G] or None: the scales (16-bit) and zeros packed a word per (row, group)
-    # (`pack_terms`), which the kernels read instead of them; `scales` and `zeros` are then
-    # views of it (`with_terms`)
-    terms: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -186,28 +182,6 @@ def pack_rows(q: torch.Tensor, interleave: int = 1) -> torch.Tensor:
     planes = q.to(torch.int64).view(n, k // (PACK * interleave), PACK, interleave)  # [n, b, j, w]
     words = (planes << shifts[:, None]).sum(dim=2).view(n, k // PACK)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-
-
-def pack_terms(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """16-bit scales and uint8 zeros [N, G] -> int32 [N, G]: the scale's bits in bits 0-15, the
-    zero point in bits 16-23. The decode kernel's loop then reads a row's group as one 4-byte
-    word, which Triton's pipeliner issues by cp.async over the stages with the weights; the
-    2- and 1-byte loads of the scales and zeros it leaves out, and an iteration waits for them
-    (sm_90 SASS: `python tests/sm90_sass.py w4a16`)."""
-    assert scales.element_size() == 2 and zeros.dtype == torch.uint8 and scales.shape == zeros.shape
-    low = scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    return (low | zeros.to(torch.int32) << 16).contiguous()
-
-
-def with_terms(w: Int4Weight) -> Int4Weight:
-    """`w` with its packed terms where its scales are 16-bit (fp32 scales: as it is), its
-    scales and zeros strided views of them (the terms' low half-word and third byte, on a
-    little-endian host), so the weight holds them once."""
-    if w.scales.element_size() != 2 or w.terms is not None:
-        return w
-    terms = pack_terms(w.scales, w.zeros)
-    return w._replace(scales=terms.view(w.scales.dtype)[:, 0::2],
-                      zeros=terms.view(torch.uint8)[:, 2::4], terms=terms)
 
 
 def unpack_rows(qweight: torch.Tensor, interleave: int = 1) -> torch.Tensor:
@@ -356,14 +330,9 @@ def check_int4(w: Int4Weight) -> None:
     assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous()
     assert w.scales.shape == w.zeros.shape == (n, groups), \
         f"scales {tuple(w.scales.shape)} and zeros {tuple(w.zeros.shape)} must be [{n}, {groups}]"
-    assert w.zeros.dtype == torch.uint8
+    assert w.zeros.dtype == torch.uint8 and w.scales.is_contiguous() and w.zeros.is_contiguous()
     assert w.interleave >= 1 and w.interleave & (w.interleave - 1) == 0 and k % (PACK * w.interleave) == 0, \
         f"interleave {w.interleave}: a power of two whose blocks of {PACK * w.interleave} tile K = {k}"
-    if w.terms is not None:
-        assert w.terms.dtype == torch.int32 and w.terms.shape == (n, groups) and w.terms.is_contiguous()
-        assert w.scales.element_size() == 2, "packed terms hold 16-bit scales"
-    else:
-        assert w.scales.is_contiguous() and w.zeros.is_contiguous()
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
@@ -389,8 +358,8 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     assert config is None or config.block_m in (0, *ROW_TILES), \
         f"block_m {config.block_m}: 0 (the rule's row tiles) or one of {ROW_TILES}"
     config = config or default_w4_config(m, n_cols, k, w.group_size, silu_mul, x.device)
-    group_bytes = 4 if w.terms is not None else w.scales.element_size() + 1
-    ops = Operands(w.interleave, PACK // planes_per_group, x.element_size(), group_bytes, silu_mul)
+    ops = Operands(w.interleave, PACK // planes_per_group, x.element_size(),
+                   w.scales.element_size(), silu_mul)
     fit = fit_shared_memory(config, m, ops, x.device, lower_stages=given is None)
     if fit is None and given is None:
         # A measured config was swept at the shape's engine layout; at another interleave (more
@@ -421,8 +390,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
     assert m <= MAX_ROWS or config.dot, "more than 16 rows: row tiles on tl.dot"
     words_per_split = triton.cdiv(triton.cdiv(k // PACK, config.split_k), w.interleave) * w.interleave
     _w4a16_kernel[(tiles, config.split_k, m_tiles)](
-        x2, w.qweight, w.scales, w.zeros, w.terms if w.terms is not None else w.scales,
-        bias if bias is not None else y, y, partials, arrivals,
+        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, partials, arrivals,
         m, n_cols, k // PACK, w.scales.shape[1], w.group_size, words_per_split, x2.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=config.split_k,
@@ -432,7 +400,6 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = No
         FMA_DEQUANT=w.scales.dtype in (torch.float16, torch.bfloat16),
         ROUND_BITS=config.round_bits and not config.dot and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PAIRED=paired,
-        TERMS=w.terms is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device))
     return y.view(*x.shape[:-1], n_cols)
 
@@ -445,8 +412,7 @@ def dequantize_int4_gpu(w: Int4Weight, dtype: torch.dtype, block_n: int = 64,
     check_int4(w)
     out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // PACK, block_words))](
-        w.qweight, w.scales, w.zeros, w.terms if w.terms is not None else w.scales, out, n, k,
-        w.scales.shape[1], w.group_size, TERMS=w.terms is not None,
+        w.qweight, w.scales, w.zeros, out, n, k, w.scales.shape[1], w.group_size,
         BLOCK_N=block_n, BLOCK_WORDS=block_words, WORDS=w.interleave,
         # planes sharing a group load its scales once; else (an odd group size) each plane
         PLANES_PER_GROUP=plane_groups(w.group_size, k, w.interleave) or 1, num_warps=4,
@@ -472,29 +438,14 @@ if triton is not None:
     _PAIR_ASM_F16 = tl.constexpr(_pair_asm("0x64006400", "0x3C003C00", "f16x2", False))
 
     @triton.jit
-    def _scale_and_zero(scales, zeros, terms, at, TERMS: tl.constexpr):
-        """The scale (of the scales' dtype) and the zero point (int32) at `at`: from the packed
-        word (`Int4Weight.terms`, one 4-byte load: cp.async, pipelined over the stages), else
-        from the scales and zeros (2- and 1-byte loads, which the pipeliner leaves out)."""
-        if TERMS:
-            word = tl.load(terms + at)
-            s = (word & 0xFFFF).to(tl.int16).to(scales.dtype.element_ty, bitcast=True)
-            z = (word >> 16) & 0xFF
-        else:
-            s = tl.load(scales + at)
-            z = tl.load(zeros + at).to(tl.int32)
-        return s, z
-
-    @triton.jit
-    def _group_terms(scales, zeros, terms, rows, group, n_groups, FMA_DEQUANT: tl.constexpr,
-                     TERMS: tl.constexpr):
+    def _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT: tl.constexpr):
         """Per row of a tile, the fp32 terms of its dequantisation in `group`: for a nibble
         at bits 12-15 and one at bits 16-19 of `_dequantized_plane`'s float, (2^11 s,
         -(2^11 + z) s) and (2^7 s, -(2^7 + z) s) (all exact: the offsets are integers of at
         most 12 bits, s a 16-bit float of at most 11 significant bits); or (s, z) twice."""
-        s, z = _scale_and_zero(scales, zeros, terms, rows * n_groups + group, TERMS)
-        s = s.to(tl.float32)
-        z = z.to(tl.float32)
+        at = rows * n_groups + group
+        s = tl.load(scales + at).to(tl.float32)
+        z = tl.load(zeros + at).to(tl.float32)
         if FMA_DEQUANT:
             a_lo = s * 2048.0
             b_lo = tl.fma(-z, s, -a_lo)  # -(z s) - 2^11 s: exact, so one rounding-free fma
@@ -533,17 +484,18 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _pair_terms(scales, zeros, terms, rows, group_lo, group_hi, n_groups, dtype: tl.constexpr,
-                    TERMS: tl.constexpr):
+    def _pair_terms(scales, zeros, rows, group_lo, group_hi, n_groups, dtype: tl.constexpr):
         """Per row of a tile, the 32-bit words `_paired_planes` takes for a pair of planes in
         groups `group_lo` and `group_hi` (the same group where the block lies in one), each two
         16-bit floats of `dtype` side by side (low half: the low plane's): the scales (head),
         for fp16 scales with bf16 x their parts past bf16's 8 significant bits (tail, else
         unused), and -(BIAS + z)."""
-        s_lo, z_lo = _scale_and_zero(scales, zeros, terms, rows * n_groups + group_lo, TERMS)
-        s_hi, z_hi = _scale_and_zero(scales, zeros, terms, rows * n_groups + group_hi, TERMS)
-        head_lo, tail_lo = _scale_parts(s_lo, dtype)
-        head_hi, tail_hi = _scale_parts(s_hi, dtype)
+        at_lo = rows * n_groups + group_lo
+        at_hi = rows * n_groups + group_hi
+        head_lo, tail_lo = _scale_parts(tl.load(scales + at_lo), dtype)
+        head_hi, tail_hi = _scale_parts(tl.load(scales + at_hi), dtype)
+        z_lo = tl.load(zeros + at_lo).to(tl.int32)
+        z_hi = tl.load(zeros + at_hi).to(tl.int32)
         # ^ 0x80008000 (written as an int32): both sign bits flipped
         neg_zero_word = (_pair_magic(dtype) | z_lo | (z_hi << 16)) ^ -0x7FFF8000
         return head_lo | (head_hi << 16), tail_lo | (tail_hi << 16), neg_zero_word
@@ -701,14 +653,13 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _w4a16_kernel(x, qweight, scales, zeros, terms, bias, y, partials, arrivals, M, n_cols,
+    def _w4a16_kernel(x, qweight, scales, zeros, bias, y, partials, arrivals, M, n_cols,
                       words_per_row, n_groups, group_size, words_per_split, stride_xm, stride_ym,
                       HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                       PLANES_PER_GROUP: tl.constexpr, DOT: tl.constexpr, W_LEFT: tl.constexpr,
                       FMA_DEQUANT: tl.constexpr, ROUND_BITS: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr,
-                      TERMS: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr):
         # n_cols: output columns (I with SILU_MUL, whose weight has 2 * I rows). A K step is
         # one interleave block (WORDS words, 8 * WORDS codes; K a whole number of them): its 8
         # planes. Offsets count words (K / 8 a row), which keeps the compiler's knowledge of
@@ -751,11 +702,10 @@ if triton is not None:
                     if p % PLANES_PER_GROUP == 0:  # a pair of groups not yet loaded
                         lo = (k + p * WORDS) // group_size
                         hi = (k + (p + 4) * WORDS) // group_size
-                        pair_terms = _pair_terms(scales, zeros, terms, rows, lo, hi, n_groups, dtype,
-                                                 TERMS)
+                        pair_terms = _pair_terms(scales, zeros, rows, lo, hi, n_groups, dtype)
                         if SILU_MUL:
-                            up_pair_terms = _pair_terms(scales, zeros, terms, partner_rows, lo, hi,
-                                                        n_groups, dtype, TERMS)
+                            up_pair_terms = _pair_terms(scales, zeros, partner_rows, lo, hi,
+                                                        n_groups, dtype)
                     # x's planes p and p + 4 in the pair plane's column order
                     x_pair = _joined(tl.load(x_ptrs + k + p * WORDS, mask=m_mask[:, None], other=0.0),
                                      tl.load(x_ptrs + k + (p + 4) * WORDS, mask=m_mask[:, None],
@@ -770,21 +720,20 @@ if triton is not None:
             else:
                 for g in tl.static_range(8 // PLANES_PER_GROUP):  # the groups the block spans
                     group = (k + g * PLANES_PER_GROUP * WORDS) // group_size
-                    plane_terms = _group_terms(scales, zeros, terms, rows, group, n_groups,
-                                               FMA_DEQUANT, TERMS)
+                    terms = _group_terms(scales, zeros, rows, group, n_groups, FMA_DEQUANT)
                     if SILU_MUL:
-                        up_plane_terms = _group_terms(scales, zeros, terms, partner_rows, group,
-                                                      n_groups, FMA_DEQUANT, TERMS)
+                        up_terms = _group_terms(scales, zeros, partner_rows, group, n_groups,
+                                                FMA_DEQUANT)
                     # j must stay a constexpr (`_dequantized_plane` branches on it): a plain
                     # assignment makes it a tensor on triton 3.6, a loop variable stays one
                     for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
                         x_plane = tl.load(x_ptrs + k + j * WORDS, mask=m_mask[:, None], other=0.0)
-                        w_plane = _rounded(_dequantized_plane(packed, j, *plane_terms, FMA_DEQUANT), dtype,
+                        w_plane = _rounded(_dequantized_plane(packed, j, *terms, FMA_DEQUANT), dtype,
                                            ROUND_BITS)
                         acc = _plane_product(acc, x_plane, w_plane, DOT, W_LEFT, DOT_PRECISION)
                         if SILU_MUL:
                             up_plane = _rounded(
-                                _dequantized_plane(packed_up, j, *up_plane_terms, FMA_DEQUANT), dtype,
+                                _dequantized_plane(packed_up, j, *up_terms, FMA_DEQUANT), dtype,
                                 ROUND_BITS)
                             acc_up = _plane_product(acc_up, x_plane, up_plane, DOT, W_LEFT,
                                                     DOT_PRECISION)
@@ -810,9 +759,9 @@ if triton is not None:
             _epilogue(acc, acc_up, y, offs_m, offs_n, out_mask, stride_ym, SILU_MUL)
 
     @triton.jit
-    def _dequantize_kernel(qweight, scales, zeros, terms, out, N, K, n_groups, group_size,
+    def _dequantize_kernel(qweight, scales, zeros, out, N, K, n_groups, group_size,
                            BLOCK_N: tl.constexpr, BLOCK_WORDS: tl.constexpr, WORDS: tl.constexpr,
-                           PLANES_PER_GROUP: tl.constexpr, PDL: tl.constexpr, TERMS: tl.constexpr):
+                           PLANES_PER_GROUP: tl.constexpr, PDL: tl.constexpr):
         # Word i of a row holds codes 8 WORDS (i // WORDS) + WORDS j + i % WORDS, j = 0..7;
         # the scale and zero of a word's code are loaded once for PLANES_PER_GROUP planes.
         wait_for_predecessor(PDL)
@@ -824,10 +773,9 @@ if triton is not None:
         first = (words // WORDS) * (8 * WORDS) + words % WORDS
         for g in tl.static_range(8 // PLANES_PER_GROUP):
             group = tl.minimum(first + g * PLANES_PER_GROUP * WORDS, K - 1) // group_size
-            scale, zero = _scale_and_zero(scales, zeros, terms, rows[:, None] * n_groups
-                                          + group[None, :], TERMS)
-            scale = scale.to(tl.float32)
-            zero = zero.to(tl.float32)
+            at = rows[:, None] * n_groups + group[None, :]
+            scale = tl.load(scales + at).to(tl.float32)
+            zero = tl.load(zeros + at).to(tl.float32)
             for j in tl.static_range(g * PLANES_PER_GROUP, (g + 1) * PLANES_PER_GROUP):
                 q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
                 tl.store(out + rows[:, None] * K + (first + j * WORDS)[None, :],

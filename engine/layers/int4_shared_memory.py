@@ -45,7 +45,7 @@ class Operands(NamedTuple):
     words: int            # the weight's interleave (a K step is 8 * words codes)
     groups_per_step: int  # groups of scales a K step spans (8 / `plane_groups`)
     x_bytes: int          # bytes of an activation
-    group_bytes: int      # bytes of a row's group: its scale and zero (packed terms: 4)
+    scale_bytes: int      # bytes of a scale
     paired: bool          # the gate/up pair (two weight tiles)
 
 
@@ -60,7 +60,7 @@ def shared_memory_need(ops: Operands, block_m: int, block_n: int, dot: bool, w_l
     if not dot:
         return base + block_n * words * 4
     halves = 2 if ops.paired else 1
-    step = (halves * block_n * (words * 4 + ops.groups_per_step * ops.group_bytes)
+    step = (halves * block_n * (words * 4 + ops.groups_per_step * (ops.scale_bytes + 1))
             + 8 * block_m * words * ops.x_bytes)
     need = base + (num_stages - 1) * step
     if ops.x_bytes == 4:

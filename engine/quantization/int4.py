@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specserve.engine.layers.int4_gemm import (
-    PACK, Int4Weight, int4_linear, int4_linear_silu_and_mul, interleave_for, pack_rows, with_terms)
+    PACK, Int4Weight, int4_linear, int4_linear_silu_and_mul, interleave_for, pack_rows)
 from specserve.engine.layers.linear_method import LinearMethod, PartSlice, method_parameter
 from specserve.engine.quantization.config import Int4Config
 
@@ -36,9 +36,8 @@ QUANTIZED_TENSORS = ("qweight", "qzeros", "scales")
 
 class Int4LinearMethod(LinearMethod):
     """An INT4 linear layer: `qweight` int32 [N, K / 8], `scales` [N, G], `zeros` uint8 [N, G]
-    (layers/int4_gemm.py's form; with 16-bit scales, views of `terms`, their packed words that
-    the kernels read); the decode kernel has the SiLU-and-mul epilogue, not the RoPE one
-    (q/k/v: the GEMM, then the RoPE kernel)."""
+    (layers/int4_gemm.py's form); the decode kernel has the SiLU-and-mul epilogue, not the
+    RoPE one (q/k/v: the GEMM, then the RoPE kernel)."""
 
     def __init__(self, config: Int4Config):
         self.config = config
@@ -57,7 +56,6 @@ class Int4LinearMethod(LinearMethod):
         layer.zeros = method_parameter(torch.zeros(n, groups, dtype=torch.uint8, device=device))
         layer.group_size = group
         layer.interleave = interleave_for(n, k, group)
-        layer.terms = None  # (`load_weights`)
 
     def load_weights(self, layer: nn.Module, reader, parts: list[PartSlice]) -> None:
         codes, scales, zeros = [], [], []
@@ -75,12 +73,6 @@ class Int4LinearMethod(LinearMethod):
             layer.qweight.copy_(pack_rows(q, layer.interleave))
             layer.scales.data = torch.cat(scales).to(layer.qweight.device).contiguous()
             layer.zeros.copy_(torch.cat(zeros))
-
-    def after_loading(self, layer: nn.Module) -> None:
-        """16-bit scales: pack them with the zeros (`with_terms`), the layer's scales and zeros
-        then views of the packed words."""
-        w = with_terms(self.weight(layer))
-        layer.scales.data, layer.zeros.data, layer.terms = w.scales, w.zeros, w.terms
 
     def _unpack_part(self, reader, part: PartSlice):
         """This rank's codes [rows, cols] (W's orientation), scales and zeros [rows, groups]."""
@@ -129,8 +121,7 @@ class Int4LinearMethod(LinearMethod):
                              f"checkpoint); quantization_config desc_act true is not supported")
 
     def weight(self, layer: nn.Module) -> Int4Weight:
-        return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.group_size,
-                          layer.interleave, layer.terms)
+        return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.interleave)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return int4_linear(x, self.weight(layer), bias, layer.skinny_gemm)
