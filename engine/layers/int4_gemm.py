@@ -95,12 +95,14 @@ MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
 # H100 the paired kernel led today's on every 8B shape at M 1 and 16 by 8-13 % (bench/fp8_gemm.py
 # --variants w4a16, AWQ's fp16 scales; docs/benchmarks.md, fourteenth round), though with 40 %
 # fewer instructions a weight it still streams at 31-46 % of copy bandwidth: not issue-bound.
-# A lead, not yet timed (sm_90 SASS, Triton 3.9, the 8B shapes at M = 1): the loop's weights
-# come through 16-byte cp.async (LDGSTS.128, pipelined over the stages), but its scales and
-# zeros are 16 plain loads an iteration (LDG.E.U16 and LDG.E.U8, 8 each), left out of the stages
-# (cp.async moves 4, 8 or 16 bytes); the FP8 skinny GEMM's loop has none. A toy loop of the same
-# form compiled the same way took a 4-byte word per (row, group), scale bits | zero << 16, by
-# cp.async (LDGSTS.E): packing them so at load is the change to time.
+# The loop's weights come through 16-byte cp.async (LDGSTS.128, pipelined over the stages), its
+# scales and zeros by 16 plain loads an iteration (LDG.E.U16 and LDG.E.U8), which the pipeliner
+# leaves out (sm_90 SASS, `python tests/sm90_sass.py w4a16`). Packing each (row, group)'s scale
+# and zero into one 4-byte word at load made them cp.async too, and the kernel slower: on an
+# H200 (bench/fp8_gemm.py --variants w4a16, M = 1-16, AWQ's fp16 scales) qkv 13.8 -> 17.0 us,
+# o 8.9 -> 11.6, gate/up + SiLU 44.4 -> 47.8, down 22.7 -> 25.4, and the 8B AWQ bs=1 step 3.64
+# -> 4.17 ms (the staged words are read back from shared memory 2 bytes at a time, and the
+# stages grow); not kept (docs/benchmarks.md, seventeenth round).
 PAIRED_DEQUANT = True
 
 
