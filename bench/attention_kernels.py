@@ -86,12 +86,23 @@ def scene(bs: int, context: int, extend: int, device, kv_dtype: torch.dtype):
     return pools, table, rows, prefix, scales
 
 
+def graph_seconds(fn) -> float:
+    """Seconds per call of `fn`, replayed from a CUDA graph (the host's launch cost untimed).
+    Triton's `do_bench_cudagraph` runs and captures `fn` on a stream of its own, which does not
+    wait for the current one: the inputs `fn` reads, made on the current stream, must be
+    complete first. Without the synchronize, verify rows whose 1 GB pool was still being
+    filled read unwritten slot indices, an illegal address (H200, 8192 x 64 and 32768 x 16,
+    the bench's only failures; never under CUDA_LAUNCH_BLOCKING=1)."""
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=200) / 1000
+
+
 def time_per_pool(launch, pools) -> float:
     """Seconds one `launch(k, v)` takes, replayed from a CUDA graph over every pool in turn."""
     def run():
         for k, v in pools:
             launch(k, v)
-    return triton.testing.do_bench_cudagraph(run, rep=200) / 1000 / len(pools)
+    return graph_seconds(run) / len(pools)
 
 
 def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
@@ -103,10 +114,6 @@ def time_decode(bs, context, config: DecodeConfig, max_kv_splits: int, device,
     kv_indices = torch.empty(bs * (context + 1), dtype=torch.int32, device=device)
     fill_kv_indices(table, rows, prefix, kv_indptr, kv_indices,
                     decode_token_slots=table[:, context].contiguous())
-    # The decode reads its KV offsets before its PDL wait (the engine fills them before the
-    # model's first layer, never just before the decode): here fill must be done first. An
-    # 8192 x 64 decode launched right behind it read stale offsets, an illegal address.
-    torch.cuda.synchronize()
     q = torch.randn(bs, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     po = torch.empty(bs, HEADS, max_kv_splits, HEAD_DIM, device=device)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from attention_kernels import copy_bandwidth  # bench/ is this script's folder
+from attention_kernels import copy_bandwidth, graph_seconds  # bench/ is this script's folder
 from specserve.engine.attention.triton.kernels import (
     DecodeConfig, decode_attention, default_decode_config, fill_kv_indices, short_extend_attention,
     short_extend_tiling)
@@ -49,7 +49,7 @@ def bench(fn, graph: bool = True) -> float:
     the host's launch cost (tens of microseconds for a few small launches) is not timed;
     `graph=False` for a peer that syncs with the host."""
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=200) / 1000
+        return graph_seconds(fn)
     return triton.testing.do_bench(fn, rep=200) / 1000
 
 

@@ -27,9 +27,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
-from attention_kernels import copy_bandwidth  # bench/ is this script's folder
+from attention_kernels import copy_bandwidth, graph_seconds  # bench/ is this script's folder
 from specserve.engine.layers.fused_moe_triton import fused_experts
 from specserve.engine.layers.moe_decode import DecodeMoEConfig, decode_fused_experts, default_decode_config
 from specserve.engine.layers.moe_router import softmax_topk
@@ -48,9 +47,6 @@ SHAPES = {
 }
 
 
-def bench(fn) -> float:
-    """Seconds per call, replayed from a CUDA graph (the host's launch cost is not timed)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=200) / 1000
 
 
 def router(shape: str, device) -> Router:
@@ -105,7 +101,7 @@ def rows_for(shape: str, tokens: list[int], sweep: bool, sweep_tokens: list[int]
                     configs[name] = config
         for name, fn in kernels.items():
             try:
-                seconds = bench(fn)
+                seconds = graph_seconds(fn)
             except Exception as e:  # a sweep config the compiler refuses (shared memory)
                 print(f"{name}: {type(e).__name__}: {str(e)[:100]}")
                 continue
@@ -122,7 +118,7 @@ def rows_for(shape: str, tokens: list[int], sweep: bool, sweep_tokens: list[int]
                              F.linear(x.float(), gate.weight), moe.top_k, moe.norm_topk_prob,
                              moe.routed_scaling_factor)),
                          ("router, torch ops (before)", lambda: torch_router(x, weight_bf16, gate.moe))):
-            seconds = bench(fn)
+            seconds = graph_seconds(fn)
             rows.append(dict(shape=shape, kernel=name, tokens=num_tokens, experts_touched=None, config=None,
                              us=seconds * 1e6, GBps=read / seconds / 1e9, fraction_of_copy=read / seconds / bandwidth))
             print(json.dumps(rows[-1]), flush=True)

@@ -23,8 +23,8 @@ triton = pytest.importorskip("triton")
 from specserve.engine.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from specserve.engine.attention.triton.kernels import (  # noqa: E402
-    DecodeConfig, ExtendConfig, decode_attention, extend_attention, fill_kv_indices,
-    default_split_programs, short_extend_attention, short_extend_tiling)
+    DecodeConfig, ExtendConfig, decode_attention, decode_stages, extend_attention,
+    fill_kv_indices, default_split_programs, short_extend_attention, short_extend_tiling)
 from specserve.engine.kvcache.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows  # noqa: E402
 
@@ -886,6 +886,75 @@ def test_decode_prefetch_must_be_a_power_of_two(tokens):
                          torch.empty(1, 4, 2, device=DEVICE),
                          torch.zeros(2, dtype=torch.int32, device=DEVICE), 0.25,
                          SMALL_DECODE._replace(prefetch_tokens=tokens))
+
+
+def test_one_wave_decode_launches_take_their_own_stages(monkeypatch):
+    """`DecodeConfig.one_wave_stages`: a decode whose programs fit one wave at a program an SM
+    (bs=1 of 8 KV heads in 16 splits: 128 of the 132 SMs the CPU assumes) launches in them;
+    a wider grid (bs=2: 256) and a config without them keep `num_stages`; the result is the
+    same either way (bit for bit on a GPU: `test_one_wave_stages_change_no_result_gpu`)."""
+    from specserve.engine.attention.triton import kernels
+
+    h100 = DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3,
+                        one_wave_stages=5)
+    cpu = torch.device("cpu")
+    assert decode_stages(h100, 128, cpu) == 5 and decode_stages(h100, 133, cpu) == 3
+    assert decode_stages(h100._replace(one_wave_stages=0), 1, cpu) == 3
+    launched = []
+    kernel = kernels._decode_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((grid, kwargs["num_stages"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernels, "_decode_kernel", Recorder())
+    config = SMALL_DECODE._replace(num_stages=2, one_wave_stages=5)
+    gen = torch.Generator().manual_seed(3)
+    outputs = []
+    for bs in (1, 2):
+        scene = make_scene([300] * bs, [1] * bs, num_kv_heads=8, head_dim=16, generator=gen)
+        q = torch.randn(bs, 8, 16, generator=gen).to(DEVICE)
+        kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+        out = torch.empty_like(q)
+        decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                         torch.empty(bs, 8, 16, 16, device=DEVICE),
+                         torch.empty(bs, 8, 16, device=DEVICE),
+                         torch.zeros(bs * 8, dtype=torch.int32, device=DEVICE), 0.25, config)
+        torch.testing.assert_close(out, scene_reference(scene, q, 0.25), atol=1e-4, rtol=1e-4)
+        outputs.append(out)
+    assert [(grid[0] * grid[1] * grid[2], stages) for grid, stages in launched] == \
+        [(128, 5), (256, 2)]
+
+
+@pytest.mark.gpu
+@gpu
+def test_one_wave_stages_change_no_result_gpu():
+    """The 8B bs=1 decode at 8k tokens (the bf16 default: one wave, five stages) equals the
+    same launch in three stages bit for bit."""
+    from specserve.engine.attention.triton.kernels import default_decode_config
+
+    config = default_decode_config(128, DEVICE)
+    assert config.one_wave_stages == 5 and config.num_stages == 3
+    gen = torch.Generator().manual_seed(4)
+    scene = make_scene([8192], [1], num_kv_heads=8, head_dim=128, generator=gen,
+                       dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    kv_indptr, kv_indices = scene_kv_indices(scene, decode=True)
+    outputs = []
+    for c in (config, config._replace(one_wave_stages=0)):
+        out = torch.empty_like(q)
+        decode_attention(q, scene.k_buffer, scene.v_buffer, out, kv_indptr, kv_indices,
+                         torch.empty(1, 32, 16, 128, device=DEVICE),
+                         torch.empty(1, 32, 16, device=DEVICE),
+                         torch.zeros(32, dtype=torch.int32, device=DEVICE), 0.088, c)
+        outputs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outputs[0], outputs[1])
+    torch.testing.assert_close(outputs[0].float(), scene_reference(scene, q, 0.088),
+                               atol=2e-2, rtol=2e-2)
 
 
 def test_decode_prefetch_changes_no_result():

@@ -87,6 +87,11 @@ class DecodeConfig(NamedTuple):
     # kv_indptr and kv_indices before the wait: the kernel launched just before the decode
     # must not write them (the backend fills them before the model's first layer).
     prefetch_tokens: int = 0
+    # Decode only: the stages of a launch whose programs all fit one wave at a program an SM
+    # (bs x KV heads x split programs <= the SMs: an 8B model's bs=1 decode, whose every
+    # program is one latency-bound chain of gathered tiles); 0: `num_stages`. A wider grid
+    # keeps `num_stages`, whose smaller shared memory lets several programs share an SM.
+    one_wave_stages: int = 0
 
 
 class ExtendConfig(NamedTuple):
@@ -166,13 +171,20 @@ def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) ->
     # stream a long context (bench/attention_kernels.py --sweep, 8B shape, 32k tokens, bs 1:
     # 71 us a layer against 95 us with 64-token tiles in two stages); a 128 x 128 bf16 K (or
     # V) tile is 32 KiB (Triton 3.6 keeps one of each at three stages, 72 KiB of shared
-    # memory, and two from five: see `_FP8_DECODE_CONFIG`, untimed for bf16). Larger heads
+    # memory, and two from five: see `_FP8_DECODE_CONFIG`, and for bf16 below). Larger heads
     # use smaller tiles. 256 tokens a split: a 32-token split (MLA's rule, cut inside the
     # 128-token tiles, which the kernel supports) took Qwen3-30B-A3B's bs=1 step from 52.9 to
     # 55.5 % of its limit together with the fused q/k norm and router, but in the same run the
     # bs=64 chain steps were slower (Qwen3 37.6 against 32.8 ms, the 8B shape 19.8 against
     # 13.9 ms, different context widths) and the lease ended before the split was timed alone:
     # `bench/attention_kernels.py --sweep-min-split 32,256` does that.
+    #
+    # A launch that fits one wave (`DecodeConfig.one_wave_stages`: an 8B model's bs=1) takes
+    # five stages, which double-buffer K and V: on an H200 (`bench/attention_kernels.py
+    # --sweep`, bs 1, pools cycled past the L2) 41.9 us a layer at 32k tokens against 53.7 in
+    # three, 16.9 against 22.9 at 8k, 5.5 against 5.3 at 160; in the 8B engine at bs=1 and 32k
+    # 178.3 tok/s against 171.2. Five stages for every batch cost bs=64 at 128 tokens 5 % of
+    # its tok/s (fewer programs an SM): only the one-wave launches take them.
     #
     # A short sequence (up to 256 tokens: one split) is prefetched into the L2 before the
     # wait: at bs=1 and a short context (128 tokens, 8B) the decode is 8 programs whose one
@@ -182,7 +194,7 @@ def _default_decode_config(head_dim: int, device: torch.device, is_mla: bool) ->
     # RoPE epilogue. `bench/attention_kernels.py --prefetch` times it on and off.
     if head_dim <= 128:
         return DecodeConfig(block_n=128, min_kv_split_len=256, num_warps=4, num_stages=3,
-                            prefetch_tokens=256)
+                            prefetch_tokens=256, one_wave_stages=5)
     return DecodeConfig(block_n=32, min_kv_split_len=256, num_warps=4, num_stages=2)
 
 
@@ -659,6 +671,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     max_kv_splits = partial_out.shape[2]
     split_programs = split_programs or default_split_programs(bs * num_kv_heads * head_blocks,
                                                               max_kv_splits, q.device)
+    stages = decode_stages(config, bs * num_kv_heads * head_blocks * split_programs, q.device)
     _decode_kernel[(bs, num_kv_heads * head_blocks, split_programs)](
         q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
         sm_scale * LOG2_E * k_scale, v_scale,
@@ -672,8 +685,16 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         MAX_KV_SPLITS=max_kv_splits, MIN_KV_SPLIT_LEN=config.min_kv_split_len,
         DOT_PRECISION=_dot_input_precision(q.dtype), FP8_CONVERT=config.fp8_convert,
         **decode_prefetch_meta(config, k_buffer, q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device),
+        num_warps=config.num_warps, num_stages=stages, **launch_options(q.device),
     )
+
+
+def decode_stages(config: DecodeConfig, programs: int, device: torch.device) -> int:
+    """The stages of a decode launch of `programs` programs: `config.one_wave_stages` where
+    they fit one wave at a program an SM, else `config.num_stages`."""
+    if config.one_wave_stages and programs <= num_sms(device):
+        return config.one_wave_stages
+    return config.num_stages
 
 
 def decode_prefetch_meta(config: DecodeConfig, k_buffer: torch.Tensor,
