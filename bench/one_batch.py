@@ -190,11 +190,40 @@ def copy_bandwidth(device) -> float:
     return 2 * (1 << 30) / best
 
 
+class DecodeWindow:
+    """The decode window of `bs` requests launched together: it opens at the step that carries
+    the last request's first token (every request past its prefill: a batch of long prompts
+    prefills in several chunks, and steps before its last one are prefill, not decode) and
+    closes at the last token; `tokens` counts the new tokens after it opens, `all_tokens`
+    every token (for the accept length: a request decoding while others prefill verifies too)."""
+
+    def __init__(self, bs: int):
+        self.bs = bs
+        self.prefilled: set[str] = set()
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self.tokens = self.all_tokens = 0
+
+    def add(self, outs, now: float) -> bool:
+        """One step's outputs at `now`; True at the step that opens the window."""
+        new = sum(len(o.new_token_ids) for o in outs)
+        self.all_tokens += new
+        if self.first is None:
+            self.prefilled.update(o.rid for o in outs if o.new_token_ids)
+            if len(self.prefilled) < self.bs:
+                return False
+            self.first = now
+            return True
+        self.tokens += new
+        if new:
+            self.last = now
+        return False
+
+
 def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
-    """Decode speed of `bs` requests launched together: tokens after each request's first,
-    over the time from the first to the last token (prefill excluded); and the prefill: from
-    adding the requests to the step that carries their first tokens (one batch when
-    chunked_prefill_size covers them, as main() sets it)."""
+    """Decode speed of `bs` requests launched together: tokens after every request has its
+    first, over the time from then to the last token (prefill excluded: `DecodeWindow`); and
+    the prefill: from adding the requests to the step that carries the last first token."""
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(bs)]
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
     # Warm-up on other tokens: the timed prompts must not be in the prefix cache, or the
@@ -203,36 +232,30 @@ def run_one(engine: Engine, bs: int, prompt_len: int, steps: int) -> dict:
     added = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", p, params)
-    tokens, verify, first, last = 0, 0, None, None
+    window, verify = DecodeWindow(bs), 0
     m = engine.metrics
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         while engine.has_unfinished():
             outs = engine.step()
-            now = time.perf_counter()
-            new = sum(len(o.new_token_ids) for o in outs)
-            if new and first is None:  # prefill's tokens: the decode window starts here
-                first, steps0, blocked0 = now, m.num_steps, m.host_blocked_seconds
+            verify += sum(o.num_verify_steps for o in outs if o.finished)
+            if window.add(outs, time.perf_counter()):
+                steps0, blocked0 = m.num_steps, m.host_blocked_seconds
                 busy0, wall0 = engine.busy_and_wall()
                 torch.cuda.set_sync_debug_mode("warn")
-                continue
-            tokens += new
-            verify += sum(o.num_verify_steps for o in outs if o.finished)
-            if new:
-                last = now
         torch.cuda.set_sync_debug_mode("default")
     occupancy = engine.occupancy(busy0, wall0)
     n_steps = max(m.num_steps - steps0, 1)
-    decode_time = last - first
+    decode_time = window.last - window.first
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return {
-        "decode_tokens_per_s": tokens / decode_time,
+        "decode_tokens_per_s": window.tokens / decode_time,
         "step_ms": 1000 * decode_time / n_steps,
-        "accept_length": (tokens + bs) / verify if verify else 1.0,
+        "accept_length": window.all_tokens / verify if verify else 1.0,
         "occupancy": occupancy,
         "syncs_per_step": syncs / n_steps,
         "host_blocked_ms_per_step": 1000 * (m.host_blocked_seconds - blocked0) / n_steps,
-        "prefill_ms": 1000 * (first - added),
+        "prefill_ms": 1000 * (window.first - added),
     }
 
 
