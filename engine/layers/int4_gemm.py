@@ -100,7 +100,7 @@ MIN_DOT_INTERLEAVE = 16  # tl.dot takes planes of at least 16 columns
 # leaves out (sm_90 SASS, `python tests/sm90_sass.py w4a16`). Packing each (row, group)'s scale
 # and zero into one 4-byte word at load made them cp.async too, and the kernel slower: on an
 # H200 (bench/fp8_gemm.py --variants w4a16, M = 1-16, AWQ's fp16 scales) qkv 13.8 -> 17.0 us,
-# o 8.9 -> 11.6, gate/up + SiLU 44.4 -> 47.8, down 22.7 -> 25.4, and the 8B AWQ bs=1 step 3.64
+# o 8.9 -> 11.6, gate/up + SiLU 44.4 -> 51.8, down 22.7 -> 25.4, and the 8B AWQ bs=1 step 3.64
 # -> 4.17 ms (the staged words are read back from shared memory 2 bytes at a time, and the
 # stages grow); not kept (docs/benchmarks.md, seventeenth round).
 PAIRED_DEQUANT = True
