@@ -156,6 +156,30 @@ def test_fill_kv_indices(with_decode_token, prefix_lens):
     assert (kv_indices[expected_indptr[-1]:] == -1).all()
 
 
+def test_fill_kv_indices_compiles_once_whatever_the_table_width_and_offsets():
+    """The request table's row stride and the per-request vectors are not specialised on (a
+    served run recompiled the kernel mid-way for a snapshot width the warm-up had not met):
+    the launcher's arguments by those names are marked so, and a table of another width, rows
+    at an odd offset, still fill the same lists."""
+    from specserve.engine.attention.triton import kernels
+
+    kernel = kernels._fill_kv_indices_kernel
+    # (the interpreter keeps the decorator's arguments; the JIT marks its parameters)
+    unspecialized = set(kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else
+                        (p.name for p in kernel.params if p.do_not_specialize))
+    assert unspecialized == set(kernels.FILL_KV_UNSPECIALIZED)
+    assert unspecialized <= set(kernel.arg_names)
+    for width in (32, 33):
+        table = torch.arange(3 * width, device=DEVICE).view(3, width)
+        rows = torch.tensor([7, 2, 1], device=DEVICE)[1:]  # a view at an 8-byte offset
+        prefix = torch.tensor([0, 5, 3], device=DEVICE)[1:]
+        indptr = torch.empty(3, dtype=torch.int64, device=DEVICE)
+        indices = torch.empty(8, dtype=torch.int32, device=DEVICE)
+        fill_kv_indices(table, rows, prefix, indptr, indices)
+        assert indptr.tolist() == [0, 5, 8]
+        assert indices.tolist() == [*range(2 * width, 2 * width + 5), *range(width, width + 3)]
+
+
 def test_fill_kv_indices_reads_decode_slots_as_consecutive_values():
     """A column of the slot table is refused for two requests (its values are a row apart) and
     taken for one (a one-element view: bench/attention_kernels.py's bs=1 decode)."""
