@@ -180,6 +180,27 @@ def test_fill_kv_indices_compiles_once_whatever_the_table_width_and_offsets():
         assert indices.tolist() == [*range(2 * width, 2 * width + 5), *range(width, width + 3)]
 
 
+@pytest.mark.gpu
+@gpu
+def test_fill_kv_indices_compiles_one_kernel_for_every_width_and_offset_gpu():
+    """On a GPU (its JIT specialises, the interpreter does not): tables of widths 32, 33 and
+    47 (row strides 16-divisible or not) and request vectors at 0- and 8-byte offsets leave
+    one compiled kernel (Triton's per-device cache, the first element of its entry)."""
+    from specserve.engine.attention.triton import kernels
+
+    kernel = kernels._fill_kv_indices_kernel
+    device = torch.cuda.current_device()
+    before = len(kernel.device_caches[device][0])
+    for width, offset in itertools.product((32, 33, 47), (0, 1)):
+        table = torch.arange(3 * width, device=DEVICE).view(3, width)
+        rows = torch.tensor([7, 2, 1], device=DEVICE)[offset:offset + 2]
+        prefix = torch.tensor([4, 5, 3], device=DEVICE)[offset:offset + 2]
+        fill_kv_indices(table, rows, prefix, torch.empty(3, dtype=torch.int64, device=DEVICE),
+                        torch.empty(16, dtype=torch.int32, device=DEVICE))
+    torch.cuda.synchronize()
+    assert len(kernel.device_caches[device][0]) - before <= 1
+
+
 def test_fill_kv_indices_reads_decode_slots_as_consecutive_values():
     """A column of the slot table is refused for two requests (its values are a row apart) and
     taken for one (a one-element view: bench/attention_kernels.py's bs=1 decode)."""
