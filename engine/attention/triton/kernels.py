@@ -680,7 +680,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     max_kv_splits = partial_out.shape[2]
     split_programs = split_programs or default_split_programs(bs * num_kv_heads * head_blocks,
                                                               max_kv_splits, q.device)
-    stages = decode_stages(config, bs * num_kv_heads * head_blocks * split_programs, q.device)
+    stages = decode_stages(config, bs * num_kv_heads * head_blocks * split_programs, q.device,
+                           k_buffer.element_size())
     _decode_kernel[(bs, num_kv_heads * head_blocks, split_programs)](
         q, out, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse, arrivals,
         sm_scale * LOG2_E * k_scale, v_scale,
@@ -698,10 +699,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     )
 
 
-def decode_stages(config: DecodeConfig, programs: int, device: torch.device) -> int:
-    """The stages of a decode launch of `programs` programs: `config.one_wave_stages` where
-    they fit one wave at a program an SM, else `config.num_stages`."""
-    if config.one_wave_stages and programs <= num_sms(device):
+def decode_stages(config: DecodeConfig, programs: int, device: torch.device,
+                  kv_bytes: int = 2) -> int:
+    """The stages of a decode launch of `programs` programs over a pool of `kv_bytes` an
+    element: `config.one_wave_stages` where they fit one wave at a program an SM and the pool
+    is 16-bit or narrower (as timed: an fp32 pool's double-buffered 128-token K and V tiles,
+    256 KB, would not fit an H100's shared memory), else `config.num_stages`."""
+    if config.one_wave_stages and programs <= num_sms(device) and kv_bytes <= 2:
         return config.one_wave_stages
     return config.num_stages
 
