@@ -230,8 +230,10 @@ def _dot_input_precision(dtype: torch.dtype) -> str:
 # any number) and the per-request vectors (views at any offset) are not specialised on their
 # value or alignment. A served H200 run compiled this kernel again 1,632 steps in (127 ms in
 # one step; docs/benchmarks.md, sixteenth round): most likely a width or an offset the warm-up
-# had not met (its constexprs take values every warm-up meets; a new dtype would still
-# compile). Their values are read one a program, and the table's rows 8 bytes a lane, not 16.
+# had not met (its constexprs take values every warm-up meets). Recorded over the Triton
+# backend's CPU tests (mixed, captured, backend): row strides that are and are not multiples
+# of 16, decode slots at 8-byte offsets, every vector int64. Their values are read one a
+# program, and the table's rows 8 bytes a lane rather than 16.
 FILL_KV_UNSPECIALIZED = ("req_pool_indices", "prefix_lens", "new_token_slots", "stride_table_row")
 
 
