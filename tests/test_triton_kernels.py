@@ -158,17 +158,23 @@ def test_fill_kv_indices(with_decode_token, prefix_lens):
 
 def test_fill_kv_indices_compiles_once_whatever_the_table_width_and_offsets():
     """The request table's row stride and the per-request vectors are not specialised on (a
-    served run recompiled the kernel mid-way for a snapshot width the warm-up had not met):
-    the launcher's arguments by those names are marked so, and a table of another width, rows
-    at an odd offset, still fill the same lists."""
+    served run recompiled the kernel mid-way, most likely for a snapshot width the warm-up had
+    not met), nor the extend kernels' new-token slots and mask strides: the kernels' arguments
+    by those names are marked so, and a table of another width, rows at an odd offset, still
+    fill the same lists."""
     from specserve.engine.attention.triton import kernels
 
-    kernel = kernels._fill_kv_indices_kernel
-    # (the interpreter keeps the decorator's arguments; the JIT marks its parameters)
-    unspecialized = set(kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else
-                        (p.name for p in kernel.params if p.do_not_specialize))
-    assert unspecialized == set(kernels.FILL_KV_UNSPECIALIZED)
-    assert unspecialized <= set(kernel.arg_names)
+    def unspecialized(kernel) -> set[str]:
+        # (the interpreter keeps the decorator's arguments; the JIT marks its parameters)
+        names = set(kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else
+                    (p.name for p in kernel.params if p.do_not_specialize))
+        assert names <= set(kernel.arg_names)
+        return names
+
+    assert unspecialized(kernels._fill_kv_indices_kernel) == set(kernels.FILL_KV_UNSPECIALIZED)
+    # the extend kernels' new-token slots (views at any offset) and tree-mask strides alike
+    for kernel in (kernels._extend_attention_kernel, kernels._short_extend_kernel):
+        assert unspecialized(kernel) == set(kernels.EXTEND_UNSPECIALIZED)
     for width in (32, 33):
         table = torch.arange(3 * width, device=DEVICE).view(3, width)
         rows = torch.tensor([7, 2, 1], device=DEVICE)[1:]  # a view at an 8-byte offset

@@ -235,6 +235,10 @@ def _dot_input_precision(dtype: torch.dtype) -> str:
 # of 16, decode slots at 8-byte offsets, every vector int64. Their values are read one a
 # program, and the table's rows 8 bytes a lane rather than 16.
 FILL_KV_UNSPECIALIZED = ("req_pool_indices", "prefix_lens", "new_token_slots", "stride_table_row")
+# The same for the extend kernels: their new tokens' slots come as views at any offset, and a
+# tree mask's strides are its width (both seen to vary over the CPU tests); they are read a
+# few values a program.
+EXTEND_UNSPECIALIZED = ("new_token_slots", "stride_mask_req", "stride_mask_row")
 
 
 @triton.jit(do_not_specialize=FILL_KV_UNSPECIALIZED)
@@ -732,7 +736,7 @@ def _head_tiling(group_size: int, max_rows: int, tokens_pad: int = 1) -> tuple[i
     return heads_per_tile, triton.cdiv(group_size, heads_per_tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EXTEND_UNSPECIALIZED)
 def _extend_attention_kernel(
     q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots,
     custom_mask, sm_scale_log2, v_scale,
@@ -869,7 +873,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 # Short extend (verify, draft-extend): split-KV over the prefix, merged by the last split
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=EXTEND_UNSPECIALIZED)
 def _short_extend_kernel(
     q, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, new_token_slots, custom_mask,
     partial_out, partial_lse, arrivals, sm_scale_log2, v_scale,
