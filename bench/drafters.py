@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from one_batch import DecodeWindow  # bench/ is this script's folder
 from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.builder import demo_models_dir
 
@@ -103,17 +104,15 @@ def batch_speed(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     for i, prompt in enumerate(prompts):
         engine.add_request(f"b{i}", prompt, params)
     tokens = {f"b{i}": [] for i in range(len(prompts))}
-    verify, start, start_tokens = 0, None, 0
+    window, verify = DecodeWindow(len(prompts)), 0
     while engine.has_unfinished():
-        for out in engine.step():
+        outs = engine.step()
+        for out in outs:
             tokens[out.rid] += out.new_token_ids
             verify += out.num_verify_steps if out.finished else 0
-        if start is None and all(tokens.values()):  # every prompt prefilled: decoding from here
-            start, start_tokens = time.perf_counter(), sum(map(len, tokens.values()))
-    seconds = time.perf_counter() - start
-    outputs = list(tokens.values())
-    return outputs, (sum(map(len, outputs)) - start_tokens) / seconds, \
-        (sum(map(len, outputs)) / verify if verify else 1.0)
+        window.add(outs, time.perf_counter())
+    return list(tokens.values()), window.tokens / (window.last - window.first), \
+        (window.all_tokens / verify if verify else 1.0)
 
 
 def steps_by_shape(worker) -> dict:

@@ -195,7 +195,8 @@ class DecodeWindow:
     the last request's first token (every request past its prefill: a batch of long prompts
     prefills in several chunks, and steps before its last one are prefill, not decode) and
     closes at the last token; `tokens` counts the new tokens after it opens, `all_tokens`
-    every token (for the accept length: a request decoding while others prefill verifies too)."""
+    every token (for the accept length: a request decoding while others prefill verifies too).
+    bench/drafters.py times its batch rows by it too."""
 
     def __init__(self, bs: int):
         self.bs = bs
