@@ -47,10 +47,16 @@ class _BoundedServer(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        """ThreadingMixIn's body with the slot released before the socket is closed: a client
+        that reconnects the moment it sees the close finds the slot free (released after the
+        close, a prompt retry was refused now and then)."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
             self._slots.release()
+            self.shutdown_request(request)
 
 
 class HttpEndpoint:
