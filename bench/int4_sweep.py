@@ -19,7 +19,11 @@ about 10):
    (with the rule's split for them), above MAX_ROWS row tiles of 16 to 256 rows up to M
    rounded up (with the rule's split for them: a row tile of all M dequantises each weight
    element once, fewer row tiles want more splits), split-K halved and doubled (at every
-   M: the mid-M kernel splits K as the decode one does), 8 warps, 6 stages.
+   M: the mid-M kernel splits K as the decode one does), 8 warps, 6 stages;
+3. occupancy: from the best, 2 and 3 stages (at 4 stages a decode program's tiles fill most
+   of an SM's shared memory, so one program of 4 warps runs an SM: one warp a scheduler to
+   hide the dequantisation's latencies), at 4 and 8 warps, split-K 1, 2 and 4 times the
+   best's (12 configs).
 
 A config is timed only where it fits the shared memory as it stands (`launchable`): the
 engine launches a tuned config as measured.
@@ -36,6 +40,7 @@ The fused gate/up weight is swept as the engine runs it: with the SiLU-and-mul e
 """
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import runpy
@@ -50,6 +55,7 @@ from specserve.engine.layers.int4_shared_memory import Operands
 from specserve.engine.layers.skinny_gemm import PARTIAL_CAPACITY, _scratch_values
 
 INTERLEAVES = (16, 32, 64, 128)
+OCCUPANCY_STAGES = (2, 3)  # stage 3 of the search (module docstring)
 FMA_MAX_ROWS = 2  # multiply-and-sum candidates up to this M
 FMA_MAX_INTERLEAVE = 32  # and this interleave (see the module docstring)
 MAX_FMA_ACCUMULATORS = 128  # fp32 accumulators a thread of the multiply-and-sum path may hold
@@ -157,6 +163,9 @@ def search(m: int, n_cols: int, k: int, group: int, paired: bool, interleaves: t
             trial(start._replace(split_k=split), words)
     trial(best()._replace(num_warps=8), words)
     trial(best()._replace(num_stages=6), words)
+    start = best()
+    for stages, warps, split in itertools.product(OCCUPANCY_STAGES, (4, 8), (1, 2, 4)):
+        trial(start._replace(num_stages=stages, num_warps=warps, split_k=start.split_k * split), words)
     return timed
 
 

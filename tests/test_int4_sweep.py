@@ -37,7 +37,7 @@ def test_search_finds_the_best_layout_and_config_and_times_only_launchable_ones(
     timed = int4_sweep.search(1, n, k, 128, False, int4_sweep.INTERLEAVES, time_config, CPU)
     best, words = min(timed, key=timed.get)
     assert (words, best) == (32, W4Config(block_n=128, split_k=2, num_warps=4, num_stages=6, w_left=True))
-    assert len(seen) == len(set(seen)) == len(timed) <= 22  # each config once; a short search
+    assert len(seen) == len(set(seen)) == len(timed) <= 34  # each config once; a short search
     assert {w for _, w in seen} == set(int4_sweep.INTERLEAVES)
     assert any(not c.dot and c.round_bits for c, _ in seen)  # multiply-and-sum at M = 1
     assert all(int4_sweep.launchable(c, 1, n, k, 128, False, w, CPU) for c, w in seen)
@@ -55,6 +55,28 @@ def test_search_of_paired_dequantisation_times_paired_tl_dot_configs_alone():
     assert (words, best) == (32, W4Config(block_n=128, split_k=2, num_warps=4, num_stages=6,
                                           w_left=True, paired_dequant=True))
     assert int4_sweep.config_name(best, words) == "W32 dot-wleft-paired n128 s2 w4 st6"
+
+
+def test_search_tries_fewer_stages_with_more_warps_and_splits():
+    """Stage 3 (occupancy): a made-up device where 2 stages, 8 warps and 4x the split-K found
+    by the first two stages win is found; the 12 combinations are each timed once."""
+    n, k = QKV
+
+    def occupancy_seconds(c: W4Config, words: int) -> float:
+        won = (c.num_stages, c.num_warps, c.split_k) == (2, 8, 8)
+        return fake_seconds(c, words) - 0.5 * won
+
+    seen = []
+
+    def time_config(c, words):
+        seen.append((c, words))
+        return occupancy_seconds(c, words)
+
+    timed = int4_sweep.search(1, n, k, 128, False, (32,), time_config, CPU, paired_dequant=True)
+    best, _ = min(timed, key=timed.get)
+    assert (best.num_stages, best.num_warps, best.split_k, best.block_n) == (2, 8, 8, 128)
+    assert len(seen) == len(set(seen))
+    assert {(c.num_stages, c.num_warps) for c, _ in seen} >= {(2, 4), (2, 8), (3, 4), (3, 8)}
 
 
 def test_search_above_two_rows_keeps_to_tl_dot_and_the_given_layout():
@@ -81,7 +103,7 @@ def test_search_at_mid_m_tries_row_tiles_and_split_k_on_tl_dot():
             return mid_seconds(c, words)
 
         timed = int4_sweep.search(m, n, k, 128, False, (16,), time_config, CPU)
-        assert len(seen) == len(set(seen)) == len(timed) <= 30
+        assert len(seen) == len(set(seen)) == len(timed) <= 42
         assert all(c.dot and c.block_m and int4_sweep.launchable(c, m, n, k, 128, False, 16, CPU)
                    for c, _ in seen)  # each on the row tile it names (the engine's then)
         tiles = {c.block_m for c, _ in seen} - {0}
