@@ -108,14 +108,19 @@ for phase in $1; do case $phase in
           for a in ${accepts//,/ }; do
              run drafters_a$a python $PWD/bench/drafters.py --accept-len $a --batch-sizes ${BATCH_SIZES:-1,16,64,256} \
                  ${DRAFTER_MODES:+--modes $DRAFTER_MODES} $demo --out $LOGS/drafters_a$a.json; demo=--no-demo; done ;;
-  w4sweep) run w4sweep python $PWD/bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
-              --rows ${W4_ROWS:-1,16} --no-moe --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
+  w4sweep) # W4_PAIRED=1: the paired dequantisation's configs (the engine's up to 16 rows)
+          run w4sweep python $PWD/bench/fp8_gemm.py --sweep --variants w4a16 --shapes 8b.qkv,8b.o,8b.gate_up,8b.down \
+              --rows ${W4_ROWS:-1,16} --no-moe ${W4_PAIRED:+--sweep-paired-dequant} \
+              --int4-tuned $LOGS/int4_tuned.json --out $LOGS/int4_sweep.json
           # The 8B INT4 rows with the sweep's table, from an install of their own (the lanes
           # beside this one keep importing the session's).
           python $PWD/bench/fp8_gemm.py --install-int4 $LOGS/int4_tuned.json > $LOGS/w4install.log 2>&1 &&
             python -m pip install -q --no-deps --no-build-isolation --target /tmp/site_w4 . >> $LOGS/w4install.log 2>&1
-          PYTHONPATH=/tmp/site_w4:/tmp/site run quant_8b_w4tuned $B --models llama-8b --batch-sizes 1,64 \
-              --modes plain,chain --quantizations auto,awq --out $LOGS/quant_8b_w4tuned.json ;;
+          # W4_BEFORE=1: the installed table's rows first, in the same lane
+          [ -n "${W4_BEFORE:-}" ] && run quant_8b_w4before $B --models llama-8b --batch-sizes ${W4_BS:-1,64} \
+              --modes ${W4_MODES:-plain,chain} --quantizations auto,awq --out $LOGS/quant_8b_w4before.json
+          PYTHONPATH=/tmp/site_w4:/tmp/site run quant_8b_w4tuned $B --models llama-8b --batch-sizes ${W4_BS:-1,64} \
+              --modes ${W4_MODES:-plain,chain} --quantizations auto,awq --out $LOGS/quant_8b_w4tuned.json ;;
   gptfast) run gptfast python $PWD/bench/peers_gptfast.py --gpt-fast-path $PWD/wheels/gptfast --models llama-8b \
               --out $LOGS/gptfast.json
           run gptfast_ours $B --models llama-8b --batch-sizes 1 --modes plain --out $LOGS/gptfast_ours.json ;;

@@ -69,6 +69,9 @@ def main():
     ap.add_argument("--step-log", default=None, metavar="PATH",
                     help="the engine writes a JSON line per step to PATH (warm-up included; "
                          "bench/step_log_report.py reads it)")
+    ap.add_argument("--eager-mixed-wrap", action="store_true",
+                    help="with --mixed-steps: the speculative wrap around the mixed forward's graph "
+                         "(draft, accept, draft-extends) eager, as before its graphs (a baseline)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="step_profile.json")
     args = ap.parse_args()
@@ -85,6 +88,8 @@ def main():
                                  cuda_graph=True, gpu_memory_utilization=0.6, tp_size=args.tp,
                                  custom_all_reduce=not args.nccl_all_reduce, quantization=args.quantization,
                                  step_log=args.step_log))
+    if args.eager_mixed_wrap:
+        engine.core.worker.mixed_wrap_graphs.clear()
     run_one(engine, args.batch_size, args.prompt_len, args.steps)  # warm-up (graphs captured)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(args.batch_size):
@@ -124,7 +129,7 @@ def main():
     result = {"model": args.model, "mode": args.mode, "batch_size": args.batch_size, "tp": args.tp,
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "prompt_len": args.prompt_len, "arrival_prompt_len": args.arrival_prompt_len,
-              "mixed_steps": args.mixed_steps,
+              "mixed_steps": args.mixed_steps, "eager_mixed_wrap": args.eager_mixed_wrap,
               "custom_all_reduce": not args.nccl_all_reduce, "steps": num_steps,
               "step_ms": timing["step_ms"], "kernels_per_step": total_calls / num_steps,
               "kernel_ms_per_step": total_us / num_steps / 1000,

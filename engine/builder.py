@@ -60,7 +60,7 @@ from specserve.engine.scheduler.step_log import StepLog
 from specserve.engine.spec.adaptive_worker import AdaptiveSpecWorker
 from specserve.engine.spec.eagle_drafter import ModelDrafter
 from specserve.engine.spec.ngram import NgramDrafter
-from specserve.engine.spec.spec_worker import SpecWorker
+from specserve.engine.spec.spec_worker import CHUNK_LOGIT_ROWS, SpecWorker
 from specserve.engine.spec.suffix import SuffixDrafter
 from specserve.engine.tokenizer import Tokenizer
 
@@ -357,7 +357,7 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
                                              sampled=config.cuda_graph_sampled,
                                              mixed=scheduler.policy.mixed_row_tokens > 0,
                                              estimate=_graph_reserve_bytes(
-                                                 config, cfg, dtype, num_rows, spec, constrained))
+                                                 config, cfg, dtype, num_rows, spec, constrained, row_width))
         # A mixed step's prompt budget fills the token bucket its graph replays anyway.
         scheduler.policy.mixed_graph_tokens = mixed_graph_tokens(worker)
     if spec is not None and spec.adaptive:
@@ -380,7 +380,8 @@ def _build(config: EngineConfig, rank: int, model_path: str, device: torch.devic
 def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_width: int,
                     constrained: bool, sampled: bool, mixed: bool, estimate: int) -> int:
     """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool;
-    `mixed`: the mixed steps' forwards too); the bytes they hold, logged (the pool and the
+    `mixed`: the mixed steps' forwards too, beside a speculative wrap in a pool of their own);
+    the bytes they hold, logged (the pool and the
     static inputs) beside the `estimate` that sizing by share reserved for them."""
     gc.collect()  # an earlier engine's graphs freed now, not between the two counts
     torch.cuda.synchronize(device)
@@ -392,7 +393,7 @@ def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_wid
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the warm-up forwards' cached blocks; the graphs keep their pool
     graph_bytes = _graph_pool_bytes(device) - before + _static_input_bytes(worker)
-    logger.info("CUDA graphs: %d captured, holding %.1f MiB (one shared memory pool; %.1f MiB "
+    logger.info("CUDA graphs: %d captured, holding %.1f MiB (their pools and static inputs; %.1f MiB "
                 "estimated)", sum(len(graphs.captured) for graphs in _graph_sets(worker)),
                 graph_bytes / MiB, estimate / MiB)
     return graph_bytes
@@ -409,10 +410,15 @@ def _graph_pool_bytes(device: torch.device) -> int:
 
 
 def _static_input_bytes(worker: Worker) -> int:
-    """The captured steps' static input buffers (allocated outside the graphs' pool)."""
+    """The captured steps' static input buffers (allocated outside the graphs' pool), and the
+    mixed wrap's shared snapshot and chunk logits (spec/spec_worker.py `capture_mixed`)."""
     tensors = {t.data_ptr(): t.nbytes for graphs in _graph_sets(worker) for captured in graphs.captured.values()
                for t in captured.inputs if isinstance(t, torch.Tensor)}
-    return sum(tensors.values())
+    wrap = [getattr(worker, "mixed_snapshot", None)]
+    chunk_logits = getattr(worker, "mixed_chunk_logits", None)
+    if chunk_logits is not None and chunk_logits.buffers is not None:
+        wrap += chunk_logits.buffers
+    return sum(tensors.values()) + sum(t.nbytes for t in wrap if t is not None)
 
 
 def _graph_sets(worker: Worker) -> list:
@@ -423,7 +429,7 @@ def _graph_sets(worker: Worker) -> list:
     workers = worker.workers.values() if isinstance(worker, AdaptiveSpecWorker) else (worker,)
     return [graphs for w in workers
             for graphs in (w.graphs, *w.sampled_graphs.values(), *w.constrained_graphs.values(),
-                           w.extend_graphs, w.mixed_graphs)
+                           w.extend_graphs, w.mixed_graphs, *w.mixed_wrap_graphs.values())
             if graphs is not None]
 
 
@@ -562,20 +568,29 @@ def _reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, n
     eager = _workspace(config, cfg, dtype, tokens, tokens) + \
         _pick_bytes(cfg, decode_tokens, sampled=True, constrained=constrained)
     graphs = 0 if config.cuda_graph is False else \
-        _graph_reserve_bytes(config, cfg, dtype, num_rows, spec, constrained)
+        _graph_reserve_bytes(config, cfg, dtype, num_rows, spec, constrained, context_len)
     return eager + graphs + TABLES_BYTES
 
 
 def _graph_reserve_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, num_rows: int,
-                         spec: Optional[SpecConfig], constrained: bool) -> int:
+                         spec: Optional[SpecConfig], constrained: bool, row_width: int) -> int:
     """The graphs' pool, estimated: the largest captured step's transients. Every variant is
     captured into the one pool, largest bucket first, so it holds about the largest's: a decode
     step of every row that draws its tokens (the sampled variants) under a grammar's mask (the
     constrained ones, where the engine serves grammars); with mixed steps also the buffer their
-    graphs share (runtime/captured_mixed.py): the largest bucket's hidden states and, at most,
-    three EAGLE-3 feature layers."""
+    graphs share (runtime/captured_mixed.py): the largest bucket's hidden states (or a verify
+    of every row's) and, at most, three EAGLE-3 feature layers; and with chain speculation the
+    one request-table snapshot of every row (`row_width` slots) their wrap's graphs share, and
+    the float32 logits of the chunks their accept takes with the verify rows', and the mixed
+    forwards' transients, which take a pool of their own beside such a wrap
+    (spec/spec_worker.py `capture_mixed`)."""
     decode_tokens = _decode_tokens(num_rows, spec)
-    mixed = MIXED_TOKEN_BUCKETS[-1] * 4 * cfg.hidden_size * dtype.itemsize if config.mixed_steps else 0
+    mixed = 0
+    if config.mixed_steps:
+        mixed = max(MIXED_TOKEN_BUCKETS[-1], decode_tokens) * 4 * cfg.hidden_size * dtype.itemsize
+        if spec is not None and spec.topk == 1:
+            mixed += num_rows * row_width * 8 + CHUNK_LOGIT_ROWS * cfg.vocab_size * 4 + \
+                _workspace(config, cfg, dtype, MIXED_TOKEN_BUCKETS[-1], 0)
     return _workspace(config, cfg, dtype, max(decode_tokens, TOKEN_BUCKETS[-1]),
                       decode_tokens + MAX_REQUESTS) + mixed + \
         _pick_bytes(cfg, decode_tokens, sampled=config.cuda_graph_sampled, constrained=constrained)

@@ -7,6 +7,7 @@ from typing import Callable, NamedTuple, Optional
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 VOCAB = 320
@@ -461,24 +462,99 @@ def run_aborting(engine, abort_rid: str, abort_at_step: int, max_steps: int = 50
     return outs, reasons
 
 
+class _NewStorages(TorchDispatchMode):
+    """The storages an op under it allocates (outputs that alias none of its inputs: what a
+    captured graph would place in its pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ptrs: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for result, returned in zip(results, func._schema.returns):
+            if isinstance(result, torch.Tensor) and returned.alias_info is None:
+                self.ptrs.add(result.untyped_storage().data_ptr())
+        return out
+
+
+def _tensors(value):
+    """The tensors inside a part's outputs (tuples, NamedTuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _overwrite(t: torch.Tensor) -> None:
+    """What a later replay leaves where a tensor was: values no step computes."""
+    if t.dtype.is_floating_point:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+class StandInPool:
+    """A CUDA graph pool's reuse of memory, as the stand-in models it. Graphs captured into one
+    pool may place their tensors in the freed transients of those captured before them, so
+    replaying a graph overwrites the outputs of every graph captured after it in the pool,
+    where those graphs allocated them (not views of buffers made outside). Replayed in capture
+    order, one finished before the next, that is harmless; interleaved, a later graph's
+    outputs are gone before they are read. The stand-in overwrites them at every replay."""
+
+    def __init__(self):
+        self.order: list[tuple] = []  # (graphs, bucket, part) in capture order
+        self.outputs: dict[tuple, tuple] = {}  # the same key -> (its last outputs, their new storages)
+
+    def replaying(self, key: tuple) -> None:
+        later = self.order[self.order.index(key) + 1:]
+        for other in later:
+            outputs, storages = self.outputs.get(other, ((), ()))
+            for t in _tensors(outputs):
+                if t.untyped_storage().data_ptr() in storages:
+                    _overwrite(t)
+
+
 def eager_graphs(monkeypatch):
     """GraphedStep with each bucket's parts run eagerly on its static inputs (the CPU stand-in
     for CUDA graphs: bucket loading and padding run as on a GPU); replays recorded as
-    (graphs, the static rows tensor or None, part)."""
+    (graphs, the static rows tensor or None, part). Graphs without a pool get one of their own
+    (`StandInPool`: a replay overwrites what graphs captured after it in its pool allocated)."""
     from specserve.engine.runtime import cuda_graph, worker
     from specserve.engine.spec import eagle_drafter, spec_worker
 
     class EagerGraphs(cuda_graph.GraphedStep):
         replays: list = []
 
+        def capture_all(self, what: str) -> None:
+            if self.pool is None:
+                self.pool = StandInPool()
+            super().capture_all(what)
+
         def _capture(self, bs):
             self.captured[bs] = cuda_graph._Captured([], self.make_inputs(bs), [])
+            if isinstance(self.pool, StandInPool):
+                self.pool.order += [(self, bs, part) for part in range(len(self.parts))]
 
         def replay(self, captured, part):
             EagerGraphs.replays.append((self, getattr(captured.inputs, "rows", None), part))
             if part == 0:
                 captured.outputs.clear()
-            captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
+            key = (self, next(b for b, c in self.captured.items() if c is captured), part)
+            pooled = isinstance(self.pool, StandInPool)
+            if pooled:
+                self.pool.replaying(key)
+            with _NewStorages() as new:
+                captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
+            if pooled:
+                self.pool.outputs[key] = (captured.outputs[-1], new.ptrs)
             return captured.outputs[-1]
 
     for module in (worker, spec_worker, eagle_drafter):

@@ -14,14 +14,17 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, make_predictable_pair,
                      random_prompts, record_steps)
 
 from specserve.engine import SamplingParams, SpecConfig
 from specserve.engine.runtime import captured_mixed
 from specserve.engine.runtime.captured_extend import ExtendBucket
-from specserve.engine.runtime.captured_mixed import load_mixed_inputs, make_mixed_inputs, mixed_bucket, mixed_buckets
+from specserve.engine.runtime.captured_mixed import (load_mixed_draft, load_mixed_inputs, make_mixed_inputs,
+                                                    mixed_bucket, mixed_buckets)
 from specserve.engine.runtime.mixed_step import DecodeRows
+from specserve.engine.spec import spec_worker
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=2, topk=2, num_draft_tokens=4)
@@ -61,8 +64,15 @@ def _arrivals():
             (4, "n2", p[3], _sampled(6, seed=11, n=2)), (6, "warm", p[0] + p[4], _greedy(6))]
 
 
-def _mixed_replays(graphs, worker) -> int:
-    return sum(g is worker.mixed_graphs for g, _, _ in graphs.replays)
+def _mixed_replays(graphs, worker, part: int = 0) -> int:
+    """Replays of the mixed graphs' `part` (0: the target forward; 1: the draft-extend)."""
+    return sum(g is worker.mixed_graphs and p == part for g, _, p in graphs.replays)
+
+
+def _wrap_replays(graphs, worker) -> int:
+    """Replays of the speculative wrap's graphs (draft, accept, draft-extend: 3 a step)."""
+    wraps = list(worker.mixed_wrap_graphs.values())
+    return sum(any(g is w for w in wraps) for g, _, _ in graphs.replays)
 
 
 # --- engines on the CPU (the graphs' stand-in) --------------------------------------------
@@ -87,6 +97,11 @@ def test_graphed_mixed_steps_equal_eager_ones_and_each_request_alone(pair, make_
     assert drive(engine, _arrivals()) == expected
     worker = engine.core.worker
     assert _mixed_replays(graphs, worker) == engine.metrics.num_mixed_steps > 0
+    # Chain: the draft, the accept and the outputs around every mixed forward replayed too
+    # (greedy, seeded and filtered decode rows: each its variant), and both parts' draft-extend
+    # after it; plain samples eagerly.
+    assert _wrap_replays(graphs, worker) == (3 * engine.metrics.num_mixed_steps if shape else 0)
+    assert _mixed_replays(graphs, worker, part=1) == (engine.metrics.num_mixed_steps if shape else 0)
     # The long prompt was chunked over several graphed mixed steps.
     assert sum(("long", 0) in s.reqs and s.mixed for s in steps) >= 2
     # The prompt share filled the 64-token bucket the steps replay (BUDGET alone is 32; no
@@ -97,6 +112,36 @@ def test_graphed_mixed_steps_equal_eager_ones_and_each_request_alone(pair, make_
         if s.mixed:
             assert s.computed <= max(BUDGET, 64 - s.num_decode * row_tokens)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("shape,own_pool", [(None, False), (CHAIN, True), (TREE, False)],
+                         ids=["plain", "chain", "tree"])
+def test_mixed_forwards_beside_a_wrap_are_captured_in_a_pool_of_their_own(pair, make_engine, monkeypatch,
+                                                                           shape, own_pool):
+    """Graphs sharing a pool may reuse each other's freed transients only if they replay in
+    capture order; a chain mixed step replays the wrap's draft, the mixed forward, the wrap's
+    accept and outputs, then the forward's draft-extend, so its forwards take a pool of their
+    own (None: `capture_all` makes one). Without a wrap they share the decode graphs'. (The
+    stand-in has no pools: on a GPU one pool gave garbage tokens.)"""
+    from helpers import eager_graphs
+
+    engine = make_engine(pair[0], spec=_spec(pair, shape))
+    eager_graphs(monkeypatch)
+    worker = engine.core.worker
+    width = engine.core.req_to_token.row_width
+    worker.enable_cuda_graphs(engine.core.config.max_running_requests, width)
+    worker.graphs.pool = decode_pool = object()
+    pools = []
+    capture = worker.target.capture_mixed
+
+    def recorded(max_entries, width, layers, pool, *args):
+        pools.append(pool)
+        return capture(max_entries, width, layers, pool, *args)
+
+    monkeypatch.setattr(worker.target, "capture_mixed", recorded)
+    worker.capture_mixed(engine.core.config.max_running_requests, width)
+    assert pools == [None if own_pool else decode_pool]
+    assert bool(worker.mixed_wrap_graphs) == own_pool
 
 
 @pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
@@ -113,6 +158,28 @@ def test_steps_no_bucket_holds_run_eagerly_beside_graphed_ones(pair, make_engine
     graphs.replays.clear()
     assert drive(engine, _arrivals()) == expected
     assert 0 < _mixed_replays(graphs, engine.core.worker) < engine.metrics.num_mixed_steps
+
+
+def test_chunk_logits_past_the_wraps_rows_are_computed_after_it(pair, make_engine, monkeypatch):
+    """The wrap's accept takes the logits of up to CHUNK_LOGIT_ROWS chunks (1 here) with the
+    verify rows'; a step of more chunks computes theirs after it: both give each request's
+    own tokens (greedy and seeded)."""
+    prompts = random_prompts(5, seed=171, min_len=5, max_len=8)
+    arrivals = [(0, "d0", prompts[0], _greedy(24)), (0, "d1", prompts[1], _sampled(24, seed=3)),
+                (2, "a", prompts[2], _greedy(4)), (2, "b", prompts[3], _sampled(4, seed=4)),
+                (8, "c", prompts[4], _greedy(4))]
+    spec = _spec(pair, CHAIN)
+    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
+    expected = {}
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
+    monkeypatch.setattr(spec_worker, "CHUNK_LOGIT_ROWS", 1)
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
+    steps = record_steps(engine)
+    graphs.replays.clear()
+    assert drive(engine, arrivals) == expected
+    assert {len(s.chunks) for s in steps if s.mixed} >= {1, 2}
+    assert _wrap_replays(graphs, engine.core.worker) == 3 * engine.metrics.num_mixed_steps
 
 
 def test_an_eagle3_head_reads_the_features_the_graphs_write(pair, make_engine, monkeypatch, tmp_path):
@@ -133,6 +200,25 @@ def test_an_eagle3_head_reads_the_features_the_graphs_write(pair, make_engine, m
     assert _mixed_replays(graphs, engine.core.worker) == engine.metrics.num_mixed_steps > 0
 
 
+def test_an_ngram_drafter_replays_the_wrap_and_extends_its_table_eagerly(pair, make_engine, monkeypatch):
+    """A drafter without a draft model has no draft-extend in the mixed graphs: the wrap's last
+    graph is the decode step's second half (its token table written), the chunks' after_prefill
+    runs after the graphs; the outputs equal each request alone."""
+    spec = SpecConfig(algorithm="ngram", **CHAIN)
+    arrivals = _arrivals()[:4]
+    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
+    expected = {}
+    for _, rid, prompt, params in arrivals:
+        expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
+    graphs.replays.clear()
+    assert drive(engine, arrivals) == expected
+    worker, n = engine.core.worker, engine.metrics.num_mixed_steps
+    assert _mixed_replays(graphs, worker) == n > 0 and _wrap_replays(graphs, worker) == 3 * n
+    assert _mixed_replays(graphs, worker, part=1) == 0
+    assert_no_leaks(engine)
+
+
 def test_tree_verify_rows_stay_eager(pair, make_engine, monkeypatch):
     spec = _spec(pair, TREE)
     arrivals = _arrivals()[:4]
@@ -143,7 +229,9 @@ def test_tree_verify_rows_stay_eager(pair, make_engine, monkeypatch):
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
     graphs.replays.clear()
     assert drive(engine, arrivals) == expected
-    assert engine.metrics.num_mixed_steps > 0 and _mixed_replays(graphs, engine.core.worker) == 0
+    worker = engine.core.worker
+    assert engine.metrics.num_mixed_steps > 0 and _mixed_replays(graphs, worker) == 0
+    assert not worker.mixed_wrap_graphs and _wrap_replays(graphs, worker) == 0
 
 
 @pytest.mark.parametrize("shape", [None, CHAIN], ids=["plain", "chain"])
@@ -165,6 +253,81 @@ def test_triton_graphed_mixed_steps_match_torch_native(pair, make_engine, monkey
     replayed = {bucket.max_chunk for bucket, captured in worker.mixed_graphs.captured.items()
                 for g, rows, _ in graphs.replays if g is worker.mixed_graphs and rows is captured.inputs.rows}
     assert min(replayed) == 64 < max(replayed)
+
+
+class _HostWork(TorchDispatchMode):
+    """The ops the host dispatches, and the model forwards it runs, outside graph replays (the
+    CPU stand-in runs a replay's parts eagerly: on a GPU a replay is one launch)."""
+
+    in_replay = False
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.forwards = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not _HostWork.in_replay
+        return func(*args, **(kwargs or {}))
+
+
+def _count_host_work(engine, graphs, monkeypatch) -> list:
+    """Run every launched forward inline under a _HostWork, appended to the list returned."""
+    counted, replay, core = [], graphs.replay, engine.core
+
+    def replay_uncounted(self, captured, part):
+        _HostWork.in_replay = True
+        try:
+            return replay(self, captured, part)
+        finally:
+            _HostWork.in_replay = False
+
+    def launch(fn):
+        with _HostWork() as work:
+            counted.append(work)
+            core.ctx._run(fn, (0.0, 0.0))
+
+    for runner in (core.runner, core.draft_runner):
+        def forward(*args, forward=runner.forward, **kwargs):
+            counted[-1].forwards += not _HostWork.in_replay
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(graphs, "replay", replay_uncounted)
+    monkeypatch.setattr(core.ctx, "launch", launch)
+    return counted
+
+
+def test_a_graphed_chain_mixed_step_runs_no_model_outside_its_replays(pair, make_engine, monkeypatch):
+    """The draft, the accept and the draft-extends of a chain mixed step replay graphs around its
+    forward's: no target or draft forward runs outside a replay, and the host dispatches a
+    quarter of the ops it does with the wrap eager (85 and 536 ops here; a graphed decode
+    step 10)."""
+    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=_spec(pair, CHAIN),
+                                    enable_overlap=False, prefill_interleave_tokens=BUDGET)
+    for i, prompt in enumerate(random_prompts(3, seed=161, min_len=5, max_len=10)):
+        engine.add_request(f"d{i}", prompt, _greedy(60))
+    for _ in range(6):
+        engine.step()
+    counted = _count_host_work(engine, graphs, monkeypatch)
+
+    def mixed_step(rid: str):
+        mixed = engine.metrics.num_mixed_steps
+        engine.add_request(rid, random_prompts(1, seed=162, min_len=20, max_len=20)[0], _greedy(1))
+        counted.clear()
+        engine.step()
+        assert engine.metrics.num_mixed_steps == mixed + 1 and len(counted) == 1
+        return counted[0]
+
+    graphed = mixed_step("graphed")
+    monkeypatch.setattr(engine.core.worker, "mixed_wrap_graphs", {})  # the wrap eager (as before)
+    eager = mixed_step("eager")
+    assert graphed.forwards == 0 < eager.forwards
+    assert 4 * graphed.ops < eager.ops
+    engine.abort("d0"), engine.abort("d1"), engine.abort("d2")
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(engine)
 
 
 # --- units -----------------------------------------------------------------------------------
@@ -215,14 +378,27 @@ def test_loading_pads_after_the_rows_and_chunks():
     # The entries: 2 rows of 2, the chunk, the 57 padding tokens in one entry, then empty ones.
     assert static.extend_lens.tolist() == [2, 2, 3, 57] + [0] * 13
     assert static.extend_lens.sum() == bucket.tokens
+    # The draft-extend's inputs: the rows' emitted tokens, then the chunk's shifted ids; each
+    # row's state from its last accepted node, the chunk's (it samples nothing: row 0) from its
+    # last token; the other entries stash into row 0 from token T - 1, over an earlier replay's.
+    static.draft_ids.fill_(99), static.stash_rows.fill_(99), static.stash_index.fill_(99)
+    load_mixed_draft(static, [t(11, 12, 13, 14), t(41, 42, 43)], t(2, 3, 0), t(1, 2, 6))
+    assert static.draft_ids.tolist()[:8] == [11, 12, 13, 14, 41, 42, 43, 0] and not static.draft_ids[7:].any()
+    assert static.stash_rows.tolist() == [2, 3, 0] + [0] * 13
+    assert static.stash_index.tolist() == [1, 2, 6] + [63] * 13
 
 
 # --- on a GPU: the captured graphs ------------------------------------------------------------
 def _count_replays(engine) -> list:
-    """Every replay of the engine's mixed graphs from now on (their part index)."""
-    graphs = engine.core.worker.mixed_graphs
-    replays, replay = [], graphs.replay
-    graphs.replay = lambda captured, part: replays.append(part) or replay(captured, part)
+    """Every replay of the engine's mixed graphs ("mixed") and their speculative wrap's
+    ("wrap") from now on, with the part replayed."""
+    worker, replays = engine.core.worker, []
+    for kind, graphs in (("mixed", worker.mixed_graphs), *(("wrap", g) for g in worker.mixed_wrap_graphs.values())):
+        def counted(captured, part, kind=kind, replay=graphs.replay):
+            replays.append((kind, part))
+            return replay(captured, part)
+
+        graphs.replay = counted
     return replays
 
 
@@ -236,7 +412,11 @@ def test_gpu_graphed_mixed_steps_equal_eager(pair, make_engine, shape):
     assert engine.core.worker.mixed_graphs is not None and engine.core.scheduler.policy.mixed_graph_tokens
     replays = _count_replays(engine)
     assert drive(engine, _arrivals()) == expected
-    assert len(replays) == engine.metrics.num_mixed_steps > 0
+    n = engine.metrics.num_mixed_steps
+    assert replays.count(("mixed", 0)) == n > 0
+    # Chain: the draft-extend part, and the wrap's three graphs, every mixed step.
+    assert replays.count(("mixed", 1)) == (n if shape else 0)
+    assert sum(kind == "wrap" for kind, _ in replays) == (3 * n if shape else 0)
 
 
 @pytest.mark.gpu
@@ -257,7 +437,7 @@ def test_gpu_graphed_mixed_steps_have_no_blocking_sync(pair, make_engine):
             if i % 3 == 0:
                 engine.add_request(f"a{i}", list(range(10, 40)), _greedy(3))
             engine.step()
-    assert replays and engine.metrics.num_mixed_steps > 0
+    assert ("wrap", 2) in replays and ("mixed", 1) in replays and engine.metrics.num_mixed_steps > 0
     engine.abort("long")
     while engine.has_unfinished():
         engine.step()

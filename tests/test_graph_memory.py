@@ -167,7 +167,8 @@ def test_a_tree_engine_of_256_rows_and_a_128k_vocabulary_captures_within_its_sha
     assert set(core.worker.constrained_graphs) == ({sampler.GREEDY} | variants if grammar else set())
     assert torch.cuda.max_memory_reserved() - reserved_before <= 0.9 * total
     assert 0 < core.graph_memory_bytes <= builder._graph_reserve_bytes(
-        core.config, core.model_config, core.dtype, 256, core.spec, constrained=grammar)
+        core.config, core.model_config, core.dtype, 256, core.spec, constrained=grammar,
+        row_width=core.req_to_token.row_width)
     sampling = [SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i,
                                ignore_eos=True) for i in range(64)]
     outs = engine.generate(prompt_token_ids=[[5 + i, 6, 7] for i in range(64)], sampling=sampling)

@@ -135,13 +135,24 @@ def test_mixed_steps_reserve_the_buffer_their_graphs_share(fake_device):
     cfg = ModelConfig.from_dict(LLAMA_8B)
     config = EngineConfig()
 
-    def reserve(config):
-        return builder._reserve_bytes(config, cfg, torch.bfloat16, 64, None, 8192, constrained=False)
+    def reserve(config, spec=None, rows=64):
+        return builder._reserve_bytes(config, cfg, torch.bfloat16, rows, spec, 8192, constrained=False)
 
     extra = reserve(config.replace(mixed_steps=True)) - reserve(config)
     assert extra == 2048 * 4 * 4096 * 2  # hidden states and up to three EAGLE-3 layers, bf16
     assert reserve(config.replace(mixed_steps=True, cuda_graph=False)) == \
         reserve(config.replace(cuda_graph=False))
+    # Chain speculation: the wrap's graphs share one snapshot of every row's table row (int64
+    # slots) and 16 chunks' float32 logits; the outputs hold a verify of every row where that is
+    # more than 2048 tokens; the mixed forwards' own pool holds a 2048-token forward's transients.
+    chain = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
+    wrap = 16 * 128256 * 4 + forward_workspace_bytes(2048, 0, 4096, 14336, 128256, 2)
+    extra = reserve(config.replace(mixed_steps=True), chain) - reserve(config, chain)
+    assert extra == 2048 * 4 * 4096 * 2 + 64 * 8192 * 8 + wrap
+    extra = reserve(config.replace(mixed_steps=True), chain, 1024) - reserve(config, chain, 1024)
+    assert extra == 4096 * 4 * 4096 * 2 + 1024 * 8192 * 8 + wrap
+    extra = reserve(config.replace(mixed_steps=True), TREE) - reserve(config, TREE)
+    assert extra == 2048 * 4 * 4096 * 2  # tree verify rows' mixed steps: no wrap graphs
 
 
 def test_the_builder_reserves_for_a_speculative_step_and_splits_the_mlp_by_tp(fake_device):
@@ -173,7 +184,7 @@ def test_the_graph_reserve_counts_every_variant_of_the_largest_tree_step(fake_de
     assert draw == 32 * vocab * 64 + rows * 1024  # one 32-row chunk at 64 bytes an element
     assert mask == (rows * vocab + 32) * 8
     graphs = lambda config, constrained: builder._graph_reserve_bytes(  # noqa: E731
-        config, cfg, torch.bfloat16, 256, TREE, constrained)
+        config, cfg, torch.bfloat16, 256, TREE, constrained, 8192)
     assert graphs(config, True) == forward + draw + mask
     assert graphs(config, False) == forward + draw
     assert graphs(config.replace(cuda_graph_sampled=False), True) == forward + mask

@@ -151,7 +151,7 @@ def test_graphed_decode_steps_and_graphed_mixed_steps_interleave(pair, make_engi
     assert engine.metrics.num_mixed_steps > 0
     worker = engine.core.worker
     assert any(g is worker.graphs or g in worker.sampled_graphs.values() for g, _, _ in graphs.replays)
-    mixed_replays = sum(g is worker.mixed_graphs for g, _, _ in graphs.replays)
+    mixed_replays = sum(g is worker.mixed_graphs and part == 0 for g, _, part in graphs.replays)
     assert mixed_replays == (0 if mode == "tree" else engine.metrics.num_mixed_steps)
     assert_no_leaks(engine)
 

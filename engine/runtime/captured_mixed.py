@@ -15,16 +15,15 @@ forward whose layout changes with every arrival:
   chain verify row another (its D causal nodes over its prefix), a chunk a third; so the mixed
   forward is one replay, keyed by (T, M, R) and not by (decode batch x prompt tokens).
 
-The second is taken. What stays eager around the replay is what the workers do after the
-eager forward as well, reading the forward's outputs: the logits of the rows that sample
-(every decode or verify token and each chunk's last: a device index, as eagerly), the
-sampling with each part's own SamplingInfo (so sampled, seeded and filtered rows ride the
-graphs too), the verifier's accept, and the drafter's draft (before) and draft-extends
-(after), which need the target's features of every row. Tree verify rows carry a custom mask
-and run eagerly, as does any step no bucket holds. That eager part is what a speculative mixed
-step's p99 is made of now: about 430 launches around the replay of a chain step
-(`bench/spec_op_count.py --arrival-prompt-len`), which on an H200 at 64 streams held the
-scheduler thread in a launch for up to a step's time (docs/benchmarks.md, sixteenth round).
+The second is taken. Around the replay the workers do what they do around the eager forward,
+reading its outputs: the logits of the rows that sample (every decode or verify token and each
+chunk's last: a device index, as eagerly) and the sampling with each part's own SamplingInfo
+(so sampled, seeded and filtered rows ride the graphs too); with chain speculation the
+drafter's draft before it and the verifier's accept after it replay graphs of their own per
+decode-batch bucket (spec/spec_worker.py, the mixed wrap), and a draft model's draft-extends
+of both parts are this module's graphs' second part: one draft forward over the same layout
+and features (`MixedGraphInputs.draft_ids`, the stash entries; `load_mixed_draft`). Tree
+verify rows carry a custom mask and run eagerly, as does any step no bucket holds.
 
 Buckets: T in TOKEN_BUCKETS (the extends', and steps of a quarter between them from 256 on);
 M as the extends' (64 up to T = 256: Triton's split extend over the prefix, which a verify row
@@ -39,8 +38,8 @@ prompt tokens in its place would.
 Unlike the captured extend, every graph writes its outputs (the last hidden states and the
 EAGLE-3 features, [T, ...]) into one buffer all buckets share (`SharedOutputs`), so the
 buckets keep no outputs of their own in the graphs' pool; one step replays at a time, and it
-consumes them before the next. The graph reads the request table itself (pool rows per
-entry), so a graphed step records `read_done` after the replay, as the decode graphs do.
+consumes them before the next. The graphs read the request table themselves (pool rows per
+entry), so a graphed step records `read_done` after them, as the decode graphs do.
 """
 from __future__ import annotations
 
@@ -88,7 +87,8 @@ def mixed_bucket(row_width: int, num_rows: int, chunk_lens: Sequence[int], custo
 
 class MixedGraphInputs(NamedTuple):
     """The static inputs of a captured mixed forward: the rows' tokens, then the chunks', then
-    padding; per entry its pool row, prefix and length (padding entries: theirs; empty: 0)."""
+    padding; per entry its pool row, prefix and length (padding entries: theirs; empty: 0).
+    With a draft model, its draft-extend over the same layout (`load_mixed_draft`)."""
 
     ids: torch.Tensor          # [T]
     positions: torch.Tensor    # [T]
@@ -96,15 +96,28 @@ class MixedGraphInputs(NamedTuple):
     rows: torch.Tensor         # [E] request-table row per entry
     prefix_lens: torch.Tensor  # [E]
     extend_lens: torch.Tensor  # [E]
+    draft_ids: torch.Tensor    # [T] the draft-extend's ids: each token's successor (padding: 0)
+    stash_rows: torch.Tensor   # [R] the row each real entry stashes the next draft state of (else 0)
+    stash_index: torch.Tensor  # [R] the token whose draft output that is (else T - 1)
     max_chunk: int             # M: the host bound the attention's grid is sized by
+
+
+class MixedForwardOut(NamedTuple):
+    """What a captured mixed forward hands the draft-extend after it: the static inputs, and
+    the views of the shared outputs it wrote (the bucket's T tokens)."""
+
+    inputs: MixedGraphInputs
+    hidden: torch.Tensor
+    aux: Optional[torch.Tensor]
 
 
 def make_mixed_inputs(bucket: ExtendBucket, device: torch.device) -> MixedGraphInputs:
     """Static inputs of one bucket, holding a valid forward of padding alone."""
-    T, E = bucket.tokens, bucket.entries
+    T, E, R = bucket.tokens, bucket.entries, bucket.requests
     zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
     lens = entry_lens(bucket, [], T).to(device)
-    return MixedGraphInputs(zeros(T), zeros(T), zeros(T), zeros(E), zeros(E), lens, bucket.max_chunk)
+    return MixedGraphInputs(zeros(T), zeros(T), zeros(T), zeros(E), zeros(E), lens, zeros(T), zeros(R),
+                            torch.full((R,), T - 1, dtype=torch.int64, device=device), bucket.max_chunk)
 
 
 def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, rows: DecodeRows,
@@ -127,10 +140,27 @@ def load_mixed_inputs(static: MixedGraphInputs, bucket: ExtendBucket, rows: Deco
     return n
 
 
+def load_mixed_draft(static: MixedGraphInputs, ids: Sequence[torch.Tensor], stash_rows: torch.Tensor,
+                     stash_index: torch.Tensor) -> None:
+    """Copy a step's draft-extend inputs into a bucket's static inputs (on the forward stream):
+    `ids` in the forward's order (the verify rows' emitted tokens, the chunks' shifted ids),
+    padding after them; per real entry the row its draft state goes to and the token it is
+    read from; the rest stash into row 0 from the last token."""
+    n, k = sum(t.shape[0] for t in ids), stash_rows.shape[0]
+    torch.cat(list(ids), out=static.draft_ids[:n])
+    static.draft_ids[n:].zero_()
+    static.stash_rows[:k].copy_(stash_rows)
+    static.stash_rows[k:].zero_()
+    static.stash_index[:k].copy_(stash_index)
+    static.stash_index[k:].fill_(static.ids.shape[0] - 1)
+
+
 class SharedOutputs:
     """The one output buffer of every mixed graph: the last hidden states and the auxiliary
     features of up to `max_tokens` tokens. Allocated at the first write (the largest bucket's
-    warm-up, before any capture), in the forward's own shapes and dtypes."""
+    warm-up, before any capture), in the forward's own shapes and dtypes, zeroed: the
+    speculative wrap's graphs (spec/spec_worker.py) read the first rows of a decode-batch
+    bucket, whose padded rows may lie past anything a forward wrote."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
@@ -140,11 +170,23 @@ class SharedOutputs:
         """Copy a forward's (hidden, aux) in; returns views of the buffer of the same shapes."""
         values = [hidden] if aux is None else [hidden, aux]
         if self.buffers is None:
-            self.buffers = [v.new_empty((self.max_tokens, *v.shape[1:])) for v in values]
+            self.buffers = [v.new_zeros((self.max_tokens, *v.shape[1:])) for v in values]
         views = [buf[:v.shape[0]] for buf, v in zip(self.buffers, values)]
         for view, v in zip(views, values):
             view.copy_(v)
         return views[0], (views[1] if aux is not None else None)
+
+    def read(self, n: int):
+        """(hidden, aux or None) of the first `n` tokens the last replay wrote (views)."""
+        views = [buf[:n] for buf in self.buffers]
+        return views[0], (views[1] if len(views) > 1 else None)
+
+
+def mixed_outputs(decode_tokens: int) -> SharedOutputs:
+    """The buffer a worker's mixed graphs share: the largest bucket's tokens, and at least
+    `decode_tokens` (every row's decode or verify tokens, which the speculative wrap's graphs
+    read per decode-batch bucket)."""
+    return SharedOutputs(max(TOKEN_BUCKETS[-1], decode_tokens))
 
 
 def replay_mixed(graphs, bucket: ExtendBucket, rows: DecodeRows, table_rows: torch.Tensor, chunks):
@@ -153,8 +195,8 @@ def replay_mixed(graphs, bucket: ExtendBucket, rows: DecodeRows, table_rows: tor
     shared outputs that the next replay overwrites."""
     captured = graphs.captured[bucket]
     n = load_mixed_inputs(captured.inputs, bucket, rows, table_rows, chunks)
-    hidden, aux = graphs.replay(captured, 0)
-    return hidden[:n], None if aux is None else aux[:n]
+    out = graphs.replay(captured, 0)
+    return out.hidden[:n], None if out.aux is None else out.aux[:n]
 
 
 def mixed_graph_tokens(worker) -> tuple[int, ...]:

@@ -11,9 +11,10 @@ Nothing here reads a device value on the host.
 
 With CUDA graphs the target forward of a plain or chain mixed step is a replay of the same
 layout as a captured ragged extend (runtime/captured_mixed.py, keyed by token count, chunk bound
-and entries, not by decode batch x prompt tokens); the logits, the sampling and the drafter's
-work around it run as here. Tree verify rows (their custom mask) and steps no bucket holds
-build this module's ForwardBatch and run eagerly.
+and entries, not by decode batch x prompt tokens); the chunks' logits and sampling run as here,
+and a chain step's draft, accept and draft-extends replay graphs too (spec/spec_worker.py).
+Tree verify rows (their custom mask) and steps no bucket holds build this module's
+ForwardBatch and run eagerly.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from specserve.engine.runtime.captured_extend import (
     ExtendBucket, CapturedExtendInputs, extend_bucket, extend_buckets, load_captured_extend,
     make_captured_extend_inputs, pack_captured_extend)
 from specserve.engine.runtime.captured_mixed import (
-    SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, replay_mixed)
+    MixedForwardOut, SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, mixed_outputs, replay_mixed)
 from specserve.engine.runtime.mixed_step import DecodeRows, logit_rows, mixed_forward_batch, sample_chunks
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
                                            launch_forward)
@@ -288,21 +288,24 @@ class TargetModel:
         return graphs
 
     def capture_mixed(self, max_entries: int, width: int, aux_hidden_layers: tuple[int, ...],
-                      pool) -> Optional[GraphedStep]:
+                      pool, outputs: SharedOutputs, draft_part=None) -> Optional[GraphedStep]:
         """GraphedStep of the mixed steps' target forward over the mixed buckets
-        (runtime/captured_mixed.py), writing (hidden, aux) into the buffer they share; None
-        where the attention cannot run it from device lengths. In the decode graphs' `pool`."""
+        (runtime/captured_mixed.py), writing (hidden, aux) into `outputs` (the buffer they
+        share), and with `draft_part` (a drafter's, reading the MixedForwardOut) a second
+        graph; None where the attention cannot run it from device lengths. In `pool` (the
+        decode graphs'), or None: a pool of their own."""
         backend = self.runner.attn_backend
         if not (backend.supports_mixed_forward and backend.supports_device_extend_lens):
             return None
         buckets = mixed_buckets(max_entries, width)
-        outputs = SharedOutputs(buckets[-1].tokens)
 
         def forward(s):
-            return outputs.write(*self.captured_forward(s, width, aux_hidden_layers, ForwardMode.MIXED))
+            return MixedForwardOut(s, *outputs.write(*self.captured_forward(s, width, aux_hidden_layers,
+                                                                            ForwardMode.MIXED)))
 
         device = self.ctx.device
-        graphs = GraphedStep([forward], lambda bucket: make_mixed_inputs(bucket, device), pad={},
+        parts = [forward] if draft_part is None else [forward, draft_part]
+        graphs = GraphedStep(parts, lambda bucket: make_mixed_inputs(bucket, device), pad={},
                              max_batch_size=None, device=device, buckets=buckets, pool=pool)
         graphs.capture_all("mixed steps")
         return graphs
@@ -340,6 +343,7 @@ class NormalWorker:
         self.constrained_graphs: dict[str, GraphedStep] = {}
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.mixed_graphs = None  # GraphedStep of mixed forwards (runtime/captured_mixed.py)
+        self.mixed_wrap_graphs: dict[str, GraphedStep] = {}  # none: a plain mixed step samples eagerly
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""
@@ -463,7 +467,8 @@ class NormalWorker:
     def capture_mixed(self, max_batch_size: int, width: int) -> None:
         """Capture the mixed steps' forwards (runtime/captured_mixed.py), in the decode graphs'
         pool (after enable_cuda_graphs)."""
-        self.mixed_graphs = self.target.capture_mixed(max_batch_size, width, (), self.graphs.pool)
+        self.mixed_graphs = self.target.capture_mixed(max_batch_size, width, (), self.graphs.pool,
+                                                      mixed_outputs(max_batch_size))
 
     def release_graphs(self) -> None:
         release_graphs(self)
@@ -530,7 +535,7 @@ def graph_decode_inputs(device):
 def release_graphs(worker) -> None:
     """Free a worker's captured graphs (engine shutdown)."""
     for graphs in (worker.graphs, *worker.sampled_graphs.values(), *worker.constrained_graphs.values(),
-                   worker.extend_graphs, worker.mixed_graphs):
+                   worker.extend_graphs, worker.mixed_graphs, *worker.mixed_wrap_graphs.values()):
         if graphs is not None:
             graphs.release()
 

@@ -22,6 +22,7 @@ import torch
 
 from specserve.engine.forward_batch import KVRows
 from specserve.engine.runtime.captured_extend import CapturedExtendInputs
+from specserve.engine.runtime.captured_mixed import MixedForwardOut
 from specserve.engine.runtime.step import ExtendStep
 from specserve.engine.runtime.worker import ForwardInputs
 from specserve.engine.spec.tree import DraftNodes, TreeShape
@@ -34,6 +35,16 @@ class CapturedExtendHalf(NamedTuple):
     inputs: CapturedExtendInputs
     tokens: torch.Tensor      # [R] the sampled tokens
     feats: torch.Tensor       # the target features the draft reads
+
+
+class MixedDraftExtend(NamedTuple):
+    """A drafter's draft-extend of a captured mixed step (runtime/captured_mixed.py): the
+    verify rows' accepted paths and the prompt chunks in one draft forward over the mixed
+    forward's layout, as the mixed graphs' second part."""
+
+    part: Callable[[MixedForwardOut], None]  # reads the static inputs' draft ids and stash entries
+    # The chunks' draft ids: (prefill_inputs, the chunks' ForwardInputs, their sampled tokens).
+    chunk_ids: Callable[[Any, ForwardInputs, torch.Tensor], torch.Tensor]
 
 
 class Drafter(Protocol):
@@ -82,3 +93,7 @@ class Drafter(Protocol):
         """The second part of a captured extend (runtime/captured_extend.py) over rows of KV
         bound `width`: reads what the target half returns, returns its sampled tokens; None:
         extends stay eager."""
+
+    def captured_mixed_part(self, width: int) -> Optional[MixedDraftExtend]:
+        """The draft-extend of a captured mixed step over rows of KV bound `width`, in place of
+        `after_verify` and `after_prefill`; None: both run after the graphs."""

@@ -25,13 +25,14 @@ from specserve.engine.aranges import arange
 from specserve.engine.config import SpecConfig
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, KVRows
 from specserve.engine.grammar.channel import DeviceChannel
+from specserve.engine.runtime.captured_mixed import MixedForwardOut
 from specserve.engine.runtime.cuda_graph import GraphedStep
 from specserve.engine.runtime.future_map import DraftInput, DraftState
 from specserve.engine.runtime.model_runner import ModelRunner
 from specserve.engine.runtime.step import ExtendStep
 from specserve.engine.runtime.worker import ForwardInputs, TargetModel
 from specserve.engine.spec import tree as tree_ops
-from specserve.engine.spec.drafter import CapturedExtendHalf
+from specserve.engine.spec.drafter import CapturedExtendHalf, MixedDraftExtend
 from specserve.engine.spec.verifier import Snapshot, SpecDecodeInputs, Verified, plus
 
 
@@ -121,15 +122,40 @@ class ModelDrafter:
     def after_prefill(self, inputs: EagleExtendInputs, target: ForwardInputs, tokens: torch.Tensor,
                       feats: torch.Tensor, kv: KVRows) -> None:
         """Draft-extend over the prompt chunk with the target's features; stash the next draft input."""
-        shifted_ids = inputs.shifted_ids.clone()
-        shifted_ids[target.sample_rows] = torch.where(inputs.samples, tokens, shifted_ids[target.sample_rows])
         fb = ForwardBatch(
-            mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted_ids, positions=target.positions, kv_rows=kv,
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=self._chunk_ids(inputs, target, tokens),
+            positions=target.positions, kv_rows=kv,
             prefix_lens=target.prefix_lens, extend_lens_cpu=target.extend_lens_cpu,
             out_cache_loc=target.out_cache_loc, seq_lens_cpu=target.seq_lens_cpu,
             max_seq_len=target.max_seq_len)
         draft_hidden = self.draft_runner.forward(fb, feats)
         self._stash_draft_state(target.stash_rows, draft_hidden[target.sample_rows])
+
+    @staticmethod
+    def _chunk_ids(inputs: EagleExtendInputs, target: ForwardInputs, tokens: torch.Tensor) -> torch.Tensor:
+        """The chunks' draft ids: the inputs shifted by one, a chunk's last row the token it
+        sampled where it ends its prefill (else the next prompt token)."""
+        shifted_ids = inputs.shifted_ids.clone()
+        shifted_ids[target.sample_rows] = torch.where(inputs.samples, tokens, shifted_ids[target.sample_rows])
+        return shifted_ids
+
+    def captured_mixed_part(self, width: int) -> Optional[MixedDraftExtend]:
+        if self.refreshes_state and self.shape.num_steps == 0:
+            return None  # a plain step stores the rows' draft KV alone (after_verify)
+        return MixedDraftExtend(functools.partial(self._captured_mixed_draft_half, width), self._chunk_ids)
+
+    def _captured_mixed_draft_half(self, width: int, out: MixedForwardOut) -> None:
+        """after_verify's draft-extend of the verify rows (a chain's accepted path is in place)
+        and after_prefill's of the chunks as one draft forward over the mixed layout, with
+        the target features the mixed forward wrote; each real entry's draft state stashed."""
+        s = out.inputs
+        fb = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=s.draft_ids, positions=s.positions,
+            kv_rows=KVRows(self.target.req_to_token.table, s.rows), prefix_lens=s.prefix_lens,
+            extend_lens_cpu=[s.max_chunk] * s.rows.shape[0], extend_lens=s.extend_lens,
+            out_cache_loc=s.loc, max_seq_len=width)
+        draft_hidden = self.draft_runner.forward(fb, out.aux if self.feature_layers else out.hidden)
+        self._stash_draft_state(s.stash_rows, draft_hidden[s.stash_index])
 
     def captured_extend_part(self, width: int):
         return functools.partial(self._captured_extend_draft_half, width)

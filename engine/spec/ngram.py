@@ -154,6 +154,9 @@ class NgramDrafter:
     def captured_extend_part(self, width: int):
         return None  # a captured extend has no host view of a cached prefix's tokens
 
+    def captured_mixed_part(self, width: int):
+        return None  # no draft forward: after_verify and after_prefill write the token table
+
     def draft(self, s: SpecDecodeInputs, snap: Snapshot) -> DraftNodes:
         """The bonus token at S is the last known one (written by the last verify or prefill)."""
         if s.constrained:  # the grammar process's first phase, the committed masks: not needed here

@@ -93,11 +93,14 @@ class Verifier:
     def _channel(self) -> DeviceChannel:
         return self.target.grammar.device
 
-    def snapshot(self, s: SpecDecodeInputs) -> Snapshot:
+    def snapshot(self, s: SpecDecodeInputs, out: Optional[torch.Tensor] = None) -> Snapshot:
         """The whole iteration reads the table through this snapshot, so the schedule side may
-        rewrite it as soon as the snapshot is taken."""
-        return Snapshot(KVRows.by_batch_index(self.target.req_to_token.table[s.rows, :s.width]),
-                        self.future_map.resolve_input_ids(-s.rows))
+        rewrite it as soon as the snapshot is taken. `out`: a buffer of at least bs rows of
+        `s.width` slots to take it into (the mixed step's graphs share one, so that no bucket
+        keeps a snapshot of its own: spec/spec_worker.py)."""
+        table = self.target.req_to_token.table[:, :s.width]
+        rows = table[s.rows] if out is None else torch.index_select(table, 0, s.rows, out=out[:s.rows.shape[0]])
+        return Snapshot(KVRows.by_batch_index(rows), self.future_map.resolve_input_ids(-s.rows))
 
     def verify(self, s: SpecDecodeInputs, snap: Snapshot, nodes: tree_ops.DraftNodes) -> Verified:
         """Tree of the drafted nodes, verify forward, accept, publish."""
