@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from helpers import FakeClock, Step, assert_no_leaks, drive, make_predictable_pair, random_prompts, record_steps
+from helpers import (FakeClock, Step, assert_no_leaks, drive, graphed_engine, make_predictable_pair,
+                     random_prompts, record_steps)
 
 from specserve.engine import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
 
@@ -241,6 +242,59 @@ def test_outputs_equal_the_rule_off(pair, make_engine, overlap, speculative):
         if speculative:
             assert engine.metrics.mean_accept_length > 1.5
     assert results[BUDGET] == results[0]
+
+
+@pytest.mark.parametrize("overlap,graphs", [(False, False), (True, False), (True, True)],
+                         ids=["normal", "overlap", "overlap-graphs"])
+@pytest.mark.parametrize("shape", [None, CHAIN, dict(num_steps=2, topk=2, num_draft_tokens=4)],
+                         ids=["plain", "chain", "tree"])
+def test_constrained_requests_decode_in_mixed_steps(pair, make_engine, monkeypatch, overlap, graphs, shape):
+    """Two requests with a grammar (greedy, and seeded sampling) decode while unconstrained
+    prompts arrive, one a step once both decode: the prompts ride in mixed steps whose decode
+    rows include the constrained ones (the grammar process told of the decode rows only), and
+    every output equals its request run alone; no KV leaks. With graphs (the CPU stand-in) the
+    mixed forward replays and a chain's wrap runs eagerly for such a step."""
+    spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **shape) if shape else None
+    grammar = GrammarSpec("regex", "[a-c]{30,60}x")
+    prompts = random_prompts(8, seed=43, min_len=6, max_len=30)
+    constrained = [("g0", prompts[0], SamplingParams(max_new_tokens=30, temperature=0.0, grammar=grammar)),
+                   ("g1", prompts[1], SamplingParams(max_new_tokens=30, temperature=0.9, seed=7, grammar=grammar))]
+    others = [(f"r{i}", p, _greedy(6)) for i, p in enumerate(prompts[2:])]
+    alone = make_engine(pair[0], spec=spec, enable_overlap=overlap, prefill_interleave_tokens=0)
+    expected = {}
+    for rid, prompt, params in constrained + others:
+        expected.update(drive(alone, [(0, rid, prompt, params)]))
+    kwargs = dict(spec=spec, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
+    engine, stand_in = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, **kwargs) if graphs \
+        else (make_engine(pair[0], **kwargs), None)
+    worker, planned = engine.core.worker, []
+    launch_mixed = worker.launch_mixed
+
+    def recorded(step):
+        planned.append(step.decode.grammar)
+        return launch_mixed(step)
+
+    worker.launch_mixed = recorded
+    for rid, prompt, params in constrained:
+        engine.add_request(rid, prompt, params)
+    tokens, results, decoding, waiting = {}, {}, set(), list(others)
+    for _ in range(3000):
+        if waiting and decoding >= {"g0", "g1"}:
+            engine.add_request(*waiting.pop(0))
+        for out in engine.step():
+            tokens.setdefault((out.rid, out.index), []).extend(out.new_token_ids)
+            decoding.add(out.rid)
+            if out.finished:
+                results[out.rid, out.index] = (tokens[out.rid, out.index], out.finish_reason)
+        if len(results) == len(expected) and not engine.has_unfinished():
+            break
+    assert results == expected
+    assert_no_leaks(engine)
+    keys = [k for k in planned if k is not None]
+    assert keys, "no mixed step carried a constrained decode row"
+    assert all(sum(k is not None for k in step_keys) <= 2 for step_keys in keys)
+    if graphs and not (shape and shape["topk"] > 1):  # (a tree's verify rows run eagerly)
+        assert any(g is worker.mixed_graphs for g, _, _ in stand_in.replays)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -375,14 +375,20 @@ class NormalWorker:
 
     def launch_mixed(self, step: MixedStep) -> Launched:
         """One decode token per decode row and the prefill chunks in one forward
-        (runtime/mixed_step.py)."""
+        (runtime/mixed_step.py). Decode rows with a grammar are a constrained decode step's
+        for the grammar process (ONE over the decode rows: signal, their masks, their
+        tokens); the chunks sample unconstrained."""
         target = self.target
         decode, chunks = target.decode_inputs(step.decode), target.extend_inputs(step.extend)
         bs = len(step.decode.rows)
         bucket = None if self.mixed_graphs is None else \
             mixed_bucket(1, bs, chunks.extend_lens_cpu, False, self.mixed_graphs.buckets)
+        target.plan_grammar(ONE, bs, step.decode.grammar)
+        channel = None if step.decode.grammar is None else target.grammar.device
 
         def body(read_done) -> StepResult:
+            if channel is not None:  # the grammar process fills the masks during the forward
+                channel.signal()
             rows = DecodeRows(target.future_map.resolve_input_ids(decode.input_ids), decode.positions,
                               decode.prefix_lens, decode.out_cache_loc, 1, decode.seq_lens_cpu)
             if bucket is not None:
@@ -393,9 +399,12 @@ class NormalWorker:
                 fb = mixed_forward_batch(rows, chunks, kv, max(decode.max_seq_len, chunks.max_seq_len))
                 hidden, _ = target.runner.forward(fb, read_done=read_done)
             logits = target.model.compute_logits(hidden[logit_rows(bs, chunks)])
-            decoded = sample(logits[:bs], decode.sampling_info, decode.sample_rows, decode.positions + 1)
+            decode_logits = logits[:bs] if channel is None else apply_token_bitmask(logits[:bs], channel.masks(bs))
+            decoded = sample(decode_logits, decode.sampling_info, decode.sample_rows, decode.positions + 1)
             tokens = target.model.tp.broadcast(torch.cat([decoded.tokens, sample_chunks(logits[bs:], chunks)]))
             target.future_map.stash_tokens(torch.cat([decode.stash_rows, chunks.stash_rows]), tokens)
+            if channel is not None:  # the decode rows' tokens: the matchers advance
+                channel.signal(tokens[:bs])
             return StepResult(tokens)
 
         return launch_forward(target.ctx, (decode, chunks), body, graph=0 if bucket is None else bucket.tokens)

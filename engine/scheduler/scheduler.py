@@ -246,8 +246,11 @@ class Scheduler:
         if decision.mode is ForwardMode.EXTEND:
             step = self.slots.extend_step(decision, sampling)._replace(grammar=grammar)
             launched = self.worker.launch_extend(step)
-        elif decision.mode is ForwardMode.MIXED:  # no grammar rides in one (mixed_batch.py)
-            launched = self.worker.launch_mixed(self._mixed_step(decision))
+        elif decision.mode is ForwardMode.MIXED:  # a grammar only in its decode rows (mixed_batch.py)
+            step = self._mixed_step(decision)
+            decode_keys = keys[:decision.num_decode]
+            grammar = tuple(decode_keys) if any(k is not None for k in decode_keys) else None
+            launched = self.worker.launch_mixed(step._replace(decode=step.decode._replace(grammar=grammar)))
         else:
             step = self.slots.decode_step(decision.reqs, sampling, commit_fed_token=not self.speculative)
             launched = self.worker.launch_decode(step._replace(grammar=grammar))

@@ -127,21 +127,27 @@ class SpecWorker:
         the decode rows' sampling has a captured variant, the draft, the accept and the
         outputs replay the mixed wrap's graphs (`capture_mixed`), and a draft model's
         draft-extend of both parts the mixed graphs' second part; the chunks' sampling runs
-        eagerly between them (their logits come from the accept's GEMM)."""
+        eagerly between them (their logits come from the accept's GEMM). Decode rows with a
+        grammar make the verify rows a constrained decode step's for the grammar process (SPEC
+        over the decode rows: the draft, the tree and the accept signal and wait as in
+        `launch_decode`), with the wrap eager (no constrained variant is captured)."""
         D = self.drafter.shape.num_draft_tokens
         bs = len(step.decode.rows)
         rows = self.target.to_device(step.decode.rows)
         seq_lens, seq_lens_cpu = self.future_map.resolve_seq_lens(rows)
         c = self.target.extend_inputs(step.extend)
+        constrained = step.decode.grammar is not None
         bucket = None if self.mixed_graphs is None else mixed_bucket(
             D, bs, c.extend_lens_cpu, self.drafter.shape.is_tree, self.mixed_graphs.buckets)
-        wrap = None if bucket is None else self.mixed_wrap_graphs.get(graph_variant(step.decode.sampling))
+        wrap = None if bucket is None or constrained else \
+            self.mixed_wrap_graphs.get(graph_variant(step.decode.sampling))
+        self.target.plan_grammar(SPEC, bs, step.decode.grammar)
         # Both parts' draft-extends as the mixed graphs' second part (it reads the table: then
         # `read_done` follows it).
         fused = wrap is not None and self.mixed_draft_extend is not None
         chunks = SpecExtendInputs(c, self.drafter.prefill_inputs(step.extend))
         width = max(max(step.decode.allocated_lens), c.max_seq_len)
-        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, width, step.decode.sampling)
+        inputs = SpecDecodeInputs(rows, seq_lens, seq_lens_cpu, width, step.decode.sampling, constrained)
         layers = self.drafter.feature_layers or ()
         publish_ready = self.future_map.new_publish_event()
         n = bs * D
