@@ -295,6 +295,10 @@ def test_constrained_requests_decode_in_mixed_steps(pair, make_engine, monkeypat
     assert all(sum(k is not None for k in step_keys) <= 2 for step_keys in keys)
     if graphs and not (shape and shape["topk"] > 1):  # (a tree's verify rows run eagerly)
         assert any(g is worker.mixed_graphs for g, _, _ in stand_in.replays)
+        # A chain's constrained mixed steps replay the wrap's constrained variants.
+        constrained_wraps = {id(g) for (_, constrained), g in worker.mixed_wrap_graphs.items() if constrained}
+        assert bool(constrained_wraps) == bool(shape)
+        assert any(id(g) in constrained_wraps for g, _, _ in stand_in.replays) == bool(shape)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

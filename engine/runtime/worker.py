@@ -343,7 +343,7 @@ class NormalWorker:
         self.constrained_graphs: dict[str, GraphedStep] = {}
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.mixed_graphs = None  # GraphedStep of mixed forwards (runtime/captured_mixed.py)
-        self.mixed_wrap_graphs: dict[str, GraphedStep] = {}  # none: a plain mixed step samples eagerly
+        self.mixed_wrap_graphs: dict[tuple[str, bool], GraphedStep] = {}  # none: a plain mixed step samples eagerly
 
     def slots_per_request(self) -> int:
         """KV slots a decode step needs past the committed length."""

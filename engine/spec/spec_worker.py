@@ -76,9 +76,9 @@ class SpecWorker:
         self.sampled_graphs: dict[str, GraphedStep] = {}  # SAMPLED / FILTERED -> GraphedStep
         self.extend_graphs = None  # GraphedStep of extends (runtime/captured_extend.py)
         self.mixed_graphs = None  # GraphedStep of mixed forwards (runtime/captured_mixed.py)
-        # GREEDY / SAMPLED / FILTERED -> GraphedStep of the mixed steps' draft, accept and
-        # outputs, per decode-batch bucket (`capture_mixed`; `mixed_wrap_parts`)
-        self.mixed_wrap_graphs: dict[str, GraphedStep] = {}
+        # (GREEDY / SAMPLED / FILTERED, constrained) -> GraphedStep of the mixed steps' draft,
+        # accept and outputs, per decode-batch bucket (`capture_mixed`; `mixed_wrap_parts`)
+        self.mixed_wrap_graphs: dict[tuple[str, bool], GraphedStep] = {}
         self.mixed_outputs: Optional[SharedOutputs] = None  # what the mixed forwards write
         self.mixed_snapshot: Optional[torch.Tensor] = None  # [rows, width]: the wrap's snapshot
         # The drafter's draft-extend inside the mixed graphs, where it has one (chain)
@@ -129,8 +129,9 @@ class SpecWorker:
         draft-extend of both parts the mixed graphs' second part; the chunks' sampling runs
         eagerly between them (their logits come from the accept's GEMM). Decode rows with a
         grammar make the verify rows a constrained decode step's for the grammar process (SPEC
-        over the decode rows: the draft, the tree and the accept signal and wait as in
-        `launch_decode`), with the wrap eager (no constrained variant is captured)."""
+        over the decode rows, or the wrap's bucket: the draft, the tree and the accept signal
+        and wait as in `launch_decode`), in the wrap's constrained variants where the engine
+        serves grammars."""
         D = self.drafter.shape.num_draft_tokens
         bs = len(step.decode.rows)
         rows = self.target.to_device(step.decode.rows)
@@ -139,9 +140,9 @@ class SpecWorker:
         constrained = step.decode.grammar is not None
         bucket = None if self.mixed_graphs is None else mixed_bucket(
             D, bs, c.extend_lens_cpu, self.drafter.shape.is_tree, self.mixed_graphs.buckets)
-        wrap = None if bucket is None or constrained else \
-            self.mixed_wrap_graphs.get(graph_variant(step.decode.sampling))
-        self.target.plan_grammar(SPEC, bs, step.decode.grammar)
+        wrap = None if bucket is None else self.mixed_wrap_graphs.get((graph_variant(step.decode.sampling),
+                                                                      constrained))
+        self.target.plan_grammar(SPEC, bs if wrap is None else wrap.bucket_for(bs), step.decode.grammar)
         # Both parts' draft-extends as the mixed graphs' second part (it reads the table: then
         # `read_done` follows it).
         fused = wrap is not None and self.mixed_draft_extend is not None
@@ -368,10 +369,10 @@ class SpecWorker:
 
     def capture_mixed(self, max_batch_size: int, width: int) -> None:
         """Capture the mixed steps' target forwards (runtime/captured_mixed.py), with the
-        features the drafter reads, in the decode graphs' pool (after enable_cuda_graphs);
-        then their wrap per decode-batch bucket, as the decode graphs are (greedy and the
-        sampled variants the decode graphs have; chain drafting: tree verify rows run their
-        mixed steps eagerly), and a draft model's draft-extend of both parts as the mixed
+        features the drafter reads (after enable_cuda_graphs); then their wrap per
+        decode-batch bucket, as the decode graphs are (greedy and the sampled variants the
+        decode graphs have, and their constrained ones where the engine serves grammars; chain
+        drafting: tree verify rows run their mixed steps eagerly), and a draft model's draft-extend of both parts as the mixed
         graphs' second part. Eagerly these were ~400 host launches a step (draft steps,
         accept, draft-extends), which left an H100 waiting on the host for ~11 ms of a 25 ms
         mixed step at 64 rows (8B chain). Every wrap bucket snapshots into one buffer, and
@@ -398,11 +399,19 @@ class SpecWorker:
         self.mixed_snapshot = self.target.req_to_token.table.new_zeros((max_batch_size, width))
         self.mixed_chunk_rows = torch.zeros(CHUNK_LOGIT_ROWS, dtype=torch.int64, device=device)
         self.mixed_chunk_logits = SharedOutputs(CHUNK_LOGIT_ROWS)
+
+        def capture(variant: str, constrained: bool) -> None:
+            graphs = GraphedStep(self.mixed_wrap_parts(), self.graph_inputs(width, constrained, variant),
+                                 pad=GRAPH_PAD, max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
+            graphs.capture_all(f"{'constrained ' if constrained else ''}{variant} mixed step draft and accept")
+            self.mixed_wrap_graphs[variant, constrained] = graphs
+
         for variant in (GREEDY, *self.sampled_graphs):
-            graphs = GraphedStep(self.mixed_wrap_parts(), self.graph_inputs(width, variant=variant), pad=GRAPH_PAD,
-                                 max_batch_size=max_batch_size, device=device, pool=self.graphs.pool)
-            graphs.capture_all(f"{variant} mixed step draft and accept")
-            self.mixed_wrap_graphs[variant] = graphs
+            capture(variant, False)
+        if self.constrained_graphs:  # the engine serves grammars: decode rows with one ride too
+            with self.target.grammar.device.captured():
+                for variant in self.constrained_graphs:
+                    capture(variant, True)
 
     def decode_parts(self) -> list:
         """A decode step's two halves (each a CUDA graph when captured)."""
