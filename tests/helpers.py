@@ -507,7 +507,9 @@ class StandInPool:
     replaying a graph overwrites the outputs of every graph captured after it in the pool,
     where those graphs allocated them (not views of buffers made outside). Replayed in capture
     order, one finished before the next, that is harmless; interleaved, a later graph's
-    outputs are gone before they are read. The stand-in overwrites them at every replay."""
+    outputs are gone before they are read. The stand-in overwrites them at every replay. A
+    graph's first replay stands for its warm-up, which runs outside the pool: what it makes
+    (a lazily built cache such as engine/aranges.py's) outlives it."""
 
     def __init__(self):
         self.order: list[tuple] = []  # (graphs, bucket, part) in capture order
@@ -553,8 +555,9 @@ def eager_graphs(monkeypatch):
                 self.pool.replaying(key)
             with _NewStorages() as new:
                 captured.outputs.append(self.parts[part](captured.outputs[-1] if part else captured.inputs))
-            if pooled:
-                self.pool.outputs[key] = (captured.outputs[-1], new.ptrs)
+            if pooled:  # a key's first replay stands for the capture's warm-up, outside the pool
+                first = key not in self.pool.outputs
+                self.pool.outputs[key] = (captured.outputs[-1], set() if first else new.ptrs)
             return captured.outputs[-1]
 
     for module in (worker, spec_worker, eagle_drafter):

@@ -14,7 +14,7 @@ from helpers import (assert_no_leaks, drive, graphed_engine, make_eagle3_head, m
 
 from specserve.engine import GrammarSpec, SamplingParams, SpecConfig
 from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.scheduler.mixed_batch import decodes_in_mixed, rides_mixed
+from specserve.engine.scheduler.mixed_batch import rides_mixed
 from specserve.engine.scheduler.schedule_batch import Req
 
 SHAPES = {"plain": None, "chain": dict(num_steps=3, topk=1, num_draft_tokens=4),
@@ -189,8 +189,9 @@ def test_triton_mixed_forward_matches_torch_native(pair, make_engine, mode):
 
 def test_requests_that_cannot_ride_get_extends_of_their_own(pair, make_engine):
     """A request asking for logprobs arrives while others decode: it is prefilled in an extend
-    of its own (then a decode step is owed); while it decodes, no prompt rides (a penalty's
-    request alike); its outputs and the others' stay exact."""
+    of its own (then a decode step is owed); then it decodes in the mixed steps that carry the
+    prompts arriving meanwhile (none waits for an extend of its own); its outputs and the
+    others' stay exact."""
     expected, _ = alone(pair, make_engine, "chain")
     engine = make_engine(pair[0], spec=_spec(pair, "chain"), prefill_interleave_tokens=BUDGET)
     steps = record_steps(engine)
@@ -203,25 +204,23 @@ def test_requests_that_cannot_ride_get_extends_of_their_own(pair, make_engine):
     assert len(own) == 1 and own[0].extend and own[0].decoding
     i = steps.index(own[0])
     assert not steps[i + 1].extend and not steps[i + 1].mixed  # the decode step owed
-    # While "lp" decoded nothing rode; the prompts that arrived meanwhile had extends.
-    assert any(s.extend and s.decoding for s in steps[i + 1:])
+    # The prompts that arrived while "lp" decoded rode with it.
+    assert any(s.mixed for s in steps[i + 1:]) and not any(s.extend and s.decoding for s in steps[i + 1:])
 
 
 @pytest.mark.parametrize("field,value", [
     ("grammar", GrammarSpec("regex", "[a-c]+")), ("repetition_penalty", 1.2), ("presence_penalty", 0.5),
     ("frequency_penalty", 0.5), ("logprobs", True), ("top_logprobs", 2), ("prompt_logprobs", 0)])
 def test_what_cannot_ride(field, value):
-    """Nothing but a grammar keeps a request out of mixed steps' decode rows; everything listed
-    keeps it out of their chunks."""
+    """What keeps a request's prefill out of mixed steps' chunks (every request decodes in
+    them: tests/test_scheduler_interleave.py)."""
     def req(**kw):
         return Req("r", [1, 2, 3], SamplingParams(**kw), 0, frozenset())
 
-    free = req(temperature=0.7, top_p=0.9, min_p=0.1, top_k=5, seed=3, n=2, min_new_tokens=2,
-               logit_bias=((4, 1.0),), stop_token_ids=(5,))
-    assert rides_mixed(free) and decodes_in_mixed(free)
+    assert rides_mixed(req(temperature=0.7, top_p=0.9, min_p=0.1, top_k=5, seed=3, n=2, min_new_tokens=2,
+                           logit_bias=((4, 1.0),), stop_token_ids=(5,)))
     extra = {"logprobs": True} if field == "top_logprobs" else {}
     assert not rides_mixed(req(**{field: value}, **extra))
-    assert decodes_in_mixed(req(**{field: value}, **extra)) == (field == "grammar")
 
 
 def test_a_mixed_decision_lists_decode_rows_first(pair, make_engine):

@@ -17,6 +17,7 @@ from helpers import (FakeClock, Step, assert_no_leaks, drive, graphed_engine, ma
                      random_prompts, record_steps)
 
 from specserve.engine import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
+from specserve.engine.layers.sampler import graph_variant
 
 BUDGET = 8
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
@@ -244,61 +245,133 @@ def test_outputs_equal_the_rule_off(pair, make_engine, overlap, speculative):
     assert results[BUDGET] == results[0]
 
 
+def _outputs(engine, waves: list) -> dict:
+    """Add the requests of `waves` one a step, each wave's once every request of the waves
+    before it has a token; every sequence's (tokens, logprobs, top logprobs, prompt logprobs,
+    finish reason)."""
+    fields = ("new_token_ids", "new_logprobs", "new_top_logprobs")
+    got, results, started, added = {}, {}, set(), []
+    waiting = [(i, arrival) for i, wave in enumerate(waves) for arrival in wave]
+    for _ in range(3000):
+        if waiting and started >= {rid for i, (rid, *_) in added if i < waiting[0][0]}:
+            added.append(waiting.pop(0))
+            engine.add_request(*added[-1][1])
+        for out in engine.step():
+            seq = got.setdefault((out.rid, out.index), {f: [] for f in fields} | {"prompt": out.prompt_logprobs})
+            for f in fields:
+                seq[f] += getattr(out, f) or []
+            started.add(out.rid)
+            if out.finished:
+                results[out.rid, out.index] = (*seq.values(), out.finish_reason)
+        if not waiting and len(results) == len(added) and not engine.has_unfinished():
+            break
+    return results
+
+
+def _graphed_or_not(make_engine, monkeypatch, model, graphs: bool, **kwargs):
+    """(engine, the graphs' stand-in or None); with `graphs` its constrained graphs too."""
+    if graphs:
+        return graphed_engine(make_engine, monkeypatch, model, constrained=True, **kwargs)
+    return make_engine(model, **kwargs), None
+
+
+def _record_mixed(engine) -> tuple[list, set]:
+    """From now on, per mixed step launched (its decode rows' grammar keys, whether their
+    sampling has a captured variant), and the rids that decoded in one."""
+    worker, scheduler, planned, decoded = engine.core.worker, engine.core.scheduler, [], set()
+    launch_mixed, mixed_step = worker.launch_mixed, scheduler._mixed_step
+
+    def launched(step):
+        planned.append((step.decode.grammar, graph_variant(step.decode.sampling) is not None))
+        return launch_mixed(step)
+
+    def decision_rows(decision):
+        decoded.update(r.rid for r in decision.decode_reqs)
+        return mixed_step(decision)
+
+    worker.launch_mixed, scheduler._mixed_step = launched, decision_rows
+    return planned, decoded
+
+
+def _assert_outputs_equal(got: dict, expected: dict) -> None:
+    """Tokens, top alternatives' ids and finish reasons exact; logprobs to float rounding (a
+    row's logits come from a GEMM over another batch than alone)."""
+    assert got.keys() == expected.keys()
+    for key, (tokens, logprobs, top, prompt, finish) in got.items():
+        want = expected[key]
+        assert (tokens, finish, [[i for i, _ in t] for t in top]) == \
+            (want[0], want[4], [[i for i, _ in t] for t in want[2]]), key
+        assert logprobs == pytest.approx(want[1], abs=1e-4), key
+        assert [lp for t in top for _, lp in t] == pytest.approx([lp for t in want[2] for _, lp in t], abs=1e-4)
+        assert (prompt is None) == (want[3] is None)
+        assert prompt is None or prompt == pytest.approx(want[3], abs=1e-4)
+
+
+def _alone(make_engine, model, spec, overlap: bool, waves: list) -> dict:
+    engine = make_engine(model, spec=spec, enable_overlap=overlap, prefill_interleave_tokens=0)
+    expected = {}
+    for arrival in (a for wave in waves for a in wave):
+        expected.update(_outputs(engine, [[arrival]]))
+    return expected
+
+
+TREE = dict(num_steps=2, topk=2, num_draft_tokens=4)
+
+
 @pytest.mark.parametrize("overlap,graphs", [(False, False), (True, False), (True, True)],
                          ids=["normal", "overlap", "overlap-graphs"])
-@pytest.mark.parametrize("shape", [None, CHAIN, dict(num_steps=2, topk=2, num_draft_tokens=4)],
-                         ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
 def test_constrained_requests_decode_in_mixed_steps(pair, make_engine, monkeypatch, overlap, graphs, shape):
     """Two requests with a grammar (greedy, and seeded sampling) decode while unconstrained
-    prompts arrive, one a step once both decode: the prompts ride in mixed steps whose decode
-    rows include the constrained ones (the grammar process told of the decode rows only), and
-    every output equals its request run alone; no KV leaks. With graphs (the CPU stand-in) the
-    mixed forward replays and a chain's wrap runs eagerly for such a step."""
+    prompts arrive, one a step once both decode: they were prefilled alone, and decode as rows
+    of the mixed steps that carry the prompts (the grammar process told of the decode rows
+    only); every output equals its request run alone; no KV leaks. With graphs (the CPU
+    stand-in) the mixed forward replays, and a chain's wrap its constrained variants."""
     spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **shape) if shape else None
     grammar = GrammarSpec("regex", "[a-c]{30,60}x")
     prompts = random_prompts(8, seed=43, min_len=6, max_len=30)
-    constrained = [("g0", prompts[0], SamplingParams(max_new_tokens=30, temperature=0.0, grammar=grammar)),
-                   ("g1", prompts[1], SamplingParams(max_new_tokens=30, temperature=0.9, seed=7, grammar=grammar))]
-    others = [(f"r{i}", p, _greedy(6)) for i, p in enumerate(prompts[2:])]
-    alone = make_engine(pair[0], spec=spec, enable_overlap=overlap, prefill_interleave_tokens=0)
-    expected = {}
-    for rid, prompt, params in constrained + others:
-        expected.update(drive(alone, [(0, rid, prompt, params)]))
-    kwargs = dict(spec=spec, enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
-    engine, stand_in = graphed_engine(make_engine, monkeypatch, pair[0], constrained=True, **kwargs) if graphs \
-        else (make_engine(pair[0], **kwargs), None)
-    worker, planned = engine.core.worker, []
-    launch_mixed = worker.launch_mixed
-
-    def recorded(step):
-        planned.append(step.decode.grammar)
-        return launch_mixed(step)
-
-    worker.launch_mixed = recorded
-    for rid, prompt, params in constrained:
-        engine.add_request(rid, prompt, params)
-    tokens, results, decoding, waiting = {}, {}, set(), list(others)
-    for _ in range(3000):
-        if waiting and decoding >= {"g0", "g1"}:
-            engine.add_request(*waiting.pop(0))
-        for out in engine.step():
-            tokens.setdefault((out.rid, out.index), []).extend(out.new_token_ids)
-            decoding.add(out.rid)
-            if out.finished:
-                results[out.rid, out.index] = (tokens[out.rid, out.index], out.finish_reason)
-        if len(results) == len(expected) and not engine.has_unfinished():
-            break
-    assert results == expected
+    waves = [[("g0", prompts[0], SamplingParams(max_new_tokens=30, temperature=0.0, grammar=grammar)),
+              ("g1", prompts[1], SamplingParams(max_new_tokens=30, temperature=0.9, seed=7, grammar=grammar))],
+             [(f"r{i}", p, _greedy(6)) for i, p in enumerate(prompts[2:])]]
+    expected = _alone(make_engine, pair[0], spec, overlap, waves)
+    engine, stand_in = _graphed_or_not(make_engine, monkeypatch, pair[0], graphs, spec=spec,
+                                       enable_overlap=overlap, prefill_interleave_tokens=BUDGET)
+    planned, decoded = _record_mixed(engine)
+    _assert_outputs_equal(_outputs(engine, waves), expected)
     assert_no_leaks(engine)
-    keys = [k for k in planned if k is not None]
-    assert keys, "no mixed step carried a constrained decode row"
-    assert all(sum(k is not None for k in step_keys) <= 2 for step_keys in keys)
-    if graphs and not (shape and shape["topk"] > 1):  # (a tree's verify rows run eagerly)
+    assert decoded >= {"g0", "g1"}
+    keys = [k for k, _ in planned if k is not None]
+    assert keys and all(sum(k is not None for k in step_keys) <= 2 for step_keys in keys)
+    if graphs and shape is not TREE:  # (a tree's verify rows run eagerly)
+        worker = engine.core.worker
         assert any(g is worker.mixed_graphs for g, _, _ in stand_in.replays)
-        # A chain's constrained mixed steps replay the wrap's constrained variants.
         constrained_wraps = {id(g) for (_, constrained), g in worker.mixed_wrap_graphs.items() if constrained}
         assert bool(constrained_wraps) == bool(shape)
         assert any(id(g) in constrained_wraps for g, _, _ in stand_in.replays) == bool(shape)
+
+
+@pytest.mark.parametrize("overlap,graphs", [(False, False), (True, True)], ids=["normal", "overlap-graphs"])
+@pytest.mark.parametrize("shape", [None, CHAIN, TREE], ids=["plain", "chain", "tree"])
+def test_penalised_and_scored_requests_decode_in_mixed_steps(pair, make_engine, monkeypatch, overlap, graphs,
+                                                              shape):
+    """Requests with repeat penalties, logprobs with top alternatives, and prompt logprobs are
+    prefilled alone, then decode as rows of mixed steps that carry prompts arriving one a
+    step: every output (tokens, logprobs, top alternatives, prompt logprobs, finish) equals
+    its request run alone; no KV leaks."""
+    spec = SpecConfig(algorithm="eagle", draft_model=pair[1], **shape) if shape else None
+    prompts = random_prompts(9, seed=47, min_len=6, max_len=30)
+    waves = [[("pen", prompts[0], SamplingParams(max_new_tokens=60, temperature=0.0, repetition_penalty=1.5,
+                                                 presence_penalty=1.5, frequency_penalty=1.0, ignore_eos=True)),
+              ("lp", prompts[1], _greedy(60, logprobs=True, top_logprobs=3)),
+              ("plp", prompts[2], _greedy(60, prompt_logprobs=2))],
+             [(f"r{i}", p, _greedy(6)) for i, p in enumerate(prompts[3:])]]
+    expected = _alone(make_engine, pair[0], spec, overlap, waves)
+    engine, _ = _graphed_or_not(make_engine, monkeypatch, pair[0], graphs, spec=spec, enable_overlap=overlap,
+                                prefill_interleave_tokens=BUDGET)
+    _, decoded = _record_mixed(engine)
+    _assert_outputs_equal(_outputs(engine, waves), expected)
+    assert_no_leaks(engine)
+    assert decoded >= {"pen", "lp", "plp"}
 
 
 @pytest.mark.parametrize("overlap", [False, True])

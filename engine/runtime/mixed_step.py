@@ -84,9 +84,25 @@ def sample_chunks(logits: torch.Tensor, chunks) -> torch.Tensor:
     return sample(logits, chunks.sampling_info, rows, chunks.positions[chunks.sample_rows] + 1).tokens
 
 
+def join_decode_result(decoded: StepResult, chunk_tokens: torch.Tensor) -> StepResult:
+    """The decode rows' [bs] result (tokens, and logprobs and top alternatives where a row
+    asked), then each chunk's token; the chunks' logprobs rows are zeros (no chunk asks)."""
+    k = chunk_tokens.shape[0]
+    return StepResult(torch.cat([decoded.token_ids, chunk_tokens]), _padded(decoded.logprobs, k), None,
+                      _padded(decoded.top_ids, k), _padded(decoded.top_logprobs, k))
+
+
 def join_verify_result(verify: StepResult, chunk_tokens: torch.Tensor) -> StepResult:
     """The verify rows' [bs, D] result, then each chunk's token in column 0 (one token)."""
-    padded = chunk_tokens.new_zeros((chunk_tokens.shape[0], verify.token_ids.shape[1]))
+    k = chunk_tokens.shape[0]
+    padded = chunk_tokens.new_zeros((k, verify.token_ids.shape[1]))
     padded[:, 0] = chunk_tokens
     ones = torch.ones_like(chunk_tokens, dtype=verify.accept_lens.dtype)
-    return StepResult(torch.cat([verify.token_ids, padded]), None, torch.cat([verify.accept_lens, ones]))
+    return StepResult(torch.cat([verify.token_ids, padded]), _padded(verify.logprobs, k),
+                      torch.cat([verify.accept_lens, ones]), _padded(verify.top_ids, k),
+                      _padded(verify.top_logprobs, k))
+
+
+def _padded(rows: Optional[torch.Tensor], k: int) -> Optional[torch.Tensor]:
+    """`rows` with k rows of zeros after them (None stays None)."""
+    return None if rows is None else torch.cat([rows, rows.new_zeros((k, *rows.shape[1:]))])

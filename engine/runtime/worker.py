@@ -30,7 +30,8 @@ from specserve.engine.runtime.captured_extend import (
     make_captured_extend_inputs, pack_captured_extend)
 from specserve.engine.runtime.captured_mixed import (
     MixedForwardOut, SharedOutputs, make_mixed_inputs, mixed_bucket, mixed_buckets, mixed_outputs, replay_mixed)
-from specserve.engine.runtime.mixed_step import DecodeRows, logit_rows, mixed_forward_batch, sample_chunks
+from specserve.engine.runtime.mixed_step import (DecodeRows, join_decode_result, logit_rows, mixed_forward_batch,
+                                                 sample_chunks)
 from specserve.engine.runtime.step import (DecodeStep, ExtendStep, Launched, MixedStep, StepResult,
                                            launch_forward)
 
@@ -375,9 +376,10 @@ class NormalWorker:
 
     def launch_mixed(self, step: MixedStep) -> Launched:
         """One decode token per decode row and the prefill chunks in one forward
-        (runtime/mixed_step.py). Decode rows with a grammar are a constrained decode step's
-        for the grammar process (ONE over the decode rows: signal, their masks, their
-        tokens); the chunks sample unconstrained."""
+        (runtime/mixed_step.py). The decode rows sample as a decode step's: with a grammar,
+        a constrained decode step's for the grammar process (ONE over the decode rows:
+        signal, their masks, their tokens), with penalties from the history table, with
+        logprobs where asked (the chunks' rows padded); the chunks sample plainly."""
         target = self.target
         decode, chunks = target.decode_inputs(step.decode), target.extend_inputs(step.extend)
         bs = len(step.decode.rows)
@@ -385,6 +387,7 @@ class NormalWorker:
             mixed_bucket(1, bs, chunks.extend_lens_cpu, False, self.mixed_graphs.buckets)
         target.plan_grammar(ONE, bs, step.decode.grammar)
         channel = None if step.decode.grammar is None else target.grammar.device
+        info = decode.sampling_info
 
         def body(read_done) -> StepResult:
             if channel is not None:  # the grammar process fills the masks during the forward
@@ -400,12 +403,16 @@ class NormalWorker:
                 hidden, _ = target.runner.forward(fb, read_done=read_done)
             logits = target.model.compute_logits(hidden[logit_rows(bs, chunks)])
             decode_logits = logits[:bs] if channel is None else apply_token_bitmask(logits[:bs], channel.masks(bs))
-            decoded = sample(decode_logits, decode.sampling_info, decode.sample_rows, decode.positions + 1)
+            history = target.history.of_rows(decode.rows) if info.any_penalty else None
+            decoded = sample(decode_logits, info, decode.sample_rows, decode.positions + 1, history)
             tokens = target.model.tp.broadcast(torch.cat([decoded.tokens, sample_chunks(logits[bs:], chunks)]))
             target.future_map.stash_tokens(torch.cat([decode.stash_rows, chunks.stash_rows]), tokens)
+            if info.any_penalty:
+                target.history.mark(decode.stash_rows, tokens[:bs])
             if channel is not None:  # the decode rows' tokens: the matchers advance
                 channel.signal(tokens[:bs])
-            return StepResult(tokens)
+            decoded = StepResult(tokens[:bs], decoded.logprobs, None, decoded.top_ids, decoded.top_logprobs)
+            return join_decode_result(decoded, tokens[bs:])
 
         return launch_forward(target.ctx, (decode, chunks), body, graph=0 if bucket is None else bucket.tokens)
 

@@ -25,16 +25,16 @@ the backlog's share (a step just over a bucket pays the next one's time), but ne
 backlog's share up to a bucket past DRAIN_TIME_RATIO (it shrinks to the largest bucket within
 it: a CPU closed loop's step log at 256 chain streams showed 2.4-2.8x steps before).
 
-A request whose sampling needs per-row device state the mixed forward does not carry rides
-in no mixed step: repeat penalties (the penalty table's prefill init), logprobs and prompt
-logprobs (their result shapes). A request with a grammar decodes in mixed steps (its rows are
-the step's decode rows, which the grammar process is told of as a decode step's, ONE or SPEC:
-the chunks beside them sample unconstrained) but is prefilled alone: a chunk that ended its
-prefill would sample a first token under a mask in the same launch, and the process plans one
-kind of step per launch (`decodes_in_mixed` against `rides_mixed`). While a request that cannot
-decode in one decodes, the policy keeps the separate-extend order (an extend, then a decode
-step owed); when a mixed step's prefill reaches one that cannot ride (mid-prefill, or next in
-the admission order), the step stops there and the next one is a separate extend, which takes it.
+Every request decodes in mixed steps: its rows are the step's decode rows, which sample as
+a decode step's (a grammar's told to the grammar process as a decode step's, ONE or SPEC;
+repeat penalties from the history table; logprobs and top alternatives in the step's result,
+the chunks' rows padded). A request whose prefill needs what the chunks do not carry is
+prefilled alone (`rides_mixed`): a grammar (a chunk that ended its prefill would sample its
+first token under a mask in the same launch, and the grammar process plans one kind of step a
+launch), repeat penalties (the penalty table's prefill init), logprobs (the first token's) and
+prompt logprobs (the scored prompt spans). When a mixed step's prefill reaches one
+(mid-prefill, or next in the admission order), the step stops there and the next one is a
+separate extend, which takes it.
 """
 from __future__ import annotations
 
@@ -69,15 +69,12 @@ DRAIN_TIME_RATIO = 2.0
 MIXED_MAX_ROW_TOKENS = 256
 
 
-def decodes_in_mixed(req: Req) -> bool:
-    """Whether `req` may be a decode row of a mixed step (the module's docstring says why not)."""
-    p = req.sampling
-    return not p.penalises_repeats and not p.logprobs and not p.top_logprobs and p.prompt_logprobs is None
-
-
 def rides_mixed(req: Req) -> bool:
-    """Whether `req` may be prefilled in a mixed step's chunks (and decode in one)."""
-    return req.sampling.grammar is None and decodes_in_mixed(req)
+    """Whether `req` may be prefilled in a mixed step's chunks (the module's docstring says why
+    not); every request may decode in one."""
+    p = req.sampling
+    return (p.grammar is None and not p.penalises_repeats and not p.logprobs and not p.top_logprobs
+            and p.prompt_logprobs is None)
 
 
 class PromptBudget(NamedTuple):

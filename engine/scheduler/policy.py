@@ -12,8 +12,8 @@ step (the worker's `mixed_row_tokens` > 0; scheduler/mixed_batch.py: as many pro
 as keep the step within `mixed_step_time_ratio` of the decode step alone, by the step-cost
 model `step_cost` that the scheduler's timed steps refine, scheduler/step_cost.py; more where
 prompt tokens wait, to drain them within a few steps), so decoding requests never wait behind
-an extend. Where a request cannot ride in a mixed step (mixed_batch.py
-`decodes_in_mixed`, `rides_mixed`), the decode batch is larger, or the worker runs none, an extend computes at
+an extend. Where a request cannot be prefilled in a mixed step (mixed_batch.py
+`rides_mixed`; every request decodes in one), the decode batch is larger, or the worker runs none, an extend computes at
 most that many tokens and is always followed by a decode step, so decoding requests never
 wait behind more than one bounded extend. With nobody decoding (an idle server's first
 arrivals) an extend is bounded by the chunk budget only.
@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.scheduler.mixed_batch import (
-    DRAIN_STEPS, DRAIN_TIME_RATIO, MIXED_MAX_ROW_TOKENS, decodes_in_mixed, plan_prompt_budget, rides_mixed)
+    DRAIN_STEPS, DRAIN_TIME_RATIO, MIXED_MAX_ROW_TOKENS, plan_prompt_budget, rides_mixed)
 from specserve.engine.scheduler.request_slots import RequestSlots
 from specserve.engine.scheduler.schedule_batch import Decision, MixedPlan, Req, ReqStatus
 from specserve.engine.scheduler.step_cost import StepCostFit, StepCostSample
@@ -92,8 +92,7 @@ class AdmissionPolicy:
         if decoding and self._last_was_extend:
             decision = self._decode(nothing_in_flight)  # decode fairness: a decode step is owed
         elif (decoding and self.mixed_row_tokens and not self._non_rider_next
-              and len(ready) * self.mixed_row_tokens <= MIXED_MAX_ROW_TOKENS
-              and all(decodes_in_mixed(r) for r in ready)):
+              and len(ready) * self.mixed_row_tokens <= MIXED_MAX_ROW_TOKENS):
             decision = self._mixed(nothing_in_flight)
         else:
             self._non_rider_next = False
