@@ -200,11 +200,9 @@ def test_an_eagle3_head_reads_the_features_the_graphs_write(pair, make_engine, m
     assert _mixed_replays(graphs, engine.core.worker) == engine.metrics.num_mixed_steps > 0
 
 
-def test_an_ngram_drafter_replays_the_wrap_and_extends_its_table_eagerly(pair, make_engine, monkeypatch):
-    """A drafter without a draft model has no draft-extend in the mixed graphs: the wrap's last
-    graph is the decode step's second half (its token table written), the chunks' after_prefill
-    runs after the graphs; the outputs equal each request alone."""
-    spec = SpecConfig(algorithm="ngram", **CHAIN)
+def _graphed_equals_alone(pair, make_engine, monkeypatch, spec: SpecConfig):
+    """A graphed engine (the stand-in) that served the first four arrivals as each alone;
+    (engine, its graphs with the replays of that run)."""
     arrivals = _arrivals()[:4]
     alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
     expected = {}
@@ -213,6 +211,14 @@ def test_an_ngram_drafter_replays_the_wrap_and_extends_its_table_eagerly(pair, m
     engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
     graphs.replays.clear()
     assert drive(engine, arrivals) == expected
+    return engine, graphs
+
+
+def test_an_ngram_drafter_replays_the_wrap_and_extends_its_table_eagerly(pair, make_engine, monkeypatch):
+    """A drafter without a draft model has no draft-extend in the mixed graphs: the wrap's last
+    graph is the decode step's second half (its token table written), the chunks' after_prefill
+    runs after the graphs; the outputs equal each request alone."""
+    engine, graphs = _graphed_equals_alone(pair, make_engine, monkeypatch, SpecConfig(algorithm="ngram", **CHAIN))
     worker, n = engine.core.worker, engine.metrics.num_mixed_steps
     assert _mixed_replays(graphs, worker) == n > 0 and _wrap_replays(graphs, worker) == 3 * n
     assert _mixed_replays(graphs, worker, part=1) == 0
@@ -220,15 +226,7 @@ def test_an_ngram_drafter_replays_the_wrap_and_extends_its_table_eagerly(pair, m
 
 
 def test_tree_verify_rows_stay_eager(pair, make_engine, monkeypatch):
-    spec = _spec(pair, TREE)
-    arrivals = _arrivals()[:4]
-    alone_engine = make_engine(pair[0], spec=spec, prefill_interleave_tokens=0)
-    expected = {}
-    for _, rid, prompt, params in arrivals:
-        expected.update(drive(alone_engine, [(0, rid, prompt, params)]))
-    engine, graphs = graphed_engine(make_engine, monkeypatch, pair[0], spec=spec, prefill_interleave_tokens=BUDGET)
-    graphs.replays.clear()
-    assert drive(engine, arrivals) == expected
+    engine, graphs = _graphed_equals_alone(pair, make_engine, monkeypatch, _spec(pair, TREE))
     worker = engine.core.worker
     assert engine.metrics.num_mixed_steps > 0 and _mixed_replays(graphs, worker) == 0
     assert not worker.mixed_wrap_graphs and _wrap_replays(graphs, worker) == 0
