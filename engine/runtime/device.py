@@ -131,7 +131,9 @@ class CpuDeviceContext(DeviceContext):
         event.synchronize()
 
     def to_host(self, t):
-        return t
+        # A copy, as on CUDA: the result is what the stream held at this point, whatever a
+        # later forward writes where `t` lies (a captured graph's output, replayed again)
+        return t.clone()
 
     def busy_seconds(self):
         return self._busy
