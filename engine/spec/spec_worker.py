@@ -220,8 +220,8 @@ class SpecWorker:
         bs, D = rows.shape[0], self.drafter.shape.num_draft_tokens
         c = chunks.target
         captured = self.mixed_graphs.captured[bucket]
-        load_mixed_draft(captured.inputs,
-                         [v.accept.tokens[:bs].reshape(-1), self.mixed_draft_extend.chunk_ids(chunks.drafter, c, tokens)],
+        chunk_ids = self.mixed_draft_extend.chunk_ids(chunks.drafter, c, tokens)
+        load_mixed_draft(captured.inputs, [v.accept.tokens[:bs].reshape(-1), chunk_ids],
                          torch.cat([rows, c.stash_rows]),
                          torch.cat([arange(bs, rows.device) * D + v.last[:bs], c.sample_rows + bs * D]))
         self.mixed_graphs.replay(captured, 1)
@@ -372,11 +372,12 @@ class SpecWorker:
         features the drafter reads (after enable_cuda_graphs); then their wrap per
         decode-batch bucket, as the decode graphs are (greedy and the sampled variants the
         decode graphs have, and their constrained ones where the engine serves grammars; chain
-        drafting: tree verify rows run their mixed steps eagerly), and a draft model's draft-extend of both parts as the mixed
-        graphs' second part. Eagerly these were ~400 host launches a step (draft steps,
-        accept, draft-extends), which left an H100 waiting on the host for ~11 ms of a 25 ms
-        mixed step at 64 rows (8B chain). Every wrap bucket snapshots into one buffer, and
-        reads the forward's outputs from the buffer the mixed forwards share.
+        drafting: tree verify rows run their mixed steps eagerly), and a draft model's
+        draft-extend of both parts as the mixed graphs' second part. Eagerly these were ~400
+        host launches a step (draft steps, accept, draft-extends), which on an H200 at 64
+        streams held the scheduler thread inside a launch for up to a step's time. Every wrap
+        bucket snapshots into one buffer, and reads the forward's outputs from the buffer the
+        mixed forwards share.
 
         With a wrap the mixed forwards take a memory pool of their own. Graphs that share a
         pool may reuse each other's transients only if they replay in the order they were
