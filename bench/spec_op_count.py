@@ -19,6 +19,13 @@ the target's forward, which a bucket replays as one CUDA graph (runtime/captured
 the ops around it, which a GPU launches one by one from the scheduler thread (the draft, the LM
 head, the accept, the chunks' draft prefill).
 
+`--graphs` runs the engine's CUDA graphs through the tests' CPU stand-in (tests/helpers.py
+`eager_graphs`: a replay runs its part eagerly) and counts each replay as one op, a launch, as on
+a GPU: what is left around the replays is what the scheduler thread launches one by one. Compare
+a graphed chain mixed step with its eager one:
+
+    python bench/spec_op_count.py --modes chain --batch-sizes 4 --arrival-prompt-len 32 [--graphs]
+
 `--cuda-kernels` takes the draft tree's CUDA paths (the Triton kernels of
 engine/spec/tree_kernels.py, run by the Triton interpreter) and counts each launch as one op,
 as a GPU would; without it the torch code those kernels replace is counted (what runs off
@@ -115,9 +122,9 @@ def kernel_ops(prof) -> list:
     def below(e) -> bool:
         return any(works(c) for c in aten_children(e))
 
-    return [e for e in prof.events() if e.name.startswith(KERNEL_RANGE) or (
+    return [e for e in prof.events() if KERNEL_PATTERN.match(e.name) and ancestor(e, KERNEL_PATTERN) is None or (
         e.name.startswith("aten::") and e.name not in NO_KERNEL and not below(e)
-        # (not the interpreter's own ops inside a Triton launch)
+        # (not the interpreter's own ops inside a Triton launch, nor a replayed part's)
         and ancestor(e, KERNEL_PATTERN) is None)]
 
 
@@ -126,7 +133,8 @@ def aten_children(e) -> list:
 
 
 KERNEL_RANGE = "triton kernel: "
-KERNEL_PATTERN = re.compile("^" + KERNEL_RANGE)
+GRAPH_RANGE = "graph replay: "  # + the part's name (`--graphs`)
+KERNEL_PATTERN = re.compile(f"^({KERNEL_RANGE}|{GRAPH_RANGE})")  # ranges that are one launch whatever runs inside
 STEP_FRAME = re.compile(r"engine/api\.py\(\d+\): step$")  # Engine.step: one per profiled step
 # A mixed step's target forward: the model runner's forward called by the speculative worker's
 # step body (the draft head's forwards are called by the drafter).
@@ -145,6 +153,8 @@ def ancestor(e, pattern: re.Pattern):
 
 
 def in_target_forward(e) -> bool:
+    if e.name.startswith(GRAPH_RANGE + "forward"):  # a captured mixed forward's replay
+        return True
     forward = ancestor(e, TARGET_FORWARD)
     while forward is not None:
         if forward.cpu_parent is not None and SPEC_BODY.search(forward.cpu_parent.name.replace("\\", "/")):
@@ -173,7 +183,28 @@ def arrival_prompt(index: int, length: int) -> list[int]:
     return [(11 * index + 5 * j) % 400 + 100 for j in range(length)]
 
 
-def measure(mode: str, bs: int, steps: int, root: str, backend: str, arrival_len: int = 0) -> dict:
+def graphed(engine, monkeypatch) -> None:
+    """Capture the engine's graphs through the tests' CPU stand-in, each replay one range named
+    by its part."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from helpers import graphed_engine
+
+    graphs = graphed_engine(lambda *_, **__: engine, monkeypatch, None)[1]  # (captures on `engine`)
+    replay = graphs.replay
+
+    def one_launch(self, captured, part):
+        with record_function(GRAPH_RANGE + getattr(self.parts[part], "__name__", "part")):
+            return replay(self, captured, part)
+
+    monkeypatch.setattr(graphs, "replay", one_launch)
+
+
+def measure(mode: str, bs: int, steps: int, root: str, backend: str, arrival_len: int = 0,
+            graphs: bool = False) -> dict:
+    import pytest
+
     from specserve.engine import Engine, EngineConfig, SamplingParams, SpecConfig
 
     target, draft = write_pair(root)
@@ -186,6 +217,9 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str, arrival_len
     # on the CPU) inline, so that the schedule side and the forwards are both recorded.
     ctx = engine.core.ctx
     ctx.launch = lambda fn: ctx._run(fn, (0.0, 0.0))
+    monkeypatch = pytest.MonkeyPatch()
+    if graphs:
+        graphed(engine, monkeypatch)
     params = SamplingParams(max_new_tokens=4 * (steps + 8), temperature=0.0, ignore_eos=True)
     for i in range(bs):
         engine.add_request(f"ops-{i}", [(7 * i + j) % 500 + 3 for j in range(16 + i)], params)
@@ -210,6 +244,7 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str, arrival_len
             engine.step()
             launched_mixed.append(engine.metrics.num_mixed_steps > mixed0)
     engine.shutdown()
+    monkeypatch.undo()
     events = prof.events()
     step_frames = sorted((e for e in events if STEP_FRAME.search(e.name)), key=lambda e: e.time_range.start)
     assert len(step_frames) == steps, (len(step_frames), steps)
@@ -235,7 +270,7 @@ def measure(mode: str, bs: int, steps: int, root: str, backend: str, arrival_len
         raise RuntimeError("no mixed step was profiled: the arrivals did not ride")
     per = lambda c: {k: v / num_steps for k, v in c.most_common()}
     return {"mode": mode, "batch_size": bs, "steps": num_steps, "arrival_prompt_len": arrival_len,
-            "attention_backend": backend,
+            "attention_backend": backend, "graphs": graphs,
             "target_forward_ops_per_step": in_target / num_steps if arrival_len else None,
             "around_target_by_function": per(around_target) if arrival_len else None,
             "cuda_kernels": KERNEL_RANGE.strip() in str(by_op),
@@ -254,6 +289,8 @@ def main():
     ap.add_argument("--detail", action="store_true", help="print the ops of every function")
     ap.add_argument("--arrival-prompt-len", type=int, default=0,
                     help="mixed steps: a prompt of this many tokens arrives before every profiled step")
+    ap.add_argument("--graphs", action="store_true",
+                    help="the engine's CUDA graphs through the tests' CPU stand-in, one op a replay")
     ap.add_argument("--cuda-kernels", action="store_true",
                     help="take the draft tree's Triton kernels (interpreted), one op a launch")
     ap.add_argument("--out", default="spec_op_count.json")
@@ -266,7 +303,8 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         for mode in args.modes.split(","):
             for bs in map(int, args.batch_sizes.split(",")):
-                r = measure(mode, bs, args.steps, root, args.attention_backend, args.arrival_prompt_len)
+                r = measure(mode, bs, args.steps, root, args.attention_backend, args.arrival_prompt_len,
+                            args.graphs)
                 results.append(r)
                 print(f"\n{mode} bs={bs}: {r['ops_per_step']:.1f} ops/step, {r['spec_ops_per_step']:.1f} "
                       f"outside the model and attention; host syncs {r['syncs_per_step'] or 'none'}")

@@ -16,3 +16,14 @@ def test_mixed_steps_split_into_the_target_forward_and_the_launches_around_it(tm
     # around the target's forward: the draft loop, the chunks' draft prefill, the accept
     assert r["by_phase"]["draft loop"] > 0
     assert {"spec/eagle_drafter:after_prefill", "spec/verifier:accept"} <= set(around)
+
+
+def test_a_graphed_chain_mixed_step_launches_its_replays_and_little_else(tmp_path):
+    """`graphs`: the stand-in's replays count one launch each; the mixed forward is one, the
+    wrap's graphs hold the draft and the accept, so no model or attention op runs outside a
+    replay and the launches around them are a few dozen (the eager step's are hundreds)."""
+    r = spec_op_count.measure("chain", 2, 4, str(tmp_path), "torch", arrival_len=16, graphs=True)
+    assert r["graphs"] and r["steps"] >= 1
+    assert r["target_forward_ops_per_step"] == 1
+    assert not {"model forward", "attention backend"} & set(r["by_function"])
+    assert r["ops_per_step"] < 100
