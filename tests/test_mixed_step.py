@@ -244,6 +244,29 @@ def test_a_mixed_decision_lists_decode_rows_first(pair, make_engine):
         assert not any(r.is_prefilling for r in d.decode_reqs)
 
 
+def test_a_mixed_step_builds_only_its_chunks_sampling(pair, make_engine, monkeypatch):
+    """The decode rows' SamplingInfo is the one their decode steps reuse (cached while the rows
+    stay): a mixed step builds its chunks' alone, none of its whole batch (which also evicted
+    the decode rows' from the cache)."""
+    from specserve.engine.layers import sampler
+
+    engine = make_engine(pair[0], spec=_spec(pair, "chain"), prefill_interleave_tokens=BUDGET)
+    built = []
+    build = sampler.SamplingInfo.build
+    monkeypatch.setattr(sampler.SamplingInfo, "build", staticmethod(
+        lambda params, *args: built.append(len(params)) or build(params, *args)))
+    prompts = random_prompts(4, seed=81, min_len=20, max_len=30)
+    arrivals = [(0, "d", prompts[0], _greedy(40))] + [(4 + i, f"a{i}", p, _greedy(1))
+                                                   for i, p in enumerate(prompts[1:])]
+    steps = record_steps(engine)
+    built.clear()
+    drive(engine, arrivals)
+    mixed = sum(s.mixed for s in steps)
+    assert mixed >= 3
+    # Per mixed step its chunks' (one row each here); the decode rows' once per batch change.
+    assert built.count(1) >= mixed and max(built) == 1
+
+
 def test_a_request_that_cannot_ride_is_not_passed_over_by_the_prefix_order(pair, make_engine):
     """With the prefix cache, admission takes the longest cached prefix first: a request that
     cannot ride (logprobs) may come first there although it arrived last. The mixed step stops

@@ -285,9 +285,9 @@ def _record_mixed(engine) -> tuple[list, set]:
         planned.append((step.decode.grammar, graph_variant(step.decode.sampling) is not None))
         return launch_mixed(step)
 
-    def decision_rows(decision):
+    def decision_rows(decision, grammar):
         decoded.update(r.rid for r in decision.decode_reqs)
-        return mixed_step(decision)
+        return mixed_step(decision, grammar)
 
     worker.launch_mixed, scheduler._mixed_step = launched, decision_rows
     return planned, decoded

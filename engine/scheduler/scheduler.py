@@ -236,7 +236,6 @@ class Scheduler:
             self.grammars.restart()
 
     def _launch(self, decision: Decision) -> Launched:
-        sampling = self._sampling_info(decision.reqs)
         # The rows whose sampled token counts: a prefill chunk that does not end its prefill
         # samples nothing its matcher may see.
         samples = decision.samples if decision.mode is ForwardMode.EXTEND else [True] * len(decision.reqs)
@@ -244,25 +243,25 @@ class Scheduler:
                 for r, sampled in zip(decision.reqs, samples)]
         grammar = tuple(keys) if any(k is not None for k in keys) else None
         if decision.mode is ForwardMode.EXTEND:
-            step = self.slots.extend_step(decision, sampling)._replace(grammar=grammar)
+            step = self.slots.extend_step(decision, self._sampling_info(decision.reqs))._replace(grammar=grammar)
             launched = self.worker.launch_extend(step)
         elif decision.mode is ForwardMode.MIXED:  # a grammar only in its decode rows (mixed_batch.py)
-            step = self._mixed_step(decision)
-            decode_keys = keys[:decision.num_decode]
-            grammar = tuple(decode_keys) if any(k is not None for k in decode_keys) else None
-            launched = self.worker.launch_mixed(step._replace(decode=step.decode._replace(grammar=grammar)))
+            launched = self.worker.launch_mixed(
+                self._mixed_step(decision, None if grammar is None else grammar[:decision.num_decode]))
         else:
-            step = self.slots.decode_step(decision.reqs, sampling, commit_fed_token=not self.speculative)
+            step = self.slots.decode_step(decision.reqs, self._sampling_info(decision.reqs),
+                                          commit_fed_token=not self.speculative)
             launched = self.worker.launch_decode(step._replace(grammar=grammar))
         self.slots.last_read_done = launched.read_done
         return launched
 
-    def _mixed_step(self, decision: Decision) -> MixedStep:
-        """The decode rows' step (their SamplingInfo is the one plain decode steps reuse), then
-        the chunks' (slots in that order: the decode reservation was counted first)."""
+    def _mixed_step(self, decision: Decision, grammar: Optional[tuple]) -> MixedStep:
+        """The decode rows' step (their SamplingInfo is the one plain decode steps reuse;
+        `grammar`: the keys of the step's rows, whose chunks carry none), then the chunks'
+        (slots in that order: the decode reservation was counted first)."""
         decode_reqs, extend_reqs = decision.decode_reqs, decision.extend_reqs
         decode = self.slots.decode_step(decode_reqs, self._sampling_info(decode_reqs),
-                                        commit_fed_token=not self.speculative)
+                                        commit_fed_token=not self.speculative)._replace(grammar=grammar)
         chunks = decision._replace(mode=ForwardMode.EXTEND, reqs=extend_reqs, num_decode=0)
         extend = self.slots.extend_step(chunks, self._build_sampling(extend_reqs))
         self.metrics.num_mixed_steps += 1
