@@ -189,9 +189,9 @@ def graphed(engine, monkeypatch) -> None:
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from helpers import graphed_engine
+    from helpers import capture_eager_graphs
 
-    graphs = graphed_engine(lambda *_, **__: engine, monkeypatch, None)[1]  # (captures on `engine`)
+    graphs = capture_eager_graphs(engine, monkeypatch)
     replay = graphs.replay
 
     def one_launch(self, captured, part):

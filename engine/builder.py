@@ -381,8 +381,8 @@ def _capture_graphs(worker: Worker, device: torch.device, num_rows: int, row_wid
                     constrained: bool, sampled: bool, mixed: bool, estimate: int) -> int:
     """Capture the worker's CUDA graphs (every step kind and batch size in one memory pool;
     `mixed`: the mixed steps' forwards too, beside a speculative wrap in a pool of their own);
-    the bytes they hold, logged (the pool and the
-    static inputs) beside the `estimate` that sizing by share reserved for them."""
+    the bytes they hold, logged (the pools and the static inputs) beside the `estimate` that
+    sizing by share reserved for them."""
     gc.collect()  # an earlier engine's graphs freed now, not between the two counts
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

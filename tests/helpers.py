@@ -569,9 +569,15 @@ def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, *
     """A CPU engine whose worker captured `eager_graphs` (with `constrained`: the constrained
     steps' too; with mixed steps on, the mixed forwards'); (engine, the EagerGraphs class and
     its replays)."""
+    engine = make_engine(model, **kwargs)
+    return engine, capture_eager_graphs(engine, monkeypatch, constrained)
+
+
+def capture_eager_graphs(engine, monkeypatch, constrained: bool = False):
+    """Capture `engine`'s graphs through `eager_graphs` (graphed_engine's capture); the
+    EagerGraphs class and its replays."""
     from specserve.engine.runtime.captured_mixed import mixed_graph_tokens
 
-    engine = make_engine(model, **kwargs)
     graphs = eager_graphs(monkeypatch)
     core = engine.core
     core.worker.enable_cuda_graphs(core.config.max_running_requests, core.req_to_token.row_width,
@@ -580,7 +586,7 @@ def graphed_engine(make_engine, monkeypatch, model, constrained: bool = False, *
     if policy.mixed_row_tokens:  # as the builder does with mixed steps on
         core.worker.capture_mixed(core.config.max_running_requests, core.req_to_token.row_width)
         policy.mixed_graph_tokens = mixed_graph_tokens(core.worker)
-    return engine, graphs
+    return graphs
 
 
 def process_exited(pid: int) -> bool:

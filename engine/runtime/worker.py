@@ -233,27 +233,41 @@ class TargetModel:
             max_seq_len=inputs.max_seq_len, aux_hidden_layers=aux_hidden_layers)
         hidden, aux = self.runner.forward(fb, read_done=read_done)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        if channel is not None:
-            logits = apply_token_bitmask(logits, channel.masks(logits.shape[0]))
-        batch_index = torch.arange(len(inputs.extend_lens_cpu), device=logits.device)
-        history = None
-        if info.any_penalty:
-            if inputs.history_init is not None:
-                self.history.reset_and_mark(inputs.history_init)
-            history = self.history.of_rows(inputs.rows)
-        choice = sample(logits, info, batch_index, inputs.positions[inputs.sample_rows] + 1, history)
+        choice = self.choose(logits, info, inputs.rows, inputs.positions[inputs.sample_rows] + 1, channel,
+                             inputs.history_init)
         choice = choice._replace(tokens=self.model.tp.broadcast(choice.tokens))
-        if info.any_penalty:  # stash_rows: a prefill chunk that samples nothing marks row 0
-            self.history.mark(inputs.stash_rows, choice.tokens)
-        self.future_map.stash_tokens(inputs.stash_rows, choice.tokens)
-        if channel is not None:  # the sampled tokens: the matchers advance
-            channel.signal(choice.tokens)
+        self.chosen(choice.tokens, inputs.stash_rows, info, channel)
         prompt = (None, None, None)
         if inputs.prompt_score is not None:
             score = inputs.prompt_score
             prompt = scored_logprobs(self.model.compute_logits(hidden[score.rows]), score.targets,
                                      score.top_k)
         return Sampled(choice, hidden, aux, prompt)
+
+    def choose(self, logits: torch.Tensor, info: SamplingInfo, rows: torch.Tensor, positions: torch.Tensor,
+               channel=None, history_init=None) -> TokenChoice:
+        """One token per logits row (request-table `rows`, the sampled tokens' `positions`),
+        before the ranks agree on it: within the grammar's masks (`channel`: a constrained
+        step's, waited for here), penalised by the history table (its rows reset from
+        `history_init` first), by the sampling rules."""
+        if channel is not None:
+            logits = apply_token_bitmask(logits, channel.masks(logits.shape[0]))
+        history = None
+        if info.any_penalty:
+            if history_init is not None:
+                self.history.reset_and_mark(history_init)
+            history = self.history.of_rows(rows)
+        return sample(logits, info, torch.arange(logits.shape[0], device=logits.device), positions, history)
+
+    def chosen(self, tokens: torch.Tensor, stash_rows: torch.Tensor, info: SamplingInfo, channel=None) -> None:
+        """The rows' tokens, as the ranks agreed on them: marked for the penalties (a prefill
+        chunk that samples nothing marks row 0), stashed for the next step, told to the
+        grammar process (its matchers advance)."""
+        if info.any_penalty:
+            self.history.mark(stash_rows, tokens)
+        self.future_map.stash_tokens(stash_rows, tokens)
+        if channel is not None:
+            channel.signal(tokens)
 
     def captured_forward(self, s, width: int, aux_hidden_layers: tuple[int, ...] = (),
                          mode: ForwardMode = ForwardMode.EXTEND):
@@ -402,15 +416,11 @@ class NormalWorker:
                 fb = mixed_forward_batch(rows, chunks, kv, max(decode.max_seq_len, chunks.max_seq_len))
                 hidden, _ = target.runner.forward(fb, read_done=read_done)
             logits = target.model.compute_logits(hidden[logit_rows(bs, chunks)])
-            decode_logits = logits[:bs] if channel is None else apply_token_bitmask(logits[:bs], channel.masks(bs))
-            history = target.history.of_rows(decode.rows) if info.any_penalty else None
-            decoded = sample(decode_logits, info, decode.sample_rows, decode.positions + 1, history)
+            decoded = target.choose(logits[:bs], info, decode.rows, decode.positions + 1, channel)
+            # One broadcast for both parts' tokens (the ranks agree on them at once).
             tokens = target.model.tp.broadcast(torch.cat([decoded.tokens, sample_chunks(logits[bs:], chunks)]))
-            target.future_map.stash_tokens(torch.cat([decode.stash_rows, chunks.stash_rows]), tokens)
-            if info.any_penalty:
-                target.history.mark(decode.stash_rows, tokens[:bs])
-            if channel is not None:  # the decode rows' tokens: the matchers advance
-                channel.signal(tokens[:bs])
+            target.chosen(tokens[:bs], decode.stash_rows, info, channel)
+            target.future_map.stash_tokens(chunks.stash_rows, tokens[bs:])
             decoded = StepResult(tokens[:bs], decoded.logprobs, None, decoded.top_ids, decoded.top_logprobs)
             return join_decode_result(decoded, tokens[bs:])
 

@@ -13,9 +13,9 @@ as keep the step within `mixed_step_time_ratio` of the decode step alone, by the
 model `step_cost` that the scheduler's timed steps refine, scheduler/step_cost.py; more where
 prompt tokens wait, to drain them within a few steps), so decoding requests never wait behind
 an extend. Where a request cannot be prefilled in a mixed step (mixed_batch.py
-`rides_mixed`; every request decodes in one), the decode batch is larger, or the worker runs none, an extend computes at
-most that many tokens and is always followed by a decode step, so decoding requests never
-wait behind more than one bounded extend. With nobody decoding (an idle server's first
+`rides_mixed`; every request decodes in one), the decode batch is larger, or the worker runs
+none, an extend computes at most that many tokens and is always followed by a decode step, so
+decoding requests never wait behind more than one bounded extend. With nobody decoding (an idle server's first
 arrivals) an extend is bounded by the chunk budget only.
 """
 from __future__ import annotations
